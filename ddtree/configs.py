@@ -1,0 +1,258 @@
+"""Model configurations parsed from `config.json` alone (never weights).
+
+`TargetConfig` covers dense Qwen3 and hybrid Qwen3.5/3.6 text models (VLM-style configs keep the text model
+under `text_config`); `DrafterConfig` covers z-lab DFlash drafters. Both are frozen and carry only what the
+engine needs, with the HF key spelling resolved in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+DENSE_ARCHITECTURES = ("Qwen3ForCausalLM",)
+HYBRID_ARCHITECTURES = (
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5TextForCausalLM",
+    "Qwen3NextForCausalLM",
+)
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
+
+
+class ConfigError(ValueError):
+    """A configuration problem found before any weight is loaded; each line names the flag and the fix."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(f"  - {p}" for p in self.problems))
+
+
+def read_config_json(path: str) -> dict:
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling or None, partial_rotary_factor) from either `rope_scaling` or transformers-5
+    `rope_parameters` spelling."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and params:
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in (None, "default"):
+            scaling = dict(params)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind in (None, "default"):
+            scaling = None
+    partial = float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
+    return theta, scaling, partial
+
+
+def _eos_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    dtype: str = "bfloat16"
+    eos_token_ids: tuple[int, ...] = ()
+    # hybrid (Gated DeltaNet) fields; layer_types[i] in {"full_attention", "linear_attention"}
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    attn_output_gate: bool = False
+    weight_prefix: str = "model."
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return any(t == "linear_attention" for t in self.layer_types)
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        if not self.layer_types:
+            return tuple(range(self.num_hidden_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t != "linear_attention")
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "TargetConfig":
+        arch = (cfg.get("architectures") or ["?"])[0]
+        text = cfg.get("text_config") or cfg
+        prefix = "model.language_model." if "text_config" in cfg else "model."
+        heads = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+        theta, scaling, partial = _rope(text)
+        n_layers = int(text["num_hidden_layers"])
+        layer_types = tuple(text.get("layer_types") or ())
+        interval = text.get("full_attention_interval")
+        if not layer_types and interval and text.get("linear_num_value_heads"):
+            layer_types = tuple(
+                "full_attention" if (i + 1) % int(interval) == 0 else "linear_attention" for i in range(n_layers)
+            )
+        return cls(
+            architecture=arch,
+            model_type=str(cfg.get("model_type", text.get("model_type", ""))),
+            vocab_size=int(text["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(text["intermediate_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads", heads)),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            partial_rotary_factor=partial,
+            max_position_embeddings=int(text.get("max_position_embeddings", 40960)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            attention_bias=bool(text.get("attention_bias", False)),
+            dtype=str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+            eos_token_ids=_eos_ids(text.get("eos_token_id", cfg.get("eos_token_id"))),
+            layer_types=layer_types,
+            linear_num_key_heads=int(text.get("linear_num_key_heads", 0) or 0),
+            linear_num_value_heads=int(text.get("linear_num_value_heads", 0) or 0),
+            linear_key_head_dim=int(text.get("linear_key_head_dim", 0) or 0),
+            linear_value_head_dim=int(text.get("linear_value_head_dim", 0) or 0),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 0) or 0),
+            attn_output_gate=bool(text.get("attn_output_gate", "qwen3_5" in str(text.get("model_type", "")))),
+            weight_prefix=prefix,
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_path(cls, path: str) -> "TargetConfig":
+        return cls.from_dict(read_config_json(path))
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """Evenly spaced from layer 1 to L-3 (z-lab's `build_target_layer_ids`); one tap takes the middle layer."""
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(int(round(start + i * span / (num_taps - 1))) for i in range(num_taps))
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int | None
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    attention_bias: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    dtype: str = "bfloat16"
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def layer_is_causal(self, i: int) -> bool:
+        """z-lab semantics: an explicit `is_causal` wins; otherwise sliding layers are causal in-block."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_type(i) == "sliding_attention"
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_type(i) == "sliding_attention" else None
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "DrafterConfig":
+        dcfg = cfg.get("dflash_config") or {}
+
+        def pick(name, default=None):
+            return dcfg.get(name, cfg.get(name, default))
+
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        n_layers = int(cfg["num_hidden_layers"])
+        n_target = int(cfg.get("num_target_layers", 0) or 0)
+        ids = pick("target_layer_ids")
+        if ids is None:
+            ids = default_target_layer_ids(n_target, n_layers) if n_target else ()
+        theta, scaling, _ = _rope(cfg)
+        causal = pick("is_causal", pick("causal"))
+        softcap = pick("final_logit_softcapping")
+        mask = pick("mask_token_id")
+        return cls(
+            architecture=(cfg.get("architectures") or ["?"])[0],
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            block_size=int(pick("block_size", 16)),
+            mask_token_id=None if mask is None else int(mask),
+            target_layer_ids=tuple(int(i) for i in ids),
+            num_target_layers=n_target,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            layer_types=tuple(cfg.get("layer_types") or ()),
+            sliding_window=(
+                int(cfg["sliding_window"])
+                if cfg.get("sliding_window") and (cfg.get("use_sliding_window", True) or cfg.get("layer_types"))
+                else None
+            ),
+            is_causal=None if causal is None else bool(causal),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+            output_multiplier=float(pick("output_multiplier", 1.0)),
+            final_logit_softcapping=None if softcap in (None, 0) else float(softcap),
+            dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_path(cls, path: str) -> "DrafterConfig":
+        return cls.from_dict(read_config_json(path))
