@@ -1,0 +1,94 @@
+"""The attention-backend seam: metadata types and the interface a kernel implements.
+
+Every forward is an *extend*: request i appends `q_lens[i]` new tokens after `kv_lens[i] - q_lens[i]`
+cached ones. Within the new tokens visibility is causal (prefill, chain) or given by a per-request
+ancestor mask (tree verify); all cached tokens are visible. The drafter's block attention is the other
+shape: block queries see the request's cached drafter context plus the block's own K/V, which is never
+stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    q_lens: list[int]  # host copy: new tokens per request
+    kv_lens: list[int]  # host copy: visible KV length per request after this forward's write
+    qo_indptr: torch.Tensor  # [b+1] int64, offsets of each request's queries in the flat token dim
+    kv_lens_t: torch.Tensor  # [b] int64 on device
+    block_table: torch.Tensor  # [b, max_pages] int64 page ids
+    slot_mapping: torch.Tensor  # [T] int64 KV slot written by each new token
+    page_size: int
+    tree_mask: torch.Tensor | None = None  # [b, n, n] bool ancestors-and-self; None means causal
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)
+
+
+@dataclass
+class DraftAttentionMetadata:
+    ctx_lens: list[int]  # host copy: cached drafter-context tokens per request
+    ctx_lens_t: torch.Tensor  # [b] int64
+    block_table: torch.Tensor  # [b, max_pages]
+    block_positions: torch.Tensor  # [b, S] absolute positions of the block tokens
+    page_size: int
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; writes k/v into `kv_cache` at
+        `meta.slot_mapping`, then attends. Returns [T, Hq, D]."""
+        ...
+
+    def draft_block(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: DraftAttentionMetadata, scale: float, causal: bool, window: int | None,
+    ) -> torch.Tensor:
+        """q [b, S, Hq, D], k/v [b, S, Hkv, D] of the block; context from `ctx_cache`. Returns [b, S, Hq, D].
+        A key at position pk is visible to a query at pq when (not causal or pk <= pq) and, with a window W,
+        |pq - pk| < W (z-lab DFlash semantics)."""
+        ...
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_backend(name: str):
+    def deco(cls):
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def get_backend(name: str) -> AttentionBackend:
+    from ddtree.attention import torch_ref  # noqa: F401  (registers "torch")
+
+    if name not in _REGISTRY:
+        raise ValueError(f"--attention-backend {name!r} is not available; choose one of {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()
+
+
+def store_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Write new K/V rows into a layer's paged cache ([num_slots, Hkv, D] each)."""
+    kc, vc = kv_cache
+    kc.index_copy_(0, slots, k.to(kc.dtype))
+    vc.index_copy_(0, slots, v.to(vc.dtype))
+
+
+def gather_slots(block_table_row: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """Slots of logical positions [0, length) for one request."""
+    pos = torch.arange(length, device=block_table_row.device)
+    return block_table_row[pos // page_size] * page_size + pos % page_size

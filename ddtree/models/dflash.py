@@ -1,0 +1,143 @@
+"""DFlash block-diffusion drafter (z-lab `DFlashDraftModel` checkpoint layout).
+
+Target features of the tapped layers are fused once (`hidden_norm(fc(concat))`) and injected as extra K/V
+into every drafter layer through that layer's own k/v projections; the block `[root, MASK x (S-1)]` is the
+only query stream. The drafter owns no embedding and no LM head: it borrows the target's.
+Inference splits a layer's attention in two halves: `context_kv` turns new context features into cached
+K/V once (the drafter KV pool holds context only), and `block_hidden` runs the block against that cache.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.configs import DrafterConfig
+from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding
+
+# (layer, q [b,S,Hq,D], k_blk [b,S,Hkv,D], v_blk) -> [b,S,Hq,D]; the callable knows where the context is.
+BlockAttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(h, self.heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.heads * hd, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def kv(self, x, rope: RotaryEmbedding, cos, sin):
+        shape = x.shape[:-1]
+        k = self.k_norm(self.k_proj(x).view(*shape, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
+        return rope(k, cos, sin), v
+
+    def q(self, x, rope: RotaryEmbedding, cos, sin):
+        q = self.q_norm(self.q_proj(x).view(*x.shape[:-1], self.heads, self.head_dim))
+        return rope(q, cos, sin)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names match z-lab checkpoints: `fc`, `hidden_norm`, `layers.N...`, `norm`."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.scale = cfg.head_dim**-0.5
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (K, V) [..., T, Hkv, D] of new context rows (`features` = concatenated target taps)."""
+        ctx = self.fuse(features.to(self.fc.weight.dtype))
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        return [layer.self_attn.kv(ctx, self.rotary, cos, sin) for layer in self.layers]
+
+    def block_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, attend: BlockAttendFn) -> torch.Tensor:
+        """embeds [b, S, H] = target embedding of the block ids, positions [b, S] -> final-normed hidden [b, S, H]."""
+        x = embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            attn = layer.self_attn
+            q = attn.q(h, self.rotary, cos, sin)
+            k, v = attn.kv(h, self.rotary, cos, sin)
+            out = attend(i, q, k, v)
+            x = x + attn.o_proj(out.reshape(*x.shape[:-1], attn.heads * attn.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        logits = lm_head(hidden)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def forward_train(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Training forward with many blocks per sequence in one pass.
+
+        features [B, T, K*H] target taps for every position; block_embeds [B, A, S, H] for blocks anchored at
+        `anchors` [B, A] (block token j sits at position anchor + j). A block sees context strictly before its
+        anchor and its own block; blocks never see each other. Returns hidden [B, A, S, H]."""
+        B, T, _ = features.shape
+        _, A, S, H = block_embeds.shape
+        dev = features.device
+        ctx_pos = torch.arange(T, device=dev).expand(B, T)
+        blk_pos = (anchors[..., None] + torch.arange(S, device=dev)).reshape(B, A * S)
+        ctx_kv = self.context_kv(features, ctx_pos)
+        qpos = blk_pos
+        kpos = torch.cat([ctx_pos, blk_pos], 1)
+        qblock = torch.arange(A, device=dev).repeat_interleave(S)
+        kblock = torch.cat([torch.full((T,), -1, device=dev), qblock])
+        anchor_q = anchors.repeat_interleave(S, dim=1)  # [B, A*S]
+        ctx_ok = (kblock[None, None, :] < 0) & (kpos[:, None, :] < anchor_q[:, :, None])
+        same = kblock[None, None, :] == qblock[None, :, None]
+        masks = []
+        for i in range(len(self.layers)):
+            vis = ctx_ok | same
+            dq = qpos[:, :, None] - kpos[:, None, :]
+            if self.config.layer_is_causal(i):
+                vis = vis & (dq >= 0)
+            window = self.config.layer_window(i)
+            if window is not None:
+                vis = vis & (dq < window) & (self.config.layer_is_causal(i) | (-dq < window))
+            masks.append(vis[:, None])
+
+        def attend(layer, q, k, v):
+            kk = torch.cat([ctx_kv[layer][0], k], 1)
+            vv = torch.cat([ctx_kv[layer][1], v], 1)
+            groups = q.shape[-2] // kk.shape[-2]
+            qh = q.transpose(1, 2)
+            kh = kk.transpose(1, 2).repeat_interleave(groups, 1)
+            vh = vv.transpose(1, 2).repeat_interleave(groups, 1)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=masks[layer], scale=self.scale)
+            return out.transpose(1, 2)
+
+        hidden = self.block_hidden(block_embeds.reshape(B, A * S, H), blk_pos, attend)
+        return hidden.view(B, A, S, H)

@@ -1,0 +1,96 @@
+"""Building blocks shared by the target and drafter models (HF Qwen3 numerics)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: statistics in fp32, scale applied after casting back (matches HF bit for bit)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scale factor for cos/sin) for the supported rope types."""
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim))
+    if scaling is None:
+        return inv.float(), 1.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return (inv / factor).float(), 1.0
+    if kind == "yarn":
+        orig = float(scaling.get("original_max_position_embeddings", 4096))
+        beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+
+        def dim_for(rot):
+            return (rotary_dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+        low = max(math.floor(dim_for(beta_fast)), 0)
+        high = min(math.ceil(dim_for(beta_slow)), rotary_dim - 1)
+        ramp = (torch.arange(rotary_dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3)
+        extrapolation = 1 - ramp.clamp(0, 1)
+        inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
+        mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
+        return inv.float(), mscale
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE on the first `rotary_dim` channels; cos/sin looked up by absolute position."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None, partial: float = 1.0):
+        super().__init__()
+        self.rotary_dim = int(head_dim * partial)
+        # NOTE: a plain attribute, not a buffer, so meta-device construction and dtype casts never touch it.
+        self.inv_freq, self.mscale = _inv_freq(self.rotary_dim, theta, scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., T, H, D]; cos/sin [..., T, rotary_dim]."""
+        rd = self.rotary_dim
+        rot, rest = x[..., :rd], x[..., rd:]
+        half = rd // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    table = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+             "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16,
+             "float": torch.float32}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r}; use one of bfloat16, float16, float32")
+    return table[name]

@@ -1,0 +1,126 @@
+"""Load HF-format model directories: single or sharded safetensors, key prefixes, tied embeddings."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.models.dflash import DFlashDrafter
+from ddtree.models.layers import torch_dtype
+from ddtree.models.qwen3 import Qwen3ForCausalLM
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return [os.path.join(path, f) for f in files]
+
+
+def load_state(module: nn.Module, path: str, rename, optional: tuple[str, ...] = ()) -> None:
+    """Copy tensors into `module`'s parameters. `rename(key) -> name | None` maps checkpoint keys to
+    parameter names (None skips the tensor, e.g. a vision tower or MTP head)."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                name = rename(key)
+                if name is None or name not in params:
+                    continue
+                tensor = f.get_tensor(key)
+                p = params[name]
+                if tuple(tensor.shape) != tuple(p.shape):
+                    raise ValueError(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+                with torch.no_grad():
+                    p.copy_(tensor.to(p.dtype))
+                loaded.add(name)
+    missing = [n for n in params if n not in loaded and not n.startswith(optional)]
+    if missing:
+        raise ValueError(f"{path}: missing tensors for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _target_rename(cfg: TargetConfig):
+    prefix = cfg.weight_prefix
+
+    def rename(key: str):
+        if key.startswith(prefix):
+            return "model." + key[len(prefix):]
+        if key == "lm_head.weight":
+            return key
+        return None
+
+    return rename
+
+
+def build_target(cfg: TargetConfig) -> nn.Module:
+    if cfg.is_hybrid:
+        from ddtree.models.qwen3_5 import Qwen3_5ForCausalLM  # hybrid targets live in their own module
+
+        return Qwen3_5ForCausalLM(cfg)
+    return Qwen3ForCausalLM(cfg)
+
+
+def load_target(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu") -> nn.Module:
+    cfg = TargetConfig.from_path(path)
+    dt = torch_dtype(cfg.dtype if dtype == "auto" else dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = build_target(cfg)
+    model = model.to_empty(device=device).to(dt)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    optional = ("lm_head.",) if cfg.tie_word_embeddings else ()
+    load_state(model, path, _target_rename(cfg), optional)
+    return model.eval()
+
+
+def load_drafter(path: str, dtype: torch.dtype, device: str = "cpu") -> DFlashDrafter:
+    cfg = DrafterConfig.from_path(path)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    load_state(model, path, lambda k: k[len("model."):] if k.startswith("model.") else k)
+    return model.eval()
+
+
+def save_model(module: nn.Module, path: str, config: dict, dtype: torch.dtype | None = None,
+               max_shard_bytes: int | None = None, skip: tuple[str, ...] = ()) -> None:
+    """Write `config.json` and safetensors (sharded with an index when `max_shard_bytes` is given)."""
+    os.makedirs(path, exist_ok=True)
+    state = {}
+    for name, p in module.state_dict().items():
+        if skip and name.startswith(skip):
+            continue
+        state[name] = (p.to(dtype) if dtype is not None else p).detach().contiguous().cpu()
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    if not max_shard_bytes:
+        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)

@@ -1,0 +1,122 @@
+"""Dense Qwen3 target (HF `Qwen3ForCausalLM` layout and numerics), written against the attention seam.
+
+The forward takes flat tokens `[T]` with absolute positions; attention is delegated to a callable so the
+same layers serve paged inference (through an `AttentionBackend`) and dense causal training.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.configs import TargetConfig
+from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding
+
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def causal_attend(scale: float) -> AttendFn:
+    """Dense causal attention for [B, T, H, D] tensors (training and tests; no cache)."""
+
+    def attend(layer: int, q, k, v):
+        groups = q.shape[-2] // k.shape[-2]
+        qh, kh, vh = (x.transpose(-3, -2) for x in (q, k, v))
+        kh, vh = kh.repeat_interleave(groups, -3), vh.repeat_interleave(groups, -3)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        return out.transpose(-3, -2)
+
+    return attend
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def qkv(self, x, rope: RotaryEmbedding, cos, sin):
+        shape = x.shape[:-1]
+        q = self.q_norm(self.q_proj(x).view(*shape, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(*shape, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def forward(self, layer: int, x, rope, cos, sin, attend: AttendFn):
+        q, k, v = self.qkv(x, rope, cos, sin)
+        out = attend(layer, q, k, v)
+        return self.o_proj(out.reshape(*x.shape[:-1], self.heads * self.head_dim))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.self_attn = Qwen3Attention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.rms_norm_eps, cfg.attention_bias,
+        )
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, layer: int, x, rope, cos, sin, attend: AttendFn):
+        x = x + self.self_attn(layer, self.input_layernorm(x), rope, cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Body(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Parameter names match HF checkpoints (`model.layers.N...`, `lm_head.weight`)."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor)
+        self.scale = cfg.head_dim**-0.5
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, tap_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (final-normed hidden [..., T, H], taps [..., T, len(tap_layers)*H] or None).
+        A tap id i is the *output* of decoder layer i (HF `hidden_states[i + 1]`)."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        taps = {}
+        wanted = set(tap_layers)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(i, x, self.rotary, cos, sin, attend)
+            if i in wanted:
+                taps[i] = x
+        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
+        return self.model.norm(x), tapped
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward_train(self, input_ids: torch.Tensor, tap_layers: tuple[int, ...] = ()):
+        """Dense causal forward for [B, T] ids (training, data generation and tests)."""
+        positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+        hidden, taps = self.hidden_states(input_ids, positions, causal_attend(self.scale), tap_layers)
+        return self.logits(hidden), taps
