@@ -97,10 +97,12 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, tap_layers: tuple[int, ...] = ()
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, tap_layers: tuple[int, ...] = (),
+        linear=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden [..., T, H], taps [..., T, len(tap_layers)*H] or None).
-        A tap id i is the *output* of decoder layer i (HF `hidden_states[i + 1]`)."""
+        A tap id i is the *output* of decoder layer i (HF `hidden_states[i + 1]`). `linear` is the
+        recurrent-state context of hybrid targets; dense models have none."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         taps = {}

@@ -1,0 +1,133 @@
+"""The engine: load models, then `step()` = schedule -> prefill or one speculative round -> emit tokens."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+
+from ddtree.engine.model_runner import ModelRunner
+from ddtree.engine.outputs import TokenEmitter
+from ddtree.engine.request import Req, SamplingParams
+from ddtree.engine.sampler import sample_nodes
+from ddtree.engine.scheduler import Scheduler
+from ddtree.engine.setup import build_runner, load_tokenizer, resolve_device
+from ddtree.speculative.decoder import SpecConfig, SpecDecoder
+
+logger = logging.getLogger("ddtree")
+
+
+class LLMEngine:
+    def __init__(self, args):
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        self.runner, self.max_context = build_runner(args, self.device)
+        algo = args.speculative_algorithm
+        self.spec = SpecConfig(
+            algorithm=algo,
+            block_size=args.speculative_dflash_block_size or 16,
+            budget=args.speculative_ddtree_budget or 1,
+            topk_cap=args.speculative_ddtree_topk_cap or 1,
+            shadow_linear=bool(args.speculative_ddtree_shadow_linear),
+        )
+        self.decoder = SpecDecoder(self.runner, self.spec)
+        width = self.runner.cfg.max_verify_width
+        self.scheduler = Scheduler(self.runner, self.runner.cfg.max_running_requests, args.chunked_prefill_size, width)
+        eos = set(self.runner.target.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.emitter = TokenEmitter(self.tokenizer, tuple(sorted(eos)), self.max_context)
+        self._seeds = random.Random(args.random_seed)
+        self.requests: dict[str, Req] = {}
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer; pass prompts as token-id lists")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None) -> Req:
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.max_context}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        req = Req(prompt_ids=ids, params=params, **({"rid": rid} if rid else {}))
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+            req.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.emitter.start(req)
+        self.requests[req.rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is not None and not req.is_finished:
+            req.finish_reason = "abort"
+            self.scheduler.finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """One scheduling step; returns the requests that advanced (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            self._starved()
+            return []
+        if batch.is_prefill:
+            logits = self.runner.prefill(batch.reqs, batch.q_lens)
+            ready = [i for i, r in enumerate(batch.reqs) if not r.needs_prefill and not r.output_ids]
+            if ready:
+                reqs = [batch.reqs[i] for i in ready]
+                first = sample_nodes(logits[ready][:, None], [r.params for r in reqs], [r.generator for r in reqs])
+                for r, tok in zip(reqs, first[:, 0].tolist()):
+                    self.emitter.emit(r, [tok])
+        else:
+            emitted = self.decoder.round(batch.reqs, self.max_context)
+            for r, toks in zip(batch.reqs, emitted):
+                r.stats.rounds += 1
+                r.stats.accept_lengths.append(len(toks))
+                self.emitter.emit(r, toks)
+        for r in batch.reqs:
+            if r.finish_reason is not None and not r.is_finished:
+                self.scheduler.finish(r)
+                self.requests.pop(r.rid, None)
+        return batch.reqs
+
+    def _starved(self) -> None:
+        """Nothing could be scheduled although requests wait: the head request can never fit."""
+        if self.scheduler.waiting and not self.scheduler.running:
+            req = self.scheduler.waiting[0]
+            logger.warning("request %s does not fit in the KV cache; finishing it with reason 'length'", req.rid)
+            req.finish_reason = "length"
+            self.scheduler.finish(req)
+            self.requests.pop(req.rid, None)
+
+    def generate(self, prompts, params, use_tqdm: bool = False) -> list[Req]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        t0 = time.perf_counter()
+        while any(not r.is_finished for r in reqs):
+            advanced = self.step()
+            if bar is not None:
+                bar.update(sum(1 for r in advanced if r.is_finished))
+                done = sum(r.num_output_tokens for r in reqs)
+                bar.set_postfix(tok_s=f"{done / max(time.perf_counter() - t0, 1e-9):.1f}")
+        if bar is not None:
+            bar.close()
+        return reqs

@@ -1,0 +1,110 @@
+"""Requests and their sampling parameters; lengths are named properties, never recomputed ad hoc."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0 disables
+    max_tokens: int = 128
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        stop = self.stop
+        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per round (accepted + bonus)
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+
+@dataclass(eq=False)
+class Req:
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: str | None = None
+    kv_len: int = 0  # tokens whose target KV (and drafter context) is cached
+    slot: int = -1  # row in the block table while running
+    generator: torch.Generator | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    text: str = ""
+    stop_hit: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens that must be cached before decoding: the prompt, or after a preemption everything but the
+        pending token."""
+        return self.seq_len - 1 if self.output_ids else len(self.prompt_ids)
+
+    @property
+    def needs_prefill(self) -> bool:
+        return self.kv_len < self.prefill_len
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def pending_token(self) -> int:
+        """The last sampled token: not yet in the KV cache, the root of the next round."""
+        return self.output_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED

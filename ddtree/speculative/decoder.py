@@ -1,0 +1,112 @@
+"""One decoding round for a batch of running requests, as named phases:
+draft -> build tree -> verify -> sample at every node -> accept walk -> commit.
+
+NONE (plain AR) is the one-node tree; DFLASH is the drafter's top-1 chain; DDTREE the best-first tree.
+The host reads back only the emitted tokens and their count, once per round.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.engine.model_runner import ModelRunner
+from ddtree.engine.request import Req
+from ddtree.engine.sampler import sample_nodes
+from ddtree.speculative.accept import accept_tree
+from ddtree.speculative.tree import DraftTree, build_chain, build_tree
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str = "NONE"  # NONE | DFLASH | DDTREE
+    block_size: int = 16
+    budget: int = 64
+    topk_cap: int = 64
+    shadow_linear: bool = False
+
+
+@dataclass
+class PhaseTimes:
+    """Wall time per phase (host clock; on a GPU the phases overlap asynchronously)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, t0: float) -> float:
+        t = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + t - t0
+        return t
+
+
+class SpecDecoder:
+    def __init__(self, runner: ModelRunner, cfg: SpecConfig):
+        self.runner, self.cfg = runner, cfg
+        self.times = PhaseTimes()
+
+    def max_depths(self, reqs: list[Req], max_context: int) -> torch.Tensor | None:
+        """Per-request depth limit so a tree never runs past the context length or the token budget."""
+        depth = self.cfg.block_size - 1
+        lim = [max(0, min(depth, max_context - r.kv_len - 1, r.params.max_tokens - r.num_output_tokens - 1))
+               for r in reqs]
+        if all(x == depth for x in lim):
+            return None
+        return torch.tensor(lim, dtype=torch.int64, device=self.runner.device)
+
+    def round(self, reqs: list[Req], max_context: int) -> list[list[int]]:
+        """Run one round; returns the tokens each request emits (accepted drafts then the bonus token)."""
+        runner, cfg, t = self.runner, self.cfg, time.perf_counter()
+        roots = torch.tensor([r.pending_token for r in reqs], dtype=torch.int64, device=runner.device)
+        if cfg.algorithm == "NONE":
+            return self._ar_round(reqs, roots, t)
+        draft_logits = runner.draft(reqs, roots, cfg.block_size)
+        t = self.times.add("draft", t)
+        max_depth = self.max_depths(reqs, max_context)
+        if cfg.algorithm == "DFLASH":
+            tree = build_chain(roots, draft_logits, max_depth=max_depth)
+        else:
+            tree = build_tree(roots, draft_logits, cfg.budget, cfg.topk_cap, cfg.shadow_linear, max_depth=max_depth)
+        t = self.times.add("tree", t)
+        logits, taps = runner.verify(reqs, tree)
+        t = self.times.add("verify", t)
+        target_tokens = sample_nodes(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        res = accept_tree(tree, target_tokens)
+        t = self.times.add("accept", t)
+        runner.commit(reqs, res.path, res.accept_length, taps)
+        out = torch.cat([res.num_out[:, None], res.out_tokens], 1).cpu()  # the round's one device->host copy
+        self.times.add("commit", t)
+        emitted = []
+        for r, row in zip(reqs, out.tolist()):
+            k = row[0]
+            r.kv_len += k  # root + (k - 1) accepted drafts are now cached; the bonus is pending
+            runner.release(r, r.kv_len)
+            emitted.append(row[1 : 1 + k])
+        return emitted
+
+    def _ar_round(self, reqs: list[Req], roots: torch.Tensor, t: float) -> list[list[int]]:
+        runner = self.runner
+        n = 1
+        tree = _root_only(roots)
+        logits, _ = runner.verify(reqs, tree)
+        t = self.times.add("verify", t)
+        tokens = sample_nodes(logits, [r.params for r in reqs], [r.generator for r in reqs])[:, 0]
+        t = self.times.add("accept", t)
+        zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
+        runner.commit(reqs, zeros[:, None], zeros, None)  # no KV moves; commits hybrid state of the root
+        tokens = tokens.cpu()
+        self.times.add("commit", t)
+        for r in reqs:
+            r.kv_len += n
+            runner.release(r, r.kv_len)
+        return [[tok] for tok in tokens.tolist()]
+
+
+def _root_only(roots: torch.Tensor) -> DraftTree:
+    b = roots.shape[0]
+    dev = roots.device
+    return DraftTree(
+        tokens=roots[:, None], parents=torch.full((b, 1), -1, dtype=torch.int64, device=dev),
+        depths=torch.zeros(b, 1, dtype=torch.int64, device=dev), valid=torch.ones(b, 1, dtype=torch.bool, device=dev),
+        tree_mask=torch.ones(b, 1, 1, dtype=torch.bool, device=dev), num_depths=0,
+    )
