@@ -1,0 +1,391 @@
+"""Server arguments: SGLang flag names, one frozen dataclass, resolved against config.json files only.
+
+The dataclass is the single source of truth: argparse flags, defaults, choices and help are generated from its
+fields. `resolve_server_args` fills derived defaults (logged the way SGLang logs them) and reports every problem
+at once in one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+
+from ddtree import configs
+from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
+
+logger = logging.getLogger("ddtree")
+
+SPECULATIVE_ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
+ATTENTION_BACKENDS = ("torch", "triton", "flex")
+IMPLEMENTED_ATTENTION_BACKENDS = ("torch",)
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+MAMBA_STRATEGIES = ("no_buffer", "extra_buffer")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+DEFAULT_DDTREE_BUDGET = 64
+
+
+def _opt(default, help: str, choices=None, aliases=()):
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _opt(None, "target model dir (or cached HF repo id); default: the embedded model pair")
+    tokenizer_path: str | None = _opt(None, "tokenizer dir; default: --model-path")
+    trust_remote_code: bool = _opt(False, "accepted for SGLang compatibility; no remote code is ever run")
+    dtype: str = _opt("auto", "weight/activation dtype; auto = the target config's dtype", DTYPES)
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto = --dtype", DTYPES)
+    device: str = _opt("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
+    context_length: int | None = _opt(None, "max tokens per request; default: target max_position_embeddings")
+    served_model_name: str | None = _opt(None, "model name reported by the API; default: --model-path")
+    mem_fraction_static: float = _opt(0.85, "fraction of device memory for weights, KV and state pools")
+    max_running_requests: int | None = _opt(None, "max concurrent requests; default 48 speculative, 256 otherwise")
+    max_total_tokens: int | None = _opt(None, "cap on KV cache tokens; default: what fits in memory")
+    max_prefill_tokens: int = _opt(16384, "max tokens in one prefill batch")
+    chunked_prefill_size: int = _opt(2048, "prefill chunk size in tokens; -1 disables chunking")
+    page_size: int = _opt(16, "KV cache page size in tokens")
+    tp_size: int = _opt(1, "tensor parallel degree", aliases=("--tp", "--tensor-parallel-size"))
+    random_seed: int | None = _opt(None, "random seed")
+    attention_backend: str = _opt("torch", "attention kernels", ATTENTION_BACKENDS)
+    disable_cuda_graph: bool = _opt(False, "run decode and verify eagerly")
+    cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs")
+    host: str = _opt("127.0.0.1", "HTTP host")
+    port: int = _opt(30000, "HTTP port")
+    api_key: str | None = _opt(None, "require this API key on HTTP requests")
+    enable_metrics: bool = _opt(False, "expose Prometheus metrics at /metrics")
+    log_level: str = _opt("info", "logging level", LOG_LEVELS)
+    speculative_algorithm: str = _opt("NONE", "NONE, DFLASH (chain) or DDTREE (tree); case-insensitive",
+                                      SPECULATIVE_ALGORITHMS)
+    speculative_draft_model_path: str | None = _opt(None, "DFlash drafter dir (or cached HF repo id)")
+    speculative_dflash_block_size: int | None = _opt(None, "drafter block size incl. bonus; default: draft config")
+    speculative_num_draft_tokens: int | None = _opt(None, "draft tokens per round; equals the block size")
+    speculative_ddtree_budget: int | None = _opt(None, "DDTree nodes drafted per round, root excluded (default 64)")
+    speculative_ddtree_topk_cap: int | None = _opt(None, "max DDTree candidates per depth; default min(budget, vocab)")
+    speculative_ddtree_shadow_linear: bool = _opt(False, "always include the drafter's top-1 chain in the tree")
+    mamba_scheduler_strategy: str | None = _opt(None, "hybrid targets: recurrent-state buffering; speculative "
+                                                "decoding needs extra_buffer", MAMBA_STRATEGIES,
+                                                aliases=("--mamba-radix-cache-strategy",))
+    mamba_full_memory_ratio: float = _opt(0.9, "hybrid targets: state pool : KV pool memory ratio")
+    mamba_ssm_dtype: str = _opt("float32", "hybrid targets: recurrent state dtype", DTYPES[1:])
+    max_mamba_cache_size: int | None = _opt(None, "hybrid targets: pin the state pool to this many requests")
+    target_config: TargetConfig | None = field(default=None, compare=False, repr=False, metadata={"cli": False})
+    drafter_config: DrafterConfig | None = field(default=None, compare=False, repr=False, metadata={"cli": False})
+
+    def __post_init__(self):
+        object.__setattr__(self, "speculative_algorithm", str(self.speculative_algorithm or "NONE").upper())
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.speculative_algorithm != "NONE"
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens the target scores per request per round: max(block, budget+1) for DDTree, block for DFlash."""
+        block = self.speculative_dflash_block_size or 1
+        if self.speculative_algorithm == "DDTREE":
+            return max(block, (self.speculative_ddtree_budget or 0) + 1)
+        return block if self.speculative_algorithm == "DFLASH" else 1
+
+
+SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(ServerArgs) if f.name.startswith("speculative_")
+                           and f.name != "speculative_algorithm")
+DDTREE_FIELDS = tuple(n for n in SPECULATIVE_FIELDS if n.startswith("speculative_ddtree_"))
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(ServerArgs) if f.metadata.get("cli", True)]
+
+
+def make_parser(prog: str = "ddtree serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="DDTree / DFlash speculative decoding server")
+    hints = typing.get_type_hints(ServerArgs)
+    for f in cli_fields():
+        names = [flag(f.name), *f.metadata["aliases"]]
+        kind = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+        if kind is bool:
+            parser.add_argument(*names, dest=f.name, default=f.default, help=f.metadata["help"],
+                                action=argparse.BooleanOptionalAction if f.default else "store_true")
+            continue
+        convert = str.upper if f.name == "speculative_algorithm" else kind
+        parser.add_argument(*names, dest=f.name, type=convert, default=f.default, choices=f.metadata["choices"],
+                            help=f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else ""))
+    return parser
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    return resolve_server_args(ServerArgs(**vars(make_parser().parse_args(argv))))
+
+
+def cuda_available() -> bool:
+    """Imports torch only when a GPU driver node exists, so CPU-only planning stays fast."""
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _hf_cache_dir(path: str) -> str | None:
+    if os.path.exists(path) or path.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    hit = try_to_load_from_cache(path, "config.json")
+    return os.path.dirname(hit) if isinstance(hit, str) else None
+
+
+def _load(path: str, is_target: bool, p: list[str]):
+    """(resolved dir, parsed config or None); every problem found is appended to p."""
+    name = "--model-path" if is_target else "--speculative-draft-model-path"
+    cached = _hf_cache_dir(path)
+    if cached:
+        logger.info("%s %s resolved to the local Hugging Face cache: %s", name, path, cached)
+        path = cached
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        what = "has no config.json" if os.path.isdir(path) else "directory does not exist"
+        p.append(f"{name} {path}: {what}; pass the local model directory that holds config.json (or a Hugging "
+                 "Face repo id already in the local cache)")
+        return path, None
+    supported = configs.DENSE_ARCHITECTURES + configs.HYBRID_ARCHITECTURES
+    try:
+        raw = configs.read_config_json(path)
+        arch = (raw.get("architectures") or ["<none>"])[0]
+        if is_target and arch in configs.DRAFTER_ARCHITECTURES:
+            p.append(f"--model-path {path}: this is a {arch} drafter; pass it as --speculative-draft-model-path "
+                     "and the target model as --model-path")
+        elif is_target and arch not in supported:
+            p.append(f"--model-path {path}: architecture {arch!r} is not supported; supported: {', '.join(supported)}")
+        elif not is_target and arch not in configs.DRAFTER_ARCHITECTURES:
+            p.append(f"--speculative-draft-model-path {path}: architecture {arch!r} is not a DFlashDraftModel; "
+                     "pass a DFlash drafter (e.g. z-lab/Qwen3-8B-DFlash-b16)")
+        else:
+            return path, (TargetConfig if is_target else DrafterConfig).from_dict(raw)
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        p.append(f"{name} {path}: config.json is unreadable or lacks key {e}; fix or re-download the config")
+    return path, None
+
+
+def _check_scalars(a: ServerArgs, p: list[str]) -> None:
+    for f in cli_fields():
+        value, choices = getattr(a, f.name), f.metadata["choices"]
+        if choices and value is not None and value not in choices:
+            p.append(f"{flag(f.name)} {value!r}: choose one of {', '.join(choices)}")
+    if a.attention_backend in ATTENTION_BACKENDS and a.attention_backend not in IMPLEMENTED_ATTENTION_BACKENDS:
+        p.append(f"--attention-backend {a.attention_backend} is not implemented yet; use --attention-backend "
+                 + " or ".join(IMPLEMENTED_ATTENTION_BACKENDS))
+    if not 0 < a.mem_fraction_static < 1:
+        p.append(f"--mem-fraction-static {a.mem_fraction_static}: must be in (0, 1), e.g. 0.85")
+    if not 0 < a.mamba_full_memory_ratio < 1:
+        p.append(f"--mamba-full-memory-ratio {a.mamba_full_memory_ratio}: must be in (0, 1), e.g. 0.9")
+    for name, low in _MINIMUMS.items():
+        value = getattr(a, name)
+        if value is not None and value < low:
+            p.append(f"{flag(name)} {value}: must be at least {low}{_MINIMUM_HINTS.get(name, '')}")
+    if a.chunked_prefill_size == 0 or a.chunked_prefill_size < -1:
+        p.append(f"--chunked-prefill-size {a.chunked_prefill_size}: must be positive, or -1 to disable chunking")
+    if not 0 < a.port < 65536:
+        p.append(f"--port {a.port}: must be in 1..65535")
+
+
+_MINIMUMS = {
+    "context_length": 1, "max_running_requests": 1, "max_total_tokens": 1, "max_prefill_tokens": 1, "page_size": 1,
+    "tp_size": 1, "cuda_graph_max_bs": 1, "max_mamba_cache_size": 1, "speculative_dflash_block_size": 2,
+    "speculative_ddtree_budget": 1, "speculative_ddtree_topk_cap": 1,
+}
+_MINIMUM_HINTS = {
+    "speculative_dflash_block_size": " (the bonus token plus one drafted token)",
+    "speculative_ddtree_budget": f" (drafted nodes, root excluded; {DEFAULT_DDTREE_BUDGET} is a good start)",
+}
+
+
+def _check_pair(t: TargetConfig, d: DrafterConfig, p: list[str]) -> None:
+    F = "--speculative-draft-model-path"
+    if d.hidden_size != t.hidden_size:
+        p.append(f"{F}: drafter hidden_size {d.hidden_size} != target hidden_size {t.hidden_size}; use the DFlash "
+                 "drafter trained for this --model-path")
+    if d.vocab_size != t.vocab_size:
+        p.append(f"{F}: drafter vocab_size {d.vocab_size} != target vocab_size {t.vocab_size}; use the DFlash "
+                 "drafter trained for this --model-path")
+    if d.mask_token_id is None:
+        p.append(f"{F}: drafter config has no dflash_config.mask_token_id; add the mask token id the drafter was "
+                 f"trained with (a row of the target embedding, < {t.vocab_size})")
+    elif not 0 <= d.mask_token_id < t.vocab_size:
+        p.append(f"{F}: mask_token_id {d.mask_token_id} is not a row of the target embedding (vocab "
+                 f"{t.vocab_size}); use the drafter trained for this target")
+    n = t.num_hidden_layers
+    bad = [i for i in d.target_layer_ids if not 0 <= i < n]
+    if not d.target_layer_ids:
+        p.append(f"{F}: drafter config has neither dflash_config.target_layer_ids nor num_target_layers; add "
+                 "target_layer_ids")
+    elif bad:
+        p.append(f"{F}: target_layer_ids {bad} out of range for the target's {n} layers (valid 0..{n - 1}); use "
+                 "the drafter trained for this --model-path")
+    if d.num_target_layers and d.num_target_layers != n:
+        p.append(f"{F}: drafter was built for a {d.num_target_layers}-layer target but --model-path has {n} layers;"
+                 " use the drafter trained for this target")
+
+
+def _check_tp(tp: int, t: TargetConfig | None, d: DrafterConfig | None, p: list[str]) -> None:
+    counts = {}
+    if t is not None:
+        counts.update({"target attention heads": t.num_attention_heads, "target KV heads": t.num_key_value_heads})
+        if t.is_hybrid:
+            counts.update({"target linear key heads": t.linear_num_key_heads,
+                           "target linear value heads": t.linear_num_value_heads})
+    if d is not None:
+        counts.update({"drafter attention heads": d.num_attention_heads, "drafter KV heads": d.num_key_value_heads})
+    bad = [f"{name} ({n})" for name, n in counts.items() if tp >= 1 and n % tp]
+    if bad:
+        g = math.gcd(*counts.values())
+        valid = [k for k in range(1, g + 1) if g % k == 0]
+        p.append(f"--tp-size {tp} does not divide the {', '.join(bad)}; valid --tp-size values: {valid}")
+
+
+def _resolve_speculative(a: ServerArgs, t, d, upd: dict, p: list[str]) -> None:
+    algo = a.speculative_algorithm
+    if algo == "NONE":
+        given = [flag(n) for n in SPECULATIVE_FIELDS if getattr(a, n) != ServerArgs.__dataclass_fields__[n].default]
+        if given:
+            logger.warning("%s ignored because --speculative-algorithm is NONE; pass --speculative-algorithm "
+                           "DDTREE or DFLASH to use them", ", ".join(given))
+        return
+    block = a.speculative_dflash_block_size
+    if d is not None and block is None:
+        block = d.block_size
+        logger.info("Speculative DFlash block size is set to %d from the draft model config.", block)
+    elif d is not None and block > d.block_size:
+        p.append(f"--speculative-dflash-block-size {block} exceeds the drafter's trained block_size {d.block_size}; "
+                 f"pass a value in 2..{d.block_size}")
+    upd["speculative_dflash_block_size"] = block
+    draft_tokens = a.speculative_num_draft_tokens
+    if draft_tokens is not None and block is not None and draft_tokens != block:
+        if algo == "DFLASH":
+            p.append(f"--speculative-num-draft-tokens {draft_tokens} must equal the block size {block} for DFLASH; "
+                     f"drop it or pass --speculative-dflash-block-size {draft_tokens}")
+        else:
+            logger.warning("--speculative-num-draft-tokens %d ignored for DDTREE: the drafter proposes %d tokens "
+                           "per round; the tree size is --speculative-ddtree-budget", draft_tokens, block)
+    if block is not None and draft_tokens != block:
+        logger.info("Speculative num draft tokens is set to %d (the block size).", block)
+    upd["speculative_num_draft_tokens"] = block
+    if algo == "DFLASH":
+        given = [flag(n) for n in DDTREE_FIELDS if getattr(a, n) not in (None, False)]
+        if given:
+            logger.warning("%s ignored: they apply to --speculative-algorithm DDTREE only", ", ".join(given))
+        upd.update({n: ServerArgs.__dataclass_fields__[n].default for n in DDTREE_FIELDS})
+    else:
+        budget = a.speculative_ddtree_budget
+        if budget is None:
+            budget = DEFAULT_DDTREE_BUDGET
+            logger.info("Speculative DDTree budget is set to %d.", budget)
+        upd["speculative_ddtree_budget"] = budget
+        if a.speculative_ddtree_topk_cap is None and t is not None and budget >= 1:
+            upd["speculative_ddtree_topk_cap"] = min(budget, t.vocab_size)
+            logger.info("Speculative DDTree top-k cap is set to %d.", upd["speculative_ddtree_topk_cap"])
+    if a.max_running_requests is None:
+        upd["max_running_requests"] = SPECULATIVE_MAX_RUNNING_REQUESTS
+        logger.info("Max running requests is reset to %d for speculative decoding.", SPECULATIVE_MAX_RUNNING_REQUESTS)
+
+
+def _resolve_mamba(a: ServerArgs, t: TargetConfig, upd: dict, p: list[str]) -> None:
+    strategy = a.mamba_scheduler_strategy
+    if not t.is_hybrid:
+        if strategy is not None:
+            logger.warning("--mamba-scheduler-strategy %s ignored: %s is a dense (attention-only) target",
+                           strategy, t.architecture)
+            upd["mamba_scheduler_strategy"] = None
+        return
+    if a.is_speculative and strategy is None:
+        upd["mamba_scheduler_strategy"] = "extra_buffer"
+        logger.info("Mamba scheduler strategy is set to extra_buffer: the hybrid target %s needs a recurrent state "
+                    "per verified draft node for %s speculative decoding.", t.architecture, a.speculative_algorithm)
+    elif a.is_speculative and strategy == "no_buffer":
+        p.append(f"--mamba-scheduler-strategy no_buffer cannot verify {a.speculative_algorithm} drafts on the hybrid "
+                 f"target {t.architecture} (no per-node recurrent states); use --mamba-scheduler-strategy extra_buffer")
+    elif strategy is None:
+        upd["mamba_scheduler_strategy"] = "no_buffer"
+        logger.info("Mamba scheduler strategy is set to no_buffer (no speculative decoding).")
+
+
+def resolve_server_args(args: ServerArgs) -> ServerArgs:
+    """Fill derived defaults from the target/drafter config.json; raise one ConfigError listing every problem."""
+    p: list[str] = []
+    upd: dict = {}
+    _check_scalars(args, p)
+    target_path, drafter_path = args.model_path, args.speculative_draft_model_path
+    if target_path is None:
+        try:
+            from ddtree.assets import default_model_paths
+
+            target_path, default_drafter = default_model_paths()
+        except Exception as e:  # noqa: BLE001 - any failure means "no embedded pair", reported as a problem
+            p.append(f"--model-path is required: the embedded default model pair is unavailable ({e})")
+        else:
+            logger.info("No --model-path given: using the embedded default model pair %s + %s.",
+                        target_path, default_drafter)
+            if args.is_speculative and drafter_path is None:
+                drafter_path = default_drafter
+    if args.is_speculative and drafter_path is None:
+        p.append(f"--speculative-draft-model-path is required for --speculative-algorithm "
+                 f"{args.speculative_algorithm}; pass the DFlash drafter directory")
+    t = d = None
+    if target_path is not None:
+        target_path, t = _load(target_path, True, p)
+        upd["model_path"] = target_path
+    if args.is_speculative and drafter_path is not None:
+        drafter_path, d = _load(drafter_path, False, p)
+        upd["speculative_draft_model_path"] = drafter_path
+    if t is not None and d is not None:
+        _check_pair(t, d, p)
+    _check_tp(args.tp_size, t, d, p)
+    _resolve_speculative(args, t, d, upd, p)
+    if not args.is_speculative and args.max_running_requests is None:
+        upd["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS
+        logger.info("Max running requests is set to %d.", DEFAULT_MAX_RUNNING_REQUESTS)
+    if t is not None:
+        _resolve_mamba(args, t, upd, p)
+        _resolve_target_defaults(args, t, d, upd)
+    upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
+    upd["tokenizer_path"] = args.tokenizer_path or upd.get("model_path")
+    if args.device == "auto":
+        upd["device"] = "cuda" if cuda_available() else "cpu"
+        logger.info("Device is set to %s.", upd["device"])
+    if p:
+        raise ConfigError(p)
+    return dataclasses.replace(args, target_config=t, drafter_config=d, **upd)
+
+
+def _resolve_target_defaults(a: ServerArgs, t: TargetConfig, d: DrafterConfig | None, upd: dict) -> None:
+    if a.dtype == "auto":
+        dtype = t.dtype.removeprefix("torch.")
+        if dtype not in DTYPES:
+            logger.warning("Target config dtype %r is not supported; using bfloat16", t.dtype)
+            dtype = "bfloat16"
+        upd["dtype"] = dtype
+        logger.info("Dtype is set to %s from the target model config.", dtype)
+    if a.kv_cache_dtype == "auto":
+        upd["kv_cache_dtype"] = upd.get("dtype", a.dtype)
+    ctx = a.context_length
+    if ctx is None:
+        ctx = upd["context_length"] = t.max_position_embeddings
+        logger.info("Context length is set to %d from the target model config.", ctx)
+    elif ctx > t.max_position_embeddings:
+        logger.warning("--context-length %d exceeds the target's max_position_embeddings %d; outputs past it are "
+                       "unreliable", ctx, t.max_position_embeddings)
+    if d is not None and ctx > d.max_position_embeddings:
+        logger.warning("--context-length %d exceeds the drafter's max_position_embeddings %d; acceptance may drop "
+                       "on long requests", ctx, d.max_position_embeddings)
+

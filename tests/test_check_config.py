@@ -1,0 +1,172 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from config_fixtures import dense_pair, hybrid_pair, qwen3_8b_config, qwen36_27b_config
+from ddtree.check_config import main
+from ddtree.configs import TargetConfig
+from ddtree.memory_plan import (
+    DTYPE_BYTES,
+    MemoryPlan,
+    memory_plan,
+    recurrent_state_bytes,
+    target_param_count,
+)
+from ddtree.server_args import prepare_server_args
+
+GIB = 2**30
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ddtree_args(pair, *extra):
+    target, drafter = pair
+    return prepare_server_args(["--model-path", target, "--speculative-algorithm", "DDTREE",
+                                "--speculative-draft-model-path", drafter, *extra])
+
+
+def test_qwen3_8b_plan(tmp_path):
+    plan = memory_plan(ddtree_args(dense_pair(tmp_path)), device_bytes=140 * GIB)
+    assert plan.target_weight_bytes == pytest.approx(16.38e9, rel=0.01)
+    assert plan.drafter_weight_bytes == pytest.approx(2.1e9, rel=0.01)
+    assert plan.target_kv_bytes_per_token == 2 * 36 * 8 * 128 * 2
+    assert plan.drafter_kv_bytes_per_token == 2 * 5 * 8 * 128 * 2
+    assert plan.verify_width == 65 and plan.max_running_requests == 48
+    assert plan.verify_buffer_bytes_per_request >= 65 * 151936 * 4
+    assert plan.state_pool_requests is None and plan.state_bytes_per_request == 0
+    assert plan.kv_tokens % 16 == 0
+    expected_kv = plan.static_bytes - plan.weight_bytes_per_device - plan.workspace_bytes
+    assert plan.kv_pool_bytes == expected_kv
+    assert plan.kv_tokens == expected_kv // plan.kv_bytes_per_token_per_device // 16 * 16
+    assert plan.requests_at_context == plan.kv_tokens // 40960 > 0 and plan.fits and not plan.warnings
+    text = plan.format()
+    assert "KV per token" in text and "16.38 GB" in text
+
+
+def test_tp_halves_per_device_numbers(tmp_path):
+    pair = dense_pair(tmp_path)
+    one = memory_plan(ddtree_args(pair), device_bytes=80 * GIB)
+    two = memory_plan(ddtree_args(pair, "--tp-size", "2"), device_bytes=80 * GIB)
+    assert two.weight_bytes_per_device == pytest.approx(one.weight_bytes_per_device / 2, abs=1)
+    assert two.kv_bytes_per_token_per_device * 2 == one.kv_bytes_per_token_per_device
+
+
+def test_hybrid_plan_state_split(tmp_path):
+    args = ddtree_args(hybrid_pair(tmp_path), "--mamba-full-memory-ratio", "0.5", "--max-running-requests", "4")
+    plan = memory_plan(args, device_bytes=140 * GIB)
+    assert plan.target_params == pytest.approx(26.9e9, rel=0.01)
+    assert plan.drafter_params == pytest.approx(1.73e9, rel=0.01)
+    assert plan.target_kv_bytes_per_token == 2 * 16 * 4 * 256 * 2
+    conv = 48 * (2 * 16 * 128 + 48 * 128) * 3 * 2
+    ssm = 48 * 48 * 128 * 128 * 4
+    assert plan.state_bytes_per_request == conv + ssm
+    assert plan.spec_state_bytes_per_request == 65 * (conv + ssm)
+    rest = plan.static_bytes - plan.weight_bytes_per_device - plan.workspace_bytes
+    assert plan.state_pool_bytes == int(rest * 0.5 / 1.5)
+    assert plan.kv_pool_bytes == rest - plan.state_pool_bytes
+    assert plan.state_pool_requests == plan.state_pool_bytes // (66 * (conv + ssm))
+    assert plan.requests_at_context <= plan.state_pool_requests
+    assert "state pool" in plan.format()
+
+
+def test_hybrid_state_pool_caps_concurrency_warning(tmp_path):
+    plan = memory_plan(ddtree_args(hybrid_pair(tmp_path)), device_bytes=140 * GIB)
+    assert plan.state_pool_requests < 48
+    assert any("--max-running-requests" in w for w in plan.warnings)
+
+
+def test_weights_too_big_warns(tmp_path):
+    plan = memory_plan(ddtree_args(dense_pair(tmp_path)), device_bytes=8 * GIB)
+    assert not plan.fits and any("--mem-fraction-static" in w for w in plan.warnings)
+
+
+def test_default_device_bytes(tmp_path):
+    args = prepare_server_args(["--model-path", dense_pair(tmp_path)[0], "--device", "cpu"])
+    plan = memory_plan(args)
+    assert isinstance(plan, MemoryPlan) and plan.device_name == "host RAM" and plan.device_bytes > 0
+
+
+def _count(model) -> int:
+    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith("mtp"))
+
+
+def test_param_count_matches_transformers():
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    small = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32)
+    with torch.device("meta"):
+        dense = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=3, **small))
+        hybrid_cfg = Qwen3_5TextConfig(num_hidden_layers=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                       linear_key_head_dim=16, linear_value_head_dim=24, **small)
+        hybrid = Qwen3_5ForCausalLM(hybrid_cfg)
+    assert target_param_count(TargetConfig.from_dict(dense.config.to_dict())) == _count(dense)
+    assert target_param_count(TargetConfig.from_dict(hybrid_cfg.to_dict())) == _count(hybrid)
+
+
+def test_recurrent_state_bytes_bf16_ssm():
+    t = TargetConfig.from_dict(qwen36_27b_config())
+    conv, ssm = recurrent_state_bytes(t, 2, DTYPE_BYTES["bfloat16"])
+    assert ssm == 48 * 48 * 128 * 128 * 2 and conv == 48 * 10240 * 3 * 2
+
+
+def test_check_config_main_ok(tmp_path, capsys):
+    target, drafter = dense_pair(tmp_path)
+    rc = main(["check-config", "--model-path", target, "--speculative-algorithm", "ddtree",
+               "--speculative-draft-model-path", drafter, "--device-memory-gib", "80"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "speculative_ddtree_budget" in out and "memory plan" in out and "KV per token" in out
+    assert "mem_fraction_static" not in out  # default fields are not printed
+
+
+def test_check_config_main_hybrid(tmp_path, capsys):
+    target, drafter = hybrid_pair(tmp_path)
+    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
+               drafter, "--mamba-scheduler-strategy", "extra_buffer", "--mamba-full-memory-ratio", "0.5",
+               "--device-memory-gib", "140"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "state pool" in out and "hybrid (48 GDN + 16 attention layers)" in out
+
+
+def test_check_config_main_bad_config(tmp_path, capsys):
+    target = dense_pair(tmp_path, target=qwen3_8b_config(num_hidden_layers=28))[0]
+    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE", "--tp-size", "3",
+               "--speculative-draft-model-path", str(tmp_path / "Qwen3-8B-DFlash-b16")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "error: invalid configuration:" in err
+    assert "--tp-size" in err and "--speculative-draft-model-path" in err
+
+
+def test_check_config_main_bad_flag(capsys):
+    assert main(["--speculative-algorithm", "MEDUSA"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def _run_check_config(tmp_path, prelude: str) -> float:
+    target, drafter = hybrid_pair(tmp_path)
+    code = (prelude + "import sys, time; t = time.perf_counter(); from ddtree.check_config import main; "
+            f"rc = main(['--model-path', {target!r}, '--speculative-algorithm', 'DDTREE', "
+            f"'--speculative-draft-model-path', {drafter!r}, '--device', 'cpu']); "
+            "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch imported'; "
+            "print(time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def test_check_config_modules_are_fast_and_torch_free(tmp_path):
+    # a bare `ddtree` package object isolates these modules from whatever ddtree/__init__.py imports
+    prelude = ("import sys, types; pkg = types.ModuleType('ddtree'); "
+               f"pkg.__path__ = [{os.path.join(REPO, 'ddtree')!r}]; sys.modules['ddtree'] = pkg; ")
+    assert _run_check_config(tmp_path, prelude) < 1.0
+
+
+@pytest.mark.xfail(strict=False, reason="ddtree/__init__.py imports ddtree.engine.request, which imports torch "
+                   "(~1.8 s); check-config needs those imports to be lazy")
+def test_ddtree_check_config_cli_path_is_torch_free(tmp_path):
+    assert _run_check_config(tmp_path, "") < 1.0
