@@ -1,14 +1,18 @@
 """ddtree: DDTree speculative decoding on DFlash drafters, served like SGLang."""
 
-from ddtree.engine.outputs import RequestOutput
-from ddtree.engine.request import SamplingParams
-
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
+
+_LAZY = {  # lazy so `ddtree check-config` never imports torch
+    "LLM": ("ddtree.llm", "LLM"),
+    "SamplingParams": ("ddtree.engine.request", "SamplingParams"),
+    "RequestOutput": ("ddtree.engine.outputs", "RequestOutput"),
+}
 
 
 def __getattr__(name):
-    if name == "LLM":  # lazy: importing ddtree stays cheap for `ddtree check-config`
-        from ddtree.llm import LLM
+    if name in _LAZY:
+        import importlib
 
-        return LLM
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(name)

@@ -166,7 +166,5 @@ def test_check_config_modules_are_fast_and_torch_free(tmp_path):
     assert _run_check_config(tmp_path, prelude) < 1.0
 
 
-@pytest.mark.xfail(strict=False, reason="ddtree/__init__.py imports ddtree.engine.request, which imports torch "
-                   "(~1.8 s); check-config needs those imports to be lazy")
 def test_ddtree_check_config_cli_path_is_torch_free(tmp_path):
     assert _run_check_config(tmp_path, "") < 1.0

@@ -1,0 +1,5 @@
+import sys
+
+from ddtree.cli import main
+
+sys.exit(main())
