@@ -1,0 +1,211 @@
+"""DDTree draft-tree construction on the device, batched over requests.
+
+Everything here is fixed-shape and sync-free (no .item(), no data-dependent shapes, no Python branches
+on tensor values), so `build_tree` / `build_chain` can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DraftTree:
+    """Batched draft tree; n = 1 + budget nodes per request, node 0 is the root.
+
+    Nodes are ordered root, then by increasing depth (parents precede children), within a depth by
+    descending score. Padding nodes (fewer prefixes than budget) come last.
+    """
+
+    tokens: Tensor  # [b, n] int64; tokens[:, 0] = root (bonus) token; padding 0
+    parents: Tensor  # [b, n] int64; root and padding -1; parent index < node index
+    depths: Tensor  # [b, n] int64; root 0, drafted nodes 1..D, padding 0
+    valid: Tensor  # [b, n] bool; root True, padding False
+    tree_mask: Tensor  # [b, n, n] bool; row i = ancestors of i and i itself (padding rows: self only)
+    num_depths: int | None = None  # static bound D on node depth; None means n - 1
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def depth_bound(self) -> int:
+        return self.num_nodes - 1 if self.num_depths is None else self.num_depths
+
+    def positions(self, seq_lens: Tensor) -> Tensor:
+        """[b, n] position ids: seq_lens[:, None] + depths (siblings share a position)."""
+        return seq_lens[:, None].to(self.depths.dtype) + self.depths
+
+    @classmethod
+    def from_parents(cls, tokens: Tensor, parents: Tensor, num_depths: int | None = None) -> DraftTree:
+        """Derive depths/valid/mask from parent links (parent < node; -1 marks root and padding)."""
+        n = tokens.shape[1]
+        bound = n - 1 if num_depths is None else num_depths
+        anc = ancestors(parents, bound)
+        depths = (anc[:, :, 1:] != anc[:, :, :-1]).sum(-1)  # upward steps actually taken
+        valid = (parents >= 0) | (torch.arange(n, device=tokens.device) == 0)[None, :]
+        return cls(tokens, parents, depths, valid, ancestor_mask(parents, bound), num_depths)
+
+
+def ancestors(parents: Tensor, num_depths: int) -> Tensor:
+    """[b, n, D+1]: column t = t-th ancestor of each node, repeating the topmost one (root) after it."""
+    b, n = parents.shape
+    cur = torch.arange(n, device=parents.device).expand(b, n)
+    cols = [cur]
+    for _ in range(num_depths):
+        up = parents.gather(1, cur)
+        cur = torch.where(up >= 0, up, cur)
+        cols.append(cur)
+    return torch.stack(cols, dim=-1)
+
+
+def ancestor_mask(parents: Tensor, num_depths: int) -> Tensor:
+    """[b, n, n] bool: row i = ancestors of i plus i itself (padding, with parent -1: self only)."""
+    b, n = parents.shape
+    mask = torch.zeros(b, n, n, dtype=torch.bool, device=parents.device)
+    return mask.scatter_(2, ancestors(parents, num_depths), True)
+
+
+def topk_logprobs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """fp32 log-probs and token ids of the top-k tokens per depth: ([b, D, k], [b, D, k]).
+
+    topk runs on the logits (not on log-probs) so subtracting log Z cannot merge distinct values into
+    ties; build_tree and build_chain share this so their top-1 tokens always agree.
+    """
+    vals, ids = draft_logits.topk(k, dim=-1)  # native dtype: exact, and half the bytes of fp32
+    return vals.float() - draft_logits.float().logsumexp(dim=-1, keepdim=True), ids
+
+
+def _best_first(score: Tensor, k: int) -> Tensor:
+    """Indices of the k best entries along dim 1: descending score, ties to the lower index.
+
+    A stable sort makes tie-breaking exact and identical on CPU and CUDA (topk's tie order is
+    unspecified); on the H200 it is also faster than topk for these row lengths.
+    """
+    # Scores never hold -0.0 (sums/differences of +0.0 and negatives round to +0.0), which a
+    # radix sort would order below +0.0.
+    return score.sort(dim=1, descending=True, stable=True).indices[:, :k]
+
+
+def _depth_limit(max_depth: Tensor | None, b: int, D: int, device: torch.device) -> Tensor:
+    if max_depth is None:
+        return torch.full((b,), D, dtype=torch.int64, device=device)
+    return max_depth.to(device=device, dtype=torch.int64).clamp(0, D)
+
+
+def _beam_candidates(B: int, K: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(parent slot, rank) pairs, in flat (slot, rank) order, that can enter a depth's top B.
+
+    Beam scores and per-depth log-probs are both sorted best-first, so pair (s, r) is beaten by
+    every (s' <= s, r' <= r) pair; it can be in the top B only if (s + 1) * (r + 1) <= B. That keeps
+    about B * ln(B) of the B * K pairs. Built with device ops only (no host copy), capture-safe.
+    """
+    total = sum(min(K, B // (s + 1)) for s in range(B))  # host ints: the static shape
+    per_slot = (B // torch.arange(1, B + 1, device=device)).clamp(max=K)
+    ends = per_slot.cumsum(0)
+    pos = torch.arange(total, device=device)
+    slot = torch.searchsorted(ends, pos, right=True)
+    return slot, pos - (ends - per_slot).gather(0, slot)
+
+
+def build_tree(
+    root_tokens: Tensor,
+    draft_logits: Tensor,
+    budget: int,
+    topk_cap: int,
+    shadow_linear: bool,
+    max_depth: Tensor | None = None,
+) -> DraftTree:
+    """Best `budget` prefixes (score = sum of per-depth fp32 log-probs, tokens within each depth's top-K)."""
+    b, D, V = draft_logits.shape
+    assert budget >= 1 and topk_cap >= 1 and D >= 1
+    device = draft_logits.device
+    B = budget
+    K = min(topk_cap, B, V)
+    logp, ids = topk_logprobs(draft_logits, K)
+
+    # Per-depth beam of the best B prefixes. A depth-(d+1) prefix in the best B has its parent in the
+    # best B of depth d (otherwise each of those B better parents' top-1 extension would beat it).
+    beam = torch.full((b, B), float("-inf"), device=device)
+    beam[:, 0] = 0.0  # the root, the only "depth-0 prefix"
+    cand_slot, cand_rank = _beam_candidates(B, K, device)
+    scores, picks = [], []
+    for d in range(D):
+        cand = beam.index_select(1, cand_slot) + logp[:, d].index_select(1, cand_rank)
+        pick = _best_first(cand, B)  # ties: lower parent slot, then lower rank
+        beam = cand.gather(1, pick)
+        scores.append(beam)
+        picks.append(pick)
+    pick_all = torch.stack(picks, 1)  # [b, D, B]
+    score_all = torch.stack(scores, 1).reshape(b, D * B)  # depth-major: flat = (depth-1)*B + slot
+    pslot_all = cand_slot[pick_all].reshape(b, D * B)
+    tok_all = ids.gather(2, cand_rank[pick_all]).reshape(b, D * B)
+
+    flat = torch.arange(D * B, device=device)
+    depth_of = flat // B + 1
+    limit = _depth_limit(max_depth, b, D, device)
+    ok = (score_all > float("-inf")) & (depth_of[None, :] <= limit[:, None])
+    key = torch.where(ok, score_all, float("-inf"))
+    if shadow_linear:
+        # The top-1 chain is beam slot 0 at every depth (max score, lowest tie index), so it is
+        # always available; forcing it first makes accept length >= the chain's for any target.
+        chain = ((flat % B) == 0)[None, :] & (depth_of[None, :] <= limit.clamp(max=B)[:, None])
+        key = torch.where(chain, float("inf"), key)
+    # Ties go to the lower flat index, i.e. the shallower prefix: a parent never loses to its
+    # (equal-score) child, so the selection stays prefix-closed.
+    sel = _best_first(key, B)
+    sel_ok = ok.gather(1, sel)
+    # Node order = depth-major flat order (depth, then beam slot = score order); padding last.
+    order = torch.where(sel_ok, sel, sel + D * B).sort(dim=1).values
+    node_ok = order < D * B
+    node_flat = order % (D * B)
+
+    node_depth = node_flat // B + 1
+    node_id = torch.arange(1, B + 1, device=device).expand(b, B)
+    flat_to_node = torch.zeros(b, D * B, dtype=torch.int64, device=device).scatter(1, node_flat, node_id)
+    parent_flat = ((node_depth - 2) * B + pslot_all.gather(1, node_flat)).clamp(min=0)
+    parent = torch.where(node_depth == 1, 0, flat_to_node.gather(1, parent_flat))
+
+    return _assemble(
+        root_tokens,
+        torch.where(node_ok, tok_all.gather(1, node_flat), 0),
+        torch.where(node_ok, parent, -1),
+        torch.where(node_ok, node_depth, 0),
+        node_ok,
+        D,
+    )
+
+
+def build_chain(root_tokens: Tensor, draft_logits: Tensor, max_depth: Tensor | None = None) -> DraftTree:
+    """The DFLASH chain of top-1 tokens (n = 1 + D); nodes beyond max_depth[b] are padding."""
+    b, D, _ = draft_logits.shape
+    device = draft_logits.device
+    _, ids = topk_logprobs(draft_logits, 1)
+    depth = torch.arange(1, D + 1, device=device).expand(b, D)
+    ok = depth <= _depth_limit(max_depth, b, D, device)[:, None]
+    return _assemble(
+        root_tokens,
+        torch.where(ok, ids[:, :, 0], 0),
+        torch.where(ok, depth - 1, -1),
+        torch.where(ok, depth, 0),
+        ok,
+        D,
+    )
+
+
+def _assemble(root: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, ok: Tensor, D: int) -> DraftTree:
+    b = tokens.shape[0]
+    device = tokens.device
+    root = root.to(device=device, dtype=torch.int64).reshape(b, 1)
+    tokens = torch.cat([root, tokens], 1)
+    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=device), parents], 1)
+    depths = torch.cat([torch.zeros((b, 1), dtype=torch.int64, device=device), depths], 1)
+    valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=device), ok], 1)
+    return DraftTree(tokens, parents, depths, valid, ancestor_mask(parents, D), D)
