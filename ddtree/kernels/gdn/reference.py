@@ -111,6 +111,8 @@ def _chunked(q, k, v, g, beta, S, chunk_size: int):
     decay c, the delta-rule corrections U solve (I + A) U = beta*V - beta*e^c K S0 with
     A[t, s] = beta_t e^(c_t - c_s) k_t.k_s (s < t), so every chunk costs matmuls plus one triangular solve."""
     b, T, H, _ = k.shape
+    if T == 0:  # an empty segment of a packed batch leaves its state unchanged
+        return v.new_zeros(v.shape), S
     pad = (-T) % chunk_size  # padded tokens have k = g = beta = 0: an identity update of the state
 
     def chunks(t):

@@ -1,0 +1,236 @@
+"""Recurrent-state pool of hybrid (Gated DeltaNet) targets, and the per-forward contexts that read/write it.
+
+Rows are indexed [gdn_layer, request_slot, ...] (request_slot = the request's block-table row):
+  conv ....... [L, R, C, K-1]       the last K-1 pre-conv inputs (model dtype)
+  ssm ........ [L, R, Hv, dk, dv]   delta-rule state (--mamba-ssm-dtype)
+Tree verify never writes `conv`/`ssm`; it leaves a per-node stash that `commit` turns into the state after
+the last accepted node:
+  extra_buffer: node_conv [L, R, W, C, K-1], node_ssm [L, R, W, Hv, dk, dv]  -> commit copies one node
+  no_buffer:    node_x [L, R, W, C] (pre-conv), node_y [L, R, W, C] (post-conv q|k|v), node_g [L, R, W, Hv]
+                fp32, node_beta [L, R, W, Hv]                                  -> commit replays the path
+W = max_verify_width (root included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ddtree.kernels.gdn import (
+    causal_conv1d_varlen,
+    gated_delta_rule_chunked,
+    replay_conv_path,
+    replay_path,
+    tree_causal_conv1d,
+    tree_gated_delta_rule,
+)
+
+STRATEGIES = ("extra_buffer", "no_buffer")
+_SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(d) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        return d
+    if d not in _SSM_DTYPES:
+        raise ValueError(f"--mamba-ssm-dtype {d!r} is not supported; choose one of {sorted(_SSM_DTYPES)}")
+    return _SSM_DTYPES[d]
+
+
+@dataclass(frozen=True)
+class GDNGeometry:
+    num_layers: int
+    hk: int
+    dk: int
+    hv: int
+    dv: int
+    kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.hk * self.dk + self.hv * self.dv
+
+    @classmethod
+    def from_config(cls, cfg) -> "GDNGeometry":
+        return cls(len(cfg.linear_layer_ids), cfg.linear_num_key_heads, cfg.linear_key_head_dim,
+                   cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
+
+    def state_bytes(self, ssm_dtype, dtype) -> int:
+        """Persistent conv window + SSM state of one request over all GDN layers."""
+        conv = self.conv_dim * (self.kernel - 1) * _dtype(dtype).itemsize
+        ssm = self.hv * self.dk * self.dv * _dtype(ssm_dtype).itemsize
+        return self.num_layers * (conv + ssm)
+
+    def stash_bytes(self, width: int, strategy: str, ssm_dtype, dtype) -> int:
+        """Per-node tree-verify stash of one request over all GDN layers (`width` nodes)."""
+        act = _dtype(dtype).itemsize
+        if strategy == "extra_buffer":
+            per_node = self.state_bytes(ssm_dtype, dtype) // self.num_layers
+        else:
+            per_node = 2 * self.conv_dim * act + self.hv * (4 + act)
+        return self.num_layers * width * per_node
+
+
+def state_bytes_per_request(cfg, max_verify_width: int, strategy: str, ssm_dtype, dtype) -> tuple[int, int]:
+    """(persistent state, tree-verify stash) bytes of one request; for memory planning from config alone."""
+    geo = GDNGeometry.from_config(cfg)
+    return geo.state_bytes(ssm_dtype, dtype), geo.stash_bytes(max_verify_width, strategy, ssm_dtype, dtype)
+
+
+class HybridStatePool:
+    def __init__(self, geo: GDNGeometry, max_reqs: int, max_verify_width: int, device, strategy: str = "extra_buffer",
+                 ssm_dtype="float32", dtype=torch.bfloat16):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"--mamba-scheduler-strategy {strategy!r} is not supported; choose one of {STRATEGIES}")
+        self.geo, self.strategy, self.width = geo, strategy, max_verify_width
+        self.ssm_dtype, self.dtype = _dtype(ssm_dtype), _dtype(dtype)
+        L, R, W, C, Km1 = geo.num_layers, max_reqs, max_verify_width, geo.conv_dim, geo.kernel - 1
+        S = (geo.hv, geo.dk, geo.dv)
+
+        def zeros(*shape, dt=self.dtype):
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        self.conv = zeros(L, R, C, Km1)
+        self.ssm = zeros(L, R, *S, dt=self.ssm_dtype)
+        self.stash: dict[str, Tensor] = {}
+        if strategy == "extra_buffer":
+            self.stash["node_conv"] = zeros(L, R, W, C, Km1)
+            self.stash["node_ssm"] = zeros(L, R, W, *S, dt=self.ssm_dtype)
+        else:
+            self.stash["node_x"] = zeros(L, R, W, C)
+            self.stash["node_y"] = zeros(L, R, W, C)
+            self.stash["node_g"] = zeros(L, R, W, geo.hv, dt=torch.float32)
+            self.stash["node_beta"] = zeros(L, R, W, geo.hv)
+
+    @classmethod
+    def for_config(cls, cfg, max_reqs, max_verify_width, device, strategy="extra_buffer", ssm_dtype="float32",
+                   dtype=torch.bfloat16) -> "HybridStatePool":
+        return cls(GDNGeometry.from_config(cfg), max_reqs, max_verify_width, device, strategy, ssm_dtype, dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.conv.device
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
+
+    @property
+    def stash_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stash.values())
+
+    @property
+    def bytes(self) -> int:
+        return self.state_bytes + self.stash_bytes
+
+    def _slots(self, slots) -> Tensor:
+        return torch.as_tensor(slots, dtype=torch.int64).to(self.device)
+
+    def extend_context(self, slots: list[int], q_lens: list[int], kv_lens_before: list[int]) -> "ExtendContext":
+        """Packed extend of q_lens[i] tokens per request; kv_lens_before[i] == 0 starts from a zero state."""
+        return ExtendContext(self, self._slots(slots), q_lens, kv_lens_before)
+
+    def tree_context(self, slots: list[int], tree) -> "TreeContext":
+        if tree.num_nodes > self.width:
+            raise ValueError(f"tree of {tree.num_nodes} nodes exceeds max_verify_width {self.width}")
+        return TreeContext(self, self._slots(slots), tree)
+
+    def commit(self, slots: Tensor, path: Tensor, accept_length: Tensor) -> None:
+        """Set each request's state to the one after node path[i, accept_length[i]] of the last tree verify.
+        path [b, P] node indices root first (entries past accept_length are ignored)."""
+        slots, path, acc = slots.to(self.device).long(), path.to(self.device).long(), accept_length.to(self.device).long()
+        if self.strategy == "extra_buffer":
+            last = path.gather(1, acc[:, None])[:, 0]
+            self.conv[:, slots] = self.stash["node_conv"][:, slots, last]
+            self.ssm[:, slots] = self.stash["node_ssm"][:, slots, last]
+        else:
+            self._replay(slots, path, acc)
+
+    def _replay(self, slots: Tensor, path: Tensor, acc: Tensor) -> None:
+        geo, L = self.geo, self.geo.num_layers
+        b, P = path.shape
+        step = torch.arange(P, device=self.device)
+        keep = step[None, :] <= acc[:, None]
+        nodes = torch.where(keep, path, 0)
+        # gather only the accepted rows ([L, b, P, ...]), then replay them as chains 0..acc (-1 = padding)
+        chain = torch.where(keep, step[None, :], -1).repeat(L, 1)
+
+        def rows(name):
+            t = self.stash[name][:, slots[:, None], nodes]
+            return t.flatten(0, 1)
+
+        y = rows("node_y")
+        kd = geo.hk * geo.dk
+        q, k, v = torch.split(y, [kd, kd, geo.hv * geo.dv], dim=-1)
+        q = q.unflatten(-1, (geo.hk, geo.dk))
+        k = k.unflatten(-1, (geo.hk, geo.dk))
+        v = v.unflatten(-1, (geo.hv, geo.dv))
+        S0 = self.ssm[:, slots].flatten(0, 1)
+        S = replay_path(q, k, v, rows("node_g"), rows("node_beta"), chain, S0)
+        conv = replay_conv_path(rows("node_x"), chain, self.conv[:, slots].flatten(0, 1))
+        self.ssm[:, slots] = S.unflatten(0, (L, b)).to(self.ssm_dtype)
+        self.conv[:, slots] = conv.unflatten(0, (L, b))
+
+
+class ExtendContext:
+    """Prefill / chunked prefill: packed sequences, state read from and written back to the pool rows."""
+
+    def __init__(self, pool: HybridStatePool, slots: Tensor, q_lens: list[int], kv_lens_before: list[int]):
+        self.pool, self.slots = pool, slots
+        dev = pool.device
+        self.cu_seqlens = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0).to(dev)
+        self.fresh = torch.tensor([kv == 0 for kv in kv_lens_before], dtype=torch.bool).to(dev)
+
+    def _initial(self, t: Tensor) -> Tensor:
+        return torch.where(self.fresh.view(-1, *[1] * (t.dim() - 1)), 0, t)
+
+    def conv(self, j, x, weight, bias):
+        y, state = causal_conv1d_varlen(x, weight, self.cu_seqlens, self._initial(self.pool.conv[j, self.slots]), bias)
+        self.pool.conv[j, self.slots] = state.to(self.pool.dtype)
+        return y
+
+    def rule(self, j, q, k, v, g, beta):
+        S0 = self._initial(self.pool.ssm[j, self.slots])
+        o, S = gated_delta_rule_chunked(q[None], k[None], v[None], g[None], beta[None], S0, cu_seqlens=self.cu_seqlens)
+        self.pool.ssm[j, self.slots] = S.to(self.pool.ssm_dtype)
+        return o[0]
+
+
+class TreeContext:
+    """Tree verify over b requests x n nodes (flat request-major tokens): every node continues from its
+    parent's state; the committed rows are only read, the per-node stash is written."""
+
+    def __init__(self, pool: HybridStatePool, slots: Tensor, tree):
+        self.pool, self.slots = pool, slots
+        self.b, self.n = tree.tokens.shape
+        self.parents, self.depths, self.valid = tree.parents, tree.depths, tree.valid
+        self.max_depth = tree.depth_bound
+        self.extra = pool.strategy == "extra_buffer"
+
+    def _stash(self, name: str, j: int, t: Tensor) -> None:
+        self.pool.stash[name][j, self.slots, : self.n] = t.to(self.pool.stash[name].dtype)
+
+    def conv(self, j, x, weight, bias):
+        xb = x.view(self.b, self.n, -1)
+        y, node_states = tree_causal_conv1d(xb, self.parents, self.pool.conv[j, self.slots], weight, bias,
+                                            self.valid, return_node_states=self.extra)
+        if self.extra:
+            self._stash("node_conv", j, node_states)
+        else:
+            self._stash("node_x", j, xb)
+            self._stash("node_y", j, y)
+        return y.view(self.b * self.n, -1)
+
+    def rule(self, j, q, k, v, g, beta):
+        qb, kb, vb, gb, bb = (t.view(self.b, self.n, *t.shape[1:]) for t in (q, k, v, g, beta))
+        o, node_states = tree_gated_delta_rule(qb, kb, vb, gb, bb, self.parents, self.depths,
+                                               self.pool.ssm[j, self.slots], return_node_states=self.extra,
+                                               valid=self.valid, max_depth=self.max_depth)
+        if self.extra:
+            self._stash("node_ssm", j, node_states)
+        else:
+            self._stash("node_g", j, gb)
+            self._stash("node_beta", j, bb)
+        return o.view(self.b * self.n, *o.shape[2:])

@@ -1,0 +1,148 @@
+"""Hybrid Qwen3.5 / Qwen3.6 text target: Gated DeltaNet layers plus gated full-attention layers.
+
+Same public surface as the dense `Qwen3ForCausalLM` (flat tokens with absolute positions, attention through
+`attend(layer, q, k, v)`), plus `linear`, the recurrent-state context built by the state pool. Text-only
+M-RoPE has equal t/h/w positions, which makes it plain 1-D RoPE on the first `partial_rotary_factor` of
+each head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddtree.configs import TargetConfig
+from ddtree.engine.state_pool import HybridStatePool
+from ddtree.models.gated_deltanet import GatedDeltaNet, LinearStateContext
+from ddtree.models.layers import MLP, RotaryEmbedding
+from ddtree.models.qwen3 import AttendFn, causal_attend
+
+
+class OffsetRMSNorm(nn.Module):
+    """Qwen3.5 RMSNorm: scale is (1 + weight), applied in fp32 before casting back (zero init = identity)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedAttention(nn.Module):
+    """q_proj yields, per head, [query | gate] (head_dim each) when attn_output_gate; the attention output is
+    multiplied by sigmoid(gate) before o_proj."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.gated = cfg.attn_output_gate
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.heads * hd * (2 if self.gated else 1), bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.heads * hd, h, bias=bias)
+        self.q_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, layer: int, x, rope: RotaryEmbedding, cos, sin, attend: AttendFn):
+        shape = x.shape[:-1]
+        q = self.q_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = q.view(*shape, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q.reshape(*shape, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(*shape, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
+        out = attend(layer, rope(q, cos, sin), rope(k, cos, sin), v)
+        out = out.reshape(*shape, self.heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(*shape, self.heads * self.head_dim))
+        return self.o_proj(out)
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer: int, linear_ordinal: int | None):
+        super().__init__()
+        self.linear_ordinal = linear_ordinal
+        if linear_ordinal is not None:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, layer: int, x, rope, cos, sin, attend: AttendFn, linear: LinearStateContext | None):
+        h = self.input_layernorm(x)
+        if self.linear_ordinal is not None:
+            h = self.linear_attn(h, self.linear_ordinal, linear)
+        else:
+            h = self.self_attn(layer, h, rope, cos, sin, attend)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5Body(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        ordinal = {layer: j for j, layer in enumerate(cfg.linear_layer_ids)}
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, i, ordinal.get(i)) for i in range(cfg.num_hidden_layers))
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Parameter names match HF text checkpoints (`model.layers.N.{linear_attn,self_attn}...`); the loader
+    maps VLM keys (`model.language_model.*`) onto them and skips the vision tower and MTP head."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3_5Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor)
+        self.scale = cfg.head_dim**-0.5
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, tap_layers: tuple[int, ...] = (),
+        linear: LinearStateContext | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (final-normed hidden [..., T, H], taps [..., T, len(tap_layers)*H] or None); a tap id i is the
+        output of decoder layer i. With `linear` the tokens are the flat [T] tokens the context describes;
+        without it GDN layers start from a zero state for each row of input_ids ([B, T] or [T])."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        taps = {}
+        wanted = set(tap_layers)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(i, x, self.rotary, cos, sin, attend, linear)
+            if i in wanted:
+                taps[i] = x
+        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
+        return self.model.norm(x), tapped
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward_train(self, input_ids: torch.Tensor, tap_layers: tuple[int, ...] = ()):
+        """Dense causal forward for [B, T] ids from a zero recurrent state (training, data generation, tests)."""
+        positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+        hidden, taps = self.hidden_states(input_ids, positions, causal_attend(self.scale), tap_layers)
+        return self.logits(hidden), taps
+
+    def make_state_pool(self, max_reqs: int, max_verify_width: int, device, strategy: str = "extra_buffer",
+                        ssm_dtype: str = "float32") -> HybridStatePool:
+        """Recurrent state rows for `max_reqs` requests; conv windows and stashed inputs keep the model dtype."""
+        return HybridStatePool.for_config(self.config, max_reqs, max_verify_width, device, strategy, ssm_dtype,
+                                          self.model.embed_tokens.weight.dtype)
