@@ -1,0 +1,54 @@
+"""PNG plots for the benchmarks (matplotlib, headless)."""
+
+from __future__ import annotations
+
+import collections
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def tau_vs_budget(rows: list[dict], path: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    groups = collections.defaultdict(list)
+    for r in rows:
+        if r["algorithm"] == "DDTREE":
+            groups[(r["temperature"], r["shadow_linear"])].append((r["budget"], r["tau"]))
+    for (temp, shadow), pts in sorted(groups.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                label=f"DDTREE T={temp}{' shadow' if shadow else ''}")
+    for r in rows:
+        if r["algorithm"] == "DFLASH":
+            ax.axhline(r["tau"], linestyle="--", linewidth=1, label=f"DFLASH T={r['temperature']}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget B (tree nodes, root excluded)")
+    ax.set_ylabel("mean accepted length τ (tokens/round)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def accept_histograms(hists: dict[str, list[int]], path: str) -> None:
+    plt = _plt()
+    n = len(hists)
+    fig, axes = plt.subplots(n, 1, figsize=(6, 1.6 * n + 0.5), sharex=True, squeeze=False)
+    for ax, (label, lengths) in zip(axes[:, 0], hists.items()):
+        counts = collections.Counter(lengths)
+        xs = sorted(counts)
+        ax.bar(xs, [counts[x] / len(lengths) for x in xs])
+        ax.set_ylabel("frac", fontsize=7)
+        ax.set_title(label, fontsize=8)
+    axes[-1, 0].set_xlabel("tokens emitted per round (accepted + bonus)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

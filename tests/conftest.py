@@ -1,0 +1,17 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="session")
+def toy_pair(tmp_path_factory):
+    """(target_dir, drafter_dir): a tiny target and DFlash drafter trained in seconds on a regular synthetic
+    corpus, so drafts are really accepted. Cached across sessions in $DDTREE_CACHE when set."""
+    from ddtree.train.toy import build_toy_pair
+
+    root = os.environ.get("DDTREE_CACHE")
+    out = os.path.join(root, "toy_pair") if root else str(tmp_path_factory.mktemp("toy_pair"))
+    return build_toy_pair(out)

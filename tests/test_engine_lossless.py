@@ -1,0 +1,56 @@
+"""Lossless at T=0: DFLASH and DDTREE emit exactly the AR tokens, on a pair whose drafts are really
+accepted (the mean accepted length is asserted in the same test)."""
+
+import pytest
+
+from engine_utils import GREEDY, mean_accept, run, toy_prompts
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(toy_pair):
+    return [o.token_ids for o in run(toy_pair, toy_prompts())]
+
+
+def test_dflash_is_lossless_and_accepts(toy_pair, ar_tokens):
+    outs = run(toy_pair, toy_prompts(), algorithm="DFLASH")
+    assert [o.token_ids for o in outs] == ar_tokens
+    assert mean_accept(outs) > 2
+
+
+@pytest.mark.parametrize("budget", [4, 16, 64])
+@pytest.mark.parametrize("shadow", [False, True])
+@pytest.mark.parametrize("cap", ["1", "4", "B"])
+def test_ddtree_is_lossless_and_accepts(toy_pair, ar_tokens, budget, shadow, cap):
+    topk = budget if cap == "B" else int(cap)
+    outs = run(toy_pair, toy_prompts(), algorithm="DDTREE", speculative_ddtree_budget=budget,
+               speculative_ddtree_topk_cap=topk, speculative_ddtree_shadow_linear=shadow)
+    assert [o.token_ids for o in outs] == ar_tokens
+    if budget >= 16:
+        assert mean_accept(outs) > 2
+
+
+@pytest.mark.parametrize("algorithm", ["NONE", "DFLASH", "DDTREE"])
+def test_batch_equals_batch_of_one(toy_pair, algorithm):
+    prompts = toy_prompts()
+    batched = run(toy_pair, prompts, algorithm=algorithm, speculative_ddtree_budget=16)
+    for p, o in zip(prompts, batched):
+        alone = run(toy_pair, [p], algorithm=algorithm, speculative_ddtree_budget=16)[0]
+        assert alone.token_ids == o.token_ids
+
+
+def test_preemption_under_kv_pressure_is_lossless(toy_pair, ar_tokens):
+    # a pool too small for all requests at once forces preempt-and-recompute
+    outs = run(toy_pair, toy_prompts(), algorithm="DDTREE", speculative_ddtree_budget=16, max_total_tokens=256,
+               page_size=8)
+    assert [o.token_ids for o in outs] == ar_tokens
+
+
+def test_pools_are_clean_after_drain(toy_pair):
+    from engine_utils import make_llm
+
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16)
+    llm.generate([list(p) for p in toy_prompts()], GREEDY)
+    bm = llm.engine.runner.bm
+    bm.check_integrity()
+    assert bm.num_free_pages == bm.num_pages
+    assert bm.num_free_slots == llm.engine.runner.cfg.max_running_requests
