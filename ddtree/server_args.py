@@ -313,8 +313,10 @@ def _resolve_mamba(a: ServerArgs, t: TargetConfig, upd: dict, p: list[str]) -> N
         logger.info("Mamba scheduler strategy is set to extra_buffer: the hybrid target %s needs a recurrent state "
                     "per verified draft node for %s speculative decoding.", t.architecture, a.speculative_algorithm)
     elif a.is_speculative and strategy == "no_buffer":
-        p.append(f"--mamba-scheduler-strategy no_buffer cannot verify {a.speculative_algorithm} drafts on the hybrid "
-                 f"target {t.architecture} (no per-node recurrent states); use --mamba-scheduler-strategy extra_buffer")
+        logger.info("--mamba-scheduler-strategy no_buffer: per-node recurrent states are not kept; after each %s "
+                    "verify the accepted path is replayed from stashed inputs (less memory, one extra chunked pass "
+                    "per GDN layer). Pass --mamba-scheduler-strategy extra_buffer to commit by copy instead.",
+                    a.speculative_algorithm)
     elif strategy is None:
         upd["mamba_scheduler_strategy"] = "no_buffer"
         logger.info("Mamba scheduler strategy is set to no_buffer (no speculative decoding).")

@@ -246,9 +246,12 @@ def test_hybrid_auto_extra_buffer(hybrid, caplog):
     assert any("extra_buffer" in m and "hybrid" in m for m in caplog.messages)
 
 
-def test_hybrid_no_buffer_with_speculation_is_an_error(hybrid):
-    one_problem(ddtree_argv(hybrid, "--mamba-scheduler-strategy", "no_buffer"),
-                "--mamba-scheduler-strategy extra_buffer")
+def test_hybrid_no_buffer_with_speculation_commits_by_replay(hybrid, caplog):
+    # ddtree can verify trees without per-node states: it replays the accepted path (SGLang refuses this)
+    caplog.set_level(logging.INFO, logger="ddtree")
+    args = prepare_server_args(ddtree_argv(hybrid, "--mamba-scheduler-strategy", "no_buffer"))
+    assert args.mamba_scheduler_strategy == "no_buffer"
+    assert any("replayed" in m for m in caplog.messages)
 
 
 def test_mamba_strategy_on_dense_target_ignored(dense, caplog):
