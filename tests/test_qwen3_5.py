@@ -2,6 +2,8 @@
 layouts, the paged path with the recurrent-state pool (chunked ragged prefill, decode), and tree verify
 through GDN layers with commit by copy (extra_buffer) and by replay (no_buffer)."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -107,12 +109,14 @@ def test_decode_matches_transformers_cache(text_ckpt):
     seq = _seq(4)
     reqs = _reqs(runner, [seq], [10])
     _prefill(runner, reqs, [[10]])
+    # transformers renamed past_key_values -> cache (5.2x); accept either spelling
+    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = hf(torch.tensor([seq[:10]]), use_cache=True)
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        cache = getattr(out, key)
         for step in range(4):
             tok = seq[10 + step]
-            ref = hf(torch.tensor([[tok]]), cache=cache, use_cache=True).logits[0, -1]
+            ref = hf(torch.tensor([[tok]]), use_cache=True, **{key: cache}).logits[0, -1]
             tree = DraftTree.from_parents(torch.tensor([[tok]]), torch.full((1, 1), -1), num_depths=0)
             got, _ = runner.verify(reqs, tree)
             runner.commit(reqs, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None)
