@@ -75,6 +75,7 @@ def register_backend(name: str):
 
 def get_backend(name: str) -> AttentionBackend:
     from ddtree.attention import torch_ref  # noqa: F401  (registers "torch")
+    from ddtree.attention import triton_backend  # noqa: F401  (registers "triton"; imports Triton lazily)
 
     if name not in _REGISTRY:
         raise ValueError(f"--attention-backend {name!r} is not available; choose one of {sorted(_REGISTRY)}")

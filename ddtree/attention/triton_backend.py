@@ -1,0 +1,68 @@
+"""`--attention-backend triton`: our split-KV paged kernel for decode, chain/tree verify and causal extend.
+
+Dispatch: every extend shape (q = 1 decode, verify with a tree mask, causal chain, ragged prefill) goes
+through one kernel, `ddtree.kernels.tree_attention.triton.paged_attention`; its launch config is picked from
+the rows per request (q tokens x GQA group). `draft_block` (block K/V never stored in the pool) delegates to
+the torch reference for now.
+
+Falls back to the torch reference when DDTREE_FORCE_REFERENCE_ATTENTION=1, or when the tensors are on the CPU
+and Triton's interpreter (TRITON_INTERPRET=1) is off, or for head dims the kernel does not take
+(not a power of two >= 16).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, register_backend, store_kv
+from ddtree.attention.torch_ref import TorchReferenceBackend
+
+FORCE_REFERENCE_ENV = "DDTREE_FORCE_REFERENCE_ATTENTION"
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+@register_backend("triton")
+class TritonAttentionBackend:
+    def __init__(self, num_splits: int | None = None):
+        # num_splits: fixed split count (e.g. while capturing CUDA graphs); None = chosen per call from the
+        # host kv_lens, which under graph capture should then be the captured maxima.
+        self.num_splits = num_splits
+        self.force_reference = _env_on(FORCE_REFERENCE_ENV)
+        self._ref = TorchReferenceBackend()
+        self._kernel = None
+        if not self.force_reference:
+            try:
+                from ddtree.kernels.tree_attention import triton as kernel
+            except ImportError as e:
+                raise RuntimeError(
+                    f"--attention-backend triton needs the triton package ({e}); install it, or set "
+                    f"{FORCE_REFERENCE_ENV}=1 to run the torch reference behind this backend"
+                ) from e
+            self._kernel = kernel
+
+    def _use_reference(self, q: torch.Tensor) -> bool:
+        if self._kernel is None:
+            return True
+        d = q.shape[-1]
+        if d < 16 or d & (d - 1):
+            return True
+        return q.device.type != "cuda" and not _env_on("TRITON_INTERPRET")
+
+    def extend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+        if self._use_reference(q):
+            return self._ref.extend(q, k, v, kv_cache, meta, scale)
+        store_kv(kv_cache, meta.slot_mapping, k, v)
+        kc, vc = kv_cache
+        return self._kernel.paged_attention(
+            q, kc, vc, meta.block_table, meta.qo_indptr, meta.kv_lens_t, meta.page_size, scale,
+            max_q_len=max(meta.q_lens), max_kv_len=max(meta.kv_lens), tree_mask=meta.tree_mask,
+            num_splits=self.num_splits,
+        )
+
+    def draft_block(self, q, k, v, ctx_cache, meta: DraftAttentionMetadata, scale, causal, window):
+        return self._ref.draft_block(q, k, v, ctx_cache, meta, scale, causal, window)

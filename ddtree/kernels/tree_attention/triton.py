@@ -1,0 +1,289 @@
+"""Split-KV paged attention for decode, chain/tree verify and causal extend (Triton).
+
+Contract (same as `reference.paged_attention_reference`): q [T, Hq, D] holds request i's q_len_i new tokens at
+rows qo_indptr[i]..qo_indptr[i+1]; they sit at logical KV positions kv_len_i - q_len_i .. kv_len_i - 1, whose
+K/V are already in the paged pools. Every cached position (< kv_len_i - q_len_i) is visible; among the new
+tokens visibility is causal, or `tree_mask[i, t, c]` (bool [b, n, n], n >= max q_len, ancestors-and-self).
+
+Grid (q_block, request * kv_head, split). A program's M rows are (token, query head of the kv head's GQA group)
+pairs, row = t * G + g, so every K/V tile is read once for the whole group. The KV range of a request is cut
+into `num_splits` contiguous runs of tiles; each program streams its run with an fp32 online softmax (base 2).
+Tiles wholly before the first position any row of the block can lose run with no mask at all; only the
+trailing tiles (the new tokens) evaluate causality or load the tree mask. With one split the program writes
+the output; otherwise it writes a normalised partial and its log-sum-exp, and `_combine` merges them.
+The mask is a plain bool tensor (read as uint8): it is touched only on the trailing tiles, n*n bytes per
+request, so bit-packing would save nothing measurable.
+All launch shapes depend only on host ints (batch, max q_len, num_splits); per-request lengths are read on the
+device, so the calls are CUDA-graph capturable with static metadata tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's CPU interpreter converts 1-element scalars with int(ndarray), an error on numpy >= 2.4;
+    loops with tensor bounds need it. Only touched under TRITON_INTERPRET=1."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_ddtree", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._ddtree = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton.knobs.runtime.interpret:
+    _patch_interpreter_index()
+
+# Reductions use tl.reduce with the standard combine functions, and tl.full instead of tl.zeros: tl.max,
+# tl.sum and tl.zeros are @jit functions that the interpreter cannot call when triton was imported before
+# TRITON_INTERPRET was set (it recognises these combine functions and reduces with numpy); same IR on GPU.
+_NEG_INIT = -1.0e30  # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    # DOT 0: native tensor-core dot; 1: fp32 inputs, exact ("ieee", not tf32); 2: upcast first (the CPU
+    # interpreter mis-multiplies bf16; bf16 products are exact in fp32, so this is the same function)
+    if DOT == 0:
+        return tl.dot(a, b)
+    elif DOT == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j, qk_scale, row_t, ctx, kv_len,
+             mask_row_ptr, q_len, stride_ks, stride_vs, PAGE: tl.constexpr, MASKED: tl.constexpr,
+             TREE: tl.constexpr, DOT: tl.constexpr):
+    if MASKED:
+        j_ok = j < kv_len
+        page = tl.load(bt_row + j // PAGE, mask=j_ok, other=0)
+    else:
+        page = tl.load(bt_row + j // PAGE)
+    slot = page * PAGE + j % PAGE
+    k_ptrs = k_pool + slot[:, None] * stride_ks + kv_off_k + d[None, :]
+    v_ptrs = v_pool + slot[:, None] * stride_vs + kv_off_v + d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=j_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=j_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = _dot(q, tl.trans(k), DOT) * qk_scale
+    if MASKED:
+        c = j[None, :] - ctx
+        if TREE:
+            in_tree = (c >= 0) & (c < q_len) & j_ok[None, :]
+            bits = tl.load(mask_row_ptr[:, None] + c, mask=in_tree, other=0)
+            vis = (c < 0) | (bits != 0)
+        else:
+            vis = c <= row_t[:, None]
+        s = tl.where(vis & j_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _split_kv_attn(
+    q_ptr, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask_ptr, out_ptr, part_o, part_lse,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
+    stride_mb, stride_mt,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    b = tl.program_id(1) // HKV
+    kvh = tl.program_id(1) % HKV
+    split = tl.program_id(2)
+    q_start = tl.load(qo_indptr + b)
+    q_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
+    n_rows = q_len * G
+    if qb * BLOCK_M >= n_rows:
+        return
+    kv_len = tl.load(kv_lens + b).to(tl.int32)
+    ctx = kv_len - q_len
+
+    rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    row_t = rows // G
+    head = kvh * G + rows % G
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (q_start + row_t)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    t_lo = (qb * BLOCK_M) // G
+    t_hi = (tl.minimum((qb + 1) * BLOCK_M, n_rows) - 1) // G
+    if TREE:
+        free_end = ctx
+        kv_end = kv_len
+    else:
+        free_end = ctx + t_lo
+        kv_end = ctx + t_hi + 1
+    n_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+    per_split = (n_tiles + num_splits - 1) // num_splits
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
+    free_tiles = free_end // BLOCK_N
+
+    bt_row = block_table + b * stride_bt
+    kv_off_k = kvh * stride_kh
+    kv_off_v = kvh * stride_vh
+    mask_row_ptr = mask_ptr + b * stride_mb + row_t * stride_mt
+    acc = tl.full([BLOCK_M, D], 0.0, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+
+    for tile in range(tile_lo, tl.minimum(tile_hi, free_tiles)):
+        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d,
+                                 tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_row_ptr, q_len,
+                                 stride_ks, stride_vs, PAGE, False, TREE, DOT)
+    for tile in range(tl.maximum(tile_lo, free_tiles), tile_hi):
+        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d,
+                                 tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_row_ptr, q_len,
+                                 stride_ks, stride_vs, PAGE, True, TREE, DOT)
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    tok = q_start + row_t
+    if SPLIT:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        base = (tok * (HKV * G) + head) * num_splits + split
+        tl.store(part_lse + base, lse, mask=row_ok)
+        tl.store(part_o + base[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+    else:
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine(part_o, part_lse, out_ptr, num_splits, stride_ot, stride_oh,
+             HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    tok = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    base = (tok * HQ + h) * num_splits
+    lse = tl.load(part_lse + base + s, mask=s_ok, other=float("-inf"))
+    top = tl.reduce(lse, 0, tl.standard._elementwise_max)
+    w = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
+    d = tl.arange(0, D)
+    o = tl.load(part_o + (base + s)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+    res = tl.reduce(o * w[:, None], 0, tl.standard._sum_combine) / tl.reduce(w, 0, tl.standard._sum_combine)
+    tl.store(out_ptr + tok * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty))
+
+
+class KernelConfig:
+    __slots__ = ("block_m", "block_n", "num_warps", "num_stages")
+
+    def __init__(self, block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 3):
+        self.block_m, self.block_n, self.num_warps, self.num_stages = block_m, block_n, num_warps, num_stages
+
+    def __repr__(self) -> str:
+        return f"KernelConfig(m={self.block_m}, n={self.block_n}, w={self.num_warps}, s={self.num_stages})"
+
+
+def default_config(rows_per_request: int) -> KernelConfig:
+    """rows = q tokens x GQA group. tl.dot needs M >= 16; decode rows (one token x G heads) pad to 16."""
+    if rows_per_request <= 16:
+        return KernelConfig(16, 64, 4, 3)
+    if rows_per_request <= 32:
+        return KernelConfig(32, 64, 4, 3)
+    return KernelConfig(64, 64, 4, 3)
+
+
+def _dot_mode(dtype: torch.dtype) -> int:
+    if triton.knobs.runtime.interpret:
+        return 2
+    return 1 if dtype == torch.float32 else 0
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def choose_num_splits(programs_per_split: int, max_kv_len: int, block_n: int, sms: int,
+                      waves: float = 2.0, min_tiles: int = 4, max_splits: int = 64) -> int:
+    """Enough splits that the grid covers ~`waves` programs per SM, but no split shorter than `min_tiles`."""
+    tiles = -(-max(max_kv_len, 1) // block_n)
+    want = -(-int(waves * sms) // max(programs_per_split, 1))
+    return max(1, min(want, tiles // min_tiles, max_splits))
+
+
+def paged_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+    qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float, *,
+    max_q_len: int, max_kv_len: int, tree_mask: torch.Tensor | None = None, num_splits: int | None = None,
+    config: KernelConfig | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See the module docstring. `max_q_len` and `max_kv_len` are host ints bounding the batch (they size the
+    grid and the split count only; pass the captured maxima under a CUDA graph). Returns [T, Hq, D]."""
+    T, hq, dim = q.shape
+    hkv = k_pool.shape[1]
+    assert hq % hkv == 0 and dim == k_pool.shape[2] and dim >= 16 and dim & (dim - 1) == 0
+    assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
+    group = hq // hkv
+    b = qo_indptr.shape[0] - 1
+    if out is None:
+        out = torch.empty(T, hq, dim, dtype=q.dtype, device=q.device)
+    if T == 0 or b == 0:
+        return out
+    if q.dtype != k_pool.dtype or q.stride(-1) != 1:
+        q = q.to(k_pool.dtype).contiguous()
+    cfg = config or default_config(max_q_len * group)
+    q_blocks = -(-(max_q_len * group) // cfg.block_m)
+    if num_splits is None:
+        num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, num_sms(q.device))
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out
+    tree = tree_mask is not None
+    if tree:
+        mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+        assert mask.stride(-1) == 1
+        smb, smt = mask.stride(0), mask.stride(1)
+    else:
+        mask, smb, smt = kv_lens, 0, 0
+    _split_kv_attn[(q_blocks, b * hkv, num_splits)](
+        q, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask, out, part_o, part_lse,
+        scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), smb, smt,
+        HKV=hkv, G=group, D=dim, PAGE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TREE=tree, SPLIT=split,
+        DOT=_dot_mode(k_pool.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        _combine[(T, hq)](
+            part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HQ=hq, D=dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        )
+    return out

@@ -1,0 +1,183 @@
+"""Split-KV paged tree attention (Triton) vs the plain PyTorch oracle, and through the backend seam.
+
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before the kernel
+module is imported). Skips when triton is not installed.
+"""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from ddtree.attention.backend import AttentionMetadata, get_backend  # noqa: E402
+from ddtree.kernels.tree_attention import paged_attention_reference  # noqa: E402
+
+_was_loaded = "ddtree.kernels.tree_attention.triton" in sys.modules
+import ddtree.kernels.tree_attention.triton as kernel_module  # noqa: E402
+
+if _was_loaded and not torch.cuda.is_available():
+    kernel_module = importlib.reload(kernel_module)  # re-decorate its kernels for the interpreter
+choose_num_splits, paged_attention = kernel_module.choose_num_splits, kernel_module.paged_attention
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def random_tree_mask(n, gen):
+    """Random parent array (parent index < child, root 0) -> [n, n] ancestors-and-self mask."""
+    mask = torch.eye(n, dtype=torch.bool)
+    for c in range(1, n):
+        p = int(torch.randint(0, c, (1,), generator=gen))
+        mask[c] |= mask[p]
+    return mask
+
+
+def paged_inputs(q_lens, kv_lens, page, hq, hkv, d, dtype, gen, tree=False):
+    """Random q and K/V pools, each request's pages scattered at random; mask padded to max q_len."""
+    b = len(q_lens)
+    pages = [-(-kv // page) for kv in kv_lens]
+    max_pages = max(pages) + 1
+    total = sum(pages) + 5
+    perm = torch.randperm(total, generator=gen)
+    block_table = torch.full((b, max_pages), total + 7, dtype=torch.int64)  # unused entries: out of range
+    o = 0
+    for i, p in enumerate(pages):
+        block_table[i, :p] = perm[o: o + p]
+        o += p
+    k_pool = torch.randn(total * page, hkv, d, generator=gen).to(dtype)
+    v_pool = torch.randn(total * page, hkv, d, generator=gen).to(dtype)
+    q = (torch.randn(sum(q_lens), hq, d, generator=gen) * 2).to(dtype)
+    qo_indptr = torch.zeros(b + 1, dtype=torch.int64)
+    qo_indptr[1:] = torch.tensor(q_lens).cumsum(0)
+    mask = None
+    if tree:
+        n = max(q_lens)
+        mask = torch.stack([random_tree_mask(n, gen) for _ in range(b)])
+    to = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    return (to(q), to(k_pool), to(v_pool), to(block_table), to(qo_indptr), torch.tensor(kv_lens, device=DEV),
+            to(mask))
+
+
+def check(q_lens, kv_lens, page, dtype, tree, num_splits=None, hq=4, hkv=2, d=32, seed=0, config=None):
+    gen = torch.Generator().manual_seed(seed)
+    q, kp, vp, bt, indptr, kvl, mask = paged_inputs(q_lens, kv_lens, page, hq, hkv, d, dtype, gen, tree)
+    scale = d ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, kp, vp, bt, indptr, kvl, page, scale, max_q_len=max(q_lens), max_kv_len=max(kv_lens),
+                    tree_mask=mask, num_splits=num_splits, config=config, out=out)
+    ref = paged_attention_reference(q.double(), kp.double(), vp.double(), bt, indptr, kvl, page, scale,
+                                    tree_mask=mask, acc_dtype=torch.float64)
+    assert torch.isfinite(out).all(), "unwritten or NaN output rows"
+    err = rel(out, ref)
+    print(f"q_lens={q_lens} kv_lens={kv_lens} page={page} {dtype} tree={tree} splits={num_splits}: rel {err:.2e}")
+    assert err < TOL[dtype], err
+    return err
+
+
+# (q_lens, kv_lens, page, tree, num_splits): decode, ragged decode, chain, tree verify (1..B+1 nodes, B = 16
+# plus one 65-node tree), empty splits, causal ragged extend, page sizes 1 and 16, contexts up to ~2k.
+CASES = [
+    ([1], [1], 16, False, None),
+    ([1, 1, 1], [5, 700, 33], 16, False, 4),
+    ([1, 1], [2048, 17], 1, False, 8),
+    ([1, 1], [129, 3], 16, True, 2),
+    ([2, 2], [40, 2], 16, True, 1),
+    ([9, 9], [300, 9], 16, True, 3),
+    ([17, 17, 17], [1200, 17, 500], 16, True, 5),
+    ([17, 17], [200, 64], 1, True, 2),
+    ([65], [1100], 16, True, 2),
+    ([5, 5], [20, 300], 16, True, 8),
+    ([4, 4], [70, 2000], 16, False, 3),
+    ([37, 1, 0, 12], [37, 900, 50, 300], 16, False, None),
+    ([100], [260], 1, False, 1),
+]
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,page,tree,splits", CASES)
+def test_kernel_fp32(q_lens, kv_lens, page, tree, splits):
+    check(q_lens, kv_lens, page, torch.float32, tree, splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_lens,kv_lens,page,tree,splits", [CASES[2], CASES[6], CASES[8], CASES[11]])
+def test_kernel_half(q_lens, kv_lens, page, tree, splits, dtype):
+    check(q_lens, kv_lens, page, dtype, tree, splits)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_tree_sizes(seed):
+    """Trees of 1..B+1 nodes (B = 16) with random parents, two requests of different context lengths."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    n = int(torch.randint(1, 18, (1,), generator=gen))
+    kv = [n + int(torch.randint(0, 600, (1,), generator=gen)) for _ in range(2)]
+    check([n, n], kv, 16, torch.float32, True, num_splits=int(torch.randint(1, 5, (1,), generator=gen)),
+          hq=8, hkv=2, d=16, seed=seed)
+
+
+def test_gqa_group_one_and_head_dim_64():
+    check([3, 3], [50, 130], 16, torch.float32, True, num_splits=2, hq=2, hkv=2, d=64)
+
+
+def test_num_splits_fill_the_gpu():
+    # b = 1, 65-node tree, 8 KV heads, GQA 4 -> 5 row blocks of 64 per KV head: 40 programs per split
+    assert choose_num_splits(40, 16384, 64, 132) * 40 >= 132
+    assert choose_num_splits(8, 16384, 64, 132) * 8 >= 2 * 132  # AR decode
+    assert choose_num_splits(8, 100, 64, 132) == 1  # two tiles: nothing to split
+    assert choose_num_splits(5000, 16384, 64, 132) == 1
+
+
+def _meta(q_lens, kv_lens, bt, page, mask):
+    indptr = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    indptr[1:] = torch.tensor(q_lens).cumsum(0)
+    lpos = torch.cat([torch.arange(kv - q, kv) for q, kv in zip(q_lens, kv_lens)])
+    ridx = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    btc = bt.cpu()
+    slots = btc[ridx, lpos // page] * page + lpos % page
+    return AttentionMetadata(
+        q_lens=list(q_lens), kv_lens=list(kv_lens), qo_indptr=indptr.to(DEV),
+        kv_lens_t=torch.tensor(kv_lens, device=DEV), block_table=bt, slot_mapping=slots.to(DEV),
+        page_size=page, tree_mask=mask,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["prefill", "decode", "tree", "chain"])
+def test_backend_extend_matches_torch(kind, dtype):
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, d, page = 8, 2, 32, 16
+    q_lens = {"prefill": [30, 7, 64], "decode": [1, 1, 1], "tree": [13, 13, 13], "chain": [6, 6, 6]}[kind]
+    kv_lens = [q + c for q, c in zip(q_lens, [0, 400, 95])]
+    q, kp, vp, bt, _, _, mask = paged_inputs(q_lens, kv_lens, page, hq, hkv, d, dtype, gen, kind == "tree")
+    k_new = torch.randn(q.shape[0], hkv, d, generator=gen).to(dtype).to(DEV)
+    v_new = torch.randn(q.shape[0], hkv, d, generator=gen).to(dtype).to(DEV)
+    meta = _meta(q_lens, kv_lens, bt, page, mask)
+    cache_a, cache_b = (kp.clone(), vp.clone()), (kp.clone(), vp.clone())
+    ours = get_backend("triton").extend(q, k_new, v_new, cache_a, meta, d ** -0.5)
+    ref = get_backend("torch").extend(q, k_new, v_new, cache_b, meta, d ** -0.5)
+    assert torch.equal(cache_a[0], cache_b[0]) and torch.equal(cache_a[1], cache_b[1])
+    err = rel(ours, ref)
+    print(f"backend {kind} {dtype}: rel {err:.2e}")
+    assert err < TOL[dtype], err
+
+
+def test_force_reference_switch(monkeypatch):
+    monkeypatch.setenv("DDTREE_FORCE_REFERENCE_ATTENTION", "1")
+    backend = get_backend("triton")
+    assert backend.force_reference and backend._use_reference(torch.empty(1, 1, 32, device=DEV))
+    gen = torch.Generator().manual_seed(3)
+    q, kp, vp, bt, _, _, mask = paged_inputs([5], [50], 16, 4, 2, 32, torch.float32, gen, True)
+    meta = _meta([5], [50], bt, 16, mask)
+    k_new, v_new = torch.randn(5, 2, 32, device=DEV), torch.randn(5, 2, 32, device=DEV)
+    a = backend.extend(q, k_new, v_new, (kp.clone(), vp.clone()), meta, 0.2)
+    b = get_backend("torch").extend(q, k_new, v_new, (kp.clone(), vp.clone()), meta, 0.2)
+    assert torch.equal(a, b)
