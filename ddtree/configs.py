@@ -136,7 +136,8 @@ class TargetConfig:
             max_position_embeddings=int(text.get("max_position_embeddings", 40960)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             attention_bias=bool(text.get("attention_bias", False)),
-            dtype=str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+            dtype=str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype")
+                      or "bfloat16"),
             eos_token_ids=_eos_ids(text.get("eos_token_id", cfg.get("eos_token_id"))),
             layer_types=layer_types,
             linear_num_key_heads=int(text.get("linear_num_key_heads", 0) or 0),
