@@ -198,8 +198,14 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
     if t.is_hybrid:
         conv, ssm = recurrent_state_bytes(t, act, DTYPE_BYTES[args.mamba_ssm_dtype])
         state = (conv + ssm) // tp
-        nodes = width if args.is_speculative and args.mamba_scheduler_strategy == "extra_buffer" else 0
-        spec_state = nodes * state
+        spec_state = 0
+        if args.is_speculative and args.mamba_scheduler_strategy == "extra_buffer":
+            spec_state = width * state  # a full conv + delta-rule state per verified node
+        elif args.is_speculative:  # no_buffer: per-node GDN inputs, replayed along the accepted path
+            conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * \
+                t.linear_value_head_dim
+            per_node = 2 * conv_dim * act + t.linear_num_value_heads * (4 + act)
+            spec_state = width * len(t.linear_layer_ids) * per_node // tp
         per_request = state + spec_state
         r = args.mamba_full_memory_ratio
         state_pool = min(args.max_mamba_cache_size * per_request, rest) if args.max_mamba_cache_size else \
