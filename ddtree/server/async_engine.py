@@ -1,0 +1,215 @@
+"""The synchronous LLMEngine driven from one background thread, fed by asyncio handlers.
+
+Invariant: only the engine thread touches the engine (requests, pools, tokenizer). Handlers hand it closures
+through a command queue (`call`, `submit`, `abort`); between two steps the thread runs every queued command,
+so requests join and leave the running batch at every step. After each step it publishes, per request, the
+text that can no longer be taken back by a stop string into that request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ddtree.engine.request import Req, SamplingParams
+
+logger = logging.getLogger("ddtree")
+
+IDLE_POLL_S = 0.05
+
+
+@dataclass
+class Delta:
+    """What one request gained since its previous Delta; the last one has finish_reason or error set."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rounds: int = 0
+    mean_accept_length: float = 0.0
+
+
+@dataclass
+class Stream:
+    rid: str
+    prompt_tokens: int
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    req: Req | None = field(default=None, repr=False)  # engine thread only
+    added: float = 0.0
+    sent_chars: int = 0
+    seen_tokens: int = 0
+    seen_rounds: int = 0
+
+    def put(self, delta: Delta) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+        except RuntimeError:  # the handler's loop is closed: nobody is listening any more
+            pass
+
+
+def stop_holdback(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string: characters that a
+    later token may still turn into a stop (and cut), so they are not streamed yet."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+class AsyncEngine:
+    def __init__(self, engine, metrics=None):
+        self.engine, self.metrics = engine, metrics
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, Stream] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- handler side (event loop) ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def call(self, fn: Callable[[], object]):
+        """Run fn() on the engine thread between two steps; its result or exception comes back here."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def submit(self, prepare: Callable[[object], tuple[list[int], SamplingParams]]) -> Stream:
+        """prepare(engine) -> (prompt ids, params) runs on the engine thread (it may tokenize and raise);
+        the request is then added and its Stream returned."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def add() -> Stream:
+            ids, params = prepare(self.engine)
+            req = self.engine.add_request(ids, params)
+            st = Stream(req.rid, req.num_prompt_tokens, q, loop, req, time.monotonic())
+            self._streams[req.rid] = st
+            if self.metrics is not None:
+                self.metrics.on_admit(req.num_prompt_tokens)
+            return st
+
+        return await self.call(add)
+
+    def abort(self, rid: str) -> None:
+        """Cancel a request (client gone); its KV pages and slot are freed before the next step."""
+        self._cmds.put((lambda: self._abort(rid), None))
+
+    # ---- engine thread ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                try:
+                    self.engine.step()
+                except Exception as e:  # noqa: BLE001 - the loop must survive; the batch is failed instead
+                    logger.exception("engine step failed; failing the running requests")
+                    self._fail_running(e)
+                self._publish()
+            if self.metrics is not None:
+                self.metrics.on_pools(self.engine)
+        self._run_commands(block=False)
+        for rid in list(self._streams):
+            self._fail(rid, "server is shutting down")
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._cmds.get(timeout=IDLE_POLL_S) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            if fut is None:
+                fn()
+            elif fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed back to the awaiting handler
+                    fut.set_exception(e)
+            try:
+                item = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _publish(self) -> None:
+        for rid, st in list(self._streams.items()):
+            req = st.req
+            done = req.finish_reason is not None
+            safe = len(req.text) if done else len(req.text) - stop_holdback(req.text, req.params.stop)
+            text = req.text[st.sent_chars:safe] if safe > st.sent_chars else ""
+            st.sent_chars = max(st.sent_chars, safe)
+            n_tok, rounds = req.num_output_tokens, req.stats.accept_lengths
+            if self.metrics is not None and (n_tok > st.seen_tokens or len(rounds) > st.seen_rounds):
+                first = time.monotonic() - st.added if st.seen_tokens == 0 and n_tok else None
+                self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds:], first)
+            st.seen_tokens, st.seen_rounds = n_tok, len(rounds)
+            if done:
+                self._streams.pop(rid)
+                st.put(self._final(req, text))
+                if self.metrics is not None:
+                    self.metrics.on_finish(req.finish_reason, time.monotonic() - st.added)
+            elif text:
+                st.put(Delta(text=text))
+
+    @staticmethod
+    def _final(req: Req, text: str, error: str | None = None) -> Delta:
+        return Delta(text=text, finish_reason=req.finish_reason, error=error, prompt_tokens=req.num_prompt_tokens,
+                     completion_tokens=req.num_output_tokens, rounds=req.stats.rounds,
+                     mean_accept_length=req.stats.mean_accept_length)
+
+    def _release(self, rid: str) -> Stream | None:
+        st = self._streams.pop(rid, None)
+        self.engine.abort(rid)
+        # NOTE: LLMEngine.abort leaves the request's incremental detokenizer behind; drop it here
+        self.engine.emitter.detok.pop(rid, None)
+        return st
+
+    def _abort(self, rid: str) -> None:
+        st = self._release(rid)
+        if st is not None and self.metrics is not None:
+            self.metrics.on_finish("abort", time.monotonic() - st.added)
+
+    def _fail(self, rid: str, message: str) -> None:
+        st = self._release(rid)
+        if st is not None:
+            st.req.finish_reason = st.req.finish_reason or "abort"
+            st.put(self._final(st.req, "", error=message))
+            if self.metrics is not None:
+                self.metrics.on_finish("error", time.monotonic() - st.added)
+
+    def _fail_running(self, exc: Exception) -> None:
+        """A step raised: its batch (a subset of the running requests) may hold half-written KV, so every
+        running request is failed and freed. If none ran, the head of the queue is the likely culprit."""
+        if self.metrics is not None:
+            self.metrics.engine_errors.inc()
+        sched = self.engine.scheduler
+        victims = [r.rid for r in sched.running] or [r.rid for r in list(sched.waiting)[:1]]
+        for rid in victims:
+            if rid in self._streams:
+                self._fail(rid, f"internal engine error: {type(exc).__name__}: {exc}")
+            else:
+                self._release(rid)

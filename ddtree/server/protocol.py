@@ -1,0 +1,186 @@
+"""OpenAI request schemas, OpenAI-style error bodies, and the translation of a request into SamplingParams.
+
+Fields outside the schema are ignored, except the OpenAI parameters this server cannot honour (they are
+rejected with 400 when set to anything but their neutral value). Extensions beyond OpenAI: `top_k`,
+`stop_token_ids`, `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from ddtree.engine.request import SamplingParams
+
+MAX_SEED = 2**63
+
+
+class APIError(Exception):
+    """A request failure with its HTTP status, rendered as {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int | None = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    # (field, neutral values): set to anything else, the request is rejected instead of silently ignored
+    UNSUPPORTED: ClassVar[tuple] = (("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
+                           ("logit_bias", (None, {})))
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    UNSUPPORTED: ClassVar[tuple] = _SamplingFields.UNSUPPORTED + (
+        ("echo", (None, False)), ("suffix", (None, "")), ("logprobs", (None,)), ("best_of", (None, 1)))
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+    UNSUPPORTED: ClassVar[tuple] = _SamplingFields.UNSUPPORTED + (
+        ("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("tools", (None, [])))
+
+
+def check_supported(req: _SamplingFields) -> None:
+    if req.n not in (None, 1):
+        raise invalid("n", f"only n=1 is supported (got {req.n}); send one request per completion")
+    for name, neutral in req.UNSUPPORTED:
+        if getattr(req, name) not in neutral:
+            raise invalid(name, "is not supported by this server; leave it unset", code="unsupported_parameter")
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completion request: a string or a list of token ids."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise invalid("prompt", f"batched prompts are not supported (got {len(p)}); send one prompt per "
+                                    "request")
+        p = p[0]
+    if len(p) == 0:
+        raise invalid("prompt", "is empty")
+    return p
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    if not req.messages:
+        raise invalid("messages", "is empty")
+    out = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, max_context: int, param: str) -> None:
+    if not ids:
+        raise invalid(param, "is empty (no tokens after tokenization)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid(param, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= max_context:
+        raise APIError(400, f"{param}: has {len(ids)} tokens but this model's context length is {max_context} "
+                            "tokens (prompt plus at least one generated token must fit)", param=param,
+                       code="context_length_exceeded")
+
+
+def sampling_params(req: _SamplingFields, prompt_len: int, max_context: int,
+                    default_max_tokens: int | None) -> SamplingParams:
+    """Validated SamplingParams; each bad value raises a 400 naming its field. default_max_tokens None means
+    'up to the context length'."""
+    room = max_context - prompt_len
+    max_tokens = req.max_tokens
+    name = "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens <= 0:
+        raise invalid(name, f"must be at least 1 (got {max_tokens})")
+    elif max_tokens > room:
+        raise APIError(400, f"{name}: {max_tokens} is too large: the prompt has {prompt_len} tokens and this "
+                            f"model's context length is {max_context}, so at most {room} tokens can be generated",
+                       param=name, code="context_length_exceeded")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature < 0:
+        raise invalid("temperature", f"must be >= 0 (got {temperature})")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not 0 < top_p <= 1:
+        raise invalid("top_p", f"must be in (0, 1] (got {top_p})")
+    top_k = -1 if req.top_k is None else req.top_k
+    if top_k < -1:
+        raise invalid("top_k", f"must be -1 or 0 (disabled) or a positive count (got {top_k})")
+    if req.seed is not None and not 0 <= req.seed < MAX_SEED:
+        raise invalid("seed", f"must be in [0, 2**63) (got {req.seed})")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(s == "" for s in stop):
+        raise invalid("stop", "stop strings must be non-empty")
+    if any(t < 0 for t in req.stop_token_ids or ()):
+        raise invalid("stop_token_ids", "token ids must be non-negative")
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                              stop=stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                              seed=req.seed)
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
