@@ -14,8 +14,8 @@ import time
 
 import httpx
 
-# id 0..94 = printable ASCII, 95 = <eos> (the target's eos), 96 = <mask> (the drafter's mask token)
-CHARS = [chr(c) for c in range(32, 127)]
+# id 0..94 = printable ASCII ('a' first), 95 = <eos> (the target's eos), 96 = <mask> (the drafter's mask token)
+CHARS = sorted((chr(c) for c in range(32, 127)), key=lambda ch: (not ch.islower(), ch))
 EOS_ID, MASK_ID = 95, 96
 CHAT_TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
@@ -52,6 +52,20 @@ def build_tiny_pair(root: str, seed: int = 0, num_layers: int = 2, max_position_
     save_char_tokenizer(target)
     save_random_drafter(target, drafter, seed=seed, num_layers=1, block_size=block_size,
                         mask_token_id=MASK_ID)
+    return target, drafter
+
+
+def build_constant_pair(root: str, block_size: int = 8) -> tuple[str, str]:
+    """A pair whose drafts are always fully accepted: both final norms are zeroed, so target and drafter logits
+    are all zero and greedy decoding emits token 0 ('a') forever - every round accepts the whole block."""
+    from safetensors.torch import load_file, save_file
+
+    target, drafter = build_tiny_pair(root, seed=5, block_size=block_size)
+    for path, key in ((target, "model.norm.weight"), (drafter, "norm.weight")):
+        f = os.path.join(path, "model.safetensors")
+        tensors = load_file(f)
+        tensors[key].zero_()
+        save_file(tensors, f, metadata={"format": "pt"})
     return target, drafter
 
 

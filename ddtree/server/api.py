@@ -13,7 +13,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -110,10 +110,9 @@ def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = D
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, e: RequestValidationError):
         err = e.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             return _json_error(APIError(400, f"request body is not valid JSON: {err.get('msg')}", code="invalid_json"))
-        param = ".".join(loc) or None
+        param = protocol.error_param(err.get("loc", ()))
         return _json_error(APIError(400, f"{param or 'body'}: {err.get('msg')}", param=param,
                                     code="missing_required_parameter" if err.get("type") == "missing"
                                     else "invalid_type"))
@@ -126,12 +125,11 @@ def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = D
     async def _server_error(request, e: Exception):
         return _json_error(APIError(500, f"internal server error: {type(e).__name__}: {e}"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if args.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {args.api_key}":
-                return _json_error(APIError(401, "invalid or missing API key", code="invalid_api_key"))
-        return await call_next(request)
+    def check_key(request: Request) -> None:
+        if args.api_key and request.headers.get("authorization") != f"Bearer {args.api_key}":
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in model_names:
@@ -170,13 +168,19 @@ def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = D
     async def final_delta(st: Stream, request: Request) -> Delta:
         """Concatenate a request's deltas; aborts it if the client goes away first."""
         parts, done = [], False
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_S
         try:
             while True:
                 try:
                     d = await asyncio.wait_for(st.queue.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    d = None
+                if loop.time() >= next_check:
+                    next_check = loop.time() + DISCONNECT_POLL_S
                     if await request.is_disconnected():
-                        raise APIError(499, "client disconnected") from None
+                        raise APIError(499, "client disconnected")
+                if d is None:
                     continue
                 parts.append(d.text)
                 if d.finish_reason is not None or d.error is not None:
@@ -219,7 +223,7 @@ def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = D
 
         return SSEResponse(events(), on_close)
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         prompt = protocol.completion_prompt(body)
         st = await start(body, lambda e: tokenize(e, prompt, "prompt") if isinstance(prompt, str) else list(prompt),
@@ -237,7 +241,7 @@ def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = D
         return head | {"choices": [{"index": 0, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}],
                        "usage": usage(d), "ddtree": ext(d)}
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = protocol.chat_messages(body)
 
@@ -268,11 +272,13 @@ def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = D
         return head | {"choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": d.finish_reason}],
                        "usage": usage(d), "ddtree": ext(d)}
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "ddtree",
                 "root": args.model_path, "max_model_len": engine.max_context}
         return {"object": "list", "data": [card]}
+
+    app.include_router(v1)
 
     @app.get("/health")
     async def health():

@@ -100,6 +100,15 @@ class ChatCompletionRequest(_SamplingFields):
         ("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("tools", (None, [])))
 
 
+def error_param(loc) -> str | None:
+    """Dotted field path of a validation error location, without pydantic's union-member tags."""
+    names = set()
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions):
+        names.update(model.model_fields)
+    parts = [str(x) for x in loc if isinstance(x, int) or x in names]
+    return ".".join(parts) or None
+
+
 def check_supported(req: _SamplingFields) -> None:
     if req.n not in (None, 1):
         raise invalid("n", f"only n=1 is supported (got {req.n}); send one request per completion")
