@@ -3,6 +3,7 @@ decoding algorithm. Each request must stream exactly the text its prompt gets al
 lossless), and after the drain every KV page and request slot is free again, checked from outside."""
 
 import asyncio
+import json
 import random
 import re
 
@@ -106,3 +107,32 @@ def test_queueing_beyond_max_running_and_kv_pressure(pair):
         info = wait_idle(srv.base_url)
         assert info["num_preemptions"] > 0, "the pool was meant to be too small for every request at once"
         assert info["kv_pages_free"] == info["kv_pages_total"] and info["kv_integrity"] == "ok"
+
+
+def test_bench_serving_smoke(pair, tmp_path):
+    from ddtree.bench.serving import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "def f(x):"}\n{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}\n'
+                    '{"prompt": [3, 4, 5]}\n')
+    with thread_server(server_argv(pair, "DDTREE")) as srv:
+        out = tmp_path / "synthetic" / "report.json"
+        argv = ["--base-url", srv.base_url, "--num-prompts", "8", "--max-tokens", "6", "--ignore-eos",
+                "--output", str(out)]
+        assert main(argv + ["--concurrency", "1", "4"]) == 0
+        report = json.loads(out.read_text())
+        assert [r["concurrency"] for r in report["results"]] == [1, 4]
+        for r in report["results"]:
+            assert r["completed"] == 8 and r["failed"] == 0 and r["total_output_tokens"] == 48
+            assert r["output_throughput"] > 0 and r["mean_accept_length"] >= 1.0
+            assert set(r["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and r["tpot_ms"]["p99"] > 0
+        assert (tmp_path / "synthetic" / "report.png").stat().st_size > 1000
+
+        out = tmp_path / "jsonl.json"
+        assert main(["--base-url", srv.base_url, "--dataset-path", str(data), "--num-prompts", "6",
+                     "--concurrency", "2", "--request-rate", "50", "--max-tokens", "5", "--ignore-eos",
+                     "--output", str(out)]) == 0
+        r = json.loads(out.read_text())["results"][0]
+        assert r["completed"] == 6 and r["total_output_tokens"] == 4 * 5 + 2 * 4
+        assert (tmp_path / "jsonl.png").exists()
+        assert wait_idle(srv.base_url)["kv_pages_free"] == server_info(srv.base_url)["kv_pages_total"]

@@ -1,0 +1,236 @@
+"""`ddtree bench serving`: drive a running server with the openai async client and report serving metrics.
+
+For each concurrency level (one run may sweep several) it sends the prompt set with at most that many requests
+in flight, optionally paced by Poisson arrivals at --request-rate, all streamed with usage. It reports request
+and token throughput, TTFT, TPOT (per output token after the first) and end-to-end latency (mean, p50, p90,
+p99), and the mean accepted length read from the server's `ddtree` response extension (weighted by rounds).
+Results go to a JSON file and PNG plots next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+SYNTHETIC_TOPICS = ("a stack", "a queue", "binary search", "merge sort", "a linked list", "an LRU cache",
+                    "matrix multiplication", "a trie", "Dijkstra's algorithm", "a rate limiter", "JSON parsing",
+                    "a thread pool", "run-length encoding", "the Fibonacci numbers", "a bloom filter", "a heap")
+SYNTHETIC_TEMPLATES = ("Write a Python function that implements {t}.", "Explain how {t} works, step by step.",
+                       "def {f}():\n    \"\"\"Implementation of {t}.\"\"\"\n", "List three common bugs in code for {t}.")
+
+
+@dataclass
+class Item:
+    prompt: str | list[int] | None = None
+    messages: list | None = None
+    max_tokens: int | None = None
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    rounds: int = 0
+    mean_accept_length: float = 0.0
+    error: str = ""
+
+
+def synthetic_items(n: int, seed: int) -> list[Item]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        topic = SYNTHETIC_TOPICS[i % len(SYNTHETIC_TOPICS)]
+        template = rng.choice(SYNTHETIC_TEMPLATES)
+        out.append(Item(prompt=template.format(t=topic, f="_".join(topic.split()[-2:]).replace("'", ""))))
+    return out
+
+
+def jsonl_items(path: str) -> list[Item]:
+    """One JSON object per line: {"prompt": text or token ids} or {"messages": [...]}, optional "max_tokens"."""
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            prompt = row.get("prompt", row.get("text"))
+            if prompt is None and "messages" not in row:
+                raise ValueError(f"{path}:{n}: needs a 'prompt' (or 'text') or 'messages' field")
+            items.append(Item(prompt=prompt, messages=row.get("messages"), max_tokens=row.get("max_tokens")))
+    return items
+
+
+async def one_request(client, model: str, item: Item, ns) -> Result:
+    kw = dict(model=model, max_tokens=item.max_tokens or ns.max_tokens, temperature=ns.temperature, stream=True,
+              stream_options={"include_usage": True}, extra_body={"ignore_eos": True} if ns.ignore_eos else None)
+    chat = item.messages is not None or (ns.chat and isinstance(item.prompt, str))
+    t0 = time.perf_counter()
+    res = Result(ok=False)
+    try:
+        if chat:
+            messages = item.messages or [{"role": "user", "content": item.prompt}]
+            stream = await client.chat.completions.create(messages=messages, **kw)
+        else:
+            stream = await client.completions.create(prompt=item.prompt, **kw)
+        async for chunk in stream:
+            if chunk.choices and not res.ttft:
+                c = chunk.choices[0]
+                if (c.delta.content if chat else c.text):
+                    res.ttft = time.perf_counter() - t0
+            if chunk.usage is not None:
+                res.completion_tokens, res.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+            ext = (chunk.model_extra or {}).get("ddtree")
+            if ext:
+                res.rounds, res.mean_accept_length = ext.get("rounds", 0), ext.get("mean_accept_length", 0.0)
+        res.latency = time.perf_counter() - t0
+        res.ttft = res.ttft or res.latency
+        res.ok = True
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal to the benchmark
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def summary(values: list[float], scale: float = 1000.0) -> dict:
+    import numpy as np
+
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values) * scale
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+async def run_level(client, model: str, items: list[Item], concurrency: int, ns) -> dict:
+    gate = asyncio.Semaphore(concurrency)
+    rng = random.Random(ns.seed)
+
+    async def gated(item: Item) -> Result:
+        async with gate:
+            return await one_request(client, model, item, ns)
+
+    t0 = time.perf_counter()
+    tasks = []
+    for item in items:
+        tasks.append(asyncio.create_task(gated(item)))
+        if ns.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(ns.request_rate))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.completion_tokens for r in ok)
+    rounds = sum(r.rounds for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
+    return {
+        "concurrency": concurrency, "request_rate": ns.request_rate, "completed": len(ok),
+        "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
+        "total_output_tokens": out_tokens, "ttft_ms": summary([r.ttft for r in ok]), "tpot_ms": summary(tpot),
+        "e2e_latency_ms": summary([r.latency for r in ok]),
+        "mean_accept_length": sum(r.mean_accept_length * r.rounds for r in ok) / rounds if rounds else 0.0,
+        "requests": [asdict(r) for r in results] if ns.save_requests else None,
+    }
+
+
+async def run(ns, items: list[Item]) -> dict:
+    import httpx
+    from openai import AsyncOpenAI
+
+    limits = httpx.Limits(max_connections=max(ns.concurrency) + 8)
+    client = AsyncOpenAI(base_url=ns.base_url.rstrip("/") + "/v1", api_key=ns.api_key or "none", max_retries=0,
+                         timeout=ns.timeout, http_client=httpx.AsyncClient(limits=limits, timeout=ns.timeout))
+    try:
+        model = ns.model or (await client.models.list()).data[0].id
+        if ns.warmup:
+            await asyncio.gather(*(one_request(client, model, it, ns) for it in items[: ns.warmup]))
+        levels = [await run_level(client, model, items, c, ns) for c in ns.concurrency]
+    finally:
+        await client.close()
+    return {"base_url": ns.base_url, "model": model, "num_prompts": len(items), "max_tokens": ns.max_tokens,
+            "temperature": ns.temperature, "dataset": ns.dataset_path or "synthetic", "results": levels}
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = report["results"]
+    xs = [r["concurrency"] for r in levels]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(xs, [r["output_throughput"] for r in levels], "o-")
+    axes[0].set(xlabel="concurrency", ylabel="output tokens / s", title="throughput")
+    axes[1].plot(xs, [r["mean_accept_length"] for r in levels], "o-", color="tab:green")
+    axes[1].set(xlabel="concurrency", ylabel="tokens per round", title="mean accepted length")
+    for key, style in (("ttft_ms", "o-"), ("tpot_ms", "s--")):
+        axes[2].plot(xs, [r[key]["p50"] for r in levels], style, label=f"{key[:4].upper()} p50")
+        axes[2].plot(xs, [r[key]["p99"] for r in levels], style, alpha=0.5, label=f"{key[:4].upper()} p99")
+    axes[2].set(xlabel="concurrency", ylabel="ms", title="latency", yscale="log")
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{os.path.basename(report['model'].rstrip('/'))} - {report['num_prompts']} prompts, max_tokens {report['max_tokens']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddtree bench serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root URL (without /v1)")
+    p.add_argument("--model", help="model name; default: the first one /v1/models lists")
+    p.add_argument("--api-key")
+    p.add_argument("--dataset-path", help='JSONL prompt set ({"prompt"} or {"messages"} per line); '
+                                          "default: the built-in synthetic set")
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts per level (the set is cycled)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="one or more levels")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (ddtree extension)")
+    p.add_argument("--chat", action="store_true", help="send text prompts to /v1/chat/completions")
+    p.add_argument("--warmup", type=int, default=1, help="requests sent once before measuring")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--output", default="bench_serving.json", help="JSON report; the PNG goes next to it")
+    p.add_argument("--save-requests", action="store_true", help="keep per-request timings in the JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = make_parser().parse_args(argv)
+    if any(c < 1 for c in ns.concurrency) or ns.num_prompts < 1 or ns.request_rate <= 0:
+        print("error: --concurrency, --num-prompts and --request-rate must be positive", file=sys.stderr)
+        return 2
+    try:
+        base = jsonl_items(ns.dataset_path) if ns.dataset_path else synthetic_items(ns.num_prompts, ns.seed)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    items = [base[i % len(base)] for i in range(ns.num_prompts)] if base else []
+    report = asyncio.run(run(ns, items))
+    os.makedirs(os.path.dirname(os.path.abspath(ns.output)), exist_ok=True)
+    with open(ns.output, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    png = os.path.splitext(ns.output)[0] + ".png"
+    plot(report, png)
+    print(f"{'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'TPOT p99':>9} {'accept':>7}")
+    for r in report["results"]:
+        print(f"{r['concurrency']:>5} {r['completed']:>5} {r['failed']:>4} {r['request_throughput']:>7.2f} "
+              f"{r['output_throughput']:>10.1f} {r['ttft_ms']['p50']:>9.1f} {r['ttft_ms']['p99']:>9.1f} "
+              f"{r['tpot_ms']['p50']:>9.2f} {r['tpot_ms']['p99']:>9.2f} {r['mean_accept_length']:>7.2f}")
+    print(f"wrote {ns.output} and {png}")
+    return 1 if any(r["failed"] for r in report["results"]) else 0
