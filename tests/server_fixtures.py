@@ -55,6 +55,18 @@ def build_tiny_pair(root: str, seed: int = 0, num_layers: int = 2, max_position_
     return target, drafter
 
 
+def build_tiny_hybrid_pair(root: str, seed: int = 0) -> tuple[str, str]:
+    """(target_dir, drafter_dir): random hybrid Qwen3.5 target (GDN + attention, recurrent-state pool)."""
+    from hybrid_fixtures import save_hf_qwen3_5
+    from pair_fixtures import save_random_drafter
+
+    target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
+    save_hf_qwen3_5(target, seed=seed, eos_token_id=EOS_ID, bos_token_id=None)
+    save_char_tokenizer(target)
+    save_random_drafter(target, drafter, seed=seed, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    return target, drafter
+
+
 def build_constant_pair(root: str, block_size: int = 8) -> tuple[str, str]:
     """A pair whose drafts are always fully accepted: both final norms are zeroed, so target and drafter logits
     are all zero and greedy decoding emits token 0 ('a') forever - every round accepts the whole block."""
@@ -180,3 +192,15 @@ def wait_idle(base_url: str, timeout: float = 20.0) -> dict:
         if time.monotonic() > deadline:
             raise TimeoutError(f"server not idle: {info}")
         time.sleep(0.05)
+
+
+def wait_running(base_url: str, n: int = 1, timeout: float = 20.0) -> dict:
+    """Poll until n requests are in the running batch; returns that server info."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server_info(base_url)
+        if info["num_running_requests"] == n:
+            return info
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"expected {n} running requests: {info}")
+        time.sleep(0.01)

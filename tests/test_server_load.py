@@ -10,7 +10,9 @@ import re
 import httpx
 import pytest
 
-from server_fixtures import build_tiny_pair, server_argv, server_info, thread_server, wait_idle
+from server_fixtures import (
+    build_tiny_hybrid_pair, build_tiny_pair, server_argv, server_info, thread_server, wait_idle, wait_running,
+)
 
 NUM_CLIENTS = 64
 NUM_PROMPTS = 16  # each prompt is sent by NUM_CLIENTS // NUM_PROMPTS clients
@@ -19,6 +21,11 @@ NUM_PROMPTS = 16  # each prompt is sent by NUM_CLIENTS // NUM_PROMPTS clients
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return build_tiny_pair(str(tmp_path_factory.mktemp("load_pair")), seed=3)
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    return build_tiny_hybrid_pair(str(tmp_path_factory.mktemp("hybrid_pair")), seed=4)
 
 
 def prompts() -> list[tuple[str, int]]:
@@ -57,8 +64,10 @@ def metric(text: str, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
-@pytest.mark.parametrize("algorithm", ["NONE", "DFLASH", "DDTREE"])
-def test_concurrent_streams_match_batch_of_one(pair, algorithm):
+@pytest.mark.parametrize("target,algorithm", [("dense", "NONE"), ("dense", "DFLASH"), ("dense", "DDTREE"),
+                                              ("hybrid", "DDTREE")])
+def test_concurrent_streams_match_batch_of_one(request, target, algorithm):
+    pair = request.getfixturevalue("pair" if target == "dense" else "hybrid_pair")
     with thread_server(server_argv(pair, algorithm, "--max-running-requests", "48")) as srv:
         http = httpx.Client(base_url=srv.base_url, timeout=120)
         model = pair[0]
@@ -78,6 +87,7 @@ def test_concurrent_streams_match_batch_of_one(pair, algorithm):
         assert info["kv_pages_free"] == info["kv_pages_total"]
         assert info["request_slots_free"] == info["request_slots_total"]
         assert info["state_pool_slots_free"] == info["state_pool_slots_total"]
+        assert (info["state_pool_slots_total"] > 0) == (target == "hybrid")
         metrics = http.get("/metrics").text
         assert metric(metrics, "ddtree_kv_pages_free") == info["kv_pages_total"]
         assert metric(metrics, "ddtree_num_running_requests") == 0
@@ -136,3 +146,16 @@ def test_bench_serving_smoke(pair, tmp_path):
         assert r["completed"] == 6 and r["total_output_tokens"] == 4 * 5 + 2 * 4
         assert (tmp_path / "jsonl.png").exists()
         assert wait_idle(srv.base_url)["kv_pages_free"] == server_info(srv.base_url)["kv_pages_total"]
+
+
+def test_hybrid_disconnect_frees_state_slot(hybrid_pair):
+    with thread_server(server_argv(hybrid_pair, "DDTREE")) as srv:
+        http = httpx.Client(base_url=srv.base_url, timeout=60)
+        body = {"prompt": "long one", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json=body):
+            busy = wait_running(srv.base_url)
+            assert busy["state_pool_slots_free"] == busy["state_pool_slots_total"] - 1
+        info = wait_idle(srv.base_url, timeout=5)
+        assert info["state_pool_slots_free"] == info["state_pool_slots_total"] > 0
+        assert info["kv_pages_free"] == info["kv_pages_total"] and info["kv_integrity"] == "ok"
+        assert 'ddtree_requests_total{finish_reason="abort"} 1.0' in http.get("/metrics").text

@@ -22,7 +22,8 @@ SYNTHETIC_TOPICS = ("a stack", "a queue", "binary search", "merge sort", "a link
                     "matrix multiplication", "a trie", "Dijkstra's algorithm", "a rate limiter", "JSON parsing",
                     "a thread pool", "run-length encoding", "the Fibonacci numbers", "a bloom filter", "a heap")
 SYNTHETIC_TEMPLATES = ("Write a Python function that implements {t}.", "Explain how {t} works, step by step.",
-                       "def {f}():\n    \"\"\"Implementation of {t}.\"\"\"\n", "List three common bugs in code for {t}.")
+                       "def {f}():\n    \"\"\"Implementation of {t}.\"\"\"\n",
+                       "List three common bugs in code for {t}.")
 
 
 @dataclass
@@ -181,7 +182,8 @@ def plot(report: dict, path: str) -> None:
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{os.path.basename(report['model'].rstrip('/'))} - {report['num_prompts']} prompts, max_tokens {report['max_tokens']}")
+    name = os.path.basename(report["model"].rstrip("/"))
+    fig.suptitle(f"{name} - {report['num_prompts']} prompts, max_tokens {report['max_tokens']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

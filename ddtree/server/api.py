@@ -268,9 +268,9 @@ def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = D
                                                "logprobs": None, "finish_reason": None}]}
             return stream_response(st, body, chunk, first)
         d = await final_delta(st, request)
-        message = {"role": "assistant", "content": d.text}
-        return head | {"choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": d.finish_reason}],
-                       "usage": usage(d), "ddtree": ext(d)}
+        choice = {"index": 0, "message": {"role": "assistant", "content": d.text}, "logprobs": None,
+                  "finish_reason": d.finish_reason}
+        return head | {"choices": [choice], "usage": usage(d), "ddtree": ext(d)}
 
     @v1.get("/models")
     async def models():
