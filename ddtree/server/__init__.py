@@ -1,2 +1,3 @@
-"""OpenAI-compatible HTTP serving: `launch` (CLI), `api` (routes), `protocol` (schemas, errors),
-`async_engine` (the engine thread), `metrics` (Prometheus)."""
+"""OpenAI-compatible HTTP serving: `launch` (CLI), `api` (app and routes), `openai_serving` (completions and
+chat, JSON and SSE), `protocol` (schemas, errors, sampling params), `async_engine` (the engine thread),
+`metrics` (Prometheus)."""
