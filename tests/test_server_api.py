@@ -159,21 +159,47 @@ def test_stop_cut_exactly_inside_an_accepted_block(tmp_path):
         assert (text, finish) == ("", ["stop"])
 
 
+def in_block_stop(llm, out):
+    """(stop string, token index j) such that j sits strictly inside a round's accepted block and the stop's
+    first occurrence in the output text ends on token j; None if there is no such token."""
+    inside, pos = [], 0
+    for n in out.accept_lengths:
+        inside += list(range(pos + 1, pos + n - 1)) if n > 2 else []
+        pos += n
+    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    for j in inside:
+        before, upto = decode(out.token_ids[:j]), decode(out.token_ids[: j + 1])
+        stop = upto[len(before):].strip()
+        first = out.text.find(stop) if stop else -1
+        if first >= 0 and len(before) < first + len(stop) <= len(upto):
+            return stop, j
+    return None
+
+
 @pytest.mark.skipif(not HAS_TOY_PAIR, reason="ddtree.train.toy (the trained toy pair) is not available yet")
 def test_stop_inside_accepted_block_on_toy_pair(toy_pair):
+    """The toy pair really accepts drafts: pick a stop string that completes strictly inside an accepted DDTREE
+    block (found offline with the same engine) and check the server cuts the output exactly there."""
+    from ddtree import SamplingParams
+    from engine_utils import make_llm, toy_prompts
+
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16)
+    prompt = list(toy_prompts()[2])
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0]
+    found = in_block_stop(llm, ref)
+    assert found, f"no stop candidate inside an accepted block: {ref.accept_lengths}"
+    stop, j = found
     with thread_server(server_argv(toy_pair, "DDTREE", "--speculative-ddtree-budget", "16")) as srv:
         c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
-        from engine_utils import toy_prompts
-
-        prompt = list(toy_prompts()[2])
-        full = c.completions.create(model=toy_pair[0], prompt=prompt, max_tokens=48, temperature=0,
-                                    extra_body={"ignore_eos": True})
-        assert full.model_extra["ddtree"]["mean_accept_length"] > 2
-        text = full.choices[0].text
-        stop = text[len(text) // 2: len(text) // 2 + 2].strip() or text[-1]
-        r = c.completions.create(model=toy_pair[0], prompt=prompt, max_tokens=48, temperature=0, stop=stop,
-                                 extra_body={"ignore_eos": True})
-        assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.index(stop)]
+        kw = dict(model=toy_pair[0], prompt=prompt, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+        full = c.completions.create(**kw)
+        assert full.choices[0].text == ref.text and full.model_extra["ddtree"]["mean_accept_length"] > 2
+        r = c.completions.create(**kw, stop=stop)
+        expected = ref.text[: ref.text.find(stop)]
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+        assert r.usage.completion_tokens == j + 1
+        _, text, finish = collect(c.completions.create(**kw, stop=[stop], stream=True))
+        assert (text, finish) == (expected, ["stop"])
 
 
 def test_config_errors_exit_2_before_loading_weights(tmp_path, capsys):
