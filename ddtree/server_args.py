@@ -143,7 +143,10 @@ def _hf_cache_dir(path: str) -> str | None:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
-    hit = try_to_load_from_cache(path, "config.json")
+    try:
+        hit = try_to_load_from_cache(path, "config.json")
+    except ValueError:  # not a valid repo id (e.g. "/models"): a local path that does not exist
+        return None
     return os.path.dirname(hit) if isinstance(hit, str) else None
 
 

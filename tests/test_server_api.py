@@ -209,6 +209,8 @@ def test_config_errors_exit_2_before_loading_weights(tmp_path, capsys):
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("error: invalid configuration:")]
     assert any("--model-path" in ln for ln in lines) and any("--speculative-draft-model-path" in ln for ln in lines)
+    assert main(["--model-path", "/no-such-model-dir"]) == 2  # one slash: looks like a repo id, is not one
+    assert "/no-such-model-dir: directory does not exist" in capsys.readouterr().err
     proc = subprocess.run([sys.executable, "-m", "ddtree.launch_server", "--port", "0"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "error: invalid configuration: --port 0" in proc.stderr
