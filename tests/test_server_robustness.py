@@ -55,6 +55,12 @@ BAD_COMPLETIONS = {  # name: (body patch, status, param, code)
     "wrong type prompt": ({"prompt": 123}, 400, "prompt", None),
     "wrong type stop": ({"stop": 5}, 400, "stop", None),
     "wrong type stream": ({"stream": "sometimes"}, 400, "stream", "invalid_type"),
+    "bool as max_tokens": ({"max_tokens": True}, 400, "max_tokens", "invalid_type"),
+    "fractional max_tokens": ({"max_tokens": 2.5}, 400, "max_tokens", "invalid_type"),
+    "string as top_p": ({"top_p": "0.5"}, 400, "top_p", "invalid_type"),
+    "wrong type stop_token_ids": ({"stop_token_ids": ["x"]}, 400, "stop_token_ids.0", "invalid_type"),
+    "wrong type stream_options": ({"stream_options": {"include_usage": "yes"}}, 400,
+                                  "stream_options.include_usage", "invalid_type"),
     "missing prompt": ({"prompt": None}, 400, "prompt", None),
     "unknown model": ({"model": "gpt-17"}, 404, "model", "model_not_found"),
     "empty prompt": ({"prompt": ""}, 400, "prompt", "invalid_value"),
@@ -89,6 +95,9 @@ def test_bad_completion_request(http, pair, case):
 BAD_CHATS = {
     "messages not a list": ({"messages": "hi"}, 400, "messages", None),
     "message without role": ({"messages": [{"content": "hi"}]}, 400, "messages.0.role", "missing_required_parameter"),
+    "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "invalid_type"),
+    "image content part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+                           400, "messages.0.content", "invalid_type"),
     "empty messages": ({"messages": []}, 400, "messages", "invalid_value"),
     "chat n two": ({"n": 3}, 400, "n", "invalid_value"),
     "chat max_tokens zero": ({"max_tokens": 0}, 400, "max_tokens", "invalid_value"),
@@ -106,7 +115,7 @@ def test_bad_chat_request(http, pair, case):
     ok_request(http, pair)
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b'{"prompt": "x", ', b"[1, 2, 3]", b"", b"\xff\xfe"])
+@pytest.mark.parametrize("raw", [b"{not json", b'{"prompt": "x", ', b"[1, 2, 3]", b"", b"\xff\xfe", b"null"])
 def test_malformed_json(http, pair, raw):
     r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400

@@ -74,8 +74,11 @@ def add_error_handlers(app: FastAPI) -> None:
         if err.get("type") == "json_invalid":
             return json_error(APIError(400, f"request body is not valid JSON: {err.get('msg')}", code="invalid_json"))
         param = protocol.error_param(err.get("loc", ()))
+        if param is None:
+            return json_error(APIError(400, "the request body must be a JSON object (Content-Type: application/json)",
+                                       code="invalid_type"))
         code = "missing_required_parameter" if err.get("type") == "missing" else "invalid_type"
-        return json_error(APIError(400, f"{param or 'body'}: {err.get('msg')}", param=param, code=code))
+        return json_error(APIError(400, f"{param}: {err.get('msg')}", param=param, code=code))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
