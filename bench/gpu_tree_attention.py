@@ -24,13 +24,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ddtree.kernels.tree_attention.reference import paged_attention_reference  # noqa: E402
-from ddtree.kernels.tree_attention.triton import (  # noqa: E402
-    KernelConfig,
-    choose_num_splits,
-    default_config,
-    num_sms,
-    paged_attention,
-)
+from ddtree.kernels.tree_attention.triton import last_launch, paged_attention  # noqa: E402
+from ddtree.kernels.tree_attention.tuning import KernelConfig, default_config  # noqa: E402
 
 HQ, HKV, D, PAGE, DT = 32, 8, 128, 16, torch.bfloat16
 DEV = torch.device("cuda")
@@ -198,54 +193,60 @@ def sdpa_fn(p):
     return run
 
 
+def short(c):
+    return f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}t{c.tail_m}"
+
+
 def sweep_configs(rows):
     if rows <= 16:
-        return [KernelConfig(16, 64, 4, 3), KernelConfig(16, 128, 4, 3), KernelConfig(16, 64, 4, 4)]
-    return [KernelConfig(64, 64, 4, 3), KernelConfig(64, 128, 8, 3), KernelConfig(128, 64, 8, 3),
-            KernelConfig(64, 32, 4, 4)]
+        return [KernelConfig(16, 128, 4, 3), KernelConfig(16, 64, 4, 4), KernelConfig(16, 64, 8, 3)]
+    return [KernelConfig(64, 64, 4, 3, tail_m=0), KernelConfig(64, 128, 8, 3), KernelConfig(128, 64, 8, 3),
+            KernelConfig(64, 32, 4, 4), KernelConfig(64, 64, 8, 3)]
 
 
 def bench_point(name, b, n, ctx, bw, mma, results):
     L = ctx + n
     kv_bytes = b * L * HKV * D * 4
-    R = int(min(64, max(2, math.ceil(4 * 60e6 / kv_bytes))))
-    p = Problem([n] * b, [L] * b, R, tree=n > 1, dense=True, seed=ctx + b + n)
+    p = Problem([n] * b, [L] * b, int(min(64, max(2, math.ceil(4 * 60e6 / kv_bytes)))), tree=n > 1, dense=True,
+                seed=ctx + b + n)
     R = p.R
     floor = kv_bytes / bw
-    rows = n * (HQ // HKV)
-    cfg0 = default_config(rows)
-    qb = -(-rows // cfg0.block_m)
-    s0 = choose_num_splits(qb * b * HKV, L, cfg0.block_n, num_sms(DEV))
-    mma_floor = 4 * b * qb * cfg0.block_m * HKV * L * D / mma
-    res = {"point": name, "b": b, "n": n, "ctx": ctx, "kv_mb": kv_bytes / 1e6, "floor_us": floor * 1e6,
-           "mma_floor_us": mma_floor * 1e6, "copies": R, "default_splits": s0, "default_config": repr(cfg0)}
     ref = p.reference(0)
 
     def ours(cfg, splits):
         out = p.ours(0, config=cfg, num_splits=splits)
+        plan = dict(last_launch)
         err = rel(out, ref)
         t = time_graph(lambda: [p.ours(r, config=cfg, num_splits=splits) for r in range(R)], R)
-        return t, err
+        return t, err, plan
 
-    t, err = ours(None, None)
-    res.update(ours_us=t * 1e6, ours_x=t / floor, ours_err=err)
-    best = (t, repr(cfg0), s0, err)
-    if time.time() - T0 < SWEEP_BUDGET_S:
-        for cfg in sweep_configs(rows):
-            qb_c = -(-rows // cfg.block_m)
-            sc = choose_num_splits(qb_c * b * HKV, L, cfg.block_n, num_sms(DEV))
-            for splits in sorted({sc, sc * 2}):
-                try:
-                    tc, ec = ours(cfg, splits)
-                except Exception as e:  # a config that fails to compile (shared memory) is skipped
-                    print(f"  {name} {cfg} splits={splits}: {type(e).__name__}")
-                    continue
-                if ec > 2e-2:
-                    print(f"  {name} {cfg} splits={splits}: WRONG rel err {ec:.2e}")
-                    continue
-                res.setdefault("sweep", []).append({"config": repr(cfg), "splits": splits, "us": tc * 1e6})
-                if tc < best[0]:
-                    best = (tc, repr(cfg), splits, ec)
+    t, err, plan = ours(None, None)
+    cfg0, s0 = plan["config"], plan["num_splits"]
+    rows = n * (HQ // HKV)
+    full, rem = divmod(rows, cfg0.block_m)
+    padded = full * cfg0.block_m + (0 if rem == 0 else cfg0.tail_m if 0 < rem <= cfg0.tail_m else cfg0.block_m)
+    res = {"point": name, "b": b, "n": n, "ctx": ctx, "kv_mb": kv_bytes / 1e6, "floor_us": floor * 1e6,
+           "mma_floor_us": 4 * b * padded * HKV * L * D / mma * 1e6, "copies": R, "default_splits": s0,
+           "default_config": short(cfg0), "ours_us": t * 1e6, "ours_x": t / floor, "ours_err": err, "sweep": []}
+    best = (t, short(cfg0), s0, err)
+    variants = [(cfg0, 1), (cfg0, max(1, s0 // 2)), (cfg0, 2 * s0)]
+    variants += [(c, None) for c in sweep_configs(rows)]
+    for cfg, splits in variants:
+        if time.time() - T0 > SWEEP_BUDGET_S:
+            break
+        if cfg == cfg0 and splits == s0:
+            continue
+        try:
+            tc, ec, pc = ours(cfg, splits)
+        except Exception as e:  # a config that fails to compile (shared memory) is skipped
+            print(f"  {name} {short(cfg)} splits={splits}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        ok = ec < 2e-2
+        res["sweep"].append({"config": short(cfg), "splits": pc["num_splits"], "us": tc * 1e6, "rel_err": ec})
+        if not ok:
+            print(f"  {name} {short(cfg)} splits={pc['num_splits']}: WRONG rel err {ec:.2e}")
+        elif tc < best[0]:
+            best = (tc, short(cfg), pc["num_splits"], ec)
     res.update(best_us=best[0] * 1e6, best_x=best[0] / floor, best_config=best[1], best_splits=best[2])
     for label, make in (("sdpa", sdpa_fn), ("flex", flex_fn)):
         if label == "flex" and time.time() - T0 > FLEX_BUDGET_S:

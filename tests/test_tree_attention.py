@@ -17,13 +17,14 @@ pytest.importorskip("triton")
 
 from ddtree.attention.backend import AttentionMetadata, get_backend  # noqa: E402
 from ddtree.kernels.tree_attention import paged_attention_reference  # noqa: E402
+from ddtree.kernels.tree_attention.tuning import KernelConfig, choose_num_splits, ctas_per_sm  # noqa: E402
 
 _was_loaded = "ddtree.kernels.tree_attention.triton" in sys.modules
 import ddtree.kernels.tree_attention.triton as kernel_module  # noqa: E402
 
 if _was_loaded and not torch.cuda.is_available():
     kernel_module = importlib.reload(kernel_module)  # re-decorate its kernels for the interpreter
-choose_num_splits, paged_attention = kernel_module.choose_num_splits, kernel_module.paged_attention
+paged_attention = kernel_module.paged_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -128,12 +129,23 @@ def test_gqa_group_one_and_head_dim_64():
     check([3, 3], [50, 130], 16, torch.float32, True, num_splits=2, hq=2, hkv=2, d=64)
 
 
+@pytest.mark.parametrize("cfg", [KernelConfig(64, 32, 4, 3, tail_m=0), KernelConfig(32, 128, 4, 2),
+                                 KernelConfig(16, 64, 4, 3), KernelConfig(128, 64, 8, 3, tail_m=32)])
+def test_tile_configs(cfg):
+    """Tile shapes and the small-tail path (65 nodes x GQA 2 = 2 x 64 + 2 rows) agree with the oracle."""
+    check([65, 65], [700, 65], 16, torch.float32, True, num_splits=3, config=cfg)
+    check([40, 3], [300, 90], 16, torch.float32, False, num_splits=2, config=cfg)
+
+
 def test_num_splits_fill_the_gpu():
-    # b = 1, 65-node tree, 8 KV heads, GQA 4 -> 5 row blocks of 64 per KV head: 40 programs per split
-    assert choose_num_splits(40, 16384, 64, 132) * 40 >= 132
-    assert choose_num_splits(8, 16384, 64, 132) * 8 >= 2 * 132  # AR decode
-    assert choose_num_splits(8, 100, 64, 132) == 1  # two tiles: nothing to split
-    assert choose_num_splits(5000, 16384, 64, 132) == 1
+    # b = 1, 65-node tree, 8 KV heads, GQA 4 -> 5 row blocks per KV head: 40 programs per split, 2 per SM
+    s = choose_num_splits(40, 16384, 64, 264)
+    assert 0.85 * 264 <= 40 * s <= 264
+    assert choose_num_splits(320, 8192, 64, 264) == 3  # b = 8: 960 programs, 3.6 waves
+    assert 0.85 * 396 <= 8 * choose_num_splits(8, 16384, 64, 396) <= 396  # AR decode, 3 per SM
+    assert choose_num_splits(8, 100, 64, 396) == 1  # two tiles: nothing to split
+    assert choose_num_splits(5000, 16384, 64, 264) == 1
+    assert ctas_per_sm(255, 98816, 4) == 2 and ctas_per_sm(162, 39424, 4) == 3
 
 
 def _meta(q_lens, kv_lens, bt, page, mask):

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.kernels.tree_attention.tuning import KernelConfig, choose_num_splits, ctas_per_sm, default_config
+
 
 def _patch_interpreter_index() -> None:
     """Triton 3.6's CPU interpreter converts 1-element scalars with int(ndarray), an error on numpy >= 2.4;
@@ -47,7 +49,7 @@ if triton.knobs.runtime.interpret:
 # Reductions use tl.reduce with the standard combine functions, and tl.full instead of tl.zeros: tl.max,
 # tl.sum and tl.zeros are @jit functions that the interpreter cannot call when triton was imported before
 # TRITON_INTERPRET was set (it recognises these combine functions and reduces with numpy); same IR on GPU.
-_NEG_INIT = -1.0e30  # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
+_NEG_INIT = tl.constexpr(-1.0e30)  # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
 _LOG2E = 1.4426950408889634
 
 
@@ -100,27 +102,16 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j,
 
 
 @triton.jit
-def _split_kv_attn(
-    q_ptr, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask_ptr, out_ptr, part_o, part_lse,
-    qk_scale, num_splits,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
-    stride_mb, stride_mt,
-    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+def _attend_rows(
+    row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, qk_scale, num_splits, split,
+    b, kvh, q_start, q_len, kv_len,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
+    BLOCK_N: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
 ):
-    qb = tl.program_id(0)
-    b = tl.program_id(1) // HKV
-    kvh = tl.program_id(1) % HKV
-    split = tl.program_id(2)
-    q_start = tl.load(qo_indptr + b)
-    q_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
     n_rows = q_len * G
-    if qb * BLOCK_M >= n_rows:
-        return
-    kv_len = tl.load(kv_lens + b).to(tl.int32)
     ctx = kv_len - q_len
-
-    rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = row0 + tl.arange(0, BM)
     row_ok = rows < n_rows
     row_t = rows // G
     head = kvh * G + rows % G
@@ -128,8 +119,8 @@ def _split_kv_attn(
     q = tl.load(q_ptr + (q_start + row_t)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
 
-    t_lo = (qb * BLOCK_M) // G
-    t_hi = (tl.minimum((qb + 1) * BLOCK_M, n_rows) - 1) // G
+    t_lo = row0 // G
+    t_hi = (tl.minimum(row0 + BM, n_rows) - 1) // G
     if TREE:
         free_end = ctx
         kv_end = kv_len
@@ -142,13 +133,12 @@ def _split_kv_attn(
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     free_tiles = free_end // BLOCK_N
 
-    bt_row = block_table + b * stride_bt
     kv_off_k = kvh * stride_kh
     kv_off_v = kvh * stride_vh
     mask_row_ptr = mask_ptr + b * stride_mb + row_t * stride_mt
-    acc = tl.full([BLOCK_M, D], 0.0, dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BM, D], 0.0, dtype=tl.float32)
+    m_i = tl.full([BM], _NEG_INIT, dtype=tl.float32)
+    l_i = tl.full([BM], 0.0, dtype=tl.float32)
     cols = tl.arange(0, BLOCK_N)
 
     for tile in range(tile_lo, tl.minimum(tile_hi, free_tiles)):
@@ -174,6 +164,40 @@ def _split_kv_attn(
 
 
 @triton.jit
+def _split_kv_attn(
+    q_ptr, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask_ptr, out_ptr, part_o, part_lse,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
+    stride_mb, stride_mt,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    b = tl.program_id(1) // HKV
+    kvh = tl.program_id(1) % HKV
+    split = tl.program_id(2)
+    q_start = tl.load(qo_indptr + b)
+    q_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
+    row0 = qb * BLOCK_M
+    if row0 >= q_len * G:
+        return
+    kv_len = tl.load(kv_lens + b).to(tl.int32)
+    bt_row = block_table + b * stride_bt
+    # A last block with few rows (65 tree nodes x 4 heads = 4 x 64 + 4) runs at TAIL_M rows instead of
+    # BLOCK_M: a quarter of the MMA work for the same KV stream.
+    if TAIL_M > 0 and q_len * G - row0 <= TAIL_M:
+        _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, qk_scale,
+                     num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_ks, stride_kh,
+                     stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
+                     HKV, G, D, PAGE, TAIL_M, BLOCK_N, TREE, SPLIT, DOT)
+    else:
+        _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, qk_scale,
+                     num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_ks, stride_kh,
+                     stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
+                     HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE, SPLIT, DOT)
+
+
+@triton.jit
 def _combine(part_o, part_lse, out_ptr, num_splits, stride_ot, stride_oh,
              HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
     tok = tl.program_id(0)
@@ -190,49 +214,30 @@ def _combine(part_o, part_lse, out_ptr, num_splits, stride_ot, stride_oh,
     tl.store(out_ptr + tok * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty))
 
 
-class KernelConfig:
-    __slots__ = ("block_m", "block_n", "num_warps", "num_stages")
-
-    def __init__(self, block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 3):
-        self.block_m, self.block_n, self.num_warps, self.num_stages = block_m, block_n, num_warps, num_stages
-
-    def __repr__(self) -> str:
-        return f"KernelConfig(m={self.block_m}, n={self.block_n}, w={self.num_warps}, s={self.num_stages})"
-
-
-def default_config(rows_per_request: int) -> KernelConfig:
-    """rows = q tokens x GQA group. tl.dot needs M >= 16; decode rows (one token x G heads) pad to 16."""
-    if rows_per_request <= 16:
-        return KernelConfig(16, 64, 4, 3)
-    if rows_per_request <= 32:
-        return KernelConfig(32, 64, 4, 3)
-    return KernelConfig(64, 64, 4, 3)
-
-
 def _dot_mode(dtype: torch.dtype) -> int:
     if triton.knobs.runtime.interpret:
         return 2
     return 1 if dtype == torch.float32 else 0
 
 
-_SM_COUNT: dict[int, int] = {}
+_SLOTS: dict[tuple, int] = {}
+last_launch: dict = {}  # host-side record of the latest launch (config, num_splits, grid), for benchmarks
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def choose_num_splits(programs_per_split: int, max_kv_len: int, block_n: int, sms: int,
-                      waves: float = 2.0, min_tiles: int = 4, max_splits: int = 64) -> int:
-    """Enough splits that the grid covers ~`waves` programs per SM, but no split shorter than `min_tiles`."""
-    tiles = -(-max(max_kv_len, 1) // block_n)
-    want = -(-int(waves * sms) // max(programs_per_split, 1))
-    return max(1, min(want, tiles // min_tiles, max_splits))
+def _resident_slots(device: torch.device, key: tuple, compile_fn) -> int:
+    """SMs x resident programs per SM of the compiled variant `key` (compiled once via `compile_fn`)."""
+    if device.type != "cuda" or triton.knobs.runtime.interpret:
+        return 2 * 132
+    key = (device.index,) + key
+    if key not in _SLOTS:
+        props = torch.cuda.get_device_properties(device)
+        kernel = compile_fn()
+        kernel._init_handles()
+        ctas = ctas_per_sm(kernel.n_regs, kernel.metadata.shared, kernel.metadata.num_warps,
+                           getattr(props, "regs_per_multiprocessor", 65536),
+                           getattr(props, "shared_memory_per_multiprocessor", 233472))
+        _SLOTS[key] = props.multi_processor_count * ctas
+    return _SLOTS[key]
 
 
 def paged_attention(
@@ -255,16 +260,8 @@ def paged_attention(
         return out
     if q.dtype != k_pool.dtype or q.stride(-1) != 1:
         q = q.to(k_pool.dtype).contiguous()
-    cfg = config or default_config(max_q_len * group)
+    cfg = config or default_config(max_q_len * group, dim)
     q_blocks = -(-(max_q_len * group) // cfg.block_m)
-    if num_splits is None:
-        num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, num_sms(q.device))
-    split = num_splits > 1
-    if split:
-        part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out
     tree = tree_mask is not None
     if tree:
         mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
@@ -272,15 +269,30 @@ def paged_attention(
         smb, smt = mask.stride(0), mask.stride(1)
     else:
         mask, smb, smt = kv_lens, 0, 0
-    _split_kv_attn[(q_blocks, b * hkv, num_splits)](
-        q, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask, out, part_o, part_lse,
-        scale * _LOG2E, num_splits,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        block_table.stride(0), out.stride(0), out.stride(1), smb, smt,
-        HKV=hkv, G=group, D=dim, PAGE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TREE=tree, SPLIT=split,
-        DOT=_dot_mode(k_pool.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    consts = dict(HKV=hkv, G=group, D=dim, PAGE=page_size, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
+                  BLOCK_N=cfg.block_n, TREE=tree, DOT=_dot_mode(k_pool.dtype), num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+
+    def args(split_count, part_o, part_lse):
+        return (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask, out, part_o, part_lse,
+                scale * _LOG2E, split_count,
+                q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+                block_table.stride(0), out.stride(0), out.stride(1), smb, smt)
+
+    if num_splits is None:
+        key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(k_pool.dtype),)
+        f32 = torch.empty(1, dtype=torch.float32, device=q.device)
+        slots = _resident_slots(q.device, key, lambda: _split_kv_attn.warmup(
+            *args(2, f32, f32), grid=(1,), SPLIT=True, **consts))
+        num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots)
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out
+    last_launch.update(config=cfg, num_splits=num_splits, grid=(q_blocks, b * hkv, num_splits))
+    _split_kv_attn[(q_blocks, b * hkv, num_splits)](*args(num_splits, part_o, part_lse), SPLIT=split, **consts)
     if split:
         _combine[(T, hq)](
             part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
