@@ -100,6 +100,26 @@ def test_concurrent_streams_match_batch_of_one(request, target, algorithm):
         assert bm.num_free_pages == bm.num_pages
 
 
+@pytest.mark.parametrize("algorithm", ["NONE", "DFLASH", "DDTREE"])
+def test_seeded_sampling_is_batch_invariant(pair, algorithm):
+    """At T>0 each request samples from its own seeded generator, so concurrency does not change its text."""
+    async def sample(base_url, jobs):
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0) as c:
+            async def one(p, m, seed):
+                r = await c.completions.create(model=pair[0], prompt=p, max_tokens=m, temperature=0.8, top_p=0.95,
+                                               seed=seed, extra_body={"top_k": 40})
+                return r.choices[0].text
+
+            return await asyncio.gather(*(one(p, m, seed) for p, m, seed in jobs))
+
+    jobs = [(p, m, 100 + i) for i, (p, m) in enumerate(prompts())]
+    with thread_server(server_argv(pair, algorithm)) as srv:
+        alone = [asyncio.run(sample(srv.base_url, [job]))[0] for job in jobs]
+        assert asyncio.run(sample(srv.base_url, jobs)) == alone
+
+
 def test_queueing_beyond_max_running_and_kv_pressure(pair):
     """More clients than running slots and a KV pool too small for all of them: requests queue or are
     preempted and recomputed, never failed, and outputs stay exact."""

@@ -129,7 +129,12 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - the loop must survive; the batch is failed instead
                     logger.exception("engine step failed; failing the running requests")
                     self._fail_running(e)
+            try:
                 self._publish()
+            except Exception as e:  # noqa: BLE001 - a publishing bug fails the requests, not the server
+                logger.exception("publishing outputs failed; failing every request")
+                for rid in list(self._streams):
+                    self._fail(rid, f"internal server error: {type(e).__name__}: {e}")
             if self.metrics is not None:
                 self.metrics.on_pools(self.engine)
         self._run_commands(block=False)
@@ -144,7 +149,10 @@ class AsyncEngine:
         while True:
             fn, fut = item
             if fut is None:
-                fn()
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - a failed abort must not stop the loop
+                    logger.exception("engine command failed")
             elif fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
