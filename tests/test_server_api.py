@@ -159,19 +159,23 @@ def test_stop_cut_exactly_inside_an_accepted_block(tmp_path):
         assert (text, finish) == ("", ["stop"])
 
 
-def in_block_stop(llm, out):
+def in_block_stop(llm, prompt, out):
     """(stop string, token index j) such that j sits strictly inside a round's accepted block and the stop's
-    first occurrence in the output text ends on token j; None if there is no such token."""
-    inside, pos = [], 0
+    first occurrence in the output text completes on token j; None if there is no such token."""
+    from ddtree.engine.detokenizer import IncrementalDetokenizer
+
+    inside, pos = [], 1  # output token 0 comes from prefill, rounds start at 1
     for n in out.accept_lengths:
-        inside += list(range(pos + 1, pos + n - 1)) if n > 2 else []
+        inside += list(range(pos + 1, pos + n - 1))  # neither the first nor the last token of the round
         pos += n
-    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    detok, ends, pieces = IncrementalDetokenizer(llm.tokenizer, prompt), [], []
+    for tok in out.token_ids:  # the engine's own incremental text, token by token
+        pieces.append(detok.append(tok))
+        ends.append(sum(map(len, pieces)))
     for j in inside:
-        before, upto = decode(out.token_ids[:j]), decode(out.token_ids[: j + 1])
-        stop = upto[len(before):].strip()
+        stop = pieces[j].strip()
         first = out.text.find(stop) if stop else -1
-        if first >= 0 and len(before) < first + len(stop) <= len(upto):
+        if first >= 0 and next(k for k, e in enumerate(ends) if e >= first + len(stop)) == j:
             return stop, j
     return None
 
@@ -186,7 +190,7 @@ def test_stop_inside_accepted_block_on_toy_pair(toy_pair):
     llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16)
     prompt = list(toy_prompts()[2])
     ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0]
-    found = in_block_stop(llm, ref)
+    found = in_block_stop(llm, prompt, ref)
     assert found, f"no stop candidate inside an accepted block: {ref.accept_lengths}"
     stop, j = found
     with thread_server(server_argv(toy_pair, "DDTREE", "--speculative-ddtree-budget", "16")) as srv:
