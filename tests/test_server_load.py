@@ -3,6 +3,7 @@ decoding algorithm. Each request must stream exactly the text its prompt gets al
 lossless), and after the drain every KV page and request slot is free again, checked from outside."""
 
 import asyncio
+import importlib.util
 import json
 import random
 import re
@@ -98,6 +99,31 @@ def test_concurrent_streams_match_batch_of_one(request, target, algorithm):
         bm = srv.engine.runner.bm
         bm.check_integrity()
         assert bm.num_free_pages == bm.num_pages
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ddtree.train.toy") is None, reason="ddtree.train.toy not available yet")
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DDTREE"])
+def test_concurrent_streams_on_toy_pair_accept_and_match(toy_pair, algorithm):
+    """Same check on the trained toy pair, where rounds really accept several drafted tokens per request."""
+    from ddtree.train.toy import toy_prompts as toy_prompt_ids
+
+    ids = toy_prompt_ids(NUM_PROMPTS, 7).tolist()
+    prompt_set = [(ids[i][: 4 + i % 12], 8 + (i * 7) % 25) for i in range(NUM_PROMPTS)]
+    with thread_server(server_argv(toy_pair, algorithm, "--speculative-ddtree-budget", "16")) as srv:
+        http = httpx.Client(base_url=srv.base_url, timeout=120)
+        alone = []
+        for p, m in prompt_set:
+            body = http.post("/v1/completions", json={"prompt": p, "max_tokens": m, "temperature": 0}).json()
+            alone.append((body["choices"][0]["text"], body["choices"][0]["finish_reason"],
+                          body["usage"]["completion_tokens"]))
+        jobs = [prompt_set[i % NUM_PROMPTS] for i in range(NUM_CLIENTS)]
+        results = asyncio.run(run_clients(srv.base_url, toy_pair[0], jobs))
+        assert results == [alone[i % NUM_PROMPTS] for i in range(NUM_CLIENTS)]
+        metrics = http.get("/metrics").text
+        rounds = metric(metrics, f'ddtree_spec_rounds_total{{algorithm="{algorithm}"}}')
+        assert metric(metrics, "ddtree_generation_tokens_total") / rounds > 2, "drafts were hardly accepted"
+        info = wait_idle(srv.base_url)
+        assert info["kv_pages_free"] == info["kv_pages_total"] and info["kv_integrity"] == "ok"
 
 
 @pytest.mark.parametrize("algorithm", ["NONE", "DFLASH", "DDTREE"])
