@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from ddtree.attention.backend import AttentionMetadata, get_backend  # noqa: E402
+from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, get_backend  # noqa: E402
 from ddtree.kernels.tree_attention import paged_attention_reference  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import KernelConfig, choose_num_splits, ctas_per_sm  # noqa: E402
 
@@ -193,3 +193,37 @@ def test_force_reference_switch(monkeypatch):
     a = backend.extend(q, k_new, v_new, (kp.clone(), vp.clone()), meta, 0.2)
     b = get_backend("torch").extend(q, k_new, v_new, (kp.clone(), vp.clone()), meta, 0.2)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5)])
+def test_backend_draft_block_matches_torch(causal, window):
+    """Drafter block attention: cached context (paged) + the block's own K/V, ragged context lengths."""
+    gen = torch.Generator().manual_seed(11)
+    b, S, hq, hkv, d, page = 3, 8, 8, 2, 32, 16
+    ctx = [0, 45, 300]
+    q, kp, vp, bt, _, _, _ = paged_inputs([1] * b, [c + 1 for c in ctx], page, hq, hkv, d, torch.float32, gen)
+    q = torch.randn(b, S, hq, d, generator=gen).to(DEV)
+    k, v = (torch.randn(b, S, hkv, d, generator=gen).to(DEV) for _ in range(2))
+    lens = torch.tensor(ctx, device=DEV)
+    meta = DraftAttentionMetadata(ctx_lens=ctx, ctx_lens_t=lens, block_table=bt,
+                                  block_positions=lens[:, None] + torch.arange(S, device=DEV), page_size=page)
+    ours = get_backend("triton").draft_block(q, k, v, (kp, vp), meta, d ** -0.5, causal, window)
+    ref = get_backend("torch").draft_block(q, k, v, (kp, vp), meta, d ** -0.5, causal, window)
+    err = rel(ours, ref)
+    print(f"draft_block causal={causal} window={window}: rel {err:.2e}")
+    assert err < TOL[torch.float32], err
+
+
+def test_kernel_new_kv_full_visibility():
+    """new_kv (K/V of the new tokens passed alongside, not in the pools) with non-causal visibility."""
+    gen = torch.Generator().manual_seed(5)
+    q_lens, kv_lens = [6, 16, 1], [6, 200, 70]
+    q, kp, vp, bt, indptr, kvl, _ = paged_inputs(q_lens, kv_lens, 16, 4, 2, 32, torch.float32, gen)
+    k_new, v_new = (torch.randn(q.shape[0], 2, 32, generator=gen).to(DEV) for _ in range(2))
+    for causal in (False, True):
+        kw = dict(causal=causal, new_kv=(k_new, v_new))
+        out = paged_attention(q, kp, vp, bt, indptr, kvl, 16, 0.3, max_q_len=16, max_kv_len=200, num_splits=3, **kw)
+        ref = paged_attention_reference(q.double(), kp.double(), vp.double(), bt, indptr, kvl, 16, 0.3,
+                                        acc_dtype=torch.float64, causal=causal,
+                                        new_kv=(k_new.double(), v_new.double()))
+        assert rel(out, ref) < TOL[torch.float32]

@@ -2,8 +2,8 @@
 
 Dispatch: every extend shape (q = 1 decode, verify with a tree mask, causal chain, ragged prefill) goes
 through one kernel, `ddtree.kernels.tree_attention.triton.paged_attention`; its launch config is picked from
-the rows per request (q tokens x GQA group). `draft_block` (block K/V never stored in the pool) delegates to
-the torch reference for now.
+the rows per request (q tokens x GQA group). `draft_block` runs the same kernel with the block's K/V passed
+alongside (never stored), except for sliding-window layers, which use the torch reference.
 
 Falls back to the torch reference when DDTREE_FORCE_REFERENCE_ATTENTION=1, or when the tensors are on the CPU
 and Triton's interpreter (TRITON_INTERPRET=1) is off, or for head dims the kernel does not take
@@ -65,4 +65,18 @@ class TritonAttentionBackend:
         )
 
     def draft_block(self, q, k, v, ctx_cache, meta: DraftAttentionMetadata, scale, causal, window):
-        return self._ref.draft_block(q, k, v, ctx_cache, meta, scale, causal, window)
+        """The same kernel with the block's K/V read from k/v (never stored). Assumes the block sits right
+        after the context (block_positions[i] = ctx_lens[i] + arange(S), as ModelRunner.draft builds it);
+        sliding-window layers go to the reference."""
+        if window is not None or self._use_reference(q):
+            return self._ref.draft_block(q, k, v, ctx_cache, meta, scale, causal, window)
+        b, S, hq, d = q.shape
+        hkv = k.shape[2]
+        kc, vc = ctx_cache
+        indptr = torch.arange(0, (b + 1) * S, S, device=q.device)
+        out = self._kernel.paged_attention(
+            q.reshape(b * S, hq, d), kc, vc, meta.block_table, indptr, meta.ctx_lens_t + S, meta.page_size, scale,
+            max_q_len=S, max_kv_len=max(meta.ctx_lens) + S, causal=causal,
+            new_kv=(k.reshape(b * S, hkv, d), v.reshape(b * S, hkv, d)), num_splits=self.num_splits,
+        )
+        return out.view(b, S, hq, d)

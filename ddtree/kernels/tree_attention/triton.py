@@ -23,28 +23,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels.tree_attention.tuning import KernelConfig, choose_num_splits, ctas_per_sm, default_config
-
-
-def _patch_interpreter_index() -> None:
-    """Triton 3.6's CPU interpreter converts 1-element scalars with int(ndarray), an error on numpy >= 2.4;
-    loops with tensor bounds need it. Only touched under TRITON_INTERPRET=1."""
-    from triton.runtime import interpreter
-
-    orig = interpreter._patch_lang_tensor
-    if getattr(orig, "_ddtree", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._ddtree = True
-    interpreter._patch_lang_tensor = patched
+from ddtree.kernels.tree_attention.tuning import (
+    KernelConfig,
+    choose_num_splits,
+    default_config,
+    last_launch,
+    patch_interpreter_index,
+    resident_slots,
+)
 
 
 if triton.knobs.runtime.interpret:
-    _patch_interpreter_index()
+    patch_interpreter_index()
 
 # Reductions use tl.reduce with the standard combine functions, and tl.full instead of tl.zeros: tl.max,
 # tl.sum and tl.zeros are @jit functions that the interpreter cannot call when triton was imported before
@@ -67,32 +57,42 @@ def _dot(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j, qk_scale, row_t, ctx, kv_len,
-             mask_row_ptr, q_len, stride_ks, stride_vs, PAGE: tl.constexpr, MASKED: tl.constexpr,
-             TREE: tl.constexpr, DOT: tl.constexpr):
+             mask_row_ptr, q_len, stride_ks, stride_vs, k_ext, v_ext, stride_es, PAGE: tl.constexpr,
+             MASKED: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, DOT: tl.constexpr):
     if MASKED:
         j_ok = j < kv_len
-        page = tl.load(bt_row + j // PAGE, mask=j_ok, other=0)
+        in_pool = j_ok
+        if EXTRA:
+            in_pool = j < ctx  # positions ctx.. come from the dense k_ext / v_ext rows
+        page = tl.load(bt_row + j // PAGE, mask=in_pool, other=0)
     else:
         page = tl.load(bt_row + j // PAGE)
     slot = page * PAGE + j % PAGE
     k_ptrs = k_pool + slot[:, None] * stride_ks + kv_off_k + d[None, :]
     v_ptrs = v_pool + slot[:, None] * stride_vs + kv_off_v + d[None, :]
     if MASKED:
-        k = tl.load(k_ptrs, mask=j_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=j_ok[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=in_pool[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=in_pool[:, None], other=0.0)
+        if EXTRA:
+            e_ok = (j >= ctx) & j_ok
+            e_off = j[:, None] * stride_es + d[None, :]
+            k = tl.where(e_ok[:, None], tl.load(k_ext + e_off, mask=e_ok[:, None], other=0.0), k)
+            v = tl.where(e_ok[:, None], tl.load(v_ext + e_off, mask=e_ok[:, None], other=0.0), v)
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     s = _dot(q, tl.trans(k), DOT) * qk_scale
     if MASKED:
         c = j[None, :] - ctx
-        if TREE:
+        if MODE == 1:
             in_tree = (c >= 0) & (c < q_len) & j_ok[None, :]
             bits = tl.load(mask_row_ptr[:, None] + c, mask=in_tree, other=0)
-            vis = (c < 0) | (bits != 0)
+            vis = ((c < 0) | (bits != 0)) & j_ok[None, :]
+        elif MODE == 0:
+            vis = (c <= row_t[:, None]) & j_ok[None, :]
         else:
-            vis = c <= row_t[:, None]
-        s = tl.where(vis & j_ok[None, :], s, float("-inf"))
+            vis = j_ok[None, :] & (row_t >= 0)[:, None]
+        s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -103,11 +103,12 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j,
 
 @triton.jit
 def _attend_rows(
-    row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, qk_scale, num_splits, split,
-    b, kvh, q_start, q_len, kv_len,
+    row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext, qk_scale,
+    num_splits, split, b, kvh, q_start, q_len, kv_len,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
+    stride_eh, stride_es,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
-    BLOCK_N: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
 ):
     n_rows = q_len * G
     ctx = kv_len - q_len
@@ -121,12 +122,14 @@ def _attend_rows(
 
     t_lo = row0 // G
     t_hi = (tl.minimum(row0 + BM, n_rows) - 1) // G
-    if TREE:
-        free_end = ctx
-        kv_end = kv_len
-    else:
+    if MODE == 0:
         free_end = ctx + t_lo
         kv_end = ctx + t_hi + 1
+        if EXTRA:
+            free_end = ctx
+    else:
+        free_end = ctx
+        kv_end = kv_len
     n_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
     per_split = (n_tiles + num_splits - 1) // num_splits
     tile_lo = split * per_split
@@ -140,15 +143,18 @@ def _attend_rows(
     m_i = tl.full([BM], _NEG_INIT, dtype=tl.float32)
     l_i = tl.full([BM], 0.0, dtype=tl.float32)
     cols = tl.arange(0, BLOCK_N)
+    ext_off = (q_start - ctx) * stride_es + kvh * stride_eh  # k_ext + ext_off + j * stride_es: position j
+    k_ext += ext_off
+    v_ext += ext_off
 
     for tile in range(tile_lo, tl.minimum(tile_hi, free_tiles)):
         acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d,
                                  tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_row_ptr, q_len,
-                                 stride_ks, stride_vs, PAGE, False, TREE, DOT)
+                                 stride_ks, stride_vs, k_ext, v_ext, stride_es, PAGE, False, MODE, EXTRA, DOT)
     for tile in range(tl.maximum(tile_lo, free_tiles), tile_hi):
         acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d,
                                  tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_row_ptr, q_len,
-                                 stride_ks, stride_vs, PAGE, True, TREE, DOT)
+                                 stride_ks, stride_vs, k_ext, v_ext, stride_es, PAGE, True, MODE, EXTRA, DOT)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -165,12 +171,13 @@ def _attend_rows(
 
 @triton.jit
 def _split_kv_attn(
-    q_ptr, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask_ptr, out_ptr, part_o, part_lse,
+    q_ptr, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
     qk_scale, num_splits,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
-    stride_mb, stride_mt,
+    stride_mb, stride_mt, stride_eh, stride_es,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-    TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     qb = tl.program_id(0)
     b = tl.program_id(1) // HKV
@@ -186,15 +193,17 @@ def _split_kv_attn(
     # A last block with few rows (65 tree nodes x 4 heads = 4 x 64 + 4) runs at TAIL_M rows instead of
     # BLOCK_M: a quarter of the MMA work for the same KV stream.
     if TAIL_M > 0 and q_len * G - row0 <= TAIL_M:
-        _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, qk_scale,
-                     num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_ks, stride_kh,
-                     stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
-                     HKV, G, D, PAGE, TAIL_M, BLOCK_N, TREE, SPLIT, DOT)
+        _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
+                     qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_ks,
+                     stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
+                     stride_eh, stride_es,
+                     HKV, G, D, PAGE, TAIL_M, BLOCK_N, MODE, EXTRA, SPLIT, DOT)
     else:
-        _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, qk_scale,
-                     num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_ks, stride_kh,
-                     stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
-                     HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE, SPLIT, DOT)
+        _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
+                     qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_ks,
+                     stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
+                     stride_eh, stride_es,
+                     HKV, G, D, PAGE, BLOCK_M, BLOCK_N, MODE, EXTRA, SPLIT, DOT)
 
 
 @triton.jit
@@ -220,34 +229,18 @@ def _dot_mode(dtype: torch.dtype) -> int:
     return 1 if dtype == torch.float32 else 0
 
 
-_SLOTS: dict[tuple, int] = {}
-last_launch: dict = {}  # host-side record of the latest launch (config, num_splits, grid), for benchmarks
-
-
-def _resident_slots(device: torch.device, key: tuple, compile_fn) -> int:
-    """SMs x resident programs per SM of the compiled variant `key` (compiled once via `compile_fn`)."""
-    if device.type != "cuda" or triton.knobs.runtime.interpret:
-        return 2 * 132
-    key = (device.index,) + key
-    if key not in _SLOTS:
-        props = torch.cuda.get_device_properties(device)
-        kernel = compile_fn()
-        kernel._init_handles()
-        ctas = ctas_per_sm(kernel.n_regs, kernel.metadata.shared, kernel.metadata.num_warps,
-                           getattr(props, "regs_per_multiprocessor", 65536),
-                           getattr(props, "shared_memory_per_multiprocessor", 233472))
-        _SLOTS[key] = props.multi_processor_count * ctas
-    return _SLOTS[key]
-
-
 def paged_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
     qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float, *,
-    max_q_len: int, max_kv_len: int, tree_mask: torch.Tensor | None = None, num_splits: int | None = None,
+    max_q_len: int, max_kv_len: int, tree_mask: torch.Tensor | None = None, causal: bool = True,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, num_splits: int | None = None,
     config: KernelConfig | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module docstring. `max_q_len` and `max_kv_len` are host ints bounding the batch (they size the
-    grid and the split count only; pass the captured maxima under a CUDA graph). Returns [T, Hq, D]."""
+    grid and the split count only; pass the captured maxima under a CUDA graph). Without a tree mask the new
+    tokens see each other causally, or all of them when `causal` is False. `new_kv` = (k, v) [T, Hkv, D] rows
+    aligned with q: the new tokens' K/V are read from there instead of the pools (the drafter's block K/V,
+    which is never stored). Returns [T, Hq, D]."""
     T, hq, dim = q.shape
     hkv = k_pool.shape[1]
     assert hq % hkv == 0 and dim == k_pool.shape[2] and dim >= 16 and dim & (dim - 1) == 0
@@ -262,27 +255,32 @@ def paged_attention(
         q = q.to(k_pool.dtype).contiguous()
     cfg = config or default_config(max_q_len * group, dim)
     q_blocks = -(-(max_q_len * group) // cfg.block_m)
-    tree = tree_mask is not None
-    if tree:
+    mode = 1 if tree_mask is not None else 0 if causal else 2
+    if tree_mask is not None:
         mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
         assert mask.stride(-1) == 1
         smb, smt = mask.stride(0), mask.stride(1)
     else:
         mask, smb, smt = kv_lens, 0, 0
+    if new_kv is not None:
+        k_ext, v_ext = (t.to(k_pool.dtype).contiguous() for t in new_kv)
+        assert k_ext.shape == (T, hkv, dim) and v_ext.shape == (T, hkv, dim)
+    else:
+        k_ext = v_ext = k_pool
     consts = dict(HKV=hkv, G=group, D=dim, PAGE=page_size, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
-                  BLOCK_N=cfg.block_n, TREE=tree, DOT=_dot_mode(k_pool.dtype), num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+                  BLOCK_N=cfg.block_n, MODE=mode, EXTRA=new_kv is not None, DOT=_dot_mode(k_pool.dtype),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def args(split_count, part_o, part_lse):
-        return (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask, out, part_o, part_lse,
+        return (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask, out, part_o, part_lse, k_ext, v_ext,
                 scale * _LOG2E, split_count,
                 q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-                block_table.stride(0), out.stride(0), out.stride(1), smb, smt)
+                block_table.stride(0), out.stride(0), out.stride(1), smb, smt, k_ext.stride(1), k_ext.stride(0))
 
     if num_splits is None:
         key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(k_pool.dtype),)
         f32 = torch.empty(1, dtype=torch.float32, device=q.device)
-        slots = _resident_slots(q.device, key, lambda: _split_kv_attn.warmup(
+        slots = resident_slots(q.device, key, lambda: _split_kv_attn.warmup(
             *args(2, f32, f32), grid=(1,), SPLIT=True, **consts))
         num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots)
     split = num_splits > 1

@@ -1,9 +1,16 @@
-"""Launch parameters for the split-KV kernel: tile configs per shape and the split count (pure Python)."""
+"""Launch parameters for the split-KV kernel: tile configs per shape, resident programs, the split count."""
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+_SLOTS: dict[tuple, int] = {}
+last_launch: dict = {}  # host-side record of the latest launch (config, num_splits, grid), for benchmarks
 
 
 @dataclass(frozen=True)
@@ -54,3 +61,37 @@ def choose_num_splits(programs_per_split: int, max_kv_len: int, block_n: int, sl
         if fill > best_fill + 1e-9:
             best, best_fill = s, fill
     return best
+
+
+def resident_slots(device: torch.device, key: tuple, compile_fn: Callable) -> int:
+    """SMs x resident programs per SM for the compiled kernel variant `key`; `compile_fn` returns Triton's
+    compiled kernel (called once per key). Off the GPU (interpreter) a nominal H200: 132 SMs x 2."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return 2 * 132
+    key = (device.index,) + key
+    if key not in _SLOTS:
+        props = torch.cuda.get_device_properties(device)
+        kernel = compile_fn()
+        kernel._init_handles()
+        ctas = ctas_per_sm(kernel.n_regs, kernel.metadata.shared, kernel.metadata.num_warps,
+                           getattr(props, "regs_per_multiprocessor", 65536),
+                           getattr(props, "shared_memory_per_multiprocessor", 233472))
+        _SLOTS[key] = props.multi_processor_count * ctas
+    return _SLOTS[key]
+
+
+def patch_interpreter_index() -> None:
+    """Triton 3.6's CPU interpreter converts 1-element scalars with int(ndarray), an error on numpy >= 2.4;
+    loops with tensor bounds need it. Only called under TRITON_INTERPRET=1."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_ddtree", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._ddtree = True
+    interpreter._patch_lang_tensor = patched
