@@ -215,9 +215,10 @@ def test_config_errors_exit_2_before_loading_weights(tmp_path, capsys):
     assert any("--model-path" in ln for ln in lines) and any("--speculative-draft-model-path" in ln for ln in lines)
     assert main(["--model-path", "/no-such-model-dir"]) == 2  # one slash: looks like a repo id, is not one
     assert "/no-such-model-dir: directory does not exist" in capsys.readouterr().err
-    proc = subprocess.run([sys.executable, "-m", "ddtree.launch_server", "--port", "0"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "ddtree.launch_server", "--model-path", str(tmp_path), "--port", "0"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "error: invalid configuration: --port 0" in proc.stderr
+    assert f"error: invalid configuration: --model-path {tmp_path}: has no config.json" in proc.stderr
 
 
 def test_default_pair_when_no_model_path(pair, monkeypatch):
