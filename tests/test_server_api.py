@@ -259,3 +259,12 @@ def test_launch_server_module_serves_and_drains_on_sigterm(pair):
         text = "".join(ch.choices[0].text for ch in got["chunks"] if ch.choices)
         assert len(text) == 400 and got["chunks"][-1].choices[0].finish_reason == "length"
         assert got["after"] > 0, "the request finished before SIGTERM arrived; the drain was not exercised"
+
+
+def test_stop_holdback_keeps_back_only_possible_stop_prefixes():
+    from ddtree.server.async_engine import stop_holdback
+
+    assert stop_holdback("abcab", ("abd",)) == 2
+    assert stop_holdback("xyz", ("zz", "yzq")) == 2
+    assert stop_holdback("hello", ()) == 0 and stop_holdback("hello", ("x",)) == 0
+    assert stop_holdback("ab", ("ab",)) == 0  # a complete stop has already finished the request

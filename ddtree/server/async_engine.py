@@ -94,6 +94,8 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[], object]):
         """Run fn() on the engine thread between two steps; its result or exception comes back here."""
+        if not self.alive:
+            raise RuntimeError("the engine thread is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put((fn, fut))
         return await asyncio.wrap_future(fut)
