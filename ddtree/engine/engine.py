@@ -72,6 +72,7 @@ class LLMEngine:
         req = self.requests.pop(rid, None)
         if req is not None and not req.is_finished:
             req.finish_reason = "abort"
+            self.emitter.detok.pop(rid, None)
             self.scheduler.finish(req)
 
     def has_unfinished(self) -> bool:
