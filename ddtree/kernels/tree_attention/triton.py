@@ -57,7 +57,7 @@ def _dot(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j, qk_scale, row_t, ctx, kv_len,
-             mask_row_ptr, q_len, stride_ks, stride_vs, k_ext, v_ext, stride_es, PAGE: tl.constexpr,
+             mask_ptr, mask_row, q_len, stride_ks, stride_vs, k_ext, v_ext, stride_es, PAGE: tl.constexpr,
              MASKED: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, DOT: tl.constexpr):
     if MASKED:
         j_ok = j < kv_len
@@ -86,7 +86,7 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j,
         c = j[None, :] - ctx
         if MODE == 1:
             in_tree = (c >= 0) & (c < q_len) & j_ok[None, :]
-            bits = tl.load(mask_row_ptr[:, None] + c, mask=in_tree, other=0)
+            bits = tl.load(mask_ptr + (mask_row[:, None] + c), mask=in_tree, other=0)
             vis = ((c < 0) | (bits != 0)) & j_ok[None, :]
         elif MODE == 0:
             vis = (c <= row_t[:, None]) & j_ok[None, :]
@@ -138,7 +138,8 @@ def _attend_rows(
 
     kv_off_k = kvh * stride_kh
     kv_off_v = kvh * stride_vh
-    mask_row_ptr = mask_ptr + b * stride_mb + row_t * stride_mt
+    mask_ptr += b * stride_mb
+    mask_row = row_t * stride_mt  # int32 offsets: a [BM, BLOCK_N] tensor of 64-bit pointers costs registers
     acc = tl.full([BM, D], 0.0, dtype=tl.float32)
     m_i = tl.full([BM], _NEG_INIT, dtype=tl.float32)
     l_i = tl.full([BM], 0.0, dtype=tl.float32)
@@ -149,11 +150,11 @@ def _attend_rows(
 
     for tile in range(tile_lo, tl.minimum(tile_hi, free_tiles)):
         acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d,
-                                 tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_row_ptr, q_len,
+                                 tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_ptr, mask_row, q_len,
                                  stride_ks, stride_vs, k_ext, v_ext, stride_es, PAGE, False, MODE, EXTRA, DOT)
-    for tile in range(tl.maximum(tile_lo, free_tiles), tile_hi):
+    for tile in tl.range(tl.maximum(tile_lo, free_tiles), tile_hi, num_stages=1):  # the few tiles of new tokens: unpipelined
         acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d,
-                                 tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_row_ptr, q_len,
+                                 tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_ptr, mask_row, q_len,
                                  stride_ks, stride_vs, k_ext, v_ext, stride_es, PAGE, True, MODE, EXTRA, DOT)
 
     has = l_i > 0.0
