@@ -199,9 +199,9 @@ def short(c):
 
 def sweep_configs(rows):
     if rows <= 16:
-        return [KernelConfig(16, 128, 4, 3), KernelConfig(16, 64, 4, 4), KernelConfig(16, 64, 8, 3)]
-    return [KernelConfig(64, 64, 4, 3, tail_m=0), KernelConfig(64, 128, 8, 3), KernelConfig(128, 64, 8, 3),
-            KernelConfig(64, 32, 4, 4), KernelConfig(64, 64, 8, 3)]
+        return [KernelConfig(16, 128, 4, 3), KernelConfig(16, 64, 4, 4), KernelConfig(16, 64, 2, 3)]
+    return [KernelConfig(64, 64, 4, 3, tail_m=0), KernelConfig(128, 64, 8, 3), KernelConfig(128, 64, 8, 2),
+            KernelConfig(128, 128, 8, 2), KernelConfig(64, 32, 4, 4), KernelConfig(64, 128, 8, 3)]
 
 
 def bench_point(name, b, n, ctx, bw, mma, results):

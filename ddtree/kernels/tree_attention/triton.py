@@ -56,8 +56,8 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j, qk_scale, row_t, ctx, kv_len,
-             mask_ptr, mask_row, q_len, stride_ks, stride_vs, k_ext, v_ext, stride_es, PAGE: tl.constexpr,
+def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, qk_scale, row_t, ctx, kv_len,
+             mask_ptr, mask_row, q_len, stride_s, k_ext, v_ext, stride_es, PAGE: tl.constexpr,
              MASKED: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, DOT: tl.constexpr):
     if MASKED:
         j_ok = j < kv_len
@@ -68,8 +68,9 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j,
     else:
         page = tl.load(bt_row + j // PAGE)
     slot = page * PAGE + j % PAGE
-    k_ptrs = k_pool + slot[:, None] * stride_ks + kv_off_k + d[None, :]
-    v_ptrs = v_pool + slot[:, None] * stride_vs + kv_off_v + d[None, :]
+    off = slot[:, None] * stride_s + kv_off + d[None, :]  # K and V pools share strides (host-checked)
+    k_ptrs = k_pool + off
+    v_ptrs = v_pool + off
     if MASKED:
         k = tl.load(k_ptrs, mask=in_pool[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=in_pool[:, None], other=0.0)
@@ -81,7 +82,7 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j,
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    s = _dot(q, tl.trans(k), DOT) * qk_scale
+    s = _dot(q, tl.trans(k), DOT)
     if MASKED:
         c = j[None, :] - ctx
         if MODE == 1:
@@ -93,9 +94,10 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j,
         else:
             vis = j_ok[None, :] & (row_t >= 0)[:, None]
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+    # qk_scale > 0 commutes with max: scale the row max, then one fused multiply-add per score
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
     return acc, m_new, l_i
@@ -105,7 +107,7 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d, j,
 def _attend_rows(
     row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext, qk_scale,
     num_splits, split, b, kvh, q_start, q_len, kv_len,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
+    stride_qt, stride_qh, stride_s, stride_h, stride_ot, stride_oh, stride_mb, stride_mt,
     stride_eh, stride_es,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
     BLOCK_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
@@ -136,8 +138,7 @@ def _attend_rows(
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     free_tiles = free_end // BLOCK_N
 
-    kv_off_k = kvh * stride_kh
-    kv_off_v = kvh * stride_vh
+    kv_off = kvh * stride_h
     mask_ptr += b * stride_mb
     mask_row = row_t * stride_mt  # int32 offsets: a [BM, BLOCK_N] tensor of 64-bit pointers costs registers
     acc = tl.full([BM, D], 0.0, dtype=tl.float32)
@@ -149,13 +150,13 @@ def _attend_rows(
     v_ext += ext_off
 
     for tile in range(tile_lo, tl.minimum(tile_hi, free_tiles)):
-        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d,
+        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d,
                                  tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_ptr, mask_row, q_len,
-                                 stride_ks, stride_vs, k_ext, v_ext, stride_es, PAGE, False, MODE, EXTRA, DOT)
+                                 stride_s, k_ext, v_ext, stride_es, PAGE, False, MODE, EXTRA, DOT)
     for tile in tl.range(tl.maximum(tile_lo, free_tiles), tile_hi, num_stages=1):  # the few tiles of new tokens: unpipelined
-        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off_k, kv_off_v, d,
+        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d,
                                  tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_ptr, mask_row, q_len,
-                                 stride_ks, stride_vs, k_ext, v_ext, stride_es, PAGE, True, MODE, EXTRA, DOT)
+                                 stride_s, k_ext, v_ext, stride_es, PAGE, True, MODE, EXTRA, DOT)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -174,7 +175,7 @@ def _attend_rows(
 def _split_kv_attn(
     q_ptr, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
     qk_scale, num_splits,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
     stride_mb, stride_mt, stride_eh, stride_es,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr,
@@ -195,14 +196,14 @@ def _split_kv_attn(
     # BLOCK_M: a quarter of the MMA work for the same KV stream.
     if TAIL_M > 0 and q_len * G - row0 <= TAIL_M:
         _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
-                     qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_ks,
-                     stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
+                     qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_s,
+                     stride_h, stride_ot, stride_oh, stride_mb, stride_mt,
                      stride_eh, stride_es,
                      HKV, G, D, PAGE, TAIL_M, BLOCK_N, MODE, EXTRA, SPLIT, DOT)
     else:
         _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
-                     qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_ks,
-                     stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_mb, stride_mt,
+                     qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_s,
+                     stride_h, stride_ot, stride_oh, stride_mb, stride_mt,
                      stride_eh, stride_es,
                      HKV, G, D, PAGE, BLOCK_M, BLOCK_N, MODE, EXTRA, SPLIT, DOT)
 
@@ -245,7 +246,7 @@ def paged_attention(
     T, hq, dim = q.shape
     hkv = k_pool.shape[1]
     assert hq % hkv == 0 and dim == k_pool.shape[2] and dim >= 16 and dim & (dim - 1) == 0
-    assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
+    assert k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
     group = hq // hkv
     b = qo_indptr.shape[0] - 1
     if out is None:
@@ -275,8 +276,7 @@ def paged_attention(
     def args(split_count, part_o, part_lse):
         return (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask, out, part_o, part_lse, k_ext, v_ext,
                 scale * _LOG2E, split_count,
-                q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-                block_table.stride(0), out.stride(0), out.stride(1), smb, smt, k_ext.stride(1), k_ext.stride(0))
+                q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_table.stride(0), out.stride(0), out.stride(1), smb, smt, k_ext.stride(1), k_ext.stride(0))
 
     if num_splits is None:
         key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(k_pool.dtype),)
