@@ -227,3 +227,20 @@ def test_kernel_new_kv_full_visibility():
                                         acc_dtype=torch.float64, causal=causal,
                                         new_kv=(k_new.double(), v_new.double()))
         assert rel(out, ref) < TOL[torch.float32]
+
+
+def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
+    """DDTREE generation on the toy pair (tree verify + drafter block through the kernel) gives the torch
+    backend's tokens."""
+    import ddtree.server_args as server_args
+    from ddtree import SamplingParams
+    from engine_utils import run, toy_prompts
+
+    if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
+        monkeypatch.setattr(server_args, "IMPLEMENTED_ATTENTION_BACKENDS",
+                            server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",))
+    prompts = toy_prompts(2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = run(toy_pair, prompts, params, algorithm="DDTREE")
+    ours = run(toy_pair, prompts, params, algorithm="DDTREE", attention_backend="triton")
+    assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
