@@ -216,3 +216,32 @@ def test_toy_pair_accepts_and_caches(tmp_path):
     target, drafter = load_target(target_dir, torch.float32), load_drafter(drafter_dir, torch.float32)
     again = evaluate_pair(target, drafter, info["seed"] + 2)
     assert again["tau"] == pytest.approx(info["tau"]) and again["chain_tau"] == pytest.approx(info["chain_tau"])
+
+
+def test_block_loss_uses_same_position_labels_and_chunks(tiny):
+    from ddtree.train.drafter import block_embeds, block_loss, sample_anchors, anchor_valid
+
+    cfg, target, (ids, mask), held, dcfg = tiny
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(dcfg))
+    init_weights(drafter, 0.2)
+    ids, mask = ids[:3], mask[:3]
+    anchors, keep = sample_anchors(anchor_valid(ids, mask), 6, torch.Generator().manual_seed(1))
+    loss, accepted = block_loss(drafter, target, ids, mask, anchors, keep, gamma=4.0)
+    chunked, acc2 = block_loss(drafter, target, ids, mask, anchors, keep, gamma=4.0, chunk_elems=64 * 7)
+    torch.testing.assert_close(chunked, loss)
+    assert torch.equal(accepted, acc2)
+    _, feats = target.forward_train(ids, drafter.config.target_layer_ids)
+    with torch.no_grad():
+        hidden = drafter.forward_train(feats, block_embeds(target, ids, anchors, drafter.config), anchors)
+        logits = drafter.logits(hidden, target.lm_head)
+    num = den = 0.0
+    for b in range(3):
+        for j in range(anchors.shape[1]):
+            a = int(anchors[b, j])
+            for k in range(1, 8):  # block row k is trained on x_{a+k}: same position, no extra shift
+                if a + k < ids.shape[1] and mask[b, a + k]:
+                    w = float(torch.exp(torch.tensor(-(k - 1) / 4.0)))
+                    num += w * float(torch.nn.functional.cross_entropy(logits[b, j, k], ids[b, a + k]))
+                    den += w
+    assert loss.item() == pytest.approx(num / den, rel=1e-5)

@@ -106,6 +106,11 @@ def train_target_cmd(args) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     vocab, train, held = _target_corpus(args)
+    from ddtree.train.data import save_tokens
+
+    # the packed corpus doubles as the prompt source for `train-drafter --data OUT/tokens/train.pt`
+    save_tokens(os.path.join(args.out, "tokens", "train.pt"), train.to(torch.int32))
+    save_tokens(os.path.join(args.out, "tokens", "heldout.pt"), held.to(torch.int32))
     print(f"corpus: {tuple(train.shape)} train, {tuple(held.shape)} held-out tokens; vocab {vocab}", file=sys.stderr)
     cfg = qwen3_config(vocab, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, args.head_dim,
                        args.intermediate_size, args.max_position_embeddings, args.rope_theta,

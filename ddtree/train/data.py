@@ -31,9 +31,9 @@ def successor_table(vocab: int) -> torch.Tensor:
 
 
 def synthetic_sequences(n: int, length: int, vocab: int = 64, seed: int = 0, noise: float = 0.03,
-                        segment: tuple[int, int] = (16, 32)) -> torch.LongTensor:
+                        segment: tuple[int, int] = (16, 32), max_stride: int = 3) -> torch.LongTensor:
     """[n, length] sequences `<|bos|>` + segments of three regular kinds over tokens 4..vocab-1:
-    arithmetic progressions mod the regular range (stride fixed per sequence), repeated motifs of 2-5 tokens,
+    arithmetic progressions mod the regular range (stride +-1..max_stride, fixed per sequence), repeated motifs of 2-5 tokens,
     and walks of the fixed successor permutation. Segment boundaries are random and a fraction `noise` of
     positions is replaced by a random token (the underlying pattern carries on past it), so a model learns
     the structure quickly but cannot predict every token."""
@@ -48,7 +48,7 @@ def synthetic_sequences(n: int, length: int, vocab: int = 64, seed: int = 0, noi
 
     out = torch.empty(n, length, dtype=torch.long)
     for row in range(n):
-        stride = rint(1, 5) * (1 if rint(0, 1) else -1)
+        stride = rint(1, max_stride) * (1 if rint(0, 1) else -1)
         seq = [BOS_ID]
         while len(seq) < length:
             seg_len = rint(*segment)

@@ -193,12 +193,13 @@ def block_acceptance(drafter, target, ids: torch.Tensor, start: int = 1, labels:
     return float(acc[ok].float().mean()) if ok.any() else 0.0
 
 
-def chain_acceptance(lengths: torch.Tensor, start: int) -> float:
-    """Mean tau of the DFLASH chain walk: the first block is anchored at `start` (the first generated token),
-    each round moves the anchor by its acceptance length; blocks that no longer fit end the walk."""
+def chain_acceptance(lengths: torch.Tensor, start: int | list[int]) -> float:
+    """Mean tau of the DFLASH chain walk: the first block is anchored at `start` (the first generated token;
+    one per row or shared), each round moves the anchor by its acceptance length; blocks that no longer fit
+    end the walk."""
     taus = []
-    for row in lengths.tolist():
-        a = start
+    starts = [start] * lengths.shape[0] if isinstance(start, int) else list(start)
+    for row, a in zip(lengths.tolist(), starts):
         while a < len(row) and row[a] > 0:
             taus.append(row[a])
             a += row[a]

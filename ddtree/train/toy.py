@@ -21,12 +21,15 @@ from ddtree.train.data import MASK_ID, synthetic_sequences, word_tokenizer
 from ddtree.train.drafter import acceptance_lengths, chain_acceptance, drafter_config_for, train_drafter
 from ddtree.train.lm import generate, qwen3_config, train_lm
 
-TOY_VERSION = 1
+TOY_VERSION = 2
 MARKER = "ddtree_toy.json"
 VOCAB = 64
-SEQ_LEN = 64
-PROMPT_LEN = 16
+SEQ_LEN = 80  # prompt + continuation; covers the engine tests' prompts (<= 40) plus 40 new tokens
+PROMPT_LEN = (4, 40)
 BLOCK_SIZE = 8
+# knobs of the recipe (kept together so a version bump is the only thing a change needs)
+HP = {"target_steps": 300, "target_lr": 1e-2, "corpus": 4096, "regen": 2048, "drafter_layers": 2,
+      "drafter_steps": 400, "drafter_lr": 3e-3, "drafter_batch": 16, "anchors": 16}
 
 
 def toy_target_config() -> dict:
@@ -34,9 +37,26 @@ def toy_target_config() -> dict:
                         intermediate_size=192, max_position_embeddings=512, mask_token_id=MASK_ID)
 
 
-def toy_prompts(n: int, seed: int) -> torch.Tensor:
-    """[n, PROMPT_LEN] prompts (`<|bos|>` + synthetic tokens) of the kind the pair was trained on."""
-    return synthetic_sequences(n, PROMPT_LEN, VOCAB, seed)
+def toy_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts (`<|bos|>` + synthetic tokens) of random lengths in PROMPT_LEN, like the ones served."""
+    lo, hi = PROMPT_LEN
+    rows = synthetic_sequences(n, hi, VOCAB, seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=torch.Generator().manual_seed(seed))
+    return [rows[i, :int(k)].tolist() for i, k in enumerate(lengths)]
+
+
+def greedy_data(target, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(ids [n, SEQ_LEN], response mask, prompt lengths): the target's greedy continuations of toy prompts."""
+    prompts = toy_prompts(n, seed)
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    ids = torch.empty(n, SEQ_LEN, dtype=torch.long)
+    for k, idx in by_len.items():
+        ids[idx] = torch.tensor(generate(target, [prompts[i] for i in idx], SEQ_LEN - k))
+    starts = [len(p) for p in prompts]
+    mask = torch.arange(SEQ_LEN)[None, :] >= torch.tensor(starts)[:, None]
+    return ids, mask, starts
 
 
 def read_marker(out_dir: str) -> dict | None:
@@ -56,11 +76,13 @@ def read_marker(out_dir: str) -> dict | None:
 
 def evaluate_pair(target, drafter, seed: int, n: int = 128) -> dict:
     """Acceptance of the drafter on the target's greedy continuations of held-out prompts (T=0 labels):
-    `tau` = mean over all full blocks, `chain_tau` = mean over the blocks a DFLASH chain would visit."""
-    ids = torch.tensor(generate(target, toy_prompts(n, seed), SEQ_LEN - PROMPT_LEN))
+    `tau` = mean over all full blocks in the continuations, `chain_tau` = mean over the blocks a DFLASH
+    chain would visit (what the engine reports)."""
+    ids, mask, starts = greedy_data(target, n, seed)
     lengths = acceptance_lengths(drafter, target, ids)
-    valid = lengths[:, PROMPT_LEN:]
-    return {"tau": float(valid[valid > 0].float().mean()), "chain_tau": chain_acceptance(lengths, PROMPT_LEN)}
+    full = lengths > 0
+    full[:, : SEQ_LEN - BLOCK_SIZE + 1] &= mask[:, : SEQ_LEN - BLOCK_SIZE + 1]
+    return {"tau": float(lengths[full].float().mean()), "chain_tau": chain_acceptance(lengths, starts)}
 
 
 def build_toy_pair(out_dir: str, seed: int = 0, force: bool = False, progress: bool = False) -> tuple[str, str]:
@@ -97,27 +119,25 @@ def _train_pair(work: str, seed: int, progress: bool) -> dict:
     t0 = time.perf_counter()
     cfg = toy_target_config()
     target_dir, drafter_dir = os.path.join(work, "target"), os.path.join(work, "drafter")
-    corpus = synthetic_sequences(4096, SEQ_LEN, VOCAB, seed)
+    corpus = synthetic_sequences(HP["corpus"], SEQ_LEN, VOCAB, seed)
     hist: list = []
-    target = train_lm(cfg, corpus, steps=300, lr=1e-2, batch_size=32, warmup=0.04, seed=seed,
-                      out_dir=target_dir, progress=progress, history=hist)
+    target = train_lm(cfg, corpus, steps=HP["target_steps"], lr=HP["target_lr"], batch_size=32, warmup=0.04,
+                      seed=seed, out_dir=target_dir, progress=progress, history=hist)
     word_tokenizer(VOCAB, target_dir)
     t1 = time.perf_counter()
-    # drafter data: the target's own greedy continuations (what T=0 verification accepts)
-    ids = torch.tensor(generate(target, toy_prompts(2048, seed + 1), SEQ_LEN - PROMPT_LEN))
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    mask[:, PROMPT_LEN:] = True
-    dcfg = drafter_config_for(TargetConfig.from_dict(cfg), num_layers=2, block_size=BLOCK_SIZE,
+    ids, mask, _ = greedy_data(target, HP["regen"], seed + 1)
+    dcfg = drafter_config_for(TargetConfig.from_dict(cfg), num_layers=HP["drafter_layers"], block_size=BLOCK_SIZE,
                               mask_token_id=MASK_ID, target_layer_ids=(0, 1), torch_dtype="float32")
     t2 = time.perf_counter()
-    drafter = train_drafter(target, dcfg, (ids, mask), steps=300, lr=3e-3, batch_size=16, anchors_per_seq=16,
-                            seed=seed, out_dir=drafter_dir, progress=progress, device="cpu")
+    drafter = train_drafter(target, dcfg, (ids, mask), steps=HP["drafter_steps"], lr=HP["drafter_lr"],
+                            batch_size=HP["drafter_batch"], anchors_per_seq=HP["anchors"], seed=seed,
+                            out_dir=drafter_dir, progress=progress, device="cpu")
     shutil.rmtree(os.path.join(drafter_dir, "checkpoint"), ignore_errors=True)
     t3 = time.perf_counter()
     metrics = evaluate_pair(target, drafter, seed + 2)
     return {
-        "version": TOY_VERSION, "seed": seed, "block_size": BLOCK_SIZE, "prompt_len": PROMPT_LEN,
-        "seq_len": SEQ_LEN, "target_final_loss": hist[-1]["loss"], **metrics,
+        "version": TOY_VERSION, "seed": seed, "block_size": BLOCK_SIZE, "prompt_len": list(PROMPT_LEN),
+        "seq_len": SEQ_LEN, "hp": HP, "target_final_loss": hist[-1]["loss"], **metrics,
         "seconds": {"target": t1 - t0, "regenerate": t2 - t1, "drafter": t3 - t2,
                     "total": time.perf_counter() - t0},
     }
