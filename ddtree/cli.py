@@ -21,8 +21,8 @@ def _commands():
         "generate": ("ddtree.generate", "main"),
         "check-config": ("ddtree.check_config", "main"),
         "serve": ("ddtree.server.launch", "main"),
-        "train-target": ("ddtree.train.cli", "train_target_main"),
-        "train-drafter": ("ddtree.train.cli", "train_drafter_main"),
+        "train-target": ("ddtree.train.cli", "main"),
+        "train-drafter": ("ddtree.train.cli", "main"),
         "bench": ("ddtree.bench.cli", "main"),
     }
 
@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     module, func = table[cmd]
     import importlib
 
+    if cmd.startswith("train-"):  # the trainer's parser has both as subcommands
+        rest = [cmd, *rest]
     return int(getattr(importlib.import_module(module), func)(rest) or 0)
 
 
