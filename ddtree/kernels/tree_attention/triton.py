@@ -1,20 +1,22 @@
-"""Split-KV paged attention for decode, chain/tree verify and causal extend (Triton).
+"""Split-KV paged attention for decode, chain/tree verify, causal extend and drafter blocks (Triton).
 
 Contract (same as `reference.paged_attention_reference`): q [T, Hq, D] holds request i's q_len_i new tokens at
 rows qo_indptr[i]..qo_indptr[i+1]; they sit at logical KV positions kv_len_i - q_len_i .. kv_len_i - 1, whose
-K/V are already in the paged pools. Every cached position (< kv_len_i - q_len_i) is visible; among the new
-tokens visibility is causal, or `tree_mask[i, t, c]` (bool [b, n, n], n >= max q_len, ancestors-and-self).
+K/V are in the paged pools (or, with `new_kv`, in dense rows aligned with q). Every cached position
+(< kv_len_i - q_len_i) is visible; among the new tokens visibility is causal, all-to-all (causal=False), or
+`tree_mask[i, t, c]` (bool [b, n, n], n >= max q_len, ancestors-and-self).
 
 Grid (q_block, request * kv_head, split). A program's M rows are (token, query head of the kv head's GQA group)
 pairs, row = t * G + g, so every K/V tile is read once for the whole group. The KV range of a request is cut
 into `num_splits` contiguous runs of tiles; each program streams its run with an fp32 online softmax (base 2).
-Tiles wholly before the first position any row of the block can lose run with no mask at all; only the
-trailing tiles (the new tokens) evaluate causality or load the tree mask. With one split the program writes
-the output; otherwise it writes a normalised partial and its log-sum-exp, and `_combine` merges them.
-The mask is a plain bool tensor (read as uint8): it is touched only on the trailing tiles, n*n bytes per
-request, so bit-packing would save nothing measurable.
+Tiles wholly before the first position any row of the block can lose run with no mask at all (pipelined);
+only the few trailing tiles (the new tokens) evaluate causality or load the tree mask, in an unpipelined loop.
+With one split the program writes the output; otherwise it writes a normalised partial and its log-sum-exp,
+and `_combine` merges them. The mask stays a plain bool tensor (read as uint8): it is gathered only on those
+trailing tiles, and the main loop compiles spill-free on sm_90 with it, so bit-packing would buy little.
 All launch shapes depend only on host ints (batch, max q_len, num_splits); per-request lengths are read on the
-device, so the calls are CUDA-graph capturable with static metadata tensors.
+device, so the calls are CUDA-graph capturable with static metadata tensors (launch once before capturing:
+the first call compiles).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, qk_scale, r
         elif MODE == 0:
             vis = (c <= row_t[:, None]) & j_ok[None, :]
         else:
-            vis = j_ok[None, :] & (row_t >= 0)[:, None]
+            vis = j_ok[None, :] & (row_t >= 0)[:, None]  # (always-true row term: broadcast to the tile)
         s = tl.where(vis, s, float("-inf"))
     # qk_scale > 0 commutes with max: scale the row max, then one fused multiply-add per score
     m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * qk_scale)
@@ -153,7 +155,7 @@ def _attend_rows(
         acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d,
                                  tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_ptr, mask_row, q_len,
                                  stride_s, k_ext, v_ext, stride_es, PAGE, False, MODE, EXTRA, DOT)
-    for tile in tl.range(tl.maximum(tile_lo, free_tiles), tile_hi, num_stages=1):  # the few tiles of new tokens: unpipelined
+    for tile in tl.range(tl.maximum(tile_lo, free_tiles), tile_hi, num_stages=1):
         acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d,
                                  tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_ptr, mask_row, q_len,
                                  stride_s, k_ext, v_ext, stride_es, PAGE, True, MODE, EXTRA, DOT)
@@ -193,7 +195,7 @@ def _split_kv_attn(
     kv_len = tl.load(kv_lens + b).to(tl.int32)
     bt_row = block_table + b * stride_bt
     # A last block with few rows (65 tree nodes x 4 heads = 4 x 64 + 4) runs at TAIL_M rows instead of
-    # BLOCK_M: a quarter of the MMA work for the same KV stream.
+    # BLOCK_M: the same KV stream for a fraction of the MMA work.
     if TAIL_M > 0 and q_len * G - row0 <= TAIL_M:
         _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
                      qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_s,
@@ -276,7 +278,8 @@ def paged_attention(
     def args(split_count, part_o, part_lse):
         return (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask, out, part_o, part_lse, k_ext, v_ext,
                 scale * _LOG2E, split_count,
-                q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_table.stride(0), out.stride(0), out.stride(1), smb, smt, k_ext.stride(1), k_ext.stride(0))
+                q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_table.stride(0),
+                out.stride(0), out.stride(1), smb, smt, k_ext.stride(1), k_ext.stride(0))
 
     if num_splits is None:
         key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(k_pool.dtype),)
