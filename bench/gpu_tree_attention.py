@@ -174,6 +174,9 @@ def flex_fn(p):
             return (ki < ctx) | tm[bi, qi, (ki - ctx).clamp(min=0)]
 
         block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=n, KV_LEN=L, device=DEV)
+    for knob in ("cache_size_limit", "recompile_limit"):  # one compile per point shape and mask closure
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
     flex = torch.compile(flex_attention, dynamic=False)
 
     def run():
