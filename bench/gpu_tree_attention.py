@@ -30,7 +30,9 @@ from ddtree.kernels.tree_attention.tuning import KernelConfig, default_config  #
 HQ, HKV, D, PAGE, DT = 32, 8, 128, 16, torch.bfloat16
 DEV = torch.device("cuda")
 T0 = time.time()
-SWEEP_BUDGET_S, FLEX_BUDGET_S = 200, 250  # seconds since start after which the sweep / Flex are skipped
+# seconds since start after which the sweep / Flex are skipped
+SWEEP_BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", 200))
+FLEX_BUDGET_S = float(os.environ.get("FLEX_BUDGET_S", 250))
 
 
 def rel(a, b):
