@@ -22,7 +22,7 @@ logger = logging.getLogger("ddtree")
 
 SPECULATIVE_ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
 ATTENTION_BACKENDS = ("torch", "triton", "flex")
-IMPLEMENTED_ATTENTION_BACKENDS = ("torch",)
+IMPLEMENTED_ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAMBA_STRATEGIES = ("no_buffer", "extra_buffer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -360,21 +360,27 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     if not args.is_speculative and args.max_running_requests is None:
         upd["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS
         logger.info("Max running requests is set to %d.", DEFAULT_MAX_RUNNING_REQUESTS)
-    if t is not None:
-        _resolve_mamba(args, t, upd, p)
-        _resolve_target_defaults(args, t, d, upd)
-    upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
-    upd["tokenizer_path"] = args.tokenizer_path or upd.get("model_path")
     if args.device == "auto":
         upd["device"] = "cuda" if cuda_available() else "cpu"
         logger.info("Device is set to %s.", upd["device"])
+    if t is not None:
+        _resolve_mamba(args, t, upd, p)
+        _resolve_target_defaults(args, t, d, upd, upd.get("device", args.device))
+    upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
+    upd["tokenizer_path"] = args.tokenizer_path or upd.get("model_path")
     if p:
         raise ConfigError(p)
     return dataclasses.replace(args, target_config=t, drafter_config=d, **upd)
 
 
-def _resolve_target_defaults(a: ServerArgs, t: TargetConfig, d: DrafterConfig | None, upd: dict) -> None:
-    if a.dtype == "auto":
+def _resolve_target_defaults(a: ServerArgs, t: TargetConfig, d: DrafterConfig | None, upd: dict,
+                             device: str) -> None:
+    if a.dtype == "auto" and device == "cpu":
+        # CPU bf16 matmuls are slow and round differently for different batch shapes, so a tree verify
+        # could flip a near-tie that plain decoding resolves the other way.
+        upd["dtype"] = "float32"
+        logger.info("Dtype is set to float32 on the CPU (pass --dtype to override).")
+    elif a.dtype == "auto":
         dtype = t.dtype.removeprefix("torch.")
         if dtype not in DTYPES:
             logger.warning("Target config dtype %r is not supported; using bfloat16", t.dtype)

@@ -22,7 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def ddtree_args(pair, *extra):
     target, drafter = pair
-    return prepare_server_args(["--model-path", target, "--speculative-algorithm", "DDTREE",
+    # planned for a GPU deployment (on the CPU, dtype auto resolves to float32)
+    return prepare_server_args(["--model-path", target, "--speculative-algorithm", "DDTREE", "--device", "cuda",
                                 "--speculative-draft-model-path", drafter, *extra])
 
 

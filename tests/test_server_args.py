@@ -94,11 +94,13 @@ def test_server_args_frozen_and_configs_attached(dense):
 def test_resolved_defaults_are_logged(dense, caplog):
     caplog.set_level(logging.INFO, logger="ddtree")
     target, drafter = dense
-    args = prepare_server_args(["--model-path", target, "--speculative-algorithm", "ddtree",
+    args = prepare_server_args(["--model-path", target, "--speculative-algorithm", "ddtree", "--device", "cuda",
                                 "--speculative-draft-model-path", drafter])
     assert spec_tuple(args) == ("DDTREE", 16, 64, 64, False)
     assert args.speculative_dflash_block_size == 16 and args.max_running_requests == 48
     assert args.dtype == "bfloat16" and args.context_length == 40960 and args.verify_width == 65
+    cpu = prepare_server_args(["--model-path", target, "--device", "cpu"])
+    assert cpu.dtype == "float32" and any("float32 on the CPU" in m for m in caplog.messages)
     assert "Max running requests is reset to 48 for speculative decoding." in caplog.messages
     assert any("block size is set to 16" in m for m in caplog.messages)
     assert any("budget is set to 64" in m for m in caplog.messages)
@@ -267,7 +269,7 @@ def test_speculative_flags_without_algorithm_warn(dense, caplog):
 
 
 def test_unimplemented_attention_backend(dense):
-    one_problem(["--model-path", dense[0], "--attention-backend", "triton"], "--attention-backend", "torch")
+    one_problem(["--model-path", dense[0], "--attention-backend", "flex"], "--attention-backend", "torch")
 
 
 def test_bad_choice_on_direct_construction(dense):
