@@ -66,7 +66,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, x, rope, cos, sin, attend: AttendFn):
+    def forward(self, layer: int, x, rope, cos, sin, attend: AttendFn, linear=None):
         x = x + self.self_attn(layer, self.input_layernorm(x), rope, cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -79,13 +79,16 @@ class Qwen3Body(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """Parameter names match HF checkpoints (`model.layers.N...`, `lm_head.weight`)."""
+class CausalLM(nn.Module):
+    """The shell shared by our targets: a `model` body (embed_tokens, layers, norm), an LM head (tied or not),
+    RoPE, tapping of layer outputs for the drafter. Parameter names match HF checkpoints."""
+
+    body_cls: type[nn.Module]
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.config = cfg
-        self.model = Qwen3Body(cfg)
+        self.model = self.body_cls(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -102,13 +105,14 @@ class Qwen3ForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden [..., T, H], taps [..., T, len(tap_layers)*H] or None).
         A tap id i is the *output* of decoder layer i (HF `hidden_states[i + 1]`). `linear` is the
-        recurrent-state context of hybrid targets; dense models have none."""
+        recurrent-state context of hybrid targets (the flat [T] tokens it describes); without it recurrent
+        layers start from a zero state for each row of input_ids. Dense models ignore it."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         taps = {}
         wanted = set(tap_layers)
         for i, layer in enumerate(self.model.layers):
-            x = layer(i, x, self.rotary, cos, sin, attend)
+            x = layer(i, x, self.rotary, cos, sin, attend, linear)
             if i in wanted:
                 taps[i] = x
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
@@ -122,3 +126,7 @@ class Qwen3ForCausalLM(nn.Module):
         positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         hidden, taps = self.hidden_states(input_ids, positions, causal_attend(self.scale), tap_layers)
         return self.logits(hidden), taps
+
+
+class Qwen3ForCausalLM(CausalLM):
+    body_cls = Qwen3Body

@@ -15,7 +15,7 @@ from ddtree.configs import TargetConfig
 from ddtree.engine.state_pool import HybridStatePool
 from ddtree.models.gated_deltanet import GatedDeltaNet, LinearStateContext
 from ddtree.models.layers import MLP, RotaryEmbedding
-from ddtree.models.qwen3 import AttendFn, causal_attend
+from ddtree.models.qwen3 import AttendFn, CausalLM
 
 
 class OffsetRMSNorm(nn.Module):
@@ -96,50 +96,11 @@ class Qwen3_5Body(nn.Module):
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(CausalLM):
     """Parameter names match HF text checkpoints (`model.layers.N.{linear_attn,self_attn}...`); the loader
     maps VLM keys (`model.language_model.*`) onto them and skips the vision tower and MTP head."""
 
-    def __init__(self, cfg: TargetConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = Qwen3_5Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor)
-        self.scale = cfg.head_dim**-0.5
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, tap_layers: tuple[int, ...] = (),
-        linear: LinearStateContext | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (final-normed hidden [..., T, H], taps [..., T, len(tap_layers)*H] or None); a tap id i is the
-        output of decoder layer i. With `linear` the tokens are the flat [T] tokens the context describes;
-        without it GDN layers start from a zero state for each row of input_ids ([B, T] or [T])."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        taps = {}
-        wanted = set(tap_layers)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(i, x, self.rotary, cos, sin, attend, linear)
-            if i in wanted:
-                taps[i] = x
-        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
-        return self.model.norm(x), tapped
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def forward_train(self, input_ids: torch.Tensor, tap_layers: tuple[int, ...] = ()):
-        """Dense causal forward for [B, T] ids from a zero recurrent state (training, data generation, tests)."""
-        positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-        hidden, taps = self.hidden_states(input_ids, positions, causal_attend(self.scale), tap_layers)
-        return self.logits(hidden), taps
+    body_cls = Qwen3_5Body
 
     def make_state_pool(self, max_reqs: int, max_verify_width: int, device, strategy: str = "extra_buffer",
                         ssm_dtype: str = "float32") -> HybridStatePool:
