@@ -8,7 +8,6 @@ import time
 
 import torch
 
-from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes

@@ -9,7 +9,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 

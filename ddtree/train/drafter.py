@@ -12,7 +12,6 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
