@@ -107,7 +107,7 @@ def test_concurrent_streams_on_toy_pair_accept_and_match(toy_pair, algorithm):
     """Same check on the trained toy pair, where rounds really accept several drafted tokens per request."""
     from ddtree.train.toy import toy_prompts as toy_prompt_ids
 
-    ids = toy_prompt_ids(NUM_PROMPTS, 7).tolist()
+    ids = toy_prompt_ids(NUM_PROMPTS, 7)
     prompt_set = [(ids[i][: 4 + i % 12], 8 + (i * 7) % 25) for i in range(NUM_PROMPTS)]
     with thread_server(server_argv(toy_pair, algorithm, "--speculative-ddtree-budget", "16")) as srv:
         http = httpx.Client(base_url=srv.base_url, timeout=120)
