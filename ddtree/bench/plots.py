@@ -25,9 +25,10 @@ def tau_vs_budget(rows: list[dict], path: str) -> None:
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                 label=f"DDTREE T={temp}{' shadow' if shadow else ''}")
-    for r in rows:
-        if r["algorithm"] == "DFLASH":
-            ax.axhline(r["tau"], linestyle="--", linewidth=1, label=f"DFLASH T={r['temperature']}")
+    dflash = [r for r in rows if r["algorithm"] == "DFLASH"]
+    for i, r in enumerate(dflash):
+        ax.axhline(r["tau"], linestyle="--", linewidth=1, color=f"C{len(groups) + i}",
+                   label=f"DFLASH T={r['temperature']}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("budget B (tree nodes, root excluded)")
     ax.set_ylabel("mean accepted length τ (tokens/round)")
