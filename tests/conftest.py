@@ -15,3 +15,14 @@ def toy_pair(tmp_path_factory):
     root = os.environ.get("DDTREE_CACHE")
     out = os.path.join(root, "toy_pair") if root else str(tmp_path_factory.mktemp("toy_pair"))
     return build_toy_pair(out)
+
+
+@pytest.fixture(scope="session")
+def toy_hybrid_pair(tmp_path_factory):
+    """(target_dir, drafter_dir) like `toy_pair`, with a hybrid Qwen3.5 target (3 Gated DeltaNet layers + 1
+    gated full-attention layer). Cached across sessions in $DDTREE_CACHE when set."""
+    from ddtree.train.toy import build_toy_hybrid_pair
+
+    root = os.environ.get("DDTREE_CACHE")
+    out = os.path.join(root, "toy_hybrid_pair") if root else str(tmp_path_factory.mktemp("toy_hybrid_pair"))
+    return build_toy_hybrid_pair(out)

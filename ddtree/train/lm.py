@@ -1,5 +1,6 @@
-"""Causal-LM pretraining of a small Qwen3 target, KV-less generation, and the training-loop utilities shared
-with the drafter recipe (schedule, batching, autocast, resumable checkpoints)."""
+"""Causal-LM pretraining of a small target (dense Qwen3, or hybrid Qwen3.5 with Gated DeltaNet layers), cached
+generation, and the training-loop utilities shared with the drafter recipe (schedule, batching, autocast,
+resumable checkpoints)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.configs import TargetConfig
-from ddtree.models.loader import save_model
-from ddtree.models.qwen3 import Qwen3ForCausalLM
+from ddtree.kernels.gdn import gated_delta_rule_chunked, gated_delta_rule_recurrent
+from ddtree.models.loader import build_target, save_model
+from ddtree.models.gated_deltanet import dense_conv_silu
+from ddtree.models.qwen3 import Qwen3ForCausalLM, causal_attend
+from ddtree.models.qwen3_5 import Qwen3_5ForCausalLM
 from ddtree.train.data import BOS_ID, EOS_ID, MASK_ID
 
 
@@ -38,6 +42,27 @@ def qwen3_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 4, nu
     }
     if mask_token_id is not None:
         cfg["mask_token_id"] = mask_token_id
+    return cfg
+
+
+def qwen3_5_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 4, full_attention_interval: int = 4,
+                   linear_num_key_heads: int = 2, linear_num_value_heads: int = 4, linear_key_head_dim: int = 16,
+                   linear_value_head_dim: int = 16, linear_conv_kernel_dim: int = 4,
+                   partial_rotary_factor: float = 0.25, rope_theta: float = 10000.0, **kw) -> dict:
+    """An HF text-only `Qwen3_5ForCausalLM` config.json dict: every `full_attention_interval`-th layer is gated
+    full attention, the others Gated DeltaNet; `kw` as in `qwen3_config`."""
+    cfg = qwen3_config(vocab_size, hidden_size, num_layers, **kw)
+    for key in ("rope_theta", "rope_scaling", "use_sliding_window", "sliding_window", "max_window_layers"):
+        cfg.pop(key)
+    kinds = ["linear_attention" if (i + 1) % full_attention_interval else "full_attention" for i in range(num_layers)]
+    cfg.update(
+        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", layer_types=kinds,
+        full_attention_interval=full_attention_interval, linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads, linear_key_head_dim=linear_key_head_dim,
+        linear_value_head_dim=linear_value_head_dim, linear_conv_kernel_dim=linear_conv_kernel_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta,
+                         "partial_rotary_factor": partial_rotary_factor},
+    )
     return cfg
 
 
@@ -127,16 +152,49 @@ def progress_bar(total: int, initial: int, enabled: bool, desc: str):
 
 # ---------------------------------------------------------------- causal LM
 
-def lm_loss(model: Qwen3ForCausalLM, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    logits, _ = model.forward_train(ids)
+class _DenseRecurrentState:
+    """`LinearStateContext` for batched [B, T] generation with hybrid targets: per GDN layer the last K-1
+    pre-conv inputs [B, K-1, C] and the delta-rule state, carried from one call to the next."""
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size, self.windows, self.states = chunk_size, {}, {}
+
+    def conv(self, j, x, weight, bias):
+        K = weight.shape[-1]
+        ext = torch.cat([self.windows.get(j, x.new_zeros(x.shape[0], K - 1, x.shape[-1])), x], 1)
+        self.windows[j] = ext[:, ext.shape[1] - (K - 1):]
+        return dense_conv_silu(ext, weight, bias)[:, K - 1:]  # outputs past the zero padding see only ext
+
+    def rule(self, j, q, k, v, g, beta):
+        if q.shape[1] == 1:  # decode: a chunked step would pad one token to a whole chunk
+            o, self.states[j] = gated_delta_rule_recurrent(q, k, v, g, beta, self.states.get(j))
+        else:
+            o, self.states[j] = gated_delta_rule_chunked(q, k, v, g, beta, self.states.get(j), self.chunk_size)
+        return o
+
+
+def causal_forward(model: nn.Module, ids: torch.Tensor, tap_layers: tuple[int, ...] = ()):
+    """`model.forward_train(ids, tap_layers)`; hybrid targets run it on 16-token delta-rule chunks (the same
+    function, ~3x cheaper than the default 64 on training-length rows)."""
+    if not isinstance(model, Qwen3_5ForCausalLM):
+        return model.forward_train(ids, tap_layers)
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    hidden, taps = model.hidden_states(ids, pos, causal_attend(model.scale), tap_layers, _DenseRecurrentState(16))
+    return model.logits(hidden), taps
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    logits, _ = causal_forward(model, ids)
     labels = ids[:, 1:].clone()
     if mask is not None:
         labels[~mask[:, 1:]] = -100
     return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-def export_lm(model: Qwen3ForCausalLM, cfg: dict, out_dir: str, dtype: torch.dtype | None = None) -> None:
-    cfg = dict(cfg, architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+def export_lm(model: nn.Module, cfg: dict, out_dir: str, dtype: torch.dtype | None = None) -> None:
+    hybrid = isinstance(model, Qwen3_5ForCausalLM)
+    cfg = dict(cfg, architectures=["Qwen3_5ForCausalLM" if hybrid else "Qwen3ForCausalLM"],
+               model_type="qwen3_5_text" if hybrid else "qwen3")
     if dtype is not None:
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     skip = ("lm_head.",) if cfg.get("tie_word_embeddings") else ()
@@ -148,16 +206,17 @@ def train_lm(cfg: dict, sequences, *, steps: int, lr: float = 3e-3, batch_size: 
              grad_clip: float = 1.0, seed: int = 0, device: str = "cpu", autocast_dtype: torch.dtype | None = None,
              out_dir: str | None = None, save_every: int = 0, resume: bool = True, save_dtype: torch.dtype | None = None,
              progress: bool = True, history: list | None = None, eval_sequences: torch.Tensor | None = None,
-             threads: int | None = None) -> Qwen3ForCausalLM:
-    """Pretrain a Qwen3 target from scratch on `sequences` (see `batches` for accepted forms) with AdamW,
-    warmup (a ratio if < 1, else steps) and cosine decay. With `out_dir`, checkpoints to
-    out_dir/checkpoint/state.pt every `save_every` steps (resumed when `resume`) and exports HF format
-    (config.json + model.safetensors, tied lm_head skipped) loadable by `load_target` and transformers.
+             threads: int | None = None) -> nn.Module:
+    """Pretrain a target (dense Qwen3, or hybrid Qwen3.5 for a `qwen3_5_config`) from scratch on `sequences`
+    (see `batches` for accepted forms) with AdamW, warmup (a ratio if < 1, else steps) and cosine decay.
+    With `out_dir`, checkpoints to out_dir/checkpoint/state.pt every `save_every` steps (resumed when
+    `resume`) and exports HF format (config.json + model.safetensors, tied lm_head skipped) loadable by
+    `load_target` and transformers.
     `history` (if given) receives {"step", "loss", "lr"} per step and {"step", "eval_loss"} at the end."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(TargetConfig.from_dict(cfg))
+    model = build_target(TargetConfig.from_dict(cfg))  # hybrid Qwen3.5 when layer_types has linear_attention
     init_weights(model, float(cfg.get("initializer_range", 0.02)))
     model.to(device).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -220,23 +279,24 @@ def _cached_attend(scale: float, cache: dict):
 
 
 def _next_logits(model: nn.Module, ids: torch.Tensor, cache: dict | None, done: int) -> torch.Tensor:
-    """Logits of the last position. Dense Qwen3 reuses `cache` (new tokens = ids[:, done:]); other targets
-    re-run the whole prefix."""
+    """Logits of the last position. Qwen3 / Qwen3.5 targets reuse `cache` (KV per attention layer, plus the
+    recurrent state under key "linear"; new tokens = ids[:, done:]); other targets re-run the whole prefix."""
     if cache is None:
         return model.forward_train(ids)[0][:, -1]
     new = ids[:, done:]
     pos = torch.arange(done, ids.shape[1], device=ids.device).expand_as(new)
-    hidden, _ = model.hidden_states(new, pos, _cached_attend(model.scale, cache))
+    linear = cache.setdefault("linear", _DenseRecurrentState(16)) if isinstance(model, Qwen3_5ForCausalLM) else None
+    hidden, _ = model.hidden_states(new, pos, _cached_attend(model.scale, cache), (), linear)
     return model.logits(hidden[:, -1])
 
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts, new_tokens: int, temperature: float = 0.0, seed: int = 0,
              batch_size: int = 256, device: str | None = None, autocast_dtype: torch.dtype | None = None) -> list[list[int]]:
-    """Plain autoregressive generation for small models (dense KV cache for Qwen3 targets, full re-forward
-    otherwise). `prompts` is ids [N, P] or a list of id lists (grouped by length, so no padding ever enters
-    attention). Greedy at temperature 0, else sampled from softmax(logits / T) with a seeded generator.
-    Returns prompt + continuation per prompt."""
+    """Plain autoregressive generation for small models (dense KV cache, plus the recurrent state of hybrid
+    targets; full re-forward for others). `prompts` is ids [N, P] or a list of id lists (grouped by length,
+    so no padding ever enters attention). Greedy at temperature 0, else sampled from softmax(logits / T)
+    with a seeded generator. Returns prompt + continuation per prompt."""
     device = device or next(model.parameters()).device
     rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(p) for p in prompts]
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -248,7 +308,7 @@ def generate(model: nn.Module, prompts, new_tokens: int, temperature: float = 0.
         for lo in range(0, len(idx), batch_size):
             part = idx[lo:lo + batch_size]
             ids = torch.tensor([rows[i] for i in part], dtype=torch.long, device=device)
-            cache = {} if isinstance(model, Qwen3ForCausalLM) else None
+            cache = {} if isinstance(model, (Qwen3ForCausalLM, Qwen3_5ForCausalLM)) else None
             done = 0
             for _ in range(new_tokens):
                 with autocast(device, autocast_dtype):
