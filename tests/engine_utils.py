@@ -36,3 +36,17 @@ def run(pair, prompts, params=GREEDY, algorithm="NONE", **kw):
 def mean_accept(outs) -> float:
     lengths = [n for o in outs for n in o.accept_lengths]
     return sum(lengths) / len(lengths)
+
+
+def biased_sample_nodes(real):
+    """A deliberately biased per-node sampler: half the nodes take the target's second choice. Used to show
+    the distribution tests can fail."""
+    import torch
+
+    def biased(logits, params, gens):
+        out = real(logits, params, gens)
+        top2 = logits.topk(2, -1).indices[..., 1]
+        flip = torch.rand(out.shape, generator=torch.Generator().manual_seed(0)) < 0.5
+        return torch.where(flip, top2, out)
+
+    return biased

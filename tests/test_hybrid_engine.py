@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ddtree import SamplingParams
-from engine_utils import GREEDY, make_llm, mean_accept, run, toy_prompts
+from engine_utils import GREEDY, biased_sample_nodes, make_llm, mean_accept, run, toy_prompts
 from test_engine_sampling import PROMPT, same_distribution
 
 STRATEGIES = ("extra_buffer", "no_buffer")
@@ -145,15 +145,7 @@ def test_biased_acceptance_is_detected(toy_hybrid_pair, ar_counts, monkeypatch):
     """The same chi-square test notices a walk biased toward the target's second choice (so it can fail)."""
     import ddtree.speculative.decoder as dec
 
-    real = dec.sample_nodes
-
-    def biased(logits, params, gens):
-        out = real(logits, params, gens)
-        top2 = logits.topk(2, -1).indices[..., 1]
-        flip = torch.rand(out.shape, generator=torch.Generator().manual_seed(0)) < 0.5
-        return torch.where(flip, top2, out)
-
-    monkeypatch.setattr(dec, "sample_nodes", biased)
+    monkeypatch.setattr(dec, "sample_nodes", biased_sample_nodes(dec.sample_nodes))
     llm = make_llm(toy_hybrid_pair, "DDTREE", speculative_ddtree_budget=16, max_running_requests=256)
     assert same_distribution(ar_counts, sample_first_tokens(llm, seed0=100_000)[0]) < 1e-3
 
