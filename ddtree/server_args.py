@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 import typing
 from dataclasses import dataclass, field
 
-from ddtree import configs
+from ddtree.config_checks import check_pair, check_tp, load_model_config
 from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
 
 logger = logging.getLogger("ddtree")
@@ -136,51 +135,6 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _hf_cache_dir(path: str) -> str | None:
-    if os.path.exists(path) or path.count("/") != 1:
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        hit = try_to_load_from_cache(path, "config.json")
-    except ValueError:  # not a valid repo id (e.g. "/models"): a local path that does not exist
-        return None
-    return os.path.dirname(hit) if isinstance(hit, str) else None
-
-
-def _load(path: str, is_target: bool, p: list[str]):
-    """(resolved dir, parsed config or None); every problem found is appended to p."""
-    name = "--model-path" if is_target else "--speculative-draft-model-path"
-    cached = _hf_cache_dir(path)
-    if cached:
-        logger.info("%s %s resolved to the local Hugging Face cache: %s", name, path, cached)
-        path = cached
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        what = "has no config.json" if os.path.isdir(path) else "directory does not exist"
-        p.append(f"{name} {path}: {what}; pass the local model directory that holds config.json (or a Hugging "
-                 "Face repo id already in the local cache)")
-        return path, None
-    supported = configs.DENSE_ARCHITECTURES + configs.HYBRID_ARCHITECTURES
-    try:
-        raw = configs.read_config_json(path)
-        arch = (raw.get("architectures") or ["<none>"])[0]
-        if is_target and arch in configs.DRAFTER_ARCHITECTURES:
-            p.append(f"--model-path {path}: this is a {arch} drafter; pass it as --speculative-draft-model-path "
-                     "and the target model as --model-path")
-        elif is_target and arch not in supported:
-            p.append(f"--model-path {path}: architecture {arch!r} is not supported; supported: {', '.join(supported)}")
-        elif not is_target and arch not in configs.DRAFTER_ARCHITECTURES:
-            p.append(f"--speculative-draft-model-path {path}: architecture {arch!r} is not a DFlashDraftModel; "
-                     "pass a DFlash drafter (e.g. z-lab/Qwen3-8B-DFlash-b16)")
-        else:
-            return path, (TargetConfig if is_target else DrafterConfig).from_dict(raw)
-    except (OSError, KeyError, TypeError, ValueError) as e:
-        p.append(f"{name} {path}: config.json is unreadable or lacks key {e}; fix or re-download the config")
-    return path, None
-
-
 def _check_scalars(a: ServerArgs, p: list[str]) -> None:
     for f in cli_fields():
         value, choices = getattr(a, f.name), f.metadata["choices"]
@@ -212,49 +166,6 @@ _MINIMUM_HINTS = {
     "speculative_dflash_block_size": " (the bonus token plus one drafted token)",
     "speculative_ddtree_budget": f" (drafted nodes, root excluded; {DEFAULT_DDTREE_BUDGET} is a good start)",
 }
-
-
-def _check_pair(t: TargetConfig, d: DrafterConfig, p: list[str]) -> None:
-    F = "--speculative-draft-model-path"
-    if d.hidden_size != t.hidden_size:
-        p.append(f"{F}: drafter hidden_size {d.hidden_size} != target hidden_size {t.hidden_size}; use the DFlash "
-                 "drafter trained for this --model-path")
-    if d.vocab_size != t.vocab_size:
-        p.append(f"{F}: drafter vocab_size {d.vocab_size} != target vocab_size {t.vocab_size}; use the DFlash "
-                 "drafter trained for this --model-path")
-    if d.mask_token_id is None:
-        p.append(f"{F}: drafter config has no dflash_config.mask_token_id; add the mask token id the drafter was "
-                 f"trained with (a row of the target embedding, < {t.vocab_size})")
-    elif not 0 <= d.mask_token_id < t.vocab_size:
-        p.append(f"{F}: mask_token_id {d.mask_token_id} is not a row of the target embedding (vocab "
-                 f"{t.vocab_size}); use the drafter trained for this target")
-    n = t.num_hidden_layers
-    bad = [i for i in d.target_layer_ids if not 0 <= i < n]
-    if not d.target_layer_ids:
-        p.append(f"{F}: drafter config has neither dflash_config.target_layer_ids nor num_target_layers; add "
-                 "target_layer_ids")
-    elif bad:
-        p.append(f"{F}: target_layer_ids {bad} out of range for the target's {n} layers (valid 0..{n - 1}); use "
-                 "the drafter trained for this --model-path")
-    if d.num_target_layers and d.num_target_layers != n:
-        p.append(f"{F}: drafter was built for a {d.num_target_layers}-layer target but --model-path has {n} layers;"
-                 " use the drafter trained for this target")
-
-
-def _check_tp(tp: int, t: TargetConfig | None, d: DrafterConfig | None, p: list[str]) -> None:
-    counts = {}
-    if t is not None:
-        counts.update({"target attention heads": t.num_attention_heads, "target KV heads": t.num_key_value_heads})
-        if t.is_hybrid:
-            counts.update({"target linear key heads": t.linear_num_key_heads,
-                           "target linear value heads": t.linear_num_value_heads})
-    if d is not None:
-        counts.update({"drafter attention heads": d.num_attention_heads, "drafter KV heads": d.num_key_value_heads})
-    bad = [f"{name} ({n})" for name, n in counts.items() if tp >= 1 and n % tp]
-    if bad:
-        g = math.gcd(*counts.values())
-        valid = [k for k in range(1, g + 1) if g % k == 0]
-        p.append(f"--tp-size {tp} does not divide the {', '.join(bad)}; valid --tp-size values: {valid}")
 
 
 def _resolve_speculative(a: ServerArgs, t, d, upd: dict, p: list[str]) -> None:
@@ -348,14 +259,14 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
                  f"{args.speculative_algorithm}; pass the DFlash drafter directory")
     t = d = None
     if target_path is not None:
-        target_path, t = _load(target_path, True, p)
+        target_path, t = load_model_config(target_path, True, p)
         upd["model_path"] = target_path
     if args.is_speculative and drafter_path is not None:
-        drafter_path, d = _load(drafter_path, False, p)
+        drafter_path, d = load_model_config(drafter_path, False, p)
         upd["speculative_draft_model_path"] = drafter_path
     if t is not None and d is not None:
-        _check_pair(t, d, p)
-    _check_tp(args.tp_size, t, d, p)
+        check_pair(t, d, p)
+    check_tp(args.tp_size, t, d, p)
     _resolve_speculative(args, t, d, upd, p)
     if not args.is_speculative and args.max_running_requests is None:
         upd["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS
