@@ -54,3 +54,18 @@ def test_pools_are_clean_after_drain(toy_pair):
     bm.check_integrity()
     assert bm.num_free_pages == bm.num_pages
     assert bm.num_free_slots == llm.engine.runner.cfg.max_running_requests
+
+
+def test_per_request_budgets_in_one_batch(toy_pair, ar_tokens):
+    """Requests may ask for smaller trees than the server's budget; they share one verify forward."""
+    from ddtree import SamplingParams
+    from engine_utils import make_llm
+
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=32)
+    budgets = [1, 4, None, 16, 8, 2]
+    params = [SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, ddtree_budget=b)
+              for b in budgets]
+    outs = llm.generate([list(p) for p in toy_prompts()], params)
+    assert [o.token_ids for o in outs] == ar_tokens
+    assert mean_accept([outs[2], outs[3]]) > 2
+    assert max(outs[0].accept_lengths) <= 2  # a budget-1 tree holds one drafted node

@@ -83,6 +83,18 @@ def test_stream_usage_chunk(client, pair):
     assert last.usage.total_tokens == 8 and "mean_accept_length" in last.model_extra["ddtree"]
 
 
+def test_per_request_ddtree_budget(client, pair):
+    base = client.completions.create(model=pair[0], prompt=PROMPT, max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    for budget in (1, 3, 10_000):  # above the server's budget is capped at it
+        r = client.completions.create(model=pair[0], prompt=PROMPT, max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True, "ddtree_budget": budget})
+        assert r.choices[0].text == base.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=pair[0], prompt=PROMPT, max_tokens=4, extra_body={"ddtree_budget": 0})
+    assert e.value.body["param"] == "ddtree_budget"
+
+
 def test_chat(client, pair):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     r = client.chat.completions.create(model=pair[0], messages=messages, max_tokens=10, temperature=0)

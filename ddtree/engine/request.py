@@ -19,6 +19,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    ddtree_budget: int | None = None  # per-request DDTree budget, at most the server's (its verify width)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -32,6 +33,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.ddtree_budget is not None and self.ddtree_budget < 1:
+            raise ValueError(f"ddtree_budget must be >= 1, got {self.ddtree_budget}")
 
     @property
     def greedy(self) -> bool:

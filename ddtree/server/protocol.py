@@ -2,7 +2,8 @@
 
 Fields outside the schema are ignored, except the OpenAI parameters this server cannot honour (they are
 rejected with 400 when set to anything but their neutral value). Extensions beyond OpenAI: `top_k`,
-`stop_token_ids`, `ignore_eos`.
+`stop_token_ids`, `ignore_eos`, `ddtree_budget` (this request's DDTree budget; values above the server's
+`--speculative-ddtree-budget` are capped at it).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
+    ddtree_budget: StrictInt | None = None
     n: StrictInt | None = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -187,9 +189,11 @@ def sampling_params(req: _SamplingFields, prompt_len: int, max_context: int,
         raise invalid("stop", "stop strings must be non-empty")
     if any(t < 0 for t in req.stop_token_ids or ()):
         raise invalid("stop_token_ids", "token ids must be non-negative")
+    if req.ddtree_budget is not None and req.ddtree_budget < 1:
+        raise invalid("ddtree_budget", f"must be >= 1 (got {req.ddtree_budget})")
     try:
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                               stop=stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                              seed=req.seed)
+                              seed=req.seed, ddtree_budget=req.ddtree_budget)
     except ValueError as e:
         raise APIError(400, str(e)) from e

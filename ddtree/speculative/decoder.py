@@ -66,7 +66,7 @@ class SpecDecoder:
         if cfg.algorithm == "DFLASH":
             tree = build_chain(roots, draft_logits, max_depth=max_depth)
         else:
-            tree = build_tree(roots, draft_logits, cfg.budget, cfg.topk_cap, cfg.shadow_linear, max_depth=max_depth)
+            tree = self._build_trees(reqs, roots, draft_logits, max_depth)
         t = self.times.add("tree", t)
         logits, taps = runner.verify(reqs, tree)
         t = self.times.add("verify", t)
@@ -84,6 +84,22 @@ class SpecDecoder:
             emitted.append(row[1 : 1 + k])
         return emitted
 
+    def _build_trees(self, reqs, roots, draft_logits, max_depth) -> DraftTree:
+        """One tree per request; requests asking for a smaller budget get their own build, padded with inert
+        nodes to the server's width so the batch verifies in one forward."""
+        cfg = self.cfg
+        budgets = [min(r.params.ddtree_budget or cfg.budget, cfg.budget) for r in reqs]
+        if all(b == cfg.budget for b in budgets):
+            return build_tree(roots, draft_logits, cfg.budget, cfg.topk_cap, cfg.shadow_linear, max_depth=max_depth)
+        parts = []
+        for budget in sorted(set(budgets)):
+            rows = torch.tensor([i for i, b in enumerate(budgets) if b == budget], device=roots.device)
+            depth = None if max_depth is None else max_depth[rows]
+            tree = build_tree(roots[rows], draft_logits[rows], budget, min(cfg.topk_cap, budget), cfg.shadow_linear,
+                              max_depth=depth)
+            parts.append((rows, pad_tree(tree, cfg.budget + 1)))
+        return merge_trees(parts, len(reqs))
+
     def _ar_round(self, reqs: list[Req], roots: torch.Tensor, t: float) -> list[list[int]]:
         runner = self.runner
         n = 1
@@ -100,6 +116,35 @@ class SpecDecoder:
             r.kv_len += n
             runner.release(r, r.kv_len)
         return [[tok] for tok in tokens.tolist()]
+
+
+def pad_tree(tree: DraftTree, n: int) -> DraftTree:
+    """Append inert padding nodes (invalid, parent -1, depth 0, self-only mask) up to n nodes."""
+    b, m = tree.tokens.shape
+    extra = n - m
+    if extra == 0:
+        return tree
+    dev = tree.tokens.device
+
+    def widen(x, value):
+        return torch.cat([x, torch.full((b, extra), value, dtype=x.dtype, device=dev)], 1)
+
+    mask = torch.eye(n, dtype=torch.bool, device=dev).repeat(b, 1, 1)
+    mask[:, :m, :m] = tree.tree_mask
+    return DraftTree(widen(tree.tokens, 0), widen(tree.parents, -1), widen(tree.depths, 0), widen(tree.valid, False),
+                     mask, tree.num_depths)
+
+
+def merge_trees(parts: list[tuple[torch.Tensor, DraftTree]], b: int) -> DraftTree:
+    """Scatter same-width trees of request subsets (rows) back into one batch in request order."""
+    first = parts[0][1]
+    out = DraftTree(*(torch.empty((b, *getattr(first, f).shape[1:]), dtype=getattr(first, f).dtype,
+                                  device=first.tokens.device)
+                      for f in ("tokens", "parents", "depths", "valid", "tree_mask")), first.num_depths)
+    for rows, tree in parts:
+        for f in ("tokens", "parents", "depths", "valid", "tree_mask"):
+            getattr(out, f)[rows] = getattr(tree, f)
+    return out
 
 
 def _root_only(roots: torch.Tensor) -> DraftTree:
