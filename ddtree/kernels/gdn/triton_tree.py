@@ -1,0 +1,137 @@
+"""Tree gated delta rule as one Triton kernel: the GPU twin of `reference.tree_gated_delta_rule`.
+
+Grid (b, Hv, cdiv(dv, BV)). Each program owns one value head and a [dk, BV] column tile of its recurrent
+state and walks the request's n nodes in flat order: it loads the parent's post-state tile (the node-state
+buffer, or initial_state for a root), l2-normalises the node's q/k rows (its key head under GQA), applies
+the decay exp(g), the delta correction with beta, writes the node's post-state tile and its output.
+Column tiles of the state are independent in the delta rule (k.S and q.S reduce over dk only), so no
+program ever waits on another.
+
+Requirement beyond the reference: parents[b, i] < i for every valid node (topological flat order; the
+engine's trees are depth-sorted). Padding nodes (valid False; valid defaults to depths >= 0) read none of
+their inputs, output zeros and leave a zero node state, like the reference. No host syncs: the wrapper
+can be captured in a CUDA graph. DDTREE_FORCE_REFERENCE_GDN=1 routes every call to the reference.
+"""
+import os
+
+import torch
+from torch import Tensor
+
+from ddtree.kernels.gdn.reference import tree_gated_delta_rule
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+
+if triton is not None:
+    from ddtree.kernels.tree_attention.tuning import patch_interpreter_index
+
+    if triton.knobs.runtime.interpret:
+        patch_interpreter_index()
+
+    # tl.sum / tl.zeros are @jit helpers the interpreter cannot call when triton was imported before
+    # TRITON_INTERPRET was set; tl.reduce with the standard combine function is the same IR on GPU.
+    @triton.jit
+    def _tree_gdn_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, par_ptr, valid_ptr, s0_ptr, states_ptr,
+                         o_ptr, n, HV, DK, DV, GROUP,
+                         sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_n, so_h,
+                         scale, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr):
+        pid_b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        pid_v = tl.program_id(2)
+        hk = h // GROUP
+        rk = tl.arange(0, BK)
+        rv = pid_v * BV + tl.arange(0, BV)
+        mk = rk < DK
+        mv = rv < DV
+        tile = rk[:, None] * DV + rv[None, :]  # offset inside one [dk, dv] state
+        mtile = mk[:, None] & mv[None, :]
+        state_sz = DK * DV
+        s0 = tl.load(s0_ptr + (pid_b * HV + h) * state_sz + tile, mask=mtile, other=0.0).to(tl.float32)
+        node_base = pid_b * n  # row of [b, n] tensors
+        for i in range(n):
+            row = node_base + i
+            ok = tl.load(valid_ptr + row) != 0
+            par = tl.load(par_ptr + row).to(tl.int64)
+            has_par = ok & (par >= 0)
+            # parent's post-state: written earlier by this very program (parent < i)
+            p_off = ((node_base + tl.maximum(par, 0)) * HV + h) * state_sz + tile
+            S = tl.load(states_ptr + p_off, mask=mtile & has_par, other=0.0)
+            S = tl.where(has_par, S, s0)
+            mk_ok = mk & ok
+            q = tl.load(q_ptr + pid_b * sq_b + i * sq_n + hk * sq_h + rk, mask=mk_ok, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + pid_b * sk_b + i * sk_n + hk * sk_h + rk, mask=mk_ok, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + pid_b * sv_b + i * sv_n + h * sv_h + rv, mask=mv & ok, other=0.0).to(tl.float32)
+            gb = row * HV + h
+            g = tl.load(g_ptr + gb, mask=ok, other=0.0).to(tl.float32)
+            beta = tl.load(beta_ptr + gb, mask=ok, other=0.0).to(tl.float32)
+            if L2NORM:
+                q = q * (1.0 / tl.sqrt(tl.reduce(q * q, 0, tl.standard._sum_combine) + 1e-6))
+                k = k * (1.0 / tl.sqrt(tl.reduce(k * k, 0, tl.standard._sum_combine) + 1e-6))
+            q = q * scale
+            S = S * tl.exp(g)
+            u = (v - tl.reduce(S * k[:, None], 0, tl.standard._sum_combine)) * beta
+            S = S + k[:, None] * u[None, :]
+            o = tl.reduce(S * q[:, None], 0, tl.standard._sum_combine)
+            # padding nodes: zero output and zero state (the reference never writes them)
+            o = tl.where(ok, o, 0.0)
+            S = tl.where(ok, S, 0.0)
+            tl.store(states_ptr + (row * HV + h) * state_sz + tile, S, mask=mtile)
+            tl.store(o_ptr + pid_b * so_b + i * so_n + h * so_h + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
+            tl.debug_barrier()  # this node's state tile is visible to all threads before a child reads it
+
+
+def _force_reference() -> bool:
+    return triton is None or os.environ.get("DDTREE_FORCE_REFERENCE_GDN", "0") not in ("", "0")
+
+
+def _last_unit(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _pick_bv(b: int, hv: int, dv: int) -> int:
+    """Column tile width: 32 unless that leaves too few programs to fill an H200 (132 SMs) twice."""
+    bv = min(32, triton.next_power_of_2(dv))
+    while bv > 8 and b * hv * triton.cdiv(dv, bv) < 264:
+        bv //= 2
+    return bv
+
+
+def tree_gated_delta_rule_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor,
+                                 depths: Tensor, initial_state: Tensor, return_node_states: bool = False,
+                                 valid: Tensor | None = None, max_depth: int | None = None,
+                                 use_qk_l2norm: bool = True, scale: float | None = None,
+                                 node_states: Tensor | None = None, block_v: int | None = None,
+                                 num_warps: int = 4) -> tuple[Tensor, Tensor | None]:
+    """Same arguments and returns as `reference.tree_gated_delta_rule` (max_depth is unused here), plus:
+    node_states: optional preallocated fp32 [b, n, Hv, dk, dv] buffer (the kernel always needs one, since
+    children read their parent's state; pass one to keep CUDA-graph replays allocation-free);
+    block_v / num_warps: tile overrides. Requires parents[b, i] < i for valid nodes."""
+    if _force_reference():
+        return tree_gated_delta_rule(q, k, v, g, beta, parents, depths, initial_state, return_node_states,
+                                     valid, max_depth, use_qk_l2norm, scale)
+    b, n, Hk, dk = k.shape
+    Hv, dv = v.shape[-2], v.shape[-1]
+    if Hv % Hk:
+        raise ValueError(f"value heads {Hv} not a multiple of key heads {Hk}")
+    q, k, v = _last_unit(q), _last_unit(k), _last_unit(v)
+    g, beta = g.contiguous(), beta.contiguous()
+    parents = parents.contiguous()
+    valid = (depths >= 0) if valid is None else valid
+    valid = valid.to(torch.int8).contiguous()
+    s0 = initial_state.float().contiguous()
+    if node_states is None:
+        node_states = torch.empty(b, n, Hv, dk, dv, dtype=torch.float32, device=v.device)
+    out = torch.empty(b, n, Hv, dv, dtype=q.dtype, device=v.device)
+    if b and n:
+        bv = block_v or _pick_bv(b, Hv, dv)
+        grid = (b, Hv, triton.cdiv(dv, bv))
+        _tree_gdn_kernel[grid](
+            q, k, v, g, beta, parents, valid, s0, node_states, out, n, Hv, dk, dv, Hv // Hk,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            float(dk ** -0.5 if scale is None else scale),
+            BK=triton.next_power_of_2(dk), BV=bv, L2NORM=bool(use_qk_l2norm), num_warps=num_warps)
+    return out, node_states if return_node_states else None

@@ -1,0 +1,140 @@
+"""Tree gated delta rule: the Triton kernel vs the PyTorch reference (outputs and node states).
+
+Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before the kernel
+module is imported). Skips when triton is not installed.
+"""
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from ddtree.kernels.gdn.reference import tree_gated_delta_rule  # noqa: E402
+
+_was_loaded = "ddtree.kernels.gdn.triton_tree" in sys.modules
+import ddtree.kernels.gdn.triton_tree as kernel_module  # noqa: E402
+
+if _was_loaded and not torch.cuda.is_available():
+    kernel_module = importlib.reload(kernel_module)  # re-decorate the kernel for the interpreter
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-4
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def random_parents(n, gen, first_branch_is_path=True):
+    """Parent array in topological order; root 0. With first_branch_is_path False, node 1 and node 2 are
+    both children of the root, and deeper nodes hang mostly off node 2 (the accepted chain is not the
+    first branch)."""
+    par = [-1]
+    for c in range(1, n):
+        if not first_branch_is_path and c <= 2:
+            par.append(0)
+        elif not first_branch_is_path:
+            par.append(c - 1 if c > 3 else 2)
+        else:
+            par.append(int(torch.randint(0, c, (1,), generator=gen)))
+    return par
+
+
+def depths_of(par):
+    d = []
+    for p in par:
+        d.append(0 if p < 0 else d[p] + 1)
+    return d
+
+
+def make_batch(sizes, n, gen, first_branch_is_path=True):
+    """Requests of `sizes` real nodes padded to n nodes (padding: parent -1, depth -1)."""
+    parents = torch.full((len(sizes), n), -1, dtype=torch.int64)
+    depths = torch.full((len(sizes), n), -1, dtype=torch.int64)
+    for i, m in enumerate(sizes):
+        par = random_parents(m, gen, first_branch_is_path)
+        parents[i, :m] = torch.tensor(par)
+        depths[i, :m] = torch.tensor(depths_of(par))
+    return parents, depths
+
+
+def inputs(b, n, hk, hv, d, gen, garbage_padding=None):
+    q = torch.randn(b, n, hk, d, generator=gen)
+    k = torch.randn(b, n, hk, d, generator=gen)
+    v = torch.randn(b, n, hv, d, generator=gen)
+    g = -torch.rand(b, n, hv, generator=gen) * 2
+    beta = torch.rand(b, n, hv, generator=gen)
+    s0 = torch.randn(b, hv, d, d, generator=gen) * 0.5
+    if garbage_padding is not None:  # padding inputs may hold anything, NaN included
+        pad = garbage_padding
+        for t in (q, k, v):
+            t[pad] = float("nan")
+        g[pad] = float("inf")
+        beta[pad] = float("nan")
+    return q, k, v, g, beta, s0
+
+
+def check(sizes, n, d, seed, hk=2, hv=4, first_branch_is_path=True, valid_arg=False, kernel_kw=None, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    parents, depths = make_batch(sizes, n, gen, first_branch_is_path)
+    q, k, v, g, beta, s0 = inputs(len(sizes), n, hk, hv, d, gen, garbage_padding=depths < 0)
+    valid = (depths >= 0) if valid_arg else None
+    to = [t.to(DEV) for t in (q, k, v, g, beta, parents, depths, s0)]
+    o, st = kernel_module.tree_gated_delta_rule_triton(*to, return_node_states=True, valid=valid, **kw,
+                                                       **(kernel_kw or {}))
+    ro, rst = tree_gated_delta_rule(*to, return_node_states=True, valid=valid, **kw)
+    assert torch.isfinite(o).all() and torch.isfinite(st).all()
+    pad = (depths < 0).to(DEV)
+    assert (o[pad] == 0).all()
+    eo, es = rel(o, ro), rel(st, rst)
+    print(f"sizes={sizes} n={n} d={d}: rel err out {eo:.2e} states {es:.2e}")
+    assert eo < TOL and es < TOL
+    return eo, es
+
+
+@pytest.mark.parametrize("d", [16, 32])
+def test_random_trees(d):
+    check([7, 20], 20, d, seed=d)
+    check([1, 13], 16, d, seed=d + 1)  # a single-node tree, padding in both requests
+
+
+def test_accepted_path_not_first_branch():
+    check([12, 9], 12, 16, seed=3, first_branch_is_path=False)
+
+
+def test_explicit_valid_and_mha():
+    check([5, 3], 6, 16, seed=4, hk=4, hv=4, valid_arg=True)
+
+
+def test_no_l2norm_custom_scale_and_tile():
+    check([10, 6], 10, 32, seed=5, use_qk_l2norm=False, scale=0.3, kernel_kw={"block_v": 8})
+
+
+def test_bf16_inputs():
+    gen = torch.Generator().manual_seed(6)
+    parents, depths = make_batch([8, 5], 8, gen)
+    q, k, v, g, beta, s0 = inputs(2, 8, 2, 4, 16, gen)
+    args = [t.to(DEV) for t in (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), parents, depths, s0)]
+    o, st = kernel_module.tree_gated_delta_rule_triton(*args, return_node_states=True)
+    ro, rst = tree_gated_delta_rule(*args, return_node_states=True)
+    assert o.dtype == torch.bfloat16
+    assert rel(o, ro) < 1e-2 and rel(st, rst) < 1e-4
+
+
+def test_no_node_states_and_force_reference(monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    parents, depths = make_batch([4, 4], 4, gen)
+    args = [t.to(DEV) for t in (*inputs(2, 4, 2, 4, 16, gen)[:5], parents, depths, inputs(2, 4, 2, 4, 16, gen)[5])]
+    o, st = kernel_module.tree_gated_delta_rule_triton(*args)
+    assert st is None
+    monkeypatch.setenv("DDTREE_FORCE_REFERENCE_GDN", "1")
+    called = []
+    real = kernel_module.tree_gated_delta_rule
+    monkeypatch.setattr(kernel_module, "tree_gated_delta_rule", lambda *a, **k: called.append(1) or real(*a, **k))
+    o2, _ = kernel_module.tree_gated_delta_rule_triton(*args)
+    assert called and rel(o, o2) < TOL
