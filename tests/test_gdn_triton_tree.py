@@ -138,3 +138,20 @@ def test_no_node_states_and_force_reference(monkeypatch):
     monkeypatch.setattr(kernel_module, "tree_gated_delta_rule", lambda *a, **k: called.append(1) or real(*a, **k))
     o2, _ = kernel_module.tree_gated_delta_rule_triton(*args)
     assert called and rel(o, o2) < TOL
+
+
+def test_strided_views_and_int32_indices():
+    """q/k/v as column slices of one fused projection (non-contiguous), int32 parents/depths."""
+    gen = torch.Generator().manual_seed(8)
+    parents, depths = make_batch([9, 4], 9, gen)
+    b, n, hk, hv, d = 2, 9, 2, 4, 16
+    fused = torch.randn(b, n, (2 * hk + hv) * d, generator=gen)
+    q = fused[..., :hk * d].view(b, n, hk, d)
+    k = fused[..., hk * d:2 * hk * d].view(b, n, hk, d)
+    v = fused[..., 2 * hk * d:].view(b, n, hv, d)
+    _, _, _, g, beta, s0 = inputs(b, n, hk, hv, d, gen)
+    args = [t.to(DEV) for t in (q, k, v, g, beta, parents.int(), depths.int(), s0)]
+    assert not args[0].is_contiguous()
+    o, st = kernel_module.tree_gated_delta_rule_triton(*args, return_node_states=True)
+    ro, rst = tree_gated_delta_rule(*args, return_node_states=True)
+    assert rel(o, ro) < TOL and rel(st, rst) < TOL
