@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.gdn.reference import tree_gated_delta_rule  # noqa: E402
 from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton  # noqa: E402
 
@@ -62,30 +63,6 @@ def inputs(b, n, dtype, gen):
     return q, k, v, g, beta, s0
 
 
-def time_graph(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    return sorted(ts)[len(ts) // 2]  # µs
-
-
 def time_eager(fn, reps=10):
     fn()
     torch.cuda.synchronize()
@@ -127,7 +104,7 @@ def bench(b, gen):
                 tree_gated_delta_rule_triton(q, k, v, g, beta, parents, depths, s0, return_node_states=True,
                                              node_states=buf, block_v=bv, num_warps=nw)
             try:
-                us = time_graph(fn)
+                us = time_graph(fn, reps=20) * 1e6
             except Exception as e:  # noqa: BLE001 - a tile that does not compile (registers) is skipped, not fatal
                 print(f"  b={b} block_v={bv} warps={nw}: failed ({type(e).__name__}: {e})", flush=True)
                 continue

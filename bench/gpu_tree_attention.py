@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.tree_attention.reference import paged_attention_reference  # noqa: E402
 from ddtree.kernels.tree_attention.triton import last_launch, paged_attention  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import KernelConfig, default_config  # noqa: E402
@@ -37,32 +38,6 @@ FLEX_BUDGET_S = float(os.environ.get("FLEX_BUDGET_S", 250))
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def time_graph(fn, calls, reps=15):
-    """Median seconds per call of `fn` (which makes `calls` calls), replayed from a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3 / calls)
-    del g
-    return sorted(ts)[len(ts) // 2]
 
 
 def copy_bandwidth():
