@@ -2,6 +2,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -26,3 +27,12 @@ def toy_hybrid_pair(tmp_path_factory):
     root = os.environ.get("DDTREE_CACHE")
     out = os.path.join(root, "toy_hybrid_pair") if root else str(tmp_path_factory.mktemp("toy_hybrid_pair"))
     return build_toy_hybrid_pair(out)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny ops gain nothing from a second thread, and on a busy 2-core box spinning OpenMP threads crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

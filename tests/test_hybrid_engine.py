@@ -23,13 +23,7 @@ def _run(pair, algorithm="NONE", strategy="extra_buffer", prompts=PROMPTS, **kw)
     return run(pair, prompts, algorithm=algorithm, mamba_scheduler_strategy=strategy, **kw)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny ops gain nothing from a second thread, and a busy shared box makes spinning OpenMP threads crawl
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
