@@ -3,31 +3,16 @@
 Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before the kernel
 module is imported). Skips when triton is not installed.
 """
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from triton_utils import DEV, load_kernel_module, rel
+
+kernel_module = load_kernel_module("ddtree.kernels.gdn.triton_tree")
 
 from ddtree.kernels.gdn.reference import tree_gated_delta_rule  # noqa: E402
 
-_was_loaded = "ddtree.kernels.gdn.triton_tree" in sys.modules
-import ddtree.kernels.gdn.triton_tree as kernel_module  # noqa: E402
-
-if _was_loaded and not torch.cuda.is_available():
-    kernel_module = importlib.reload(kernel_module)  # re-decorate the kernel for the interpreter
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def random_parents(n, gen, first_branch_is_path=True):

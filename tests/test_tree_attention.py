@@ -4,34 +4,20 @@ Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, s
 module is imported). Skips when triton is not installed.
 """
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from triton_utils import DEV, load_kernel_module, rel
+
+kernel_module = load_kernel_module("ddtree.kernels.tree_attention.triton")
 
 from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, get_backend  # noqa: E402
 from ddtree.kernels.tree_attention import paged_attention_reference  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import KernelConfig, choose_num_splits, ctas_per_sm  # noqa: E402
 
-_was_loaded = "ddtree.kernels.tree_attention.triton" in sys.modules
-import ddtree.kernels.tree_attention.triton as kernel_module  # noqa: E402
-
-if _was_loaded and not torch.cuda.is_available():
-    kernel_module = importlib.reload(kernel_module)  # re-decorate its kernels for the interpreter
 paged_attention = kernel_module.paged_attention
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def random_tree_mask(n, gen):
