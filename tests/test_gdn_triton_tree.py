@@ -119,8 +119,8 @@ def test_no_node_states_and_force_reference(monkeypatch):
     assert st is None
     monkeypatch.setenv("DDTREE_FORCE_REFERENCE_GDN", "1")
     called = []
-    real = kernel_module.tree_gated_delta_rule
-    monkeypatch.setattr(kernel_module, "tree_gated_delta_rule", lambda *a, **k: called.append(1) or real(*a, **k))
+    real = kernel_module.tree_gated_delta_rule_rows
+    monkeypatch.setattr(kernel_module, "tree_gated_delta_rule_rows", lambda *a, **k: called.append(1) or real(*a, **k))
     o2, _ = kernel_module.tree_gated_delta_rule_triton(*args)
     assert called and rel(o, o2) < TOL
 
@@ -140,3 +140,66 @@ def test_strided_views_and_int32_indices():
     o, st = kernel_module.tree_gated_delta_rule_triton(*args, return_node_states=True)
     ro, rst = tree_gated_delta_rule(*args, return_node_states=True)
     assert rel(o, ro) < TOL and rel(st, rst) < TOL
+
+
+def test_pool_rows():
+    """initial_rows / state_rows: request i reads pool row rows[i] and writes its nodes into row rows[i] of a
+    wider node-state pool; other rows and slots past n stay untouched."""
+    gen = torch.Generator().manual_seed(9)
+    parents, depths = make_batch([6, 4], 6, gen)
+    q, k, v, g, beta, s0 = inputs(2, 6, 2, 4, 16, gen, garbage_padding=depths < 0)
+    pool = torch.randn(5, 4, 16, 16, generator=gen)
+    rows = torch.tensor([4, 1])
+    pool[rows] = s0
+    buf = torch.full((5, 8, 4, 16, 16), 3.0)
+    args = [t.to(DEV) for t in (q, k, v, g, beta, parents, depths)]
+    buf_d = buf.to(DEV)
+    o, st = kernel_module.tree_gated_delta_rule_triton(*args, pool.to(DEV), return_node_states=True,
+                                                       node_states=buf_d, initial_rows=rows.to(DEV),
+                                                       state_rows=rows.to(DEV))
+    ro, rst = tree_gated_delta_rule(*args, s0.to(DEV), return_node_states=True)
+    assert st is buf_d
+    assert rel(o, ro) < TOL and rel(buf_d[rows.to(DEV), :6], rst) < TOL
+    others = torch.tensor([0, 2, 3])
+    assert (buf_d[others.to(DEV)] == 3).all() and (buf_d[rows.to(DEV), 6:] == 3).all()
+
+
+def test_bf16_node_state_buffer():
+    """A bf16 node-state buffer: states are stored rounded (children re-read them), outputs stay close."""
+    gen = torch.Generator().manual_seed(10)
+    parents, depths = make_batch([7, 7], 7, gen)
+    args = [t.to(DEV) for t in (*inputs(2, 7, 2, 4, 16, gen)[:5], parents, depths, inputs(2, 7, 2, 4, 16, gen)[5])]
+    buf = torch.zeros(2, 7, 4, 16, 16, dtype=torch.bfloat16, device=DEV)
+    o, st = kernel_module.tree_gated_delta_rule_triton(*args, return_node_states=True, node_states=buf)
+    ro, rst = tree_gated_delta_rule(*args, return_node_states=True)
+    assert st.dtype == torch.bfloat16 and rel(st, rst) < 2e-2 and rel(o, ro) < 2e-2
+
+
+@pytest.mark.parametrize("strategy,ssm_dtype", [("extra_buffer", "float32"), ("extra_buffer", "bfloat16"),
+                                                ("no_buffer", "float32")])
+def test_tree_context_on_the_kernel(monkeypatch, strategy, ssm_dtype):
+    """TreeContext.rule through the Triton kernel (forced on, interpreter on CPU) == through the reference,
+    stash included: the pool-row plumbing of the engine's verify."""
+    from ddtree.engine.state_pool import GDNGeometry, HybridStatePool
+    from ddtree.kernels.gdn import backend, dispatch
+    from ddtree.speculative.tree import DraftTree
+
+    geo = GDNGeometry(2, 2, 16, 4, 16, 4)
+    gen = torch.Generator().manual_seed(11)
+    parents, _ = make_batch([6, 3], 6, gen)
+    tree = DraftTree.from_parents(torch.zeros(2, 6, dtype=torch.long, device=DEV), parents.to(DEV))
+    q, k, v, g, beta, _ = inputs(2, 6, 2, 4, 16, gen)
+    results = []
+    for kernel in (True, False):
+        monkeypatch.setattr(dispatch, "use_triton", lambda t, on=kernel: on)
+        pool = HybridStatePool(geo, 4, 8, DEV, strategy, ssm_dtype, torch.float32)
+        pool.ssm.copy_(torch.randn(pool.ssm.shape, generator=torch.Generator().manual_seed(12)))
+        ctx = pool.tree_context([3, 0], tree)
+        backend.ran.clear()
+        o = ctx.rule(1, *(t.to(DEV).flatten(0, 1) for t in (q, k, v, g, beta)))
+        assert backend.ran == {("tree", "triton" if kernel else "reference"): 1}
+        results.append((o, {n: t.clone() for n, t in pool.stash.items()}))
+    (o, stash), (ro, rstash) = results
+    assert rel(o, ro) < TOL
+    for name in stash:
+        assert rel(stash[name], rstash[name]) < TOL, name

@@ -18,14 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree.kernels.gdn import (
-    causal_conv1d_varlen,
-    gated_delta_rule_chunked,
-    replay_conv_path,
-    replay_path,
-    tree_causal_conv1d,
-    tree_gated_delta_rule,
-)
+from ddtree.kernels.gdn import causal_conv1d_step, causal_conv1d_varlen, replay_conv_path, tree_causal_conv1d
+from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree_rule
 
 STRATEGIES = ("extra_buffer", "no_buffer")
 _SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -168,7 +162,7 @@ class HybridStatePool:
         k = k.unflatten(-1, (geo.hk, geo.dk))
         v = v.unflatten(-1, (geo.hv, geo.dv))
         S0 = self.ssm[:, slots].flatten(0, 1)
-        S = replay_path(q, k, v, rows("node_g"), rows("node_beta"), chain, S0)
+        S = replay(q, k, v, rows("node_g"), rows("node_beta"), chain, S0)
         conv = replay_conv_path(rows("node_x"), chain, self.conv[:, slots].flatten(0, 1))
         self.ssm[:, slots] = S.unflatten(0, (L, b)).to(self.ssm_dtype)
         self.conv[:, slots] = conv.unflatten(0, (L, b))
@@ -182,20 +176,30 @@ class ExtendContext:
         dev = pool.device
         self.cu_seqlens = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0).to(dev)
         self.fresh = torch.tensor([kv == 0 for kv in kv_lens_before], dtype=torch.bool).to(dev)
+        self.decode = all(n == 1 for n in q_lens)  # one token per request: the step kernels, no varlen
 
     def _initial(self, t: Tensor) -> Tensor:
         return torch.where(self.fresh.view(-1, *[1] * (t.dim() - 1)), 0, t)
 
     def conv(self, j, x, weight, bias):
-        y, state = causal_conv1d_varlen(x, weight, self.cu_seqlens, self._initial(self.pool.conv[j, self.slots]), bias)
+        state0 = self._initial(self.pool.conv[j, self.slots])
+        if self.decode:
+            y, state = causal_conv1d_step(x, state0, weight, bias)
+        else:
+            y, state = causal_conv1d_varlen(x, weight, self.cu_seqlens, state0, bias)
         self.pool.conv[j, self.slots] = state.to(self.pool.dtype)
         return y
 
     def rule(self, j, q, k, v, g, beta):
         S0 = self._initial(self.pool.ssm[j, self.slots])
-        o, S = gated_delta_rule_chunked(q[None], k[None], v[None], g[None], beta[None], S0, cu_seqlens=self.cu_seqlens)
+        if self.decode:  # [b, 1, ...]: b sequences of one token
+            o, S = recurrent_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], S0)
+            o = o[:, 0]
+        else:  # [1, T, ...]: packed sequences
+            o, S = chunk_rule(q[None], k[None], v[None], g[None], beta[None], S0, cu_seqlens=self.cu_seqlens)
+            o = o[0]
         self.pool.ssm[j, self.slots] = S.to(self.pool.ssm_dtype)
-        return o[0]
+        return o
 
 
 class TreeContext:
@@ -225,12 +229,17 @@ class TreeContext:
 
     def rule(self, j, q, k, v, g, beta):
         qb, kb, vb, gb, bb = (t.view(self.b, self.n, *t.shape[1:]) for t in (q, k, v, g, beta))
-        o, node_states = tree_gated_delta_rule(qb, kb, vb, gb, bb, self.parents, self.depths,
-                                               self.pool.ssm[j, self.slots], return_node_states=self.extra,
-                                               valid=self.valid, max_depth=self.max_depth)
-        if self.extra:
+        # an fp32 stash takes the node states in place (the kernel re-reads parents from it); any other
+        # dtype goes through an fp32 scratch, so the tree itself never runs on rounded states
+        direct = self.extra and self.pool.stash["node_ssm"].dtype == torch.float32
+        o, node_states = tree_rule(qb, kb, vb, gb, bb, self.parents, self.depths, self.pool.ssm[j],
+                                   return_node_states=self.extra and not direct, valid=self.valid,
+                                   max_depth=self.max_depth, initial_rows=self.slots,
+                                   node_states=self.pool.stash["node_ssm"][j] if direct else None,
+                                   state_rows=self.slots if direct else None)
+        if self.extra and not direct:
             self._stash("node_ssm", j, node_states)
-        else:
+        elif not self.extra:
             self._stash("node_g", j, gb)
             self._stash("node_beta", j, bb)
         return o.view(self.b * self.n, *o.shape[2:])

@@ -1,5 +1,5 @@
-"""Gated DeltaNet kernels. `reference` is plain PyTorch (the oracle and the CPU path); GPU backends will
-sit behind the same signatures."""
+"""Gated DeltaNet kernels. `reference` is plain PyTorch (the oracle and the CPU path); `dispatch` runs the
+same signatures on fla / the Triton tree kernel (`triton_tree`) on CUDA; `backend` picks and records which."""
 from ddtree.kernels.gdn.reference import (
     causal_conv1d_prefill,
     causal_conv1d_step,
@@ -8,10 +8,12 @@ from ddtree.kernels.gdn.reference import (
     gated_delta_rule_recurrent,
     gather_node_state,
     gdn_gating,
+    path_inputs,
     replay_conv_path,
     replay_path,
     tree_causal_conv1d,
     tree_gated_delta_rule,
+    tree_gated_delta_rule_rows,
 )
 
 __all__ = [
@@ -22,8 +24,10 @@ __all__ = [
     "gated_delta_rule_recurrent",
     "gather_node_state",
     "gdn_gating",
+    "path_inputs",
     "replay_conv_path",
     "replay_path",
     "tree_causal_conv1d",
     "tree_gated_delta_rule",
+    "tree_gated_delta_rule_rows",
 ]

@@ -240,6 +240,29 @@ def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     return out.to(out_dtype), states if return_node_states else None
 
 
+def tree_gated_delta_rule_rows(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor,
+                               depths: Tensor, initial_state: Tensor, return_node_states: bool = False,
+                               valid: Tensor | None = None, max_depth: int | None = None,
+                               use_qk_l2norm: bool = True, scale: float | None = None,
+                               node_states: Tensor | None = None, initial_rows: Tensor | None = None,
+                               state_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """tree_gated_delta_rule with the buffer arguments of the Triton wrapper: initial_rows [b] picks each
+    request's row of an initial_state pool [R, Hv, dk, dv]; node_states [b, n, ...] (or, with state_rows [b],
+    a pool [R, W >= n, ...]) receives the node post-states, cast to its dtype, and is what is returned."""
+    S0 = initial_state if initial_rows is None else initial_state[initial_rows.long()]
+    keep = return_node_states or node_states is not None
+    o, st = tree_gated_delta_rule(q, k, v, g, beta, parents, depths, S0, keep, valid, max_depth,
+                                  use_qk_l2norm, scale)
+    if node_states is not None:
+        n = st.shape[1]
+        if state_rows is None:
+            node_states[:, :n] = st.to(node_states.dtype)
+        else:
+            node_states[state_rows.long(), :n] = st.to(node_states.dtype)
+        st = node_states
+    return o, st if return_node_states else None
+
+
 def gather_node_state(node_states: Tensor, node_idx: Tensor) -> Tensor:
     """Commit by copy: node_states [b, n, ...] (recurrent or conv), node_idx [b] -> node_states[i, node_idx[i]]."""
     return node_states[torch.arange(node_states.shape[0], device=node_states.device), node_idx.long()]
@@ -255,13 +278,19 @@ def replay_path(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: 
     """Commit by replay: run the accepted chain from the pre-tree state. q..beta are the per-node inputs given
     to tree_gated_delta_rule ([b, n, ...]); path [b, L] lists accepted node indices root first, padded with
     -1 at the end; initial_state [b, Hv, dk, dv]. Returns the committed state [b, Hv, dk, dv] fp32."""
-    keep = path >= 0
-    q, k, v, g, beta = (_path_gather(t, path) for t in (q, k, v, g, beta))
-    # padded steps get k = g = beta = 0: the state passes through unchanged
-    k = torch.where(keep[..., None, None], k, 0)
-    g, beta = (torch.where(keep[..., None], t, 0) for t in (g, beta))
+    q, k, v, g, beta = path_inputs(q, k, v, g, beta, path)
     return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, chunk_size,
                                     use_qk_l2norm=use_qk_l2norm, scale=scale)[1]
+
+
+def path_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor):
+    """The accepted chain's inputs [b, L, ...] for any sequence kernel; padded steps get k = g = beta = 0,
+    which passes the state through unchanged."""
+    keep = path >= 0
+    q, k, v, g, beta = (_path_gather(t, path) for t in (q, k, v, g, beta))
+    k = torch.where(keep[..., None, None], k, 0)
+    g, beta = (torch.where(keep[..., None], t, 0) for t in (g, beta))
+    return q, k, v, g, beta
 
 
 def replay_conv_path(x: Tensor, path: Tensor, conv_state: Tensor) -> Tensor:

@@ -1,0 +1,71 @@
+"""Which Gated DeltaNet backend runs: flash-linear-attention (fla) and our Triton tree kernel on CUDA, the
+PyTorch reference everywhere else. One switch, DDTREE_FORCE_REFERENCE_GDN=1, forces the reference for every
+GDN kernel (fla's and ours). `ran` counts the (op, backend) pairs taken, so a GPU check can print which
+paths really ran.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import os
+
+import torch
+
+FORCE_ENV = "DDTREE_FORCE_REFERENCE_GDN"
+ran: collections.Counter = collections.Counter()
+
+
+def force_reference() -> bool:
+    return os.environ.get(FORCE_ENV, "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def fla_ops():
+    """(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule) from fla, or None when it is missing or
+    does not import (wrong torch / triton); fla_error() says why."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception as e:  # noqa: BLE001 - any import failure means "no fla", the reference still works
+        _errors["fla"] = f"{type(e).__name__}: {e}"
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+@functools.lru_cache(maxsize=None)
+def triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        _errors["triton"] = f"{type(e).__name__}: {e}"
+        return False
+    return True
+
+
+_errors: dict[str, str] = {}
+
+
+def fla_error() -> str | None:
+    fla_ops()
+    return _errors.get("fla")
+
+
+def use_fla(t: torch.Tensor) -> bool:
+    return t.is_cuda and not force_reference() and fla_ops() is not None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and not force_reference() and triton_ok()
+
+
+def choose(op: str, fast: bool, name: str) -> bool:
+    """Record which backend `op` takes (`name` when `fast`, else the reference) and return `fast`."""
+    ran[(op, name if fast else "reference")] += 1
+    return fast
+
+
+def describe(device) -> dict[str, str]:
+    """The backend each op would take on `device` now."""
+    t = torch.empty(0, device=device)
+    fla = "fla" if use_fla(t) else "reference"
+    return {"prefill": fla, "decode": fla, "replay": fla, "tree": "triton" if use_triton(t) else "reference",
+            "tree_conv": "torch-gather"}

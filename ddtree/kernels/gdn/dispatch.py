@@ -1,0 +1,68 @@
+"""Gated DeltaNet ops as the engine calls them: fla / our Triton tree kernel on CUDA, the reference elsewhere
+or under DDTREE_FORCE_REFERENCE_GDN=1 (backend.py). Layouts are the reference's, which are fla's:
+token-major q, k [b, T, Hk, dk], v [b, T, Hv, dv], g (log decay, fp32) and beta [b, T, Hv], recurrent states
+[N, Hv, dk, dv] fp32 (fla's default [N, HV, K, V], state_v_first=False: no transposes). Under GQA value
+head h reads key head h // (Hv / Hk) in both (fla's GVA), so k is never expanded. q/k are l2-normalised
+inside and scaled by dk**-0.5, as Qwen3.5 calls fla.
+
+fla's functions take beta after g, gk, gv: everything past v is passed by keyword.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from ddtree.kernels.gdn.backend import choose, fla_ops, use_fla, use_triton
+from ddtree.kernels.gdn.reference import (
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+    path_inputs,
+    replay_path,
+    tree_gated_delta_rule_rows,
+)
+
+
+def _state(initial_state: Tensor | None) -> Tensor | None:
+    return None if initial_state is None else initial_state.float().contiguous()
+
+
+def chunk_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None,
+               cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Prefill / chunked prefill: `reference.gated_delta_rule_chunked` (o, final state fp32)."""
+    if choose("prefill", use_fla(v), "fla"):
+        chunk = fla_ops()[0]
+        return chunk(q, k, v, g=g.float(), beta=beta, initial_state=_state(initial_state), output_final_state=True,
+                     use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens)
+
+
+def recurrent_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                   initial_state: Tensor | None = None, op: str = "decode") -> tuple[Tensor, Tensor]:
+    """Token by token ([b, T, ...], short T: decode, replay): `reference.gated_delta_rule_recurrent`."""
+    if choose(op, use_fla(v), "fla"):
+        fused = fla_ops()[1]
+        return fused(q, k, v, g=g.float(), beta=beta, initial_state=_state(initial_state), output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)
+    return gated_delta_rule_recurrent(q, k, v, g, beta, initial_state)
+
+
+def replay(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, initial_state: Tensor) -> Tensor:
+    """Commit by replay: `reference.replay_path` (path [b, L], -1 padded; returns the state fp32). The
+    accepted path is short (<= depth + 1), so fla's fused recurrent beats its chunk kernels here."""
+    if use_fla(v):
+        return recurrent_rule(*path_inputs(q, k, v, g, beta, path), initial_state, op="replay")[1]
+    choose("replay", False, "fla")
+    return replay_path(q, k, v, g, beta, path, initial_state)
+
+
+def tree_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor, depths: Tensor,
+              initial_state: Tensor, return_node_states: bool = False, valid: Tensor | None = None,
+              max_depth: int | None = None, node_states: Tensor | None = None, initial_rows: Tensor | None = None,
+              state_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Tree verify: `reference.tree_gated_delta_rule_rows` (the Triton wrapper's arguments)."""
+    args = (q, k, v, g, beta, parents, depths, initial_state, return_node_states, valid, max_depth)
+    bufs = dict(node_states=node_states, initial_rows=initial_rows, state_rows=state_rows)
+    if choose("tree", use_triton(v), "triton"):
+        from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton
+
+        return tree_gated_delta_rule_triton(*args, **bufs)
+    return tree_gated_delta_rule_rows(*args, **bufs)
