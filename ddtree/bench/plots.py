@@ -53,3 +53,26 @@ def accept_histograms(hists: dict[str, list[int]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def round_costs(rows: list[dict], floor_ms: float, phases: tuple[str, ...], path: str) -> None:
+    """Per-round time of each benchmark row as stacked stage bars (ms), with the memory floor marked."""
+    plt = _plt()
+    labels = [f"{r['config']} b{r['batch']} ctx{r['context']}"
+              + (f" acc={r['forced_accept']}" if r.get("forced_accept") is not None else "") for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.28 * len(rows) + 1.2))
+    left = [0.0] * len(rows)
+    for i, p in enumerate(phases):
+        widths = [r["phases_ms"][p] for r in rows]
+        ax.barh(range(len(rows)), widths, left=left, color=f"C{i}", label=p)
+        left = [a + w for a, w in zip(left, widths)]
+    other = [max(r["ms"] - a, 0.0) for r, a in zip(rows, left)]
+    ax.barh(range(len(rows)), other, left=left, color="0.8", label="other")
+    ax.axvline(floor_ms, color="k", linestyle="--", linewidth=1, label=f"floor {floor_ms:.2f} ms")
+    ax.set_yticks(range(len(rows)), labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per round (median)")
+    ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

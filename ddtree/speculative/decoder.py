@@ -8,6 +8,7 @@ The host reads back only the emitted tokens and their count, once per round.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,16 +35,25 @@ class PhaseTimes:
 
     seconds: dict[str, float] = field(default_factory=dict)
 
+    def start(self) -> float:
+        return time.perf_counter()
+
     def add(self, name: str, t0: float) -> float:
         t = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + t - t0
         return t
 
 
+# (tree, target tokens [b, n]) -> target tokens the accept walk uses instead (benchmarks force accept lengths)
+TargetOverride = Callable[[DraftTree, torch.Tensor], torch.Tensor]
+
+
 class SpecDecoder:
-    def __init__(self, runner: ModelRunner, cfg: SpecConfig):
+    def __init__(self, runner: ModelRunner, cfg: SpecConfig, times=None, target_override: TargetOverride | None = None):
+        """`times`: a phase timer with PhaseTimes' `start()` / `add(name, t0)` (default: the host clock)."""
         self.runner, self.cfg = runner, cfg
-        self.times = PhaseTimes()
+        self.times = times if times is not None else PhaseTimes()
+        self.target_override = target_override
 
     def max_depths(self, reqs: list[Req], max_context: int) -> torch.Tensor | None:
         """Per-request depth limit so a tree never runs past the context length or the token budget."""
@@ -56,7 +66,7 @@ class SpecDecoder:
 
     def round(self, reqs: list[Req], max_context: int) -> list[list[int]]:
         """Run one round; returns the tokens each request emits (accepted drafts then the bonus token)."""
-        runner, cfg, t = self.runner, self.cfg, time.perf_counter()
+        runner, cfg, t = self.runner, self.cfg, self.times.start()
         roots = torch.tensor([r.pending_token for r in reqs], dtype=torch.int64, device=runner.device)
         if cfg.algorithm == "NONE":
             return self._ar_round(reqs, roots, t)
@@ -71,6 +81,8 @@ class SpecDecoder:
         logits, taps = runner.verify(reqs, tree)
         t = self.times.add("verify", t)
         target_tokens = sample_nodes(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        if self.target_override is not None:
+            target_tokens = self.target_override(tree, target_tokens)
         res = accept_tree(tree, target_tokens)
         t = self.times.add("accept", t)
         runner.commit(reqs, res.path, res.accept_length, taps)

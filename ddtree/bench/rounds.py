@@ -1,0 +1,286 @@
+"""`ddtree bench rounds`: per-round cost of AR, DFLASH and DDTREE on a random-weight Qwen3-8B-shaped pair,
+as a ratio to the memory floor measured in the same run (target read bytes / device copy bandwidth), with
+the stage split, plus rounds with forced accept lengths (random weights accept nothing).
+
+Rounds go through ModelRunner + SpecDecoder exactly as the engine runs them. Every round starts at the stated
+context: after a round each request is trimmed back to it, so KV never grows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+PHASES = ("draft", "tree", "verify", "accept", "commit")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddtree bench rounds")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; finishes in seconds")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--budgets", default="16,64,256", help="DDTREE budgets")
+    p.add_argument("--context", default=None, help="comma list of context lengths (default 1024; smoke 64)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per config (default 50; smoke 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 5; smoke 1)")
+    p.add_argument("--accept-lengths", default="1,4,8,16",
+                   help="forced emitted tokens per round for DFLASH and DDTREE at --forced-budget; empty: none")
+    p.add_argument("--accept-trace", default=None, help="JSON list of emitted lengths per round to replay too")
+    p.add_argument("--forced-budget", type=int, default=64)
+    p.add_argument("--drafter-layers", type=int, default=None, help="default 5; smoke 2")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None, help="default bfloat16; smoke float32")
+    p.add_argument("--attention-backend", default=None, help="default triton on GPU, torch on CPU")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--copy-mib", type=int, default=None, help="copy size for the bandwidth (default 2048; smoke 16)")
+    p.add_argument("--time-budget-s", type=float, default=0, help="skip configs once this much time has passed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="JSON rows; a PNG is written beside it")
+    p.add_argument("--no-plot", action="store_true")
+    return p
+
+
+def ints(s: str | None) -> list[int]:
+    return [int(x) for x in (s or "").split(",") if x.strip()]
+
+
+def runner_config(algo: str, budget: int, batch: int, context: int, ns, device):
+    from ddtree.engine.model_runner import RunnerConfig
+
+    width = {"NONE": 1, "DFLASH": ns.block_size}.get(algo, budget + 1)
+    max_context = context + ns.block_size
+    per_req = -(-(max_context + width) // ns.page_size) + 1
+    kw = {"page_size": ns.page_size, "num_pages": batch * per_req + 4, "max_running_requests": batch,
+          "max_context": max_context, "block_size": ns.block_size, "max_verify_width": width,
+          "attention_backend": ns.attention_backend}
+    fields = {f.name for f in dataclasses.fields(RunnerConfig)}
+    graphs = device.type == "cuda" and not ns.disable_cuda_graph
+    if "enable_cuda_graph" in fields:
+        kw["enable_cuda_graph"] = graphs
+    if "cuda_graph_max_bs" in fields:
+        kw["cuda_graph_max_bs"] = batch
+    return RunnerConfig(**kw), graphs and "enable_cuda_graph" in fields
+
+
+def prefilled_requests(runner, n: int, context: int, vocab: int, chunk: int, seed: int):
+    """n requests whose `context` random prompt tokens are cached; the pending token is random too."""
+    from ddtree.engine.request import Req, SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True)
+    reqs = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (context + 1,), generator=gen).tolist()
+        r = Req(prompt_ids=ids[:context], params=params)
+        for start in range(0, context, chunk):
+            runner.prefill([r], [min(chunk, context - start)])
+        r.output_ids = [ids[context]]
+        reqs.append(r)
+    return reqs
+
+
+def run_case(runner, spec, reqs, context: int, rounds: int, warmup: int, clock, override=None) -> dict:
+    """Median per-round time and stage split over `rounds` rounds after `warmup`; KV trimmed back each round."""
+    from ddtree.bench.round_timing import PhaseMarks
+    from ddtree.speculative.decoder import SpecDecoder
+
+    marks = PhaseMarks(clock)
+    decoder = SpecDecoder(runner, spec, times=marks, target_override=override)
+    max_context = runner.cfg.max_context
+    totals, phases, emitted = [], {p: [] for p in PHASES}, []
+    for i in range(warmup + rounds):
+        a = clock.mark()
+        out = decoder.round(reqs, max_context)
+        b = clock.mark()
+        clock.sync()
+        split = marks.take()
+        for r, toks in zip(reqs, out):
+            r.kv_len = context
+            runner.release(r, context)
+            r.output_ids[-1] = toks[-1]
+        if i < warmup:
+            continue
+        totals.append(clock.ms(a, b))
+        for p in PHASES:
+            phases[p].append(split.get(p, 0.0))
+        emitted.extend(len(t) for t in out)
+    ms = statistics.median(totals)
+    ph = {p: statistics.median(v) for p, v in phases.items()}
+    return {
+        "rounds": rounds, "ms": ms, "ms_p10": _pct(totals, 0.1), "ms_p90": _pct(totals, 0.9),
+        "phases_ms": ph, "phases_pct": {p: 100 * v / ms for p, v in ph.items()},
+        "tree_accept_pct": 100 * (ph["tree"] + ph["accept"]) / ms,
+        "emitted_mean": sum(emitted) / len(emitted), "emitted_min": min(emitted), "emitted_max": max(emitted),
+    }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def measure_floor(target, drafter, device, copy_bytes: int) -> dict:
+    from ddtree.bench.random_pair import drafter_read_bytes, embedding_bytes, read_bytes
+    from ddtree.bench.round_timing import copy_bandwidth
+
+    bw = copy_bandwidth(device, copy_bytes)
+    tb, db, eb = read_bytes(target), drafter_read_bytes(drafter, target), embedding_bytes(target)
+    s = bw["bandwidth_Bps"]
+    return {
+        **bw, "target_read_bytes": tb, "floor_ms": tb / s * 1e3,
+        "counted": "decoder layers + final norm + LM head (embedding left out: a forward reads only its rows)",
+        "floor_with_embedding_ms": (tb + eb) / s * 1e3, "drafter_read_bytes": db,
+        "draft_floor_ms": db / s * 1e3,
+    }
+
+
+def main(argv: list[str]) -> int:
+    ns = make_parser().parse_args(argv)
+    threads = torch.get_num_threads()
+    if ns.smoke:
+        torch.set_num_threads(1)  # tiny ops gain nothing from a second thread on a shared box
+    try:
+        return run(ns)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(ns) -> int:
+    from ddtree.bench.forced_accept import AcceptTrace
+    from ddtree.bench.random_pair import QWEN3_8B, SMOKE, build_pair, pair_configs
+    from ddtree.bench.round_timing import Clock
+    from ddtree.engine.model_runner import ModelRunner
+    from ddtree.models.layers import torch_dtype
+    from ddtree.speculative.decoder import SpecConfig
+
+    t_start = time.perf_counter()
+    smoke = ns.smoke
+    device = torch.device(("cpu" if smoke or not torch.cuda.is_available() else "cuda")
+                          if ns.device == "auto" else ns.device)
+    ns.attention_backend = ns.attention_backend or ("triton" if device.type == "cuda" else "torch")
+    dtype = torch_dtype(ns.dtype or ("float32" if smoke else "bfloat16"))
+    contexts = ints(ns.context) or [64 if smoke else 1024]
+    rounds = ns.rounds or (3 if smoke else 50)
+    warmup = ns.warmup if ns.warmup is not None else (1 if smoke else 5)
+    batches, budgets = ints(ns.batch_sizes), ints(ns.budgets)
+    trace = None
+    if ns.accept_trace:
+        with open(ns.accept_trace, encoding="utf-8") as f:
+            trace = [int(x) for x in json.load(f)]
+    forced = [[k] for k in ints(ns.accept_lengths)] + ([trace] if trace else [])
+    torch.manual_seed(ns.seed)
+
+    tcfg, dcfg = pair_configs(SMOKE if smoke else QWEN3_8B, ns.drafter_layers or (2 if smoke else 5),
+                              ns.block_size, str(dtype).removeprefix("torch."))
+    target, drafter = build_pair(tcfg, dcfg, device, dtype, ns.seed)
+    floor = measure_floor(target, drafter, device, (ns.copy_mib or (16 if smoke else 2048)) << 20)
+    clock = Clock(device)
+    print(f"device {device}, {dtype}, backend {ns.attention_backend}; target {tcfg.num_hidden_layers}L "
+          f"h{tcfg.hidden_size} V{tcfg.vocab_size}, drafter {dcfg.num_hidden_layers}L taps {dcfg.target_layer_ids}")
+    print(f"floor {floor['floor_ms']:.3f} ms = {floor['target_read_bytes'] / 1e9:.3f} GB ({floor['counted']}) / "
+          f"{floor['bandwidth_Bps'] / 1e12:.3f} TB/s ({floor['convention']}); with embedding "
+          f"{floor['floor_with_embedding_ms']:.3f} ms; drafter+LM head {floor['draft_floor_ms']:.3f} ms", flush=True)
+
+    # the order is the priority under --time-budget-s; forced DDTREE rows ride on the --forced-budget runner
+    first = [b for b in budgets if b == ns.forced_budget][:1]
+    runners = [("NONE", 0)] + [("DDTREE", b) for b in first] + [("DFLASH", 0)] + \
+        [("DDTREE", b) for b in budgets if b not in first]
+    rows = []
+    meta = {"device": str(device), "dtype": str(dtype), "attention_backend": ns.attention_backend,
+            "cuda_graph": False, "target": {k: getattr(tcfg, k) for k in ("num_hidden_layers", "hidden_size",
+                                                                          "vocab_size", "intermediate_size")},
+            "drafter_layers": dcfg.num_hidden_layers, "taps": list(dcfg.target_layer_ids), "floor": floor}
+    _print_header()
+    for context in contexts:
+        for algo, budget in runners:
+            cases = [(b, None) for b in batches]
+            if algo != "NONE" and (algo == "DFLASH" or budget == ns.forced_budget):
+                cases += [(b, tr) for tr in forced for b in batches]
+            if _over(ns, t_start):
+                rows += [_row(context, algo, budget, b, tr, skipped="time budget") for b, tr in cases]
+                continue
+            rcfg, graphs = runner_config(algo, budget, max(batches), context, ns, device)
+            meta["cuda_graph"] = graphs
+            runner = ModelRunner(target, drafter if algo != "NONE" else None, rcfg, device, dtype)
+            reqs = prefilled_requests(runner, max(batches), context, tcfg.vocab_size, ns.prefill_chunk, ns.seed)
+            for batch, tr in cases:
+                if _over(ns, t_start):
+                    rows.append(_row(context, algo, budget, batch, tr, skipped="time budget"))
+                    continue
+                spec = SpecConfig(algorithm=algo, block_size=ns.block_size, budget=max(budget, 1),
+                                  topk_cap=min(max(budget, 1), tcfg.vocab_size), shadow_linear=tr is not None)
+                override = AcceptTrace(tr, device) if tr else None
+                res = run_case(runner, spec, reqs[:batch], context, rounds, warmup, clock, override)
+                row = _row(context, algo, budget, batch, tr, **res, x_floor=res["ms"] / floor["floor_ms"],
+                           cuda_graph=graphs, verify_tokens=batch * rcfg.max_verify_width)
+                rows.append(row)
+                _print_row(row)
+            for r in reqs:
+                runner.release(r)
+            del runner, reqs
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    _vs_batch1(rows)
+    meta["seconds"] = time.perf_counter() - t_start
+    print(f"done in {meta['seconds']:.1f} s")
+    if ns.output:
+        with open(ns.output, "w", encoding="utf-8") as f:
+            json.dump({"meta": meta, "floor": floor, "rows": rows}, f, indent=1)
+        print(f"wrote {ns.output}")
+        if not ns.no_plot:
+            _plot(rows, floor, os.path.splitext(ns.output)[0] + ".png")
+    return 0
+
+
+def _over(ns, t_start: float) -> bool:
+    return bool(ns.time_budget_s) and time.perf_counter() - t_start > ns.time_budget_s
+
+
+def _row(context, algo, budget, batch, trace, **kw) -> dict:
+    name = {"NONE": "AR", "DFLASH": "DFLASH"}.get(algo, f"DDTREE B={budget}")
+    forced = None if trace is None else (trace[0] if len(trace) == 1 else "trace")
+    return {"context": context, "config": name, "algorithm": algo, "budget": budget if algo == "DDTREE" else None,
+            "batch": batch, "forced_accept": forced, "accept_trace": trace, **kw}
+
+
+def _vs_batch1(rows: list[dict]) -> None:
+    """Per-round time of each row over the same config at batch 1."""
+    base = {(r["context"], r["config"], r["forced_accept"]): r["ms"] for r in rows if r.get("ms") and r["batch"] == 1}
+    for r in rows:
+        b1 = base.get((r["context"], r["config"], r["forced_accept"]))
+        if r.get("ms") and b1:
+            r["vs_batch1"] = r["ms"] / b1
+
+
+def _print_header() -> None:
+    cols = "".join(f"{p:>8}" for p in PHASES)
+    print(f"{'ctx':>6} {'config':<13}{'b':>3} {'forced':>6} {'ms/round':>9} {'xfloor':>7} {'tok/rd':>7} |{cols}  "
+          "(% of round)")
+
+
+def _print_row(r: dict) -> None:
+    forced = "-" if r["forced_accept"] is None else str(r["forced_accept"])
+    split = "".join(f"{r['phases_pct'][p]:>7.1f}%" for p in PHASES)
+    print(f"{r['context']:>6} {r['config']:<13}{r['batch']:>3} {forced:>6} {r['ms']:>9.3f} {r['x_floor']:>7.3f} "
+          f"{r['emitted_mean']:>7.2f} |{split}", flush=True)
+
+
+def _plot(rows: list[dict], floor: dict, path: str) -> None:
+    try:
+        from ddtree.bench.plots import round_costs
+    except ImportError as e:  # matplotlib missing
+        print(f"no plot: {e}", file=sys.stderr)
+        return
+    round_costs([r for r in rows if r.get("ms")], floor["floor_ms"], PHASES, path)
+    print(f"wrote {path}")
