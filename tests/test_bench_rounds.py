@@ -137,3 +137,17 @@ def test_accept_trace_cycles():
     assert got == [[2, 2], [4, 4], [1, 1], [2, 2]]
     with pytest.raises(ValueError):
         AcceptTrace([0], "cpu")
+
+
+def test_time_budget_skips_configs(tmp_path):
+    from ddtree.bench.rounds import main, target_checks
+
+    out = tmp_path / "rounds.json"
+    assert main(["--smoke", "--budgets", "64", "--accept-lengths", "4", "--time-budget-s", "1e-9",
+                 "--output", str(out), "--no-plot"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 * 2 + 2 * 2 and all(r["skipped"] == "time budget" and "ms" not in r for r in rows)
+    # the targets read the unforced rows
+    fake = [{"context": 1024, "config": "AR", "batch": 1, "forced_accept": None, "ms": 4.0, "x_floor": 1.2}]
+    assert target_checks(fake) == [{"context": 1024, "name": "AR b1 x floor", "value": 1.2, "limit": 1.15,
+                                    "ok": False}]

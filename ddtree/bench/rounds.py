@@ -232,11 +232,15 @@ def run(ns) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     _vs_batch1(rows)
+    checks = [] if smoke else target_checks(rows)  # the targets are about the Qwen3-8B shape
+    for c in checks:
+        print(f"ctx {c['context']:>6} {c['name']:<40} {c['value']:>7.3f} <= {c['limit']:<5} "
+              f"{'ok' if c['ok'] else 'MISSED'}")
     meta["seconds"] = time.perf_counter() - t_start
     print(f"done in {meta['seconds']:.1f} s")
     if ns.output:
         with open(ns.output, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "floor": floor, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "floor": floor, "rows": rows, "checks": checks}, f, indent=1)
         print(f"wrote {ns.output}")
         if not ns.no_plot:
             _plot(rows, floor, os.path.splitext(ns.output)[0] + ".png")
@@ -261,6 +265,23 @@ def _vs_batch1(rows: list[dict]) -> None:
         b1 = base.get((r["context"], r["config"], r["forced_accept"]))
         if r.get("ms") and b1:
             r["vs_batch1"] = r["ms"] / b1
+
+
+def target_checks(rows: list[dict]) -> list[dict]:
+    """The issue's targets (#4 item 4, #7) against the unforced rows that ran."""
+    got = {(r["context"], r["config"], r["batch"]): r for r in rows if r.get("ms") and r["forced_accept"] is None}
+    out = []
+    for ctx in sorted({k[0] for k in got}):
+        targets = [("AR b1 x floor", "AR", 1, "x_floor", 1.15),
+                   ("DDTREE B=64 b1 x floor", "DDTREE B=64", 1, "x_floor", 1.5 if ctx <= 1024 else 1.8),
+                   ("DDTREE B=256 b1 x floor", "DDTREE B=256", 1, "x_floor", 2.0),
+                   ("DDTREE B=64 b1 tree+accept % of round", "DDTREE B=64", 1, "tree_accept_pct", 3.0),
+                   ("DDTREE B=64 b8 / b1 per round", "DDTREE B=64", 8, "vs_batch1", 1.6)]
+        for name, config, batch, field, limit in targets:
+            r = got.get((ctx, config, batch))
+            if r is not None and field in r:
+                out.append({"context": ctx, "name": name, "value": r[field], "limit": limit, "ok": r[field] <= limit})
+    return out
 
 
 def _print_header() -> None:
