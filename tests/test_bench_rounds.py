@@ -151,3 +151,14 @@ def test_time_budget_skips_configs(tmp_path):
     fake = [{"context": 1024, "config": "AR", "batch": 1, "forced_accept": None, "ms": 4.0, "x_floor": 1.2}]
     assert target_checks(fake) == [{"context": 1024, "name": "AR b1 x floor", "value": 1.2, "limit": 1.15,
                                     "ok": False}]
+
+
+def test_prefilled_requests_share_the_first_ones_kv(random_runner):
+    runner, reqs = random_runner
+    pos = torch.arange(CONTEXT)[None]
+    slots = [runner.slots_of(runner.bm.block_table[r.slot][None], pos).flatten() for r in reqs]
+    assert len({int(s[0]) for s in slots}) == len(reqs)  # distinct pages
+    for pool in (runner.kv, runner.draft_kv):
+        assert pool.k[:, slots[0]].abs().sum() > 0
+        for s in slots[1:]:
+            assert torch.equal(pool.k[:, s], pool.k[:, slots[0]]) and torch.equal(pool.v[:, s], pool.v[:, slots[0]])

@@ -73,19 +73,25 @@ def runner_config(algo: str, budget: int, batch: int, context: int, ns, device):
 
 
 def prefilled_requests(runner, n: int, context: int, vocab: int, chunk: int, seed: int):
-    """n requests whose `context` random prompt tokens are cached; the pending token is random too."""
+    """n requests with `context` cached tokens and a random pending token. The first is prefilled from random
+    tokens; the others get copies of its target and drafter KV (the same cost to attend, 1/n of the prefill)."""
     from ddtree.engine.request import Req, SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True)
-    reqs = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (context + 1,), generator=gen).tolist()
-        r = Req(prompt_ids=ids[:context], params=params)
-        for start in range(0, context, chunk):
-            runner.prefill([r], [min(chunk, context - start)])
-        r.output_ids = [ids[context]]
-        reqs.append(r)
+    ids = torch.randint(0, vocab, (context + n,), generator=gen).tolist()
+    reqs = [Req(prompt_ids=ids[:context], params=params, output_ids=[ids[context + i]]) for i in range(n)]
+    for start in range(0, context, chunk):
+        runner.prefill([reqs[0]], [min(chunk, context - start)])
+    pos = torch.arange(context, device=runner.device)[None]
+    src = runner.slots_of(runner.bm.block_table[reqs[0].slot][None], pos).flatten()
+    for r in reqs[1:]:
+        runner.bm.allocate(r, context)
+        dst = runner.slots_of(runner.bm.block_table[r.slot][None], pos).flatten()
+        for pool in (runner.kv, runner.draft_kv):
+            if pool is not None:
+                pool.move(src, dst)
+        r.kv_len = context
     return reqs
 
 
@@ -209,10 +215,16 @@ def run(ns) -> int:
             if _over(ns, t_start):
                 rows += [_row(context, algo, budget, b, tr, skipped="time budget") for b, tr in cases]
                 continue
-            rcfg, graphs = runner_config(algo, budget, max(batches), context, ns, device)
-            meta["cuda_graph"] = graphs
+            t0 = time.perf_counter()
+            rcfg, _ = runner_config(algo, budget, max(batches), context, ns, device)
             runner = ModelRunner(target, drafter if algo != "NONE" else None, rcfg, device, dtype)
+            graphs = getattr(runner, "graphs", None) is not None
+            meta["cuda_graph"] = meta["cuda_graph"] or graphs
+            t1 = time.perf_counter()
             reqs = prefilled_requests(runner, max(batches), context, tcfg.vocab_size, ns.prefill_chunk, ns.seed)
+            clock.sync()
+            print(f"# {_row(context, algo, budget, 0, None)['config']} ctx {context}: runner {t1 - t0:.1f} s "
+                  f"(cuda graphs {'on' if graphs else 'off'}), prefill {time.perf_counter() - t1:.1f} s", flush=True)
             for batch, tr in cases:
                 if _over(ns, t_start):
                     rows.append(_row(context, algo, budget, batch, tr, skipped="time budget"))
