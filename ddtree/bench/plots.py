@@ -72,7 +72,7 @@ def round_costs(rows: list[dict], floor_ms: float, phases: tuple[str, ...], path
     ax.set_yticks(range(len(rows)), labels, fontsize=6)
     ax.invert_yaxis()
     ax.set_xlabel("ms per round (median)")
-    ax.legend(fontsize=6, loc="lower right")
+    ax.legend(fontsize=6, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

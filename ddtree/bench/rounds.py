@@ -31,7 +31,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per config (default 50; smoke 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 5; smoke 1)")
     p.add_argument("--accept-lengths", default="1,4,8,16",
-                   help="forced emitted tokens per round for DFLASH and DDTREE at --forced-budget; empty: none")
+                   help="forced emitted tokens per round for DFLASH and DDTREE at --forced-budget, at the first "
+                        "context; empty: none")
     p.add_argument("--accept-trace", default=None, help="JSON list of emitted lengths per round to replay too")
     p.add_argument("--forced-budget", type=int, default=64)
     p.add_argument("--drafter-layers", type=int, default=None, help="default 5; smoke 2")
@@ -210,7 +211,7 @@ def run(ns) -> int:
     for context in contexts:
         for algo, budget in runners:
             cases = [(b, None) for b in batches]
-            if algo != "NONE" and (algo == "DFLASH" or budget == ns.forced_budget):
+            if algo != "NONE" and context == contexts[0] and (algo == "DFLASH" or budget == ns.forced_budget):
                 cases += [(b, tr) for tr in forced for b in batches]
             if _over(ns, t_start):
                 rows += [_row(context, algo, budget, b, tr, skipped="time budget") for b, tr in cases]
