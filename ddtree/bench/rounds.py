@@ -38,7 +38,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-layers", type=int, default=None, help="default 5; smoke 2")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill call (the engine default)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, help="default bfloat16; smoke float32")
     p.add_argument("--attention-backend", default=None, help="default triton on GPU, torch on CPU")
@@ -235,6 +235,7 @@ def run(ns) -> int:
                 override = AcceptTrace(tr, device) if tr else None
                 res = run_case(runner, spec, reqs[:batch], context, rounds, warmup, clock, override)
                 row = _row(context, algo, budget, batch, tr, **res, x_floor=res["ms"] / floor["floor_ms"],
+                           x_floor_with_embedding=res["ms"] / floor["floor_with_embedding_ms"],
                            cuda_graph=graphs, verify_tokens=batch * rcfg.max_verify_width)
                 rows.append(row)
                 _print_row(row)
