@@ -28,6 +28,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 DEFAULT_DDTREE_BUDGET = 64
+DEFAULT_CUDA_GRAPH_MAX_BS = 16
 
 
 def _opt(default, help: str, choices=None, aliases=()):
@@ -53,8 +54,9 @@ class ServerArgs:
     tp_size: int = _opt(1, "tensor parallel degree", aliases=("--tp", "--tensor-parallel-size"))
     random_seed: int | None = _opt(None, "random seed")
     attention_backend: str = _opt("torch", "attention kernels", ATTENTION_BACKENDS)
-    disable_cuda_graph: bool = _opt(False, "run decode and verify eagerly")
-    cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs")
+    disable_cuda_graph: bool = _opt(False, "run verify and draft eagerly (no CUDA graphs); graphs need cuda + triton")
+    cuda_graph_max_bs: int | None = _opt(None, "largest (padded) batch size captured in CUDA graphs; default "
+                                         f"min({DEFAULT_CUDA_GRAPH_MAX_BS}, --max-running-requests)")
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
     api_key: str | None = _opt(None, "require this API key on HTTP requests")
@@ -277,11 +279,32 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     if t is not None:
         _resolve_mamba(args, t, upd, p)
         _resolve_target_defaults(args, t, d, upd, upd.get("device", args.device))
+    _resolve_cuda_graph(args, upd, upd.get("device", args.device))
     upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
     upd["tokenizer_path"] = args.tokenizer_path or upd.get("model_path")
     if p:
         raise ConfigError(p)
     return dataclasses.replace(args, target_config=t, drafter_config=d, **upd)
+
+
+def _resolve_cuda_graph(a: ServerArgs, upd: dict, device: str) -> None:
+    if a.disable_cuda_graph:
+        if a.cuda_graph_max_bs is not None:
+            logger.warning("--cuda-graph-max-bs ignored: --disable-cuda-graph is set")
+        return
+    why = ("the device is cpu" if device != "cuda" else None if a.attention_backend == "triton"
+           else f"--attention-backend {a.attention_backend} is not capturable; pass --attention-backend triton")
+    if why:
+        upd["disable_cuda_graph"] = True
+        logger.info("CUDA graphs are disabled: %s.", why)
+        return
+    running = upd.get("max_running_requests", a.max_running_requests)
+    max_bs = min(a.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, running)
+    if max_bs != a.cuda_graph_max_bs:
+        upd["cuda_graph_max_bs"] = max_bs
+        logger.info("Cuda graph max bs is set to %d%s.", max_bs, " (--max-running-requests)"
+                    if a.cuda_graph_max_bs and a.cuda_graph_max_bs > running else "")
+    logger.info("CUDA graphs are enabled for verify and draft (batch sizes up to %d).", max_bs)
 
 
 def _resolve_target_defaults(a: ServerArgs, t: TargetConfig, d: DrafterConfig | None, upd: dict,

@@ -1,7 +1,8 @@
 """Forwards over paged KV: prefill (extend), drafter block, tree verify, and the commit of accepted nodes.
 
-Device-side throughout a round: the host supplies per-request lengths (which it already knows) and reads
-back only the accepted tokens after `commit`.
+Device-side throughout a round: the host supplies per-request lengths (which it already knows) once per round
+(`RoundMeta`, one host->device copy shared by draft, verify and commit) and reads back only the accepted tokens
+after `commit`. With `enable_cuda_graph`, verify and draft replay CUDA graphs (`ddtree/engine/cuda_graph.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,24 @@ class RunnerConfig:
     attention_backend: str = "torch"
     mamba_strategy: str = "extra_buffer"
     mamba_ssm_dtype: str = "float32"
+    enable_cuda_graph: bool = False  # graphs for verify and draft (CUDA, triton backend, dense target)
+    cuda_graph_max_bs: int = 16  # largest padded batch captured; bigger batches run eagerly
+
+
+@dataclass
+class RoundMeta:
+    """Per-request metadata of one round, built once (one host->device copy) and shared by draft, verify and
+    commit. Valid while no request's slot or kv_len changes, i.e. until `commit` (which drops it)."""
+
+    slots: list[int]  # host: block-table row of each request
+    kv_lens: list[int]  # host: cached tokens per request at the round's start
+    slot_ids: torch.Tensor  # [b] int64 device
+    lens: torch.Tensor  # [b] int64 device (= kv_lens)
+    rows: torch.Tensor  # [b, max_pages] block-table rows; re-gathered once verify has allocated its pages
+
+    def matches(self, reqs: list[Req]) -> bool:
+        return len(reqs) == len(self.slots) and all(
+            r.slot == s and r.kv_len == n for r, s, n in zip(reqs, self.slots, self.kv_lens))
 
 
 class ModelRunner:
@@ -37,7 +56,10 @@ class ModelRunner:
         self.backend = get_backend(cfg.attention_backend)
         self.attn_layers = tcfg.attention_layer_ids
         self.pool_index = {layer: j for j, layer in enumerate(self.attn_layers)}
-        slots = cfg.num_pages * cfg.page_size
+        # Scratch pages past the block manager's range (never handed out): the KV writes of padded CUDA-graph
+        # rows land there, so padding can never touch a real request's KV.
+        self.scratch_pages = list(range(cfg.num_pages, cfg.num_pages + -(-cfg.max_verify_width // cfg.page_size)))
+        slots = (cfg.num_pages + len(self.scratch_pages)) * cfg.page_size
         self.kv = KVPool(len(self.attn_layers), slots, tcfg.num_key_value_heads, tcfg.head_dim, dtype, device)
         self.draft_kv = None
         self.tap_layers: tuple[int, ...] = ()
@@ -53,6 +75,12 @@ class ModelRunner:
             self.state_pool = target.make_state_pool(
                 cfg.max_running_requests, cfg.max_verify_width, device, cfg.mamba_strategy, cfg.mamba_ssm_dtype
             )
+        self._round: RoundMeta | None = None
+        self.graphs = None
+        if cfg.enable_cuda_graph:
+            from ddtree.engine.cuda_graph import make_graph_runner
+
+            self.graphs = make_graph_runner(self)
 
     @staticmethod
     def kv_bytes_per_token(target_cfg, drafter_cfg, dtype) -> int:
@@ -64,47 +92,57 @@ class ModelRunner:
         return n
 
     # ---- metadata ------------------------------------------------------------------------------------
-    def _lens(self, reqs: list[Req]) -> torch.Tensor:
-        return torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=self.device)
-
-    def _slot_ids(self, reqs: list[Req]) -> torch.Tensor:
-        return torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=self.device)
-
-    def _rows(self, reqs: list[Req]) -> torch.Tensor:
-        return self.bm.block_table[self._slot_ids(reqs)]
+    def round_meta(self, reqs: list[Req]) -> RoundMeta:
+        """This round's metadata: built on first use in a round, reused until `commit` drops it."""
+        m = self._round
+        if m is not None and m.matches(reqs):
+            return m
+        slots, kv_lens = [r.slot for r in reqs], [r.kv_len for r in reqs]
+        both = torch.tensor([slots, kv_lens], dtype=torch.int64).to(self.device)
+        self._round = m = RoundMeta(slots, kv_lens, both[0], both[1], self.bm.block_table.index_select(0, both[0]))
+        return m
 
     def slots_of(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """rows [b, max_pages] block-table rows, positions [b, m] logical -> KV slots [b, m]."""
         p = self.cfg.page_size
         return rows.gather(1, positions // p) * p + positions % p
 
-    def _target_attend(self, meta: AttentionMetadata, state=None):
-        scale = self.target.scale
+    def target_forward(self, input_ids, positions, meta: AttentionMetadata, backend=None, linear=None):
+        """Target layers over flat tokens -> (final-normed hidden [T, H], taps [T, K*H] or None)."""
+        backend, scale = backend or self.backend, self.target.scale
 
         def attend(layer, q, k, v):
-            return self.backend.extend(q, k, v, self.kv.layer(self.pool_index[layer]), meta, scale)
+            return backend.extend(q, k, v, self.kv.layer(self.pool_index[layer]), meta, scale)
 
-        return attend
+        return self.target.hidden_states(input_ids, positions, attend, self.tap_layers, linear=linear)
+
+    def draft_forward(self, ids, positions, meta: DraftAttentionMetadata, backend=None) -> torch.Tensor:
+        """Drafter layers over [b, S] blocks -> final-normed hidden [b, S, H]."""
+        backend, dcfg, scale = backend or self.backend, self.drafter.config, self.drafter.scale
+
+        def attend(layer, q, k, v):
+            return backend.draft_block(q, k, v, self.draft_kv.layer(layer), meta, scale,
+                                       dcfg.layer_is_causal(layer), dcfg.layer_window(layer))
+
+        return self.drafter.block_hidden(self.target.embed_tokens(ids), positions, attend)
 
     # ---- forwards ------------------------------------------------------------------------------------
-    def _extend(self, reqs, q_lens, input_ids, positions, lpos, tree_mask=None, linear=None):
-        rows = self._rows(reqs)
-        ridx = torch.repeat_interleave(torch.arange(len(reqs), device=self.device),
-                                       torch.tensor(q_lens, device=self.device))
-        p = self.cfg.page_size
-        slot_mapping = rows[ridx, lpos // p] * p + lpos % p
+    def _extend(self, reqs, q_lens, input_ids, positions, linear=None):
+        """Ragged causal extend (prefill chunks): request i appends q_lens[i] tokens after its kv_len."""
         kv_lens = [r.kv_len + q for r, q in zip(reqs, q_lens)]
+        host = torch.tensor([[r.slot for r in reqs], q_lens, kv_lens], dtype=torch.int64).to(self.device)
+        rows = self.bm.block_table.index_select(0, host[0])
+        ridx = torch.repeat_interleave(torch.arange(len(reqs), device=self.device), host[1])
+        p = self.cfg.page_size
+        slot_mapping = rows[ridx, positions // p] * p + positions % p
         indptr = torch.zeros(len(reqs) + 1, dtype=torch.int64, device=self.device)
-        indptr[1:] = torch.tensor(q_lens, device=self.device).cumsum(0)
+        indptr[1:] = host[1].cumsum(0)
         meta = AttentionMetadata(
-            q_lens=list(q_lens), kv_lens=kv_lens, qo_indptr=indptr,
-            kv_lens_t=torch.tensor(kv_lens, device=self.device), block_table=rows, slot_mapping=slot_mapping,
-            page_size=p, tree_mask=tree_mask,
+            q_lens=list(q_lens), kv_lens=kv_lens, qo_indptr=indptr, kv_lens_t=host[2], block_table=rows,
+            slot_mapping=slot_mapping, page_size=p,
         )
-        hidden, taps = self.target.hidden_states(
-            input_ids, positions, self._target_attend(meta), self.tap_layers, linear=linear
-        )
-        return hidden, taps, slot_mapping
+        hidden, taps = self.target_forward(input_ids, positions, meta, linear=linear)
+        return hidden, taps, slot_mapping, indptr[1:] - 1
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Req], q_lens: list[int]) -> torch.Tensor:
@@ -119,8 +157,7 @@ class ModelRunner:
         linear = None
         if self.state_pool is not None:
             linear = self.state_pool.extend_context([r.slot for r in reqs], q_lens, [r.kv_len for r in reqs])
-        hidden, taps, slot_mapping = self._extend(reqs, q_lens, input_ids, positions, positions, linear=linear)
-        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
+        hidden, taps, slot_mapping, last = self._extend(reqs, q_lens, input_ids, positions, linear=linear)
         if self.drafter is not None:
             self.write_draft_context(taps, positions, slot_mapping)
         for r, q in zip(reqs, q_lens):
@@ -128,59 +165,72 @@ class ModelRunner:
         return self.target.logits(hidden[last]).float()
 
     @torch.inference_mode()
-    def draft(self, reqs: list[Req], roots: torch.Tensor, block_size: int) -> torch.Tensor:
+    def draft(self, reqs: list[Req], roots: torch.Tensor, block_size: int, meta: RoundMeta | None = None):
         """Drafter forward on [root, MASK x (S-1)] blocks -> marginals' logits [b, S-1, V]."""
-        dcfg = self.drafter.config
+        meta = meta or self.round_meta(reqs)
         b = len(reqs)
-        ids = torch.full((b, block_size), dcfg.mask_token_id, dtype=torch.int64, device=self.device)
-        ids[:, 0] = roots
-        lens = self._lens(reqs)
-        positions = lens[:, None] + torch.arange(block_size, device=self.device)
-        meta = DraftAttentionMetadata(
-            ctx_lens=[r.kv_len for r in reqs], ctx_lens_t=lens, block_table=self._rows(reqs),
-            block_positions=positions, page_size=self.cfg.page_size,
-        )
-        scale = self.drafter.scale
-
-        def attend(layer, q, k, v):
-            return self.backend.draft_block(q, k, v, self.draft_kv.layer(layer), meta, scale,
-                                            dcfg.layer_is_causal(layer), dcfg.layer_window(layer))
-
-        hidden = self.drafter.block_hidden(self.target.embed_tokens(ids), positions, attend)
+        if self.graphs is not None and self.graphs.can_draft(b, block_size, max(meta.kv_lens)):
+            hidden = self.graphs.draft(meta, roots)
+        else:
+            ids = torch.full((b, block_size), self.drafter.config.mask_token_id, dtype=torch.int64,
+                             device=self.device)
+            ids[:, 0] = roots
+            positions = meta.lens[:, None] + torch.arange(block_size, device=self.device)
+            dmeta = DraftAttentionMetadata(ctx_lens=meta.kv_lens, ctx_lens_t=meta.lens, block_table=meta.rows,
+                                           block_positions=positions, page_size=self.cfg.page_size)
+            hidden = self.draft_forward(ids, positions, dmeta)
         return self.drafter.logits(hidden[:, 1:], self.target.lm_head)
 
     @torch.inference_mode()
-    def verify(self, reqs: list[Req], tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify(self, reqs: list[Req], tree, meta: RoundMeta | None = None):
         """One target forward over every request's tree (n nodes at logical slots [L, L+n), RoPE positions
         L + depth, ancestor mask). Returns logits [b, n, V] fp32 and taps [b, n, K*H]."""
         b, n = tree.tokens.shape
         for r in reqs:
             self.bm.allocate(r, r.kv_len + n)
-        lens = self._lens(reqs)
-        lpos = (lens[:, None] + torch.arange(n, device=self.device)).flatten()
-        positions = (lens[:, None] + tree.depths).flatten()
+        earlier = meta or self._round
+        meta = meta or self.round_meta(reqs)
+        if meta is earlier:  # built before this call's allocation: the rows may have gained pages
+            meta.rows = self.bm.block_table.index_select(0, meta.slot_ids)
         linear = None
         if self.state_pool is not None:
-            linear = self.state_pool.tree_context([r.slot for r in reqs], tree)
-        hidden, taps, _ = self._extend(reqs, [n] * b, tree.tokens.flatten(), positions, lpos, tree.tree_mask, linear)
+            linear = self.state_pool.tree_context(meta.slots, tree)
+        if linear is None and self.graphs is not None and self.graphs.can_verify(b, n, max(meta.kv_lens) + n):
+            hidden, taps = self.graphs.verify(meta, tree)
+        else:
+            hidden, taps = self.target_forward(tree.tokens.flatten(), (meta.lens[:, None] + tree.depths).flatten(),
+                                               self.verify_metadata(meta, tree.tree_mask, n), linear=linear)
         logits = self.target.logits(hidden).float().view(b, n, -1)
         return logits, (taps.view(b, n, -1) if taps is not None else None)
 
+    def verify_metadata(self, meta: RoundMeta, tree_mask: torch.Tensor, n: int) -> AttentionMetadata:
+        b = len(meta.kv_lens)
+        lpos = meta.lens[:, None] + torch.arange(n, device=self.device)
+        return AttentionMetadata(
+            q_lens=[n] * b, kv_lens=[k + n for k in meta.kv_lens],
+            qo_indptr=torch.arange(0, (b + 1) * n, n, device=self.device), kv_lens_t=meta.lens + n,
+            block_table=meta.rows, slot_mapping=self.slots_of(meta.rows, lpos).flatten(), page_size=self.cfg.page_size,
+            tree_mask=tree_mask,
+        )
+
     @torch.inference_mode()
-    def commit(self, reqs: list[Req], path: torch.Tensor, accept_length: torch.Tensor, taps) -> None:
+    def commit(self, reqs: list[Req], path: torch.Tensor, accept_length: torch.Tensor, taps,
+               meta: RoundMeta | None = None) -> None:
         """Move the accepted nodes' KV to logical positions L..L+k (contiguous, in path order) and write
-        their drafter context. path [b, D+1] node indices (root first), accept_length [b] = k."""
-        lens = self._lens(reqs)
+        their drafter context. path [b, D+1] node indices (root first), accept_length [b] = k. Ends the
+        round: its RoundMeta is dropped (the caller advances kv_len next)."""
+        meta = meta or self.round_meta(reqs)
+        self._round = None
+        lens, rows = meta.lens, meta.rows
         j = torch.arange(path.shape[1], device=self.device)
         jj = torch.minimum(j[None, :], accept_length[:, None])  # padding repeats the last real row
         src_node = path.gather(1, jj)
-        rows = self._rows(reqs)
         dst_pos = lens[:, None] + jj
         src_slot = self.slots_of(rows, lens[:, None] + src_node).flatten()
         dst_slot = self.slots_of(rows, dst_pos).flatten()
         self.kv.move(src_slot, dst_slot)
         if self.state_pool is not None:
-            self.state_pool.commit(self._slot_ids(reqs), path, accept_length)
+            self.state_pool.commit(meta.slot_ids, path, accept_length)
         if self.drafter is not None and taps is not None:
             feats = taps.gather(1, src_node[..., None].expand(-1, -1, taps.shape[-1]))
             self.write_draft_context(feats.flatten(0, 1), dst_pos.flatten(), dst_slot)

@@ -69,7 +69,8 @@ def build_runner(args, device: torch.device) -> tuple[ModelRunner, int]:
         page_size=args.page_size, num_pages=pages, max_running_requests=max_reqs, max_context=ctx,
         block_size=int(args.speculative_dflash_block_size or 16), max_verify_width=width,
         attention_backend=args.attention_backend, mamba_strategy=args.mamba_scheduler_strategy or "extra_buffer",
-        mamba_ssm_dtype=args.mamba_ssm_dtype,
+        mamba_ssm_dtype=args.mamba_ssm_dtype, enable_cuda_graph=device.type == "cuda" and not args.disable_cuda_graph,
+        cuda_graph_max_bs=int(args.cuda_graph_max_bs or RunnerConfig.cuda_graph_max_bs),
     )
     logger.info("KV cache: %d pages x %d tokens (%.1f MiB), %d max running requests, context %d",
                 pages, args.page_size, pages * args.page_size * per_token / 2**20, max_reqs, ctx)

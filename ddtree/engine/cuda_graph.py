@@ -1,0 +1,275 @@
+"""CUDA graphs for the two forwards of every round: the target verify (width n = max_verify_width) and the
+drafter block (width S = block_size).
+
+Each forward owns static inputs sized for the largest captured batch; a graph for padded batch bs reads the
+first bs rows. On replay the live metadata is copied in and rows [b, bs) hold the padding state: a padded
+request caches n tokens of its own (kv_len = n, no context), sees only itself (identity tree mask; an empty
+drafter context), and writes its K/V into the runner's scratch pages, which the block manager never hands out.
+So padding never touches a real request's KV and never yields a row with nothing visible (no NaN).
+
+KV splits. The Triton kernel is capturable because its launch shape depends only on host ints (batch, max
+q_len, num_splits); so the split count is fixed per graph. One count for all contexts is wrong either way: the
+count that fills the GPU at a long context (for bs=1, n=65 on an H200 about 6; for decode about 28) makes a
+short-context batch pay for mostly-empty programs plus the partial writes and the combine, while one split
+leaves a long context to a few dozen programs. Instead the live max kv_len picks a bucket (<= 1k, 4k, 16k,
+max context), and each (bs, bucket) uses the kernel's own choice at the bucket's upper bound (probed with one
+eager call). The choice only grows with the context until it saturates (min 4 tiles per split), so buckets past
+a few k collapse onto one graph; graphs are keyed by (bs, split count) and shared. An empty split (tile range
+past the request's last tile) runs no loop iteration and stores lse = -inf; the combine weights it 0, and every
+real or padded row has at least one visible key in some split, so the result is that of one split.
+
+Capture order: largest batch first, all graphs in one memory pool. Outputs are hidden states and taps; the LM
+head (one GEMM on the b real rows, the same shape eager runs) stays outside, so graph outputs stay small.
+Graph outputs are valid until the next replay of any graph of this runner (shared pool): read them at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata
+
+logger = logging.getLogger("ddtree")
+
+CTX_BOUNDS = (1024, 4096, 16384)
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_bs (and max_bs itself)."""
+    out = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 8)) + [max_bs]
+    return sorted(set(out))
+
+
+def ctx_bounds(top: int) -> list[int]:
+    return sorted({c for c in CTX_BOUNDS if c < top} | {top})
+
+
+def make_graph_runner(runner) -> CudaGraphRunner | None:
+    """The capturing graph runner, or None (with the reason logged once) when this setup must stay eager."""
+    from ddtree.attention.triton_backend import TritonAttentionBackend
+
+    why = None
+    if runner.device.type != "cuda":
+        why = f"the device is {runner.device.type}"
+    elif not isinstance(runner.backend, TritonAttentionBackend):
+        why = f"--attention-backend {runner.cfg.attention_backend} is not capturable (use triton)"
+    elif runner.backend.force_reference:
+        why = "the triton backend is forced to the torch reference"
+    elif runner.state_pool is not None:
+        why = "hybrid (Gated DeltaNet) targets are not captured yet"
+    elif not _kernel_head_dim(runner.target.config.head_dim):
+        why = f"the target head dim {runner.target.config.head_dim} runs the torch reference"
+    if why:
+        logger.info("CUDA graphs are off: %s; verify and draft run eagerly.", why)
+        return None
+    g = CudaGraphRunner(runner, capture=True)
+    g.build()
+    return g
+
+
+def _kernel_head_dim(d: int) -> bool:
+    return d >= 16 and d & (d - 1) == 0
+
+
+def _draft_capturable(runner) -> str | None:
+    """Why the drafter block cannot be captured, or None."""
+    d = runner.drafter
+    if d is None:
+        return "no drafter"
+    if any(d.config.layer_window(i) is not None for i in range(d.config.num_hidden_layers)):
+        # sliding-window layers use the torch reference: a host loop over ctx_lens with per-request gathers
+        # whose shapes are the live context lengths, baked in at capture
+        return "the drafter has sliding-window layers (torch reference attention: data-dependent shapes)"
+    if not _kernel_head_dim(d.config.head_dim):
+        return f"the drafter head dim {d.config.head_dim} runs the torch reference"
+    return None
+
+
+class _GraphSet:
+    """One forward at a fixed width: graphs keyed by (padded batch, KV split count), chosen per (bs, ctx bucket).
+    `forward(bs, backend, host_kv_lens)` runs on the static buffers and returns a tuple of tensors; host lengths
+    are compared with the context buckets, and a padded row's host length is `pad_len`."""
+
+    def __init__(self, owner: CudaGraphRunner, forward, top: int, pad_len: int):
+        self.owner, self.forward, self.pad_len = owner, forward, pad_len
+        self.bounds = ctx_bounds(top)
+        self.splits: dict[tuple[int, int], int | None] = {}
+        self.graphs: dict[tuple[int, int | None], tuple] = {}  # -> (graph or None, outputs, backend)
+
+    def build(self, buckets: list[int]) -> None:
+        for bs in sorted(buckets, reverse=True):
+            for bound in self.bounds:
+                s = self.splits[(bs, bound)] = self._probe(bs, bound)
+                if (bs, s) not in self.graphs:
+                    self.graphs[(bs, s)] = self._capture(bs, s, bound)
+
+    def _probe(self, bs: int, bound: int) -> int | None:
+        """The kernel's own split count for bs rows of length <= bound (None where the torch reference runs)."""
+        from ddtree.attention.triton_backend import TritonAttentionBackend
+        from ddtree.kernels.tree_attention.tuning import last_launch
+
+        backend = self.owner.backend(None)
+        if not isinstance(backend, TritonAttentionBackend):
+            return None
+        last_launch.clear()
+        self.forward(bs, backend, [bound] * bs)
+        return last_launch.get("num_splits")
+
+    def _capture(self, bs: int, splits: int | None, bound: int) -> tuple:
+        backend = self.owner.backend(splits)
+        if not self.owner.capture:
+            return None, None, backend
+        host = [bound] * bs  # host lengths only size the grid, and the split count is fixed
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles this variant, cuBLAS picks its kernels
+            for _ in range(2):
+                self.forward(bs, backend, host)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.owner.pool):
+            out = self.forward(bs, backend, host)
+        return graph, out, backend
+
+    def fits(self, b: int, host_max: int) -> bool:
+        return b <= self.owner.buckets[-1] and host_max <= self.bounds[-1]
+
+    def run(self, b: int, host_kv_lens: list[int]) -> tuple:
+        """Replay (without capture: run) the graph for b live rows of host lengths `host_kv_lens`."""
+        bs = self.owner.buckets[bisect.bisect_left(self.owner.buckets, b)]
+        bound = self.bounds[bisect.bisect_left(self.bounds, max(host_kv_lens))]
+        graph, out, backend = self.graphs[(bs, self.splits[(bs, bound)])]
+        if graph is None:  # the same padded static-shape path; the reference reads the live host lengths
+            return self.forward(bs, backend, host_kv_lens + [self.pad_len] * (bs - b))
+        graph.replay()
+        return out
+
+
+class CudaGraphRunner:
+    """Static buffers and graphs for `ModelRunner.verify` / `ModelRunner.draft`. capture=False runs the same
+    padded static-shape path eagerly (the CPU tests of everything but the capture itself)."""
+
+    def __init__(self, runner, capture: bool = True, max_bs: int | None = None):
+        self.runner, self.capture = runner, capture
+        cfg, dev = runner.cfg, runner.device
+        max_bs = min(max_bs or cfg.cuda_graph_max_bs, cfg.max_running_requests)
+        self.buckets = batch_buckets(max_bs)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._backends: dict = {}
+        M, P, p = max_bs, runner.bm.max_pages_per_req, cfg.page_size
+        scratch = torch.tensor(runner.scratch_pages, dtype=torch.int64, device=dev)
+        self.pad_rows = scratch[torch.arange(P, device=dev) % len(scratch)].expand(M, P).contiguous()
+
+        n = self.n = cfg.max_verify_width
+        j = torch.arange(n, device=dev)
+        self.pad_slots = (scratch[j // p] * p + j % p).repeat(M)  # every padded row writes the same scratch slots
+        self.pad_mask = torch.eye(n, dtype=torch.bool, device=dev).expand(M, n, n).contiguous()
+        self.v_ids = torch.zeros(M * n, dtype=torch.int64, device=dev)
+        self.v_pos = torch.zeros(M * n, dtype=torch.int64, device=dev)
+        self.v_slots = self.pad_slots.clone()
+        self.v_rows = self.pad_rows.clone()
+        self.v_kv_lens = torch.full((M,), n, dtype=torch.int64, device=dev)
+        self.v_mask = self.pad_mask.clone()
+        self.v_indptr = torch.arange(0, (M + 1) * n, n, device=dev)
+        self.v_arange = j
+        self.v_real = 0  # leading rows that may hold live data (the rest are in the padding state)
+        self.verify_set = _GraphSet(self, self._verify_forward, cfg.max_context + n, n)
+
+        self.draft_set = None
+        why = _draft_capturable(runner)
+        if why is None:
+            S = self.S = cfg.block_size
+            self.d_ids = torch.full((M, S), runner.drafter.config.mask_token_id, dtype=torch.int64, device=dev)
+            self.d_arange = torch.arange(S, device=dev)
+            self.d_pos = self.d_arange.expand(M, S).contiguous()
+            self.d_rows = self.pad_rows.clone()
+            self.d_ctx = torch.zeros(M, dtype=torch.int64, device=dev)
+            self.d_real = 0
+            self.draft_set = _GraphSet(self, self._draft_forward, cfg.max_context, 0)
+        elif runner.drafter is not None:
+            logger.info("CUDA graphs: the drafter forward runs eagerly: %s.", why)
+
+    def backend(self, splits: int | None):
+        """An attention backend with a fixed split count (the runner's own backend when it is not Triton)."""
+        from ddtree.attention.triton_backend import TritonAttentionBackend
+
+        if not isinstance(self.runner.backend, TritonAttentionBackend):
+            return self.runner.backend
+        if splits not in self._backends:
+            self._backends[splits] = TritonAttentionBackend(num_splits=splits)
+        return self._backends[splits]
+
+    @torch.inference_mode()
+    def build(self) -> None:
+        self.verify_set.build(self.buckets)
+        if self.draft_set is not None:
+            self.draft_set.build(self.buckets)
+        if self.capture:
+            torch.cuda.synchronize()
+            n = len(self.verify_set.graphs) + (len(self.draft_set.graphs) if self.draft_set else 0)
+            logger.info("CUDA graphs captured: %d (batch sizes %s; verify width %d%s).", n, self.buckets, self.n,
+                        f", draft block {self.S}" if self.draft_set else ", draft eager")
+
+    # ---- verify ------------------------------------------------------------------------------------------
+    def can_verify(self, b: int, n: int, max_kv_len: int) -> bool:
+        """max_kv_len: the longest live request after this verify's write (= its cached tokens + n)."""
+        return n == self.n and self.verify_set.fits(b, max_kv_len)
+
+    def _verify_forward(self, bs: int, backend, host_kv_lens: list[int]):
+        n, T = self.n, bs * self.n
+        meta = AttentionMetadata(
+            q_lens=[n] * bs, kv_lens=host_kv_lens, qo_indptr=self.v_indptr[: bs + 1], kv_lens_t=self.v_kv_lens[:bs],
+            block_table=self.v_rows[:bs], slot_mapping=self.v_slots[:T], page_size=self.runner.cfg.page_size,
+            tree_mask=self.v_mask[:bs],
+        )
+        return self.runner.target_forward(self.v_ids[:T], self.v_pos[:T], meta, backend)
+
+    def verify(self, meta, tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """meta: the round's RoundMeta (rows gathered after allocation). Returns (hidden [b*n, H], taps)."""
+        b, n = tree.tokens.shape
+        T = b * n
+        if b < self.v_real:  # rows that held live data last time return to the padding state
+            lo, hi = b, self.v_real
+            self.v_slots[lo * n : hi * n].copy_(self.pad_slots[lo * n : hi * n])
+            self.v_rows[lo:hi].copy_(self.pad_rows[lo:hi])
+            self.v_kv_lens[lo:hi].fill_(n)
+            self.v_mask[lo:hi].copy_(self.pad_mask[lo:hi])
+            self.v_pos[lo * n : hi * n].zero_()
+        self.v_real = b
+        lens = meta.lens[:, None]
+        self.v_ids[:T].copy_(tree.tokens.flatten())
+        torch.add(lens, tree.depths, out=self.v_pos[:T].view(b, n))
+        self.v_rows[:b].copy_(meta.rows)
+        self.v_slots[:T].copy_(self.runner.slots_of(meta.rows, lens + self.v_arange).flatten())
+        torch.add(meta.lens, n, out=self.v_kv_lens[:b])
+        self.v_mask[:b].copy_(tree.tree_mask)
+        hidden, taps = self.verify_set.run(b, [k + n for k in meta.kv_lens])
+        return hidden[:T], (taps[:T] if taps is not None else None)
+
+    # ---- draft -------------------------------------------------------------------------------------------
+    def can_draft(self, b: int, block_size: int, max_ctx_len: int) -> bool:
+        return self.draft_set is not None and block_size == self.S and self.draft_set.fits(b, max_ctx_len)
+
+    def _draft_forward(self, bs: int, backend, host_ctx_lens: list[int]):
+        meta = DraftAttentionMetadata(ctx_lens=host_ctx_lens, ctx_lens_t=self.d_ctx[:bs], block_table=self.d_rows[:bs],
+                                      block_positions=self.d_pos[:bs], page_size=self.runner.cfg.page_size)
+        return (self.runner.draft_forward(self.d_ids[:bs], self.d_pos[:bs], meta, backend),)
+
+    def draft(self, meta, roots: torch.Tensor) -> torch.Tensor:
+        """Returns the drafter's final hidden [b, S, H] for the round's blocks."""
+        b = roots.shape[0]
+        if b < self.d_real:
+            lo, hi = b, self.d_real
+            self.d_rows[lo:hi].copy_(self.pad_rows[lo:hi])
+            self.d_ctx[lo:hi].zero_()
+            self.d_pos[lo:hi].copy_(self.d_arange.expand(hi - lo, self.S))
+        self.d_real = b
+        self.d_ids[:b, 0].copy_(roots)  # columns 1.. hold the mask token, never written
+        torch.add(meta.lens[:, None], self.d_arange, out=self.d_pos[:b])
+        self.d_rows[:b].copy_(meta.rows)
+        self.d_ctx[:b].copy_(meta.lens)
+        (hidden,) = self.draft_set.run(b, list(meta.kv_lens))
+        return hidden[:b]

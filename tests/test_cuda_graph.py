@@ -1,0 +1,173 @@
+"""CUDA-graph runner without a GPU: the padded static-buffer path (`CudaGraphRunner(capture=False)`) runs the
+same code as a replay, minus the capture. It must give the plain path's tokens, pad batches into buckets,
+keep padding rows out of real KV pages, and build the round metadata once per round."""
+
+import pytest
+import torch
+
+from ddtree import SamplingParams
+from ddtree.engine.cuda_graph import CudaGraphRunner, _GraphSet, batch_buckets, ctx_bounds
+from ddtree.engine.model_runner import RoundMeta
+from engine_utils import make_llm, toy_prompts
+
+# ragged prompts (5..33 tokens) and different lengths, so the live batch shrinks 5 -> 1 over the run
+PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 12, 22, 6, 17)]
+ALGOS = ["NONE", "DFLASH", "DDTREE"]
+
+
+def generate(pair, algorithm, graphs_max_bs=None, n=5, **kw):
+    llm = make_llm(pair, algorithm, speculative_ddtree_budget=8, max_running_requests=8, **kw)
+    runner = llm.engine.runner
+    calls = []
+    if graphs_max_bs is not None:
+        runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=graphs_max_bs)
+        runner.graphs.build()
+        for gs in (runner.graphs.verify_set, runner.graphs.draft_set):
+            if gs is not None:
+                gs.run = _recording(gs.run, calls, gs is runner.graphs.verify_set)
+    outs = llm.generate([list(p) for p in toy_prompts(n)], PARAMS[:n])
+    return [o.token_ids for o in outs], calls, runner
+
+
+def _recording(run, calls, is_verify):
+    def wrapped(b, host_lens):
+        calls.append(("verify" if is_verify else "draft", b))
+        return run(b, host_lens)
+
+    return wrapped
+
+
+@pytest.fixture(scope="module")
+def plain(toy_pair):
+    return {a: generate(toy_pair, a)[0] for a in ALGOS}
+
+
+def test_buckets():
+    assert batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert batch_buckets(48) == [1, 2, 4, 8, 16, 24, 32, 40, 48]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert ctx_bounds(40000) == [1024, 4096, 16384, 40000]
+    assert ctx_bounds(300) == [300]
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("max_bs", [4, 8])
+def test_padded_static_path_gives_plain_tokens(toy_pair, plain, one_torch_thread, algorithm, max_bs):
+    """5 requests: with max_bs 4 the first rounds (b = 5) run eagerly, later ones pad 3 -> 4 etc."""
+    tokens, calls, _ = generate(toy_pair, algorithm, max_bs)
+    assert tokens == plain[algorithm]
+    verify_bs = {b for kind, b in calls if kind == "verify"}
+    assert verify_bs and max(verify_bs) <= max_bs
+    assert any(b not in batch_buckets(max_bs) for b in verify_bs), "no round needed padding"
+    if algorithm != "NONE":
+        assert {b for kind, b in calls if kind == "draft"} == verify_bs
+    if max_bs == 4:
+        assert 5 not in verify_bs  # b = 5 exceeds the largest bucket: eager
+
+
+def _illegal_writes(runner, meta, n, before, after) -> set[int]:
+    """KV slots changed by one verify outside the live requests' [L, L+n) slots and the scratch pages."""
+    p = runner.cfg.page_size
+    allowed = set(runner.slots_of(meta.rows, meta.lens[:, None] + torch.arange(n)).flatten().tolist())
+    allowed |= {pg * p + i for pg in runner.scratch_pages for i in range(p)}
+    changed = (before != after).flatten(3).any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
+    return set(changed) - allowed
+
+
+def _watch_kv(runner, log):
+    graphs, verify = runner.graphs, runner.graphs.verify
+
+    def watched(meta, tree):
+        before = torch.stack([runner.kv.k, runner.kv.v]).clone()
+        out = verify(meta, tree)
+        after = torch.stack([runner.kv.k, runner.kv.v])
+        scratch = [pg * runner.cfg.page_size + i for pg in runner.scratch_pages for i in range(runner.cfg.page_size)]
+        log.append((_illegal_writes(runner, meta, tree.tokens.shape[1], before, after),
+                    bool((before[:, :, scratch] != after[:, :, scratch]).any()), tree.tokens.shape[0]))
+        return out
+
+    graphs.verify = watched
+
+
+@pytest.mark.parametrize("algorithm", ["DDTREE", "NONE"])
+def test_padding_rows_write_only_scratch_pages(toy_pair, one_torch_thread, algorithm):
+    llm = make_llm(toy_pair, algorithm, speculative_ddtree_budget=8, max_running_requests=8)
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=4)
+    runner.graphs.build()
+    log = []
+    _watch_kv(runner, log)
+    llm.generate([list(p) for p in toy_prompts(5)], PARAMS)  # 4 -> 3 live rows inside bucket 4: stale rows
+    assert log and all(not bad for bad, _, _ in log)
+    assert any(wrote for _, wrote, b in log if b == 3), "padding rows never wrote (to scratch)"
+
+
+def test_padding_check_catches_a_pad_slot_in_a_real_page(toy_pair, one_torch_thread):
+    """Control: padding rows pointed at page 0 (owned by a live request) are caught."""
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=8, max_running_requests=8)
+    runner = llm.engine.runner
+    g = runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=4)
+    g.pad_slots.copy_(torch.arange(g.n).repeat(len(g.pad_slots) // g.n))  # page 0 instead of scratch
+    g.v_slots.copy_(g.pad_slots)
+    g.build()
+    log = []
+    _watch_kv(runner, log)
+    llm.generate([list(p) for p in toy_prompts(3)], PARAMS[:3])
+    assert any(bad for bad, _, _ in log)
+
+
+def test_round_metadata_built_once_per_round(toy_pair, one_torch_thread, monkeypatch):
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=8)
+    built, rounds = [], []
+    init, round_fn = RoundMeta.__init__, llm.engine.decoder.round
+
+    def counting_init(self, *a, **kw):
+        built.append(1)
+        init(self, *a, **kw)
+
+    def counting_round(*a, **kw):
+        rounds.append(1)
+        return round_fn(*a, **kw)
+
+    monkeypatch.setattr(RoundMeta, "__init__", counting_init)
+    monkeypatch.setattr(llm.engine.decoder, "round", counting_round)
+    llm.generate([list(p) for p in toy_prompts(3)], PARAMS[:3])
+    assert rounds and len(built) == len(rounds)
+    assert llm.engine.runner._round is None  # commit ends the round
+
+
+def test_server_args_wire_cuda_graph_into_runner(toy_pair, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="ddtree")
+    llm = make_llm(toy_pair, "DFLASH", cuda_graph_max_bs=4)
+    cfg = llm.engine.runner.cfg
+    assert not cfg.enable_cuda_graph and cfg.cuda_graph_max_bs == 4 and llm.engine.runner.graphs is None
+    assert llm.args.disable_cuda_graph
+    assert any("CUDA graphs are disabled: the device is cpu" in m for m in caplog.messages)
+
+
+def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
+    """The Triton kernel (CPU interpreter) with the split count fixed per graph, as under capture; 3 splits over
+    1-3 KV tiles leave empty splits, which the combine must ignore. Tokens equal the plain torch backend's."""
+    from triton_utils import load_kernel_module
+
+    load_kernel_module("ddtree.kernels.tree_attention.triton")
+    import ddtree.server_args as server_args
+
+    if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
+        monkeypatch.setattr(server_args, "IMPLEMENTED_ATTENTION_BACKENDS",
+                            server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",))
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (8, 4, 6)]
+    prompts = [list(p) for p in toy_prompts(3)]
+    kw = dict(speculative_ddtree_budget=4, max_running_requests=4, context_length=120)
+    ref = make_llm(toy_pair, "DDTREE", **kw).generate(prompts, params)
+    monkeypatch.setattr(_GraphSet, "_probe", lambda self, bs, bound: 3)
+    llm = make_llm(toy_pair, "DDTREE", attention_backend="triton", **kw)
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=4)
+    runner.graphs.build()
+    assert {s for _, s in runner.graphs.verify_set.graphs} == {3}
+    assert all(backend.num_splits == 3 for _, _, backend in runner.graphs.verify_set.graphs.values())
+    ours = llm.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
