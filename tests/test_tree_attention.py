@@ -116,11 +116,23 @@ def test_gqa_group_one_and_head_dim_64():
 
 
 @pytest.mark.parametrize("cfg", [KernelConfig(64, 32, 4, 3, tail_m=0), KernelConfig(32, 128, 4, 2),
-                                 KernelConfig(16, 64, 4, 3), KernelConfig(128, 64, 8, 3, tail_m=32)])
+                                 KernelConfig(16, 64, 4, 3), KernelConfig(128, 64, 8, 3, tail_m=32),
+                                 KernelConfig(64, 64, 4, 3, tree_n=64, tail_split=False),
+                                 KernelConfig(256, 32, 16, 2, tree_n=32)])
 def test_tile_configs(cfg):
     """Tile shapes and the small-tail path (65 nodes x GQA 2 = 2 x 64 + 2 rows) agree with the oracle."""
     check([65, 65], [260, 65], 16, torch.float32, True, num_splits=2, config=cfg)
     check([40, 3], [150, 90], 16, torch.float32, False, num_splits=2, config=cfg)
+
+
+@pytest.mark.parametrize("tail_split", [False, True])
+def test_split_edges(tail_split):
+    """Tree tiles past a context that is / is not a multiple of the tile, more splits than context tiles (empty
+    splits), and the new tokens alone (no context)."""
+    cfg = KernelConfig(32, 32, 4, 2, tail_m=0, tree_n=16, tail_split=tail_split)
+    check([9, 9, 9], [9 + 64, 9 + 70, 9], 16, torch.float32, True, num_splits=2, config=cfg)
+    check([9, 9, 9], [9 + 64, 9 + 70, 9], 16, torch.float32, True, num_splits=6, config=cfg)
+    check([20, 1], [20 + 33, 1 + 31], 1, torch.float32, False, num_splits=3, config=cfg)
 
 
 def test_num_splits_fill_the_gpu():
@@ -132,6 +144,9 @@ def test_num_splits_fill_the_gpu():
     assert choose_num_splits(8, 100, 64, 396) == 1  # two tiles: nothing to split
     assert choose_num_splits(5000, 16384, 64, 264) == 1
     assert ctas_per_sm(255, 98816, 4) == 2 and ctas_per_sm(162, 39424, 4) == 3
+    # tail split: the count is chosen for the context tiles, plus one split for the masked tail
+    assert choose_num_splits(40, 16384, 64, 264, tail_split=True) == choose_num_splits(40, 16384, 64, 264) + 1
+    assert choose_num_splits(5000, 16384, 64, 264, tail_split=True) == 1
 
 
 def _meta(q_lens, kv_lens, bt, page, mask):

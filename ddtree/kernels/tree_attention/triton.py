@@ -7,13 +7,16 @@ K/V are in the paged pools (or, with `new_kv`, in dense rows aligned with q). Ev
 `tree_mask[i, t, c]` (bool [b, n, n], n >= max q_len, ancestors-and-self).
 
 Grid (q_block, request * kv_head, split). A program's M rows are (token, query head of the kv head's GQA group)
-pairs, row = t * G + g, so every K/V tile is read once for the whole group. The KV range of a request is cut
-into `num_splits` contiguous runs of tiles; each program streams its run with an fp32 online softmax (base 2).
-Tiles wholly before the first position any row of the block can lose run with no mask at all (pipelined);
-only the few trailing tiles (the new tokens) evaluate causality or load the tree mask, in an unpipelined loop.
-With one split the program writes the output; otherwise it writes a normalised partial and its log-sum-exp,
-and `_combine` merges them. The mask stays a plain bool tensor (read as uint8): it is gathered only on those
-trailing tiles, and the main loop compiles spill-free on sm_90 with it, so bit-packing would buy little.
+pairs, row = t * G + g, so every K/V tile is read once for the whole group. Each program streams KV tiles with an
+fp32 online softmax (base 2). The positions every row of the block sees ([0, ctx), more under causal) run as
+full BLOCK_N tiles with no mask at all (pipelined), split into contiguous runs, one per split; the partial last
+context tile and the new tokens (TREE_N-wide tiles starting at ctx, so tree-mask columns start at 0) run masked
+in the last split, unpipelined. With `tail_split` (default) and > 1 split, that last split does only the masked
+tiles, beside the context splits instead of after one of them. With one split the program writes the output;
+otherwise it writes a normalised partial and its log-sum-exp, and `_combine` merges them. The mask stays a
+plain bool tensor (read as uint8), gathered only on the TREE_N-wide tiles: with 64-wide masked tiles the gather
+made the kernel spill on sm_90 (255 regs + 224 B stack); with 16 it does not (see
+bench/tree_attention_compile_report.py).
 All launch shapes depend only on host ints (batch, max q_len, num_splits); per-request lengths are read on the
 device, so the calls are CUDA-graph capturable with static metadata tensors (launch once before capturing:
 the first call compiles).
@@ -58,44 +61,50 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, qk_scale, row_t, ctx, kv_len,
+def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, c, hi, qk_scale, row_t, ctx,
              mask_ptr, mask_row, q_len, stride_s, k_ext, v_ext, stride_es, PAGE: tl.constexpr,
              MASKED: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, DOT: tl.constexpr):
-    if MASKED:
-        j_ok = j < kv_len
-        in_pool = j_ok
-        if EXTRA:
-            in_pool = j < ctx  # positions ctx.. come from the dense k_ext / v_ext rows
-        page = tl.load(bt_row + j // PAGE, mask=in_pool, other=0)
-    else:
+    # MASKED 0: a full context tile, every position visible (no masks: pipelined); 1: the partial context tile
+    # j < hi (hi <= ctx: pool only, visible to every row); 2: a tile of the new tokens, j < hi = kv_len, with
+    # the MODE's visibility (tree mask / causal / all).
+    if MASKED == 0:
         page = tl.load(bt_row + j // PAGE)
+    else:
+        j_ok = j < hi
+        in_pool = j_ok
+        if EXTRA and MASKED == 2:
+            in_pool = j_ok & (j < ctx)  # positions ctx.. come from the dense k_ext / v_ext rows
+        page = tl.load(bt_row + j // PAGE, mask=in_pool, other=0)
     slot = page * PAGE + j % PAGE
     off = slot[:, None] * stride_s + kv_off + d[None, :]  # K and V pools share strides (host-checked)
-    k_ptrs = k_pool + off
-    v_ptrs = v_pool + off
-    if MASKED:
-        k = tl.load(k_ptrs, mask=in_pool[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=in_pool[:, None], other=0.0)
-        if EXTRA:
+    if MASKED == 0:
+        k = tl.load(k_pool + off)
+    else:
+        k = tl.load(k_pool + off, mask=in_pool[:, None], other=0.0)
+        if EXTRA and MASKED == 2:
             e_ok = (j >= ctx) & j_ok
             e_off = j[:, None] * stride_es + d[None, :]
             k = tl.where(e_ok[:, None], tl.load(k_ext + e_off, mask=e_ok[:, None], other=0.0), k)
-            v = tl.where(e_ok[:, None], tl.load(v_ext + e_off, mask=e_ok[:, None], other=0.0), v)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
     s = _dot(q, tl.trans(k), DOT)
-    if MASKED:
-        c = j[None, :] - ctx
+    if MASKED == 1:
+        s = tl.where(j_ok[None, :], s, float("-inf"))
+    elif MASKED == 2:
+        # c = j - ctx: the new token's index (>= 0 here), passed in so that the mask columns stay aligned
         if MODE == 1:
-            in_tree = (c >= 0) & (c < q_len) & j_ok[None, :]
-            bits = tl.load(mask_ptr + (mask_row[:, None] + c), mask=in_tree, other=0)
-            vis = ((c < 0) | (bits != 0)) & j_ok[None, :]
+            bits = tl.load(mask_ptr + (mask_row[:, None] + c[None, :]), mask=j_ok[None, :], other=0)
+            vis = (bits != 0) & j_ok[None, :]
         elif MODE == 0:
-            vis = (c <= row_t[:, None]) & j_ok[None, :]
+            vis = (c[None, :] <= row_t[:, None]) & j_ok[None, :]
         else:
             vis = j_ok[None, :] & (row_t >= 0)[:, None]  # (always-true row term: broadcast to the tile)
         s = tl.where(vis, s, float("-inf"))
+    # V is loaded after the scores so that its registers are not live across the first dot in masked tiles
+    if MASKED == 0:
+        v = tl.load(v_pool + off)
+    else:
+        v = tl.load(v_pool + off, mask=in_pool[:, None], other=0.0)
+        if EXTRA and MASKED == 2:
+            v = tl.where(e_ok[:, None], tl.load(v_ext + e_off, mask=e_ok[:, None], other=0.0), v)
     # qk_scale > 0 commutes with max: scale the row max, then one fused multiply-add per score
     m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
@@ -112,7 +121,8 @@ def _attend_rows(
     stride_qt, stride_qh, stride_s, stride_h, stride_ot, stride_oh, stride_mb, stride_mt,
     stride_eh, stride_es,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
-    BLOCK_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, TREE_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr,
+    TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
 ):
     n_rows = q_len * G
     ctx = kv_len - q_len
@@ -126,6 +136,7 @@ def _attend_rows(
 
     t_lo = row0 // G
     t_hi = (tl.minimum(row0 + BM, n_rows) - 1) // G
+    # [0, free_end): visible to every row of the block; [free_end, kv_end): the new tokens that need a mask
     if MODE == 0:
         free_end = ctx + t_lo
         kv_end = ctx + t_hi + 1
@@ -134,31 +145,51 @@ def _attend_rows(
     else:
         free_end = ctx
         kv_end = kv_len
-    n_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    per_split = (n_tiles + num_splits - 1) // num_splits
+    # Tiles: n_full unmasked BLOCK_N tiles from 0; one partial context tile if free_end % BLOCK_N; then the
+    # new tokens in TREE_N tiles that start at free_end (so tree-mask columns start at 0, 16-aligned).
+    n_full = free_end // BLOCK_N
+    n_rem = (free_end % BLOCK_N != 0).to(tl.int32)
+    n_new = (kv_end - free_end + TREE_N - 1) // TREE_N
+    # Splits: with TAIL_SPLIT (and num_splits > 1) the last split does only the masked tiles and the others
+    # share the full tiles, so the unpipelined tail runs beside the context instead of after it; otherwise the
+    # last split does its share of full tiles and then the masked tiles.
+    ctx_splits = num_splits
+    if TAIL_SPLIT:
+        ctx_splits = tl.maximum(num_splits - 1, 1)
+    per_split = (n_full + ctx_splits - 1) // ctx_splits
     tile_lo = split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
-    free_tiles = free_end // BLOCK_N
+    tile_hi = tl.minimum(tile_lo + per_split, n_full)
+    last = split == num_splits - 1
+    n_masked = tl.where(last, n_new, 0)
+    n_rem = tl.where(last, n_rem, 0)
 
     kv_off = kvh * stride_h
     mask_ptr += b * stride_mb
-    mask_row = row_t * stride_mt  # int32 offsets: a [BM, BLOCK_N] tensor of 64-bit pointers costs registers
+    mask_row = row_t * stride_mt  # int32 offsets: a [BM, TREE_N] tensor of 64-bit pointers costs registers
     acc = tl.full([BM, D], 0.0, dtype=tl.float32)
     m_i = tl.full([BM], _NEG_INIT, dtype=tl.float32)
     l_i = tl.full([BM], 0.0, dtype=tl.float32)
     cols = tl.arange(0, BLOCK_N)
+    tcols = tl.arange(0, TREE_N)
     ext_off = (q_start - ctx) * stride_es + kvh * stride_eh  # k_ext + ext_off + j * stride_es: position j
     k_ext += ext_off
     v_ext += ext_off
 
-    for tile in range(tile_lo, tl.minimum(tile_hi, free_tiles)):
-        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d,
-                                 tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_ptr, mask_row, q_len,
-                                 stride_s, k_ext, v_ext, stride_es, PAGE, False, MODE, EXTRA, DOT)
-    for tile in tl.range(tl.maximum(tile_lo, free_tiles), tile_hi, num_stages=1):
-        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d,
-                                 tile * BLOCK_N + cols, qk_scale, row_t, ctx, kv_len, mask_ptr, mask_row, q_len,
-                                 stride_s, k_ext, v_ext, stride_es, PAGE, True, MODE, EXTRA, DOT)
+    for tile in range(tile_lo, tile_hi):
+        j = tile * BLOCK_N + cols
+        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, j, kv_len, qk_scale,
+                                 row_t, ctx, mask_ptr, mask_row, q_len, stride_s, k_ext, v_ext, stride_es, PAGE,
+                                 0, MODE, EXTRA, DOT)
+    for tile in tl.range(n_full, n_full + n_rem, num_stages=1):
+        j = tile * BLOCK_N + cols
+        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, j, free_end, qk_scale,
+                                 row_t, ctx, mask_ptr, mask_row, q_len, stride_s, k_ext, v_ext, stride_es, PAGE,
+                                 1, MODE, EXTRA, DOT)
+    for k in tl.range(0, n_masked, num_stages=1):
+        c = (free_end - ctx) + k * TREE_N + tcols
+        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, ctx + c, c, kv_len,
+                                 qk_scale, row_t, ctx, mask_ptr, mask_row, q_len, stride_s, k_ext, v_ext,
+                                 stride_es, PAGE, 2, MODE, EXTRA, DOT)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -180,8 +211,8 @@ def _split_kv_attn(
     stride_qt, stride_qh, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
     stride_mb, stride_mt, stride_eh, stride_es,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-    TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr,
-    DOT: tl.constexpr,
+    TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr,
+    SPLIT: tl.constexpr, TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
 ):
     qb = tl.program_id(0)
     b = tl.program_id(1) // HKV
@@ -201,13 +232,13 @@ def _split_kv_attn(
                      qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_s,
                      stride_h, stride_ot, stride_oh, stride_mb, stride_mt,
                      stride_eh, stride_es,
-                     HKV, G, D, PAGE, TAIL_M, BLOCK_N, MODE, EXTRA, SPLIT, DOT)
+                     HKV, G, D, PAGE, TAIL_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT, DOT)
     else:
         _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
                      qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_s,
                      stride_h, stride_ot, stride_oh, stride_mb, stride_mt,
                      stride_eh, stride_es,
-                     HKV, G, D, PAGE, BLOCK_M, BLOCK_N, MODE, EXTRA, SPLIT, DOT)
+                     HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT, DOT)
 
 
 @triton.jit
@@ -272,7 +303,8 @@ def paged_attention(
     else:
         k_ext = v_ext = k_pool
     consts = dict(HKV=hkv, G=group, D=dim, PAGE=page_size, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
-                  BLOCK_N=cfg.block_n, MODE=mode, EXTRA=new_kv is not None, DOT=_dot_mode(k_pool.dtype),
+                  BLOCK_N=cfg.block_n, TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode,
+                  EXTRA=new_kv is not None, DOT=_dot_mode(k_pool.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def args(split_count, part_o, part_lse):
@@ -286,7 +318,8 @@ def paged_attention(
         f32 = torch.empty(1, dtype=torch.float32, device=q.device)
         slots = resident_slots(q.device, key, lambda: _split_kv_attn.warmup(
             *args(2, f32, f32), grid=(1,), SPLIT=True, **consts))
-        num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots)
+        num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots,
+                                       tail_split=cfg.tail_split)
     split = num_splits > 1
     if split:
         part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=q.device)

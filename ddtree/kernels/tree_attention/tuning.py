@@ -20,6 +20,8 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     tail_m: int = 16  # a last row block with <= tail_m rows runs at this size; 0 = off
+    tree_n: int = 16  # KV positions per tile over the new tokens (masked tiles); 16, 32 or 64
+    tail_split: bool = True  # with > 1 split, the last split does only the masked tiles (the new tokens)
 
     def __post_init__(self):
         if self.tail_m >= self.block_m:
@@ -27,13 +29,16 @@ class KernelConfig:
 
 
 def default_config(rows_per_request: int, head_dim: int = 128) -> KernelConfig:
-    """rows = q tokens x GQA group. tl.dot needs M >= 16, so decode rows (1 token x G heads) pad to 16."""
+    """rows = q tokens x GQA group. tl.dot needs M >= 16, so decode rows (1 token x G heads) pad to 16.
+    Register/shared-memory reports for sm_90 (bench/tree_attention_compile_report.py) of the tree (mask) variant:
+    m64 n64 w4 s3 t16 219 regs (2 programs/SM), m64 n32 w4 s3 t16 152 regs + 49 KB (3/SM), m128 n64 w8 s2 t16 202
+    regs (1/SM); none spill (the old kernel's tree-mask gather over 64-wide tiles spilled 224 B at 255 regs)."""
     block_n = 64 if head_dim <= 128 else 32
     if rows_per_request <= 16:
         return KernelConfig(16, block_n, 4, 3)
     if rows_per_request <= 32:
         return KernelConfig(32, block_n, 4, 3)
-    return KernelConfig(64, block_n, 4, 3)
+    return KernelConfig(64, 32, 4, 3)
 
 
 def ctas_per_sm(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int = 65536,
@@ -47,20 +52,24 @@ def ctas_per_sm(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int
 
 
 def choose_num_splits(programs_per_split: int, max_kv_len: int, block_n: int, slots: int,
-                      min_tiles: int = 4, max_splits: int = 64, target: float = 0.85) -> int:
+                      min_tiles: int = 4, max_splits: int = 64, target: float = 0.85,
+                      tail_split: bool = False) -> int:
     """Fewest splits whose grid fills the GPU's resident slots (SMs x programs per SM) to >= `target` of its
-    last wave, with no split shorter than `min_tiles` tiles; otherwise the best-filling count."""
+    last wave, with no split shorter than `min_tiles` tiles; otherwise the best-filling count. With
+    `tail_split` (the kernel's last split then does only the new tokens' masked tiles) the count is chosen for
+    the context tiles and one split is added, unless one split suffices."""
     tiles = -(-max(max_kv_len, 1) // block_n)
-    cap = max(1, min(max_splits, tiles // min_tiles))
+    cap = max(1, min(max_splits - int(tail_split), tiles // min_tiles))
     best, best_fill = 1, 0.0
     for s in range(1, cap + 1):
         waves = programs_per_split * s / slots
         fill = waves / math.ceil(waves)
         if fill >= target:
-            return s
+            best = s
+            break
         if fill > best_fill + 1e-9:
             best, best_fill = s, fill
-    return best
+    return best + 1 if tail_split and best > 1 else best
 
 
 def resident_slots(device: torch.device, key: tuple, compile_fn: Callable) -> int:
