@@ -4,11 +4,11 @@ keep padding rows out of real KV pages, and build the round metadata once per ro
 
 import pytest
 import torch
+from engine_utils import make_llm, toy_prompts
 
 from ddtree import SamplingParams
 from ddtree.engine.cuda_graph import CudaGraphRunner, _GraphSet, batch_buckets, ctx_bounds
 from ddtree.engine.model_runner import RoundMeta
-from engine_utils import make_llm, toy_prompts
 
 # ragged prompts (5..33 tokens) and different lengths, so the live batch shrinks 5 -> 1 over the run
 PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 12, 22, 6, 17)]
