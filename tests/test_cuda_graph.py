@@ -171,3 +171,38 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
     assert all(backend.num_splits == 3 for _, _, backend in runner.graphs.verify_set.graphs.values())
     ours = llm.generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+
+
+def _resolve(tmp_path, *extra):
+    from config_fixtures import dense_pair
+
+    from ddtree.server_args import prepare_server_args
+
+    target, drafter = dense_pair(tmp_path)
+    return prepare_server_args(["--model-path", target, "--speculative-algorithm", "DDTREE",
+                                "--speculative-draft-model-path", drafter, *extra])
+
+
+def test_cuda_graph_flags_resolve(tmp_path, caplog):
+    import logging
+
+    from ddtree.configs import ConfigError
+
+    caplog.set_level(logging.INFO, logger="ddtree")
+    on = _resolve(tmp_path, "--device", "cuda", "--attention-backend", "triton")
+    assert not on.disable_cuda_graph and on.cuda_graph_max_bs == 16
+    assert "CUDA graphs are enabled for verify and draft (batch sizes up to 16)." in caplog.messages
+    few = _resolve(tmp_path, "--device", "cuda", "--attention-backend", "triton", "--max-running-requests", "4",
+                   "--cuda-graph-max-bs", "32")
+    assert few.cuda_graph_max_bs == 4
+    torch_backend = _resolve(tmp_path, "--device", "cuda")
+    assert torch_backend.disable_cuda_graph
+    assert any("--attention-backend torch is not capturable; pass --attention-backend triton" in m
+               for m in caplog.messages)
+    off = _resolve(tmp_path, "--device", "cuda", "--attention-backend", "triton", "--disable-cuda-graph",
+                   "--cuda-graph-max-bs", "8")
+    assert off.disable_cuda_graph
+    assert "--cuda-graph-max-bs ignored: --disable-cuda-graph is set" in caplog.messages
+    with pytest.raises(ConfigError) as info:
+        _resolve(tmp_path, "--cuda-graph-max-bs", "0")
+    assert any(p.startswith("--cuda-graph-max-bs 0: must be at least 1") for p in info.value.problems)
