@@ -8,15 +8,18 @@ drafter context), and writes its K/V into the runner's scratch pages, which the 
 So padding never touches a real request's KV and never yields a row with nothing visible (no NaN).
 
 KV splits. The Triton kernel is capturable because its launch shape depends only on host ints (batch, max
-q_len, num_splits); so the split count is fixed per graph. One count for all contexts is wrong either way: the
-count that fills the GPU at a long context (for bs=1, n=65 on an H200 about 6; for decode about 28) makes a
-short-context batch pay for mostly-empty programs plus the partial writes and the combine, while one split
-leaves a long context to a few dozen programs. Instead the live max kv_len picks a bucket (<= 1k, 4k, 16k,
-max context), and each (bs, bucket) uses the kernel's own choice at the bucket's upper bound (probed with one
-eager call). The choice only grows with the context until it saturates (min 4 tiles per split), so buckets past
-a few k collapse onto one graph; graphs are keyed by (bs, split count) and shared. An empty split (tile range
-past the request's last tile) runs no loop iteration and stores lse = -inf; the combine weights it 0, and every
-real or padded row has at least one visible key in some split, so the result is that of one split.
+q_len, num_splits), so the split count is fixed per graph, and no single count is right for all contexts: the
+count that fills the GPU at a long context (tens of splits for a small batch) makes a short-context round pay
+for mostly-empty programs, their partial writes and the combine; one split leaves a long context to a few dozen
+programs on 132 SMs. So the live max kv_len picks a bucket (<= 1k, 4k, 16k, max context) and each
+(bs, bucket) uses the kernel's own choice (`choose_num_splits`) at the bucket's upper bound, probed with one
+eager call. That choice depends on the context only through its cap (>= 4 KV tiles per split), so it grows
+with the bucket (never decreasing) and then saturates: graphs are keyed by (bs, split count) and buckets with
+equal counts share one. A live context gets its bucket top's count: never fewer splits than eager would pick,
+and the surplus is bounded by the bucket's width (4x in the middle buckets).
+An empty split (its tile range lies past the request's context) runs no loop iteration and stores lse = -inf;
+the combine gives it weight 0. Every real or padded row sees at least itself in some split, so no row is
+all -inf and the result equals the unsplit one up to rounding.
 
 Capture order: largest batch first, all graphs in one memory pool. Outputs are hidden states and taps; the LM
 head (one GEMM on the b real rows, the same shape eager runs) stays outside, so graph outputs stay small.
