@@ -1,0 +1,39 @@
+"""The hybrid engine end to end on the GPU code paths, run on the CPU: the Triton tree kernel (interpreter) for
+verify and fla's call signatures (a stand-in built from the reference) for prefill and replay. DFLASH and
+DDTREE stay token-identical to AR (all-reference) under both commit strategies."""
+import pytest
+
+from ddtree import SamplingParams
+from engine_utils import run, toy_prompts
+from test_gdn_dispatch import _fake_fla
+from triton_utils import load_kernel_module
+
+load_kernel_module("ddtree.kernels.gdn.triton_tree")
+
+from ddtree.kernels.gdn import backend, dispatch  # noqa: E402
+
+PROMPTS = toy_prompts(2)
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(toy_hybrid_pair):
+    return [o.token_ids for o in run(toy_hybrid_pair, PROMPTS, PARAMS, mamba_scheduler_strategy="extra_buffer")]
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "no_buffer"])
+def test_gpu_paths_are_lossless(monkeypatch, toy_hybrid_pair, ar_tokens, strategy):
+    calls = []
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+    monkeypatch.setattr(dispatch, "use_fla", lambda t: True)
+    monkeypatch.setattr(dispatch, "fla_ops", lambda: _fake_fla(calls))
+    backend.ran.clear()
+    outs = run(toy_hybrid_pair, PROMPTS, PARAMS, algorithm="DDTREE", mamba_scheduler_strategy=strategy,
+               speculative_ddtree_budget=6)
+    assert [o.token_ids for o in outs] == ar_tokens
+    assert max(n for o in outs for n in o.accept_lengths) > 1
+    assert backend.ran[("tree", "triton")] and backend.ran[("prefill", "fla")] and "chunk" in calls
+    assert not any(name == "reference" for _, name in backend.ran)
+    if strategy == "no_buffer":
+        assert backend.ran[("replay", "fla")] and "fused" in calls
