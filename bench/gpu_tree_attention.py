@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
-"""H200 check + timing of the split-KV paged tree-attention kernel (issue 7), one run, < 5 minutes.
+"""H200 check + timing + config sweep of the split-KV paged tree-attention kernel (issue 7), one run, < 4 minutes.
 
     python3 bench/gpu_tree_attention.py            # from the repo root; writes $OUT/gpu_tree_attention.json
+
+Prints, per shape, every variant (the frozen v1 kernel of BENCHMARKS.md, the new default, each config of
+`sweep_configs`, split counts around the best) with its time, ratio to the KV floor and relative error, then
+a WINNER line per shape and a final summary table against the issue's targets, from which to set defaults.
 
 1. Correctness vs the PyTorch reference on random ragged batches (trees, chains, decode, prefill; contexts up
    to 32k; page sizes 16 and 1): max relative error.
@@ -28,23 +32,45 @@ from ddtree.kernels.tree_attention.reference import paged_attention_reference  #
 from ddtree.kernels.tree_attention.triton import last_launch, paged_attention  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import KernelConfig, default_config  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tree_attention_v1 as v1  # noqa: E402  (the frozen baseline kernel)
+
 HQ, HKV, D, PAGE, DT = 32, 8, 128, 16, torch.bfloat16
 DEV = torch.device("cuda")
 T0 = time.time()
 # seconds since start after which the sweep / Flex are skipped
-SWEEP_BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", 200))
-FLEX_BUDGET_S = float(os.environ.get("FLEX_BUDGET_S", 250))
+SWEEP_BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", 190))
+FLEX_BUDGET_S = float(os.environ.get("FLEX_BUDGET_S", 150))
+FLEX_POINTS = os.environ.get("FLEX_POINTS", "b1 n65 16k").split(",")  # Flex compiles slowly: few points
 
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def copy_bandwidth():
-    x = torch.randn(2 ** 29, dtype=DT, device=DEV)  # 1 GiB
+def bandwidths():
+    """Device memory bandwidth, several ways (bytes read + written per second for copies; read only for `read`).
+    The old script timed `y.copy_(x)` inside a CUDA graph: a memcpy node, which may run on the copy engines
+    rather than the SMs (2.72 TB/s in that run against 4.1-4.3 TB/s seen elsewhere on this card). The floor uses
+    the best copy figure; the kernel reads KV through the SMs, so the SM copy is the apt one."""
+    x = torch.randn(2 ** 29, dtype=DT, device=DEV)  # 1 GiB each, ~17x the 60 MB L2
     y = torch.empty_like(x)
-    t = time_graph(lambda: y.copy_(x), 1, reps=20)
-    return 2 * x.numel() * x.element_size() / t  # bytes read + written per second
+    nbytes = x.numel() * x.element_size()
+    out = {}
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(12):
+        e0.record()
+        y.copy_(x)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    out["memcpy_eager"] = 2 * nbytes / sorted(ts)[len(ts) // 2]
+    out["memcpy_graph"] = 2 * nbytes / time_graph(lambda: y.copy_(x), 1, reps=20)
+    out["sm_copy_graph"] = 2 * nbytes / time_graph(lambda: torch.mul(x, 1.0, out=y), 1, reps=20)
+    acc = torch.empty((), dtype=torch.float32, device=DEV)
+    out["read_graph"] = nbytes / time_graph(lambda: torch.sum(x, dtype=torch.float32, out=acc), 1, reps=20)
+    return out  # x, y freed on return (the caller empties the cache)
 
 
 def matmul_rate():
@@ -104,39 +130,82 @@ class Problem:
                 full[:, :, L - n:] = self.mask
             self.dense_mask = full[:, None]
 
-    def ours(self, r, **kw):
-        return paged_attention(self.qs[r], self.k_pool, self.v_pool, self.tables[r], self.indptr, self.kv_t,
+    def ours(self, r, impl=None, **kw):
+        kw.setdefault("tree_mask", self.mask)
+        return (impl or paged_attention)(self.qs[r], self.k_pool, self.v_pool, self.tables[r], self.indptr, self.kv_t,
                                self.page, self.scale, max_q_len=max(self.q_lens), max_kv_len=max(self.kv_lens),
-                               tree_mask=self.mask, **kw)
+                               **kw)
 
     def reference(self, r):
         return paged_attention_reference(self.qs[r].float(), self.k_pool, self.v_pool, self.tables[r], self.indptr,
                                          self.kv_t, self.page, self.scale, tree_mask=self.mask)
 
 
-def correctness():
-    cases = [  # (q_lens, kv_lens, page, tree)
-        ([17, 17, 17, 17], [32768, 8192 + 17, 1000, 17], 16, True),
-        ([65, 65], [16384 + 65, 3000], 16, True),
-        ([1, 1, 1], [32768, 5, 3001], 16, False),
-        ([16, 16], [20000, 16], 16, False),
-        ([512, 37, 1], [512, 4000, 70], 16, False),
-        ([9, 9], [5000, 700], 1, True),
+CASES = [  # correctness: (q_lens, kv_lens, page, tree)
+    ([17, 17, 17, 17], [32768, 8192 + 17, 1000, 17], 16, True),
+    ([65, 65], [16384 + 65, 3000], 16, True),
+    ([65, 3, 1], [4000 + 65, 70, 1], 16, True),
+    ([1, 1, 1], [32768, 5, 3001], 16, False),
+    ([16, 16], [20000, 16], 16, False),
+    ([512, 37, 1], [512, 4000, 70], 16, False),
+    ([9, 9], [5000, 700], 1, True),
+]
+POINTS = [("b1 n65 16k", 1, 65, 16384, True), ("b1 n65 1k", 1, 65, 1024, True),
+          ("b1 n65 4k", 1, 65, 4096, True), ("b1 n65 32k", 1, 65, 32768, True),
+          ("b8 n65 8k", 8, 65, 8192, True), ("b1 n1 16k (AR)", 1, 1, 16384, True),
+          ("b1 n64 16k (diag: 256 rows)", 1, 64, 16384, False),
+          ("b1 n16 16k (diag: 64 rows)", 1, 16, 16384, False)]  # (name, b, nodes, context, full sweep + SDPA/Flex)
+
+
+def short(c):
+    if c is None:
+        return "default"
+    return (f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}t{c.tail_m}tn{c.tree_n}"
+            f"{'T' if c.tail_split else 'S'}")  # T: tail split (masked tiles in their own split); S: not
+
+
+def sweep_configs(rows):
+    """Candidate configs for `rows` (q tokens x GQA group) per request. sm_90 compile reports of each are in
+    bench/tree_attention_compile_report.py (registers, spills, programs per SM)."""
+    if rows <= 16:
+        return [KernelConfig(16, 64, 4, 3), KernelConfig(16, 64, 4, 3, tail_split=False),
+                KernelConfig(16, 128, 4, 3), KernelConfig(16, 32, 4, 4), KernelConfig(16, 64, 2, 3)]
+    return [
+        KernelConfig(64, 32, 4, 3),                     # new default: 152 regs, 49 KB -> 3 programs/SM
+        KernelConfig(64, 32, 4, 3, tail_split=False),   # same, masked tiles after the last split's context
+        KernelConfig(64, 64, 4, 3),                     # old tile shape, no spills now (219 regs, 2/SM)
+        KernelConfig(64, 32, 4, 3, tail_m=0),           # no 16-row tail path (5th block at 64 rows)
+        KernelConfig(128, 64, 8, 2),                    # 3 row blocks per KV head instead of 5: KV re-read 3x
+        KernelConfig(128, 32, 8, 3),
+        KernelConfig(256, 32, 16, 3),                   # 2 row blocks per KV head (one 16-row tail)
     ]
+
+
+def correctness(configs):
+    """Every config against the fp32 PyTorch reference on random ragged batches (poisoned output first)."""
     worst, rows = 0.0, []
-    for q_lens, kv_lens, page, tree in cases:
-        p = Problem(q_lens, kv_lens, 1, page=page, tree=tree, seed=len(rows))
+    for ci, (q_lens, kv_lens, page, tree) in enumerate(CASES):
+        p = Problem(q_lens, kv_lens, 1, page=page, tree=tree, seed=ci)
         ref = p.reference(0)
-        for splits in (None, 1, 7):
+        variants = [("v1", None, None, v1.paged_attention)]
+        for cfg in configs if tree else [None]:  # every config on the tree cases, the default on the rest
+            variants += [(short(cfg), cfg, s, None) for s in (None, 1, 7)]
+        for label, cfg, splits, impl in variants:
             out = torch.full_like(ref, float("nan"))
-            p.ours(0, num_splits=splits, out=out)
-            e = rel(out, ref) if torch.isfinite(out).all() else float("inf")
+            try:
+                p.ours(0, impl=impl, config=cfg, num_splits=splits, out=out)
+                e = rel(out, ref) if torch.isfinite(out).all() else float("inf")
+            except Exception as ex:  # noqa: BLE001 - a config that fails to compile counts as wrong
+                print(f"  correctness {label}: {type(ex).__name__}: {str(ex)[:160]}")
+                e = float("inf")
             worst = max(worst, e)
-            rows.append({"q_lens": q_lens, "kv_lens": kv_lens, "page": page, "tree": tree, "splits": splits,
-                         "rel_err": e})
+            rows.append({"q_lens": q_lens, "kv_lens": kv_lens, "page": page, "tree": tree, "config": label,
+                         "splits": splits, "rel_err": e})
+            if e >= 1e-2:
+                print(f"  WRONG: {label} splits={splits} q_lens={q_lens} kv_lens={kv_lens}: rel err {e:.2e}")
         del p
     print(f"correctness: {len(rows)} checks, max relative error {worst:.2e} "
-          f"({'OK' if worst < 1e-2 else 'FAIL'})")
+          f"({'OK' if worst < 1e-2 else 'FAIL'})  ({time.time() - T0:.0f} s)", flush=True)
     return worst, rows
 
 
@@ -173,108 +242,139 @@ def sdpa_fn(p):
     return run
 
 
-def short(c):
-    return f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}t{c.tail_m}"
-
-
-def sweep_configs(rows):
-    if rows <= 16:
-        return [KernelConfig(16, 128, 4, 3), KernelConfig(16, 64, 4, 4), KernelConfig(16, 64, 2, 3)]
-    return [KernelConfig(64, 64, 4, 3, tail_m=0), KernelConfig(128, 64, 8, 3), KernelConfig(128, 64, 8, 2),
-            KernelConfig(128, 128, 8, 2), KernelConfig(64, 32, 4, 4), KernelConfig(64, 128, 8, 3)]
-
-
-def bench_point(name, b, n, ctx, bw, mma, results):
+def bench_point(name, b, n, ctx, bw, mma, results, full=True):
+    """Times v1, the new default and every sweep config (heuristic split count), then split counts around the
+    two fastest; SDPA (and Flex at FLEX_POINTS) when `full`."""
     L = ctx + n
     kv_bytes = b * L * HKV * D * 4
-    p = Problem([n] * b, [L] * b, int(min(64, max(2, math.ceil(4 * 60e6 / kv_bytes)))), tree=n > 1, dense=True,
+    p = Problem([n] * b, [L] * b, int(min(64, max(2, math.ceil(4 * 60e6 / kv_bytes)))), tree=n > 1, dense=full,
                 seed=ctx + b + n)
     R = p.R
     floor = kv_bytes / bw
     ref = p.reference(0)
-
-    def ours(cfg, splits):
-        out = p.ours(0, config=cfg, num_splits=splits)
-        plan = dict(last_launch)
-        err = rel(out, ref)
-        t = time_graph(lambda: [p.ours(r, config=cfg, num_splits=splits) for r in range(R)], R)
-        return t, err, plan
-
-    t, err, plan = ours(None, None)
-    cfg0, s0 = plan["config"], plan["num_splits"]
     rows = n * (HQ // HKV)
-    full, rem = divmod(rows, cfg0.block_m)
-    padded = full * cfg0.block_m + (0 if rem == 0 else cfg0.tail_m if 0 < rem <= cfg0.tail_m else cfg0.block_m)
     res = {"point": name, "b": b, "n": n, "ctx": ctx, "kv_mb": kv_bytes / 1e6, "floor_us": floor * 1e6,
-           "mma_floor_us": 4 * b * padded * HKV * L * D / mma * 1e6, "copies": R, "default_splits": s0,
-           "default_config": short(cfg0), "ours_us": t * 1e6, "ours_x": t / floor, "ours_err": err, "sweep": []}
-    for label, make in (("sdpa", sdpa_fn), ("flex", flex_fn)):
-        if label == "flex" and time.time() - T0 > FLEX_BUDGET_S:
-            res["flex_error"] = "skipped: time budget"
-            continue
+           "copies": R, "variants": []}
+    padded = lambda c: -(-rows // c.block_m) * c.block_m if not (0 < rows % c.block_m <= c.tail_m) else \
+        rows // c.block_m * c.block_m + c.tail_m  # noqa: E731
+    c0 = default_config(rows, D)
+    res["mma_floor_us"] = 4 * b * padded(c0) * HKV * L * D / mma * 1e6
+
+    def run(label, cfg, splits, impl=None, **kw):
         try:
-            tm = time_graph(make(p), R)
-            res[f"{label}_us"], res[f"{label}_x"] = tm * 1e6, tm / floor
-        except Exception as e:
-            res[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            print(f"  {name} {label} failed: {res[f'{label}_error']}")
-    best = (t, short(cfg0), s0, err)
-    variants = [(cfg0, 1), (cfg0, max(1, s0 // 2)), (cfg0, 2 * s0)]
-    variants += [(c, None) for c in sweep_configs(rows)]
-    for cfg, splits in variants:
+            out = p.ours(0, impl=impl, config=cfg, num_splits=splits, **kw)
+            plan = dict(last_launch)
+            err = rel(out, ref) if not kw else float("nan")  # ablations compute another function
+            t = time_graph(lambda: [p.ours(r, impl=impl, config=cfg, num_splits=splits, **kw) for r in range(R)], R)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is skipped
+            print(f"    {label}: {type(e).__name__}: {str(e)[:160]}")
+            return None
+        c = plan["config"]
+        cname = f"v1 m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}t{c.tail_m}" if label == "v1" else short(c)
+        v = {"label": label, "config": cname, "splits": plan["num_splits"], "us": t * 1e6,
+             "x": t / floor, "rel_err": err, "grid": list(plan["grid"])}
+        res["variants"].append(v)
+        bad = "" if err != err or err < 2e-2 else "  WRONG"
+        print(f"    {label:<8} {v['config']:<24} s={v['splits']:<3} grid={v['grid']}  {v['us']:8.1f} us  "
+              f"{v['x']:5.2f}x floor  rel {err:.1e}{bad}", flush=True)
+        return v
+
+    print(f"  {name}: KV {kv_bytes / 1e6:.1f} MB, floor {floor * 1e6:.1f} us, MMA floor "
+          f"{res['mma_floor_us']:.1f} us, {R} copies", flush=True)
+    res["v1"] = run("v1", None, None, impl=v1.paged_attention)
+    res["default"] = run("default", None, None)
+    for cfg in sweep_configs(rows):
         if time.time() - T0 > SWEEP_BUDGET_S:
+            print("    (sweep budget spent)")
             break
-        if cfg == cfg0 and splits == s0:
-            continue
-        try:
-            tc, ec, pc = ours(cfg, splits)
-        except Exception as e:  # a config that fails to compile (shared memory) is skipped
-            print(f"  {name} {short(cfg)} splits={splits}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        ok = ec < 2e-2
-        res["sweep"].append({"config": short(cfg), "splits": pc["num_splits"], "us": tc * 1e6, "rel_err": ec})
-        if not ok:
-            print(f"  {name} {short(cfg)} splits={pc['num_splits']}: WRONG rel err {ec:.2e}")
-        elif tc < best[0]:
-            best = (tc, short(cfg), pc["num_splits"], ec)
-    res.update(best_us=best[0] * 1e6, best_x=best[0] / floor, best_config=best[1], best_splits=best[2])
+        if cfg != c0:
+            run("sweep", cfg, None)
+    good = [v for v in res["variants"] if v["label"] != "v1" and not v["rel_err"] >= 2e-2]
+    if full and good and time.time() - T0 < SWEEP_BUDGET_S:
+        tiles = -(-L // 32)
+        top = []
+        for v in sorted(good, key=lambda v: v["us"]):
+            if v["config"] not in top:
+                top.append(v["config"])
+        for cfg in [c for c in [c0] + sweep_configs(rows) if short(c) in top[:2]][:2]:
+            s0 = next(v["splits"] for v in good if v["config"] == short(cfg))
+            cands = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, s0 - 1, s0 + 1, 2 * s0})
+            for s in [s for s in cands if s >= 1 and s != s0 and s0 / 3 <= s <= 3 * s0 + 1 and s <= tiles] + \
+                    ([1] if s0 > 3 else []):
+                if time.time() - T0 > SWEEP_BUDGET_S:
+                    break
+                run("splits", cfg, s)
+    if n > 1 and name.startswith("b1 n65 16k"):  # ablation: the same shape with no tree mask at all
+        res["nomask"] = run("no-mask", None, None, tree_mask=None, causal=False)
+    good = [v for v in res["variants"] if v["label"] not in ("v1", "no-mask") and not v["rel_err"] >= 2e-2]
+    if good:
+        best = min(good, key=lambda v: v["us"])
+        res["best"] = best
+        print(f"  WINNER {name}: {best['config']} splits={best['splits']}  {best['us']:.1f} us "
+              f"({best['x']:.2f}x floor; default {res['default']['us'] if res['default'] else float('nan'):.1f},"
+              f" v1 {res['v1']['us'] if res['v1'] else float('nan'):.1f})", flush=True)
+    if full:
+        for label, make in (("sdpa", sdpa_fn), ("flex", flex_fn)):
+            if label == "flex" and (name not in FLEX_POINTS or time.time() - T0 > FLEX_BUDGET_S):
+                continue
+            try:
+                tm = time_graph(make(p), R)
+                res[label] = {"us": tm * 1e6, "x": tm / floor}
+                print(f"    {label:<8} {tm * 1e6:8.1f} us  {tm / floor:5.2f}x floor", flush=True)
+            except Exception as e:  # noqa: BLE001
+                res[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                print(f"    {label} failed: {res[f'{label}_error']}")
     results.append(res)
-    print(f"  {name}: floor {floor * 1e6:.1f} us, ours {t_fmt(res, 'ours')}, best {t_fmt(res, 'best')} "
-          f"[{best[1]} s={best[2]}], sdpa {t_fmt(res, 'sdpa')}, flex {t_fmt(res, 'flex')}  "
-          f"({time.time() - T0:.0f} s)", flush=True)
-    del p
-    torch.cuda.empty_cache()
 
 
-def t_fmt(res, key):
-    if f"{key}_us" not in res:
-        return "n/a"
-    return f"{res[f'{key}_us']:.1f} us ({res[f'{key}_x']:.2f}x)"
+def fmt(v):
+    return "n/a" if not v else f"{v['us']:.1f} ({v['x']:.2f}x)"
+
+
+def target_us(name, floor_us):
+    if name.startswith("b1 n1 "):
+        return 1.5 * floor_us
+    if name.startswith("b1 n65 1k"):
+        return 4 + 2 * floor_us
+    return 2 * floor_us
 
 
 def main():
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(DEV)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
-    bw, mma = copy_bandwidth(), matmul_rate()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {mma / 1e12:.0f} TFLOP/s")
-    worst, checks = correctness()
-    points = [("b1 n65 1k", 1, 65, 1024), ("b1 n65 4k", 1, 65, 4096), ("b1 n65 16k", 1, 65, 16384),
-              ("b1 n65 32k", 1, 65, 32768), ("b8 n65 8k", 8, 65, 8192), ("b1 n1 16k (AR)", 1, 1, 16384)]
+    bws, mma = bandwidths(), matmul_rate()
+    torch.cuda.empty_cache()
+    bw = max(bws["memcpy_eager"], bws["memcpy_graph"], bws["sm_copy_graph"])
+    print("bandwidth TB/s: " + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in bws.items())
+          + f"; floor uses {bw / 1e12:.2f} (best copy, read+write); bf16 matmul {mma / 1e12:.0f} TFLOP/s", flush=True)
+    worst, checks = correctness(sweep_configs(260))
     results = []
-    for name, b, n, ctx in points:
-        bench_point(name, b, n, ctx, bw, mma, results)
-    print("\n| point | KV floor us | MMA floor us | ours (default) | ours (best of sweep) | SDPA | Flex |")
-    print("|---|---|---|---|---|---|---|")
+    for name, b, n, ctx, full in POINTS:
+        bench_point(name, b, n, ctx, bw, mma, results, full=full)
+        torch.cuda.empty_cache()
+    print("\n| point | KV floor us | target us | v1 (old kernel) | new default | best: config, splits | SDPA | Flex |"
+          " meets target |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['point']} | {r['floor_us']:.1f} | {r['mma_floor_us']:.1f} | {t_fmt(r, 'ours')} | "
-              f"{t_fmt(r, 'best')} {r['best_config']} s={r['best_splits']} | {t_fmt(r, 'sdpa')} | "
-              f"{t_fmt(r, 'flex')} |")
+        best = r.get("best")
+        tgt = target_us(r["point"], r["floor_us"])
+        print(f"| {r['point']} | {r['floor_us']:.1f} | {tgt:.1f} | {fmt(r.get('v1'))} | {fmt(r.get('default'))} | "
+              f"{fmt(best)} {best['config'] if best else ''} s={best['splits'] if best else ''} | "
+              f"{fmt(r.get('sdpa'))} | {fmt(r.get('flex'))} | "
+              f"{'yes' if best and best['us'] <= tgt else 'no'} |")
+    print("\nwins per config (shapes where it is within 3% of the best):")
+    for cfg in sweep_configs(260) + sweep_configs(4):
+        wins = [r["point"] for r in results if r.get("best") and any(
+            v["config"] == short(cfg) and v["us"] <= 1.03 * r["best"]["us"] for v in r["variants"]
+            if v["label"] != "v1" and not v["rel_err"] >= 2e-2)]
+        if wins:
+            print(f"  {short(cfg)}: {', '.join(wins)}")
     print(f"max relative error (correctness) {worst:.2e}; total {time.time() - T0:.0f} s")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu_tree_attention.json"), "w") as f:
-            json.dump({"device": props.name, "copy_bw": bw, "matmul_flops": mma, "max_rel_err": worst,
-                       "checks": checks, "points": results}, f, indent=1)
+            json.dump({"device": props.name, "bandwidths": bws, "copy_bw": bw, "matmul_flops": mma,
+                       "max_rel_err": worst, "checks": checks, "points": results}, f, indent=1)
 
 
 if __name__ == "__main__":
