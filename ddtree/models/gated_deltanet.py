@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.configs import TargetConfig
-from ddtree.kernels.gdn import gated_delta_rule_chunked, gdn_gating
+from ddtree.kernels.gdn import gdn_gating
+from ddtree.kernels.gdn.dispatch import chunk_rule
 
 
 class LinearStateContext(Protocol):
@@ -96,7 +97,7 @@ class GatedDeltaNet(nn.Module):
             if not batched:
                 mixed, g, beta = mixed[None], g[None], beta[None]
             q, k, v = self._split(dense_conv_silu(mixed, weight, self.conv1d.bias))
-            o, _ = gated_delta_rule_chunked(q, k, v, g, beta)
+            o, _ = chunk_rule(q, k, v, g, beta)
             if not batched:
                 o = o[0]
         o = self.norm(o, z.reshape(*z.shape[:-1], self.hv, self.dv))
