@@ -58,14 +58,18 @@ if triton is not None:
             st_row = tl.load(st_rows_ptr + pid_b).to(tl.int64)
         st_base = states_ptr + st_row * st_b + h * state_sz + tile  # node i's tile at st_base + i * st_n
         node_base = pid_b * n  # row of [b, n] tensors
+        S_prev = s0
         for i in range(n):
             row = node_base + i
             ok = tl.load(valid_ptr + row) != 0
             par = tl.load(par_ptr + row).to(tl.int64)
             has_par = ok & (par >= 0)
-            # parent's post-state: written earlier by this very program (parent < i)
-            S = tl.load(st_base + tl.maximum(par, 0) * st_n, mask=mtile & has_par, other=0.0).to(tl.float32)
-            S = tl.where(has_par, S, s0)
+            # parent's post-state: written earlier by this very program (parent < i); a parent just before
+            # its child (chains) is still in registers and is not re-read
+            chain = has_par & (par == i - 1)
+            S = tl.load(st_base + tl.maximum(par, 0) * st_n, mask=mtile & has_par & (par != i - 1),
+                        other=0.0).to(tl.float32)
+            S = tl.where(chain, S_prev, tl.where(has_par, S, s0))
             mk_ok = mk & ok
             q = tl.load(q_ptr + pid_b * sq_b + i * sq_n + hk * sq_h + rk, mask=mk_ok, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + pid_b * sk_b + i * sk_n + hk * sk_h + rk, mask=mk_ok, other=0.0).to(tl.float32)
@@ -84,6 +88,7 @@ if triton is not None:
             # padding nodes: zero output and zero state (the reference never writes them)
             o = tl.where(ok, o, 0.0)
             S = tl.where(ok, S, 0.0)
+            S_prev = S
             tl.store(st_base + i * st_n, S.to(states_ptr.dtype.element_ty), mask=mtile)
             tl.store(o_ptr + pid_b * so_b + i * so_n + h * so_h + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
             tl.debug_barrier()  # this node's state tile is visible to all threads before a child reads it
@@ -117,7 +122,8 @@ def tree_gated_delta_rule_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, bet
     node_states: optional buffer the node post-states are written to (the kernel always needs one, since
       children read their parent's state): [b, n, Hv, dk, dv], or with state_rows [b] a pool [R, W >= n,
       Hv, dk, dv] of which request i writes row state_rows[i] (nodes 0..n-1). Any float dtype; children
-      re-read their parent's state from it, so anything but fp32 rounds along the tree. Returned as is.
+      re-read their parent's state from it (unless it is the node just before), so anything but fp32
+      rounds along the tree. Returned as is.
     initial_rows [b]: initial_state is a pool [R, Hv, dk, dv] and request i starts from row initial_rows[i].
     block_v / num_warps: tile overrides. Requires parents[b, i] < i for valid nodes. No host syncs."""
     if triton is None or force_reference():
