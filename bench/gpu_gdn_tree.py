@@ -175,7 +175,7 @@ def section_d(gen):
 
     print(f"(d) fla vs reference (backends: {backend.describe(DEV)})", flush=True)
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.bfloat16, torch.float32):
         key = str(dtype).split(".")[1]
         lens = [1000, 37, 3059]
         T = sum(lens)
@@ -242,6 +242,7 @@ def section_e(toy_dir):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="a,b,c,d,e", help="sections to run, e.g. a,d,e")
+    ap.add_argument("--deadline-s", type=float, default=170, help="skip the sections not started by then")
     ap.add_argument("--toy-dir", default=os.environ.get("DDTREE_TOY_HYBRID", "out/toy_hybrid_pair"),
                     help="toy hybrid pair (built here, ~1 min on one CPU thread, when missing)")
     args = ap.parse_args()
@@ -257,12 +258,18 @@ def main():
           f"{backend.FORCE_ENV}={os.environ.get(backend.FORCE_ENV, '')}", flush=True)
     RESULT.update(device=torch.cuda.get_device_name(), fla_error=err, backends=backend.describe(DEV))
     gen = torch.Generator().manual_seed(0)
-    sections = {"a": section_a, "d": section_d, "e": lambda _: section_e(args.toy_dir), "b": section_b,
-                "c": section_c}
+    # fla's chunk kernels autotune on first use per (shape, dtype): (e) and (d) pay it, so they come last
+    sections = {"a": section_a, "b": section_b, "c": section_c, "e": lambda _: section_e(args.toy_dir),
+                "d": section_d}
+    start = time.perf_counter()
     for name, fn in sections.items():
         if name not in args.only.split(","):
             continue
         t0 = time.perf_counter()
+        if t0 - start > args.deadline_s:
+            print(f"({name}) skipped: past --deadline-s {args.deadline_s:.0f}", flush=True)
+            FAILED.append(f"{name}:skipped")
+            continue
         try:
             fn(gen)
         except Exception:  # noqa: BLE001 - report and go on with the other sections
