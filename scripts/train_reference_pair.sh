@@ -11,10 +11,10 @@ mkdir -p "$OUT"
 if [ "${SMOKE:-0}" = 1 ]; then
   T_STEPS=3; D_STEPS=3; REGEN=16; GEN=32; HID=64; LAYERS=2; HEADS=2; INTER=128; FLAGS="--device cpu"
 else
-  T_STEPS=${T_STEPS:-2500}; D_STEPS=${D_STEPS:-6000}; REGEN=${REGEN:-16384}; GEN=${GEN:-192}
+  T_STEPS=${T_STEPS:-700}; D_STEPS=${D_STEPS:-4500}; REGEN=${REGEN:-16384}; GEN=${GEN:-192}
   HID=384; LAYERS=6; HEADS=6; INTER=1024; FLAGS=""
 fi
-D_LAYERS=${D_LAYERS:-3}; D_LR=${D_LR:-8e-4}
+D_LAYERS=${D_LAYERS:-4}; D_LR=${D_LR:-8e-4}
 if [ -n "${TARGET:-}" ]; then
   mkdir -p "$OUT/target" && cp "$TARGET"/* "$OUT/target/"
 else
