@@ -1,0 +1,121 @@
+"""Where a round's time goes on the GPU (issue 4): torch.profiler over engine rounds of the Qwen3-8B-shaped random
+pair, plus the GEMM chain alone (separate vs fused q|k|v and gate|up projections) replayed from CUDA graphs.
+
+    python3 bench/gpu_profile_round.py            # H200, about 2 minutes
+Prints, per case: wall ms/round, GPU kernel ms/round (busy), the top kernels, and the GEMM-only floor ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from ddtree.bench.cuda_timing import time_graph
+from ddtree.bench.random_pair import QWEN3_8B, build_pair, pair_configs, read_bytes
+from ddtree.bench.rounds import measure_floor, prefilled_requests, runner_config
+from ddtree.engine.model_runner import ModelRunner
+from ddtree.speculative.decoder import SpecConfig, SpecDecoder
+
+
+def profile_case(target, drafter, algo, budget, batch, context, rounds, top):
+    ns = SimpleNamespace(block_size=16, page_size=16, attention_backend="triton", disable_cuda_graph=False)
+    cfg, _ = runner_config(algo, budget, batch, context, ns, torch.device("cuda"))
+    runner = ModelRunner(target, drafter if algo != "NONE" else None, cfg, "cuda", torch.bfloat16)
+    reqs = prefilled_requests(runner, batch, context, target.config.vocab_size, 4096, 0)
+    dec = SpecDecoder(runner, SpecConfig(algo, 16, budget, budget, algo == "DDTREE"))
+
+    def one_round():
+        out = dec.round(reqs, cfg.max_context)
+        for r, toks in zip(reqs, out):
+            r.kv_len = context
+            runner.release(r, context)
+            r.output_ids[-1] = toks[-1]
+
+    for _ in range(5):
+        one_round()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(rounds):
+        one_round()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / rounds
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            one_round()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
+    kern = sorted(((e.key, e.self_device_time_total / 1e3 / rounds, e.count / rounds) for e in events
+                   if e.self_device_time_total > 0), key=lambda x: -x[1])
+    busy = sum(k[1] for k in kern)
+    name = f"{algo}{'' if algo == 'NONE' else ' B=' + str(budget)} b{batch} ctx{context}"
+    print(f"\n== {name}: wall {wall:.3f} ms/round, GPU kernels {busy:.3f} ms/round ({100 * busy / wall:.0f}% busy), "
+          f"{sum(k[2] for k in kern):.0f} kernel launches/round")
+    for key, ms, n in kern[:top]:
+        print(f"   {ms:8.3f} ms  {n:6.1f}x  {key[:110]}")
+    del runner, reqs, dec
+    torch.cuda.empty_cache()
+
+
+def gemm_chain(target, m, fused):
+    """The 36 layers' projections only (no attention, norms or activations), as one CUDA graph."""
+    ws = []
+    for layer in target.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+        gu = [mlp.gate_proj.weight, mlp.up_proj.weight]
+        if fused:
+            ws.append([torch.cat(qkv), a.o_proj.weight, torch.cat(gu), mlp.down_proj.weight])
+        else:
+            ws.append(qkv + [a.o_proj.weight] + gu + [mlp.down_proj.weight])
+    h = target.config.hidden_size
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    xo = torch.randn(m, target.config.num_attention_heads * target.config.head_dim, device="cuda", dtype=torch.bfloat16)
+    xd = torch.randn(m, target.config.intermediate_size, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        for w in ws:
+            if fused:
+                x @ w[0].t(), xo @ w[1].t(), x @ w[2].t(), xd @ w[3].t()
+            else:
+                for j in range(3):
+                    x @ w[j].t()
+                xo @ w[3].t(), x @ w[4].t(), x @ w[5].t(), xd @ w[6].t()
+        x @ target.lm_head.weight.t()
+
+    sec = time_graph(run, reps=20)
+    nbytes = sum(t.numel() * t.element_size() for w in ws for t in w) + target.lm_head.weight.numel() * 2
+    del ws
+    torch.cuda.empty_cache()
+    return sec * 1e3, nbytes
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--top", type=int, default=14)
+    ns = p.parse_args(argv)
+    tcfg, dcfg = pair_configs(QWEN3_8B, 5, 16, "bfloat16")
+    target, drafter = build_pair(tcfg, dcfg, torch.device("cuda"), torch.bfloat16, 0)
+    floor = measure_floor(target, drafter, torch.device("cuda"), 2048 << 20)
+    bw = floor["bandwidth_Bps"]
+    print(f"floor {floor['floor_ms']:.3f} ms ({read_bytes(target) / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)")
+    print("GEMM chain alone (36 layers' projections + LM head), CUDA graph:")
+    for m in (1, 8, 65, 520):
+        for fused in (False, True):
+            ms, nbytes = gemm_chain(target, m, fused)
+            print(f"   M={m:4d} {'fused q|k|v, gate|up' if fused else 'separate          '}  {ms:7.3f} ms "
+                  f"= {ms / (nbytes / bw * 1e3):.2f}x its weight-read floor")
+    for algo, budget, batch in (("NONE", 0, 1), ("DDTREE", 64, 1), ("DFLASH", 0, 1), ("DDTREE", 64, 8)):
+        profile_case(target, drafter, algo, budget, batch, 1024, ns.rounds, ns.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
