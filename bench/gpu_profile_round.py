@@ -8,11 +8,13 @@ Prints, per case: wall ms/round, GPU kernel ms/round (busy), the top kernels, an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from types import SimpleNamespace
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ddtree.bench.cuda_timing import time_graph
 from ddtree.bench.random_pair import QWEN3_8B, build_pair, pair_configs, read_bytes
 from ddtree.bench.rounds import measure_floor, prefilled_requests, runner_config
