@@ -2,6 +2,10 @@
 PyTorch reference everywhere else. One switch, DDTREE_FORCE_REFERENCE_GDN=1, forces the reference for every
 GDN kernel (fla's and ours). `ran` counts the (op, backend) pairs taken, so a GPU check can print which
 paths really ran.
+
+A tree verify that keeps no per-node states (no_buffer) runs the chunk form (`tree_chunk`) where
+DDTREE_GDN_TREE_CHUNK allows it: "auto" (default) on CUDA, "1" everywhere (CPU tests), "0" never;
+DDTREE_FORCE_REFERENCE_GDN=1 still wins.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import os
 import torch
 
 FORCE_ENV = "DDTREE_FORCE_REFERENCE_GDN"
+TREE_CHUNK_ENV = "DDTREE_GDN_TREE_CHUNK"
 ran: collections.Counter = collections.Counter()
 
 
@@ -57,6 +62,14 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and not force_reference() and triton_ok()
 
 
+def use_tree_chunk(t: torch.Tensor) -> bool:
+    """The chunk-form tree rule for a verify that needs no node states (see the module docstring)."""
+    mode = os.environ.get(TREE_CHUNK_ENV, "auto")
+    if force_reference() or mode == "0":
+        return False
+    return mode == "1" or t.is_cuda
+
+
 def choose(op: str, fast: bool, name: str) -> bool:
     """Record which backend `op` takes (`name` when `fast`, else the reference) and return `fast`."""
     ran[(op, name if fast else "reference")] += 1
@@ -68,4 +81,5 @@ def describe(device) -> dict[str, str]:
     t = torch.empty(0, device=device)
     fla = "fla" if use_fla(t) else "reference"
     return {"prefill": fla, "decode": fla, "replay": fla, "tree": "triton" if use_triton(t) else "reference",
+            "tree_no_states": "chunk" if use_tree_chunk(t) else ("triton" if use_triton(t) else "reference"),
             "tree_conv": "torch-gather"}

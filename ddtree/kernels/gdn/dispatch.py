@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ddtree.kernels.gdn.backend import choose, fla_ops, use_fla, use_triton
+from ddtree.kernels.gdn.backend import choose, fla_ops, use_fla, use_tree_chunk, use_triton
 from ddtree.kernels.gdn.reference import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
@@ -58,7 +58,15 @@ def tree_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents:
               initial_state: Tensor, return_node_states: bool = False, valid: Tensor | None = None,
               max_depth: int | None = None, node_states: Tensor | None = None, initial_rows: Tensor | None = None,
               state_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """Tree verify: `reference.tree_gated_delta_rule_rows` (the Triton wrapper's arguments)."""
+    """Tree verify: `reference.tree_gated_delta_rule_rows` (the Triton wrapper's arguments). Without node
+    states (no_buffer: return_node_states False, no node_states buffer) the chunk form runs where
+    `backend.use_tree_chunk` allows (CUDA by default): it writes no per-node states at all."""
+    if not return_node_states and node_states is None and use_tree_chunk(v):
+        choose("tree", True, "chunk")
+        from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule
+
+        return tree_chunk_gated_delta_rule(q, k, v, g, beta, parents, depths, initial_state, valid, max_depth,
+                                           initial_rows)[0], None
     args = (q, k, v, g, beta, parents, depths, initial_state, return_node_states, valid, max_depth)
     bufs = dict(node_states=node_states, initial_rows=initial_rows, state_rows=state_rows)
     if choose("tree", use_triton(v), "triton"):

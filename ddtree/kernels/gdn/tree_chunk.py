@@ -75,4 +75,4 @@ def tree_chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta
         w = decay.gather(2, rows)  # [b, H, 1, n]: e^{G_a - G_j} on a's ancestors-and-self, 0 elsewhere
         Ga = G.gather(2, last.long().view(-1, 1, 1).expand(-1, G.shape[1], 1))  # [b, H, 1]
         state = Ga.exp()[..., None] * S0 + (k * w.transpose(-1, -2)).transpose(-1, -2) @ U
-    return o.transpose(1, 2).to(out_dtype), state
+    return o.transpose(1, 2).to(out_dtype).contiguous(), state
