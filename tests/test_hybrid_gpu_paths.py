@@ -1,5 +1,6 @@
 """The hybrid engine end to end on the GPU code paths, run on the CPU: the Triton tree kernel (interpreter) for
-verify and fla's call signatures (a stand-in built from the reference) for prefill and replay. DFLASH and
+verify with node states (extra_buffer), the chunk-form tree rule for verify without them (no_buffer), and
+fla's call signatures (a stand-in built from the reference) for prefill and replay. DFLASH and
 DDTREE stay token-identical to AR (all-reference) under both commit strategies."""
 import pytest
 
@@ -26,6 +27,7 @@ def ar_tokens(toy_hybrid_pair):
 def test_gpu_paths_are_lossless(monkeypatch, toy_hybrid_pair, ar_tokens, strategy):
     calls = []
     monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+    monkeypatch.setattr(dispatch, "use_tree_chunk", lambda t: True)
     monkeypatch.setattr(dispatch, "use_fla", lambda t: True)
     monkeypatch.setattr(dispatch, "fla_ops", lambda: _fake_fla(calls))
     backend.ran.clear()
@@ -33,7 +35,9 @@ def test_gpu_paths_are_lossless(monkeypatch, toy_hybrid_pair, ar_tokens, strateg
                speculative_ddtree_budget=6)
     assert [o.token_ids for o in outs] == ar_tokens
     assert max(n for o in outs for n in o.accept_lengths) > 1
-    assert backend.ran[("tree", "triton")] and backend.ran[("prefill", "fla")] and "chunk" in calls
+    tree = "triton" if strategy == "extra_buffer" else "chunk"
+    assert backend.ran[("tree", tree)] and not backend.ran[("tree", {"triton": "chunk", "chunk": "triton"}[tree])]
+    assert backend.ran[("prefill", "fla")] and "chunk" in calls
     assert not any(name == "reference" for _, name in backend.ran)
     if strategy == "no_buffer":
         assert backend.ran[("replay", "fla")] and "fused" in calls
