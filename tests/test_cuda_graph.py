@@ -15,23 +15,31 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in 
 ALGOS = ["NONE", "DFLASH", "DDTREE"]
 
 
-def generate(pair, algorithm, graphs_max_bs=None, n=5, **kw):
+def attach_graphs(llm, max_bs, capture=False):
+    """A capture=False graph runner on the engine's runner, told the decoder's tree spec (as SpecDecoder does)."""
+    runner, spec = llm.engine.runner, llm.engine.spec
+    runner.graphs = CudaGraphRunner(runner, capture=capture, max_bs=max_bs)
+    runner.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)
+    runner.graphs.build()
+    return runner.graphs
+
+
+def generate(pair, algorithm, graphs_max_bs=None, n=5, params=None, **kw):
     llm = make_llm(pair, algorithm, speculative_ddtree_budget=8, max_running_requests=8, **kw)
     runner = llm.engine.runner
     calls = []
     if graphs_max_bs is not None:
-        runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=graphs_max_bs)
-        runner.graphs.build()
-        for gs in (runner.graphs.verify_set, runner.graphs.draft_set):
-            if gs is not None:
-                gs.run = _recording(gs.run, calls, gs is runner.graphs.verify_set)
-    outs = llm.generate([list(p) for p in toy_prompts(n)], PARAMS[:n])
+        g = attach_graphs(llm, graphs_max_bs)
+        sets = [("verify", g.verify_set)] + [("draft", gs) for gs in g.draft_sets.values()]
+        for kind, gs in sets:
+            gs.run = _recording(gs.run, calls, kind)
+    outs = llm.generate([list(p) for p in toy_prompts(n)], (params or PARAMS)[:n])
     return [o.token_ids for o in outs], calls, runner
 
 
-def _recording(run, calls, is_verify):
+def _recording(run, calls, kind):
     def wrapped(b, host_lens):
-        calls.append(("verify" if is_verify else "draft", b))
+        calls.append((kind, b))
         return run(b, host_lens)
 
     return wrapped

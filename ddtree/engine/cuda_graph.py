@@ -21,9 +21,19 @@ An empty split (its tile range lies past the request's context) runs no loop ite
 the combine gives it weight 0. Every real or padded row sees at least itself in some split, so no row is
 all -inf and the result equals the unsplit one up to rounding.
 
-Capture order: largest batch first, all graphs in one memory pool. Outputs are hidden states and taps; the LM
-head (one GEMM on the b real rows, the same shape eager runs) stays outside, so graph outputs stay small.
-Graph outputs are valid until the next replay of any graph of this runner (shared pool): read them at once.
+What a replay covers (nothing in between needs the host):
+  - draft: drafter block -> drafter LM head -> the round's draft tree (`build_tree` with the decoder's budget /
+    top-k cap / shadow-linear, or `build_chain` for DFLASH) with per-request depth limits read from a static
+    tensor (block_size - 1 where unlimited, so one graph serves every round). The draft graphs of one tree spec
+    are captured when the decoder announces its spec (`set_tree_spec`); without one the plain block graph
+    (hidden states out, LM head eager) is captured on first use.
+  - verify: target forward -> target LM head on all padded rows (written into one static logits buffer shared by
+    every graph) -> greedy argmax per node -> the accept walk on the static tree (parents / depths / valid).
+    The decoder uses the in-graph walk when every request is greedy and no `target_override` is set; otherwise
+    it samples from the logits and walks eagerly.
+
+Capture order: largest batch first, all graphs in one memory pool. Graph-owned outputs (taps, trees, tokens,
+accept results) and the static logits buffers are valid until the next replay: read them within the round.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ import logging
 import torch
 
 from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata
+from ddtree.speculative.accept import AcceptResult, accept_tree
+from ddtree.speculative.tree import DraftTree, build_chain, build_tree
 
 logger = logging.getLogger("ddtree")
 
@@ -165,6 +177,8 @@ class CudaGraphRunner:
         M, P, p = max_bs, runner.bm.max_pages_per_req, cfg.page_size
         scratch = torch.tensor(runner.scratch_pages, dtype=torch.int64, device=dev)
         self.pad_rows = scratch[torch.arange(P, device=dev) % len(scratch)].expand(M, P).contiguous()
+        head = runner.target.lm_head.weight
+        V = head.shape[0]
 
         n = self.n = cfg.max_verify_width
         j = torch.arange(n, device=dev)
@@ -178,22 +192,35 @@ class CudaGraphRunner:
         self.v_mask = self.pad_mask.clone()
         self.v_indptr = torch.arange(0, (M + 1) * n, n, device=dev)
         self.v_arange = j
+        # the tree fields the in-graph accept walk reads (padding rows: no drafted node, nothing accepted)
+        self.v_par = torch.full((M, n), -1, dtype=torch.int64, device=dev)
+        self.v_dep = torch.zeros(M, n, dtype=torch.int64, device=dev)
+        self.v_valid = torch.zeros(M, n, dtype=torch.bool, device=dev)
+        self.v_logits = torch.empty(M * n, V, dtype=head.dtype, device=dev)  # one buffer for every verify graph
         self.v_real = 0  # leading rows that may hold live data (the rest are in the padding state)
+        # depth bound of the trees the decoder verifies (drafted block minus its root); the walk needs n > 1
+        self.accept_depth = cfg.block_size - 1 if n > 1 and cfg.block_size > 1 else None
         self.verify_set = _GraphSet(self, self._verify_forward, cfg.max_context + n, n)
 
-        self.draft_set = None
-        why = _draft_capturable(runner)
-        if why is None:
+        self.draft_set = None  # the plain drafter block (hidden out), captured on first use
+        self.draft_sets: dict[tuple, _GraphSet] = {}  # tree spec -> fused drafter block + LM head + tree build
+        self.tree_spec: tuple | None = None
+        self._built = False
+        self.drafts = _draft_capturable(runner) is None
+        if self.drafts:
             S = self.S = cfg.block_size
+            self.D = S - 1
             self.d_ids = torch.full((M, S), runner.drafter.config.mask_token_id, dtype=torch.int64, device=dev)
             self.d_arange = torch.arange(S, device=dev)
             self.d_pos = self.d_arange.expand(M, S).contiguous()
             self.d_rows = self.pad_rows.clone()
             self.d_ctx = torch.zeros(M, dtype=torch.int64, device=dev)
+            self.d_depth = torch.full((M,), self.D, dtype=torch.int64, device=dev)  # per-request depth limits
+            self.d_limited = 0  # leading rows whose depth limit may be < D
+            self.d_logits = None  # [M, D, V] static drafter logits, made with the first tree spec
             self.d_real = 0
-            self.draft_set = _GraphSet(self, self._draft_forward, cfg.max_context, 0)
         elif runner.drafter is not None:
-            logger.info("CUDA graphs: the drafter forward runs eagerly: %s.", why)
+            logger.info("CUDA graphs: the drafter forward runs eagerly: %s.", _draft_capturable(runner))
 
     def backend(self, splits: int | None):
         """An attention backend with a fixed split count (the runner's own backend when it is not Triton)."""
@@ -208,13 +235,47 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def build(self) -> None:
         self.verify_set.build(self.buckets)
-        if self.draft_set is not None:
-            self.draft_set.build(self.buckets)
+        self._built = True
+        if self.tree_spec is not None:
+            self._draft_set(self.tree_spec)
         if self.capture:
             torch.cuda.synchronize()
-            n = len(self.verify_set.graphs) + (len(self.draft_set.graphs) if self.draft_set else 0)
-            logger.info("CUDA graphs captured: %d (batch sizes %s; verify width %d%s).", n, self.buckets, self.n,
-                        f", draft block {self.S}" if self.draft_set else ", draft eager")
+            logger.info("CUDA graphs captured: %d verify (batch sizes %s; verify width %d, LM head + argmax%s "
+                        "inside).", len(self.verify_set.graphs), self.buckets, self.n,
+                        " + accept walk" if self.accept_depth else "")
+
+    @torch.inference_mode()
+    def _draft_set(self, spec: tuple | None) -> _GraphSet:
+        """The draft graphs for a tree spec (None: the plain block), built (captured) on first use."""
+        if spec is None:
+            if self.draft_set is None:
+                self.draft_set = _GraphSet(self, self._draft_forward, self.runner.cfg.max_context, 0)
+                self.draft_set.build(self.buckets)
+            return self.draft_set
+        gs = self.draft_sets.get(spec)
+        if gs is None:
+            if self.d_logits is None:
+                head = self.runner.target.lm_head.weight
+                self.d_logits = torch.empty(self.buckets[-1], self.D, head.shape[0], dtype=head.dtype,
+                                            device=self.runner.device)
+            gs = self.draft_sets[spec] = _GraphSet(self, lambda bs, backend, host: self._draft_tree_forward(
+                spec, bs, backend, host), self.runner.cfg.max_context, 0)
+            gs.build(self.buckets)
+            if self.capture:
+                torch.cuda.synchronize()
+                logger.info("CUDA graphs captured: %d draft (block %d -> LM head -> %s).", len(gs.graphs), self.S,
+                            "chain" if spec[0] == "DFLASH" else f"tree B={spec[1]} top-k {spec[2]}"
+                            f"{' shadow-linear' if spec[3] else ''}")
+        return gs
+
+    def set_tree_spec(self, algorithm: str, budget: int, topk_cap: int, shadow_linear: bool) -> None:
+        """The decoder's tree: its draft graphs run drafter -> tree in one replay (captured here, once per spec)."""
+        if not self.drafts or algorithm not in ("DFLASH", "DDTREE"):
+            return
+        spec = ("DFLASH", 0, 0, False) if algorithm == "DFLASH" else ("DDTREE", budget, topk_cap, shadow_linear)
+        self.tree_spec = spec
+        if self._built:
+            self._draft_set(spec)
 
     # ---- verify ------------------------------------------------------------------------------------------
     def can_verify(self, b: int, n: int, max_kv_len: int) -> bool:
@@ -228,10 +289,21 @@ class CudaGraphRunner:
             block_table=self.v_rows[:bs], slot_mapping=self.v_slots[:T], page_size=self.runner.cfg.page_size,
             tree_mask=self.v_mask[:bs],
         )
-        return self.runner.target_forward(self.v_ids[:T], self.v_pos[:T], meta, backend)
+        hidden, taps = self.runner.target_forward(self.v_ids[:T], self.v_pos[:T], meta, backend)
+        logits = self.runner.target.logits(hidden)
+        self.v_logits[:T].copy_(logits)
+        tokens = logits.view(bs, n, -1).argmax(-1)
+        if self.accept_depth is None:
+            return taps, tokens
+        tree = DraftTree(self.v_ids[:T].view(bs, n), self.v_par[:bs], self.v_dep[:bs], self.v_valid[:bs],
+                         self.v_mask[:bs], self.accept_depth)
+        res = accept_tree(tree, tokens)
+        return taps, tokens, res.accept_length, res.path, res.out_tokens, res.num_out, res.last_node
 
-    def verify(self, meta, tree) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """meta: the round's RoundMeta (rows gathered after allocation). Returns (hidden [b*n, H], taps)."""
+    def verify(self, meta, tree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, AcceptResult | None]:
+        """meta: the round's RoundMeta (rows gathered after allocation). Returns (logits [b*n, V] in the LM head's
+        dtype, taps [b*n, K*H] or None, greedy tokens [b, n], the greedy accept walk or None when the tree's
+        depth bound is not the captured one)."""
         b, n = tree.tokens.shape
         T = b * n
         if b < self.v_real:  # rows that held live data last time return to the padding state
@@ -241,6 +313,9 @@ class CudaGraphRunner:
             self.v_kv_lens[lo:hi].fill_(n)
             self.v_mask[lo:hi].copy_(self.pad_mask[lo:hi])
             self.v_pos[lo * n : hi * n].zero_()
+            self.v_par[lo:hi].fill_(-1)
+            self.v_dep[lo:hi].zero_()
+            self.v_valid[lo:hi].zero_()
         self.v_real = b
         lens = meta.lens[:, None]
         self.v_ids[:T].copy_(tree.tokens.flatten())
@@ -249,20 +324,45 @@ class CudaGraphRunner:
         self.v_slots[:T].copy_(self.runner.slots_of(meta.rows, lens + self.v_arange).flatten())
         torch.add(meta.lens, n, out=self.v_kv_lens[:b])
         self.v_mask[:b].copy_(tree.tree_mask)
-        hidden, taps = self.verify_set.run(b, [k + n for k in meta.kv_lens])
-        return hidden[:T], (taps[:T] if taps is not None else None)
+        if self.accept_depth is not None:
+            self.v_par[:b].copy_(tree.parents)
+            self.v_dep[:b].copy_(tree.depths)
+            self.v_valid[:b].copy_(tree.valid)
+        out = self.verify_set.run(b, [k + n for k in meta.kv_lens])
+        taps, tokens = out[0], out[1][:b]
+        res = None
+        if self.accept_depth is not None and tree.depth_bound == self.accept_depth:
+            res = AcceptResult(*(x[:b] for x in out[2:]))
+        return self.v_logits[:T], (taps[:T] if taps is not None else None), tokens, res
 
     # ---- draft -------------------------------------------------------------------------------------------
     def can_draft(self, b: int, block_size: int, max_ctx_len: int) -> bool:
-        return self.draft_set is not None and block_size == self.S and self.draft_set.fits(b, max_ctx_len)
+        return self.drafts and block_size == self.S and b <= self.buckets[-1] and max_ctx_len <= \
+            self.runner.cfg.max_context
+
+    def _draft_meta(self, bs: int, host_ctx_lens: list[int]) -> DraftAttentionMetadata:
+        return DraftAttentionMetadata(ctx_lens=host_ctx_lens, ctx_lens_t=self.d_ctx[:bs], block_table=self.d_rows[:bs],
+                                      block_positions=self.d_pos[:bs], page_size=self.runner.cfg.page_size)
 
     def _draft_forward(self, bs: int, backend, host_ctx_lens: list[int]):
-        meta = DraftAttentionMetadata(ctx_lens=host_ctx_lens, ctx_lens_t=self.d_ctx[:bs], block_table=self.d_rows[:bs],
-                                      block_positions=self.d_pos[:bs], page_size=self.runner.cfg.page_size)
+        meta = self._draft_meta(bs, host_ctx_lens)
         return (self.runner.draft_forward(self.d_ids[:bs], self.d_pos[:bs], meta, backend),)
 
-    def draft(self, meta, roots: torch.Tensor) -> torch.Tensor:
-        """Returns the drafter's final hidden [b, S, H] for the round's blocks."""
+    def _draft_tree_forward(self, spec: tuple, bs: int, backend, host_ctx_lens: list[int]):
+        """Drafter block -> drafter LM head (into the static logits) -> the tree, all on static buffers."""
+        runner = self.runner
+        hidden = runner.draft_forward(self.d_ids[:bs], self.d_pos[:bs], self._draft_meta(bs, host_ctx_lens), backend)
+        logits = runner.drafter.logits(hidden[:, 1:], runner.target.lm_head)
+        self.d_logits[:bs].copy_(logits)
+        roots, depth = self.d_ids[:bs, 0], self.d_depth[:bs]
+        algorithm, budget, topk_cap, shadow_linear = spec
+        if algorithm == "DFLASH":
+            tree = build_chain(roots, logits, max_depth=depth)
+        else:
+            tree = build_tree(roots, logits, budget, topk_cap, shadow_linear, max_depth=depth)
+        return tree.tokens, tree.parents, tree.depths, tree.valid, tree.tree_mask
+
+    def _load_draft(self, meta, roots: torch.Tensor) -> int:
         b = roots.shape[0]
         if b < self.d_real:
             lo, hi = b, self.d_real
@@ -274,5 +374,27 @@ class CudaGraphRunner:
         torch.add(meta.lens[:, None], self.d_arange, out=self.d_pos[:b])
         self.d_rows[:b].copy_(meta.rows)
         self.d_ctx[:b].copy_(meta.lens)
-        (hidden,) = self.draft_set.run(b, list(meta.kv_lens))
+        return b
+
+    def draft(self, meta, roots: torch.Tensor) -> torch.Tensor:
+        """Returns the drafter's final hidden [b, S, H] for the round's blocks (the plain block graph)."""
+        gs = self._draft_set(None)
+        b = self._load_draft(meta, roots)
+        (hidden,) = gs.run(b, list(meta.kv_lens))
         return hidden[:b]
+
+    def draft_tree(self, meta, roots: torch.Tensor, depth_limits: list[int] | None) -> tuple[torch.Tensor, DraftTree]:
+        """One replay from the roots to the round's tree (the decoder's spec). depth_limits: per-request depth
+        limits (None: all D). Returns (drafter logits [b, D, V], the tree)."""
+        gs = self._draft_set(self.tree_spec)
+        b = self._load_draft(meta, roots)
+        if depth_limits is not None:
+            self.d_depth[:b].copy_(torch.tensor(depth_limits, dtype=torch.int64))
+            self.d_depth[b:self.d_limited].fill_(self.D)
+            self.d_limited = b
+        elif self.d_limited:
+            self.d_depth[: self.d_limited].fill_(self.D)
+            self.d_limited = 0
+        out = gs.run(b, list(meta.kv_lens))
+        tokens, parents, depths, valid, mask = (x[:b] for x in out)
+        return self.d_logits[:b], DraftTree(tokens, parents, depths, valid, mask, self.D)

@@ -42,10 +42,22 @@ class RoundMeta:
     slot_ids: torch.Tensor  # [b] int64 device
     lens: torch.Tensor  # [b] int64 device (= kv_lens)
     rows: torch.Tensor  # [b, max_pages] block-table rows; re-gathered once verify has allocated its pages
+    roots: torch.Tensor  # [b] int64 device: each request's pending token, the round's tree roots (0 if none)
 
     def matches(self, reqs: list[Req]) -> bool:
         return len(reqs) == len(self.slots) and all(
             r.slot == s and r.kv_len == n for r, s, n in zip(reqs, self.slots, self.kv_lens))
+
+
+@dataclass
+class VerifyOut:
+    """What `ModelRunner.verify_nodes` returns. The CUDA-graph path also hands back the greedy tokens and the
+    greedy accept walk computed inside the graph (None on the eager path)."""
+
+    logits: torch.Tensor  # [b, n, V]: fp32 on the eager path, the LM head's dtype from a graph (same values)
+    taps: torch.Tensor | None  # [b, n, K*H]
+    greedy_tokens: torch.Tensor | None = None  # [b, n] argmax per node
+    greedy_accept: object | None = None  # AcceptResult of the walk under greedy_tokens
 
 
 class ModelRunner:
@@ -98,9 +110,15 @@ class ModelRunner:
         if m is not None and m.matches(reqs):
             return m
         slots, kv_lens = [r.slot for r in reqs], [r.kv_len for r in reqs]
-        both = torch.tensor([slots, kv_lens], dtype=torch.int64).to(self.device)
-        self._round = m = RoundMeta(slots, kv_lens, both[0], both[1], self.bm.block_table.index_select(0, both[0]))
+        host = torch.tensor([slots, kv_lens, [r.output_ids[-1] if r.output_ids else 0 for r in reqs]], dtype=torch.int64).to(self.device)
+        self._round = m = RoundMeta(slots, kv_lens, host[0], host[1], self.bm.block_table.index_select(0, host[0]),
+                                    host[2])
         return m
+
+    def set_tree_spec(self, algorithm: str, budget: int, topk_cap: int, shadow_linear: bool) -> None:
+        """The decoder's tree spec: with CUDA graphs, the draft graphs then run drafter -> tree in one replay."""
+        if self.graphs is not None:
+            self.graphs.set_tree_spec(algorithm, budget, topk_cap, shadow_linear)
 
     def slots_of(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """rows [b, max_pages] block-table rows, positions [b, m] logical -> KV slots [b, m]."""
@@ -164,6 +182,14 @@ class ModelRunner:
             r.kv_len += q
         return self.target.logits(hidden[last]).float()
 
+    def _draft_eager(self, b: int, roots: torch.Tensor, block_size: int, meta: RoundMeta) -> torch.Tensor:
+        ids = torch.full((b, block_size), self.drafter.config.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = roots
+        positions = meta.lens[:, None] + torch.arange(block_size, device=self.device)
+        dmeta = DraftAttentionMetadata(ctx_lens=meta.kv_lens, ctx_lens_t=meta.lens, block_table=meta.rows,
+                                       block_positions=positions, page_size=self.cfg.page_size)
+        return self.draft_forward(ids, positions, dmeta)
+
     @torch.inference_mode()
     def draft(self, reqs: list[Req], roots: torch.Tensor, block_size: int, meta: RoundMeta | None = None):
         """Drafter forward on [root, MASK x (S-1)] blocks -> marginals' logits [b, S-1, V]."""
@@ -172,19 +198,30 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_draft(b, block_size, max(meta.kv_lens)):
             hidden = self.graphs.draft(meta, roots)
         else:
-            ids = torch.full((b, block_size), self.drafter.config.mask_token_id, dtype=torch.int64,
-                             device=self.device)
-            ids[:, 0] = roots
-            positions = meta.lens[:, None] + torch.arange(block_size, device=self.device)
-            dmeta = DraftAttentionMetadata(ctx_lens=meta.kv_lens, ctx_lens_t=meta.lens, block_table=meta.rows,
-                                           block_positions=positions, page_size=self.cfg.page_size)
-            hidden = self.draft_forward(ids, positions, dmeta)
+            hidden = self._draft_eager(b, roots, block_size, meta)
         return self.drafter.logits(hidden[:, 1:], self.target.lm_head)
+
+    @torch.inference_mode()
+    def draft_tree(self, reqs: list[Req], roots: torch.Tensor, block_size: int, depth_limits: list[int] | None,
+                   meta: RoundMeta | None = None):
+        """Drafter logits [b, S-1, V] and, when a CUDA graph built it in the same replay (the tree spec set with
+        `set_tree_spec`, per-request `depth_limits` applied; None = no limit), the round's DraftTree, else None."""
+        meta = meta or self.round_meta(reqs)
+        g = self.graphs
+        if g is not None and g.tree_spec is not None and g.can_draft(len(reqs), block_size, max(meta.kv_lens)):
+            return g.draft_tree(meta, roots, depth_limits)
+        return self.draft(reqs, roots, block_size, meta), None
 
     @torch.inference_mode()
     def verify(self, reqs: list[Req], tree, meta: RoundMeta | None = None):
         """One target forward over every request's tree (n nodes at logical slots [L, L+n), RoPE positions
         L + depth, ancestor mask). Returns logits [b, n, V] fp32 and taps [b, n, K*H]."""
+        out = self.verify_nodes(reqs, tree, meta)
+        return out.logits.float(), out.taps
+
+    @torch.inference_mode()
+    def verify_nodes(self, reqs: list[Req], tree, meta: RoundMeta | None = None) -> VerifyOut:
+        """`verify`, plus (from a CUDA graph) the greedy tokens and accept walk computed in the same replay."""
         b, n = tree.tokens.shape
         for r in reqs:
             self.bm.allocate(r, r.kv_len + n)
@@ -196,12 +233,12 @@ class ModelRunner:
         if self.state_pool is not None:
             linear = self.state_pool.tree_context(meta.slots, tree)
         if linear is None and self.graphs is not None and self.graphs.can_verify(b, n, max(meta.kv_lens) + n):
-            hidden, taps = self.graphs.verify(meta, tree)
-        else:
-            hidden, taps = self.target_forward(tree.tokens.flatten(), (meta.lens[:, None] + tree.depths).flatten(),
-                                               self.verify_metadata(meta, tree.tree_mask, n), linear=linear)
+            logits, taps, tokens, res = self.graphs.verify(meta, tree)
+            return VerifyOut(logits.view(b, n, -1), taps.view(b, n, -1) if taps is not None else None, tokens, res)
+        hidden, taps = self.target_forward(tree.tokens.flatten(), (meta.lens[:, None] + tree.depths).flatten(),
+                                           self.verify_metadata(meta, tree.tree_mask, n), linear=linear)
         logits = self.target.logits(hidden).float().view(b, n, -1)
-        return logits, (taps.view(b, n, -1) if taps is not None else None)
+        return VerifyOut(logits, taps.view(b, n, -1) if taps is not None else None)
 
     def verify_metadata(self, meta: RoundMeta, tree_mask: torch.Tensor, n: int) -> AttentionMetadata:
         b = len(meta.kv_lens)

@@ -3,6 +3,11 @@ draft -> build tree -> verify -> sample at every node -> accept walk -> commit.
 
 NONE (plain AR) is the one-node tree; DFLASH is the drafter's top-1 chain; DDTREE the best-first tree.
 The host reads back only the emitted tokens and their count, once per round.
+
+With CUDA graphs the draft replay goes from the roots to the finished tree (drafter, LM head, tree build) and the
+verify replay from the tree to the greedy accept walk (target, LM head, argmax, walk); the decoder falls back to
+the eager tree build for rounds with per-request budgets, and to eager sampling + walk when a request samples
+(temperature > 0) or a `target_override` is set.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
-from ddtree.engine.sampler import sample_nodes
+from ddtree.engine.sampler import sample_from, sample_nodes
 from ddtree.speculative.accept import accept_tree
 from ddtree.speculative.tree import DraftTree, build_chain, build_tree
 
@@ -54,38 +59,51 @@ class SpecDecoder:
         self.runner, self.cfg = runner, cfg
         self.times = times if times is not None else PhaseTimes()
         self.target_override = target_override
+        set_spec = getattr(runner, "set_tree_spec", None)
+        if set_spec is not None and cfg.algorithm != "NONE":
+            set_spec(cfg.algorithm, cfg.budget, cfg.topk_cap, cfg.shadow_linear)
 
-    def max_depths(self, reqs: list[Req], max_context: int) -> torch.Tensor | None:
-        """Per-request depth limit so a tree never runs past the context length or the token budget."""
+    def depth_limits(self, reqs: list[Req], max_context: int) -> list[int] | None:
+        """Per-request depth limit so a tree never runs past the context length or the token budget (None when
+        every request may use the full depth)."""
         depth = self.cfg.block_size - 1
         lim = [max(0, min(depth, max_context - r.kv_len - 1, r.params.max_tokens - r.num_output_tokens - 1))
                for r in reqs]
-        if all(x == depth for x in lim):
-            return None
-        return torch.tensor(lim, dtype=torch.int64, device=self.runner.device)
+        return None if all(x == depth for x in lim) else lim
+
+    def max_depths(self, reqs: list[Req], max_context: int) -> torch.Tensor | None:
+        lim = self.depth_limits(reqs, max_context)
+        return None if lim is None else torch.tensor(lim, dtype=torch.int64, device=self.runner.device)
 
     def round(self, reqs: list[Req], max_context: int) -> list[list[int]]:
         """Run one round; returns the tokens each request emits (accepted drafts then the bonus token)."""
         runner, cfg, t = self.runner, self.cfg, self.times.start()
-        roots = torch.tensor([r.pending_token for r in reqs], dtype=torch.int64, device=runner.device)
+        roots = runner.round_meta(reqs).roots  # one host->device copy with the round's lengths and slots
         if cfg.algorithm == "NONE":
             return self._ar_round(reqs, roots, t)
-        draft_logits = runner.draft(reqs, roots, cfg.block_size)
+        limits = self.depth_limits(reqs, max_context)
+        budgets = self._budgets(reqs)
+        draft_logits, tree = runner.draft_tree(reqs, roots, cfg.block_size, limits)
         t = self.times.add("draft", t)
-        max_depth = self.max_depths(reqs, max_context)
-        if cfg.algorithm == "DFLASH":
-            tree = build_chain(roots, draft_logits, max_depth=max_depth)
-        else:
-            tree = self._build_trees(reqs, roots, draft_logits, max_depth)
+        if tree is None or (budgets is not None and cfg.algorithm == "DDTREE"):
+            max_depth = None if limits is None else torch.tensor(limits, dtype=torch.int64, device=runner.device)
+            if cfg.algorithm == "DFLASH":
+                tree = build_chain(roots, draft_logits, max_depth=max_depth)
+            else:
+                tree = self._build_trees(reqs, roots, draft_logits, max_depth, budgets)
         t = self.times.add("tree", t)
-        logits, taps = runner.verify(reqs, tree)
+        vo = runner.verify_nodes(reqs, tree)
         t = self.times.add("verify", t)
-        target_tokens = sample_nodes(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        if self.target_override is not None:
-            target_tokens = self.target_override(tree, target_tokens)
-        res = accept_tree(tree, target_tokens)
+        params = [r.params for r in reqs]
+        if vo.greedy_accept is not None and self.target_override is None and all(p.greedy for p in params):
+            res = vo.greedy_accept  # walked inside the verify graph
+        else:
+            target_tokens = self._sample(vo, params, [r.generator for r in reqs])
+            if self.target_override is not None:
+                target_tokens = self.target_override(tree, target_tokens)
+            res = accept_tree(tree, target_tokens)
         t = self.times.add("accept", t)
-        runner.commit(reqs, res.path, res.accept_length, taps)
+        runner.commit(reqs, res.path, res.accept_length, vo.taps)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1).cpu()  # the round's one device->host copy
         self.times.add("commit", t)
         emitted = []
@@ -96,12 +114,28 @@ class SpecDecoder:
             emitted.append(row[1 : 1 + k])
         return emitted
 
-    def _build_trees(self, reqs, roots, draft_logits, max_depth) -> DraftTree:
+    @staticmethod
+    def _sample(vo, params, generators) -> torch.Tensor:
+        """Target tokens [b, n]: the graph's argmax for greedy rows, a sample for the others (as sample_nodes)."""
+        if vo.greedy_tokens is None:
+            return sample_nodes(vo.logits, params, generators)
+        out = vo.greedy_tokens.clone()
+        for i, p in enumerate(params):
+            if not p.greedy:
+                out[i] = sample_from(vo.logits[i], p, generators[i])
+        return out
+
+    def _budgets(self, reqs: list[Req]) -> list[int] | None:
+        """Per-request DDTree budgets, or None when every request uses the server's."""
+        full = self.cfg.budget
+        budgets = [min(r.params.ddtree_budget or full, full) for r in reqs]
+        return None if all(b == full for b in budgets) else budgets
+
+    def _build_trees(self, reqs, roots, draft_logits, max_depth, budgets: list[int] | None) -> DraftTree:
         """One tree per request; requests asking for a smaller budget get their own build, padded with inert
         nodes to the server's width so the batch verifies in one forward."""
         cfg = self.cfg
-        budgets = [min(r.params.ddtree_budget or cfg.budget, cfg.budget) for r in reqs]
-        if all(b == cfg.budget for b in budgets):
+        if budgets is None:
             return build_tree(roots, draft_logits, cfg.budget, cfg.topk_cap, cfg.shadow_linear, max_depth=max_depth)
         parts = []
         for budget in sorted(set(budgets)):
@@ -116,9 +150,9 @@ class SpecDecoder:
         runner = self.runner
         n = 1
         tree = _root_only(roots)
-        logits, _ = runner.verify(reqs, tree)
+        vo = runner.verify_nodes(reqs, tree)
         t = self.times.add("verify", t)
-        tokens = sample_nodes(logits, [r.params for r in reqs], [r.generator for r in reqs])[:, 0]
+        tokens = self._sample(vo, [r.params for r in reqs], [r.generator for r in reqs])[:, 0]
         t = self.times.add("accept", t)
         zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
         runner.commit(reqs, zeros[:, None], zeros, None)  # no KV moves; commits hybrid state of the root
