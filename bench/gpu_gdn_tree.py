@@ -6,9 +6,13 @@
 
 Qwen3.6-27B-shaped GDN layer (config: Hk=16, Hv=48, dk=dv=128, conv kernel 4; 48 of its 64 layers are GDN).
 (a) Triton tree kernel vs reference: chains, bushy and random trees, B=1..64, fp32/bf16 inputs, fp32 states.
-(b) tree verify at B=64 (65 nodes), batch 1 and 8: kernel (CUDA graph, tile sweep) vs reference (eager).
+(b) tree verify at B=64 (65 nodes), batch 1 and 8: kernel (CUDA graph, tile sweep) vs reference (eager), and
+    the chunk-form tree rule (tree_chunk: no per-node states; the no_buffer verify) eager and CUDA graph, alone
+    and with the post-state of one node; rel err vs the reference (outputs, that node's state).
 (c) commit through HybridStatePool.commit on 48 layers: copy one node's state (extra_buffer) vs replay of the
-    accepted path (no_buffer), accept lengths 1/4/8/16, batch 1 and 8; per layer = total / 48.
+    accepted path (no_buffer), accept lengths 1/4/8/16, batch 1 and 8; per layer = total / 48. Then the
+    no_buffer commit's rule part alone on the 48 layers' accepted chains: fla replay vs the chunk-form path
+    state, and the full verify + commit per layer for both strategies (with (b)'s verify times).
 (d) fla chunk (prefill: varlen, initial states) and fused recurrent (decode, continuing from the chunk's final
     state) vs the reference: rel err and time.
 (e) the toy hybrid pair on the GPU in fp32: DFLASH and DDTREE (B=16, both strategies) token-identical to AR.
@@ -27,6 +31,7 @@ import torch  # noqa: E402
 
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.gdn import backend, reference  # noqa: E402
+from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule  # noqa: E402
 from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton  # noqa: E402
 
 HK, HV, DK, DV, KCONV, GDN_LAYERS = 16, 48, 128, 128, 4, 48
@@ -140,7 +145,31 @@ def section_b(gen):
         ref = time_eager(lambda: reference.tree_gated_delta_rule(q, k, v, g, beta, parents, depths, s0,
                                                                  return_node_states=True, max_depth=64)) * 1e6
         row(f"b={b}", "reference", f"{ref:8.1f} us", f"kernel best {best:.1f} us" if best else "kernel: none ran")
-        out.append({"b": b, "kernel_best_us": best, "reference_us": ref})
+        f32 = [t.float() for t in (q, k, v, g, beta)]  # errors on fp32 outputs (bf16 rounding would hide them)
+        ro, rst = reference.tree_gated_delta_rule(*f32, parents, depths, s0, return_node_states=True)
+        last = torch.randint(0, 65, (b,), generator=gen).to(DEV)
+        rec = {"b": b, "kernel_best_us": best, "reference_us": ref}
+        for with_state in (False, True):
+            def chunk(with_state=with_state):
+                return tree_chunk_gated_delta_rule(q, k, v, g, beta, parents, depths, s0, max_depth=64,
+                                                   last=last if with_state else None)
+            o, st = tree_chunk_gated_delta_rule(*f32, parents, depths, s0, last=last if with_state else None)
+            eo = rel(o, ro)
+            es = rel(st, rst[torch.arange(b, device=DEV), last]) if with_state else 0.0
+            eager = time_eager(chunk, reps=20) * 1e6
+            try:
+                graph = time_graph(chunk, reps=20) * 1e6
+            except Exception as e:  # noqa: BLE001 - not capturable: reported, eager stands
+                graph = None
+                row(f"b={b}", "tree_chunk", f"CUDA graph capture failed: {type(e).__name__}: {e}"[:160])
+            name = "tree_chunk+state" if with_state else "tree_chunk"
+            row(f"b={b}", f"{name:16s}", f"eager {eager:8.1f} us", f"graph {graph:8.1f} us" if graph else "graph -",
+                f"rel err out {eo:.1e}" + (f" state {es:.1e}" if with_state else ""))
+            rec[f"{name}_eager_us"], rec[f"{name}_graph_us"] = eager, graph
+            rec[f"{name}_err"] = (eo, es)
+            if not (torch.isfinite(o).all() and eo < 1e-4 and es < 1e-4):
+                FAILED.append(f"b:{name}:b={b}")
+        out.append(rec)
     RESULT["b"] = out
 
 
@@ -168,6 +197,63 @@ def section_c(gen):
             torch.cuda.empty_cache()
     print(f"  replay backend: {backend.describe(DEV)['replay']}", flush=True)
     RESULT["c"] = out
+    section_c_rule(gen)
+
+
+def section_c_rule(gen):
+    """The no_buffer commit's rule part on L x b accepted chains (what HybridStatePool._replay hands the
+    dispatch): fla fused-recurrent replay vs the chunk-form state of the chain's last node."""
+    from ddtree.kernels.gdn import dispatch
+
+    print(f"(c') no_buffer commit rule on {GDN_LAYERS} layers' accepted chains: us total (per layer)", flush=True)
+    rule = {}
+    for b in (1, 8):
+        N, P = GDN_LAYERS * b, 17
+        torch.manual_seed(b)  # on the device: 384 states do not come from a CPU generator in time
+        q, k = (torch.randn(N, P, HK, DK, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(N, P, HV, DV, device=DEV, dtype=torch.bfloat16)
+        g = -torch.rand(N, P, HV, device=DEV) * 2
+        beta = torch.rand(N, P, HV, device=DEV, dtype=torch.bfloat16)
+        s0 = torch.randn(N, HV, DK, DV, device=DEV) * 0.1
+        for acc in (1, 8, 16):
+            step = torch.arange(P, device=DEV)
+            path = torch.where(step <= acc, step, -1).repeat(N, 1)
+            par = torch.where(path > 0, step - 1, -1)
+            dep = torch.where(path >= 0, step, -1)
+            last = torch.full((N,), acc, device=DEV)
+            want = reference.replay_path(q, k, v, g, beta, path, s0)
+
+            def by_replay():
+                return dispatch.replay(q, k, v, g, beta, path, s0)
+
+            def by_formula():
+                return tree_chunk_gated_delta_rule(q, k, v, g, beta, par, dep, s0, max_depth=16, last=last)[1]
+
+            e_rep, e_form = rel(by_replay(), want), rel(by_formula(), want)
+            t_rep, t_form = us(by_replay), us(by_formula)
+            per = [float(t.rstrip("*")) / GDN_LAYERS for t in (t_rep, t_form)]
+            row(f"b={b}", f"accept {acc:2d}", f"replay {t_rep} us ({per[0]:.2f}/layer, err {e_rep:.1e})",
+                f"chunk path state {t_form} us ({per[1]:.2f}/layer, err {e_form:.1e})")
+            rule[(b, acc)] = per
+            if not (e_rep < 5e-3 and e_form < 1e-4):
+                FAILED.append(f"c:rule:b={b}:acc={acc}")
+        del q, k, v, g, beta, s0
+    RESULT["c_rule"] = {f"b={b},acc={a}": p for (b, a), p in rule.items()}
+    verify = {r["b"]: r for r in RESULT.get("b", [])}
+    commit = {(r["b"], r["strategy"], r["accept"]): float(r["us"].rstrip("*")) / GDN_LAYERS for r in RESULT["c"]}
+    if not verify:
+        print("  (run section b too for the verify + commit totals)", flush=True)
+        return
+    print("  verify + commit per GDN layer, accept 8 (verify: CUDA graph; commit: HybridStatePool.commit / 48)")
+    for b in (1, 8):
+        vb = verify.get(b)
+        if not vb:
+            continue
+        chunk_v = vb.get("tree_chunk_graph_us") or vb.get("tree_chunk_eager_us")
+        ex = (vb["kernel_best_us"] or float("nan")) + commit[(b, "extra_buffer", 8)]
+        nb = chunk_v + commit[(b, "no_buffer", 8)]
+        row(f"b={b}", f"extra_buffer (triton + copy) {ex:8.1f} us", f"no_buffer (tree_chunk + replay) {nb:8.1f} us",
+            f"x{GDN_LAYERS} layers: {ex * GDN_LAYERS / 1e3:.2f} ms vs {nb * GDN_LAYERS / 1e3:.2f} ms")
 
 
 def section_d(gen):

@@ -33,7 +33,7 @@ def tree_ancestor_mask(parents: Tensor, valid: Tensor, max_depth: int | None = N
     """[b, n, n] bool, M[b, i, j] = j is an ancestor of i or i itself (valid nodes only). Transitive closure
     of (I + parent edges) by repeated squaring: ceil(log2(max_depth)) batched matmuls, no host syncs.
     max_depth bounds the number of edges on any root path (n - 1 when None)."""
-    b, n = parents.shape
+    n = parents.shape[1]
     idx = torch.arange(n, device=parents.device)
     edge = valid & (parents >= 0)
     R = (parents.long()[..., None] == idx) & edge[..., None]  # R[i, p] = p is i's parent
