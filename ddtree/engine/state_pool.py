@@ -8,7 +8,8 @@ the last accepted node:
   extra_buffer: node_conv [L, R, W, C, K-1], node_ssm [L, R, W, Hv, dk, dv]  -> commit copies one node
   no_buffer:    node_x [L, R, W, C] (pre-conv), node_y [L, R, W, C] (post-conv q|k|v), node_g [L, R, W, Hv]
                 fp32, node_beta [L, R, W, Hv]                                  -> commit replays the path
-W = max_verify_width (root included).
+W = max_verify_width (root included). Under no_buffer the verify itself keeps no per-node states either: on
+CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk.py), extra_buffer the Triton tree kernel.
 """
 
 from __future__ import annotations
