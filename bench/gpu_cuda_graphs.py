@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""H200 check of CUDA graphs for the target verify and the drafter block: one run, < 3 minutes, a short table.
+"""H200 check of CUDA graphs for the target verify and the drafter block: one run, < 2.5 minutes, a short table.
 
-    python3 bench/gpu_cuda_graphs.py            # from the repo root; [--only default,toy] [--budget-s 170]
+    python3 bench/gpu_cuda_graphs.py            # from the repo root; [--only default,toy] [--budget-s 125]
 
 Pairs: the embedded default pair (ddtree/assets/default_pair) and the toy pair (ddtree/train/toy.py, trained on
 the CPU in a subprocess while the default pair runs; cached under $DDTREE_CACHE or ~/.cache/ddtree). For each
@@ -10,7 +10,8 @@ pair, dtype (bf16, fp32) and algorithm (NONE, DFLASH, DDTREE B=16, DDTREE B=64) 
 greedy, 48 tokens) run twice on it: graphs on, and with the runner's graphs detached (eager). Checks:
   - token-identical outputs, graphs vs eager: asserted in fp32; in bf16 the mismatching requests are counted
     (batch-shape-dependent bf16 rounding can flip a near-tie);
-  - the graph path really ran (verify replays, and draft replays for DFLASH/DDTREE);
+  - the graph path really ran (verify replays; for DFLASH/DDTREE draft replays, which now end in the finished
+    tree, and verify replays whose greedy accept walk ran inside the graph);
   - ms per round (median over the rounds that ran the full batch), eager vs graphs.
 Exit code 1 if an fp32 mismatch, a missing replay or a crash happened.
 """
@@ -66,7 +67,7 @@ class Probe:
     """Per-round wall time (the round ends in its one device->host copy) and graph replay counts."""
 
     def __init__(self, llm):
-        self.rounds, self.replays = [], {"verify": 0, "draft": 0}
+        self.rounds, self.replays = [], {"verify": 0, "draft": 0, "accept": 0}
         dec, runner = llm.engine.decoder, llm.engine.runner
         round_fn = dec.round
 
@@ -78,12 +79,15 @@ class Probe:
 
         dec.round = timed
         g = runner.graphs
-        for name in ("verify", "draft"):
+        for name, key in (("verify", "verify"), ("draft", "draft"), ("draft_tree", "draft")):
             fn = getattr(g, name)
 
-            def counted(*a, _fn=fn, _name=name):
-                self.replays[_name] += 1
-                return _fn(*a)
+            def counted(*a, _fn=fn, _key=key):
+                self.replays[_key] += 1
+                out = _fn(*a)
+                if _key == "verify" and out[3] is not None:  # the greedy accept walk ran inside the verify graph
+                    self.replays["accept"] += 1
+                return out
 
             setattr(g, name, counted)
 
@@ -93,7 +97,7 @@ def generate(llm, probe, prompts, graphs):
     saved = runner.graphs
     runner.graphs = saved if graphs else None
     probe.rounds.clear()
-    probe.replays.update(verify=0, draft=0)
+    probe.replays.update(verify=0, draft=0, accept=0)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     try:
         outs = llm.generate(prompts, params)
@@ -133,11 +137,11 @@ def run_config(pair_name, target, drafter, dtype, algo, budget, rows, failures):
             first = next(i for i, (x, y) in enumerate(zip(eager, graph)) if x != y)
             pos = next((j for j, (u, v) in enumerate(zip(eager[first], graph[first])) if u != v), None)
             notes.append(f"req {first} diverges at token {pos}")
-        if replays["verify"] == 0 or (algo != "NONE" and replays["draft"] == 0):
+        if replays["verify"] == 0 or (algo != "NONE" and (replays["draft"] == 0 or replays["accept"] == 0)):
             failures.append(f"{pair_name} {dtype} {name} b={b}: no graph replay {replays}")
             notes.append("NO REPLAY")
         rows.append((pair_name, dtype, name, b, f"{acc:.2f}", f"{ms_e:.2f}", f"{ms_g:.2f}",
-                     f"{ms_e / ms_g:.2f}x", f"{bad}/{b}", f"{replays['verify']}/{replays['draft']}",
+                     f"{ms_e / ms_g:.2f}x", f"{bad}/{b}", f"{replays['verify']}/{replays['draft']}/{replays['accept']}",
                      f"{build_s:.1f}", " ".join(notes)))
     del llm, runner, probe
     torch.cuda.empty_cache()
@@ -146,7 +150,7 @@ def run_config(pair_name, target, drafter, dtype, algo, budget, rows, failures):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="default,toy", help="pairs to run: default,toy")
-    ap.add_argument("--budget-s", type=float, default=170, help="skip remaining configs after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=125, help="skip remaining configs after this many seconds")
     ns = ap.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     pairs = [p for p in ns.only.split(",") if p]
@@ -175,7 +179,7 @@ def main():
                     traceback.print_exc()
                 print(f"[{time.time() - T0:5.0f}s] {pair_name} {dtype} {algo} {budget or ''} done", flush=True)
     head = ("pair", "dtype", "algo", "batch", "accept", "eager ms/rd", "graph ms/rd", "speedup", "mismatch",
-            "replays v/d", "build s", "notes")
+            "replays v/d/acc", "build s", "notes")
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))

@@ -214,3 +214,105 @@ def test_cuda_graph_flags_resolve(tmp_path, caplog):
     with pytest.raises(ConfigError) as info:
         _resolve(tmp_path, "--cuda-graph-max-bs", "0")
     assert any(p.startswith("--cuda-graph-max-bs 0: must be at least 1") for p in info.value.problems)
+
+
+# ---- the fused draft -> tree replay and the in-graph greedy accept walk ---------------------------------------
+# small max_tokens: late rounds limit the tree depth per request; mixed budgets: some rounds build per-budget trees
+FUSED_PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, ddtree_budget=bud)
+                for m, bud in ((30, None), (12, 3), (22, None), (6, 5), (17, None))]
+
+
+def _check_rounds(llm, log, drop_limits=False):
+    """Every fused draft replay's tree must equal the eager build from the same logits and depth limits; every
+    in-graph accept walk must equal the eager walk under the argmax of the verify logits."""
+    from ddtree.speculative.accept import accept_tree
+    from ddtree.speculative.tree import build_chain, build_tree
+
+    runner, spec = llm.engine.runner, llm.engine.spec
+    g = runner.graphs
+    draft_tree, verify_nodes, graph_draft = runner.draft_tree, runner.verify_nodes, g.draft_tree
+
+    if drop_limits:  # sabotage: the graph never sees the per-request depth limits
+        g.draft_tree = lambda meta, roots, limits: graph_draft(meta, roots, None)
+
+    def checked_draft(reqs, roots, block_size, limits, meta=None):
+        logits, tree = draft_tree(reqs, roots, block_size, limits, meta)
+        if tree is not None:
+            depth = None if limits is None else torch.tensor(limits)
+            if spec.algorithm == "DFLASH":
+                ref = build_chain(roots, logits, max_depth=depth)
+            else:
+                ref = build_tree(roots, logits, spec.budget, spec.topk_cap, spec.shadow_linear, max_depth=depth)
+            for f in ("tokens", "parents", "depths", "valid", "tree_mask"):
+                assert torch.equal(getattr(tree, f), getattr(ref, f)), f
+            assert tree.num_depths == ref.num_depths
+            budgets = llm.engine.decoder._budgets(reqs)
+            log.append(("draft", len(reqs), limits is not None, budgets is not None and spec.algorithm == "DDTREE"))
+        return logits, tree
+
+    def checked_verify(reqs, tree, meta=None):
+        vo = verify_nodes(reqs, tree, meta)
+        if vo.greedy_accept is not None:
+            tokens = vo.logits.float().argmax(-1)
+            assert torch.equal(vo.greedy_tokens, tokens)
+            ref = accept_tree(tree, tokens)
+            for f in ("accept_length", "path", "out_tokens", "num_out", "last_node"):
+                assert torch.equal(getattr(vo.greedy_accept, f), getattr(ref, f)), f
+            log.append(("accept", len(reqs), False, False))
+        return vo
+
+    runner.draft_tree, runner.verify_nodes = checked_draft, checked_verify
+
+
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DDTREE"])
+def test_fused_draft_tree_and_graph_accept_match_eager(toy_pair, one_torch_thread, algorithm):
+    prompts = [list(p) for p in toy_prompts(5)]
+    plain_llm = make_llm(toy_pair, algorithm, speculative_ddtree_budget=8, max_running_requests=8)
+    ref = [o.token_ids for o in plain_llm.generate(prompts, FUSED_PARAMS)]
+    llm = make_llm(toy_pair, algorithm, speculative_ddtree_budget=8, max_running_requests=8)
+    attach_graphs(llm, 4)
+    log = []
+    _check_rounds(llm, log)
+    outs = llm.generate(prompts, FUSED_PARAMS)
+    assert [o.token_ids for o in outs] == ref
+    drafts = [e for e in log if e[0] == "draft"]
+    assert drafts and any(b not in batch_buckets(4) for _, b, _, _ in drafts), "no padded fused replay"
+    assert any(limited for _, _, limited, _ in drafts), "no round with per-request depth limits"
+    if algorithm == "DDTREE":
+        assert any(mixed for _, _, _, mixed in drafts), "no round with per-request budgets"
+    assert any(e[0] == "accept" for e in log), "the in-graph accept walk never ran"
+
+
+def test_fused_check_catches_dropped_depth_limits(toy_pair, one_torch_thread):
+    """Control: a graph that ignores the per-request depth limits is caught by the tree comparison."""
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=8, max_running_requests=8)
+    attach_graphs(llm, 4)
+    _check_rounds(llm, [], drop_limits=True)
+    with pytest.raises(AssertionError, match="tokens|parents|depths|valid|tree_mask"):
+        llm.generate([list(p) for p in toy_prompts(3)], [FUSED_PARAMS[i] for i in (0, 3, 4)])
+
+
+@pytest.mark.parametrize("case", ["sampling", "override"])
+def test_graph_path_with_sampling_or_override_gives_plain_tokens(toy_pair, one_torch_thread, case):
+    """Sampled requests (eager sampling from the graph's logits) and a target_override (forced accept lengths,
+    eager walk) give the plain path's tokens."""
+    from ddtree.bench.forced_accept import AcceptTrace
+
+    if case == "sampling":
+        params = [SamplingParams(temperature=t, max_tokens=14, ignore_eos=True, seed=s, top_p=0.9)
+                  for t, s in ((0, None), (0.8, 1), (0, None), (1.0, 2))]
+    else:
+        params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)] * 4
+    prompts = [list(p) for p in toy_prompts(4)]
+    outs = []
+    for graphs in (False, True):
+        llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=8, max_running_requests=8)
+        if graphs:
+            attach_graphs(llm, 4)
+            log = []
+            _check_rounds(llm, log)
+        if case == "override":
+            llm.engine.decoder.target_override = AcceptTrace([2, 1, 4], llm.engine.runner.device)
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+    assert any(e[0] == "draft" for e in log)
