@@ -16,33 +16,47 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.configs import DrafterConfig
-from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding
+from ddtree.kernels.fused import qk_norm_rope
+from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears
 
 # (layer, q [b,S,Hq,D], k_blk [b,S,Hkv,D], v_blk) -> [b,S,Hq,D]; the callable knows where the context is.
 BlockAttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DFlashAttention(nn.Module):
+    """q|k|v as one GEMM (`qkv_proj`; HF `q_proj`/`k_proj`/`v_proj` in checkpoints); context rows use only the
+    k|v rows of it (one GEMM)."""
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(h, self.heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=cfg.attention_bias)
+        self.q_size, self.kv_size = self.heads * hd, self.kv_heads * hd
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.heads * hd, h, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        fuse_linears(self, "qkv_proj", (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)))
 
     def kv(self, x, rope: RotaryEmbedding, cos, sin):
+        """Normed and rotated k, and v, of context rows x."""
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        kv = F.linear(x, w[self.q_size:], None if b is None else b[self.q_size:])
         shape = x.shape[:-1]
-        k = self.k_norm(self.k_proj(x).view(*shape, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
-        return rope(k, cos, sin), v
+        k = kv[..., :self.kv_size].view(*shape, self.kv_heads, self.head_dim)
+        v = kv[..., self.kv_size:].view(*shape, self.kv_heads, self.head_dim)
+        _, k = qk_norm_rope(None, k, None, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        return k, v
 
-    def q(self, x, rope: RotaryEmbedding, cos, sin):
-        q = self.q_norm(self.q_proj(x).view(*x.shape[:-1], self.heads, self.head_dim))
-        return rope(q, cos, sin)
+    def qkv(self, x, rope: RotaryEmbedding, cos, sin):
+        """Normed and rotated q, k, and v, of block rows x (one GEMM, one norm + RoPE kernel)."""
+        shape = x.shape[:-1]
+        qkv = self.qkv_proj(x)
+        q = qkv[..., :self.q_size].view(*shape, self.heads, self.head_dim)
+        k = qkv[..., self.q_size:self.q_size + self.kv_size].view(*shape, self.kv_heads, self.head_dim)
+        v = qkv[..., self.q_size + self.kv_size:].view(*shape, self.kv_heads, self.head_dim)
+        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
+        return q, k, v
 
 
 class DFlashLayer(nn.Module):
@@ -80,15 +94,16 @@ class DFlashDrafter(nn.Module):
         """embeds [b, S, H] = target embedding of the block ids, positions [b, S] -> final-normed hidden [b, S, H]."""
         x = embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        h, residual = self.layers[0].input_layernorm(x), x
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
             attn = layer.self_attn
-            q = attn.q(h, self.rotary, cos, sin)
-            k, v = attn.kv(h, self.rotary, cos, sin)
+            q, k, v = attn.qkv(h, self.rotary, cos, sin)
             out = attend(i, q, k, v)
-            x = x + attn.o_proj(out.reshape(*x.shape[:-1], attn.heads * attn.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+            h = attn.o_proj(out.reshape(*x.shape[:-1], attn.heads * attn.head_dim))
+            h, residual = layer.post_attention_layernorm(h, residual)
+            h, residual = norms[i](layer.mlp(h), residual)  # residual = output of layer i
+        return h
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden)

@@ -3,36 +3,73 @@
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ddtree.kernels.fused import add_rmsnorm, silu_mul
+from ddtree.kernels.fused.reference import rope_reference
 
 
 class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: statistics in fp32, scale applied after casting back (matches HF bit for bit)."""
+    """Qwen3 RMSNorm: statistics in fp32, scale applied after casting back (matches HF bit for bit).
+    `norm(x)` -> normed; `norm(x, residual)` -> (normed(x + residual), x + residual), one fused kernel."""
+
+    offset = False  # Qwen3.5's (1 + weight) norm sets this
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if self.offset else torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        normed, s = add_rmsnorm(x, residual, self.weight, self.eps, self.offset)
+        return normed if residual is None else (normed, s)
+
+
+def fuse_linears(owner: nn.Module, fused: str, parts: Sequence[tuple[str, int]]) -> None:
+    """`owner.<fused>` (an nn.Linear) holds the output rows of HF's separate `owner.<part>` linears, stacked in
+    `parts` order ((name, rows), ...). Checkpoints keep HF names: `state_dict()` shows the parts (row views of
+    the fused weight/bias, no copy), `load_state_dict()` takes the parts (concatenated)."""
+    table = owner.__dict__.setdefault("_fused_linears", {})
+    if not table:
+        owner.register_state_dict_post_hook(_split_fused)
+        owner.register_load_state_dict_pre_hook(_concat_fused)
+    table[fused] = tuple(parts)
+
+
+def _split_fused(module, state_dict, prefix, local_metadata):
+    for fused, parts in module._fused_linears.items():
+        for suffix in ("weight", "bias"):
+            key = f"{prefix}{fused}.{suffix}"
+            if key not in state_dict:
+                continue
+            t = state_dict.pop(key)
+            for (name, _), piece in zip(parts, t.split([rows for _, rows in parts], 0)):
+                state_dict[f"{prefix}{name}.{suffix}"] = piece
+
+
+def _concat_fused(module, state_dict, prefix, *_):
+    for fused, parts in module._fused_linears.items():
+        for suffix in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{suffix}" for name, _ in parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(k) for k in keys], 0)
 
 
 class MLP(nn.Module):
+    """SwiGLU MLP with gate|up as one GEMM (`gate_up_proj`; HF `gate_proj`/`up_proj` in checkpoints)."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        fuse_linears(self, "gate_up_proj", (("gate_proj", inter), ("up_proj", inter)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 def _inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -78,13 +115,8 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [..., T, H, D]; cos/sin [..., T, rotary_dim]."""
-        rd = self.rotary_dim
-        rot, rest = x[..., :rd], x[..., rd:]
-        half = rd // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
-        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+        """x [..., T, H, D]; cos/sin [..., T, rotary_dim]. (The layers fuse RoPE with the q/k norms instead.)"""
+        return rope_reference(x, cos, sin)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -30,8 +30,10 @@ def safetensors_files(path: str) -> list[str]:
 
 def load_state(module: nn.Module, path: str, rename, optional: tuple[str, ...] = ()) -> None:
     """Copy tensors into `module`'s parameters. `rename(key) -> name | None` maps checkpoint keys to
-    parameter names (None skips the tensor, e.g. a vision tower or MTP head)."""
-    params = dict(module.named_parameters())
+    state-dict names (None skips the tensor, e.g. a vision tower or MTP head). State-dict names are HF's: a fused
+    projection (`qkv_proj`, `gate_up_proj`) shows up as row views named after its HF parts, so the parts are
+    copied straight into their rows of the fused weight."""
+    params = module.state_dict(keep_vars=True)
     loaded: set[str] = set()
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:

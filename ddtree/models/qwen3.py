@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.configs import TargetConfig
-from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding
+from ddtree.kernels.fused import qk_norm_rope
+from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -32,22 +33,30 @@ def causal_attend(scale: float) -> AttendFn:
 
 
 class Qwen3Attention(nn.Module):
+    """q|k|v as one GEMM (`qkv_proj`; HF `q_proj`/`k_proj`/`v_proj` in checkpoints), then one fused kernel for
+    the per-head q/k RMSNorms and RoPE."""
+
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
+        fuse_linears(self, "qkv_proj", (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)))
+
+    def split_qkv(self, qkv: torch.Tensor, cos, sin):
+        """qkv [..., q_size + 2 kv_size] (the fused projection) -> normed and rotated (q, k), and v (a view)."""
+        shape = qkv.shape[:-1]
+        q = qkv[..., :self.q_size].view(*shape, self.heads, self.head_dim)
+        k = qkv[..., self.q_size:self.q_size + self.kv_size].view(*shape, self.kv_heads, self.head_dim)
+        v = qkv[..., self.q_size + self.kv_size:].view(*shape, self.kv_heads, self.head_dim)
+        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
+        return q, k, v
 
     def qkv(self, x, rope: RotaryEmbedding, cos, sin):
-        shape = x.shape[:-1]
-        q = self.q_norm(self.q_proj(x).view(*shape, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(*shape, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
-        return rope(q, cos, sin), rope(k, cos, sin), v
+        return self.split_qkv(self.qkv_proj(x), cos, sin)
 
     def forward(self, layer: int, x, rope, cos, sin, attend: AttendFn):
         q, k, v = self.qkv(x, rope, cos, sin)
@@ -56,6 +65,11 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
+    """`forward` takes its input already normed by `input_layernorm` plus the residual stream, and returns
+    (mlp output, residual): the layer's output is their sum, which the caller adds inside the next norm
+    (`CausalLM.hidden_states`). Kernels: qkv GEMM, q/k norm + RoPE, attention, o GEMM, add + norm, gate|up GEMM,
+    SiLU-mul, down GEMM (+ the next layer's add + norm)."""
+
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.self_attn = Qwen3Attention(
@@ -66,9 +80,10 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, x, rope, cos, sin, attend: AttendFn, linear=None):
-        x = x + self.self_attn(layer, self.input_layernorm(x), rope, cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, layer: int, h, residual, rope, cos, sin, attend: AttendFn, linear=None):
+        h = self.self_attn(layer, h, rope, cos, sin, attend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3Body(nn.Module):
@@ -111,12 +126,16 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         taps = {}
         wanted = set(tap_layers)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(i, x, self.rotary, cos, sin, attend, linear)
+        layers = self.model.layers
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        h, residual = layers[0].input_layernorm(x), x
+        for i, layer in enumerate(layers):
+            out, residual = layer(i, h, residual, self.rotary, cos, sin, attend, linear)
+            h, residual = norms[i](out, residual)  # residual = out + residual = output of layer i
             if i in wanted:
-                taps[i] = x
+                taps[i] = residual
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
-        return self.model.norm(x), tapped
+        return h, tapped
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -14,27 +14,22 @@ from torch import nn
 from ddtree.configs import TargetConfig
 from ddtree.engine.state_pool import HybridStatePool
 from ddtree.models.gated_deltanet import GatedDeltaNet, LinearStateContext
-from ddtree.models.layers import MLP, RotaryEmbedding
+from ddtree.kernels.fused import qk_norm_rope
+from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears
 from ddtree.models.qwen3 import AttendFn, CausalLM
 
 
-class OffsetRMSNorm(nn.Module):
-    """Qwen3.5 RMSNorm: scale is (1 + weight), applied in fp32 before casting back (zero init = identity)."""
+class OffsetRMSNorm(RMSNorm):
+    """Qwen3.5 RMSNorm: scale is (1 + weight), applied in fp32 before casting back (zero init = identity).
+    Like `RMSNorm`, `norm(x, residual)` -> (normed(x + residual), x + residual)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+    offset = True
 
 
 class GatedAttention(nn.Module):
-    """q_proj yields, per head, [query | gate] (head_dim each) when attn_output_gate; the attention output is
-    multiplied by sigmoid(gate) before o_proj."""
+    """q|k|v as one GEMM (`qkv_proj`; HF `q_proj`/`k_proj`/`v_proj` in checkpoints). The q part yields, per
+    head, [query | gate] (head_dim each) when attn_output_gate; the attention output is multiplied by
+    sigmoid(gate) before o_proj."""
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -42,23 +37,27 @@ class GatedAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.gated = cfg.attn_output_gate
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.heads * hd * (2 if self.gated else 1), bias=bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=bias)
+        self.q_size = self.heads * hd * (2 if self.gated else 1)
+        self.kv_size = self.kv_heads * hd
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.heads * hd, h, bias=bias)
         self.q_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
+        fuse_linears(self, "qkv_proj", (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)))
 
     def forward(self, layer: int, x, rope: RotaryEmbedding, cos, sin, attend: AttendFn):
         shape = x.shape[:-1]
-        q = self.q_proj(x)
+        qkv = self.qkv_proj(x)
+        q = qkv[..., :self.q_size]
+        k = qkv[..., self.q_size:self.q_size + self.kv_size].view(*shape, self.kv_heads, self.head_dim)
+        v = qkv[..., self.q_size + self.kv_size:].view(*shape, self.kv_heads, self.head_dim)
         gate = None
         if self.gated:
             q, gate = q.view(*shape, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q.reshape(*shape, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(*shape, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
-        out = attend(layer, rope(q, cos, sin), rope(k, cos, sin), v)
+        else:
+            q = q.view(*shape, self.heads, self.head_dim)
+        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps, offset=True)
+        out = attend(layer, q, k, v)
         out = out.reshape(*shape, self.heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(*shape, self.heads * self.head_dim))
@@ -66,6 +65,9 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
+    """Same calling convention as `Qwen3DecoderLayer`: input already normed by `input_layernorm`, plus the
+    residual stream; returns (mlp output, residual)."""
+
     def __init__(self, cfg: TargetConfig, layer: int, linear_ordinal: int | None):
         super().__init__()
         self.linear_ordinal = linear_ordinal
@@ -77,14 +79,13 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, x, rope, cos, sin, attend: AttendFn, linear: LinearStateContext | None):
-        h = self.input_layernorm(x)
+    def forward(self, layer: int, h, residual, rope, cos, sin, attend: AttendFn, linear: LinearStateContext | None):
         if self.linear_ordinal is not None:
             h = self.linear_attn(h, self.linear_ordinal, linear)
         else:
             h = self.self_attn(layer, h, rope, cos, sin, attend)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3_5Body(nn.Module):
