@@ -70,11 +70,11 @@ def gemm_chain(target, m, fused):
     ws = []
     for layer in target.model.layers:
         a, mlp = layer.self_attn, layer.mlp
-        qkv = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
-        gu = [mlp.gate_proj.weight, mlp.up_proj.weight]
-        if fused:
-            ws.append([torch.cat(qkv), a.o_proj.weight, torch.cat(gu), mlp.down_proj.weight])
-        else:
+        if fused:  # the model's own fused weights
+            ws.append([a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight])
+        else:  # HF's separate projections: row views of the fused weights (contiguous)
+            qkv = list(a.qkv_proj.weight.split([a.q_size, a.kv_size, a.kv_size]))
+            gu = list(mlp.gate_up_proj.weight.split([mlp.inter, mlp.inter]))
             ws.append(qkv + [a.o_proj.weight] + gu + [mlp.down_proj.weight])
     h = target.config.hidden_size
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
