@@ -288,7 +288,7 @@ def paged_attention(
         return out
     if q.dtype != k_pool.dtype or q.stride(-1) != 1:
         q = q.to(k_pool.dtype).contiguous()
-    cfg = config or default_config(max_q_len * group, dim)
+    cfg = config or default_config(max_q_len * group, dim, max_kv_len)
     q_blocks = -(-(max_q_len * group) // cfg.block_m)
     mode = 1 if tree_mask is not None else 0 if causal else 2
     if tree_mask is not None:

@@ -28,7 +28,7 @@ class KernelConfig:
             object.__setattr__(self, "tail_m", 0)
 
 
-def default_config(rows_per_request: int, head_dim: int = 128) -> KernelConfig:
+def default_config(rows_per_request: int, head_dim: int = 128, max_kv_len: int = 0) -> KernelConfig:
     """rows = q tokens x GQA group. tl.dot needs M >= 16, so decode rows (1 token x G heads) pad to 16.
     Register/shared-memory reports for sm_90 (bench/tree_attention_compile_report.py) of the tree (mask) variant:
     m64 n64 w4 s3 t16 219 regs (2 programs/SM), m64 n32 w4 s3 t16 152 regs + 49 KB (3/SM), m128 n64 w8 s2 t16 202
@@ -38,7 +38,9 @@ def default_config(rows_per_request: int, head_dim: int = 128) -> KernelConfig:
         return KernelConfig(16, block_n, 4, 3)
     if rows_per_request <= 32:
         return KernelConfig(32, block_n, 4, 3)
-    return KernelConfig(64, 32, 4, 3)
+    # H200 sweep (bench/gpu_tree_attention.py, 65 nodes): n32 wins at 1k-8k (3 programs/SM hide latency), n64 at
+    # 16k-32k (84 vs 98 us at 16k; fewer, longer tiles once every SM has many tiles to stream)
+    return KernelConfig(64, 64 if max_kv_len >= 16384 and head_dim <= 128 else 32, 4, 3)
 
 
 def ctas_per_sm(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int = 65536,
