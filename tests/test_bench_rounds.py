@@ -4,6 +4,7 @@ seam (SpecDecoder.target_override) yielding exactly the requested accept lengths
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -162,3 +163,26 @@ def test_prefilled_requests_share_the_first_ones_kv(random_runner):
         assert pool.k[:, slots[0]].abs().sum() > 0
         for s in slots[1:]:
             assert torch.equal(pool.k[:, s], pool.k[:, slots[0]]) and torch.equal(pool.v[:, s], pool.v[:, slots[0]])
+
+
+PEER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".peer")
+
+
+@pytest.mark.skipif(not os.path.isdir(PEER), reason="no outside checkout of liranringel/ddtree under .peer/")
+def test_peer_checkout_is_timed_against_ours(tmp_path):
+    from ddtree.bench.rounds import main
+
+    out = tmp_path / "r.json"
+    assert main(["--smoke", "--rounds", "2", "--budgets", "16", "--batch-sizes", "1", "--accept-lengths", "",
+                 "--forced-budget", "16", "--peer-checkout", PEER, "--output", str(out), "--no-plot"]) == 0
+    peer = json.loads(out.read_text())["meta"]["peer"]
+    assert peer["ms"] > 0 and peer["ours_ms"] > 0 and peer["speedup"] == pytest.approx(peer["ms"] / peer["ours_ms"])
+
+
+def test_bad_peer_checkout_names_the_flag(tmp_path):
+    from ddtree.bench.peer import PeerCheckoutError
+    from ddtree.bench.rounds import main
+
+    with pytest.raises(PeerCheckoutError, match="--peer-checkout"):
+        main(["--smoke", "--rounds", "1", "--budgets", "16", "--batch-sizes", "1", "--accept-lengths", "",
+              "--forced-budget", "16", "--peer-checkout", str(tmp_path / "missing"), "--no-plot"])

@@ -48,6 +48,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="JSON rows; a PNG is written beside it")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--peer-checkout", default=None, metavar="DIR",
+                   help="an outside checkout of liranringel/ddtree: time its DDTREE round (B = --forced-budget, "
+                        "batch 1, first context) on the same weights in this process, against ours")
     return p
 
 
@@ -171,6 +174,10 @@ def run(ns) -> int:
     from ddtree.speculative.decoder import SpecConfig
 
     t_start = time.perf_counter()
+    if ns.peer_checkout:  # a wrong path fails before any weights are built
+        from ddtree.bench.peer import resolve_checkout
+
+        resolve_checkout(ns.peer_checkout)
     smoke = ns.smoke
     device = torch.device(("cpu" if smoke or not torch.cuda.is_available() else "cuda")
                           if ns.device == "auto" else ns.device)
@@ -246,6 +253,8 @@ def run(ns) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     _vs_batch1(rows)
+    if ns.peer_checkout:
+        meta["peer"] = vs_peer(ns, target, drafter, contexts[0], rounds, device, rows)
     checks = [] if smoke else target_checks(rows)  # the targets are about the Qwen3-8B shape
     for c in checks:
         print(f"ctx {c['context']:>6} {c['name']:<40} {c['value']:>7.3f} <= {c['limit']:<5} "
@@ -259,6 +268,22 @@ def run(ns) -> int:
         if not ns.no_plot:
             _plot(rows, floor, os.path.splitext(ns.output)[0] + ".png")
     return 0
+
+
+def vs_peer(ns, target, drafter, context: int, rounds: int, device, rows: list[dict]) -> dict:
+    """The paper's code on the same weights (ddtree/bench/peer.py) against our unforced DDTREE row, batch 1."""
+    from ddtree.bench.peer import peer_round_ms
+
+    res = peer_round_ms(ns.peer_checkout, target, drafter, context, ns.forced_budget, min(rounds, 20), device)
+    res.pop("output_ids", None)
+    ours = next((r["ms"] for r in rows if r.get("ms") and r["context"] == context and r["batch"] == 1
+                 and r["config"] == f"DDTREE B={ns.forced_budget}" and r["forced_accept"] is None), None)
+    res["ours_ms"] = ours
+    res["speedup"] = res["ms"] / ours if ours else None
+    print(f"peer (liranringel/ddtree) DDTREE B={ns.forced_budget} b1 ctx {context}: {res['ms']:.2f} ms/round "
+          f"(p10 {res['ms_p10']:.2f}); ours {ours if ours is None else f'{ours:.2f}'} ms"
+          + (f" -> {res['speedup']:.1f}x faster" if ours else ""), flush=True)
+    return res
 
 
 def _over(ns, t_start: float) -> bool:
