@@ -92,9 +92,21 @@ def _watch_kv(runner, log):
         scratch = [pg * runner.cfg.page_size + i for pg in runner.scratch_pages for i in range(runner.cfg.page_size)]
         log.append((_illegal_writes(runner, meta, tree.tokens.shape[1], before, after),
                     bool((before[:, :, scratch] != after[:, :, scratch]).any()), tree.tokens.shape[0]))
+        last[:] = [meta, tree.tokens.shape[1]]
         return out
 
-    graphs.verify = watched
+    last = []
+    commit = graphs.commit
+
+    def watched_commit(path, accept_length):  # target KV moves and drafter-context writes stay in rows + scratch
+        pools = [p for p in (runner.kv, runner.draft_kv) if p is not None]
+        before = [torch.stack([p.k, p.v]).clone() for p in pools]
+        commit(path, accept_length)
+        bad = set().union(*(_illegal_writes(runner, last[0], last[1], x, torch.stack([p.k, p.v]))
+                            for x, p in zip(before, pools)))
+        log.append((bad, False, path.shape[0]))
+
+    graphs.verify, graphs.commit = watched, watched_commit
 
 
 @pytest.mark.parametrize("algorithm", ["DDTREE", "NONE"])
@@ -268,13 +280,19 @@ def _check_rounds(llm, log, drop_limits=False):
 def test_fused_draft_tree_and_graph_accept_match_eager(toy_pair, one_torch_thread, algorithm):
     prompts = [list(p) for p in toy_prompts(5)]
     plain_llm = make_llm(toy_pair, algorithm, speculative_ddtree_budget=8, max_running_requests=8)
-    ref = [o.token_ids for o in plain_llm.generate(prompts, FUSED_PARAMS)]
+    ref = plain_llm.generate(prompts, FUSED_PARAMS)
     llm = make_llm(toy_pair, algorithm, speculative_ddtree_budget=8, max_running_requests=8)
     attach_graphs(llm, 4)
     log = []
     _check_rounds(llm, log)
+    commits = []
+    graph_commit = llm.engine.runner.graphs.commit
+    llm.engine.runner.graphs.commit = lambda path, k: (commits.append(path.shape[0]), graph_commit(path, k))
     outs = llm.generate(prompts, FUSED_PARAMS)
-    assert [o.token_ids for o in outs] == ref
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    # accept lengths depend on the drafter's context KV, which the commit (graph path) writes
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in ref]
+    assert commits and any(b not in batch_buckets(4) for b in commits), "no padded commit through the graph path"
     drafts = [e for e in log if e[0] == "draft"]
     assert drafts and any(b not in batch_buckets(4) for _, b, _, _ in drafts), "no padded fused replay"
     assert any(limited for _, _, limited, _ in drafts), "no round with per-request depth limits"
@@ -313,6 +331,6 @@ def test_graph_path_with_sampling_or_override_gives_plain_tokens(toy_pair, one_t
             _check_rounds(llm, log)
         if case == "override":
             llm.engine.decoder.target_override = AcceptTrace([2, 1, 4], llm.engine.runner.device)
-        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        outs.append([(o.token_ids, o.accept_lengths) for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
     assert any(e[0] == "draft" for e in log)

@@ -31,6 +31,9 @@ What a replay covers (nothing in between needs the host):
     every graph) -> greedy argmax per node -> the accept walk on the static tree (parents / depths / valid).
     The decoder uses the in-graph walk when every request is greedy and no `target_override` is set; otherwise
     it samples from the logits and walks eagerly.
+  - commit: the KV move of the accepted path and the drafter-context write (`ModelRunner.commit_kv`) on the
+    verify replay's static rows / lengths / taps, graphs keyed by padded batch (padded rows: path 0, length 0,
+    their moves and writes stay in the scratch pages). Used whenever the round's verify replayed here.
 
 Capture order: largest batch first, all graphs in one memory pool. Graph-owned outputs (taps, trees, tokens,
 accept results) and the static logits buffers are valid until the next replay: read them within the round.
@@ -197,10 +200,20 @@ class CudaGraphRunner:
         self.v_dep = torch.zeros(M, n, dtype=torch.int64, device=dev)
         self.v_valid = torch.zeros(M, n, dtype=torch.bool, device=dev)
         self.v_logits = torch.empty(M * n, V, dtype=head.dtype, device=dev)  # one buffer for every verify graph
+        K = len(runner.tap_layers)
+        self.v_taps = (torch.zeros(M * n, K * runner.target.config.hidden_size, dtype=head.dtype, device=dev)
+                       if K else None)
         self.v_real = 0  # leading rows that may hold live data (the rest are in the padding state)
         # depth bound of the trees the decoder verifies (drafted block minus its root); the walk needs n > 1
         self.accept_depth = cfg.block_size - 1 if n > 1 and cfg.block_size > 1 else None
         self.verify_set = _GraphSet(self, self._verify_forward, cfg.max_context + n, n)
+        # commit (KV move + drafter context write) on the verify buffers: graphs keyed by padded batch only
+        self.commit_graphs: dict[int, object] = {}
+        self._verified = 0  # live rows of the verify replay whose commit is pending (0: none)
+        if self.accept_depth is not None:
+            self.c_path = torch.zeros(M, self.accept_depth + 1, dtype=torch.int64, device=dev)
+            self.c_len = torch.zeros(M, dtype=torch.int64, device=dev)
+            self.c_real = 0
 
         self.draft_set = None  # the plain drafter block (hidden out), captured on first use
         self.draft_sets: dict[tuple, _GraphSet] = {}  # tree spec -> fused drafter block + LM head + tree build
@@ -235,6 +248,9 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def build(self) -> None:
         self.verify_set.build(self.buckets)
+        if self.accept_depth is not None:
+            for bs in sorted(self.buckets, reverse=True):
+                self.commit_graphs[bs] = self._capture_plain(lambda bs=bs: self._commit_forward(bs))
         self._built = True
         if self.tree_spec is not None:
             self._draft_set(self.tree_spec)
@@ -243,6 +259,21 @@ class CudaGraphRunner:
             logger.info("CUDA graphs captured: %d verify (batch sizes %s; verify width %d, LM head + argmax%s "
                         "inside).", len(self.verify_set.graphs), self.buckets, self.n,
                         " + accept walk" if self.accept_depth else "")
+
+    def _capture_plain(self, fn):
+        """A graph of fn() (no outputs used), or None without capture."""
+        if not self.capture:
+            return None
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        return graph
 
     @torch.inference_mode()
     def _draft_set(self, spec: tuple | None) -> _GraphSet:
@@ -290,6 +321,8 @@ class CudaGraphRunner:
             tree_mask=self.v_mask[:bs],
         )
         hidden, taps = self.runner.target_forward(self.v_ids[:T], self.v_pos[:T], meta, backend)
+        if taps is not None:
+            self.v_taps[:T].copy_(taps)
         logits = self.runner.target.logits(hidden)
         self.v_logits[:T].copy_(logits)
         tokens = logits.view(bs, n, -1).argmax(-1)
@@ -329,11 +362,45 @@ class CudaGraphRunner:
             self.v_dep[:b].copy_(tree.depths)
             self.v_valid[:b].copy_(tree.valid)
         out = self.verify_set.run(b, [k + n for k in meta.kv_lens])
-        taps, tokens = out[0], out[1][:b]
+        taps = self.v_taps[:T] if out[0] is not None else None
         res = None
         if self.accept_depth is not None and tree.depth_bound == self.accept_depth:
             res = AcceptResult(*(x[:b] for x in out[2:]))
-        return self.v_logits[:T], (taps[:T] if taps is not None else None), tokens, res
+        self._verified = b
+        return self.v_logits[:T], taps, out[1][:b], res
+
+    # ---- commit ------------------------------------------------------------------------------------------
+    def can_commit(self, path: torch.Tensor, taps) -> bool:
+        """This round's verify replayed here (its rows, lengths and taps are still in the static buffers)."""
+        ok = (self._verified == path.shape[0] and self.accept_depth is not None
+              and path.shape[1] == self.accept_depth + 1
+              and (taps is None or (self.v_taps is not None and taps.data_ptr() == self.v_taps.data_ptr())))
+        if not ok:
+            self._verified = 0
+        return ok
+
+    def _commit_forward(self, bs: int) -> None:
+        n = self.n
+        taps = self.v_taps[: bs * n].view(bs, n, -1) if self.v_taps is not None else None
+        self.runner.commit_kv(self.v_kv_lens[:bs] - n, self.v_rows[:bs], self.c_path[:bs], self.c_len[:bs], taps)
+
+    def commit(self, path: torch.Tensor, accept_length: torch.Tensor) -> None:
+        """`ModelRunner.commit_kv` for the rows of this round's verify replay; padded rows commit nothing (their
+        moves stay in the scratch pages)."""
+        b = path.shape[0]
+        self._verified = 0
+        if b < self.c_real:
+            self.c_path[b : self.c_real].zero_()
+            self.c_len[b : self.c_real].zero_()
+        self.c_real = b
+        self.c_path[:b].copy_(path)
+        self.c_len[:b].copy_(accept_length)
+        bs = self.buckets[bisect.bisect_left(self.buckets, b)]
+        graph = self.commit_graphs.get(bs)
+        if graph is None:
+            self._commit_forward(bs)
+        else:
+            graph.replay()
 
     # ---- draft -------------------------------------------------------------------------------------------
     def can_draft(self, b: int, block_size: int, max_ctx_len: int) -> bool:

@@ -235,6 +235,8 @@ class ModelRunner:
         if linear is None and self.graphs is not None and self.graphs.can_verify(b, n, max(meta.kv_lens) + n):
             logits, taps, tokens, res = self.graphs.verify(meta, tree)
             return VerifyOut(logits.view(b, n, -1), taps.view(b, n, -1) if taps is not None else None, tokens, res)
+        if self.graphs is not None:
+            self.graphs._verified = 0  # this round's commit runs eagerly
         hidden, taps = self.target_forward(tree.tokens.flatten(), (meta.lens[:, None] + tree.depths).flatten(),
                                            self.verify_metadata(meta, tree.tree_mask, n), linear=linear)
         logits = self.target.logits(hidden).float().view(b, n, -1)
@@ -258,7 +260,15 @@ class ModelRunner:
         round: its RoundMeta is dropped (the caller advances kv_len next)."""
         meta = meta or self.round_meta(reqs)
         self._round = None
-        lens, rows = meta.lens, meta.rows
+        if self.state_pool is not None:
+            self.state_pool.commit(meta.slot_ids, path, accept_length)
+        elif self.graphs is not None and self.graphs.can_commit(path, taps):
+            self.graphs.commit(path, accept_length)  # the same moves and writes, replayed on the verify buffers
+            return
+        self.commit_kv(meta.lens, meta.rows, path, accept_length, taps)
+
+    def commit_kv(self, lens, rows, path, accept_length, taps) -> None:
+        """The KV move and drafter-context write of `commit` (fixed shapes, no host reads: capturable)."""
         j = torch.arange(path.shape[1], device=self.device)
         jj = torch.minimum(j[None, :], accept_length[:, None])  # padding repeats the last real row
         src_node = path.gather(1, jj)
@@ -266,8 +276,6 @@ class ModelRunner:
         src_slot = self.slots_of(rows, lens[:, None] + src_node).flatten()
         dst_slot = self.slots_of(rows, dst_pos).flatten()
         self.kv.move(src_slot, dst_slot)
-        if self.state_pool is not None:
-            self.state_pool.commit(meta.slot_ids, path, accept_length)
         if self.drafter is not None and taps is not None:
             feats = taps.gather(1, src_node[..., None].expand(-1, -1, taps.shape[-1]))
             self.write_draft_context(feats.flatten(0, 1), dst_pos.flatten(), dst_slot)
