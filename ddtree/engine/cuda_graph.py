@@ -35,8 +35,12 @@ What a replay covers (nothing in between needs the host):
     verify replay's static rows / lengths / taps, graphs keyed by padded batch (padded rows: path 0, length 0,
     their moves and writes stay in the scratch pages). Used whenever the round's verify replayed here.
 
-Capture order: largest batch first, all graphs in one memory pool. Graph-owned outputs (taps, trees, tokens,
-accept results) and the static logits buffers are valid until the next replay: read them within the round.
+Capture order: verify (largest batch first), commit, then the draft graphs, all in one memory pool. A graph-owned
+output may share memory with an intermediate of a graph captured earlier, so whatever is read after another
+graph's replay lives in static buffers outside the pool: the draft tree and logits (read by verify, the eager
+walk, the override), the verify logits and taps (read by sampling and the commit). Verify's own outputs (tokens,
+accept result) are read before the next verify and are only overwritten by graphs captured before them (whose
+replays never come between). All static outputs are valid until the next replay: read them within the round.
 """
 
 from __future__ import annotations
@@ -217,6 +221,7 @@ class CudaGraphRunner:
 
         self.draft_set = None  # the plain drafter block (hidden out), captured on first use
         self.draft_sets: dict[tuple, _GraphSet] = {}  # tree spec -> fused drafter block + LM head + tree build
+        self.tree_bufs: dict[tuple, tuple] = {}  # tree spec -> static DraftTree fields [M, ...]
         self.tree_spec: tuple | None = None
         self._built = False
         self.drafts = _draft_capturable(runner) is None
@@ -289,6 +294,15 @@ class CudaGraphRunner:
                 head = self.runner.target.lm_head.weight
                 self.d_logits = torch.empty(self.buckets[-1], self.D, head.shape[0], dtype=head.dtype,
                                             device=self.runner.device)
+            # the tree lands in static buffers outside the graph pool: a graph-owned output could share memory
+            # with an intermediate of a verify graph captured earlier, and the tree is read after verify
+            M, dev = self.buckets[-1], self.runner.device
+            N = 1 + (self.D if spec[0] == "DFLASH" else spec[1])
+            self.tree_bufs[spec] = (torch.zeros(M, N, dtype=torch.int64, device=dev),
+                                    torch.full((M, N), -1, dtype=torch.int64, device=dev),
+                                    torch.zeros(M, N, dtype=torch.int64, device=dev),
+                                    torch.zeros(M, N, dtype=torch.bool, device=dev),
+                                    torch.zeros(M, N, N, dtype=torch.bool, device=dev))
             gs = self.draft_sets[spec] = _GraphSet(self, lambda bs, backend, host: self._draft_tree_forward(
                 spec, bs, backend, host), self.runner.cfg.max_context, 0)
             gs.build(self.buckets)
@@ -326,6 +340,7 @@ class CudaGraphRunner:
         logits = self.runner.target.logits(hidden)
         self.v_logits[:T].copy_(logits)
         tokens = logits.view(bs, n, -1).argmax(-1)
+        taps = None  # read from v_taps (a graph-owned copy would hold memory per graph)
         if self.accept_depth is None:
             return taps, tokens
         tree = DraftTree(self.v_ids[:T].view(bs, n), self.v_par[:bs], self.v_dep[:bs], self.v_valid[:bs],
@@ -362,7 +377,7 @@ class CudaGraphRunner:
             self.v_dep[:b].copy_(tree.depths)
             self.v_valid[:b].copy_(tree.valid)
         out = self.verify_set.run(b, [k + n for k in meta.kv_lens])
-        taps = self.v_taps[:T] if out[0] is not None else None
+        taps = self.v_taps[:T] if self.v_taps is not None else None
         res = None
         if self.accept_depth is not None and tree.depth_bound == self.accept_depth:
             res = AcceptResult(*(x[:b] for x in out[2:]))
@@ -427,7 +442,9 @@ class CudaGraphRunner:
             tree = build_chain(roots, logits, max_depth=depth)
         else:
             tree = build_tree(roots, logits, budget, topk_cap, shadow_linear, max_depth=depth)
-        return tree.tokens, tree.parents, tree.depths, tree.valid, tree.tree_mask
+        for buf, x in zip(self.tree_bufs[spec], (tree.tokens, tree.parents, tree.depths, tree.valid, tree.tree_mask)):
+            buf[:bs].copy_(x)
+        return ()
 
     def _load_draft(self, meta, roots: torch.Tensor) -> int:
         b = roots.shape[0]
@@ -462,6 +479,6 @@ class CudaGraphRunner:
         elif self.d_limited:
             self.d_depth[: self.d_limited].fill_(self.D)
             self.d_limited = 0
-        out = gs.run(b, list(meta.kv_lens))
-        tokens, parents, depths, valid, mask = (x[:b] for x in out)
+        gs.run(b, list(meta.kv_lens))
+        tokens, parents, depths, valid, mask = (x[:b] for x in self.tree_bufs[self.tree_spec])
         return self.d_logits[:b], DraftTree(tokens, parents, depths, valid, mask, self.D)
