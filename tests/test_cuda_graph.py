@@ -73,6 +73,15 @@ def test_padded_static_path_gives_plain_tokens(toy_pair, plain, one_torch_thread
         assert 5 not in verify_bs  # b = 5 exceeds the largest bucket: eager
 
 
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DDTREE"])
+def test_single_request_bucket(toy_pair, plain, one_torch_thread, algorithm):
+    """--cuda-graph-max-bs 1: static [1, S] buffers must own their memory (an expand(1, S).contiguous() view
+    aliased the arange it was built from, and the first drafter replay failed on the H200)."""
+    tokens, calls, _ = generate(toy_pair, algorithm, 1)
+    assert tokens == plain[algorithm]
+    assert {b for kind, b in calls if kind == "draft"} == {1}
+
+
 def _illegal_writes(runner, meta, n, before, after) -> set[int]:
     """KV slots changed by one verify outside the live requests' [L, L+n) slots and the scratch pages."""
     p = runner.cfg.page_size

@@ -183,14 +183,14 @@ class CudaGraphRunner:
         self._backends: dict = {}
         M, P, p = max_bs, runner.bm.max_pages_per_req, cfg.page_size
         scratch = torch.tensor(runner.scratch_pages, dtype=torch.int64, device=dev)
-        self.pad_rows = scratch[torch.arange(P, device=dev) % len(scratch)].expand(M, P).contiguous()
+        self.pad_rows = scratch[torch.arange(P, device=dev) % len(scratch)].expand(M, P).clone(memory_format=torch.contiguous_format)
         head = runner.target.lm_head.weight
         V = head.shape[0]
 
         n = self.n = cfg.max_verify_width
         j = torch.arange(n, device=dev)
         self.pad_slots = (scratch[j // p] * p + j % p).repeat(M)  # every padded row writes the same scratch slots
-        self.pad_mask = torch.eye(n, dtype=torch.bool, device=dev).expand(M, n, n).contiguous()
+        self.pad_mask = torch.eye(n, dtype=torch.bool, device=dev).expand(M, n, n).clone(memory_format=torch.contiguous_format)
         self.v_ids = torch.zeros(M * n, dtype=torch.int64, device=dev)
         self.v_pos = torch.zeros(M * n, dtype=torch.int64, device=dev)
         self.v_slots = self.pad_slots.clone()
@@ -230,7 +230,7 @@ class CudaGraphRunner:
             self.D = S - 1
             self.d_ids = torch.full((M, S), runner.drafter.config.mask_token_id, dtype=torch.int64, device=dev)
             self.d_arange = torch.arange(S, device=dev)
-            self.d_pos = self.d_arange.expand(M, S).contiguous()
+            self.d_pos = self.d_arange.expand(M, S).clone(memory_format=torch.contiguous_format)  # own memory even at M = 1
             self.d_rows = self.pad_rows.clone()
             self.d_ctx = torch.zeros(M, dtype=torch.int64, device=dev)
             self.d_depth = torch.full((M,), self.D, dtype=torch.int64, device=dev)  # per-request depth limits
