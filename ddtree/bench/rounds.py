@@ -3,7 +3,8 @@ as a ratio to the memory floor measured in the same run (target read bytes / dev
 the stage split, plus rounds with forced accept lengths (random weights accept nothing).
 
 Rounds go through ModelRunner + SpecDecoder exactly as the engine runs them. Every round starts at the stated
-context: after a round each request is trimmed back to it, so KV never grows.
+context: after a round each request is trimmed back to it, so KV never grows. The rows, the table, the target
+checks and the plot are `ddtree/bench/rounds_report.py`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-PHASES = ("draft", "tree", "verify", "accept", "commit")
+from ddtree.bench.rounds_report import (PHASES, add_vs_batch1, make_row, plot, print_checks, print_header,
+                                         print_row, target_checks)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -214,14 +215,14 @@ def run(ns) -> int:
             "cuda_graph": False, "target": {k: getattr(tcfg, k) for k in ("num_hidden_layers", "hidden_size",
                                                                           "vocab_size", "intermediate_size")},
             "drafter_layers": dcfg.num_hidden_layers, "taps": list(dcfg.target_layer_ids), "floor": floor}
-    _print_header()
+    print_header()
     for context in contexts:
         for algo, budget in runners:
             cases = [(b, None) for b in batches]
             if algo != "NONE" and context == contexts[0] and (algo == "DFLASH" or budget == ns.forced_budget):
                 cases += [(b, tr) for tr in forced for b in batches]
             if _over(ns, t_start):
-                rows += [_row(context, algo, budget, b, tr, skipped="time budget") for b, tr in cases]
+                rows += [make_row(context, algo, budget, b, tr, skipped="time budget") for b, tr in cases]
                 continue
             t0 = time.perf_counter()
             rcfg, _ = runner_config(algo, budget, max(batches), context, ns, device)
@@ -231,34 +232,32 @@ def run(ns) -> int:
             t1 = time.perf_counter()
             reqs = prefilled_requests(runner, max(batches), context, tcfg.vocab_size, ns.prefill_chunk, ns.seed)
             clock.sync()
-            print(f"# {_row(context, algo, budget, 0, None)['config']} ctx {context}: runner {t1 - t0:.1f} s "
+            print(f"# {make_row(context, algo, budget, 0, None)['config']} ctx {context}: runner {t1 - t0:.1f} s "
                   f"(cuda graphs {'on' if graphs else 'off'}), prefill {time.perf_counter() - t1:.1f} s", flush=True)
             for batch, tr in cases:
                 if _over(ns, t_start):
-                    rows.append(_row(context, algo, budget, batch, tr, skipped="time budget"))
+                    rows.append(make_row(context, algo, budget, batch, tr, skipped="time budget"))
                     continue
                 spec = SpecConfig(algorithm=algo, block_size=ns.block_size, budget=max(budget, 1),
                                   topk_cap=min(max(budget, 1), tcfg.vocab_size), shadow_linear=tr is not None)
                 override = AcceptTrace(tr, device) if tr else None
                 res = run_case(runner, spec, reqs[:batch], context, rounds, warmup, clock, override)
-                row = _row(context, algo, budget, batch, tr, **res, x_floor=res["ms"] / floor["floor_ms"],
-                           x_floor_with_embedding=res["ms"] / floor["floor_with_embedding_ms"],
-                           cuda_graph=graphs, verify_tokens=batch * rcfg.max_verify_width)
+                row = make_row(context, algo, budget, batch, tr, **res, x_floor=res["ms"] / floor["floor_ms"],
+                               x_floor_with_embedding=res["ms"] / floor["floor_with_embedding_ms"],
+                               cuda_graph=graphs, verify_tokens=batch * rcfg.max_verify_width)
                 rows.append(row)
-                _print_row(row)
+                print_row(row)
             for r in reqs:
                 runner.release(r)
             del runner, reqs
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    _vs_batch1(rows)
+    add_vs_batch1(rows)
     if ns.peer_checkout:
         meta["peer"] = vs_peer(ns, target, drafter, contexts[0], rounds, device, rows)
     checks = [] if smoke else target_checks(rows)  # the targets are about the Qwen3-8B shape
-    for c in checks:
-        print(f"ctx {c['context']:>6} {c['name']:<40} {c['value']:>7.3f} <= {c['limit']:<5} "
-              f"{'ok' if c['ok'] else 'MISSED'}")
+    print_checks(checks)
     meta["seconds"] = time.perf_counter() - t_start
     print(f"done in {meta['seconds']:.1f} s")
     if ns.output:
@@ -266,7 +265,7 @@ def run(ns) -> int:
             json.dump({"meta": meta, "floor": floor, "rows": rows, "checks": checks}, f, indent=1)
         print(f"wrote {ns.output}")
         if not ns.no_plot:
-            _plot(rows, floor, os.path.splitext(ns.output)[0] + ".png")
+            plot(rows, floor, os.path.splitext(ns.output)[0] + ".png")
     return 0
 
 
@@ -288,59 +287,3 @@ def vs_peer(ns, target, drafter, context: int, rounds: int, device, rows: list[d
 
 def _over(ns, t_start: float) -> bool:
     return bool(ns.time_budget_s) and time.perf_counter() - t_start > ns.time_budget_s
-
-
-def _row(context, algo, budget, batch, trace, **kw) -> dict:
-    name = {"NONE": "AR", "DFLASH": "DFLASH"}.get(algo, f"DDTREE B={budget}")
-    forced = None if trace is None else (trace[0] if len(trace) == 1 else "trace")
-    return {"context": context, "config": name, "algorithm": algo, "budget": budget if algo == "DDTREE" else None,
-            "batch": batch, "forced_accept": forced, "accept_trace": trace, **kw}
-
-
-def _vs_batch1(rows: list[dict]) -> None:
-    """Per-round time of each row over the same config at batch 1."""
-    base = {(r["context"], r["config"], r["forced_accept"]): r["ms"] for r in rows if r.get("ms") and r["batch"] == 1}
-    for r in rows:
-        b1 = base.get((r["context"], r["config"], r["forced_accept"]))
-        if r.get("ms") and b1:
-            r["vs_batch1"] = r["ms"] / b1
-
-
-def target_checks(rows: list[dict]) -> list[dict]:
-    """The issue's targets (#4 item 4, #7) against the unforced rows that ran."""
-    got = {(r["context"], r["config"], r["batch"]): r for r in rows if r.get("ms") and r["forced_accept"] is None}
-    out = []
-    for ctx in sorted({k[0] for k in got}):
-        targets = [("AR b1 x floor", "AR", 1, "x_floor", 1.15),
-                   ("DDTREE B=64 b1 x floor", "DDTREE B=64", 1, "x_floor", 1.5 if ctx <= 1024 else 1.8),
-                   ("DDTREE B=256 b1 x floor", "DDTREE B=256", 1, "x_floor", 2.0),
-                   ("DDTREE B=64 b1 tree+accept % of round", "DDTREE B=64", 1, "tree_accept_pct", 3.0),
-                   ("DDTREE B=64 b8 / b1 per round", "DDTREE B=64", 8, "vs_batch1", 1.6)]
-        for name, config, batch, field, limit in targets:
-            r = got.get((ctx, config, batch))
-            if r is not None and field in r:
-                out.append({"context": ctx, "name": name, "value": r[field], "limit": limit, "ok": r[field] <= limit})
-    return out
-
-
-def _print_header() -> None:
-    cols = "".join(f"{p:>8}" for p in PHASES)
-    print(f"{'ctx':>6} {'config':<13}{'b':>3} {'forced':>6} {'ms/round':>9} {'xfloor':>7} {'tok/rd':>7} |{cols}  "
-          "(% of round)")
-
-
-def _print_row(r: dict) -> None:
-    forced = "-" if r["forced_accept"] is None else str(r["forced_accept"])
-    split = "".join(f"{r['phases_pct'][p]:>7.1f}%" for p in PHASES)
-    print(f"{r['context']:>6} {r['config']:<13}{r['batch']:>3} {forced:>6} {r['ms']:>9.3f} {r['x_floor']:>7.3f} "
-          f"{r['emitted_mean']:>7.2f} |{split}", flush=True)
-
-
-def _plot(rows: list[dict], floor: dict, path: str) -> None:
-    try:
-        from ddtree.bench.plots import round_costs
-    except ImportError as e:  # matplotlib missing
-        print(f"no plot: {e}", file=sys.stderr)
-        return
-    round_costs([r for r in rows if r.get("ms")], floor["floor_ms"], PHASES, path)
-    print(f"wrote {path}")
