@@ -85,6 +85,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: invalid configuration:\n{e}", file=sys.stderr)
         return 2
+    if ns.output:  # made before the run, so a long benchmark never ends unable to write its results
+        os.makedirs(os.path.dirname(os.path.abspath(ns.output)), exist_ok=True)
     prompts = load_prompts(ns.prompts_file)
     budgets = [int(b) for b in ns.budgets.split(",") if b]
     shadows = [s.strip() == "on" for s in ns.shadow_linear.split(",") if s.strip()]
