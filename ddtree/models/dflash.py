@@ -17,26 +17,20 @@ from torch import nn
 
 from ddtree.configs import DrafterConfig
 from ddtree.kernels.fused import qk_norm_rope
-from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears
+from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding
+from ddtree.models.qwen3 import Qwen3Attention
 
 # (layer, q [b,S,Hq,D], k_blk [b,S,Hkv,D], v_blk) -> [b,S,Hq,D]; the callable knows where the context is.
 BlockAttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class DFlashAttention(nn.Module):
-    """q|k|v as one GEMM (`qkv_proj`; HF `q_proj`/`k_proj`/`v_proj` in checkpoints); context rows use only the
-    k|v rows of it (one GEMM)."""
+class DFlashAttention(Qwen3Attention):
+    """The target's attention layout (`qkv_proj` = HF `q_proj`/`k_proj`/`v_proj`, q/k norms; `qkv` for block
+    rows); context rows use only the k|v rows of the fused projection (one GEMM)."""
 
     def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_size, self.kv_size = self.heads * hd, self.kv_heads * hd
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.heads * hd, h, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        fuse_linears(self, "qkv_proj", (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)))
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         cfg.rms_norm_eps, cfg.attention_bias)
 
     def kv(self, x, rope: RotaryEmbedding, cos, sin):
         """Normed and rotated k, and v, of context rows x."""
@@ -47,16 +41,6 @@ class DFlashAttention(nn.Module):
         v = kv[..., self.kv_size:].view(*shape, self.kv_heads, self.head_dim)
         _, k = qk_norm_rope(None, k, None, self.k_norm.weight, cos, sin, self.k_norm.eps)
         return k, v
-
-    def qkv(self, x, rope: RotaryEmbedding, cos, sin):
-        """Normed and rotated q, k, and v, of block rows x (one GEMM, one norm + RoPE kernel)."""
-        shape = x.shape[:-1]
-        qkv = self.qkv_proj(x)
-        q = qkv[..., :self.q_size].view(*shape, self.heads, self.head_dim)
-        k = qkv[..., self.q_size:self.q_size + self.kv_size].view(*shape, self.kv_heads, self.head_dim)
-        v = qkv[..., self.q_size + self.kv_size:].view(*shape, self.kv_heads, self.head_dim)
-        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
-        return q, k, v
 
 
 class DFlashLayer(nn.Module):
