@@ -12,18 +12,13 @@ and Triton's interpreter (TRITON_INTERPRET=1) is off, or for head dims the kerne
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, register_backend, store_kv
 from ddtree.attention.torch_ref import TorchReferenceBackend
+from ddtree.envs import env_flag
 
 FORCE_REFERENCE_ENV = "DDTREE_FORCE_REFERENCE_ATTENTION"
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 @register_backend("triton")
@@ -32,7 +27,7 @@ class TritonAttentionBackend:
         # num_splits: fixed split count (e.g. while capturing CUDA graphs); None = chosen per call from the
         # host kv_lens, which under graph capture should then be the captured maxima.
         self.num_splits = num_splits
-        self.force_reference = _env_on(FORCE_REFERENCE_ENV)
+        self.force_reference = env_flag(FORCE_REFERENCE_ENV)
         self._ref = TorchReferenceBackend()
         self._kernel = None
         if not self.force_reference:
@@ -51,7 +46,7 @@ class TritonAttentionBackend:
         d = q.shape[-1]
         if d < 16 or d & (d - 1):
             return True
-        return q.device.type != "cuda" and not _env_on("TRITON_INTERPRET")
+        return q.device.type != "cuda" and not env_flag("TRITON_INTERPRET")
 
     def extend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         if self._use_reference(q):

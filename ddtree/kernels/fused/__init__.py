@@ -10,10 +10,9 @@ model test would then crawl through the interpreter); the Triton kernel otherwis
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ddtree.envs import env_flag
 from ddtree.kernels.fused.reference import (
     add_rmsnorm_reference,
     qk_norm_rope_reference,
@@ -28,10 +27,6 @@ __all__ = ["FORCE_REFERENCE_ENV", "add_rmsnorm", "qk_norm_rope", "rmsnorm", "sil
 
 _kernels = None
 _kernels_interpreted = False
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _triton(interpreted: bool = False):
@@ -56,10 +51,10 @@ def _triton(interpreted: bool = False):
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """Whether the Triton kernels take these tensors (device, env switches, autograd), not their layout."""
     ts = [t for t in tensors if t is not None]
-    if _env_on(FORCE_REFERENCE_ENV):
+    if env_flag(FORCE_REFERENCE_ENV):
         return False
     cpu = ts[0].device.type != "cuda"
-    if cpu and not (_env_on("TRITON_INTERPRET") and _env_on(INTERPRET_ENV)):
+    if cpu and not (env_flag("TRITON_INTERPRET") and env_flag(INTERPRET_ENV)):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return False

@@ -10,14 +10,14 @@ checks the layouts they take.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ddtree.envs import env_flag
+
 # TRITON_INTERPRET is read when a kernel is decorated; the dispatch reloads this module when it needs the other mode
-_decorated_interpreted = os.environ.get("TRITON_INTERPRET", "").strip().lower() not in ("", "0", "false", "no", "off")
+_decorated_interpreted = env_flag("TRITON_INTERPRET")
 
 
 @triton.jit

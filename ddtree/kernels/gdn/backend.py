@@ -15,13 +15,15 @@ import os
 
 import torch
 
+from ddtree.envs import env_flag
+
 FORCE_ENV = "DDTREE_FORCE_REFERENCE_GDN"
 TREE_CHUNK_ENV = "DDTREE_GDN_TREE_CHUNK"
 ran: collections.Counter = collections.Counter()
 
 
 def force_reference() -> bool:
-    return os.environ.get(FORCE_ENV, "0") not in ("", "0")
+    return env_flag(FORCE_ENV)
 
 
 @functools.lru_cache(maxsize=None)
