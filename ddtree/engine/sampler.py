@@ -35,9 +35,11 @@ def sample_from(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return (probs / race).argmax(-1)
 
 
-def sample_nodes(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
-    """logits [b, n, V] -> tokens [b, n]. Greedy rows share one batched argmax."""
-    out = logits.argmax(-1)
+def sample_nodes(logits: torch.Tensor, params: list[SamplingParams], generators: list,
+                 greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [b, n, V] -> tokens [b, n]. Greedy rows share one batched argmax (`greedy`, when the caller has it
+    already: a CUDA graph computed it)."""
+    out = logits.argmax(-1) if greedy is None else greedy.clone()
     for i, p in enumerate(params):
         if not p.greedy:
             out[i] = sample_from(logits[i], p, generators[i])

@@ -20,7 +20,7 @@ import torch
 
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
-from ddtree.engine.sampler import sample_from, sample_nodes
+from ddtree.engine.sampler import sample_nodes
 from ddtree.speculative.accept import accept_tree
 from ddtree.speculative.tree import DraftTree, build_chain, build_tree
 
@@ -71,10 +71,6 @@ class SpecDecoder:
                for r in reqs]
         return None if all(x == depth for x in lim) else lim
 
-    def max_depths(self, reqs: list[Req], max_context: int) -> torch.Tensor | None:
-        lim = self.depth_limits(reqs, max_context)
-        return None if lim is None else torch.tensor(lim, dtype=torch.int64, device=self.runner.device)
-
     def round(self, reqs: list[Req], max_context: int) -> list[list[int]]:
         """Run one round; returns the tokens each request emits (accepted drafts then the bonus token)."""
         runner, cfg, t = self.runner, self.cfg, self.times.start()
@@ -98,7 +94,7 @@ class SpecDecoder:
         if vo.greedy_accept is not None and self.target_override is None and all(p.greedy for p in params):
             res = vo.greedy_accept  # walked inside the verify graph
         else:
-            target_tokens = self._sample(vo, params, [r.generator for r in reqs])
+            target_tokens = sample_nodes(vo.logits, params, [r.generator for r in reqs], vo.greedy_tokens)
             if self.target_override is not None:
                 target_tokens = self.target_override(tree, target_tokens)
             res = accept_tree(tree, target_tokens)
@@ -113,17 +109,6 @@ class SpecDecoder:
             runner.release(r, r.kv_len)
             emitted.append(row[1 : 1 + k])
         return emitted
-
-    @staticmethod
-    def _sample(vo, params, generators) -> torch.Tensor:
-        """Target tokens [b, n]: the graph's argmax for greedy rows, a sample for the others (as sample_nodes)."""
-        if vo.greedy_tokens is None:
-            return sample_nodes(vo.logits, params, generators)
-        out = vo.greedy_tokens.clone()
-        for i, p in enumerate(params):
-            if not p.greedy:
-                out[i] = sample_from(vo.logits[i], p, generators[i])
-        return out
 
     def _budgets(self, reqs: list[Req]) -> list[int] | None:
         """Per-request DDTree budgets, or None when every request uses the server's."""
@@ -152,7 +137,8 @@ class SpecDecoder:
         tree = _root_only(roots)
         vo = runner.verify_nodes(reqs, tree)
         t = self.times.add("verify", t)
-        tokens = self._sample(vo, [r.params for r in reqs], [r.generator for r in reqs])[:, 0]
+        params, generators = [r.params for r in reqs], [r.generator for r in reqs]
+        tokens = sample_nodes(vo.logits, params, generators, vo.greedy_tokens)[:, 0]
         t = self.times.add("accept", t)
         zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
         runner.commit(reqs, zeros[:, None], zeros, None)  # no KV moves; commits hybrid state of the root
