@@ -172,13 +172,17 @@ class GraphBuffers:
         return self.v_logits[:T], taps, out[1][:b], res
 
     # ---- commit ------------------------------------------------------------------------------------------
+    def drop_pending_commit(self) -> None:
+        """The round's verify ran eagerly: no replayed verify rows await a commit."""
+        self._verified = 0
+
     def can_commit(self, path: torch.Tensor, taps) -> bool:
         """This round's verify replayed here (its rows, lengths and taps are still in the static buffers)."""
         ok = (self._verified == path.shape[0] and self.accept_depth is not None
               and path.shape[1] == self.accept_depth + 1
               and (taps is None or (self.v_taps is not None and taps.data_ptr() == self.v_taps.data_ptr())))
         if not ok:
-            self._verified = 0
+            self.drop_pending_commit()
         return ok
 
     def _commit_forward(self, bs: int) -> None:
@@ -190,7 +194,7 @@ class GraphBuffers:
         """`ModelRunner.commit_kv` for the rows of this round's verify replay; padded rows commit nothing (their
         moves stay in the scratch pages)."""
         b = path.shape[0]
-        self._verified = 0
+        self.drop_pending_commit()
         if b < self.c_real:
             self.c_path[b : self.c_real].zero_()
             self.c_len[b : self.c_real].zero_()

@@ -225,10 +225,8 @@ class ModelRunner:
         b, n = tree.tokens.shape
         for r in reqs:
             self.bm.allocate(r, r.kv_len + n)
-        earlier = meta or self._round
         meta = meta or self.round_meta(reqs)
-        if meta is earlier:  # built before this call's allocation: the rows may have gained pages
-            meta.rows = self.bm.block_table.index_select(0, meta.slot_ids)
+        meta.rows = self.bm.block_table.index_select(0, meta.slot_ids)  # the allocation above may add pages
         linear = None
         if self.state_pool is not None:
             linear = self.state_pool.tree_context(meta.slots, tree)
@@ -236,7 +234,7 @@ class ModelRunner:
             logits, taps, tokens, res = self.graphs.verify(meta, tree)
             return VerifyOut(logits.view(b, n, -1), taps.view(b, n, -1) if taps is not None else None, tokens, res)
         if self.graphs is not None:
-            self.graphs._verified = 0  # this round's commit runs eagerly
+            self.graphs.drop_pending_commit()  # this round's commit runs eagerly
         hidden, taps = self.target_forward(tree.tokens.flatten(), (meta.lens[:, None] + tree.depths).flatten(),
                                            self.verify_metadata(meta, tree.tree_mask, n), linear=linear)
         logits = self.target.logits(hidden).float().view(b, n, -1)
