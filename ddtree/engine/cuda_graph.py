@@ -72,6 +72,21 @@ def make_graph_runner(runner) -> CudaGraphRunner | None:
     return g
 
 
+def capture_graph(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, outputs) of fn() captured into `pool`, after two warm-up calls on a side stream (Triton compiles
+    the variant, cuBLAS picks its kernels)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def _kernel_head_dim(d: int) -> bool:
     return d >= 16 and d & (d - 1) == 0
 
@@ -125,15 +140,7 @@ class _GraphSet:
         if not self.owner.capture:
             return None, None, backend
         host = [bound] * bs  # host lengths only size the grid, and the split count is fixed
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: Triton compiles this variant, cuBLAS picks its kernels
-            for _ in range(2):
-                self.forward(bs, backend, host)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.owner.pool):
-            out = self.forward(bs, backend, host)
+        graph, out = capture_graph(lambda: self.forward(bs, backend, host), self.owner.pool)
         return graph, out, backend
 
     def fits(self, b: int, host_max: int) -> bool:
@@ -205,18 +212,7 @@ class CudaGraphRunner(GraphBuffers):
 
     def _capture_plain(self, fn):
         """A graph of fn() (no outputs used), or None without capture."""
-        if not self.capture:
-            return None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            fn()
-        return graph
+        return capture_graph(fn, self.pool)[0] if self.capture else None
 
     @torch.inference_mode()
     def _draft_set(self, spec: tuple | None) -> _GraphSet:
