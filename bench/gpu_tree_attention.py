@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
+from ddtree.bench.round_timing import copy_bandwidth  # noqa: E402
 from ddtree.kernels.tree_attention.reference import paged_attention_reference  # noqa: E402
 from ddtree.kernels.tree_attention.triton import last_launch, paged_attention  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import KernelConfig, default_config  # noqa: E402
@@ -56,16 +57,7 @@ def bandwidths():
     x = torch.randn(2 ** 29, dtype=DT, device=DEV)  # 1 GiB each, ~17x the 60 MB L2
     y = torch.empty_like(x)
     nbytes = x.numel() * x.element_size()
-    out = {}
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(12):
-        e0.record()
-        y.copy_(x)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    out["memcpy_eager"] = 2 * nbytes / sorted(ts)[len(ts) // 2]
+    out = {"memcpy_eager": copy_bandwidth(DEV, nbytes, reps=12)["bandwidth_Bps"]}  # the rounds benchmark's probe
     out["memcpy_graph"] = 2 * nbytes / time_graph(lambda: y.copy_(x), 1, reps=20)
     out["sm_copy_graph"] = 2 * nbytes / time_graph(lambda: torch.mul(x, 1.0, out=y), 1, reps=20)
     acc = torch.empty((), dtype=torch.float32, device=DEV)
