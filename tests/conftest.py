@@ -6,6 +6,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+if not torch.cuda.is_available():
+    # Triton decorates its own library functions (tl.sum, ...) when it is first imported, and transformers'
+    # model code imports it: turn the CPU interpreter on before any test file can, whatever order they run in.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def toy_pair(tmp_path_factory):
