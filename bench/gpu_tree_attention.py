@@ -16,6 +16,7 @@ a WINNER line per shape and a final summary table against the issue's targets, f
    random input copies (R x KV bytes >= ~4x L2), so the numbers are per call with a cold L2.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -153,23 +154,25 @@ def short(c):
     if c is None:
         return "default"
     return (f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}t{c.tail_m}tn{c.tree_n}"
-            f"{'T' if c.tail_split else 'S'}")  # T: tail split (masked tiles in their own split); S: not
+            f"{'T' if c.tail_split else 'S'}{'F' if c.fused_tail else ''}"
+            f"{f'c{c.combine_warps}' if c.combine_warps != 1 else ''}")
+    # T: tail split (masked tiles in their own split); S: not; F: tail rows fused into the last row block
 
 
 def sweep_configs(rows):
     """Candidate configs for `rows` (q tokens x GQA group) per request. sm_90 compile reports of each are in
     bench/tree_attention_compile_report.py (registers, spills, programs per SM)."""
     if rows <= 16:
-        return [KernelConfig(16, 64, 4, 3), KernelConfig(16, 64, 4, 3, tail_split=False),
-                KernelConfig(16, 128, 4, 3), KernelConfig(16, 32, 4, 4), KernelConfig(16, 64, 2, 3)]
+        return [KernelConfig(16, 128, 4, 5), KernelConfig(16, 64, 4, 5), KernelConfig(16, 64, 4, 3),
+                KernelConfig(16, 128, 4, 5, tail_split=False), KernelConfig(16, 128, 8, 5)]
     return [
-        KernelConfig(64, 32, 4, 3),                     # new default: 152 regs, 49 KB -> 3 programs/SM
-        KernelConfig(64, 32, 4, 3, tail_split=False),   # same, masked tiles after the last split's context
-        KernelConfig(64, 64, 4, 3),                     # old tile shape, no spills now (219 regs, 2/SM)
-        KernelConfig(64, 32, 4, 3, tail_m=0),           # no 16-row tail path (5th block at 64 rows)
-        KernelConfig(128, 64, 8, 2),                    # 3 row blocks per KV head instead of 5: KV re-read 3x
-        KernelConfig(128, 32, 8, 3),
-        KernelConfig(256, 32, 16, 3),                   # 2 row blocks per KV head (one 16-row tail)
+        KernelConfig(64, 32, 4, 5),                     # 5 stages: 2-3 K/V tiles in flight (3 programs/SM)
+        KernelConfig(64, 64, 4, 5),                     # 2 programs/SM
+        KernelConfig(64, 32, 4, 3),                     # the previous defaults: 1 K/V tile in flight
+        KernelConfig(64, 64, 4, 3),
+        KernelConfig(64, 64, 4, 5, fused_tail=True),    # 4 programs per KV head: the 4 tail rows ride along
+        KernelConfig(128, 64, 8, 5, fused_tail=True),   # 2 programs per KV head (128 + 128 + 16 rows)
+        KernelConfig(128, 32, 8, 5, fused_tail=True),
     ]
 
 
@@ -179,9 +182,9 @@ def correctness(configs):
     for ci, (q_lens, kv_lens, page, tree) in enumerate(CASES):
         p = Problem(q_lens, kv_lens, 1, page=page, tree=tree, seed=ci)
         ref = p.reference(0)
-        variants = [("v1", None, None, v1.paged_attention)]
-        for cfg in configs if tree else [None]:  # every config on the tree cases, the default on the rest
-            variants += [(short(cfg), cfg, s, None) for s in (None, 1, 7)]
+        variants = [("v1", None, None, v1.paged_attention)] + [("default", None, s, None) for s in (None, 1, 7)]
+        for cfg in configs if tree and ci < 2 else []:  # every swept config on two tree cases
+            variants += [(short(cfg), cfg, s, None) for s in (None, 7)]
         for label, cfg, splits, impl in variants:
             out = torch.full_like(ref, float("nan"))
             try:
@@ -234,6 +237,26 @@ def sdpa_fn(p):
     return run
 
 
+def kernel_times(p, cfg):
+    """Device time per call of each kernel of one attention call (torch.profiler over all R input copies):
+    how the time splits between the split-KV kernel and the combine."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for r in range(p.R):
+        p.ours(r, config=cfg)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for r in range(p.R):
+            p.ours(r, config=cfg)
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.count:
+            out[e.key[:40]] = t / e.count
+    return out
+
+
 def bench_point(name, b, n, ctx, bw, mma, results, full=True):
     """Times v1, the new default and every sweep config (heuristic split count), then split counts around the
     two fastest; SDPA (and Flex at FLEX_POINTS) when `full`."""
@@ -247,10 +270,8 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
     rows = n * (HQ // HKV)
     res = {"point": name, "b": b, "n": n, "ctx": ctx, "kv_mb": kv_bytes / 1e6, "floor_us": floor * 1e6,
            "copies": R, "variants": []}
-    padded = lambda c: -(-rows // c.block_m) * c.block_m if not (0 < rows % c.block_m <= c.tail_m) else \
-        rows // c.block_m * c.block_m + c.tail_m  # noqa: E731
-    c0 = default_config(rows, D)
-    res["mma_floor_us"] = 4 * b * padded(c0) * HKV * L * D / mma * 1e6
+    c0 = default_config(rows, D, L, b)
+    res["mma_floor_us"] = 4 * b * rows * HKV * L * D / mma * 1e6  # unpadded rows
 
     def run(label, cfg, splits, impl=None, **kw):
         try:
@@ -275,6 +296,13 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
           f"{res['mma_floor_us']:.1f} us, {R} copies", flush=True)
     res["v1"] = run("v1", None, None, impl=v1.paged_attention)
     res["default"] = run("default", None, None)
+    if full:
+        try:
+            res["kernels_us"] = kernel_times(p, None)
+            print("    kernels (profiler, us per call): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in res["kernels_us"].items()), flush=True)
+        except Exception as e:  # noqa: BLE001 - the breakdown is a diagnostic
+            print(f"    profiler failed: {type(e).__name__}: {str(e)[:160]}")
     for cfg in sweep_configs(rows):
         if time.time() - T0 > SWEEP_BUDGET_S:
             print("    (sweep budget spent)")
@@ -288,7 +316,8 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
         for v in sorted(good, key=lambda v: v["us"]):
             if v["config"] not in top:
                 top.append(v["config"])
-        for cfg in [c for c in [c0] + sweep_configs(rows) if short(c) in top[:2]][:2]:
+        by_name = {short(c): c for c in [c0] + sweep_configs(rows)}
+        for cfg in [by_name[t] for t in top[:2] if t in by_name]:
             s0 = next(v["splits"] for v in good if v["config"] == short(cfg))
             cands = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, s0 - 1, s0 + 1, 2 * s0})
             for s in [s for s in cands if s >= 1 and s != s0 and s0 / 3 <= s <= 3 * s0 + 1 and s <= tiles] + \
@@ -296,6 +325,10 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
                 if time.time() - T0 > SWEEP_BUDGET_S:
                     break
                 run("splits", cfg, s)
+    if full:  # the split-merging kernel's warps, on the default config
+        for w in (2, 4):
+            if time.time() - T0 < SWEEP_BUDGET_S:
+                run("combine", dataclasses.replace(c0, combine_warps=w), None)
     if n > 1 and name.startswith("b1 n65 16k"):  # ablation: the same shape with no tree mask at all
         res["nomask"] = run("no-mask", None, None, tree_mask=None, causal=False)
     good = [v for v in res["variants"] if v["label"] not in ("v1", "no-mask") and not v["rel_err"] >= 2e-2]

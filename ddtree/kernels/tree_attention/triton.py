@@ -61,14 +61,13 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, c, hi, qk_scale, row_t, ctx,
-             mask_ptr, mask_row, q_len, stride_s, k_ext, v_ext, stride_es, PAGE: tl.constexpr,
-             MASKED: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, DOT: tl.constexpr):
+def _load_kv(k_pool, v_pool, bt_row, kv_off, d, j, hi, ctx, stride_s, k_ext, v_ext, stride_es,
+             PAGE: tl.constexpr, MASKED: tl.constexpr, EXTRA: tl.constexpr):
     # MASKED 0: a full context tile, every position visible (no masks: pipelined); 1: the partial context tile
-    # j < hi (hi <= ctx: pool only, visible to every row); 2: a tile of the new tokens, j < hi = kv_len, with
-    # the MODE's visibility (tree mask / causal / all).
+    # j < hi (hi <= ctx: pool only, visible to every row); 2: a tile of the new tokens, j < hi = kv_len.
     if MASKED == 0:
         page = tl.load(bt_row + j // PAGE)
+        j_ok = j >= 0
     else:
         j_ok = j < hi
         in_pool = j_ok
@@ -79,17 +78,28 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, c, hi, qk_s
     off = slot[:, None] * stride_s + kv_off + d[None, :]  # K and V pools share strides (host-checked)
     if MASKED == 0:
         k = tl.load(k_pool + off)
+        v = tl.load(v_pool + off)
     else:
         k = tl.load(k_pool + off, mask=in_pool[:, None], other=0.0)
+        v = tl.load(v_pool + off, mask=in_pool[:, None], other=0.0)
         if EXTRA and MASKED == 2:
             e_ok = (j >= ctx) & j_ok
             e_off = j[:, None] * stride_es + d[None, :]
             k = tl.where(e_ok[:, None], tl.load(k_ext + e_off, mask=e_ok[:, None], other=0.0), k)
+            v = tl.where(e_ok[:, None], tl.load(v_ext + e_off, mask=e_ok[:, None], other=0.0), v)
+    return k, v, j_ok
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k, v, j_ok, c, row_t, mask_ptr, mask_row, qk_scale,
+                 MASKED: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr):
+    # One online-softmax step of a row block over a loaded K/V tile; masked tiles apply the MODE's visibility
+    # among the new tokens (tree mask / causal / all). c = j - ctx: the new token's index, so the mask columns
+    # stay aligned.
     s = _dot(q, tl.trans(k), DOT)
     if MASKED == 1:
         s = tl.where(j_ok[None, :], s, float("-inf"))
     elif MASKED == 2:
-        # c = j - ctx: the new token's index (>= 0 here), passed in so that the mask columns stay aligned
         if MODE == 1:
             bits = tl.load(mask_ptr + (mask_row[:, None] + c[None, :]), mask=j_ok[None, :], other=0)
             vis = (bits != 0) & j_ok[None, :]
@@ -98,13 +108,6 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, c, hi, qk_s
         else:
             vis = j_ok[None, :] & (row_t >= 0)[:, None]  # (always-true row term: broadcast to the tile)
         s = tl.where(vis, s, float("-inf"))
-    # V is loaded after the scores so that its registers are not live across the first dot in masked tiles
-    if MASKED == 0:
-        v = tl.load(v_pool + off)
-    else:
-        v = tl.load(v_pool + off, mask=in_pool[:, None], other=0.0)
-        if EXTRA and MASKED == 2:
-            v = tl.where(e_ok[:, None], tl.load(v_ext + e_off, mask=e_ok[:, None], other=0.0), v)
     # qk_scale > 0 commutes with max: scale the row max, then one fused multiply-add per score
     m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
@@ -115,6 +118,32 @@ def _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, c, hi, qk_s
 
 
 @triton.jit
+def _load_q(q_ptr, q_start, rows, n_rows, kvh, d, stride_qt, stride_qh, G: tl.constexpr):
+    row_ok = rows < n_rows
+    row_t = rows // G
+    head = kvh * G + rows % G
+    q = tl.load(q_ptr + (q_start + row_t)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    return q, row_ok, row_t, head
+
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, row_ok, row_t, head, out_ptr, part_o, part_lse, num_splits, split, q_start, d,
+                stride_ot, stride_oh, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    tok = q_start + row_t
+    if SPLIT:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        base = (tok * (HKV * G) + head) * num_splits + split
+        tl.store(part_lse + base, lse, mask=row_ok)
+        tl.store(part_o + base[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+    else:
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
 def _attend_rows(
     row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext, qk_scale,
     num_splits, split, b, kvh, q_start, q_len, kv_len,
@@ -122,20 +151,23 @@ def _attend_rows(
     stride_eh, stride_es,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
     BLOCK_N: tl.constexpr, TREE_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr,
-    TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
+    TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr, TM: tl.constexpr,
 ):
+    # Rows [row0, row0 + BM), and with TM > 0 (the fused tail) also [row0 + BM, row0 + BM + TM) as a second
+    # row block over the same K/V tiles (the caller passes TM > 0 only to a request's last row block).
     n_rows = q_len * G
     ctx = kv_len - q_len
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < n_rows
-    row_t = rows // G
-    head = kvh * G + rows % G
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (q_start + row_t)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q, row_ok, row_t, head = _load_q(q_ptr, q_start, row0 + tl.arange(0, BM), n_rows, kvh, d, stride_qt,
+                                     stride_qh, G)
+    row_end = row0 + BM
+    if TM > 0:
+        q2, row_ok2, row_t2, head2 = _load_q(q_ptr, q_start, row0 + BM + tl.arange(0, TM), n_rows, kvh, d,
+                                             stride_qt, stride_qh, G)
+        row_end += TM
 
     t_lo = row0 // G
-    t_hi = (tl.minimum(row0 + BM, n_rows) - 1) // G
+    t_hi = (tl.minimum(row_end, n_rows) - 1) // G
     # [0, free_end): visible to every row of the block; [free_end, kv_end): the new tokens that need a mask
     if MODE == 0:
         free_end = ctx + t_lo
@@ -169,6 +201,11 @@ def _attend_rows(
     acc = tl.full([BM, D], 0.0, dtype=tl.float32)
     m_i = tl.full([BM], _NEG_INIT, dtype=tl.float32)
     l_i = tl.full([BM], 0.0, dtype=tl.float32)
+    if TM > 0:
+        mask_row2 = row_t2 * stride_mt
+        acc2 = tl.full([TM, D], 0.0, dtype=tl.float32)
+        m2 = tl.full([TM], _NEG_INIT, dtype=tl.float32)
+        l2 = tl.full([TM], 0.0, dtype=tl.float32)
     cols = tl.arange(0, BLOCK_N)
     tcols = tl.arange(0, TREE_N)
     ext_off = (q_start - ctx) * stride_es + kvh * stride_eh  # k_ext + ext_off + j * stride_es: position j
@@ -177,31 +214,37 @@ def _attend_rows(
 
     for tile in range(tile_lo, tile_hi):
         j = tile * BLOCK_N + cols
-        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, j, kv_len, qk_scale,
-                                 row_t, ctx, mask_ptr, mask_row, q_len, stride_s, k_ext, v_ext, stride_es, PAGE,
-                                 0, MODE, EXTRA, DOT)
+        k, v, j_ok = _load_kv(k_pool, v_pool, bt_row, kv_off, d, j, kv_len, ctx, stride_s, k_ext, v_ext,
+                              stride_es, PAGE, 0, EXTRA)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, j_ok, j, row_t, mask_ptr, mask_row, qk_scale,
+                                     0, MODE, DOT)
+        if TM > 0:
+            acc2, m2, l2 = _attend_tile(acc2, m2, l2, q2, k, v, j_ok, j, row_t2, mask_ptr, mask_row2, qk_scale,
+                                        0, MODE, DOT)
     for tile in tl.range(n_full, n_full + n_rem, num_stages=1):
         j = tile * BLOCK_N + cols
-        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, j, j, free_end, qk_scale,
-                                 row_t, ctx, mask_ptr, mask_row, q_len, stride_s, k_ext, v_ext, stride_es, PAGE,
-                                 1, MODE, EXTRA, DOT)
-    for k in tl.range(0, n_masked, num_stages=1):
-        c = (free_end - ctx) + k * TREE_N + tcols
-        acc, m_i, l_i = _kv_step(acc, m_i, l_i, q, k_pool, v_pool, bt_row, kv_off, d, ctx + c, c, kv_len,
-                                 qk_scale, row_t, ctx, mask_ptr, mask_row, q_len, stride_s, k_ext, v_ext,
-                                 stride_es, PAGE, 2, MODE, EXTRA, DOT)
+        k, v, j_ok = _load_kv(k_pool, v_pool, bt_row, kv_off, d, j, free_end, ctx, stride_s, k_ext, v_ext,
+                              stride_es, PAGE, 1, EXTRA)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, j_ok, j, row_t, mask_ptr, mask_row, qk_scale,
+                                     1, MODE, DOT)
+        if TM > 0:
+            acc2, m2, l2 = _attend_tile(acc2, m2, l2, q2, k, v, j_ok, j, row_t2, mask_ptr, mask_row2, qk_scale,
+                                        1, MODE, DOT)
+    for kk in tl.range(0, n_masked, num_stages=1):
+        c = (free_end - ctx) + kk * TREE_N + tcols
+        k, v, j_ok = _load_kv(k_pool, v_pool, bt_row, kv_off, d, ctx + c, kv_len, ctx, stride_s, k_ext, v_ext,
+                              stride_es, PAGE, 2, EXTRA)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, j_ok, c, row_t, mask_ptr, mask_row, qk_scale,
+                                     2, MODE, DOT)
+        if TM > 0:
+            acc2, m2, l2 = _attend_tile(acc2, m2, l2, q2, k, v, j_ok, c, row_t2, mask_ptr, mask_row2, qk_scale,
+                                        2, MODE, DOT)
 
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    tok = q_start + row_t
-    if SPLIT:
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        base = (tok * (HKV * G) + head) * num_splits + split
-        tl.store(part_lse + base, lse, mask=row_ok)
-        tl.store(part_o + base[:, None] * D + d[None, :], o, mask=row_ok[:, None])
-    else:
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(acc, m_i, l_i, row_ok, row_t, head, out_ptr, part_o, part_lse, num_splits, split, q_start, d,
+                stride_ot, stride_oh, HKV, G, D, SPLIT)
+    if TM > 0:
+        _store_rows(acc2, m2, l2, row_ok2, row_t2, head2, out_ptr, part_o, part_lse, num_splits, split, q_start,
+                    d, stride_ot, stride_oh, HKV, G, D, SPLIT)
 
 
 @triton.jit
@@ -211,8 +254,8 @@ def _split_kv_attn(
     stride_qt, stride_qh, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
     stride_mb, stride_mt, stride_eh, stride_es,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-    TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr,
-    SPLIT: tl.constexpr, TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
+    TAIL_M: tl.constexpr, FUSED_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, TREE_N: tl.constexpr,
+    MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr, TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
 ):
     qb = tl.program_id(0)
     b = tl.program_id(1) // HKV
@@ -220,25 +263,36 @@ def _split_kv_attn(
     split = tl.program_id(2)
     q_start = tl.load(qo_indptr + b)
     q_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
+    n_rows = q_len * G
     row0 = qb * BLOCK_M
-    if row0 >= q_len * G:
-        return
     kv_len = tl.load(kv_lens + b).to(tl.int32)
     bt_row = block_table + b * stride_bt
-    # A last block with few rows (65 tree nodes x 4 heads = 4 x 64 + 4) runs at TAIL_M rows instead of
-    # BLOCK_M: the same KV stream for a fraction of the MMA work.
-    if TAIL_M > 0 and q_len * G - row0 <= TAIL_M:
-        _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
-                     qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_s,
-                     stride_h, stride_ot, stride_oh, stride_mb, stride_mt,
-                     stride_eh, stride_es,
-                     HKV, G, D, PAGE, TAIL_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT, DOT)
+    args = (q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext, qk_scale,
+            num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_s, stride_h, stride_ot,
+            stride_oh, stride_mb, stride_mt, stride_eh, stride_es)
+    if FUSED_TAIL:
+        # The request's last row block also takes the <= TAIL_M rows past it (65 tree nodes x 4 heads = 256 + 4
+        # rows: one program reads each K/V tile once for all 260 rows, at 272 rows of MMA work).
+        last_qb = tl.maximum(n_rows - TAIL_M - 1, 0) // BLOCK_M
+        if qb > last_qb:
+            return
+        if qb == last_qb:
+            _attend_rows(row0, *args, HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT,
+                         DOT, TAIL_M)
+        else:
+            _attend_rows(row0, *args, HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT,
+                         DOT, 0)
     else:
-        _attend_rows(row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
-                     qk_scale, num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_s,
-                     stride_h, stride_ot, stride_oh, stride_mb, stride_mt,
-                     stride_eh, stride_es,
-                     HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT, DOT)
+        if row0 >= n_rows:
+            return
+        # A last block with few rows (65 tree nodes x 4 heads = 4 x 64 + 4) runs at TAIL_M rows instead of
+        # BLOCK_M: the same KV stream for a fraction of the MMA work.
+        if TAIL_M > 0 and n_rows - row0 <= TAIL_M:
+            _attend_rows(row0, *args, HKV, G, D, PAGE, TAIL_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT,
+                         DOT, 0)
+        else:
+            _attend_rows(row0, *args, HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT,
+                         DOT, 0)
 
 
 @triton.jit
@@ -288,8 +342,8 @@ def paged_attention(
         return out
     if q.dtype != k_pool.dtype or q.stride(-1) != 1:
         q = q.to(k_pool.dtype).contiguous()
-    cfg = config or default_config(max_q_len * group, dim, max_kv_len)
-    q_blocks = -(-(max_q_len * group) // cfg.block_m)
+    cfg = config or default_config(max_q_len * group, dim, max_kv_len, b)
+    q_blocks = cfg.row_blocks(max_q_len * group)
     mode = 1 if tree_mask is not None else 0 if causal else 2
     if tree_mask is not None:
         mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
@@ -303,6 +357,7 @@ def paged_attention(
     else:
         k_ext = v_ext = k_pool
     consts = dict(HKV=hkv, G=group, D=dim, PAGE=page_size, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
+                  FUSED_TAIL=cfg.fused_tail,
                   BLOCK_N=cfg.block_n, TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode,
                   EXTRA=new_kv is not None, DOT=_dot_mode(k_pool.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -331,6 +386,6 @@ def paged_attention(
     if split:
         _combine[(T, hq)](
             part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HQ=hq, D=dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+            HQ=hq, D=dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=cfg.combine_warps,
         )
     return out

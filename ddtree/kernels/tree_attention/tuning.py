@@ -23,25 +23,47 @@ class KernelConfig:
     tail_m: int = 16  # a last row block with <= tail_m rows runs at this size; 0 = off
     tree_n: int = 16  # KV positions per tile over the new tokens (masked tiles); 16, 32 or 64
     tail_split: bool = True  # with > 1 split, the last split does only the masked tiles (the new tokens)
+    fused_tail: bool = False  # the <= tail_m rows past a request's last full block run in that block's program
+    combine_warps: int = 1  # warps per program of the split-merging kernel (1 beat 2, 4, 8 on the H200)
 
     def __post_init__(self):
-        if self.tail_m >= self.block_m:
+        if self.tail_m >= self.block_m and not self.fused_tail:
             object.__setattr__(self, "tail_m", 0)
+        if self.fused_tail and self.tail_m <= 0:
+            object.__setattr__(self, "fused_tail", False)
+
+    def row_blocks(self, rows: int) -> int:
+        """Programs along the row axis for a request of `rows` (q tokens x GQA group) rows."""
+        if self.fused_tail:
+            return max(rows - self.tail_m - 1, 0) // self.block_m + 1
+        return -(-rows // self.block_m)
+
+    def padded_rows(self, rows: int) -> int:
+        """Rows of MMA work per KV head for a request of `rows` rows (padding included)."""
+        if self.fused_tail:
+            return self.row_blocks(rows) * self.block_m + self.tail_m
+        if 0 < rows % self.block_m <= self.tail_m:
+            return rows // self.block_m * self.block_m + self.tail_m
+        return -(-rows // self.block_m) * self.block_m
 
 
-def default_config(rows_per_request: int, head_dim: int = 128, max_kv_len: int = 0) -> KernelConfig:
+def default_config(rows_per_request: int, head_dim: int = 128, max_kv_len: int = 0, batch: int = 1) -> KernelConfig:
     """rows = q tokens x GQA group. tl.dot needs M >= 16, so decode rows (1 token x G heads) pad to 16.
-    Register/shared-memory reports for sm_90 (bench/tree_attention_compile_report.py) of the tree (mask) variant:
-    m64 n64 w4 s3 t16 219 regs (2 programs/SM), m64 n32 w4 s3 t16 152 regs + 49 KB (3/SM), m128 n64 w8 s2 t16 202
-    regs (1/SM); none spill (the old kernel's tree-mask gather over 64-wide tiles spilled 224 B at 255 regs)."""
-    block_n = 64 if head_dim <= 128 else 32
-    if rows_per_request <= 16:
-        return KernelConfig(16, block_n, 4, 3)
+    num_stages 5: the K/V tile load hangs off the block-table load, which takes a pipeline stage of its own; at
+    3 or 4 stages Triton 3.6 keeps one K/V tile in flight and waits for it at the top of every tile (the load
+    latency is exposed once per tile), at 5 it keeps 2-3 in flight. The choices below are the winners of the
+    H200 sweep in bench/gpu_tree_attention.py (BENCHMARKS.md); registers / shared memory per config on sm_90 are
+    in bench/tree_attention_compile_report.py."""
+    small_head = head_dim <= 128
+    if rows_per_request <= 16:  # decode: memory-bound; 128-wide tiles halve the per-tile latency count
+        return KernelConfig(16, 128 if small_head and max_kv_len >= 8192 else 64 if small_head else 32, 4, 5)
     if rows_per_request <= 32:
-        return KernelConfig(32, block_n, 4, 3)
-    # H200 sweep (bench/gpu_tree_attention.py, 65 nodes): n32 wins at 1k-8k (3 programs/SM hide latency), n64 at
-    # 16k-32k (84 vs 98 us at 16k; fewer, longer tiles once every SM has many tiles to stream)
-    return KernelConfig(64, 64 if max_kv_len >= 16384 and head_dim <= 128 else 32, 4, 3)
+        return KernelConfig(32, 64 if small_head else 32, 4, 5)
+    if not small_head:
+        return KernelConfig(64, 32, 4, 5)
+    if batch * max_kv_len >= 65536:  # many context tiles per SM: 128-row blocks, the tail rows fused in
+        return KernelConfig(128, 64, 8, 5, fused_tail=True)
+    return KernelConfig(64, 64 if max_kv_len >= 16384 else 32, 4, 5)
 
 
 def ctas_per_sm(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int = 65536,
