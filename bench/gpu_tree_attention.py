@@ -154,25 +154,24 @@ def short(c):
     if c is None:
         return "default"
     return (f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}t{c.tail_m}tn{c.tree_n}"
-            f"{'T' if c.tail_split else 'S'}{'F' if c.fused_tail else ''}"
+            f"{'T' if c.tail_split else 'S'}"
             f"{f'c{c.combine_warps}' if c.combine_warps != 1 else ''}")
-    # T: tail split (masked tiles in their own split); S: not; F: tail rows fused into the last row block
+    # T: tail split (masked tiles in their own split); S: not; cN: N warps in the split-merging kernel
 
 
 def sweep_configs(rows):
     """Candidate configs for `rows` (q tokens x GQA group) per request. sm_90 compile reports of each are in
     bench/tree_attention_compile_report.py (registers, spills, programs per SM)."""
     if rows <= 16:
-        return [KernelConfig(16, 128, 4, 5), KernelConfig(16, 64, 4, 5), KernelConfig(16, 64, 4, 3),
-                KernelConfig(16, 128, 4, 5, tail_split=False), KernelConfig(16, 128, 8, 5)]
+        return [KernelConfig(16, 128, 4, 5, tail_split=False), KernelConfig(16, 128, 4, 5),
+                KernelConfig(16, 64, 4, 5, tail_split=False), KernelConfig(16, 64, 4, 3)]
     return [
-        KernelConfig(64, 32, 4, 5),                     # 5 stages: 2-3 K/V tiles in flight (3 programs/SM)
-        KernelConfig(64, 64, 4, 5),                     # 2 programs/SM
-        KernelConfig(64, 32, 4, 3),                     # the previous defaults: 1 K/V tile in flight
-        KernelConfig(64, 64, 4, 3),
-        KernelConfig(64, 64, 4, 5, fused_tail=True),    # 4 programs per KV head: the 4 tail rows ride along
-        KernelConfig(128, 64, 8, 5, fused_tail=True),   # 2 programs per KV head (128 + 128 + 16 rows)
-        KernelConfig(128, 32, 8, 5, fused_tail=True),
+        KernelConfig(64, 64, 4, 5),    # default: 5 stages keep 2-3 K/V tiles in flight; 2 programs/SM
+        KernelConfig(64, 32, 4, 5),    # 3 programs/SM
+        KernelConfig(64, 64, 4, 3),    # the previous session's defaults: 1 K/V tile in flight
+        KernelConfig(64, 32, 4, 3),
+        KernelConfig(128, 64, 8, 5),   # 3 row blocks per KV head instead of 5
+        KernelConfig(64, 128, 8, 5),   # 128-wide tiles: half the steps, 1 program/SM
     ]
 
 
@@ -270,7 +269,7 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
     rows = n * (HQ // HKV)
     res = {"point": name, "b": b, "n": n, "ctx": ctx, "kv_mb": kv_bytes / 1e6, "floor_us": floor * 1e6,
            "copies": R, "variants": []}
-    c0 = default_config(rows, D, L, b)
+    c0 = default_config(rows, D, L)
     res["mma_floor_us"] = 4 * b * rows * HKV * L * D / mma * 1e6  # unpadded rows
 
     def run(label, cfg, splits, impl=None, **kw):

@@ -33,8 +33,8 @@ PTRS = {"q_ptr": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "block_table": "
 def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, group: int = 4, dim: int = 128):
     fn = kernel._split_kv_attn
     names = fn.arg_names
-    consts = dict(HKV=hkv, G=group, D=dim, PAGE=16, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
-                  FUSED_TAIL=cfg.fused_tail, BLOCK_N=cfg.block_n, TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode, EXTRA=False, SPLIT=split, DOT=0)
+    consts = dict(HKV=hkv, G=group, D=dim, PAGE=16, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n,
+                  TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode, EXTRA=False, SPLIT=split, DOT=0)
     sig, cvals, attrs = {}, {}, {}
     for i, a in enumerate(names):
         if a in consts:
@@ -63,7 +63,7 @@ def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, g
 
 def short(c: KernelConfig) -> str:
     return (f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}t{c.tail_m}tn{c.tree_n}"
-            f"{'T' if c.tail_split else 'S'}{'F' if c.fused_tail else ''}")
+            f"{'T' if c.tail_split else 'S'}")
 
 
 def main():
@@ -71,7 +71,7 @@ def main():
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     configs = import_module("gpu_tree_attention").sweep_configs(260) + [KernelConfig(16, 64, 4, 3)]
-    if len(sys.argv) > 1:  # e.g. "KernelConfig(256, 32, 8, 2, fused_tail=True)" ...: only these
+    if len(sys.argv) > 1:  # e.g. "KernelConfig(64, 64, 4, 5)" ...: only these
         configs = [eval(a, {"KernelConfig": KernelConfig}) for a in sys.argv[1:]]
     print("| config | mode | regs | stack B | shared B | programs/SM | HGMMA | HMMA | LDL | STL | LDGSTS |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -118,9 +118,8 @@ def test_gqa_group_one_and_head_dim_64():
 @pytest.mark.parametrize("cfg", [KernelConfig(64, 32, 4, 3, tail_m=0), KernelConfig(32, 128, 4, 2),
                                  KernelConfig(16, 64, 4, 3), KernelConfig(128, 64, 8, 3, tail_m=32),
                                  KernelConfig(64, 64, 4, 3, tree_n=64, tail_split=False),
-                                 KernelConfig(256, 32, 16, 2, tree_n=32),
-                                 KernelConfig(64, 32, 4, 3, fused_tail=True),
-                                 KernelConfig(16, 32, 4, 2, tail_m=16, fused_tail=True)])
+                                 KernelConfig(256, 32, 16, 2, tree_n=32), KernelConfig(64, 64, 4, 5),
+                                 KernelConfig(16, 128, 4, 5, tail_split=False)])
 def test_tile_configs(cfg):
     """Tile shapes and the small-tail path (65 nodes x GQA 2 = 2 x 64 + 2 rows) agree with the oracle."""
     check([65, 65], [260, 65], 16, torch.float32, True, num_splits=2, config=cfg)

@@ -35,6 +35,7 @@ from ddtree.kernels.tree_attention.tuning import (
     last_launch,
     patch_interpreter_index,
     resident_slots,
+    split_min_tiles,
 )
 
 
@@ -151,23 +152,16 @@ def _attend_rows(
     stride_eh, stride_es,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
     BLOCK_N: tl.constexpr, TREE_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr,
-    TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr, TM: tl.constexpr,
+    TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
 ):
-    # Rows [row0, row0 + BM), and with TM > 0 (the fused tail) also [row0 + BM, row0 + BM + TM) as a second
-    # row block over the same K/V tiles (the caller passes TM > 0 only to a request's last row block).
     n_rows = q_len * G
     ctx = kv_len - q_len
     d = tl.arange(0, D)
     q, row_ok, row_t, head = _load_q(q_ptr, q_start, row0 + tl.arange(0, BM), n_rows, kvh, d, stride_qt,
                                      stride_qh, G)
-    row_end = row0 + BM
-    if TM > 0:
-        q2, row_ok2, row_t2, head2 = _load_q(q_ptr, q_start, row0 + BM + tl.arange(0, TM), n_rows, kvh, d,
-                                             stride_qt, stride_qh, G)
-        row_end += TM
 
     t_lo = row0 // G
-    t_hi = (tl.minimum(row_end, n_rows) - 1) // G
+    t_hi = (tl.minimum(row0 + BM, n_rows) - 1) // G
     # [0, free_end): visible to every row of the block; [free_end, kv_end): the new tokens that need a mask
     if MODE == 0:
         free_end = ctx + t_lo
@@ -201,11 +195,6 @@ def _attend_rows(
     acc = tl.full([BM, D], 0.0, dtype=tl.float32)
     m_i = tl.full([BM], _NEG_INIT, dtype=tl.float32)
     l_i = tl.full([BM], 0.0, dtype=tl.float32)
-    if TM > 0:
-        mask_row2 = row_t2 * stride_mt
-        acc2 = tl.full([TM, D], 0.0, dtype=tl.float32)
-        m2 = tl.full([TM], _NEG_INIT, dtype=tl.float32)
-        l2 = tl.full([TM], 0.0, dtype=tl.float32)
     cols = tl.arange(0, BLOCK_N)
     tcols = tl.arange(0, TREE_N)
     ext_off = (q_start - ctx) * stride_es + kvh * stride_eh  # k_ext + ext_off + j * stride_es: position j
@@ -218,33 +207,21 @@ def _attend_rows(
                               stride_es, PAGE, 0, EXTRA)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, j_ok, j, row_t, mask_ptr, mask_row, qk_scale,
                                      0, MODE, DOT)
-        if TM > 0:
-            acc2, m2, l2 = _attend_tile(acc2, m2, l2, q2, k, v, j_ok, j, row_t2, mask_ptr, mask_row2, qk_scale,
-                                        0, MODE, DOT)
     for tile in tl.range(n_full, n_full + n_rem, num_stages=1):
         j = tile * BLOCK_N + cols
         k, v, j_ok = _load_kv(k_pool, v_pool, bt_row, kv_off, d, j, free_end, ctx, stride_s, k_ext, v_ext,
                               stride_es, PAGE, 1, EXTRA)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, j_ok, j, row_t, mask_ptr, mask_row, qk_scale,
                                      1, MODE, DOT)
-        if TM > 0:
-            acc2, m2, l2 = _attend_tile(acc2, m2, l2, q2, k, v, j_ok, j, row_t2, mask_ptr, mask_row2, qk_scale,
-                                        1, MODE, DOT)
     for kk in tl.range(0, n_masked, num_stages=1):
         c = (free_end - ctx) + kk * TREE_N + tcols
         k, v, j_ok = _load_kv(k_pool, v_pool, bt_row, kv_off, d, ctx + c, kv_len, ctx, stride_s, k_ext, v_ext,
                               stride_es, PAGE, 2, EXTRA)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, j_ok, c, row_t, mask_ptr, mask_row, qk_scale,
                                      2, MODE, DOT)
-        if TM > 0:
-            acc2, m2, l2 = _attend_tile(acc2, m2, l2, q2, k, v, j_ok, c, row_t2, mask_ptr, mask_row2, qk_scale,
-                                        2, MODE, DOT)
 
     _store_rows(acc, m_i, l_i, row_ok, row_t, head, out_ptr, part_o, part_lse, num_splits, split, q_start, d,
                 stride_ot, stride_oh, HKV, G, D, SPLIT)
-    if TM > 0:
-        _store_rows(acc2, m2, l2, row_ok2, row_t2, head2, out_ptr, part_o, part_lse, num_splits, split, q_start,
-                    d, stride_ot, stride_oh, HKV, G, D, SPLIT)
 
 
 @triton.jit
@@ -254,7 +231,7 @@ def _split_kv_attn(
     stride_qt, stride_qh, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
     stride_mb, stride_mt, stride_eh, stride_es,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-    TAIL_M: tl.constexpr, FUSED_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, TREE_N: tl.constexpr,
+    TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_N: tl.constexpr,
     MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr, TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
 ):
     qb = tl.program_id(0)
@@ -270,29 +247,14 @@ def _split_kv_attn(
     args = (q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext, qk_scale,
             num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_s, stride_h, stride_ot,
             stride_oh, stride_mb, stride_mt, stride_eh, stride_es)
-    if FUSED_TAIL:
-        # The request's last row block also takes the <= TAIL_M rows past it (65 tree nodes x 4 heads = 256 + 4
-        # rows: one program reads each K/V tile once for all 260 rows, at 272 rows of MMA work).
-        last_qb = tl.maximum(n_rows - TAIL_M - 1, 0) // BLOCK_M
-        if qb > last_qb:
-            return
-        if qb == last_qb:
-            _attend_rows(row0, *args, HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT,
-                         DOT, TAIL_M)
-        else:
-            _attend_rows(row0, *args, HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT,
-                         DOT, 0)
+    if row0 >= n_rows:
+        return
+    # A last block with few rows (65 tree nodes x 4 heads = 4 x 64 + 4) runs at TAIL_M rows instead of
+    # BLOCK_M: the same KV stream for a fraction of the MMA work.
+    if TAIL_M > 0 and n_rows - row0 <= TAIL_M:
+        _attend_rows(row0, *args, HKV, G, D, PAGE, TAIL_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT, DOT)
     else:
-        if row0 >= n_rows:
-            return
-        # A last block with few rows (65 tree nodes x 4 heads = 4 x 64 + 4) runs at TAIL_M rows instead of
-        # BLOCK_M: the same KV stream for a fraction of the MMA work.
-        if TAIL_M > 0 and n_rows - row0 <= TAIL_M:
-            _attend_rows(row0, *args, HKV, G, D, PAGE, TAIL_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT,
-                         DOT, 0)
-        else:
-            _attend_rows(row0, *args, HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT,
-                         DOT, 0)
+        _attend_rows(row0, *args, HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT, DOT)
 
 
 @triton.jit
@@ -342,8 +304,8 @@ def paged_attention(
         return out
     if q.dtype != k_pool.dtype or q.stride(-1) != 1:
         q = q.to(k_pool.dtype).contiguous()
-    cfg = config or default_config(max_q_len * group, dim, max_kv_len, b)
-    q_blocks = cfg.row_blocks(max_q_len * group)
+    cfg = config or default_config(max_q_len * group, dim, max_kv_len)
+    q_blocks = -(-(max_q_len * group) // cfg.block_m)
     mode = 1 if tree_mask is not None else 0 if causal else 2
     if tree_mask is not None:
         mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
@@ -357,7 +319,6 @@ def paged_attention(
     else:
         k_ext = v_ext = k_pool
     consts = dict(HKV=hkv, G=group, D=dim, PAGE=page_size, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
-                  FUSED_TAIL=cfg.fused_tail,
                   BLOCK_N=cfg.block_n, TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode,
                   EXTRA=new_kv is not None, DOT=_dot_mode(k_pool.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -374,7 +335,7 @@ def paged_attention(
         slots = resident_slots(q.device, key, lambda: _split_kv_attn.warmup(
             *args(2, f32, f32), grid=(1,), SPLIT=True, **consts))
         num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots,
-                                       tail_split=cfg.tail_split)
+                                       min_tiles=split_min_tiles(max_q_len * group), tail_split=cfg.tail_split)
     split = num_splits > 1
     if split:
         part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=q.device)

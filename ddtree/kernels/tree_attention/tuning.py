@@ -23,47 +23,34 @@ class KernelConfig:
     tail_m: int = 16  # a last row block with <= tail_m rows runs at this size; 0 = off
     tree_n: int = 16  # KV positions per tile over the new tokens (masked tiles); 16, 32 or 64
     tail_split: bool = True  # with > 1 split, the last split does only the masked tiles (the new tokens)
-    fused_tail: bool = False  # the <= tail_m rows past a request's last full block run in that block's program
     combine_warps: int = 1  # warps per program of the split-merging kernel (1 beat 2, 4, 8 on the H200)
 
     def __post_init__(self):
-        if self.tail_m >= self.block_m and not self.fused_tail:
+        if self.tail_m >= self.block_m:
             object.__setattr__(self, "tail_m", 0)
-        if self.fused_tail and self.tail_m <= 0:
-            object.__setattr__(self, "fused_tail", False)
-
-    def row_blocks(self, rows: int) -> int:
-        """Programs along the row axis for a request of `rows` (q tokens x GQA group) rows."""
-        if self.fused_tail:
-            return max(rows - self.tail_m - 1, 0) // self.block_m + 1
-        return -(-rows // self.block_m)
-
-    def padded_rows(self, rows: int) -> int:
-        """Rows of MMA work per KV head for a request of `rows` rows (padding included)."""
-        if self.fused_tail:
-            return self.row_blocks(rows) * self.block_m + self.tail_m
-        if 0 < rows % self.block_m <= self.tail_m:
-            return rows // self.block_m * self.block_m + self.tail_m
-        return -(-rows // self.block_m) * self.block_m
 
 
-def default_config(rows_per_request: int, head_dim: int = 128, max_kv_len: int = 0, batch: int = 1) -> KernelConfig:
+def default_config(rows_per_request: int, head_dim: int = 128, max_kv_len: int = 0) -> KernelConfig:
     """rows = q tokens x GQA group. tl.dot needs M >= 16, so decode rows (1 token x G heads) pad to 16.
     num_stages 5: the K/V tile load hangs off the block-table load, which takes a pipeline stage of its own; at
     3 or 4 stages Triton 3.6 keeps one K/V tile in flight and waits for it at the top of every tile (the load
-    latency is exposed once per tile), at 5 it keeps 2-3 in flight. The choices below are the winners of the
-    H200 sweep in bench/gpu_tree_attention.py (BENCHMARKS.md); registers / shared memory per config on sm_90 are
-    in bench/tree_attention_compile_report.py."""
+    latency is exposed once per tile), at 5 it keeps 2-3 in flight. The choices are the winners of the H200
+    sweep in bench/gpu_tree_attention.py (BENCHMARKS.md); registers / shared memory per config on sm_90 are in
+    bench/tree_attention_compile_report.py."""
     small_head = head_dim <= 128
-    if rows_per_request <= 16:  # decode: memory-bound; 128-wide tiles halve the per-tile latency count
-        return KernelConfig(16, 128 if small_head and max_kv_len >= 8192 else 64 if small_head else 32, 4, 5)
+    if rows_per_request <= 16:  # decode: memory-bound; 128-wide tiles halve the per-tile latencies
+        block_n = (128 if max_kv_len >= 8192 else 64) if small_head else 32
+        return KernelConfig(16, block_n, 4, 5, tail_split=False)
     if rows_per_request <= 32:
         return KernelConfig(32, 64 if small_head else 32, 4, 5)
-    if not small_head:
-        return KernelConfig(64, 32, 4, 5)
-    if batch * max_kv_len >= 65536:  # many context tiles per SM: 128-row blocks, the tail rows fused in
-        return KernelConfig(128, 64, 8, 5, fused_tail=True)
-    return KernelConfig(64, 64 if max_kv_len >= 16384 else 32, 4, 5)
+    return KernelConfig(64, 64 if small_head else 32, 4, 5)
+
+
+def split_min_tiles(rows_per_request: int) -> int:
+    """Fewest context tiles per split: tree / chain rows write a [rows, D] fp32 partial per split, so short
+    splits cost more in partials and merging than they gain in parallelism (1k context, 65 nodes: 3 splits
+    17.7 us, 5 splits 19.8 us, 9 splits 21.1 us on the H200)."""
+    return 4 if rows_per_request <= 16 else 6
 
 
 def ctas_per_sm(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int = 65536,
