@@ -9,10 +9,11 @@ count that fills the GPU at a long context (tens of splits for a small batch) ma
 for mostly-empty programs, their partial writes and the combine; one split leaves a long context to a few dozen
 programs on 132 SMs. So the live max kv_len picks a bucket (<= 1k, 4k, 16k, max context) and each
 (bs, bucket) uses the kernel's own choice (`choose_num_splits`) at the bucket's upper bound, probed with one
-eager call. That choice depends on the context only through its cap (>= 4 KV tiles per split), so it grows
-with the bucket (never decreasing) and then saturates: graphs are keyed by (bs, split count) and buckets with
-equal counts share one. A live context gets its bucket top's count: never fewer splits than eager would pick,
-and the surplus is bounded by the bucket's width (4x in the middle buckets).
+eager call. That choice depends on the context only through its cap (>= 4 KV tiles per split for decode rows,
+>= 6 for tree / chain rows), so it grows with the bucket (never decreasing) and then saturates: graphs are
+keyed by (bs, split count) and buckets with equal counts share one. A live context gets its bucket top's count:
+never fewer splits than eager would pick, and the surplus is bounded by the bucket's width (4x in the middle
+buckets).
 An empty split (its tile range lies past the request's context) runs no loop iteration and stores lse = -inf;
 the combine gives it weight 0. Every real or padded row sees at least itself in some split, so no row is
 all -inf and the result equals the unsplit one up to rounding.
