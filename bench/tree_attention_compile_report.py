@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
 """Compile the split-KV tree-attention kernel for sm_90 WITHOUT a GPU and print, per config, what ptxas made of
 it: registers, stack (spills), shared memory, resident programs per SM, and instruction counts from the SASS
-(HGMMA = Hopper wgmma, HMMA = mma.sync, LDL/STL = local-memory spills, LDGSTS = cp.async pipelined loads).
+(HGMMA = Hopper wgmma, HMMA = mma.sync, LDL/STL = local-memory spills, LDGSTS = cp.async pipelined loads), and
+the deepest `async_wait` in the TTGIR: how many load groups stay in flight while a tile is computed (0 = every
+tile waits for its own loads: the latency is exposed once per tile).
 
     python3 bench/tree_attention_compile_report.py            # 32 q heads, 8 KV heads, D 128, bf16, page 16
+    python3 bench/tree_attention_compile_report.py "KernelConfig(64, 64, 4, 5)" ...     # only these configs
+    python3 bench/tree_attention_compile_report.py --defaults --json   # the shipped defaults (tests use this)
 
 Uses the ptxas / cuobjdump that Triton's package carries; runs on the CPU machine (no device time).
 """
@@ -22,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from ddtree.kernels.tree_attention import triton as kernel  # noqa: E402
-from ddtree.kernels.tree_attention.tuning import KernelConfig, ctas_per_sm  # noqa: E402
+from ddtree.kernels.tree_attention.tuning import KernelConfig, ctas_per_sm, default_config  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {"q_ptr": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "block_table": "*i64", "qo_indptr": "*i64",
@@ -58,7 +62,8 @@ def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, g
     shared = ck.metadata.shared
     per_sm = ctas_per_sm(regs, shared, cfg.num_warps)
     n = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS")}
-    return dict(regs=regs, stack=stack, shared=shared, per_sm=per_sm, **n)
+    depth = max([int(x) for x in re.findall(r"async_wait[^\n]*\{num = (\d+)", ck.asm["ttgir"])] or [0])
+    return dict(regs=regs, stack=stack, shared=shared, per_sm=per_sm, wait_depth=depth, **n)
 
 
 def short(c: KernelConfig) -> str:
@@ -66,24 +71,41 @@ def short(c: KernelConfig) -> str:
             f"{'T' if c.tail_split else 'S'}")
 
 
+# the shipped defaults: (what, rows per request = q tokens x GQA 4, max context, kernel MODE: 0 causal, 1 tree)
+DEFAULT_SHAPES = [("decode 16k", 4, 16384, 0), ("decode 1k", 4, 1024, 0), ("tree 65 nodes", 260, 16384, 1)]
+
+
 def main():
+    import json
     from importlib import import_module
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    configs = import_module("gpu_tree_attention").sweep_configs(260) + [KernelConfig(16, 64, 4, 3)]
-    if len(sys.argv) > 1:  # e.g. "KernelConfig(64, 64, 4, 5)" ...: only these
-        configs = [eval(a, {"KernelConfig": KernelConfig}) for a in sys.argv[1:]]
-    print("| config | mode | regs | stack B | shared B | programs/SM | HGMMA | HMMA | LDL | STL | LDGSTS |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for cfg in configs:
-        for mode in (1, 0):
-            try:
-                r = report(cfg, mode)
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-                print(f"| {short(cfg)} | {mode} | failed: {type(e).__name__}: {str(e)[:80]} |")
-                continue
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    as_json = "--json" in sys.argv
+    if "--defaults" in sys.argv:
+        runs = [(name, default_config(rows, 128, ctx), mode) for name, rows, ctx, mode in DEFAULT_SHAPES]
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        configs = import_module("gpu_tree_attention").sweep_configs(260) + [KernelConfig(16, 64, 4, 3)]
+        if args:  # e.g. "KernelConfig(64, 64, 4, 5)" ...: only these
+            configs = [eval(a, {"KernelConfig": KernelConfig}) for a in args]
+        runs = [(short(c), c, mode) for c in configs for mode in (1, 0)]
+    if not as_json:
+        print("| config | mode | regs | stack B | shared B | programs/SM | wait depth | HGMMA | HMMA | LDL | STL | "
+              "LDGSTS |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, cfg, mode in runs:
+        try:
+            r = report(cfg, mode)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+            r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        if as_json:
+            print(json.dumps({"name": name, "config": short(cfg), "mode": mode, **r}), flush=True)
+        elif "error" in r:
+            print(f"| {short(cfg)} | {mode} | failed: {r['error'][:80]} |")
+        else:
             print(f"| {short(cfg)} | {mode} | {r['regs']} | {r['stack']} | {r['shared']} | {r['per_sm']} | "
-                  f"{r['HGMMA']} | {r['HMMA']} | {r['LDL']} | {r['STL']} | {r['LDGSTS']} |", flush=True)
+                  f"{r['wait_depth']} | {r['HGMMA']} | {r['HMMA']} | {r['LDL']} | {r['STL']} | {r['LDGSTS']} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
