@@ -24,7 +24,7 @@ from ddtree.speculative.decoder import SpecConfig, SpecDecoder
 
 def profile_case(target, drafter, algo, budget, batch, context, rounds, top):
     ns = SimpleNamespace(block_size=16, page_size=16, attention_backend="triton", disable_cuda_graph=False)
-    cfg, _ = runner_config(algo, budget, batch, context, ns, torch.device("cuda"))
+    cfg = runner_config(algo, budget, batch, context, ns, torch.device("cuda"))
     runner = ModelRunner(target, drafter if algo != "NONE" else None, cfg, "cuda", torch.bfloat16)
     reqs = prefilled_requests(runner, batch, context, target.config.vocab_size, 4096, 0)
     dec = SpecDecoder(runner, SpecConfig(algo, 16, budget, budget, algo == "DDTREE"))

@@ -67,7 +67,7 @@ def random_runner():
     tcfg, dcfg = pair_configs(SMOKE, 2, 16, "float32")
     target, drafter = build_pair(tcfg, dcfg, "cpu", torch.float32, seed=1)
     ns = make_parser().parse_args(["--attention-backend", "torch"])
-    rcfg, _ = runner_config("DDTREE", 64, 4, CONTEXT, ns, torch.device("cpu"))
+    rcfg = runner_config("DDTREE", 64, 4, CONTEXT, ns, torch.device("cpu"))
     runner = ModelRunner(target, drafter, rcfg, "cpu", torch.float32)
     return runner, prefilled_requests(runner, 4, CONTEXT, tcfg.vocab_size, 4096, seed=2)
 

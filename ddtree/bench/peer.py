@@ -42,6 +42,8 @@ import warnings
 import torch
 from torch import nn
 
+from ddtree.bench.round_timing import percentile
+
 _LOADED: dict[str, types.SimpleNamespace] = {}
 
 
@@ -242,11 +244,10 @@ def peer_round_ms(peer_dir: str, target_model: nn.Module, drafter_model: nn.Modu
         raise RuntimeError(f"the peer ran {len(stamps)} round(s); ask for more rounds")
     n = res.decode_rounds
     stages = {k: v * 1e3 / max(n - (k == "draft"), 1) for k, v in res.stage_times.items()}
-    srt = sorted(per)
     return {
         "algorithm": algorithm, "budget": budget if algorithm == "DDTREE" else None, "context": context_len,
         "rounds": len(per), "ms": statistics.median(per), "ms_mean": statistics.fmean(per),
-        "ms_p10": srt[int(0.1 * len(srt))], "ms_p90": srt[min(len(srt) - 1, int(0.9 * len(srt)))],
+        "ms_p10": percentile(per, 0.1), "ms_p90": percentile(per, 0.9),
         "emitted_mean": statistics.fmean(res.acceptance_lengths), "stages_ms": stages,
         "output_ids": res.output_ids[0, res.num_input_tokens:].tolist(),
         "target_attn": "sdpa", "draft_attn": draft_attn, "cpp_compact": bool(cpp_compact),

@@ -56,6 +56,12 @@ class PhaseMarks:
         return out
 
 
+def percentile(xs: list[float], q: float) -> float:
+    """The sorted sample at rank floor(q * n) (clamped): the p10 / p90 of a round benchmark."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> dict:
     """Median device-to-device copy bandwidth, counted as read + write: 2 * nbytes / t (the convention of the
     field notes' H200 figure, 4.12-4.15 TB/s, and of its 3.95 ms floor)."""

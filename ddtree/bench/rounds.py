@@ -10,7 +10,6 @@ checks and the plot are `ddtree/bench/rounds_report.py`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -65,16 +64,11 @@ def runner_config(algo: str, budget: int, batch: int, context: int, ns, device):
     width = {"NONE": 1, "DFLASH": ns.block_size}.get(algo, budget + 1)
     max_context = context + ns.block_size
     per_req = -(-(max_context + width) // ns.page_size) + 1
-    kw = {"page_size": ns.page_size, "num_pages": batch * per_req + 4, "max_running_requests": batch,
-          "max_context": max_context, "block_size": ns.block_size, "max_verify_width": width,
-          "attention_backend": ns.attention_backend}
-    fields = {f.name for f in dataclasses.fields(RunnerConfig)}
-    graphs = device.type == "cuda" and not ns.disable_cuda_graph
-    if "enable_cuda_graph" in fields:
-        kw["enable_cuda_graph"] = graphs
-    if "cuda_graph_max_bs" in fields:
-        kw["cuda_graph_max_bs"] = batch
-    return RunnerConfig(**kw), graphs and "enable_cuda_graph" in fields
+    return RunnerConfig(page_size=ns.page_size, num_pages=batch * per_req + 4, max_running_requests=batch,
+                        max_context=max_context, block_size=ns.block_size, max_verify_width=width,
+                        attention_backend=ns.attention_backend,
+                        enable_cuda_graph=device.type == "cuda" and not ns.disable_cuda_graph,
+                        cuda_graph_max_bs=batch)
 
 
 def prefilled_requests(runner, n: int, context: int, vocab: int, chunk: int, seed: int):
@@ -102,7 +96,7 @@ def prefilled_requests(runner, n: int, context: int, vocab: int, chunk: int, see
 
 def run_case(runner, spec, reqs, context: int, rounds: int, warmup: int, clock, override=None) -> dict:
     """Median per-round time and stage split over `rounds` rounds after `warmup`; KV trimmed back each round."""
-    from ddtree.bench.round_timing import PhaseMarks
+    from ddtree.bench.round_timing import PhaseMarks, percentile
     from ddtree.speculative.decoder import SpecDecoder
 
     marks = PhaseMarks(clock)
@@ -128,16 +122,11 @@ def run_case(runner, spec, reqs, context: int, rounds: int, warmup: int, clock, 
     ms = statistics.median(totals)
     ph = {p: statistics.median(v) for p, v in phases.items()}
     return {
-        "rounds": rounds, "ms": ms, "ms_p10": _pct(totals, 0.1), "ms_p90": _pct(totals, 0.9),
+        "rounds": rounds, "ms": ms, "ms_p10": percentile(totals, 0.1), "ms_p90": percentile(totals, 0.9),
         "phases_ms": ph, "phases_pct": {p: 100 * v / ms for p, v in ph.items()},
         "tree_accept_pct": 100 * (ph["tree"] + ph["accept"]) / ms,
         "emitted_mean": sum(emitted) / len(emitted), "emitted_min": min(emitted), "emitted_max": max(emitted),
     }
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def measure_floor(target, drafter, device, copy_bytes: int) -> dict:
@@ -225,7 +214,7 @@ def run(ns) -> int:
                 rows += [make_row(context, algo, budget, b, tr, skipped="time budget") for b, tr in cases]
                 continue
             t0 = time.perf_counter()
-            rcfg, _ = runner_config(algo, budget, max(batches), context, ns, device)
+            rcfg = runner_config(algo, budget, max(batches), context, ns, device)
             runner = ModelRunner(target, drafter if algo != "NONE" else None, rcfg, device, dtype)
             graphs = getattr(runner, "graphs", None) is not None
             meta["cuda_graph"] = meta["cuda_graph"] or graphs
