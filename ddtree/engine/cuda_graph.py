@@ -180,11 +180,12 @@ class CudaGraphRunner(GraphBuffers):
         self.tree_bufs: dict[tuple, tuple] = {}  # tree spec -> static DraftTree fields [M, ...]
         self.tree_spec: tuple | None = None
         self._built = False
-        self.drafts = _draft_capturable(runner) is None
+        why_eager = _draft_capturable(runner)
+        self.drafts = why_eager is None
         if self.drafts:
             self._init_draft(max_bs)
         elif runner.drafter is not None:
-            logger.info("CUDA graphs: the drafter forward runs eagerly: %s.", _draft_capturable(runner))
+            logger.info("CUDA graphs: the drafter forward runs eagerly: %s.", why_eager)
 
     def backend(self, splits: int | None):
         """An attention backend with a fixed split count (the runner's own backend when it is not Triton)."""

@@ -45,13 +45,15 @@ class GraphBuffers:
         cfg, dev = runner.cfg, runner.device
         M, P, p = max_bs, runner.bm.max_pages_per_req, cfg.page_size
         scratch = torch.tensor(runner.scratch_pages, dtype=torch.int64, device=dev)
-        self.pad_rows = scratch[torch.arange(P, device=dev) % len(scratch)].expand(M, P).clone(memory_format=torch.contiguous_format)
+        self.pad_rows = scratch[torch.arange(P, device=dev) % len(scratch)].expand(M, P).clone(
+            memory_format=torch.contiguous_format)
         head = runner.target.lm_head.weight
         V = head.shape[0]
         n = self.n = cfg.max_verify_width
         j = torch.arange(n, device=dev)
         self.pad_slots = (scratch[j // p] * p + j % p).repeat(M)  # every padded row writes the same scratch slots
-        self.pad_mask = torch.eye(n, dtype=torch.bool, device=dev).expand(M, n, n).clone(memory_format=torch.contiguous_format)
+        self.pad_mask = torch.eye(n, dtype=torch.bool, device=dev).expand(M, n, n).clone(
+            memory_format=torch.contiguous_format)
         self.v_ids = torch.zeros(M * n, dtype=torch.int64, device=dev)
         self.v_pos = torch.zeros(M * n, dtype=torch.int64, device=dev)
         self.v_slots = self.pad_slots.clone()
@@ -127,13 +129,13 @@ class GraphBuffers:
         logits = self.runner.target.logits(hidden)
         self.v_logits[:T].copy_(logits)
         tokens = logits.view(bs, n, -1).argmax(-1)
-        taps = None  # read from v_taps (a graph-owned copy would hold memory per graph)
+        # logits and taps are read from v_logits / v_taps (a graph-owned copy would hold memory per graph)
         if self.accept_depth is None:
-            return taps, tokens
+            return (tokens,)
         tree = DraftTree(self.v_ids[:T].view(bs, n), self.v_par[:bs], self.v_dep[:bs], self.v_valid[:bs],
                          self.v_mask[:bs], self.accept_depth)
         res = accept_tree(tree, tokens)
-        return taps, tokens, res.accept_length, res.path, res.out_tokens, res.num_out, res.last_node
+        return tokens, res.accept_length, res.path, res.out_tokens, res.num_out, res.last_node
 
     def verify(self, meta, tree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, AcceptResult | None]:
         """meta: the round's RoundMeta (rows gathered after allocation). Returns (logits [b*n, V] in the LM head's
@@ -167,9 +169,9 @@ class GraphBuffers:
         taps = self.v_taps[:T] if self.v_taps is not None else None
         res = None
         if self.accept_depth is not None and tree.depth_bound == self.accept_depth:
-            res = AcceptResult(*(x[:b] for x in out[2:]))
+            res = AcceptResult(*(x[:b] for x in out[1:]))
         self._verified = b
-        return self.v_logits[:T], taps, out[1][:b], res
+        return self.v_logits[:T], taps, out[0][:b], res
 
     # ---- commit ------------------------------------------------------------------------------------------
     def drop_pending_commit(self) -> None:

@@ -77,7 +77,8 @@ class ModelRunner:
         self.tap_layers: tuple[int, ...] = ()
         if drafter is not None:
             dcfg = drafter.config
-            self.draft_kv = KVPool(dcfg.num_hidden_layers, slots, dcfg.num_key_value_heads, dcfg.head_dim, dtype, device)
+            self.draft_kv = KVPool(dcfg.num_hidden_layers, slots, dcfg.num_key_value_heads, dcfg.head_dim, dtype,
+                                   device)
             self.tap_layers = dcfg.target_layer_ids
         max_pages = -(-(cfg.max_context + cfg.max_verify_width) // cfg.page_size) + 1
         self.bm = BlockManager(cfg.num_pages, cfg.page_size, cfg.max_running_requests, max_pages, device)
@@ -110,9 +111,10 @@ class ModelRunner:
         if m is not None and m.matches(reqs):
             return m
         slots, kv_lens = [r.slot for r in reqs], [r.kv_len for r in reqs]
-        host = torch.tensor([slots, kv_lens, [r.output_ids[-1] if r.output_ids else 0 for r in reqs]], dtype=torch.int64).to(self.device)
-        self._round = m = RoundMeta(slots, kv_lens, host[0], host[1], self.bm.block_table.index_select(0, host[0]),
-                                    host[2])
+        roots = [r.output_ids[-1] if r.output_ids else 0 for r in reqs]
+        host = torch.tensor([slots, kv_lens, roots], dtype=torch.int64).to(self.device)
+        rows = self.bm.block_table.index_select(0, host[0])
+        self._round = m = RoundMeta(slots, kv_lens, host[0], host[1], rows, host[2])
         return m
 
     def set_tree_spec(self, algorithm: str, budget: int, topk_cap: int, shadow_linear: bool) -> None:

@@ -59,9 +59,8 @@ class SpecDecoder:
         self.runner, self.cfg = runner, cfg
         self.times = times if times is not None else PhaseTimes()
         self.target_override = target_override
-        set_spec = getattr(runner, "set_tree_spec", None)
-        if set_spec is not None and cfg.algorithm != "NONE":
-            set_spec(cfg.algorithm, cfg.budget, cfg.topk_cap, cfg.shadow_linear)
+        if cfg.algorithm != "NONE":
+            runner.set_tree_spec(cfg.algorithm, cfg.budget, cfg.topk_cap, cfg.shadow_linear)
 
     def depth_limits(self, reqs: list[Req], max_context: int) -> list[int] | None:
         """Per-request depth limit so a tree never runs past the context length or the token budget (None when
