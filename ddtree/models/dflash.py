@@ -32,7 +32,7 @@ class DFlashAttention(Qwen3Attention):
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          cfg.rms_norm_eps, cfg.attention_bias)
 
-    def kv(self, x, rope: RotaryEmbedding, cos, sin):
+    def kv(self, x, cos, sin):
         """Normed and rotated k, and v, of context rows x."""
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
         kv = F.linear(x, w[self.q_size:], None if b is None else b[self.q_size:])
@@ -72,7 +72,7 @@ class DFlashDrafter(nn.Module):
         """Per-layer (K, V) [..., T, Hkv, D] of new context rows (`features` = concatenated target taps)."""
         ctx = self.fuse(features.to(self.fc.weight.dtype))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
-        return [layer.self_attn.kv(ctx, self.rotary, cos, sin) for layer in self.layers]
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def block_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, attend: BlockAttendFn) -> torch.Tensor:
         """embeds [b, S, H] = target embedding of the block ids, positions [b, S] -> final-normed hidden [b, S, H]."""
@@ -82,7 +82,7 @@ class DFlashDrafter(nn.Module):
         h, residual = self.layers[0].input_layernorm(x), x
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(h, self.rotary, cos, sin)
+            q, k, v = attn.qkv(h, cos, sin)
             out = attend(i, q, k, v)
             h = attn.o_proj(out.reshape(*x.shape[:-1], attn.heads * attn.head_dim))
             h, residual = layer.post_attention_layernorm(h, residual)

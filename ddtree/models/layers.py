@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from ddtree.kernels.fused import add_rmsnorm, silu_mul
-from ddtree.kernels.fused.reference import rope_reference
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +98,8 @@ def _inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tuple[torc
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE on the first `rotary_dim` channels; cos/sin looked up by absolute position."""
+    """Neox-style RoPE tables: cos/sin looked up by absolute position for the first `rotary_dim` channels (the
+    rotation itself runs fused with the q/k norms: `ddtree.kernels.fused.qk_norm_rope`)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None, partial: float = 1.0):
         super().__init__()
@@ -113,10 +113,6 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [..., T, H, D]; cos/sin [..., T, rotary_dim]. (The layers fuse RoPE with the q/k norms instead.)"""
-        return rope_reference(x, cos, sin)
 
 
 def torch_dtype(name: str) -> torch.dtype:

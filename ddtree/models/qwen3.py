@@ -55,11 +55,11 @@ class Qwen3Attention(nn.Module):
         q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
         return q, k, v
 
-    def qkv(self, x, rope: RotaryEmbedding, cos, sin):
+    def qkv(self, x, cos, sin):
         return self.split_qkv(self.qkv_proj(x), cos, sin)
 
-    def forward(self, layer: int, x, rope, cos, sin, attend: AttendFn):
-        q, k, v = self.qkv(x, rope, cos, sin)
+    def forward(self, layer: int, x, cos, sin, attend: AttendFn):
+        q, k, v = self.qkv(x, cos, sin)
         out = attend(layer, q, k, v)
         return self.o_proj(out.reshape(*x.shape[:-1], self.heads * self.head_dim))
 
@@ -80,8 +80,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, h, residual, rope, cos, sin, attend: AttendFn, linear=None):
-        h = self.self_attn(layer, h, rope, cos, sin, attend)
+    def forward(self, layer: int, h, residual, cos, sin, attend: AttendFn, linear=None):
+        h = self.self_attn(layer, h, cos, sin, attend)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -130,7 +130,7 @@ class CausalLM(nn.Module):
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         h, residual = layers[0].input_layernorm(x), x
         for i, layer in enumerate(layers):
-            out, residual = layer(i, h, residual, self.rotary, cos, sin, attend, linear)
+            out, residual = layer(i, h, residual, cos, sin, attend, linear)
             h, residual = norms[i](out, residual)  # residual = out + residual = output of layer i
             if i in wanted:
                 taps[i] = residual

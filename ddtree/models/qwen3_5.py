@@ -15,7 +15,7 @@ from ddtree.configs import TargetConfig
 from ddtree.engine.state_pool import HybridStatePool
 from ddtree.models.gated_deltanet import GatedDeltaNet, LinearStateContext
 from ddtree.kernels.fused import qk_norm_rope
-from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears
+from ddtree.models.layers import MLP, RMSNorm, fuse_linears
 from ddtree.models.qwen3 import AttendFn, CausalLM
 
 
@@ -45,7 +45,7 @@ class GatedAttention(nn.Module):
         self.k_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
         fuse_linears(self, "qkv_proj", (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)))
 
-    def forward(self, layer: int, x, rope: RotaryEmbedding, cos, sin, attend: AttendFn):
+    def forward(self, layer: int, x, cos, sin, attend: AttendFn):
         shape = x.shape[:-1]
         qkv = self.qkv_proj(x)
         q = qkv[..., :self.q_size]
@@ -79,11 +79,11 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, h, residual, rope, cos, sin, attend: AttendFn, linear: LinearStateContext | None):
+    def forward(self, layer: int, h, residual, cos, sin, attend: AttendFn, linear: LinearStateContext | None):
         if self.linear_ordinal is not None:
             h = self.linear_attn(h, self.linear_ordinal, linear)
         else:
-            h = self.self_attn(layer, h, rope, cos, sin, attend)
+            h = self.self_attn(layer, h, cos, sin, attend)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
