@@ -15,6 +15,7 @@ from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, 
 from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.kv_cache import KVPool, kv_bytes_per_token
 from ddtree.engine.request import Req
+from ddtree.server_args import DEFAULT_CUDA_GRAPH_MAX_BS
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class RunnerConfig:
     mamba_strategy: str = "extra_buffer"
     mamba_ssm_dtype: str = "float32"
     enable_cuda_graph: bool = False  # graphs for verify and draft (CUDA, triton backend, dense target)
-    cuda_graph_max_bs: int = 16  # largest padded batch captured; bigger batches run eagerly
+    cuda_graph_max_bs: int = DEFAULT_CUDA_GRAPH_MAX_BS  # largest padded batch captured; bigger ones run eagerly
 
 
 @dataclass
