@@ -38,7 +38,7 @@ def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, g
     fn = kernel._split_kv_attn
     names = fn.arg_names
     consts = dict(HKV=hkv, G=group, D=dim, PAGE=16, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n,
-                  TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode, EXTRA=False, SPLIT=split, DOT=0)
+                  TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode, EXTRA=False, SPLIT=split, DOT=0, CTX_DONE=False)
     sig, cvals, attrs = {}, {}, {}
     for i, a in enumerate(names):
         if a in consts:
@@ -64,6 +64,49 @@ def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, g
     n = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS")}
     depth = max([int(x) for x in re.findall(r"async_wait[^\n]*\{num = (\d+)", ck.asm["ttgir"])] or [0])
     return dict(regs=regs, stack=stack, shared=shared, per_sm=per_sm, wait_depth=depth, **n)
+
+
+def _sass_counts(cubin: bytes) -> tuple[int, int, str]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
+                           text=True).stdout
+    sass = subprocess.run([f"{BIN}/cuobjdump", "--dump-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), sass
+
+
+def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, causal: bool = False, cfg=None):
+    """The Gluon context kernel (hopper.py) for sm_90, bound to CPU tensors of the 65-node shape."""
+    import torch
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    from ddtree.kernels.tree_attention import hopper
+
+    target = GPUTarget("cuda", 90, 32)
+    pool = torch.empty(4096, hkv, dim, dtype=torch.bfloat16)
+    q = torch.empty(65, hkv * group, dim, dtype=torch.bfloat16)
+    i64 = torch.empty(8, dtype=torch.int64)
+    f32 = torch.empty(8, dtype=torch.float32)
+    cfg = cfg or hopper.DEFAULT
+    box = min(page, cfg.block_n)
+    desc = hopper._descriptor(pool, box)
+    args = (q, desc, desc, i64, i64, i64, f32, f32, 0.1, 4, q.stride(0), q.stride(1), 300, 300, hkv, group, dim,
+            page, box, cfg.block_m, cfg.block_n, cfg.stages, causal, cfg.warp_specialize)
+    fn = hopper._ctx_attn
+    backend = make_backend(target)
+    nw = cfg.block_m // 16
+    bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, num_warps=nw,
+                                                                                           **cfg.launch_options())
+    options, sig, consts, attrs = fn._pack_args(backend, {"num_warps": nw, **cfg.launch_options()}, bound, spec,
+                                                options)
+    ck = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)
+    regs, stack, sass = _sass_counts(ck.asm["cubin"])
+    n = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "UTMALDG", "USETMAXREG")}
+    return dict(regs=regs, stack=stack, shared=ck.metadata.shared, per_sm=ctas_per_sm(regs, ck.metadata.shared, nw),
+                **n)
 
 
 def short(c: KernelConfig) -> str:
@@ -93,6 +136,17 @@ def main():
         print("| config | mode | regs | stack B | shared B | programs/SM | wait depth | HGMMA | HMMA | LDL | STL | "
               "LDGSTS |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    if "--defaults" in sys.argv:
+        from ddtree.kernels.tree_attention import hopper
+
+        try:
+            r = hopper_report()
+        except Exception as e:  # noqa: BLE001
+            r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        if as_json:
+            print(json.dumps({"name": "hopper ctx", "config": str(hopper.DEFAULT), "mode": 1, **r}), flush=True)
+        else:
+            print(f"hopper context kernel (Gluon, {hopper.DEFAULT}): {r}")
     for name, cfg, mode in runs:
         try:
             r = report(cfg, mode)

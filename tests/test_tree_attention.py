@@ -246,3 +246,30 @@ def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
     ref = run(toy_pair, prompts, params, algorithm="DDTREE")
     ours = run(toy_pair, prompts, params, algorithm="DDTREE", attention_backend="triton")
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,tree,splits", [
+    ([65, 17], [700, 300], True, 3),       # 130 + 34 rows (GQA 2): two 64-row blocks and a 2-row one
+    ([40, 33], [900, 500], False, 5),      # causal chains: each row block's full tiles end at its first token
+    ([65], [65 + 64 * 5], True, 4),        # context a whole number of tiles: no partial tile in the last split
+    ([65, 20], [100, 20], True, 2),        # a context shorter than one tile: empty context splits
+])
+def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits):
+    """The Gluon context kernel's contract (hopper.py), without a GPU: with its PyTorch oracle standing in for
+    it, the Triton launch of the last split only (CTX_DONE) and the combine give the full attention."""
+    from ddtree.kernels.tree_attention import reference
+
+    monkeypatch.setattr(kernel_module.hopper, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(kernel_module.hopper, "launch_context", reference.context_partials_reference)
+    check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits)
+    assert kernel_module.last_launch["hopper"] == kernel_module.hopper.DEFAULT
+    assert kernel_module.last_launch["grid"][2] == splits  # the Triton part launches only its own split
+
+
+def test_hopper_config_rules():
+    from ddtree.kernels.tree_attention.hopper import HopperConfig
+
+    assert HopperConfig().programs_per_sm(128) == 2  # 3 x 32 KB ring + 16 KB Q: two fit in 228 KB
+    assert HopperConfig(128, 64, 3).programs_per_sm(128) == 1
+    with pytest.raises(AssertionError):
+        HopperConfig(128, 128, 2)  # wrong on the H200 (BENCHMARKS.md): refused

@@ -27,7 +27,7 @@ def reports():
                            "--defaults", "--json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {r["name"] for r in rows} == {"decode 16k", "decode 1k", "tree 65 nodes"}, proc.stdout
+    assert {r["name"] for r in rows} == {"decode 16k", "decode 1k", "tree 65 nodes", "hopper ctx"}, proc.stdout
     return {r["name"]: r for r in rows}
 
 
@@ -41,3 +41,16 @@ def test_default_config_compiles_lean(reports, name):
                                   f"{r['wait_depth']}); raise num_stages")
     if r["config"].startswith("m64"):
         assert r["HGMMA"] > 0, f"{name}: {r['config']} does not use Hopper's wgmma"
+
+
+def test_hopper_context_kernel_compiles_lean(reports):
+    """The Gluon kernel (hopper.py): TMA loads, wgmma, no spills, a warp-specialised producer (setmaxnreg), and
+    two programs per SM (its H200 timing assumes two math warpgroups per SM: 3 ring stages of 32 KB + the Q
+    tile must leave room for a second program, and the launch register cap must stay at 128)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    r = reports["hopper ctx"]
+    assert "error" not in r, r
+    assert r["stack"] == 0 and r["LDL"] == 0 and r["STL"] == 0, r
+    assert r["HGMMA"] > 0 and r["UTMALDG"] > 0 and r["LDGSTS"] == 0, r
+    assert r["per_sm"] >= 2 and r["regs"] <= 128, r
+    assert r["USETMAXREG"] > 0, r

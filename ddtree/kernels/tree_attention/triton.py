@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.kernels.tree_attention import hopper
 from ddtree.kernels.tree_attention.tuning import (
     KernelConfig,
     choose_num_splits,
@@ -233,11 +234,14 @@ def _split_kv_attn(
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_N: tl.constexpr,
     MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr, TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
+    CTX_DONE: tl.constexpr,
 ):
     qb = tl.program_id(0)
     b = tl.program_id(1) // HKV
     kvh = tl.program_id(1) % HKV
     split = tl.program_id(2)
+    if CTX_DONE:
+        split += num_splits - 1  # hopper.launch_context wrote the context splits: the grid is the last one only
     q_start = tl.load(qo_indptr + b)
     q_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
     n_rows = q_len * G
@@ -286,12 +290,14 @@ def paged_attention(
     max_q_len: int, max_kv_len: int, tree_mask: torch.Tensor | None = None, causal: bool = True,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, num_splits: int | None = None,
     config: KernelConfig | None = None, out: torch.Tensor | None = None,
+    hopper_ctx: bool | hopper.HopperConfig | None = None,
 ) -> torch.Tensor:
     """See the module docstring. `max_q_len` and `max_kv_len` are host ints bounding the batch (they size the
     grid and the split count only; pass the captured maxima under a CUDA graph). Without a tree mask the new
     tokens see each other causally, or all of them when `causal` is False. `new_kv` = (k, v) [T, Hkv, D] rows
     aligned with q: the new tokens' K/V are read from there instead of the pools (the drafter's block K/V,
-    which is never stored). Returns [T, Hq, D]."""
+    which is never stored). `hopper_ctx` (True / False / a HopperConfig): run the full context tiles of 64-row
+    blocks through the Gluon kernel of `hopper.py` (default: wherever it is supported). Returns [T, Hq, D]."""
     T, hq, dim = q.shape
     hkv = k_pool.shape[1]
     assert hq % hkv == 0 and dim == k_pool.shape[2] and dim >= 16 and dim & (dim - 1) == 0
@@ -329,11 +335,24 @@ def paged_attention(
                 q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_table.stride(0),
                 out.stride(0), out.stride(1), smb, smt, k_ext.stride(1), k_ext.stride(0))
 
-    if num_splits is None:
+    one_split = num_splits == 1  # asked for: no partials, so no Hopper context kernel either
+    if hopper_ctx is None or hopper_ctx is True:
+        use = hopper_ctx or (new_kv is None and cfg.tail_split and cfg.block_m == 64 and not one_split
+                             and hopper.supported(q, k_pool, page_size, max_q_len * group, max_kv_len))
+        hopper_ctx = hopper.DEFAULT if use else None
+    if hopper_ctx:
+        # the Gluon kernel does the context splits, the Triton kernel the last (masked) one
+        if num_splits is None:
+            rows = max_q_len * group
+            num_splits = choose_num_splits(-(-rows // hopper_ctx.block_m) * b * hkv, max_kv_len,
+                                           hopper_ctx.block_n, hopper_ctx.programs_per_sm(dim) * hopper.sm_count(q.device),
+                                           min_tiles=split_min_tiles(rows), tail_split=True)
+        num_splits = max(num_splits, 2)
+    elif num_splits is None:
         key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(k_pool.dtype),)
         f32 = torch.empty(1, dtype=torch.float32, device=q.device)
         slots = resident_slots(q.device, key, lambda: _split_kv_attn.warmup(
-            *args(2, f32, f32), grid=(1,), SPLIT=True, **consts))
+            *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, **consts))
         num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots,
                                        min_tiles=split_min_tiles(max_q_len * group), tail_split=cfg.tail_split)
     split = num_splits > 1
@@ -342,8 +361,12 @@ def paged_attention(
         part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out
-    last_launch.update(config=cfg, num_splits=num_splits, grid=(q_blocks, b * hkv, num_splits))
-    _split_kv_attn[(q_blocks, b * hkv, num_splits)](*args(num_splits, part_o, part_lse), SPLIT=split, **consts)
+    last_launch.update(config=cfg, num_splits=num_splits, grid=(q_blocks, b * hkv, num_splits), hopper=hopper_ctx)
+    if hopper_ctx:
+        hopper.launch_context(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o, part_lse,
+                              num_splits, max_q_len, mode == 0, hopper_ctx)
+    grid = (q_blocks, b * hkv, 1 if hopper_ctx else num_splits)
+    _split_kv_attn[grid](*args(num_splits, part_o, part_lse), SPLIT=split, CTX_DONE=bool(hopper_ctx), **consts)
     if split:
         _combine[(T, hq)](
             part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
