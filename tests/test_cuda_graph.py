@@ -191,12 +191,12 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
     prompts = [list(p) for p in toy_prompts(3)]
     kw = dict(speculative_ddtree_budget=4, max_running_requests=4, context_length=120)
     ref = make_llm(toy_pair, "DDTREE", **kw).generate(prompts, params)
-    monkeypatch.setattr(_GraphSet, "_probe", lambda self, bs, bound: 3)
+    monkeypatch.setattr(_GraphSet, "_probe", lambda self, bs, bound: (3, False))
     llm = make_llm(toy_pair, "DDTREE", attention_backend="triton", **kw)
     runner = llm.engine.runner
     runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=4)
     runner.graphs.build()
-    assert {s for _, s in runner.graphs.verify_set.graphs} == {3}
+    assert {s for _, s in runner.graphs.verify_set.graphs} == {(3, False)}
     assert all(backend.num_splits == 3 for _, _, backend in runner.graphs.verify_set.graphs.values())
     ours = llm.generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]

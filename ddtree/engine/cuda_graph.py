@@ -11,7 +11,8 @@ programs on 132 SMs. So the live max kv_len picks a bucket (<= 1k, 4k, 16k, max 
 (bs, bucket) uses the kernel's own choice (`choose_num_splits`) at the bucket's upper bound, probed with one
 eager call. That choice depends on the context only through its cap (>= 4 KV tiles per split for decode rows,
 >= 6 for tree / chain rows), so it grows with the bucket (never decreasing) and then saturates: graphs are
-keyed by (bs, split count) and buckets with equal counts share one. A live context gets its bucket top's count:
+keyed by (bs, launch plan = split count and whether the Hopper context kernel runs, which the kernel picks by
+context length) and buckets with equal plans share one. A live context gets its bucket top's count:
 never fewer splits than eager would pick, and the surplus is bounded by the bucket's width (4x in the middle
 buckets).
 An empty split (its tile range lies past the request's context) runs no loop iteration and stores lse = -inf;
@@ -107,15 +108,15 @@ def _draft_capturable(runner) -> str | None:
 
 
 class _GraphSet:
-    """One forward at a fixed width: graphs keyed by (padded batch, KV split count), chosen per (bs, ctx bucket).
+    """One forward at a fixed width: graphs keyed by (padded batch, launch plan), chosen per (bs, ctx bucket).
     `forward(bs, backend, host_kv_lens)` runs on the static buffers and returns a tuple of tensors; host lengths
     are compared with the context buckets, and a padded row's host length is `pad_len`."""
 
     def __init__(self, owner: CudaGraphRunner, forward, top: int, pad_len: int):
         self.owner, self.forward, self.pad_len = owner, forward, pad_len
         self.bounds = ctx_bounds(top)
-        self.splits: dict[tuple[int, int], int | None] = {}
-        self.graphs: dict[tuple[int, int | None], tuple] = {}  # -> (graph or None, outputs, backend)
+        self.splits: dict[tuple[int, int], tuple | None] = {}  # (bs, bound) -> launch plan
+        self.graphs: dict[tuple[int, tuple | None], tuple] = {}  # (bs, plan) -> (graph or None, outputs, backend)
 
     def build(self, buckets: list[int]) -> None:
         for bs in sorted(buckets, reverse=True):
@@ -124,8 +125,10 @@ class _GraphSet:
                 if (bs, s) not in self.graphs:
                     self.graphs[(bs, s)] = self._capture(bs, s, bound)
 
-    def _probe(self, bs: int, bound: int) -> int | None:
-        """The kernel's own split count for bs rows of length <= bound (None where the torch reference runs)."""
+    def _probe(self, bs: int, bound: int) -> tuple | None:
+        """The kernel's own launch plan for bs rows of length <= bound: (split count, whether the Hopper context
+        kernel runs), None where the torch reference runs. Buckets share a graph only when both agree: the
+        Hopper kernel is chosen by context length, so equal split counts can still mean different launches."""
         from ddtree.attention.triton_backend import TritonAttentionBackend
         from ddtree.kernels.tree_attention.tuning import last_launch
 
@@ -134,10 +137,10 @@ class _GraphSet:
             return None
         last_launch.clear()
         self.forward(bs, backend, [bound] * bs)
-        return last_launch.get("num_splits")
+        return last_launch.get("num_splits"), bool(last_launch.get("hopper"))
 
-    def _capture(self, bs: int, splits: int | None, bound: int) -> tuple:
-        backend = self.owner.backend(splits)
+    def _capture(self, bs: int, plan: tuple | None, bound: int) -> tuple:
+        backend = self.owner.backend(plan[0] if plan else None)
         if not self.owner.capture:
             return None, None, backend
         host = [bound] * bs  # host lengths only size the grid, and the split count is fixed
