@@ -2,6 +2,7 @@
 pair, plus the GEMM chain alone (separate vs fused q|k|v and gate|up projections) replayed from CUDA graphs.
 
     python3 bench/gpu_profile_round.py            # H200, about 2 minutes
+    python3 bench/gpu_profile_round.py --context 16384 --cases DDTREE:64:1 --skip-gemm-chain --rounds 5
 Prints, per case: wall ms/round, GPU kernel ms/round (busy), the top kernels, and the GEMM-only floor ratios.
 """
 
@@ -102,6 +103,10 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--cases", default="NONE:0:1,DDTREE:64:1,DFLASH:0:1,DDTREE:64:8",
+                   help="comma-separated ALGO:budget:batch")
+    p.add_argument("--skip-gemm-chain", action="store_true")
     ns = p.parse_args(argv)
     tcfg, dcfg = pair_configs(QWEN3_8B, 5, 16, "bfloat16")
     target, drafter = build_pair(tcfg, dcfg, torch.device("cuda"), torch.bfloat16, 0)
@@ -109,13 +114,14 @@ def main(argv=None):
     bw = floor["bandwidth_Bps"]
     print(f"floor {floor['floor_ms']:.3f} ms ({read_bytes(target) / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)")
     print("GEMM chain alone (36 layers' projections + LM head), CUDA graph:")
-    for m in (1, 8, 65, 520):
+    for m in () if ns.skip_gemm_chain else (1, 8, 65, 520):
         for fused in (False, True):
             ms, nbytes = gemm_chain(target, m, fused)
             print(f"   M={m:4d} {'fused q|k|v, gate|up' if fused else 'separate          '}  {ms:7.3f} ms "
                   f"= {ms / (nbytes / bw * 1e3):.2f}x its weight-read floor")
-    for algo, budget, batch in (("NONE", 0, 1), ("DDTREE", 64, 1), ("DFLASH", 0, 1), ("DDTREE", 64, 8)):
-        profile_case(target, drafter, algo, budget, batch, 1024, ns.rounds, ns.top)
+    for case in ns.cases.split(","):
+        algo, budget, batch = case.split(":")
+        profile_case(target, drafter, algo, int(budget), int(batch), ns.context, ns.rounds, ns.top)
     return 0
 
 

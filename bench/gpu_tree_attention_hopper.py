@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""H200: the Gluon context kernel (ddtree/kernels/tree_attention/hopper.py) against the Triton-only path, one run.
+
+    python3 bench/gpu_tree_attention_hopper.py        # ~2 minutes; writes $OUT/gpu_tree_attention_hopper.json
+
+1. Correctness vs the PyTorch reference on the random ragged batches of gpu_tree_attention.py (trees, causal
+   chains, decode, page sizes 16 and 1), with the Hopper kernel on (default and forced split counts) and off;
+   output poisoned with NaN first.
+2. Timing (same shapes and method as gpu_tree_attention.py: CUDA graph over R random input copies, cold L2):
+   Triton-only vs Hopper context kernel at the issue's points, split counts around the default, and the
+   per-kernel device times (torch.profiler) of one call with the Hopper kernel.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from gpu_tree_attention import CASES, D, HKV, HQ, Problem, bandwidths, kernel_times, rel  # noqa: E402
+from ddtree.bench.cuda_timing import time_graph  # noqa: E402
+from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
+from ddtree.kernels.tree_attention.tuning import KernelConfig  # noqa: E402
+from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
+
+T0 = time.time()
+# Hopper-kernel configs timed against the default (correctness-checked on two tree cases first)
+VARIANTS = tuple((c, None) for c in (HopperConfig(), HopperConfig(64, 64, 3, False), HopperConfig(64, 64, 2, True),
+                                     HopperConfig(128, 64, 3, True)))
+TAIL_CONFIGS = (KernelConfig(64, 64, 4, 5, tree_n=32), KernelConfig(64, 64, 4, 5, tree_n=64))  # the masked launch
+POINTS = [("b1 n65 1k", 1, 65, 1024), ("b1 n65 4k", 1, 65, 4096), ("b1 n65 16k", 1, 65, 16384),
+          ("b1 n65 32k", 1, 65, 32768), ("b8 n65 8k", 8, 65, 8192), ("b1 n64 16k", 1, 64, 16384),
+          ("b1 n17 16k", 1, 17, 16384)]
+
+
+def correctness():
+    worst, n = 0.0, 0
+    for ci, (q_lens, kv_lens, page, tree) in enumerate(CASES + [([40, 33], [9000, 5000], 16, False)]):
+        p = Problem(q_lens, kv_lens, 1, page=page, tree=tree, seed=100 + ci)
+        ref = p.reference(0)
+        for hop, splits in ((None, None), (None, 3), (None, 7), (False, None)) + VARIANTS * (ci < 2):
+            out = torch.full_like(ref, float("nan"))
+            try:
+                p.ours(0, num_splits=splits, out=out, hopper_ctx=hop)
+                used = last_launch.get("hopper")
+                e = rel(out, ref) if torch.isfinite(out).all() else float("inf")
+            except Exception as ex:  # noqa: BLE001
+                print(f"  case {ci} hopper={hop} splits={splits}: {type(ex).__name__}: {str(ex)[:300]}")
+                used, e = None, float("inf")
+            n += 1
+            worst = max(worst, e)
+            if e >= 1e-2 or ci < 3:
+                print(f"  case {ci} q={q_lens[:3]} kv={kv_lens[:3]} page={page} tree={tree} hopper={hop}->{used} "
+                      f"splits={splits}: rel {e:.2e}{'  WRONG' if e >= 1e-2 else ''}", flush=True)
+    print(f"correctness: {n} checks, max rel err {worst:.2e} ({'OK' if worst < 1e-2 else 'FAIL'}) "
+          f"({time.time() - T0:.0f} s)", flush=True)
+    return worst
+
+
+def point(name, b, n, ctx, bw):
+    L = ctx + n
+    kv_bytes = b * L * HKV * D * 4
+    p = Problem([n] * b, [L] * b, int(min(64, max(2, math.ceil(4 * 60e6 / kv_bytes)))), tree=n > 1, seed=ctx + n)
+    floor = kv_bytes / bw
+    ref = p.reference(0)
+    row = {"point": name, "floor_us": floor * 1e6}
+
+    def run(hop, splits, cfg=None):
+        out = p.ours(0, hopper_ctx=hop, num_splits=splits, config=cfg)
+        s, used = last_launch["num_splits"], last_launch.get("hopper")
+        err = rel(out, ref)
+        if err > 1e-2:
+            print(f"    WRONG: {hop} {cfg} splits={splits}: rel {err:.2e}")
+        t = time_graph(lambda: [p.ours(r, hopper_ctx=hop, num_splits=splits, config=cfg) for r in range(p.R)], p.R)
+        return t * 1e6, s, used, err
+
+    tri = run(False, None)
+    hop = run(None, None)
+    row.update(triton_us=tri[0], triton_splits=tri[1], hopper_us=hop[0], hopper_splits=hop[1], used=str(hop[2]),
+               err=max(tri[3], hop[3]))
+    best = hop
+    for s in sorted({max(2, hop[1] - 2), hop[1] + 2} - {hop[1]}):
+        r = run(HopperConfig(), s)
+        if r[0] < best[0]:
+            best = r
+    row.update(best_us=best[0], best_splits=best[1], variants={})
+    for c, _ in VARIANTS:
+        r = run(c, None)
+        row["variants"][f"m{c.block_m}n{c.block_n}s{c.stages}{'ws' if c.warp_specialize else ''}"] = (r[0], r[1])
+    if n > 1:
+        for c in TAIL_CONFIGS:
+            r = run(HopperConfig(), None, c)
+            row["variants"][f"tail tn{c.tree_n}"] = (r[0], r[1])
+    print(f"    {name} variants: " + ", ".join(f"{k} {v[0]:.1f} (s={v[1]})" for k, v in row["variants"].items()))
+    print(f"  {name:<12} floor {floor * 1e6:6.1f}  triton {tri[0]:7.1f} (s={tri[1]})  hopper {hop[0]:7.1f} "
+          f"(s={hop[1]}, used={hop[2]})  best {best[0]:7.1f} (s={best[1]})  rel {row['err']:.1e}", flush=True)
+    if name == "b1 n65 16k":
+        row["kernels_us"] = kernel_times(p, None)
+        print("    kernels: " + ", ".join(f"{k} {v:.1f}" for k, v in row["kernels_us"].items()))
+    return row
+
+
+def main():
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    worst = correctness()
+    bw = bandwidths()["sm_copy_graph"]
+    torch.cuda.empty_cache()
+    print(f"SM copy {bw / 1e12:.2f} TB/s", flush=True)
+    rows = [point(*pt, bw) for pt in POINTS]
+    print("\n| point | floor us | Triton only | + Hopper ctx kernel | x floor | best (splits) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['point']} | {r['floor_us']:.1f} | {r['triton_us']:.1f} | {r['hopper_us']:.1f} | "
+              f"{r['hopper_us'] / r['floor_us']:.2f}x | {r['best_us']:.1f} ({r['best_splits']}) |")
+    out = os.environ.get("OUT", "out")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu_tree_attention_hopper.json"), "w") as f:
+        json.dump({"max_rel_err": worst, "sm_copy_Bps": bw, "points": rows}, f, indent=1)
+    print(f"total {time.time() - T0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
