@@ -38,7 +38,8 @@ def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, g
     fn = kernel._split_kv_attn
     names = fn.arg_names
     consts = dict(HKV=hkv, G=group, D=dim, PAGE=16, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n,
-                  TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode, EXTRA=False, SPLIT=split, DOT=0, CTX_DONE=False)
+                  TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode, EXTRA=False, SPLIT=split, DOT=0,
+                  CTX_DONE=False)
     sig, cvals, attrs = {}, {}, {}
     for i, a in enumerate(names):
         if a in consts:
@@ -76,7 +77,7 @@ def _sass_counts(cubin: bytes) -> tuple[int, int, str]:
     return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), sass
 
 
-def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, causal: bool = False, cfg=None):
+def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, mode: int = 1, cfg=None):
     """The Gluon context kernel (hopper.py) for sm_90, bound to CPU tensors of the 65-node shape."""
     import torch
     from triton.compiler import make_backend
@@ -93,15 +94,15 @@ def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, 
     cfg = cfg or hopper.DEFAULT
     box = min(page, cfg.block_n)
     desc = hopper._descriptor(pool, box)
-    args = (q, desc, desc, i64, i64, i64, f32, f32, 0.1, 4, q.stride(0), q.stride(1), 300, 300, hkv, group, dim,
-            page, box, cfg.block_m, cfg.block_n, cfg.stages, causal, cfg.warp_specialize)
+    u8 = torch.empty(8, dtype=torch.uint8)
+    args = (q, desc, desc, i64, i64, i64, u8, f32, f32, 0.1, 4, q.stride(0), q.stride(1), 300, 300, 65 * 65, 65,
+            hkv, group, dim, page, box, cfg.block_m, cfg.block_n, cfg.stages, mode, cfg.masked_tail)
     fn = hopper._ctx_attn
     backend = make_backend(target)
     nw = cfg.block_m // 16
-    bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, num_warps=nw,
-                                                                                           **cfg.launch_options())
-    options, sig, consts, attrs = fn._pack_args(backend, {"num_warps": nw, **cfg.launch_options()}, bound, spec,
-                                                options)
+    kw = {"num_warps": nw, "maxnreg": 128}  # as launch_context
+    bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
+    options, sig, consts, attrs = fn._pack_args(backend, kw, bound, spec, options)
     ck = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)
     regs, stack, sass = _sass_counts(ck.asm["cubin"])
     n = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "UTMALDG", "USETMAXREG")}

@@ -55,13 +55,13 @@ def paged_inputs(q_lens, kv_lens, page, hq, hkv, d, dtype, gen, tree=False):
             to(mask))
 
 
-def check(q_lens, kv_lens, page, dtype, tree, num_splits=None, hq=4, hkv=2, d=32, seed=0, config=None):
+def check(q_lens, kv_lens, page, dtype, tree, num_splits=None, hq=4, hkv=2, d=32, seed=0, config=None, **kw):
     gen = torch.Generator().manual_seed(seed)
     q, kp, vp, bt, indptr, kvl, mask = paged_inputs(q_lens, kv_lens, page, hq, hkv, d, dtype, gen, tree)
     scale = d ** -0.5
     out = torch.full_like(q, float("nan"))
     paged_attention(q, kp, vp, bt, indptr, kvl, page, scale, max_q_len=max(q_lens), max_kv_len=max(kv_lens),
-                    tree_mask=mask, num_splits=num_splits, config=config, out=out)
+                    tree_mask=mask, num_splits=num_splits, config=config, out=out, **kw)
     ref = paged_attention_reference(q.double(), kp.double(), vp.double(), bt, indptr, kvl, page, scale,
                                     tree_mask=mask, acc_dtype=torch.float64)
     assert torch.isfinite(out).all(), "unwritten or NaN output rows"
@@ -248,22 +248,23 @@ def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
 
 
+@pytest.mark.parametrize("masked_tail", [True, False])
 @pytest.mark.parametrize("q_lens,kv_lens,tree,splits", [
     ([65, 17], [700, 300], True, 3),       # 130 + 34 rows (GQA 2): two 64-row blocks and a 2-row one
     ([40, 33], [900, 500], False, 5),      # causal chains: each row block's full tiles end at its first token
     ([65], [65 + 64 * 5], True, 4),        # context a whole number of tiles: no partial tile in the last split
     ([65, 20], [100, 20], True, 2),        # a context shorter than one tile: empty context splits
 ])
-def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits):
-    """The Gluon context kernel's contract (hopper.py), without a GPU: with its PyTorch oracle standing in for
-    it, the Triton launch of the last split only (CTX_DONE) and the combine give the full attention."""
+def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, masked_tail):
+    """The Gluon kernel's contract (hopper.py), without a GPU: with its PyTorch oracle standing in for it, the
+    combine (and with masked_tail=False the Triton launch of the last split only) give the full attention."""
     from ddtree.kernels.tree_attention import reference
+    from ddtree.kernels.tree_attention.hopper import HopperConfig
 
-    monkeypatch.setattr(kernel_module.hopper, "supported", lambda *a, **k: True)
     monkeypatch.setattr(kernel_module.hopper, "launch_context", reference.context_partials_reference)
-    check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits)
-    assert kernel_module.last_launch["hopper"] == kernel_module.hopper.DEFAULT
-    assert kernel_module.last_launch["grid"][2] == splits  # the Triton part launches only its own split
+    cfg = HopperConfig(masked_tail=masked_tail)
+    check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
+    assert kernel_module.last_launch["hopper"] == cfg and kernel_module.last_launch["num_splits"] == splits
 
 
 def test_hopper_config_rules():

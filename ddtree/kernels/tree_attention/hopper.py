@@ -1,22 +1,24 @@
-"""Context part of tree / chain verify attention on Hopper (sm_90), in Gluon (Triton's explicit dialect).
+"""Tree / chain verify attention over paged KV on Hopper (sm_90), in Gluon (Triton's explicit dialect).
 
 The Triton kernel in `triton.py` is latency-bound on the H200 at 65-node trees (Nsight Compute, 16k context:
 34% of issue slots used, 8 warps per SM, 533 instructions per warp per 64x64 step, cp.async address arithmetic
-and the wgmma waits among them). This kernel does the part that dominates, the full context tiles that every
-row sees with no mask, the way FA3 does on Hopper:
+and the wgmma waits among them). This kernel runs the same split-KV scheme the way FA3 does on Hopper:
 - a 1-warp producer partition (`gl.warp_specialize`) loads the page ids and issues the K/V tiles by TMA (one
   bulk copy per page, completing on the slot's mbarrier) into a ring of `stages` slots; the math warpgroup frees
   a slot with one arrive. Triton 3.6 puts a CTA barrier after every TMA issue and mbarrier op, so issuing from
-  the math warps (warp_specialize=False) stalls them 8+ times per tile: 74.2 vs 66.0 us at 16k on the H200;
+  the math warps stalled them 8+ times per tile (74.2 vs 66.0 us at 16k on the H200);
 - the math warpgroup issues tile j+1's S = Q K^T and tile j's P V as two async wgmma groups, so tile j's P V
   runs beside tile j+1's softmax.
-Grid (q_block, request * kv_head, split) over splits 0 .. num_splits - 2, with the Triton kernel's tail-split
-arithmetic (`reference.context_partials_reference` is the oracle); it writes normalised partials + base-2
-log-sum-exp. The Triton kernel then runs only the last split (partial context tile + masked new tokens, grid
-z = 1) and `_combine` merges. Requires sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of
-8 and divides or is divided by 64 (TMA boxes of min(page, 64) rows), and > 32 rows per request; the default
-path also needs a context of >= MIN_CONTEXT. `DDTREE_NO_HOPPER_ATTENTION=1` turns it off (the Triton kernel
-then does everything); DDTREE_FORCE_REFERENCE_ATTENTION=1 still replaces both with the PyTorch reference.
+Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
+full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
+context tile and the new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial
+and its base-2 log-sum-exp, and the Triton `_combine` merges (`reference.context_partials_reference` is the
+oracle). With masked_tail=False the Triton kernel runs the last split instead (measured slower, kept for A/B).
+Rows past the request's length in a tile read finite pool data (the engine's pools are zero-initialised) that
+the mask gives weight 0. Requires sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8 and
+divides or is divided by 64 (TMA boxes of min(page, 64) rows), > 32 rows per request (decode stays with Triton)
+and no `new_kv` (the drafter's block). `DDTREE_NO_HOPPER_ATTENTION=1` turns it off (the Triton kernel then does
+everything); DDTREE_FORCE_REFERENCE_ATTENTION=1 still replaces both with the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ except Exception as e:  # noqa: BLE001  (no Gluon in this Triton: the Triton ker
     _IMPORT_ERROR = e
 
 DISABLE_ENV = "DDTREE_NO_HOPPER_ATTENTION"
-MIN_CONTEXT = 8192  # H200, 65-node trees: 4k 35.0 vs 33.3 us (Triton only), 8k x8 232 vs 289, 16k 68 vs 79
 
 
 @dataclass(frozen=True)
@@ -46,19 +47,15 @@ class HopperConfig:
     block_m: int = 64  # rows per program: 64 per warpgroup (wgmma M); 128 = two warpgroups sharing each K/V tile
     block_n: int = 64  # KV positions per tile (a multiple of the TMA box, min(page, block_n))
     stages: int = 3  # ring slots
-    warp_specialize: bool = True  # a 1-warp TMA producer partition (its barriers stay off the math warps)
+    masked_tail: bool = True  # the last split (partial context tile + masked new tokens) here, not in Triton
 
     def __post_init__(self):
         # 128-wide tiles gave wrong results on the H200 with block_m 128 (rel err 0.14) and were slower anyway
         assert self.block_m in (64, 128) and self.block_n == 64 and self.stages >= 2, self
 
-    def launch_options(self) -> dict:
-        # WS: 2 programs/SM need <= 128 regs/thread at launch; the math warpgroup then takes the producer's
-        return {"maxnreg": 128} if self.warp_specialize else {}
-
     def programs_per_sm(self, head_dim: int) -> int:
         smem = (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 2048
-        by_regs = 2 if self.block_m * max(self.block_n, 64) <= 64 * 64 else 1  # ~141 regs x 128 threads each
+        by_regs = 2 if self.block_m == 64 else 1  # launched at 128 regs x (math warps + a producer warpgroup)
         return max(1, min(233472 // smem, by_regs))
 
 
@@ -66,12 +63,11 @@ DEFAULT = HopperConfig()
 _LOG2E = 1.4426950408889634
 
 
-def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_request: int,
-              max_kv_len: int = MIN_CONTEXT) -> bool:
-    """Where the default path uses this kernel: Hopper, bf16/fp16, tree/chain rows (> 32 per request), TMA-able
-    pages, and contexts of >= MIN_CONTEXT (below it the single Triton launch is faster: BENCHMARKS.md)."""
+def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_request: int) -> bool:
+    """Where the default path uses this kernel: Hopper, bf16/fp16, tree/chain rows (> 32 per request; decode
+    rows stay with the Triton kernel), pages TMA can fetch."""
     d = k_pool.shape[-1]
-    return (_IMPORT_ERROR is None and not env_flag(DISABLE_ENV) and q.is_cuda and max_kv_len >= MIN_CONTEXT
+    return (_IMPORT_ERROR is None and not env_flag(DISABLE_ENV) and q.is_cuda
             and torch.cuda.get_device_capability(q.device) == (9, 0)
             and k_pool.dtype in (torch.bfloat16, torch.float16) and d in (64, 128)
             and rows_per_request > 32 and page_size % 8 == 0
@@ -101,13 +97,12 @@ if _IMPORT_ERROR is None:
             tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_buf.slice(p * BOX, BOX), pred=ok)
 
     @gluon.jit
-    def _ctx_attn(q_ptr, k_desc, v_desc, block_table, qo_indptr, kv_lens, part_o, part_lse, qk_scale, num_splits,
-                  stride_qt, stride_qh, stride_bt, n_pages,
+    def _ctx_attn(q_ptr, k_desc, v_desc, block_table, qo_indptr, kv_lens, mask_ptr, part_o, part_lse, qk_scale,
+                  num_splits, stride_qt, stride_qh, stride_bt, n_pages, stride_mb, stride_mt,
                   HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
-                  BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, WS: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, MODE: gl.constexpr,
+                  MASKED_TAIL: gl.constexpr, num_warps: gl.constexpr):
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        pg_layout: gl.constexpr = gl.BlockedLayout([BN // BOX], [32], [num_warps], [0])  # whole in every thread
         qb = gl.program_id(0)
         b = gl.program_id(1) // HKV
         kvh = gl.program_id(1) % HKV
@@ -120,29 +115,34 @@ if _IMPORT_ERROR is None:
             return
         kv_len = gl.load(kv_lens + b).to(gl.int32)
         ctx = kv_len - q_len
+        # [0, free_end): seen by every row of the block; [free_end, kv_end): the masked rest (MODE 0 causal,
+        # 1 tree mask, 2 all new tokens), done by the last split when MASKED_TAIL, else by the Triton kernel
         free_end = ctx
-        if CAUSAL:
+        kv_end = kv_len
+        if MODE == 0:
             free_end = ctx + row0 // G
+            kv_end = ctx + (gl.minimum(row0 + BM, n_rows) - 1) // G + 1
         n_full = free_end // BN
-        ctx_splits = num_splits - 1
-        per_split = (n_full + ctx_splits - 1) // ctx_splits
+        per_split = (n_full + num_splits - 2) // (num_splits - 1)
         tile_lo = split * per_split
         n_tiles = gl.minimum(tile_lo + per_split, n_full) - tile_lo
+        if MASKED_TAIL:
+            masked = split == num_splits - 1
+        else:
+            masked = split < 0  # never, but a run-time flag like the other branch's
+        if masked:
+            tile_lo = n_full
+            n_tiles = (kv_end + BN - 1) // BN - n_full
         bt_row = block_table + b * stride_bt
-        col = kvh * D
 
         q_smem = gl.allocate_shared_memory(k_desc.dtype, [BM, D], k_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        full = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NS):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
-        for i in gl.static_range(NS * (1 - WS)):
-            pages = _load_pages(bt_row, tile_lo + i, n_pages, i < n_tiles, PAGE, BOX, BN, pg_layout)
-            _issue_tile(k_desc, v_desc, pages, tile_lo + i, k_bufs.index(i), v_bufs.index(i), bars.index(i), col,
-                        i < n_tiles, PAGE, BOX, BN, pg_layout)
-
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
         # Q rows: row = token * G + head-in-group, gathered from [T, Hq, D]
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld_layout))
         d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
@@ -151,29 +151,19 @@ if _IMPORT_ERROR is None:
         q_smem.store(q)
         fence_async_shared()
         gl.thread_barrier()
-
-        if WS:
-            ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(NS):
-                mbarrier.init(ready.index(i), count=1)
-            fence_async_shared()
-            gl.warp_specialize([
-                (_consume, (q_smem, k_bufs, v_bufs, bars, ready, n_tiles, qk_scale, part_o, part_lse, row0, n_rows,
-                            q_start, kvh, split, num_splits, k_desc, v_desc, bt_row, tile_lo, col, n_pages,
-                            HKV, G, D, PAGE, BOX, BM, BN, NS, WS, num_warps)),
-                (_produce, (k_desc, v_desc, bt_row, k_bufs, v_bufs, bars, ready, tile_lo, n_tiles, col, n_pages,
-                            PAGE, BOX, BN, NS)),
-            ], [1], [24])
-        else:
-            _consume(q_smem, k_bufs, v_bufs, bars, bars, n_tiles, qk_scale, part_o, part_lse, row0, n_rows, q_start,
-                     kvh, split, num_splits, k_desc, v_desc, bt_row, tile_lo, col, n_pages,
-                     HKV, G, D, PAGE, BOX, BM, BN, NS, WS, num_warps)
+        gl.warp_specialize([
+            (_consume, (q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o, part_lse,
+                        row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_ptr + b * stride_mb,
+                        stride_mt, HKV, G, D, BM, BN, NS, MODE, num_warps)),
+            (_produce, (k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, kvh * D, n_pages,
+                        PAGE, BOX, BN, NS)),
+        ], [1], [24])
 
     @gluon.jit
     def _produce(k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, col, n_pages,
                  PAGE: gl.constexpr, BOX: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr):
         # one warp: page ids and TMA issues for every tile, a slot as soon as the consumer frees it
-        pg_layout: gl.constexpr = gl.BlockedLayout([BN // BOX], [32], [1], [0])
+        pg_layout: gl.constexpr = gl.BlockedLayout([BN // BOX], [32], [1], [0])  # whole in every thread
         for j in range(n_tiles):
             slot = j % NS
             pages = _load_pages(bt_row, tile_lo + j, n_pages, True, PAGE, BOX, BN, pg_layout)
@@ -182,18 +172,35 @@ if _IMPORT_ERROR is None:
                         full.index(slot), col, True, PAGE, BOX, BN, pg_layout)
 
     @gluon.jit
-    def _consume(q_smem, k_bufs, v_bufs, full, empty, n_tiles, qk_scale, part_o, part_lse, row0, n_rows, q_start,
-                 kvh, split, num_splits, k_desc, v_desc, bt_row, tile_lo, col, n_pages,
-                 HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
-                 BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
-        # online softmax over the tiles in `full` slots; WS: a producer warp refills a slot once `empty` says so,
-        # otherwise this warpgroup refills it itself (page ids loaded an iteration ahead)
+    def _mask_tile(s, tile, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G: gl.constexpr, BM: gl.constexpr,
+                   BN: gl.constexpr, MODE: gl.constexpr, s_layout: gl.constexpr):
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        j = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        row_t = rows // G
+        if MODE == 0:
+            vis = j[None, :] <= (ctx + row_t)[:, None]
+        elif MODE == 1:
+            c = j - ctx
+            new = (c >= 0) & (j < kv_len)
+            bits = gl.load(mask_row + row_t[:, None] * stride_mt + c[None, :],
+                           mask=(rows < n_rows)[:, None] & new[None, :], other=0)
+            vis = (j < ctx)[None, :] | (bits != 0)
+        else:
+            vis = (j < kv_len)[None, :] & (rows >= 0)[:, None]
+        return gl.where(vis, s, float("-inf"))
+
+    @gluon.jit
+    def _consume(q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o, part_lse, row0,
+                 n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt,
+                 HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                 NS: gl.constexpr, MODE: gl.constexpr, num_warps: gl.constexpr):
+        # online softmax over the tiles as they land in `full` slots; each slot goes back through `empty`
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        pg_layout: gl.constexpr = gl.BlockedLayout([BN // BOX], [32], [num_warps], [0])  # whole in every thread
+        # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
         m_i = gl.full([BM], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.full([BM], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
         o_acc = gl.zeros([BM, D], gl.float32, o_layout)
@@ -202,35 +209,32 @@ if _IMPORT_ERROR is None:
             s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
-            m_i = gl.max(s, axis=1) * qk_scale
+            if masked:
+                s = _mask_tile(s, tile_lo, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G, BM, BN, MODE, s_layout)
+            m_i = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
             p = gl.exp2(s * qk_scale - m_i[:, None])
             l_i = gl.sum(p, axis=1)
             p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
             for j in range(n_tiles - 1):
                 slot = j % NS
                 nxt = (j + 1) % NS
-                refill = j + NS < n_tiles
-                if not WS:
-                    pages = _load_pages(bt_row, tile_lo + j + NS, n_pages, refill, PAGE, BOX, BN, pg_layout)
                 mbarrier.wait(full.index(nxt), ((j + 1) // NS) & 1)
                 s_tok = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
                                       gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
                 o_tok = warpgroup_mma(p_op, v_bufs.index(slot), o_acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))  # FIFO: S(j+1) done; P V(j) may still run
+                if masked:
+                    s = _mask_tile(s, tile_lo + j + 1, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G, BM, BN,
+                                   MODE, s_layout)
                 m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
                 alpha = gl.exp2(m_i - m_new)
                 p = gl.exp2(s * qk_scale - m_new[:, None])
                 l_i = l_i * alpha + gl.sum(p, axis=1)
                 m_i = m_new
                 o_acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))  # P(j)'s registers live until here
-                if WS:
-                    mbarrier.arrive(empty.index(slot))  # after a partition barrier: every warp is past tile j
+                mbarrier.arrive(empty.index(slot))  # after a partition barrier: every warp is past tile j
                 p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
                 o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                if not WS:
-                    gl.thread_barrier()  # every warp is past tile j's wgmmas: refill its slot with tile j + NS
-                    _issue_tile(k_desc, v_desc, pages, tile_lo + j + NS, k_bufs.index(slot), v_bufs.index(slot),
-                                full.index(slot), col, refill, PAGE, BOX, BN, pg_layout)
             last = (n_tiles - 1) % NS
             o_tok = warpgroup_mma(p_op, v_bufs.index(last), o_acc, is_async=True)
             o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
@@ -261,16 +265,18 @@ def _descriptor(pool: torch.Tensor, box: int):
 
 
 def launch_context(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o, part_lse,
-                   num_splits: int, max_q_len: int, causal: bool, cfg: HopperConfig = DEFAULT) -> None:
-    """Splits 0 .. num_splits - 2 of every row (see the module docstring)."""
+                   num_splits: int, max_q_len: int, mode: int, mask: torch.Tensor, stride_mb: int, stride_mt: int,
+                   cfg: HopperConfig = DEFAULT) -> None:
+    """Splits 0 .. num_splits - 2 of every row, and the last (masked) one too with cfg.masked_tail (see the
+    module docstring). mode: 0 causal, 1 tree mask (uint8 [b, n, n] `mask`), 2 all new tokens visible."""
     assert num_splits >= 2
     hkv, d = k_pool.shape[1], k_pool.shape[2]
     group = q.shape[1] // hkv
     q_blocks = -(-(max_q_len * group) // cfg.block_m)
     box = min(page_size, cfg.block_n)
     b = qo_indptr.shape[0] - 1
-    _ctx_attn[(q_blocks, b * hkv, num_splits - 1)](
-        q, _descriptor(k_pool, box), _descriptor(v_pool, box), block_table, qo_indptr, kv_lens, part_o, part_lse,
-        scale * _LOG2E, num_splits, q.stride(0), q.stride(1), block_table.stride(0), block_table.shape[1],
-        HKV=hkv, G=group, D=d, PAGE=page_size, BOX=box, BM=cfg.block_m, BN=cfg.block_n, NS=cfg.stages,
-        CAUSAL=causal, WS=cfg.warp_specialize, num_warps=cfg.block_m // 16, **cfg.launch_options())
+    _ctx_attn[(q_blocks, b * hkv, num_splits - 1 + cfg.masked_tail)](
+        q, _descriptor(k_pool, box), _descriptor(v_pool, box), block_table, qo_indptr, kv_lens, mask, part_o,
+        part_lse, scale * _LOG2E, num_splits, q.stride(0), q.stride(1), block_table.stride(0), block_table.shape[1],
+        stride_mb, stride_mt, HKV=hkv, G=group, D=d, PAGE=page_size, BOX=box, BM=cfg.block_m, BN=cfg.block_n,
+        NS=cfg.stages, MODE=mode, MASKED_TAIL=cfg.masked_tail, num_warps=cfg.block_m // 16, maxnreg=128)

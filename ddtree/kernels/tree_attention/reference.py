@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ddtree.attention.backend import gather_slots
 
@@ -48,36 +49,47 @@ def paged_attention_reference(
 def context_partials_reference(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
     qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float, part_o: torch.Tensor,
-    part_lse: torch.Tensor, num_splits: int, max_q_len: int, causal: bool, cfg,
+    part_lse: torch.Tensor, num_splits: int, max_q_len: int, mode: int, mask: torch.Tensor, stride_mb: int,
+    stride_mt: int, cfg,
 ) -> None:
-    """Oracle for `hopper.launch_context` (same signature): splits 0 .. num_splits - 2 of every row. Row r of a
-    request (token r // G, query head g = r % G of its KV head) sees, in split s, the full block_n tiles
-    [s * per, min((s + 1) * per, n_full)) of [0, free_end), with free_end = ctx (+ the block's first token
-    under `causal`) and per = ceil(n_full / (num_splits - 1)). Writes the normalised partial [T, Hq, S, D] and
-    its log-sum-exp in base 2 (-inf, zeros for an empty split), as the Triton kernel's split stores."""
+    """Oracle for `hopper.launch_context` (same signature). A row block of cfg.block_m rows (token r // G, query
+    head r % G of its KV head) splits [0, free_end) into block_n tiles, free_end = ctx (+ the block's first
+    token under causal mode 0), and split s < num_splits - 1 takes tiles [s * per, min((s + 1) * per, n_full)),
+    per = ceil(n_full / (num_splits - 1)). With cfg.masked_tail the last split takes [n_full * block_n, kv_len)
+    under the mode's visibility (0 causal, 1 the tree `mask`, 2 all). Writes the normalised partial [T, Hq, S, D]
+    and its base-2 log-sum-exp (-inf and zeros where a split sees nothing), as the kernels' split stores."""
     hq, hkv = q.shape[1], k_pool.shape[1]
     group, bn, bm = hq // hkv, cfg.block_n, cfg.block_m
     indptr = qo_indptr.tolist()
     for i, kv_len in enumerate(kv_lens.tolist()):
         s0, n = indptr[i], indptr[i + 1] - indptr[i]
         ctx = kv_len - n
+        slots = gather_slots(block_table[i], kv_len, page_size)
+        pos = torch.arange(kv_len, device=q.device)
         for row0 in range(0, n * group, bm):
-            free_end = ctx + (row0 // group if causal else 0)
+            free_end = ctx + (row0 // group if mode == 0 else 0)
             n_full = free_end // bn
             per = -(-n_full // (num_splits - 1))
-            rows = torch.arange(row0, min(row0 + bm, n * group))
-            tok, head = s0 + rows // group, rows % group
-            for split in range(num_splits - 1):
+            rows = torch.arange(row0, min(row0 + bm, n * group), device=q.device)
+            tok = rows // group
+            vis = pos[None, :] < ctx
+            if mode == 0:
+                vis = pos[None, :] <= ctx + tok[:, None]
+            elif mode == 1:
+                vis = vis | F.pad(mask.view(-1)[i * stride_mb + tok[:, None] * stride_mt
+                                                + torch.arange(n, device=q.device)[None, :]].bool(), (ctx, 0))
+            else:
+                vis = vis | (pos[None, :] < kv_len)
+            for split in range(num_splits - 1 + bool(cfg.masked_tail)):
                 lo, hi = split * per * bn, min((split + 1) * per, n_full) * bn
+                if split == num_splits - 1:
+                    lo, hi = n_full * bn, kv_len
                 for kvh in range(hkv):
-                    heads = kvh * group + head
-                    if hi <= lo:
-                        part_o[tok, heads, split] = 0.0
-                        part_lse[tok, heads, split] = float("-inf")
-                        continue
-                    slots = gather_slots(block_table[i], hi, page_size)[lo:]
-                    k, v = k_pool[slots, kvh].double(), v_pool[slots, kvh].double()
-                    s = q[tok, heads].double() @ k.T * scale
-                    lse = torch.logsumexp(s, -1)
-                    part_o[tok, heads, split] = ((s - lse[:, None]).exp() @ v).to(part_o.dtype)
-                    part_lse[tok, heads, split] = (lse / math.log(2)).to(part_lse.dtype)
+                    heads = kvh * group + rows % group
+                    k, v = k_pool[slots[lo:hi], kvh].double(), v_pool[slots[lo:hi], kvh].double()
+                    s = (q[s0 + tok, heads].double() @ k.T * scale).masked_fill(~vis[:, lo:hi], float("-inf"))
+                    none = torch.full((len(rows),), float("-inf"), device=q.device)
+                    lse = torch.logsumexp(s, -1) if hi > lo else none
+                    o = torch.nan_to_num((s - lse[:, None]).exp()) @ v if hi > lo else 0.0
+                    part_o[s0 + tok, heads, split] = torch.as_tensor(o, dtype=part_o.dtype)
+                    part_lse[s0 + tok, heads, split] = (lse / math.log(2)).to(part_lse.dtype)

@@ -241,7 +241,7 @@ def _split_kv_attn(
     kvh = tl.program_id(1) % HKV
     split = tl.program_id(2)
     if CTX_DONE:
-        split += num_splits - 1  # hopper.launch_context wrote the context splits: the grid is the last one only
+        split += num_splits - 1  # hopper.launch_context wrote the context splits: this grid is the last one
     q_start = tl.load(qo_indptr + b)
     q_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
     n_rows = q_len * G
@@ -296,8 +296,8 @@ def paged_attention(
     grid and the split count only; pass the captured maxima under a CUDA graph). Without a tree mask the new
     tokens see each other causally, or all of them when `causal` is False. `new_kv` = (k, v) [T, Hkv, D] rows
     aligned with q: the new tokens' K/V are read from there instead of the pools (the drafter's block K/V,
-    which is never stored). `hopper_ctx` (True / False / a HopperConfig): run the full context tiles of 64-row
-    blocks through the Gluon kernel of `hopper.py` (default: wherever it is supported). Returns [T, Hq, D]."""
+    which is never stored). `hopper_ctx` (True / False / a HopperConfig): run tree / chain rows through the
+    Gluon kernel of `hopper.py` (default: wherever `hopper.supported` says so). Returns [T, Hq, D]."""
     T, hq, dim = q.shape
     hkv = k_pool.shape[1]
     assert hq % hkv == 0 and dim == k_pool.shape[2] and dim >= 16 and dim & (dim - 1) == 0
@@ -336,17 +336,17 @@ def paged_attention(
                 out.stride(0), out.stride(1), smb, smt, k_ext.stride(1), k_ext.stride(0))
 
     one_split = num_splits == 1  # asked for: no partials, so no Hopper context kernel either
-    if hopper_ctx is None or hopper_ctx is True:
-        use = hopper_ctx or (new_kv is None and cfg.tail_split and cfg.block_m == 64 and not one_split
-                             and hopper.supported(q, k_pool, page_size, max_q_len * group, max_kv_len))
+    if hopper_ctx is None or hopper_ctx is True:  # True: the same, wherever supported
+        use = (new_kv is None and cfg.tail_split and cfg.block_m == 64 and not one_split
+               and hopper.supported(q, k_pool, page_size, max_q_len * group))
         hopper_ctx = hopper.DEFAULT if use else None
     if hopper_ctx:
-        # the Gluon kernel does the context splits, the Triton kernel the last (masked) one
+        # the Gluon kernel does the context splits, and the last (masked) one with masked_tail (else Triton)
         if num_splits is None:
             rows = max_q_len * group
-            num_splits = choose_num_splits(-(-rows // hopper_ctx.block_m) * b * hkv, max_kv_len,
-                                           hopper_ctx.block_n, hopper_ctx.programs_per_sm(dim) * hopper.sm_count(q.device),
-                                           min_tiles=split_min_tiles(rows), tail_split=True)
+            slots = hopper_ctx.programs_per_sm(dim) * hopper.sm_count(q.device)
+            num_splits = choose_num_splits(-(-rows // hopper_ctx.block_m) * b * hkv, max_kv_len, hopper_ctx.block_n,
+                                           slots, min_tiles=split_min_tiles(rows), tail_split=True)
         num_splits = max(num_splits, 2)
     elif num_splits is None:
         key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(k_pool.dtype),)
@@ -361,12 +361,13 @@ def paged_attention(
         part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out
-    last_launch.update(config=cfg, num_splits=num_splits, grid=(q_blocks, b * hkv, num_splits), hopper=hopper_ctx)
+    grid = (q_blocks, b * hkv, 1 if hopper_ctx else num_splits)  # with hopper_ctx: the last split only
+    last_launch.update(config=cfg, num_splits=num_splits, grid=grid, hopper=hopper_ctx)
     if hopper_ctx:
         hopper.launch_context(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o, part_lse,
-                              num_splits, max_q_len, mode == 0, hopper_ctx)
-    grid = (q_blocks, b * hkv, 1 if hopper_ctx else num_splits)
-    _split_kv_attn[grid](*args(num_splits, part_o, part_lse), SPLIT=split, CTX_DONE=bool(hopper_ctx), **consts)
+                              num_splits, max_q_len, mode, mask, smb, smt, hopper_ctx)
+    if not (hopper_ctx and hopper_ctx.masked_tail):
+        _split_kv_attn[grid](*args(num_splits, part_o, part_lse), SPLIT=split, CTX_DONE=bool(hopper_ctx), **consts)
     if split:
         _combine[(T, hq)](
             part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
