@@ -25,14 +25,11 @@ import torch  # noqa: E402
 from gpu_tree_attention import CASES, D, HKV, HQ, Problem, bandwidths, kernel_times, rel  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
-from ddtree.kernels.tree_attention.tuning import KernelConfig  # noqa: E402
 from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
 
 T0 = time.time()
 # Hopper-kernel configs timed against the default (correctness-checked on two tree cases first)
-VARIANTS = tuple((c, None) for c in (HopperConfig(), HopperConfig(64, 64, 3, False), HopperConfig(64, 64, 2, True),
-                                     HopperConfig(128, 64, 3, True)))
-TAIL_CONFIGS = (KernelConfig(64, 64, 4, 5, tree_n=32), KernelConfig(64, 64, 4, 5, tree_n=64))  # the masked launch
+VARIANTS = tuple((c, None) for c in (HopperConfig(), HopperConfig(masked_tail=False)))
 POINTS = [("b1 n65 1k", 1, 65, 1024), ("b1 n65 4k", 1, 65, 4096), ("b1 n65 16k", 1, 65, 16384),
           ("b1 n65 32k", 1, 65, 32768), ("b8 n65 8k", 8, 65, 8192), ("b1 n64 16k", 1, 64, 16384),
           ("b1 n17 16k", 1, 17, 16384)]
@@ -43,7 +40,7 @@ def correctness():
     for ci, (q_lens, kv_lens, page, tree) in enumerate(CASES + [([40, 33], [9000, 5000], 16, False)]):
         p = Problem(q_lens, kv_lens, 1, page=page, tree=tree, seed=100 + ci)
         ref = p.reference(0)
-        for hop, splits in ((None, None), (None, 3), (None, 7), (False, None)) + VARIANTS * (ci < 2):
+        for hop, splits in ((True, None), (True, 3), (True, 7), (False, None)) + VARIANTS[1:] * (ci < 2):
             out = torch.full_like(ref, float("nan"))
             try:
                 p.ours(0, num_splits=splits, out=out, hopper_ctx=hop)
@@ -91,11 +88,7 @@ def point(name, b, n, ctx, bw):
     row.update(best_us=best[0], best_splits=best[1], variants={})
     for c, _ in VARIANTS:
         r = run(c, None)
-        row["variants"][f"m{c.block_m}n{c.block_n}s{c.stages}{'ws' if c.warp_specialize else ''}"] = (r[0], r[1])
-    if n > 1:
-        for c in TAIL_CONFIGS:
-            r = run(HopperConfig(), None, c)
-            row["variants"][f"tail tn{c.tree_n}"] = (r[0], r[1])
+        row["variants"][f"m{c.block_m}n{c.block_n}s{c.stages}{'' if c.masked_tail else ' Triton tail'}"] = (r[0], r[1])
     print(f"    {name} variants: " + ", ".join(f"{k} {v[0]:.1f} (s={v[1]})" for k, v in row["variants"].items()))
     print(f"  {name:<12} floor {floor * 1e6:6.1f}  triton {tri[0]:7.1f} (s={tri[1]})  hopper {hop[0]:7.1f} "
           f"(s={hop[1]}, used={hop[2]})  best {best[0]:7.1f} (s={best[1]})  rel {row['err']:.1e}", flush=True)
