@@ -15,10 +15,11 @@ context tile and the new tokens under the mode's mask (causal, tree mask, all). 
 and its base-2 log-sum-exp, and the Triton `_combine` merges (`reference.context_partials_reference` is the
 oracle). With masked_tail=False the Triton kernel runs the last split instead (measured slower, kept for A/B).
 Rows past the request's length in a tile read finite pool data (the engine's pools are zero-initialised) that
-the mask gives weight 0. Requires sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8 and
-divides or is divided by 64 (TMA boxes of min(page, 64) rows), > 32 rows per request (decode stays with Triton)
-and no `new_kv` (the drafter's block). `DDTREE_NO_HOPPER_ATTENTION=1` turns it off (the Triton kernel then does
-everything); DDTREE_FORCE_REFERENCE_ATTENTION=1 still replaces both with the PyTorch reference.
+the mask gives weight 0. Written for sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8
+and divides or is divided by 64 (TMA boxes of min(page, 64) rows), > 32 rows per request (decode stays with
+Triton) and no `new_kv` (the drafter's block); the default path uses it only where `CHECKED_ON_DEVICE` says.
+`DDTREE_NO_HOPPER_ATTENTION=1` turns it off (the Triton kernel then does everything);
+DDTREE_FORCE_REFERENCE_ATTENTION=1 still replaces both with the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -63,15 +64,19 @@ DEFAULT = HopperConfig()
 _LOG2E = 1.4426950408889634
 
 
+# What has been run against the reference on the H200 (BENCHMARKS.md): bf16, head dim 128, 16-token pages. The
+# kernel also compiles for sm_90 at head dim 64 and 32-128-token pages (tree_attention_compile_report.py) and is
+# written for fp16, but until those run on the device they stay with the Triton kernel.
+CHECKED_ON_DEVICE = {"dtypes": (torch.bfloat16,), "head_dims": (128,), "page_sizes": (16,)}
+
+
 def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_request: int) -> bool:
-    """Where the default path uses this kernel: Hopper, bf16/fp16, tree/chain rows (> 32 per request; decode
-    rows stay with the Triton kernel), pages TMA can fetch."""
-    d = k_pool.shape[-1]
+    """Where the default path uses this kernel: Hopper, tree/chain rows (> 32 per request; decode rows stay with
+    the Triton kernel), and the dtype / head dim / page size in CHECKED_ON_DEVICE."""
     return (_IMPORT_ERROR is None and not env_flag(DISABLE_ENV) and q.is_cuda
             and torch.cuda.get_device_capability(q.device) == (9, 0)
-            and k_pool.dtype in (torch.bfloat16, torch.float16) and d in (64, 128)
-            and rows_per_request > 32 and page_size % 8 == 0
-            and (page_size % DEFAULT.block_n == 0 or DEFAULT.block_n % page_size == 0)
+            and k_pool.dtype in CHECKED_ON_DEVICE["dtypes"] and k_pool.shape[-1] in CHECKED_ON_DEVICE["head_dims"]
+            and page_size in CHECKED_ON_DEVICE["page_sizes"] and rows_per_request > 32
             and k_pool.is_contiguous() and k_pool.data_ptr() % 16 == 0)
 
 
