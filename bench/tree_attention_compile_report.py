@@ -97,10 +97,10 @@ def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, 
     u8 = torch.empty(8, dtype=torch.uint8)
     args = (q, desc, desc, i64, i64, i64, u8, f32, f32, 0.1, 4, q.stride(0), q.stride(1), 300, 300, 65 * 65, 65,
             hkv, group, dim, page, box, cfg.block_m, cfg.block_n, cfg.stages, mode, cfg.masked_tail)
-    fn = hopper._ctx_attn
+    fn = hopper._split_attn
     backend = make_backend(target)
     nw = cfg.block_m // 16
-    kw = {"num_warps": nw, "maxnreg": 128}  # as launch_context
+    kw = {"num_warps": nw, "maxnreg": 128}  # as launch_splits
     bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
     options, sig, consts, attrs = fn._pack_args(backend, kw, bound, spec, options)
     ck = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)

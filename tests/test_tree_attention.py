@@ -261,7 +261,7 @@ def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, mask
     from ddtree.kernels.tree_attention import reference
     from ddtree.kernels.tree_attention.hopper import HopperConfig
 
-    monkeypatch.setattr(kernel_module.hopper, "launch_context", reference.context_partials_reference)
+    monkeypatch.setattr(kernel_module.hopper, "launch_splits", reference.split_partials_reference)
     cfg = HopperConfig(masked_tail=masked_tail)
     check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
     assert kernel_module.last_launch["hopper"] == cfg and kernel_module.last_launch["num_splits"] == splits

@@ -12,7 +12,7 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
 context tile and the new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial
-and its base-2 log-sum-exp, and the Triton `_combine` merges (`reference.context_partials_reference` is the
+and its base-2 log-sum-exp, and the Triton `_combine` merges (`reference.split_partials_reference` is the
 oracle). With masked_tail=False the Triton kernel runs the last split instead (measured slower, kept for A/B).
 Rows past the request's length in a tile read finite pool data (the engine's pools are zero-initialised) that
 the mask gives weight 0. Written for sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8
@@ -83,26 +83,26 @@ def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_re
 if _IMPORT_ERROR is None:
 
     @gluon.jit
-    def _load_pages(bt_row, tile, n_pages, ok, PAGE: gl.constexpr, BOX: gl.constexpr, BN: gl.constexpr,
+    def _load_pages(bt_row, tile, n_pages, PAGE: gl.constexpr, BOX: gl.constexpr, BN: gl.constexpr,
                     layout: gl.constexpr):
-        # the pages of tile's BN // BOX boxes; loaded an iteration before the TMA issue that needs them
+        # the pages of tile's BN // BOX boxes (past the table: page 0, whose rows the mask then ignores)
         pos = tile * BN + gl.arange(0, BN // BOX, layout=layout) * BOX
-        return gl.load(bt_row + pos // PAGE, mask=ok & (pos // PAGE < n_pages), other=0)
+        return gl.load(bt_row + pos // PAGE, mask=pos // PAGE < n_pages, other=0)
 
     @gluon.jit
-    def _issue_tile(k_desc, v_desc, pages, tile, k_buf, v_buf, bar, col, ok,
+    def _issue_tile(k_desc, v_desc, pages, tile, k_buf, v_buf, bar, col,
                     PAGE: gl.constexpr, BOX: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
         # tile's K and V as BN // BOX TMA boxes of BOX rows (one page run each) into one ring slot
-        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes * (BN // BOX), pred=ok)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes * (BN // BOX))
         box = gl.arange(0, BN // BOX, layout=layout)
         for p in gl.static_range(BN // BOX):
             page = gl.sum(gl.where(box == p, pages, 0), axis=0)
             row = (page * PAGE + (tile * BN + p * BOX) % PAGE).to(gl.int32)
-            tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_buf.slice(p * BOX, BOX), pred=ok)
-            tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_buf.slice(p * BOX, BOX), pred=ok)
+            tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_buf.slice(p * BOX, BOX))
+            tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_buf.slice(p * BOX, BOX))
 
     @gluon.jit
-    def _ctx_attn(q_ptr, k_desc, v_desc, block_table, qo_indptr, kv_lens, mask_ptr, part_o, part_lse, qk_scale,
+    def _split_attn(q_ptr, k_desc, v_desc, block_table, qo_indptr, kv_lens, mask_ptr, part_o, part_lse, qk_scale,
                   num_splits, stride_qt, stride_qh, stride_bt, n_pages, stride_mb, stride_mt,
                   HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
                   BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, MODE: gl.constexpr,
@@ -171,10 +171,10 @@ if _IMPORT_ERROR is None:
         pg_layout: gl.constexpr = gl.BlockedLayout([BN // BOX], [32], [1], [0])  # whole in every thread
         for j in range(n_tiles):
             slot = j % NS
-            pages = _load_pages(bt_row, tile_lo + j, n_pages, True, PAGE, BOX, BN, pg_layout)
+            pages = _load_pages(bt_row, tile_lo + j, n_pages, PAGE, BOX, BN, pg_layout)  # overlaps the wait
             mbarrier.wait(empty.index(slot), ((j // NS) & 1) ^ 1)  # a fresh barrier passes parity 1
             _issue_tile(k_desc, v_desc, pages, tile_lo + j, k_bufs.index(slot), v_bufs.index(slot),
-                        full.index(slot), col, True, PAGE, BOX, BN, pg_layout)
+                        full.index(slot), col, PAGE, BOX, BN, pg_layout)
 
     @gluon.jit
     def _mask_tile(s, tile, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G: gl.constexpr, BM: gl.constexpr,
@@ -269,7 +269,7 @@ def _descriptor(pool: torch.Tensor, box: int):
     return TensorDescriptor(pool.view(s, hkv * d), [s, hkv * d], [hkv * d, 1], [box, d], layout)
 
 
-def launch_context(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o, part_lse,
+def launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o, part_lse,
                    num_splits: int, max_q_len: int, mode: int, mask: torch.Tensor, stride_mb: int, stride_mt: int,
                    cfg: HopperConfig = DEFAULT) -> None:
     """Splits 0 .. num_splits - 2 of every row, and the last (masked) one too with cfg.masked_tail (see the
@@ -280,7 +280,7 @@ def launch_context(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size
     q_blocks = -(-(max_q_len * group) // cfg.block_m)
     box = min(page_size, cfg.block_n)
     b = qo_indptr.shape[0] - 1
-    _ctx_attn[(q_blocks, b * hkv, num_splits - 1 + cfg.masked_tail)](
+    _split_attn[(q_blocks, b * hkv, num_splits - 1 + cfg.masked_tail)](
         q, _descriptor(k_pool, box), _descriptor(v_pool, box), block_table, qo_indptr, kv_lens, mask, part_o,
         part_lse, scale * _LOG2E, num_splits, q.stride(0), q.stride(1), block_table.stride(0), block_table.shape[1],
         stride_mb, stride_mt, HKV=hkv, G=group, D=d, PAGE=page_size, BOX=box, BM=cfg.block_m, BN=cfg.block_n,

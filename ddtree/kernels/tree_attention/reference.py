@@ -46,13 +46,13 @@ def paged_attention_reference(
     return out
 
 
-def context_partials_reference(
+def split_partials_reference(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
     qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float, part_o: torch.Tensor,
     part_lse: torch.Tensor, num_splits: int, max_q_len: int, mode: int, mask: torch.Tensor, stride_mb: int,
     stride_mt: int, cfg,
 ) -> None:
-    """Oracle for `hopper.launch_context` (same signature). A row block of cfg.block_m rows (token r // G, query
+    """Oracle for `hopper.launch_splits` (same signature). A row block of cfg.block_m rows (token r // G, query
     head r % G of its KV head) splits [0, free_end) into block_n tiles, free_end = ctx (+ the block's first
     token under causal mode 0), and split s < num_splits - 1 takes tiles [s * per, min((s + 1) * per, n_full)),
     per = ceil(n_full / (num_splits - 1)). With cfg.masked_tail the last split takes [n_full * block_n, kv_len)

@@ -241,7 +241,7 @@ def _split_kv_attn(
     kvh = tl.program_id(1) % HKV
     split = tl.program_id(2)
     if CTX_DONE:
-        split += num_splits - 1  # hopper.launch_context wrote the context splits: this grid is the last one
+        split += num_splits - 1  # hopper.launch_splits wrote the context splits: this grid is the last one
     q_start = tl.load(qo_indptr + b)
     q_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
     n_rows = q_len * G
@@ -364,7 +364,7 @@ def paged_attention(
     grid = (q_blocks, b * hkv, 1 if hopper_ctx else num_splits)  # with hopper_ctx: the last split only
     last_launch.update(config=cfg, num_splits=num_splits, grid=grid, hopper=hopper_ctx)
     if hopper_ctx:
-        hopper.launch_context(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o, part_lse,
+        hopper.launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o, part_lse,
                               num_splits, max_q_len, mode, mask, smb, smt, hopper_ctx)
     if not (hopper_ctx and hopper_ctx.masked_tail):
         _split_kv_attn[grid](*args(num_splits, part_o, part_lse), SPLIT=split, CTX_DONE=bool(hopper_ctx), **consts)
