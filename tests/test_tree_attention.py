@@ -274,3 +274,24 @@ def test_hopper_config_rules():
     assert HopperConfig(128, 64, 3).programs_per_sm(128) == 1
     with pytest.raises(AssertionError):
         HopperConfig(128, 128, 2)  # wrong on the H200 (BENCHMARKS.md): refused
+
+
+def test_hopper_kernel_failure_falls_back(monkeypatch, caplog):
+    """A Gluon kernel that cannot build here (another Triton's Gluon API) costs a warning, not the request: the
+    call reruns on the Triton kernel and later calls skip the Hopper kernel."""
+    from ddtree.kernels.tree_attention.hopper import HopperConfig
+
+    hop = kernel_module.hopper
+    monkeypatch.setattr(hop, "_disabled", [])
+
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise TypeError("warp_specialize() got an unexpected keyword argument")
+
+    monkeypatch.setattr(hop, "launch_splits", broken)
+    with caplog.at_level("WARNING", logger="ddtree"):
+        check([65, 17], [700, 300], 16, torch.float32, True, num_splits=3, hopper_ctx=HopperConfig())
+    assert calls == [1] and not kernel_module.last_launch["hopper"] and kernel_module.last_launch["num_splits"] == 3
+    assert len(hop._disabled) == 1 and "unavailable" in caplog.text

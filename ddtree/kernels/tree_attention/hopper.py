@@ -24,11 +24,15 @@ DDTREE_FORCE_REFERENCE_ATTENTION=1 still replaces both with the PyTorch referenc
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ddtree.envs import env_flag
+
+logger = logging.getLogger("ddtree")
 
 try:
     from triton.experimental import gluon
@@ -64,6 +68,19 @@ DEFAULT = HopperConfig()
 _LOG2E = 1.4426950408889634
 
 
+# Gluon is experimental and its API moves between Triton releases (warp_specialize's arguments already differ on
+# Triton's main branch): only the release this kernel was written and checked with is tried.
+TRITON_VERSIONS = ("3.6.",)
+_disabled: list[str] = []  # why the kernel failed to build or launch here, once: the Triton kernel runs instead
+
+
+def disable(err: BaseException) -> None:
+    if not _disabled:
+        logger.warning("Hopper tree-attention kernel unavailable (%s: %s); using the Triton kernel",
+                       type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+    _disabled.append(f"{type(err).__name__}: {err}")
+
+
 # What has been run against the reference on the H200 (BENCHMARKS.md): bf16, head dim 128, 16-token pages. The
 # kernel also compiles for sm_90 at head dim 64 and 32-128-token pages (tree_attention_compile_report.py) and is
 # written for fp16, but until those run on the device they stay with the Triton kernel.
@@ -73,7 +90,8 @@ CHECKED_ON_DEVICE = {"dtypes": (torch.bfloat16,), "head_dims": (128,), "page_siz
 def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_request: int) -> bool:
     """Where the default path uses this kernel: Hopper, tree/chain rows (> 32 per request; decode rows stay with
     the Triton kernel), and the dtype / head dim / page size in CHECKED_ON_DEVICE."""
-    return (_IMPORT_ERROR is None and not env_flag(DISABLE_ENV) and q.is_cuda
+    return (_IMPORT_ERROR is None and not _disabled and triton.__version__.startswith(TRITON_VERSIONS)
+            and not env_flag(DISABLE_ENV) and q.is_cuda
             and torch.cuda.get_device_capability(q.device) == (9, 0)
             and k_pool.dtype in CHECKED_ON_DEVICE["dtypes"] and k_pool.shape[-1] in CHECKED_ON_DEVICE["head_dims"]
             and page_size in CHECKED_ON_DEVICE["page_sizes"] and rows_per_request > 32

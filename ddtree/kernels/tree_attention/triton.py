@@ -335,7 +335,8 @@ def paged_attention(
                 q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_table.stride(0),
                 out.stride(0), out.stride(1), smb, smt, k_ext.stride(1), k_ext.stride(0))
 
-    one_split = num_splits == 1  # asked for: no partials, so no Hopper context kernel either
+    one_split = num_splits == 1  # asked for: no partials, so no Hopper kernel either
+    auto_splits = num_splits is None
     if hopper_ctx is None or hopper_ctx is True:  # True: the same, wherever supported
         use = (new_kv is None and cfg.tail_split and cfg.block_m == 64 and not one_split
                and hopper.supported(q, k_pool, page_size, max_q_len * group))
@@ -364,8 +365,15 @@ def paged_attention(
     grid = (q_blocks, b * hkv, 1 if hopper_ctx else num_splits)  # with hopper_ctx: the last split only
     last_launch.update(config=cfg, num_splits=num_splits, grid=grid, hopper=hopper_ctx)
     if hopper_ctx:
-        hopper.launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o, part_lse,
-                              num_splits, max_q_len, mode, mask, smb, smt, hopper_ctx)
+        try:
+            hopper.launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o,
+                                 part_lse, num_splits, max_q_len, mode, mask, smb, smt, hopper_ctx)
+        except Exception as e:  # noqa: BLE001 - e.g. another Triton's Gluon: fall back, once and for all
+            hopper.disable(e)
+            return paged_attention(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale,
+                                   max_q_len=max_q_len, max_kv_len=max_kv_len, tree_mask=tree_mask, causal=causal,
+                                   new_kv=new_kv, num_splits=None if auto_splits else num_splits, config=config,
+                                   out=out, hopper_ctx=False)
     if not (hopper_ctx and hopper_ctx.masked_tail):
         _split_kv_attn[grid](*args(num_splits, part_o, part_lse), SPLIT=split, CTX_DONE=bool(hopper_ctx), **consts)
     if split:
