@@ -34,6 +34,17 @@ PTRS = {"q_ptr": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16", "block_table": "
         "k_ext": "*bf16", "v_ext": "*bf16"}
 
 
+def _sass_counts(cubin: bytes) -> tuple[int, int, str]:
+    """(registers, stack bytes, SASS) of a cubin, by the cuobjdump Triton carries."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
+                           text=True).stdout
+    sass = subprocess.run([f"{BIN}/cuobjdump", "--dump-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), sass
+
+
 def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, group: int = 4, dim: int = 128):
     fn = kernel._split_kv_attn
     names = fn.arg_names
@@ -52,14 +63,7 @@ def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, g
     ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cvals, attrs=attrs),
                         target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
-    usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
-                           text=True).stdout
-    sass = subprocess.run([f"{BIN}/cuobjdump", "--dump-sass", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    regs, stack, sass = _sass_counts(ck.asm["cubin"])
     shared = ck.metadata.shared
     per_sm = ctas_per_sm(regs, shared, cfg.num_warps)
     n = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS")}
@@ -67,18 +71,8 @@ def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, g
     return dict(regs=regs, stack=stack, shared=shared, per_sm=per_sm, wait_depth=depth, **n)
 
 
-def _sass_counts(cubin: bytes) -> tuple[int, int, str]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
-                           text=True).stdout
-    sass = subprocess.run([f"{BIN}/cuobjdump", "--dump-sass", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), sass
-
-
 def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, mode: int = 1, cfg=None):
-    """The Gluon context kernel (hopper.py) for sm_90, bound to CPU tensors of the 65-node shape."""
+    """The Gluon kernel (hopper.py) for sm_90, bound to CPU tensors of the 65-node shape."""
     import torch
     from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -147,7 +141,7 @@ def main():
         if as_json:
             print(json.dumps({"name": "hopper ctx", "config": str(hopper.DEFAULT), "mode": 1, **r}), flush=True)
         else:
-            print(f"hopper context kernel (Gluon, {hopper.DEFAULT}): {r}")
+            print(f"Hopper kernel (Gluon, {hopper.DEFAULT}): {r}")
     for name, cfg, mode in runs:
         try:
             r = report(cfg, mode)
