@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""H200: the Gluon context kernel (ddtree/kernels/tree_attention/hopper.py) against the Triton-only path, one run.
+"""H200: the Gluon kernel (ddtree/kernels/tree_attention/hopper.py) against the Triton-only path, one run.
 
     python3 bench/gpu_tree_attention_hopper.py        # ~2 minutes; writes $OUT/gpu_tree_attention_hopper.json
 
@@ -7,7 +7,7 @@
    chains, decode, page sizes 16 and 1), with the Hopper kernel on (default and forced split counts) and off;
    output poisoned with NaN first.
 2. Timing (same shapes and method as gpu_tree_attention.py: CUDA graph over R random input copies, cold L2):
-   Triton-only vs Hopper context kernel at the issue's points, split counts around the default, and the
+   Triton-only vs the Gluon kernel at the issue's points, split counts around the default, and the
    per-kernel device times (torch.profiler) of one call with the Hopper kernel.
 """
 

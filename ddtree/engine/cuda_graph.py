@@ -11,8 +11,9 @@ programs on 132 SMs. So the live max kv_len picks a bucket (<= 1k, 4k, 16k, max 
 (bs, bucket) uses the kernel's own choice (`choose_num_splits`) at the bucket's upper bound, probed with one
 eager call. That choice depends on the context only through its cap (>= 4 KV tiles per split for decode rows,
 >= 6 for tree / chain rows), so it grows with the bucket (never decreasing) and then saturates: graphs are
-keyed by (bs, launch plan = split count and whether the Hopper context kernel runs, which the kernel picks by
-context length) and buckets with equal plans share one. A live context gets its bucket top's count:
+keyed by (bs, launch plan = split count and whether the Hopper kernel runs: the two paths choose their split
+counts differently, so an equal count alone does not mean the same launches) and buckets with equal plans share
+one. A live context gets its bucket top's count:
 never fewer splits than eager would pick, and the surplus is bounded by the bucket's width (4x in the middle
 buckets).
 An empty split (its tile range lies past the request's context) runs no loop iteration and stores lse = -inf;
@@ -126,9 +127,8 @@ class _GraphSet:
                     self.graphs[(bs, s)] = self._capture(bs, s, bound)
 
     def _probe(self, bs: int, bound: int) -> tuple | None:
-        """The kernel's own launch plan for bs rows of length <= bound: (split count, whether the Hopper context
-        kernel runs), None where the torch reference runs. Buckets share a graph only when both agree: the
-        Hopper kernel is chosen by context length, so equal split counts can still mean different launches."""
+        """The kernel's own launch plan for bs rows of length <= bound: (split count, whether the Hopper kernel
+        runs), None where the torch reference runs. Buckets share a graph only when both agree."""
         from ddtree.attention.triton_backend import TritonAttentionBackend
         from ddtree.kernels.tree_attention.tuning import last_launch
 
