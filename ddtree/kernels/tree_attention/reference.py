@@ -5,9 +5,19 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ddtree.attention.backend import gather_slots
+
+
+def visibility(n: int, kv_len: int, tree_mask: torch.Tensor | None, causal: bool, device) -> torch.Tensor:
+    """[n, kv_len] bool: which positions each of a request's n new tokens (at kv_len - n ..) sees: every cached
+    position, and among the new tokens the tree mask's ancestors-and-self ([n, n]), or causally, or all."""
+    vis = torch.ones(n, kv_len, dtype=torch.bool, device=device)
+    if tree_mask is not None:
+        vis[:, kv_len - n:] = tree_mask.bool()
+    elif causal:
+        vis[:, kv_len - n:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return vis
 
 
 def paged_attention_reference(
@@ -35,11 +45,7 @@ def paged_attention_reference(
             k = torch.cat([k, new_kv[0][s:e].to(acc_dtype)])
             v = torch.cat([v, new_kv[1][s:e].to(acc_dtype)])
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        vis = torch.ones(n, kv_len, dtype=torch.bool, device=q.device)
-        if tree_mask is not None:
-            vis[:, ctx:] = tree_mask[i, :n, :n].bool()
-        elif causal:
-            vis[:, ctx:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        vis = visibility(n, kv_len, None if tree_mask is None else tree_mask[i, :n, :n], causal, q.device)
         scores = torch.einsum("thd,lhd->htl", q[s:e].to(acc_dtype), k) * scale
         scores = scores.masked_fill(~vis[None], float("-inf"))
         out[s:e] = torch.einsum("htl,lhd->thd", scores.softmax(-1), v).to(q.dtype)
@@ -65,21 +71,16 @@ def split_partials_reference(
         s0, n = indptr[i], indptr[i + 1] - indptr[i]
         ctx = kv_len - n
         slots = gather_slots(block_table[i], kv_len, page_size)
-        pos = torch.arange(kv_len, device=q.device)
+        t = torch.arange(n, device=q.device)
+        tree = mask.view(-1)[i * stride_mb + t[:, None] * stride_mt + t[None, :]] if mode == 1 else None
+        vis_req = visibility(n, kv_len, tree, mode == 0, q.device)
         for row0 in range(0, n * group, bm):
             free_end = ctx + (row0 // group if mode == 0 else 0)
             n_full = free_end // bn
             per = -(-n_full // (num_splits - 1))
             rows = torch.arange(row0, min(row0 + bm, n * group), device=q.device)
             tok = rows // group
-            vis = pos[None, :] < ctx
-            if mode == 0:
-                vis = pos[None, :] <= ctx + tok[:, None]
-            elif mode == 1:
-                vis = vis | F.pad(mask.view(-1)[i * stride_mb + tok[:, None] * stride_mt
-                                                + torch.arange(n, device=q.device)[None, :]].bool(), (ctx, 0))
-            else:
-                vis = vis | (pos[None, :] < kv_len)
+            vis = vis_req[tok]
             for split in range(num_splits - 1 + bool(cfg.masked_tail)):
                 lo, hi = split * per * bn, min((split + 1) * per, n_full) * bn
                 if split == num_splits - 1:
