@@ -33,6 +33,7 @@ import triton
 from ddtree.envs import env_flag
 
 logger = logging.getLogger("ddtree")
+_disabled: list[str] = []  # why the kernel cannot run here (no Gluon; failed to build or launch): Triton instead
 
 try:
     from triton.experimental import gluon
@@ -40,9 +41,8 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001  (no Gluon in this Triton: the Triton kernel does everything)
-    _IMPORT_ERROR = e
+    _disabled.append(f"no Gluon: {type(e).__name__}: {e}")
 
 DISABLE_ENV = "DDTREE_NO_HOPPER_ATTENTION"
 
@@ -71,7 +71,6 @@ _LOG2E = 1.4426950408889634
 # Gluon is experimental and its API moves between Triton releases (warp_specialize's arguments already differ on
 # Triton's main branch): only the release this kernel was written and checked with is tried.
 TRITON_VERSIONS = ("3.6.",)
-_disabled: list[str] = []  # why the kernel failed to build or launch here, once: the Triton kernel runs instead
 
 
 def disable(err: BaseException) -> None:
@@ -90,7 +89,7 @@ CHECKED_ON_DEVICE = {"dtypes": (torch.bfloat16,), "head_dims": (128,), "page_siz
 def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_request: int) -> bool:
     """Where the default path uses this kernel: Hopper, tree/chain rows (> 32 per request; decode rows stay with
     the Triton kernel), and the dtype / head dim / page size in CHECKED_ON_DEVICE."""
-    return (_IMPORT_ERROR is None and not _disabled and triton.__version__.startswith(TRITON_VERSIONS)
+    return (not _disabled and triton.__version__.startswith(TRITON_VERSIONS)
             and not env_flag(DISABLE_ENV) and q.is_cuda
             and torch.cuda.get_device_capability(q.device) == (9, 0)
             and k_pool.dtype in CHECKED_ON_DEVICE["dtypes"] and k_pool.shape[-1] in CHECKED_ON_DEVICE["head_dims"]
@@ -98,7 +97,7 @@ def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_re
             and k_pool.is_contiguous() and k_pool.data_ptr() % 16 == 0)
 
 
-if _IMPORT_ERROR is None:
+if not _disabled:  # Gluon imported
 
     @gluon.jit
     def _load_pages(bt_row, tile, n_pages, PAGE: gl.constexpr, BOX: gl.constexpr, BN: gl.constexpr,
