@@ -50,7 +50,7 @@ def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, g
     names = fn.arg_names
     consts = dict(HKV=hkv, G=group, D=dim, PAGE=16, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n,
                   TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode, EXTRA=False, SPLIT=split, DOT=0,
-                  CTX_DONE=False)
+                  CTX_DONE=False, PDL=True)
     sig, cvals, attrs = {}, {}, {}
     for i, a in enumerate(names):
         if a in consts:
@@ -68,7 +68,27 @@ def report(cfg: KernelConfig, mode: int = 1, split: bool = True, hkv: int = 8, g
     per_sm = ctas_per_sm(regs, shared, cfg.num_warps)
     n = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS")}
     depth = max([int(x) for x in re.findall(r"async_wait[^\n]*\{num = (\d+)", ck.asm["ttgir"])] or [0])
-    return dict(regs=regs, stack=stack, shared=shared, per_sm=per_sm, wait_depth=depth, **n)
+    return dict(regs=regs, stack=stack, shared=shared, per_sm=per_sm, wait_depth=depth,
+                gdc_launch="griddepcontrol.launch_dependents" in ck.asm["ptx"], **n)
+
+
+def combine_report():
+    """The split merge as launched after the Triton kernel on sm_90 (PDL): it must wait for the split grid
+    (griddepcontrol.wait) before its first global load."""
+    from ddtree.kernels.tree_attention import merge
+
+    fn = merge.combine
+    consts = dict(HQ=32, D=128, BLOCK_S=16, PDL=True)
+    sig, cvals = {}, {}
+    for i, a in enumerate(fn.arg_names):
+        if a in consts:
+            sig[a], cvals[(i,)] = "constexpr", consts[a]
+        else:
+            sig[a] = {"part_o": "*fp32", "part_lse": "*fp32", "out_ptr": "*bf16"}.get(a, "i32")
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cvals), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 1}).asm["ptx"]
+    wait, load = ptx.find("griddepcontrol.wait"), ptx.find("ld.global")
+    return dict(gdc_wait=wait >= 0, wait_before_loads=0 <= wait < load)
 
 
 def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, mode: int = 1, cfg=None):
@@ -142,6 +162,11 @@ def main():
             print(json.dumps({"name": "hopper ctx", "config": str(hopper.DEFAULT), "mode": 1, **r}), flush=True)
         else:
             print(f"Hopper kernel (Gluon, {hopper.DEFAULT}): {r}")
+        try:
+            r = combine_report()
+        except Exception as e:  # noqa: BLE001
+            r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(json.dumps({"name": "combine", **r}) if as_json else f"Split merge (PDL): {r}", flush=True)
     for name, cfg, mode in runs:
         try:
             r = report(cfg, mode)

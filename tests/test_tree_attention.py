@@ -295,3 +295,22 @@ def test_hopper_kernel_failure_falls_back(monkeypatch, caplog):
         check([65, 17], [700, 300], 16, torch.float32, True, num_splits=3, hopper_ctx=HopperConfig())
     assert calls == [1] and not kernel_module.last_launch["hopper"] and kernel_module.last_launch["num_splits"] == 3
     assert len(hop._disabled) == 1 and "unavailable" in caplog.text
+
+
+def test_pdl_gate(monkeypatch):
+    """The split merge launches as a programmatic dependent only where griddepcontrol exists (CUDA sm_90+, not
+    the interpreter) and DDTREE_NO_PDL is unset."""
+    from ddtree.kernels.tree_attention import merge
+
+    cuda = torch.device("cuda", 0)
+    cap = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    monkeypatch.setattr(merge.triton.knobs.runtime, "interpret", False)
+    monkeypatch.delenv(merge.PDL_DISABLE_ENV, raising=False)
+    assert merge.pdl_ok(cuda) == merge.HAVE_GDC
+    monkeypatch.setenv(merge.PDL_DISABLE_ENV, "1")
+    assert not merge.pdl_ok(cuda)
+    monkeypatch.delenv(merge.PDL_DISABLE_ENV)
+    cap[0] = (8, 0)
+    assert not merge.pdl_ok(cuda)
+    assert not merge.pdl_ok(torch.device("cpu"))

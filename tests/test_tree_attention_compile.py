@@ -27,7 +27,8 @@ def reports():
                            "--defaults", "--json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {r["name"] for r in rows} == {"decode 16k", "decode 1k", "tree 65 nodes", "hopper ctx"}, proc.stdout
+    assert {r["name"] for r in rows} == {"decode 16k", "decode 1k", "tree 65 nodes", "hopper ctx", "combine"}, \
+        proc.stdout
     return {r["name"]: r for r in rows}
 
 
@@ -54,3 +55,13 @@ def test_hopper_context_kernel_compiles_lean(reports):
     assert r["HGMMA"] > 0 and r["UTMALDG"] > 0 and r["LDGSTS"] == 0, r
     assert r["per_sm"] >= 2 and r["regs"] <= 128, r
     assert r["USETMAXREG"] > 0, r
+
+
+def test_split_merge_waits_for_the_splits(reports):
+    """With programmatic dependent launch the merge may start while the split grid still runs: the split kernel
+    must trigger it (griddepcontrol.launch_dependents) and the merge must wait (griddepcontrol.wait) before it
+    reads a single partial, or it would merge half-written partials."""
+    r = reports["combine"]
+    assert "error" not in r, r
+    assert r["gdc_wait"] and r["wait_before_loads"], r
+    assert all(reports[n]["gdc_launch"] for n in ("decode 16k", "decode 1k", "tree 65 nodes"))

@@ -12,7 +12,7 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
 context tile and the new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial
-and its base-2 log-sum-exp, and the Triton `_combine` merges (`reference.split_partials_reference` is the
+and its base-2 log-sum-exp, and the Triton `merge.combine` merges (`reference.split_partials_reference` is the
 oracle). With masked_tail=False the Triton kernel runs the last split instead (measured slower, kept for A/B).
 Rows past the request's length in a tile read finite pool data (the engine's pools are zero-initialised) that
 the mask gives weight 0. Written for sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8

@@ -13,7 +13,7 @@ full BLOCK_N tiles with no mask at all (pipelined), split into contiguous runs, 
 context tile and the new tokens (TREE_N-wide tiles starting at ctx, so tree-mask columns start at 0) run masked
 in the last split, unpipelined. With `tail_split` (default) and > 1 split, that last split does only the masked
 tiles, beside the context splits instead of after one of them. With one split the program writes the output;
-otherwise it writes a normalised partial and its log-sum-exp, and `_combine` merges them. The mask stays a
+otherwise it writes a normalised partial and its log-sum-exp, and `merge.combine` merges them. The mask stays a
 plain bool tensor (read as uint8), gathered only on the TREE_N-wide tiles: with 64-wide masked tiles the gather
 made the kernel spill on sm_90 (255 regs + 224 B stack); with 16 it does not (see
 bench/tree_attention_compile_report.py).
@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ddtree.kernels.tree_attention import hopper
+from ddtree.kernels.tree_attention.merge import combine, gdc_launch_dependents, pdl_ok
 from ddtree.kernels.tree_attention.tuning import (
     KernelConfig,
     choose_num_splits,
@@ -234,8 +235,10 @@ def _split_kv_attn(
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_N: tl.constexpr,
     MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr, TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CTX_DONE: tl.constexpr,
+    CTX_DONE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()  # the merge's programs may start; they wait for this grid in gdc_wait
     qb = tl.program_id(0)
     b = tl.program_id(1) // HKV
     kvh = tl.program_id(1) % HKV
@@ -259,23 +262,6 @@ def _split_kv_attn(
         _attend_rows(row0, *args, HKV, G, D, PAGE, TAIL_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT, DOT)
     else:
         _attend_rows(row0, *args, HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT, DOT)
-
-
-@triton.jit
-def _combine(part_o, part_lse, out_ptr, num_splits, stride_ot, stride_oh,
-             HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    tok = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
-    base = (tok * HQ + h) * num_splits
-    lse = tl.load(part_lse + base + s, mask=s_ok, other=float("-inf"))
-    top = tl.reduce(lse, 0, tl.standard._elementwise_max)
-    w = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
-    d = tl.arange(0, D)
-    o = tl.load(part_o + (base + s)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
-    res = tl.reduce(o * w[:, None], 0, tl.standard._sum_combine) / tl.reduce(w, 0, tl.standard._sum_combine)
-    tl.store(out_ptr + tok * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty))
 
 
 def _dot_mode(dtype: torch.dtype) -> int:
@@ -353,10 +339,13 @@ def paged_attention(
         key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(k_pool.dtype),)
         f32 = torch.empty(1, dtype=torch.float32, device=q.device)
         slots = resident_slots(q.device, key, lambda: _split_kv_attn.warmup(
-            *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, **consts))
+            *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, PDL=False, **consts))
         num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots,
                                        min_tiles=split_min_tiles(max_q_len * group), tail_split=cfg.tail_split)
     split = num_splits > 1
+    # the merge as a programmatic dependent: after the Triton kernel only (H200, BENCHMARKS.md: decode 0.8-2.2 us
+    # faster; after the Hopper kernel up to 5 us slower, with the merge's waiting programs beside its programs)
+    pdl = split and not hopper_ctx and pdl_ok(q.device)
     if split:
         part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -375,10 +364,12 @@ def paged_attention(
                                    new_kv=new_kv, num_splits=None if auto_splits else num_splits, config=config,
                                    out=out, hopper_ctx=False)
     if not (hopper_ctx and hopper_ctx.masked_tail):
-        _split_kv_attn[grid](*args(num_splits, part_o, part_lse), SPLIT=split, CTX_DONE=bool(hopper_ctx), **consts)
+        _split_kv_attn[grid](*args(num_splits, part_o, part_lse), SPLIT=split, CTX_DONE=bool(hopper_ctx),
+                             PDL=pdl, **consts)
     if split:
-        _combine[(T, hq)](
+        combine[(T, hq)](
             part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HQ=hq, D=dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=cfg.combine_warps,
+            HQ=hq, D=dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, num_warps=cfg.combine_warps,
+            launch_pdl=pdl,
         )
     return out
