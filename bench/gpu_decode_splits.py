@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""H200: AR decode (1 query token, 32 q heads over 8 KV heads, head dim 128, bf16, page 16) through the Triton
+split-KV kernel, over split counts and tile configs, against the KV-read floor of the same run (issue 7).
+DDTREE_NO_PDL=1 launches the split merge as an ordinary kernel instead of a programmatic dependent of the split
+kernel.
+
+    python3 bench/gpu_decode_splits.py [16384,32768]     # ~40 s; prints a table
+
+Each variant is checked against the PyTorch reference before it is timed (CUDA graph over R random copies).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from gpu_tree_attention import D, HKV, Problem, bandwidths, rel  # noqa: E402
+from ddtree.bench.cuda_timing import time_graph  # noqa: E402
+from ddtree.envs import env_flag  # noqa: E402
+from ddtree.kernels.tree_attention.triton import PDL_DISABLE_ENV, last_launch  # noqa: E402
+from ddtree.kernels.tree_attention.tuning import KernelConfig  # noqa: E402
+
+SPLITS = (None, 15, 16, 24, 32, 33, 48)
+CONFIGS = (None, KernelConfig(16, 64, 4, 5, tail_split=False))
+
+
+def graph_err(p, ref):
+    """The default launch replayed from a CUDA graph (with PDL, the merge is a programmatic dependent there too)
+    against the reference, after the pools' other copies ran in between."""
+    out = torch.full_like(ref, float("nan"), dtype=p.qs[0].dtype)
+    p.ours(0, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p.ours(0, out=out)
+    out.fill_(float("nan"))
+    p.ours(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    return rel(out, ref) if torch.isfinite(out).all() else float("inf")
+
+
+def main():
+    ctxs = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 else "16384,32768").split(",")]
+    bw = bandwidths()["sm_copy_graph"]
+    torch.cuda.empty_cache()
+    pdl = "off" if env_flag(PDL_DISABLE_ENV) else "on"
+    print(f"{torch.cuda.get_device_name()}; SM copy {bw / 1e12:.2f} TB/s; PDL {pdl}")
+    for ctx in ctxs:
+        kv_bytes = ctx * HKV * D * 4
+        p = Problem([1], [ctx], max(2, int(4 * 60e6 // kv_bytes) + 1), tree=False, seed=ctx)
+        ref = p.reference(0)
+        floor = kv_bytes / bw * 1e6
+        print(f"\ndecode {ctx}: floor {floor:.1f} us (R={p.R}); CUDA-graph replay rel err {graph_err(p, ref):.1e}")
+        best = None
+        for cfg in CONFIGS:
+            cells = []
+            for s in SPLITS:
+                try:
+                    err = rel(p.ours(0, num_splits=s, config=cfg), ref)
+                    used = last_launch["num_splits"]
+                    t = time_graph(lambda: [p.ours(r, num_splits=s, config=cfg) for r in range(p.R)], p.R) * 1e6
+                except Exception as e:  # noqa: BLE001
+                    cells.append(f"s{s}: {type(e).__name__}")
+                    continue
+                flag = "  WRONG" if err > 1e-2 else ""
+                cells.append(f"s{used}{'*' if s is None else ''} {t:.1f}{flag}")
+                if not flag and (best is None or t < best[0]):
+                    best = (t, cfg, used)
+            name = "default" if cfg is None else f"n{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
+            print(f"  {name:<16} " + "  ".join(cells), flush=True)
+        print(f"  best {best[0]:.1f} us = {best[0] / floor:.2f}x floor ({best[1]}, splits {best[2]})")
+
+
+if __name__ == "__main__":
+    main()
