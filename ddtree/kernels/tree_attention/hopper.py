@@ -7,8 +7,10 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
   bulk copy per page, completing on the slot's mbarrier) into a ring of `stages` slots; the math warpgroup frees
   a slot with one arrive. Triton 3.6 puts a CTA barrier after every TMA issue and mbarrier op, so issuing from
   the math warps stalled them 8+ times per tile (74.2 vs 66.0 us at 16k on the H200);
-- the math warpgroup issues tile j+1's S = Q K^T and tile j's P V as two async wgmma groups, so tile j's P V
-  runs beside tile j+1's softmax.
+- the math warpgroup issues tile j+1's S = Q K^T and tile j's P V as two async wgmma groups. ptxas places the
+  wait for P V(j) before tile j+1's softmax (the SASS: P(j+1) takes P(j)'s registers), so in the compiled
+  kernel the softmax overlaps the other program's MMAs on the SM, not this program's P V. A loop that keeps the
+  overlap (and one with S two tiles ahead) measured within the run-to-run spread (BENCHMARKS.md).
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
 context tile and the new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial
@@ -253,7 +255,7 @@ if not _disabled:  # Gluon imported
                 p = gl.exp2(s * qk_scale - m_new[:, None])
                 l_i = l_i * alpha + gl.sum(p, axis=1)
                 m_i = m_new
-                o_acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))  # P(j)'s registers live until here
+                o_acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))  # ptxas hoists this above the softmax
                 mbarrier.arrive(empty.index(slot))  # after a partition barrier: every warp is past tile j
                 p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
                 o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
