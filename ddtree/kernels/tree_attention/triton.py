@@ -338,8 +338,9 @@ def paged_attention(
     elif num_splits is None:
         key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(k_pool.dtype),)
         f32 = torch.empty(1, dtype=torch.float32, device=q.device)
+        # the variant a split launch below uses (PDL as there), so that launch reuses this compile
         slots = resident_slots(q.device, key, lambda: _split_kv_attn.warmup(
-            *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, PDL=False, **consts))
+            *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, PDL=pdl_ok(q.device), **consts))
         num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots,
                                        min_tiles=split_min_tiles(max_q_len * group), tail_split=cfg.tail_split)
     split = num_splits > 1
