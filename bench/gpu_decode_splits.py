@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """H200: AR decode (1 query token, 32 q heads over 8 KV heads, head dim 128, bf16, page 16) through the Triton
-split-KV kernel, over split counts and tile configs, against the KV-read floor of the same run (issue 7).
+split-KV kernel, over split counts and tile configs, against the KV-read floor of the same run (issue 7); also
+through the Gluon kernel (hopper.py), forced: its swapped path takes row blocks of <= 8 rows, which a decode
+token's GQA group is.
 DDTREE_NO_PDL=1 launches the split merge as an ordinary kernel instead of a programmatic dependent of the split
 kernel.
 
@@ -20,11 +22,14 @@ import torch  # noqa: E402
 from gpu_tree_attention import D, HKV, Problem, bandwidths, rel  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.envs import env_flag  # noqa: E402
-from ddtree.kernels.tree_attention.triton import PDL_DISABLE_ENV, last_launch  # noqa: E402
+from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
+from ddtree.kernels.tree_attention.merge import PDL_DISABLE_ENV  # noqa: E402
+from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import KernelConfig  # noqa: E402
 
-SPLITS = (None, 15, 16, 24, 32, 33, 48)
-CONFIGS = (None, KernelConfig(16, 64, 4, 5, tail_split=False))
+SPLITS = (None, 15, 16, 24, 32, 33, 48, 64)
+VARIANTS = (("default", {}), ("Triton n64 w4 st5", {"config": KernelConfig(16, 64, 4, 5, tail_split=False)}),
+            ("Gluon swapped", {"hopper_ctx": HopperConfig()}))
 
 
 def graph_err(p, ref):
@@ -56,22 +61,21 @@ def main():
         floor = kv_bytes / bw * 1e6
         print(f"\ndecode {ctx}: floor {floor:.1f} us (R={p.R}); CUDA-graph replay rel err {graph_err(p, ref):.1e}")
         best = None
-        for cfg in CONFIGS:
+        for name, kw in VARIANTS:
             cells = []
             for s in SPLITS:
                 try:
-                    err = rel(p.ours(0, num_splits=s, config=cfg), ref)
+                    err = rel(p.ours(0, num_splits=s, **kw), ref)
                     used = last_launch["num_splits"]
-                    t = time_graph(lambda: [p.ours(r, num_splits=s, config=cfg) for r in range(p.R)], p.R) * 1e6
+                    t = time_graph(lambda: [p.ours(r, num_splits=s, **kw) for r in range(p.R)], p.R) * 1e6
                 except Exception as e:  # noqa: BLE001
                     cells.append(f"s{s}: {type(e).__name__}")
                     continue
                 flag = "  WRONG" if err > 1e-2 else ""
                 cells.append(f"s{used}{'*' if s is None else ''} {t:.1f}{flag}")
                 if not flag and (best is None or t < best[0]):
-                    best = (t, cfg, used)
-            name = "default" if cfg is None else f"n{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
-            print(f"  {name:<16} " + "  ".join(cells), flush=True)
+                    best = (t, name, used)
+            print(f"  {name:<18} " + "  ".join(cells), flush=True)
         print(f"  best {best[0]:.1f} us = {best[0] / floor:.2f}x floor ({best[1]}, splits {best[2]})")
 
 

@@ -22,14 +22,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from gpu_tree_attention import CASES, D, HKV, HQ, Problem, bandwidths, kernel_times, rel  # noqa: E402
+from gpu_tree_attention import CASES, D, HKV, Problem, bandwidths, kernel_times, rel  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
 from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
 
 T0 = time.time()
-# Hopper-kernel configs timed against the default (correctness-checked on two tree cases first)
-VARIANTS = tuple((c, None) for c in (HopperConfig(), HopperConfig(masked_tail=False)))
+# Hopper-kernel configs timed beside the default (correctness-checked first on every 16-token-page case); tail_n=0
+# is the kernel before the swapped tail block
+VARIANTS = (HopperConfig(tail_n=0), HopperConfig(), HopperConfig(tail_n=16), HopperConfig(masked_tail=False))
+# beyond gpu_tree_attention.CASES: one-node tails (rows = 64 k + 4) beside full blocks of other requests, causal
+# and tree, so the swapped tail block runs next to the 64-row path in one launch
+EXTRA_CASES = [([40, 33], [9000, 5000], 16, False), ([17, 33, 80], [3000, 17000 + 33, 900], 16, False),
+               ([66, 65, 80, 17], [20000, 7000 + 65, 1000, 17], 16, True), ([33], [70], 16, True)]
 POINTS = [("b1 n65 1k", 1, 65, 1024), ("b1 n65 4k", 1, 65, 4096), ("b1 n65 16k", 1, 65, 16384),
           ("b1 n65 32k", 1, 65, 32768), ("b8 n65 8k", 8, 65, 8192), ("b1 n64 16k", 1, 64, 16384),
           ("b1 n17 16k", 1, 17, 16384)]
@@ -37,10 +42,11 @@ POINTS = [("b1 n65 1k", 1, 65, 1024), ("b1 n65 4k", 1, 65, 4096), ("b1 n65 16k",
 
 def correctness():
     worst, n = 0.0, 0
-    for ci, (q_lens, kv_lens, page, tree) in enumerate(CASES + [([40, 33], [9000, 5000], 16, False)]):
+    for ci, (q_lens, kv_lens, page, tree) in enumerate(CASES + EXTRA_CASES):
         p = Problem(q_lens, kv_lens, 1, page=page, tree=tree, seed=100 + ci)
         ref = p.reference(0)
-        for hop, splits in ((True, None), (True, 3), (True, 7), (False, None)) + VARIANTS[1:] * (ci < 2):
+        cfgs = tuple((c, None) for c in VARIANTS) if page == 16 else ()  # page 1: not a Hopper-kernel shape
+        for hop, splits in ((True, None), (True, 3), (True, 7), (False, None)) + cfgs:
             out = torch.full_like(ref, float("nan"))
             try:
                 p.ours(0, num_splits=splits, out=out, hopper_ctx=hop)
@@ -86,9 +92,10 @@ def point(name, b, n, ctx, bw):
         if r[0] < best[0]:
             best = r
     row.update(best_us=best[0], best_splits=best[1], variants={})
-    for c, _ in VARIANTS:
+    for c in VARIANTS:
         r = run(c, None)
-        row["variants"][f"m{c.block_m}n{c.block_n}s{c.stages}{'' if c.masked_tail else ' Triton tail'}"] = (r[0], r[1])
+        name_c = f"m{c.block_m}n{c.block_n}s{c.stages}t{c.tail_n}{'' if c.masked_tail else ' Triton tail'}"
+        row["variants"][name_c] = (r[0], r[1])
     print(f"    {name} variants: " + ", ".join(f"{k} {v[0]:.1f} (s={v[1]})" for k, v in row["variants"].items()))
     print(f"  {name:<12} floor {floor * 1e6:6.1f}  triton {tri[0]:7.1f} (s={tri[1]})  hopper {hop[0]:7.1f} "
           f"(s={hop[1]}, used={hop[2]})  best {best[0]:7.1f} (s={best[1]})  rel {row['err']:.1e}", flush=True)

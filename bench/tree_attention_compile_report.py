@@ -110,7 +110,8 @@ def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, 
     desc = hopper._descriptor(pool, box)
     u8 = torch.empty(8, dtype=torch.uint8)
     args = (q, desc, desc, i64, i64, i64, u8, f32, f32, 0.1, 4, q.stride(0), q.stride(1), 300, 300, 65 * 65, 65,
-            hkv, group, dim, page, box, cfg.block_m, cfg.block_n, cfg.stages, mode, cfg.masked_tail)
+            hkv, group, dim, page, box, cfg.block_m, cfg.block_n, cfg.stages, mode, cfg.masked_tail,
+            hopper.tail_n(cfg, group))
     fn = hopper._split_attn
     backend = make_backend(target)
     nw = cfg.block_m // 16
@@ -120,8 +121,20 @@ def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, 
     ck = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)
     regs, stack, sass = _sass_counts(ck.asm["cubin"])
     n = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "UTMALDG", "USETMAXREG")}
+    n["HGMMA_N8"] = len(re.findall(r"HGMMA\.64x8x16", sass))  # the swapped one-node tail block (tail_n = 8)
     return dict(regs=regs, stack=stack, shared=ck.metadata.shared, per_sm=ctas_per_sm(regs, ck.metadata.shared, nw),
-                **n)
+                serialized=_wgmma_serialized(ck.asm["ptx"]), **n)
+
+
+def _wgmma_serialized(ptx: str) -> list[str]:
+    """ptxas's C75xx notes: it serialises every wgmma of the kernel when an accumulator in flight is touched
+    (e.g. copied across a loop's back edge), which costs the overlap the kernel is built on."""
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.ptx"), "w") as f:
+            f.write(ptx)
+        log = subprocess.run([f"{BIN}/ptxas", "-arch=sm_90a", "-v", f.name, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    return sorted(set(re.findall(r"C75\d\d", log.stdout + log.stderr)))
 
 
 def short(c: KernelConfig) -> str:

@@ -10,7 +10,10 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
 - the math warpgroup issues tile j+1's S = Q K^T and tile j's P V as two async wgmma groups. ptxas places the
   wait for P V(j) before tile j+1's softmax (the SASS: P(j+1) takes P(j)'s registers), so in the compiled
   kernel the softmax overlaps the other program's MMAs on the SM, not this program's P V. A loop that keeps the
-  overlap (and one with S two tiles ahead) measured within the run-to-run spread (BENCHMARKS.md).
+  overlap (and one with S two tiles ahead) measured within the run-to-run spread (BENCHMARKS.md);
+- a last row block of <= `tail_n` rows (one node's GQA group: a tree of 4k + 1 nodes, every default budget + the
+  root, has 4 such rows at G = 4) runs swapped, S^T = K Q^T with the KV positions as wgmma's M and N = tail_n,
+  instead of a 64-row block that is 94% padding (65 nodes at 16k: 52 vs 57 us, b = 8 at 8k: 196 vs 209 us).
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
 context tile and the new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial
@@ -41,7 +44,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, tma)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception as e:  # noqa: BLE001  (no Gluon in this Triton: the Triton kernel does everything)
     _disabled.append(f"no Gluon: {type(e).__name__}: {e}")
@@ -55,10 +58,12 @@ class HopperConfig:
     block_n: int = 64  # KV positions per tile (a multiple of the TMA box, min(page, block_n))
     stages: int = 3  # ring slots
     masked_tail: bool = True  # the last split (partial context tile + masked new tokens) here, not in Triton
+    tail_n: int = 8  # a last row block of <= tail_n rows runs swapped (S^T = K Q^T, N = tail_n); 0 = off
 
     def __post_init__(self):
         # 128-wide tiles gave wrong results on the H200 with block_m 128 (rel err 0.14) and were slower anyway
         assert self.block_m in (64, 128) and self.block_n == 64 and self.stages >= 2, self
+        assert self.tail_n in (0, 8, 16), self
 
     def programs_per_sm(self, head_dim: int) -> int:
         smem = (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 2048
@@ -100,6 +105,7 @@ def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_re
 
 
 if not _disabled:  # Gluon imported
+    from ddtree.kernels.tree_attention.hopper_consume import consume
 
     @gluon.jit
     def _load_pages(bt_row, tile, n_pages, PAGE: gl.constexpr, BOX: gl.constexpr, BN: gl.constexpr,
@@ -125,7 +131,7 @@ if not _disabled:  # Gluon imported
                   num_splits, stride_qt, stride_qh, stride_bt, n_pages, stride_mb, stride_mt,
                   HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
                   BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, MODE: gl.constexpr,
-                  MASKED_TAIL: gl.constexpr, num_warps: gl.constexpr):
+                  MASKED_TAIL: gl.constexpr, TN: gl.constexpr, num_warps: gl.constexpr):
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         qb = gl.program_id(0)
         b = gl.program_id(1) // HKV
@@ -176,9 +182,9 @@ if not _disabled:  # Gluon imported
         fence_async_shared()
         gl.thread_barrier()
         gl.warp_specialize([
-            (_consume, (q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o, part_lse,
-                        row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_ptr + b * stride_mb,
-                        stride_mt, HKV, G, D, BM, BN, NS, MODE, num_warps)),
+            (consume, (q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o,
+                        part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_ptr + b * stride_mb,
+                        stride_mt, HKV, G, D, BM, BN, NS, MODE, TN, num_warps)),
             (_produce, (k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, kvh * D, n_pages,
                         PAGE, BOX, BN, NS)),
         ], [1], [24])
@@ -195,86 +201,9 @@ if not _disabled:  # Gluon imported
             _issue_tile(k_desc, v_desc, pages, tile_lo + j, k_bufs.index(slot), v_bufs.index(slot),
                         full.index(slot), col, PAGE, BOX, BN, pg_layout)
 
-    @gluon.jit
-    def _mask_tile(s, tile, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G: gl.constexpr, BM: gl.constexpr,
-                   BN: gl.constexpr, MODE: gl.constexpr, s_layout: gl.constexpr):
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-        j = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        row_t = rows // G
-        if MODE == 0:
-            vis = j[None, :] <= (ctx + row_t)[:, None]
-        elif MODE == 1:
-            c = j - ctx
-            new = (c >= 0) & (j < kv_len)
-            bits = gl.load(mask_row + row_t[:, None] * stride_mt + c[None, :],
-                           mask=(rows < n_rows)[:, None] & new[None, :], other=0)
-            vis = (j < ctx)[None, :] | (bits != 0)
-        else:
-            vis = (j < kv_len)[None, :] & (rows >= 0)[:, None]
-        return gl.where(vis, s, float("-inf"))
-
-    @gluon.jit
-    def _consume(q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o, part_lse, row0,
-                 n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt,
-                 HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                 NS: gl.constexpr, MODE: gl.constexpr, num_warps: gl.constexpr):
-        # online softmax over the tiles as they land in `full` slots; each slot goes back through `empty`
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BN, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, D, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
-        m_i = gl.full([BM], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.full([BM], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
-        o_acc = gl.zeros([BM, D], gl.float32, o_layout)
-        if n_tiles > 0:
-            mbarrier.wait(full.index(0), 0)
-            s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
-                                  use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s_tok,))
-            if masked:
-                s = _mask_tile(s, tile_lo, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G, BM, BN, MODE, s_layout)
-            m_i = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-            p = gl.exp2(s * qk_scale - m_i[:, None])
-            l_i = gl.sum(p, axis=1)
-            p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
-            for j in range(n_tiles - 1):
-                slot = j % NS
-                nxt = (j + 1) % NS
-                mbarrier.wait(full.index(nxt), ((j + 1) // NS) & 1)
-                s_tok = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
-                                      gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
-                o_tok = warpgroup_mma(p_op, v_bufs.index(slot), o_acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_tok,))  # FIFO: S(j+1) done; P V(j) may still run
-                if masked:
-                    s = _mask_tile(s, tile_lo + j + 1, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G, BM, BN,
-                                   MODE, s_layout)
-                m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(s * qk_scale - m_new[:, None])
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                o_acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))  # ptxas hoists this above the softmax
-                mbarrier.arrive(empty.index(slot))  # after a partition barrier: every warp is past tile j
-                p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
-                o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            last = (n_tiles - 1) % NS
-            o_tok = warpgroup_mma(p_op, v_bufs.index(last), o_acc, is_async=True)
-            o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
-
-        # normalised partial + log-sum-exp (base 2), as the Triton kernel's SPLIT store
-        has = l_i > 0.0
-        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        l_o = gl.convert_layout(gl.where(has, l_i, 1.0), gl.SliceLayout(1, o_layout))
-        o = o_acc / l_o[:, None]
-        rows_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
-        d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        base = ((q_start + rows_o // G) * (HKV * G) + kvh * G + rows_o % G) * num_splits + split
-        gl.store(part_o + base[:, None] * D + d_o[None, :], o, mask=(rows_o < n_rows)[:, None])
-        rows_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-        base_s = ((q_start + rows_s // G) * (HKV * G) + kvh * G + rows_s % G) * num_splits + split
-        gl.store(part_lse + base_s, lse, mask=rows_s < n_rows)
+def tail_n(cfg: HopperConfig, group: int) -> int:
+    """N of the swapped tail block (0: none): one node's GQA group must fit, and only 64-row blocks have it."""
+    return cfg.tail_n if cfg.block_m == 64 and 0 < group <= cfg.tail_n else 0
 
 
 def sm_count(device: torch.device) -> int:
@@ -303,4 +232,5 @@ def launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size,
         q, _descriptor(k_pool, box), _descriptor(v_pool, box), block_table, qo_indptr, kv_lens, mask, part_o,
         part_lse, scale * _LOG2E, num_splits, q.stride(0), q.stride(1), block_table.stride(0), block_table.shape[1],
         stride_mb, stride_mt, HKV=hkv, G=group, D=d, PAGE=page_size, BOX=box, BM=cfg.block_m, BN=cfg.block_n,
-        NS=cfg.stages, MODE=mode, MASKED_TAIL=cfg.masked_tail, num_warps=cfg.block_m // 16, maxnreg=128)
+        NS=cfg.stages, MODE=mode, MASKED_TAIL=cfg.masked_tail, TN=tail_n(cfg, group),
+        num_warps=cfg.block_m // 16, maxnreg=128)
