@@ -7,6 +7,7 @@ DDTREE_NO_PDL=1 launches the split merge as an ordinary kernel instead of a prog
 kernel.
 
     python3 bench/gpu_decode_splits.py [16384,32768]     # ~40 s; prints a table
+    python3 bench/gpu_decode_splits.py --batch            # batched / ragged decode: Triton vs Gluon, default splits
 
 Each variant is checked against the PyTorch reference before it is timed (CUDA graph over R random copies).
 """
@@ -48,7 +49,40 @@ def graph_err(p, ref):
     return rel(out, ref) if torch.isfinite(out).all() else float("inf")
 
 
+BATCHES = [("b1 1k", [1024]), ("b1 2k", [2048]), ("b8 1k", [1024] * 8), ("b8 2k", [2048] * 8),
+           ("b8 4k", [4096] * 8), ("b8 16k", [16384] * 8),
+           ("b8 ragged 0.5-16k", [500, 16384, 3000, 9000, 1, 12000, 700, 6000]), ("b32 1k", [1024] * 32),
+           ("b64 2k", [2048] * 64), ("b4 32k", [32768] * 4),
+           ("b4 2-token chains 4k", [4096] * 4)]  # the last: q_len 2 (8 rows: still one swapped block)
+
+
+def batched(bw):
+    print("| decode batch | floor us | Triton (splits) | Gluon swapped (splits) | Gluon / Triton |")
+    print("|---|---|---|---|---|")
+    for name, kv_lens in BATCHES:
+        kv_bytes = sum(kv_lens) * HKV * D * 4
+        q_len = 2 if "2-token" in name else 1
+        p = Problem([q_len] * len(kv_lens), kv_lens, max(2, int(4 * 60e6 // kv_bytes) + 1), tree=False,
+                    seed=len(kv_lens))
+        ref = p.reference(0)
+        cells = []
+        for kw in ({"hopper_ctx": False}, {"hopper_ctx": HopperConfig()}):
+            err = rel(p.ours(0, **kw), ref)
+            used = last_launch["num_splits"]
+            t = time_graph(lambda: [p.ours(r, **kw) for r in range(p.R)], p.R) * 1e6
+            cells.append((t, used, err))
+        (tt, st, et), (tg, sg, eg) = cells
+        flag = "  WRONG" if max(et, eg) > 1e-2 else ""
+        print(f"| {name} | {kv_bytes / bw * 1e6:.1f} | {tt:.1f} ({st}) | {tg:.1f} ({sg}) | {tg / tt:.2f}{flag} |",
+              flush=True)
+
+
 def main():
+    if "--batch" in sys.argv:
+        bw = bandwidths()["sm_copy_graph"]
+        torch.cuda.empty_cache()
+        print(f"{torch.cuda.get_device_name()}; SM copy {bw / 1e12:.2f} TB/s")
+        return batched(bw)
     ctxs = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 else "16384,32768").split(",")]
     bw = bandwidths()["sm_copy_graph"]
     torch.cuda.empty_cache()

@@ -314,3 +314,17 @@ def test_pdl_gate(monkeypatch):
     cap[0] = (8, 0)
     assert not merge.pdl_ok(cuda)
     assert not merge.pdl_ok(torch.device("cpu"))
+
+
+def test_hopper_row_gate():
+    """The Gluon kernel takes trees / chains (> 32 rows per request: 64-row blocks, a one-node tail swapped) and
+    decode (one token's GQA group <= tail_n: a single swapped block); 17..32 rows stay with Triton's 32-row
+    blocks, and so do groups wider than the swapped block."""
+    from ddtree.kernels.tree_attention import hopper
+
+    assert hopper.rows_supported(4, 4) and hopper.rows_supported(8, 8)  # decode, GQA 4 and 8
+    assert hopper.rows_supported(65 * 4, 4) and hopper.rows_supported(33, 1)
+    assert not hopper.rows_supported(16, 4) and not hopper.rows_supported(32, 4)  # 4-8 token chains
+    assert not hopper.rows_supported(16, 16)  # GQA 16: a token's group is wider than tail_n
+    assert not hopper.rows_supported(0, 4)
+    assert hopper.tail_n(hopper.HopperConfig(tail_n=0), 4) == 0 and not hopper.rows_supported(12, 4)

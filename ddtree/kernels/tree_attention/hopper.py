@@ -21,8 +21,9 @@ and its base-2 log-sum-exp, and the Triton `merge.combine` merges (`reference.sp
 oracle). With masked_tail=False the Triton kernel runs the last split instead (measured slower, kept for A/B).
 Rows past the request's length in a tile read finite pool data (the engine's pools are zero-initialised) that
 the mask gives weight 0. Written for sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8
-and divides or is divided by 64 (TMA boxes of min(page, 64) rows), > 32 rows per request (decode stays with
-Triton) and no `new_kv` (the drafter's block); the default path uses it only where `CHECKED_ON_DEVICE` says.
+and divides or is divided by 64 (TMA boxes of min(page, 64) rows) and no `new_kv` (the drafter's block); the
+default path uses it where `supported` says: the CHECKED_ON_DEVICE shapes, and > 32 rows per request (trees,
+chains) or <= tail_n (decode, all swapped: 4k 10.7 vs 14.1 us, ragged b = 8 69 vs 105 us; BENCHMARKS.md).
 `DDTREE_NO_HOPPER_ATTENTION=1` turns it off (the Triton kernel then does everything);
 DDTREE_FORCE_REFERENCE_ATTENTION=1 still replaces both with the PyTorch reference.
 """
@@ -94,13 +95,15 @@ CHECKED_ON_DEVICE = {"dtypes": (torch.bfloat16,), "head_dims": (128,), "page_siz
 
 
 def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_request: int) -> bool:
-    """Where the default path uses this kernel: Hopper, tree/chain rows (> 32 per request; decode rows stay with
-    the Triton kernel), and the dtype / head dim / page size in CHECKED_ON_DEVICE."""
+    """Where the default path uses this kernel: Hopper, the dtype / head dim / page size in CHECKED_ON_DEVICE, and
+    rows per request (q tokens x GQA group) either > 32 (trees, chains) or <= DEFAULT.tail_n (decode: one
+    token's group, the swapped path). Rows in between stay with the Triton kernel's 16/32-row blocks."""
+    group = q.shape[1] // k_pool.shape[1]
     return (not _disabled and triton.__version__.startswith(TRITON_VERSIONS)
             and not env_flag(DISABLE_ENV) and q.is_cuda
             and torch.cuda.get_device_capability(q.device) == (9, 0)
             and k_pool.dtype in CHECKED_ON_DEVICE["dtypes"] and k_pool.shape[-1] in CHECKED_ON_DEVICE["head_dims"]
-            and page_size in CHECKED_ON_DEVICE["page_sizes"] and rows_per_request > 32
+            and page_size in CHECKED_ON_DEVICE["page_sizes"] and rows_supported(rows_per_request, group)
             and k_pool.is_contiguous() and k_pool.data_ptr() % 16 == 0)
 
 
@@ -200,6 +203,11 @@ if not _disabled:  # Gluon imported
             mbarrier.wait(empty.index(slot), ((j // NS) & 1) ^ 1)  # a fresh barrier passes parity 1
             _issue_tile(k_desc, v_desc, pages, tile_lo + j, k_bufs.index(slot), v_bufs.index(slot),
                         full.index(slot), col, PAGE, BOX, BN, pg_layout)
+
+def rows_supported(rows_per_request: int, group: int) -> bool:
+    """> 32 rows: 64-row blocks (+ a swapped tail); <= tail_n: one swapped block (decode). 17..32: Triton."""
+    return rows_per_request > 32 or 0 < rows_per_request <= tail_n(DEFAULT, group)
+
 
 def tail_n(cfg: HopperConfig, group: int) -> int:
     """N of the swapped tail block (0: none): one node's GQA group must fit, and only 64-row blocks have it."""

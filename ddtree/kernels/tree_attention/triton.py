@@ -282,8 +282,9 @@ def paged_attention(
     grid and the split count only; pass the captured maxima under a CUDA graph). Without a tree mask the new
     tokens see each other causally, or all of them when `causal` is False. `new_kv` = (k, v) [T, Hkv, D] rows
     aligned with q: the new tokens' K/V are read from there instead of the pools (the drafter's block K/V,
-    which is never stored). `hopper_ctx` (True / False / a HopperConfig): run tree / chain rows through the
-    Gluon kernel of `hopper.py` (default: wherever `hopper.supported` says so). Returns [T, Hq, D]."""
+    which is never stored). `hopper_ctx` (True / False / a HopperConfig): run the rows through the Gluon kernel
+    of `hopper.py` (default: wherever `hopper.supported` says so, with the default or a 64-row tail-split
+    `config`). Returns [T, Hq, D]."""
     T, hq, dim = q.shape
     hkv = k_pool.shape[1]
     assert hq % hkv == 0 and dim == k_pool.shape[2] and dim >= 16 and dim & (dim - 1) == 0
@@ -324,7 +325,7 @@ def paged_attention(
     one_split = num_splits == 1  # asked for: no partials, so no Hopper kernel either
     auto_splits = num_splits is None
     if hopper_ctx is None or hopper_ctx is True:  # True: the same, wherever supported
-        use = (new_kv is None and cfg.tail_split and cfg.block_m == 64 and not one_split
+        use = (new_kv is None and not one_split and (config is None or (cfg.tail_split and cfg.block_m == 64))
                and hopper.supported(q, k_pool, page_size, max_q_len * group))
         hopper_ctx = hopper.DEFAULT if use else None
     if hopper_ctx:
