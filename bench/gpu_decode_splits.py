@@ -8,6 +8,8 @@ kernel.
 
     python3 bench/gpu_decode_splits.py [16384,32768]     # ~40 s; prints a table
     python3 bench/gpu_decode_splits.py --batch            # batched / ragged decode: Triton vs Gluon, default splits
+    python3 bench/gpu_decode_splits.py --pdl-ab           # the merge as a programmatic dependent of the Gluon
+                                                          # kernel, or not: decode and tree points, alternating
 
 Each variant is checked against the PyTorch reference before it is timed (CUDA graph over R random copies).
 """
@@ -77,7 +79,36 @@ def batched(bw):
               flush=True)
 
 
+PDL_POINTS = [("decode b1 4k", [1], [4096]), ("decode b1 16k", [1], [16384]), ("decode b1 32k", [1], [32768]),
+              ("decode b8 4k", [1] * 8, [4096] * 8), ("tree 65 16k", [65], [16384 + 65]),
+              ("tree 65 32k", [65], [32768 + 65]), ("tree 65 b8 8k", [65] * 8, [8192 + 65] * 8),
+              ("tree 17 16k", [17], [16384 + 17])]
+
+
+def pdl_ab():
+    """Each point's default Gluon launch with the merge as a programmatic dependent (HopperConfig(pdl=True))
+    and as an ordinary launch (pdl=False), timed on, off, on, off in one process."""
+    print("| point | merge PDL (2 runs) | ordinary launch (2 runs) | on / off |")
+    print("|---|---|---|---|")
+    for name, q_lens, kv_lens in PDL_POINTS:
+        kv_bytes = sum(kv_lens) * HKV * D * 4
+        p = Problem(q_lens, kv_lens, max(2, int(4 * 60e6 // kv_bytes) + 1), tree=q_lens[0] > 1, seed=len(name))
+        ref = p.reference(0)
+        times = {True: [], False: []}
+        for on in (True, False, True, False):
+            cfg = HopperConfig(pdl=on)
+            err = rel(p.ours(0, hopper_ctx=cfg), ref)
+            if err > 1e-2:
+                print(f"  WRONG: {name} pdl={on}: rel err {err:.2e}")
+            times[on].append(time_graph(lambda: [p.ours(r, hopper_ctx=cfg) for r in range(p.R)], p.R) * 1e6)
+        on_t, off_t = times[True], times[False]
+        print(f"| {name} | {on_t[0]:.1f}, {on_t[1]:.1f} | {off_t[0]:.1f}, {off_t[1]:.1f} | "
+              f"{min(on_t) / min(off_t):.3f} |", flush=True)
+
+
 def main():
+    if "--pdl-ab" in sys.argv:
+        return pdl_ab()
     if "--batch" in sys.argv:
         bw = bandwidths()["sm_copy_graph"]
         torch.cuda.empty_cache()

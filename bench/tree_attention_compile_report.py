@@ -91,7 +91,8 @@ def combine_report():
     return dict(gdc_wait=wait >= 0, wait_before_loads=0 <= wait < load)
 
 
-def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, mode: int = 1, cfg=None):
+def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, mode: int = 1, cfg=None,
+                  pdl: bool = False):
     """The Gluon kernel (hopper.py) for sm_90, bound to CPU tensors of the 65-node shape."""
     import torch
     from triton.compiler import make_backend
@@ -111,7 +112,7 @@ def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, 
     u8 = torch.empty(8, dtype=torch.uint8)
     args = (q, desc, desc, i64, i64, i64, u8, f32, f32, 0.1, 4, q.stride(0), q.stride(1), 300, 300, 65 * 65, 65,
             hkv, group, dim, page, box, cfg.block_m, cfg.block_n, cfg.stages, mode, cfg.masked_tail,
-            hopper.tail_n(cfg, group))
+            hopper.tail_n(cfg, group), pdl)
     fn = hopper._split_attn
     backend = make_backend(target)
     nw = cfg.block_m // 16
@@ -123,7 +124,8 @@ def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, 
     n = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "UTMALDG", "USETMAXREG")}
     n["HGMMA_N8"] = len(re.findall(r"HGMMA\.64x8x16", sass))  # the swapped one-node tail block (tail_n = 8)
     return dict(regs=regs, stack=stack, shared=ck.metadata.shared, per_sm=ctas_per_sm(regs, ck.metadata.shared, nw),
-                serialized=_wgmma_serialized(ck.asm["ptx"]), **n)
+                serialized=_wgmma_serialized(ck.asm["ptx"]),
+                gdc_launch="griddepcontrol.launch_dependents" in ck.asm["ptx"], **n)
 
 
 def _wgmma_serialized(ptx: str) -> list[str]:
@@ -175,6 +177,12 @@ def main():
             print(json.dumps({"name": "hopper ctx", "config": str(hopper.DEFAULT), "mode": 1, **r}), flush=True)
         else:
             print(f"Hopper kernel (Gluon, {hopper.DEFAULT}): {r}")
+        try:  # decode: causal, the merge launched as a programmatic dependent (hopper.merge_pdl)
+            r = hopper_report(mode=0, pdl=True)
+        except Exception as e:  # noqa: BLE001
+            r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(json.dumps({"name": "hopper decode", "mode": 0, **r}) if as_json else f"Hopper kernel, decode: {r}",
+              flush=True)
         try:
             r = combine_report()
         except Exception as e:  # noqa: BLE001

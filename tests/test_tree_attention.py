@@ -254,6 +254,8 @@ def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
     ([40, 33], [900, 500], False, 5),      # causal chains: each row block's full tiles end at its first token
     ([65], [65 + 64 * 5], True, 4),        # context a whole number of tiles: no partial tile in the last split
     ([65, 20], [100, 20], True, 2),        # a context shorter than one tile: empty context splits
+    ([1, 1, 1], [700, 5, 1], False, 3),    # decode (one swapped block per request), a context of 0
+    ([2, 1], [300, 64], False, 4),         # a 2-token chain beside decode
 ])
 def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, masked_tail):
     """The Gluon kernel's contract (hopper.py), without a GPU: with its PyTorch oracle standing in for it, the
@@ -263,8 +265,27 @@ def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, mask
 
     monkeypatch.setattr(kernel_module.hopper, "launch_splits", reference.split_partials_reference)
     cfg = HopperConfig(masked_tail=masked_tail)
+    if not masked_tail and max(q_lens) * 2 <= 32:  # decode-sized rows: no 64-row Triton blocks for the last split
+        with pytest.raises(ValueError, match="masked_tail=True"):
+            check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
+        return
     check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
     assert kernel_module.last_launch["hopper"] == cfg and kernel_module.last_launch["num_splits"] == splits
+
+
+def test_default_path_takes_the_hopper_kernel_for_decode_and_trees(monkeypatch):
+    """Where hopper.supported holds (sm_90, bf16, head dim 128, 16-token pages), the default dispatch sends tree
+    rows and decode rows to the Gluon kernel, and 4-8 token chains (16-32 rows at GQA 4) to Triton."""
+    from ddtree.kernels.tree_attention import reference
+
+    hop = kernel_module.hopper
+    monkeypatch.setattr(hop, "launch_splits", reference.split_partials_reference)
+    monkeypatch.setattr(hop, "supported", lambda q, k, page, rows: hop.rows_supported(rows, q.shape[1] // k.shape[1]))
+    monkeypatch.setattr(hop, "sm_count", lambda device: 132)
+    for q_lens, kv_lens, tree, used in (([1, 1], [900, 40], False, True), ([17], [400], True, True),
+                                        ([6], [300], False, False)):
+        check(q_lens, kv_lens, 16, torch.float32, tree, hq=8, hkv=2)
+        assert (kernel_module.last_launch["hopper"] == hop.DEFAULT) == used, (q_lens, kernel_module.last_launch)
 
 
 def test_hopper_config_rules():

@@ -60,6 +60,7 @@ class HopperConfig:
     stages: int = 3  # ring slots
     masked_tail: bool = True  # the last split (partial context tile + masked new tokens) here, not in Triton
     tail_n: int = 8  # a last row block of <= tail_n rows runs swapped (S^T = K Q^T, N = tail_n); 0 = off
+    pdl: bool | None = None  # the split merge as a programmatic dependent; None: only for decode (see merge_pdl)
 
     def __post_init__(self):
         # 128-wide tiles gave wrong results on the H200 with block_m 128 (rel err 0.14) and were slower anyway
@@ -134,7 +135,10 @@ if not _disabled:  # Gluon imported
                   num_splits, stride_qt, stride_qh, stride_bt, n_pages, stride_mb, stride_mt,
                   HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
                   BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, MODE: gl.constexpr,
-                  MASKED_TAIL: gl.constexpr, TN: gl.constexpr, num_warps: gl.constexpr):
+                  MASKED_TAIL: gl.constexpr, TN: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+        if PDL:  # the merge may be scheduled now; it waits (griddepcontrol.wait) for this grid's writes
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         qb = gl.program_id(0)
         b = gl.program_id(1) // HKV
@@ -204,6 +208,15 @@ if not _disabled:  # Gluon imported
             _issue_tile(k_desc, v_desc, pages, tile_lo + j, k_bufs.index(slot), v_bufs.index(slot),
                         full.index(slot), col, PAGE, BOX, BN, pg_layout)
 
+def merge_pdl(cfg: HopperConfig, rows_per_request: int, group: int) -> bool:
+    """Whether the merge after this kernel launches as a programmatic dependent (the kernel then triggers it
+    first thing). By default only for decode-shaped launches (all blocks swapped), where the launch gap is a
+    visible share of a memory-bound call; the caller still checks merge.pdl_ok."""
+    if cfg.pdl is not None:
+        return cfg.pdl
+    return rows_per_request <= tail_n(cfg, group)
+
+
 def rows_supported(rows_per_request: int, group: int) -> bool:
     """> 32 rows: 64-row blocks (+ a swapped tail); <= tail_n: one swapped block (decode). 17..32: Triton."""
     return rows_per_request > 32 or 0 < rows_per_request <= tail_n(DEFAULT, group)
@@ -227,9 +240,10 @@ def _descriptor(pool: torch.Tensor, box: int):
 
 def launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o, part_lse,
                    num_splits: int, max_q_len: int, mode: int, mask: torch.Tensor, stride_mb: int, stride_mt: int,
-                   cfg: HopperConfig = DEFAULT) -> None:
+                   cfg: HopperConfig = DEFAULT, pdl: bool = False) -> None:
     """Splits 0 .. num_splits - 2 of every row, and the last (masked) one too with cfg.masked_tail (see the
-    module docstring). mode: 0 causal, 1 tree mask (uint8 [b, n, n] `mask`), 2 all new tokens visible."""
+    module docstring). mode: 0 causal, 1 tree mask (uint8 [b, n, n] `mask`), 2 all new tokens visible. pdl: the
+    merge that follows is launched as a programmatic dependent, so trigger it."""
     assert num_splits >= 2
     hkv, d = k_pool.shape[1], k_pool.shape[2]
     group = q.shape[1] // hkv
@@ -241,4 +255,4 @@ def launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size,
         part_lse, scale * _LOG2E, num_splits, q.stride(0), q.stride(1), block_table.stride(0), block_table.shape[1],
         stride_mb, stride_mt, HKV=hkv, G=group, D=d, PAGE=page_size, BOX=box, BM=cfg.block_m, BN=cfg.block_n,
         NS=cfg.stages, MODE=mode, MASKED_TAIL=cfg.masked_tail, TN=tail_n(cfg, group),
-        num_warps=cfg.block_m // 16, maxnreg=128)
+        PDL=pdl, num_warps=cfg.block_m // 16, maxnreg=128)

@@ -330,6 +330,9 @@ def paged_attention(
         hopper_ctx = hopper.DEFAULT if use else None
     if hopper_ctx:
         # the Gluon kernel does the context splits, and the last (masked) one with masked_tail (else Triton)
+        if not hopper_ctx.masked_tail and not (cfg.tail_split and cfg.block_m == 64):
+            raise ValueError(f"hopper_ctx={hopper_ctx}: the Triton last split needs 64-row tail-split blocks like "
+                             f"the Gluon kernel's, not {cfg}; use masked_tail=True")
         if num_splits is None:
             rows = max_q_len * group
             slots = hopper_ctx.programs_per_sm(dim) * hopper.sm_count(q.device)
@@ -345,9 +348,10 @@ def paged_attention(
         num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots,
                                        min_tiles=split_min_tiles(max_q_len * group), tail_split=cfg.tail_split)
     split = num_splits > 1
-    # the merge as a programmatic dependent: after the Triton kernel only (H200, BENCHMARKS.md: decode 0.8-2.2 us
-    # faster; after the Hopper kernel up to 5 us slower, with the merge's waiting programs beside its programs)
-    pdl = split and not hopper_ctx and pdl_ok(q.device)
+    # the merge as a programmatic dependent (H200, BENCHMARKS.md): after the Triton kernel (decode 0.8-2.2 us
+    # faster), after the Hopper kernel where hopper.merge_pdl says
+    pdl = (split and pdl_ok(q.device)
+           and (not hopper_ctx or hopper.merge_pdl(hopper_ctx, max_q_len * group, group)))
     if split:
         part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -358,7 +362,7 @@ def paged_attention(
     if hopper_ctx:
         try:
             hopper.launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o,
-                                 part_lse, num_splits, max_q_len, mode, mask, smb, smt, hopper_ctx)
+                                 part_lse, num_splits, max_q_len, mode, mask, smb, smt, hopper_ctx, pdl)
         except Exception as e:  # noqa: BLE001 - e.g. another Triton's Gluon: fall back, once and for all
             hopper.disable(e)
             return paged_attention(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale,
