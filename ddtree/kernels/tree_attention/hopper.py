@@ -13,7 +13,8 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
   overlap (and one with S two tiles ahead) measured within the run-to-run spread (BENCHMARKS.md);
 - a last row block of <= `tail_n` rows (one node's GQA group: a tree of 4k + 1 nodes, every default budget + the
   root, has 4 such rows at G = 4) runs swapped, S^T = K Q^T with the KV positions as wgmma's M and N = tail_n,
-  instead of a 64-row block that is 94% padding (65 nodes at 16k: 52 vs 57 us, b = 8 at 8k: 196 vs 209 us).
+  instead of a 64-row block that is 94% padding (H200, 65 nodes: 16k 52-53 vs 53-57 us, b = 8 at 8k 196-203
+  vs 209-212 us over three runs; BENCHMARKS.md).
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
 context tile and the new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial

@@ -81,8 +81,8 @@ if HAVE_GLUON:
                          part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt,
                          HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, TN: gl.constexpr,
                          NS: gl.constexpr, MODE: gl.constexpr, num_warps: gl.constexpr):
-        # <= TN rows (the one-node tail of a 4k+1-node tree): a 64-row wgmma would be >= 87% padding, so the
-        # product is swapped: S^T = K Q^T ([BN, TN], KV positions as wgmma's M) and O^T = V^T P^T ([D, TN], P^T
+        # <= TN rows (the one-node tail of a 4k+1-node tree, or a decode token's GQA group): a 64-row wgmma would
+        # be >= 87% padding, so the product is swapped: S^T = K Q^T ([BN, TN], KV positions as wgmma's M) and O^T = V^T P^T ([D, TN], P^T
         # through shared memory); the softmax runs down the columns
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                             instr_shape=[16, TN, 16])
@@ -117,12 +117,12 @@ if HAVE_GLUON:
                 p_t, m_i, alpha, l_acc = _softmax_cols(s_t, m_i, l_acc, tile_lo + j + 1, masked, qk_scale, row0,
                                                        n_rows, ctx, kv_len, mask_row, stride_mt, G, BN, TN, MODE,
                                                        st_layout)
-                o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
-                mbarrier.arrive(empty.index(slot))
-                if j % 2 == 0:
+                if j % 2 == 0:  # the other buffer: P V(j - 1), its last reader, was waited for last iteration
                     p_bufs[1].store(gl.permute(p_t.to(q_smem.dtype), (1, 0)))
                 else:
                     p_bufs[0].store(gl.permute(p_t.to(q_smem.dtype), (1, 0)))
+                o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                mbarrier.arrive(empty.index(slot))
                 o_acc = o_acc * alpha[None, :]
             last = (n_tiles - 1) % NS
             fence_async_shared()
