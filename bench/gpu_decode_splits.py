@@ -35,6 +35,12 @@ VARIANTS = (("default", {}), ("Triton n64 w4 st5", {"config": KernelConfig(16, 6
             ("Gluon swapped", {"hopper_ctx": HopperConfig()}))
 
 
+def problem(q_lens, kv_lens, tree, seed):
+    """A Problem with enough random input copies to defeat L2 (R x KV bytes >= ~240 MB), and its KV bytes."""
+    kv_bytes = sum(kv_lens) * HKV * D * 4
+    return Problem(q_lens, kv_lens, max(2, int(4 * 60e6 // kv_bytes) + 1), tree=tree, seed=seed), kv_bytes
+
+
 def graph_err(p, ref):
     """The default launch replayed from a CUDA graph (with PDL, the merge is a programmatic dependent there too)
     against the reference, after the pools' other copies ran in between."""
@@ -62,10 +68,8 @@ def batched(bw):
     print("| decode batch | floor us | Triton (splits) | Gluon swapped (splits) | Gluon / Triton |")
     print("|---|---|---|---|---|")
     for name, kv_lens in BATCHES:
-        kv_bytes = sum(kv_lens) * HKV * D * 4
         q_len = 2 if "2-token" in name else 1
-        p = Problem([q_len] * len(kv_lens), kv_lens, max(2, int(4 * 60e6 // kv_bytes) + 1), tree=False,
-                    seed=len(kv_lens))
+        p, kv_bytes = problem([q_len] * len(kv_lens), kv_lens, False, len(kv_lens))
         ref = p.reference(0)
         cells = []
         for kw in ({"hopper_ctx": False}, {"hopper_ctx": HopperConfig()}):
@@ -91,8 +95,7 @@ def pdl_ab():
     print("| point | merge PDL (2 runs) | ordinary launch (2 runs) | on / off |")
     print("|---|---|---|---|")
     for name, q_lens, kv_lens in PDL_POINTS:
-        kv_bytes = sum(kv_lens) * HKV * D * 4
-        p = Problem(q_lens, kv_lens, max(2, int(4 * 60e6 // kv_bytes) + 1), tree=q_lens[0] > 1, seed=len(name))
+        p, _ = problem(q_lens, kv_lens, q_lens[0] > 1, len(name))
         ref = p.reference(0)
         times = {True: [], False: []}
         for on in (True, False, True, False):
@@ -109,19 +112,15 @@ def pdl_ab():
 def main():
     if "--pdl-ab" in sys.argv:
         return pdl_ab()
-    if "--batch" in sys.argv:
-        bw = bandwidths()["sm_copy_graph"]
-        torch.cuda.empty_cache()
-        print(f"{torch.cuda.get_device_name()}; SM copy {bw / 1e12:.2f} TB/s")
-        return batched(bw)
-    ctxs = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 else "16384,32768").split(",")]
     bw = bandwidths()["sm_copy_graph"]
     torch.cuda.empty_cache()
     pdl = "off" if env_flag(PDL_DISABLE_ENV) else "on"
     print(f"{torch.cuda.get_device_name()}; SM copy {bw / 1e12:.2f} TB/s; PDL {pdl}")
+    if "--batch" in sys.argv:
+        return batched(bw)
+    ctxs = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 else "16384,32768").split(",")]
     for ctx in ctxs:
-        kv_bytes = ctx * HKV * D * 4
-        p = Problem([1], [ctx], max(2, int(4 * 60e6 // kv_bytes) + 1), tree=False, seed=ctx)
+        p, kv_bytes = problem([1], [ctx], False, ctx)
         ref = p.reference(0)
         floor = kv_bytes / bw * 1e6
         print(f"\ndecode {ctx}: floor {floor:.1f} us (R={p.R}); CUDA-graph replay rel err {graph_err(p, ref):.1e}")

@@ -139,6 +139,14 @@ def _wgmma_serialized(ptx: str) -> list[str]:
     return sorted(set(re.findall(r"C75\d\d", log.stdout + log.stderr)))
 
 
+def _or_error(fn, *args, **kw) -> dict:
+    """fn's report, or {"error": ...} when it does not compile."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def short(c: KernelConfig) -> str:
     return (f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}t{c.tail_m}tn{c.tree_n}"
             f"{'T' if c.tail_split else 'S'}")
@@ -169,30 +177,17 @@ def main():
     if "--defaults" in sys.argv:
         from ddtree.kernels.tree_attention import hopper
 
-        try:
-            r = hopper_report()
-        except Exception as e:  # noqa: BLE001
-            r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        if as_json:
-            print(json.dumps({"name": "hopper ctx", "config": str(hopper.DEFAULT), "mode": 1, **r}), flush=True)
-        else:
-            print(f"Hopper kernel (Gluon, {hopper.DEFAULT}): {r}")
-        try:  # decode: causal, the merge launched as a programmatic dependent (hopper.merge_pdl)
-            r = hopper_report(mode=0, pdl=True)
-        except Exception as e:  # noqa: BLE001
-            r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(json.dumps({"name": "hopper decode", "mode": 0, **r}) if as_json else f"Hopper kernel, decode: {r}",
-              flush=True)
-        try:
-            r = combine_report()
-        except Exception as e:  # noqa: BLE001
-            r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(json.dumps({"name": "combine", **r}) if as_json else f"Split merge (PDL): {r}", flush=True)
+        extra = [  # (name, report, human-readable label)
+            ({"name": "hopper ctx", "config": str(hopper.DEFAULT), "mode": 1}, _or_error(hopper_report),
+             f"Hopper kernel (Gluon, {hopper.DEFAULT})"),
+            # decode: causal, the merge launched as a programmatic dependent (hopper.merge_pdl)
+            ({"name": "hopper decode", "mode": 0}, _or_error(hopper_report, mode=0, pdl=True), "Hopper kernel, decode"),
+            ({"name": "combine"}, _or_error(combine_report), "Split merge (PDL)"),
+        ]
+        for head, r, label in extra:
+            print(json.dumps({**head, **r}) if as_json else f"{label}: {r}", flush=True)
     for name, cfg, mode in runs:
-        try:
-            r = report(cfg, mode)
-        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-            r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        r = _or_error(report, cfg, mode)  # a config that does not compile is reported, not fatal
         if as_json:
             print(json.dumps({"name": name, "config": short(cfg), "mode": mode, **r}), flush=True)
         elif "error" in r:

@@ -13,9 +13,8 @@ eager call. That choice depends on the context only through its cap (>= 4 KV til
 >= 6 for tree / chain rows), so it grows with the bucket (never decreasing) and then saturates: graphs are
 keyed by (bs, launch plan = split count and whether the Hopper kernel runs: the two paths choose their split
 counts differently, so an equal count alone does not mean the same launches) and buckets with equal plans share
-one. A live context gets its bucket top's count:
-never fewer splits than eager would pick, and the surplus is bounded by the bucket's width (4x in the middle
-buckets).
+one. A live context gets its bucket top's count: never fewer splits than eager would pick, and the surplus is
+bounded by the bucket's width (4x in the middle buckets).
 An empty split (its tile range lies past the request's context) runs no loop iteration and stores lse = -inf;
 the combine gives it weight 0. Every real or padded row sees at least itself in some split, so no row is
 all -inf and the result equals the unsplit one up to rounding.

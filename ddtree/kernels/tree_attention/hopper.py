@@ -190,9 +190,9 @@ if not _disabled:  # Gluon imported
         fence_async_shared()
         gl.thread_barrier()
         gl.warp_specialize([
-            (consume, (q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o,
-                        part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_ptr + b * stride_mb,
-                        stride_mt, HKV, G, D, BM, BN, NS, MODE, TN, num_warps)),
+            (consume, (q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o, part_lse,
+                       row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_ptr + b * stride_mb,
+                       stride_mt, HKV, G, D, BM, BN, NS, MODE, TN, num_warps)),
             (_produce, (k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, kvh * D, n_pages,
                         PAGE, BOX, BN, NS)),
         ], [1], [24])
@@ -208,6 +208,7 @@ if not _disabled:  # Gluon imported
             mbarrier.wait(empty.index(slot), ((j // NS) & 1) ^ 1)  # a fresh barrier passes parity 1
             _issue_tile(k_desc, v_desc, pages, tile_lo + j, k_bufs.index(slot), v_bufs.index(slot),
                         full.index(slot), col, PAGE, BOX, BN, pg_layout)
+
 
 def merge_pdl(cfg: HopperConfig, rows_per_request: int, group: int) -> bool:
     """Whether the merge after this kernel launches as a programmatic dependent (the kernel then triggers it

@@ -47,6 +47,8 @@ if HAVE_GLUON:
                  row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt,
                  HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                  NS: gl.constexpr, MODE: gl.constexpr, TN: gl.constexpr, num_warps: gl.constexpr):
+        # TN is tested at compile time on its own: with TN = 0 the swapped path (N = 0) must not be built at all,
+        # which a run-time test folded into one condition would not ensure
         if TN > 0:
             if n_rows - row0 <= TN:
                 _consume_swapped(q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o,
@@ -82,8 +84,8 @@ if HAVE_GLUON:
                          HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, TN: gl.constexpr,
                          NS: gl.constexpr, MODE: gl.constexpr, num_warps: gl.constexpr):
         # <= TN rows (the one-node tail of a 4k+1-node tree, or a decode token's GQA group): a 64-row wgmma would
-        # be >= 87% padding, so the product is swapped: S^T = K Q^T ([BN, TN], KV positions as wgmma's M) and O^T = V^T P^T ([D, TN], P^T
-        # through shared memory); the softmax runs down the columns
+        # be >= 87% padding, so the product is swapped: S^T = K Q^T ([BN, TN], KV positions as wgmma's M) and
+        # O^T = V^T P^T ([D, TN], P^T through shared memory); the softmax runs down the columns
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                             instr_shape=[16, TN, 16])
         q_t = q_smem.slice(0, TN).permute((1, 0))  # [D, TN]

@@ -58,13 +58,14 @@ def split_partials_reference(
     part_lse: torch.Tensor, num_splits: int, max_q_len: int, mode: int, mask: torch.Tensor, stride_mb: int,
     stride_mt: int, cfg, pdl: bool = False,
 ) -> None:
-    """Oracle for `hopper.launch_splits` (same signature; `pdl` is a launch detail, ignored here). A row block of cfg.block_m rows (token r // G, query
-    head r % G of its KV head) splits [0, free_end) into block_n tiles, free_end = ctx (+ the block's first
-    token under causal mode 0), and split s < num_splits - 1 takes tiles [s * per, min((s + 1) * per, n_full)),
-    per = ceil(n_full / (num_splits - 1)). With cfg.masked_tail the last split takes [n_full * block_n, kv_len)
-    under the mode's visibility (0 causal, 1 the tree `mask`, 2 all). Writes the normalised partial [T, Hq, S, D]
-    and its base-2 log-sum-exp (-inf and zeros where a split sees nothing), as the kernels' split stores. A
-    block of <= cfg.tail_n rows, which the kernel computes swapped (S^T = K Q^T), has the same splits."""
+    """Oracle for `hopper.launch_splits` (same signature; `pdl` is a launch detail, ignored here). A row block
+    of cfg.block_m rows (token r // G, query head r % G of its KV head) splits [0, free_end) into block_n tiles,
+    free_end = ctx (+ the block's first token under causal mode 0), and split s < num_splits - 1 takes tiles
+    [s * per, min((s + 1) * per, n_full)), per = ceil(n_full / (num_splits - 1)). With cfg.masked_tail the last
+    split takes [n_full * block_n, kv_len) under the mode's visibility (0 causal, 1 the tree `mask`, 2 all).
+    Writes the normalised partial [T, Hq, S, D] and its base-2 log-sum-exp (-inf and zeros where a split sees
+    nothing), as the kernels' split stores. A block of <= cfg.tail_n rows, which the kernel computes swapped
+    (S^T = K Q^T), has the same splits."""
     hq, hkv = q.shape[1], k_pool.shape[1]
     group, bn, bm = hq // hkv, cfg.block_n, cfg.block_m
     indptr = qo_indptr.tolist()

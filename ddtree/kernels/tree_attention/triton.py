@@ -297,8 +297,11 @@ def paged_attention(
         return out
     if q.dtype != k_pool.dtype or q.stride(-1) != 1:
         q = q.to(k_pool.dtype).contiguous()
-    cfg = config or default_config(max_q_len * group, dim, max_kv_len)
-    q_blocks = -(-(max_q_len * group) // cfg.block_m)
+    rows = max_q_len * group  # per request, at most: q tokens x GQA group
+    cfg = config or default_config(rows, dim, max_kv_len)
+    q_blocks = -(-rows // cfg.block_m)
+    # the Triton kernel can run the last split after the Gluon kernel's context splits: same 64-row blocks
+    triton_last_split_ok = cfg.tail_split and cfg.block_m == 64
     mode = 1 if tree_mask is not None else 0 if causal else 2
     if tree_mask is not None:
         mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
@@ -325,16 +328,15 @@ def paged_attention(
     one_split = num_splits == 1  # asked for: no partials, so no Hopper kernel either
     auto_splits = num_splits is None
     if hopper_ctx is None or hopper_ctx is True:  # True: the same, wherever supported
-        use = (new_kv is None and not one_split and (config is None or (cfg.tail_split and cfg.block_m == 64))
-               and hopper.supported(q, k_pool, page_size, max_q_len * group))
+        use = (new_kv is None and not one_split and (config is None or triton_last_split_ok)
+               and hopper.supported(q, k_pool, page_size, rows))
         hopper_ctx = hopper.DEFAULT if use else None
     if hopper_ctx:
         # the Gluon kernel does the context splits, and the last (masked) one with masked_tail (else Triton)
-        if not hopper_ctx.masked_tail and not (cfg.tail_split and cfg.block_m == 64):
+        if not hopper_ctx.masked_tail and not triton_last_split_ok:
             raise ValueError(f"hopper_ctx={hopper_ctx}: the Triton last split needs 64-row tail-split blocks like "
                              f"the Gluon kernel's, not {cfg}; use masked_tail=True")
         if num_splits is None:
-            rows = max_q_len * group
             slots = hopper_ctx.programs_per_sm(dim) * hopper.sm_count(q.device)
             num_splits = choose_num_splits(-(-rows // hopper_ctx.block_m) * b * hkv, max_kv_len, hopper_ctx.block_n,
                                            slots, min_tiles=split_min_tiles(rows), tail_split=True)
@@ -346,12 +348,12 @@ def paged_attention(
         slots = resident_slots(q.device, key, lambda: _split_kv_attn.warmup(
             *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, PDL=pdl_ok(q.device), **consts))
         num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots,
-                                       min_tiles=split_min_tiles(max_q_len * group), tail_split=cfg.tail_split)
+                                       min_tiles=split_min_tiles(rows), tail_split=cfg.tail_split)
     split = num_splits > 1
     # the merge as a programmatic dependent (H200, BENCHMARKS.md): after the Triton kernel (decode 0.8-2.2 us
     # faster), after the Hopper kernel where hopper.merge_pdl says
     pdl = (split and pdl_ok(q.device)
-           and (not hopper_ctx or hopper.merge_pdl(hopper_ctx, max_q_len * group, group)))
+           and (not hopper_ctx or hopper.merge_pdl(hopper_ctx, rows, group)))
     if split:
         part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=q.device)
