@@ -123,6 +123,9 @@ def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, 
     regs, stack, sass = _sass_counts(ck.asm["cubin"])
     n = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "UTMALDG", "USETMAXREG")}
     n["HGMMA_N8"] = len(re.findall(r"HGMMA\.64x8x16", sass))  # the swapped one-node tail block (tail_n = 8)
+    # the 64-row block's S = Q K^T (m64n64) with Q read from shared memory (its A operand a descriptor) or registers
+    n["QK_A_SMEM"] = len(re.findall(r"HGMMA\.64x64x16\.\S+ R\d+, gdesc", sass))
+    n["QK_A_REGS"] = len(re.findall(r"HGMMA\.64x64x16\.\S+ R\d+, R\d+, gdesc", sass))
     return dict(regs=regs, stack=stack, shared=ck.metadata.shared, per_sm=ctas_per_sm(regs, ck.metadata.shared, nw),
                 serialized=_wgmma_serialized(ck.asm["ptx"]),
                 gdc_launch="griddepcontrol.launch_dependents" in ck.asm["ptx"], **n)

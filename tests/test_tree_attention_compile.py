@@ -71,6 +71,15 @@ def test_hopper_kernel_has_the_swapped_tail(reports):
     assert reports["hopper decode"]["gdc_launch"] and not reports["hopper ctx"]["gdc_launch"]
 
 
+def test_hopper_kernel_reads_q_from_registers(reports):
+    """The 64-row block keeps its Q tile in registers for S = Q K^T, so each tile's wgmma reads only K from shared
+    memory (H200, 65 nodes: 16k 51.0-51.4 vs 52.5-52.6 us, 32k 94.4-94.8 vs 97.3; BENCHMARKS.md, seventh
+    session). A wgmma whose A operand is a shared-memory descriptor would read Q's 16 KB again per tile."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    r = reports["hopper ctx"]
+    assert "error" not in r and r["QK_A_REGS"] > 0 and r["QK_A_SMEM"] == 0, r
+
+
 def test_split_merge_waits_for_the_splits(reports):
     """With programmatic dependent launch the merge may start while the split grid still runs: the split kernel
     must trigger it (griddepcontrol.launch_dependents) and the merge must wait (griddepcontrol.wait) before it

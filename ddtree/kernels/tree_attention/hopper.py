@@ -7,7 +7,10 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
   bulk copy per page, completing on the slot's mbarrier) into a ring of `stages` slots; the math warpgroup frees
   a slot with one arrive. Triton 3.6 puts a CTA barrier after every TMA issue and mbarrier op, so issuing from
   the math warps stalled them 8+ times per tile (74.2 vs 66.0 us at 16k on the H200);
-- the math warpgroup issues tile j+1's S = Q K^T and tile j's P V as two async wgmma groups. ptxas places the
+- the math warpgroup gathers its Q rows itself (so that load overlaps the producer's first page-id load and TMA:
+  decode 16k 23.2 vs 23.7 us, 65 nodes at 1k 12.6-12.7 vs 12.9-13.0 us), keeps Q in registers for S = Q K^T
+  (a wgmma then reads only K from shared memory per tile: 65 nodes at 32k 94.4-94.8 vs 97.3 us), and issues
+  tile j+1's S = Q K^T and tile j's P V as two async wgmma groups (BENCHMARKS.md). ptxas places the
   wait for P V(j) before tile j+1's softmax (the SASS: P(j+1) takes P(j)'s registers), so in the compiled
   kernel the softmax overlaps the other program's MMAs on the SM, not this program's P V. A loop that keeps the
   overlap (and one with S two tiles ahead) measured within the run-to-run spread (BENCHMARKS.md);
@@ -140,7 +143,6 @@ if not _disabled:  # Gluon imported
         if PDL:  # the merge may be scheduled now; it waits (griddepcontrol.wait) for this grid's writes
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
-        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         qb = gl.program_id(0)
         b = gl.program_id(1) // HKV
         kvh = gl.program_id(1) % HKV
@@ -181,18 +183,13 @@ if not _disabled:  # Gluon imported
         for i in gl.static_range(NS):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        # Q rows: row = token * G + head-in-group, gathered from [T, Hq, D]
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld_layout))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-        q = gl.load(q_ptr + (q_start + rows // G)[:, None] * stride_qt + (kvh * G + rows % G)[:, None] * stride_qh
-                    + d[None, :], mask=(rows < n_rows)[:, None], other=0.0)
-        q_smem.store(q)
         fence_async_shared()
-        gl.thread_barrier()
+        gl.thread_barrier()  # the barriers are initialised before either partition uses them
+        # the consumer gathers Q itself, so that load overlaps the producer's first page-id load and TMA
         gl.warp_specialize([
-            (consume, (q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o, part_lse,
-                       row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_ptr + b * stride_mb,
-                       stride_mt, HKV, G, D, BM, BN, NS, MODE, TN, num_warps)),
+            (consume, (q_ptr, stride_qt, stride_qh, q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked,
+                       qk_scale, part_o, part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len,
+                       mask_ptr + b * stride_mb, stride_mt, HKV, G, D, BM, BN, NS, MODE, TN, num_warps)),
             (_produce, (k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, kvh * D, n_pages,
                         PAGE, BOX, BN, NS)),
         ], [1], [24])

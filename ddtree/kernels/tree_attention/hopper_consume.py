@@ -2,9 +2,11 @@
 producer warp and the launch): the online softmax over the K/V tiles the producer lands in the ring, written
 as a normalised partial + base-2 log-sum-exp per split.
 
-Two paths per program, by the rows its block holds: `_consume_rows` (64 rows, S = Q K^T as m64n64 wgmma, P V
-from registers) and `_consume_swapped` for a last block of <= TN rows (S^T = K Q^T, the KV positions as M, and
-O^T = V^T P^T with P^T through shared memory), whose 64-row product would be almost all padding.
+`consume` first gathers the block's Q rows into shared memory (in this partition, so the producer's first loads
+do not wait for it), then takes one of two paths by the rows the block holds: `_consume_rows` (64 rows, S = Q K^T
+as m64n64 wgmma with Q, and P V with P, from registers) and `_consume_swapped` for a last block of <= TN rows
+(S^T = K Q^T, the KV positions as M, and O^T = V^T P^T with P^T through shared memory), whose 64-row product
+would be almost all padding.
 """
 
 from __future__ import annotations
@@ -43,10 +45,19 @@ if HAVE_GLUON:
         return gl.where(vis, s, float("-inf"))
 
     @gluon.jit
-    def consume(q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o, part_lse,
-                 row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt,
-                 HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                 NS: gl.constexpr, MODE: gl.constexpr, TN: gl.constexpr, num_warps: gl.constexpr):
+    def consume(q_ptr, stride_qt, stride_qh, q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale,
+                part_o, part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt,
+                HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                NS: gl.constexpr, MODE: gl.constexpr, TN: gl.constexpr, num_warps: gl.constexpr):
+        # Q rows (row = token * G + head-in-group) gathered from [T, Hq, D] into shared memory
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld_layout))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        q = gl.load(q_ptr + (q_start + rows // G)[:, None] * stride_qt + (kvh * G + rows % G)[:, None] * stride_qh
+                    + d[None, :], mask=(rows < n_rows)[:, None], other=0.0)
+        q_smem.store(q)
+        fence_async_shared()
+        gl.thread_barrier()  # this partition's warps only: every row is in shared memory
         # TN is tested at compile time on its own: with TN = 0 the swapped path (N = 0) must not be built at all,
         # which a run-time test folded into one condition would not ensure
         if TN > 0:
@@ -155,15 +166,17 @@ if HAVE_GLUON:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        # Q in registers: each tile's Q K^T reads only K from shared memory
+        q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
         m_i = gl.full([BM], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.full([BM], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
         o_acc = gl.zeros([BM, D], gl.float32, o_layout)
         if n_tiles > 0:
             mbarrier.wait(full.index(0), 0)
-            s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+            s_tok = warpgroup_mma(q_op, k_bufs.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s_tok,))
+            s, q_op = warpgroup_mma_wait(0, deps=(s_tok, q_op))
             if masked:
                 s = _mask_tile(s, tile_lo, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G, BM, BN, MODE, s_layout)
             m_i = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
@@ -174,10 +187,10 @@ if HAVE_GLUON:
                 slot = j % NS
                 nxt = (j + 1) % NS
                 mbarrier.wait(full.index(nxt), ((j + 1) // NS) & 1)
-                s_tok = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
+                s_tok = warpgroup_mma(q_op, k_bufs.index(nxt).permute((1, 0)),
                                       gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
                 o_tok = warpgroup_mma(p_op, v_bufs.index(slot), o_acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_tok,))  # FIFO: S(j+1) done; P V(j) may still run
+                s, q_op = warpgroup_mma_wait(1, deps=(s_tok, q_op))  # FIFO: S(j+1) done; P V(j) may still run
                 if masked:
                     s = _mask_tile(s, tile_lo + j + 1, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G, BM, BN,
                                    MODE, s_layout)
