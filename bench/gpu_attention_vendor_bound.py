@@ -15,7 +15,6 @@ R input copies that together exceed the L2 several times. Also: the device time 
 kernels in a graph (the fixed cost a split kernel + merge pair pays before any work).
 """
 
-import json
 import math
 import os
 import sys
@@ -28,7 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from gpu_tree_attention import D, DEV, DT, HKV, HQ, Problem, bandwidths, rel  # noqa: E402
+from gpu_tree_attention import D, DEV, DT, HKV, HQ, Problem, bandwidths, rel, save_json  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
 
@@ -114,10 +113,7 @@ def main():
     for r in rows_out:
         cells = [f"{r[k][0]:.1f} ({r[k][0] / r['floor_us']:.2f}x)" for k in ("ours", *BACKENDS)]
         print(f"| {r['point']} | {r['floor_us']:.1f} | {r['tensor_floor_us']:.1f} | " + " | ".join(cells) + " |")
-    out = os.environ.get("OUT", "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gpu_attention_vendor_bound.json"), "w") as f:
-        json.dump({"sm_copy_Bps": bw, "launch_pair_s": pair, "points": rows_out}, f, indent=1)
+    save_json("gpu_attention_vendor_bound.json", {"sm_copy_Bps": bw, "launch_pair_s": pair, "points": rows_out})
     print(f"total {time.time() - T0:.0f} s")
 
 

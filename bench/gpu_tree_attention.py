@@ -50,6 +50,14 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def save_json(name: str, obj) -> None:
+    """Write a benchmark's results to $OUT/name (the device run's folder that comes back), or ./out/name."""
+    out = os.environ.get("OUT", "out")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(obj, f, indent=1)
+
+
 def bandwidths():
     """Device memory bandwidth, several ways (bytes read + written per second for copies; read only for `read`).
     The old script timed `y.copy_(x)` inside a CUDA graph: a memcpy node, which may run on the copy engines
@@ -398,10 +406,8 @@ def main():
         if wins:
             print(f"  {short(cfg)}: {', '.join(wins)}")
     print(f"max relative error (correctness) {worst:.2e}; total {time.time() - T0:.0f} s")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_tree_attention.json"), "w") as f:
-            json.dump({"device": props.name, "bandwidths": bws, "copy_bw": bw, "matmul_flops": mma,
-                       "max_rel_err": worst, "checks": checks, "points": results}, f, indent=1)
+    save_json("gpu_tree_attention.json", {"device": props.name, "bandwidths": bws, "copy_bw": bw, "matmul_flops": mma,
+                                          "max_rel_err": worst, "checks": checks, "points": results})
 
 
 if __name__ == "__main__":

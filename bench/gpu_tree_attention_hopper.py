@@ -11,7 +11,6 @@
    per-kernel device times (torch.profiler) of one call with the Hopper kernel.
 """
 
-import json
 import math
 import os
 import sys
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from gpu_tree_attention import CASES, D, HKV, HQ, Problem, bandwidths, kernel_times, rel  # noqa: E402
+from gpu_tree_attention import CASES, D, HKV, HQ, Problem, bandwidths, kernel_times, rel, save_json  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
 from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
@@ -118,10 +117,7 @@ def main():
     for r in rows:
         print(f"| {r['point']} | {r['floor_us']:.1f} | {r['triton_us']:.1f} | {r['hopper_us']:.1f} | "
               f"{r['hopper_us'] / r['floor_us']:.2f}x | {r['best_us']:.1f} ({r['best_splits']}) |")
-    out = os.environ.get("OUT", "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gpu_tree_attention_hopper.json"), "w") as f:
-        json.dump({"max_rel_err": worst, "sm_copy_Bps": bw, "points": rows}, f, indent=1)
+    save_json("gpu_tree_attention_hopper.json", {"max_rel_err": worst, "sm_copy_Bps": bw, "points": rows})
     print(f"total {time.time() - T0:.0f} s")
 
 
