@@ -27,16 +27,17 @@ from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
 from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
 
 T0 = time.time()
-# Hopper-kernel configs timed beside the default (correctness-checked first on every 16-token-page case); tail_n=0
-# is the kernel before the swapped tail block
-VARIANTS = (HopperConfig(tail_n=0), HopperConfig(), HopperConfig(tail_n=16), HopperConfig(masked_tail=False))
+# Hopper-kernel configs timed beside the default dispatch (hopper.config_for; correctness-checked first on every
+# 16-token-page case): 64-row blocks (DEFAULT), two warpgroups with 128- or 64-wide tiles, and tail_n=0 (the
+# kernel before the swapped tail block)
+VARIANTS = (HopperConfig(), HopperConfig(128, 128, 3), HopperConfig(128, 64, 3), HopperConfig(tail_n=0))
 # beyond gpu_tree_attention.CASES: one-node tails (rows = 64 k + 4) beside full blocks of other requests, causal
 # and tree, so the swapped tail block runs next to the 64-row path in one launch
 EXTRA_CASES = [([40, 33], [9000, 5000], 16, False), ([17, 33, 80], [3000, 17000 + 33, 900], 16, False),
                ([66, 65, 80, 17], [20000, 7000 + 65, 1000, 17], 16, True), ([33], [70], 16, True)]
 POINTS = [("b1 n65 1k", 1, 65, 1024), ("b1 n65 4k", 1, 65, 4096), ("b1 n65 16k", 1, 65, 16384),
           ("b1 n65 32k", 1, 65, 32768), ("b8 n65 8k", 8, 65, 8192), ("b1 n64 16k", 1, 64, 16384),
-          ("b1 n17 16k", 1, 17, 16384)]
+          ("b1 n17 16k", 1, 17, 16384), ("b8 n64 8k", 8, 64, 8192), ("b1 n64 32k", 1, 64, 32768)]
 
 
 def correctness():

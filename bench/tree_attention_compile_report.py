@@ -115,8 +115,8 @@ def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, 
             hopper.tail_n(cfg, group), pdl)
     fn = hopper._split_attn
     backend = make_backend(target)
-    nw = cfg.block_m // 16
-    kw = {"num_warps": nw, "maxnreg": 128}  # as launch_splits
+    nw = 4
+    kw = {"num_warps": nw, "maxnreg": 128 if cfg.block_m == 64 else 168}  # as launch_splits
     bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
     options, sig, consts, attrs = fn._pack_args(backend, kw, bound, spec, options)
     ck = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)
@@ -183,6 +183,8 @@ def main():
         extra = [  # (name, report, human-readable label)
             ({"name": "hopper ctx", "config": str(hopper.DEFAULT), "mode": 1}, _or_error(hopper_report),
              f"Hopper kernel (Gluon, {hopper.DEFAULT})"),
+            ({"name": "hopper pingpong", "config": str(hopper.PINGPONG), "mode": 1},
+             _or_error(hopper_report, cfg=hopper.PINGPONG), f"Hopper kernel, two warpgroups ({hopper.PINGPONG})"),
             # decode: causal, the merge launched as a programmatic dependent (hopper.merge_pdl)
             ({"name": "hopper decode", "mode": 0}, _or_error(hopper_report, mode=0, pdl=True), "Hopper kernel, decode"),
             ({"name": "combine"}, _or_error(combine_report), "Split merge (PDL)"),

@@ -248,6 +248,21 @@ def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
 
 
+@pytest.mark.parametrize("q_lens,kv_lens,tree,splits", [
+    ([64, 17], [3000, 300], True, 5),      # GQA 2: 128 rows (one full 128-row block) beside 34 (one mostly empty)
+    ([96, 1], [700, 90], False, 3),        # a causal chain whose second warpgroup's rows start mid-chain, decode
+])
+def test_hopper_pingpong_handoff(monkeypatch, q_lens, kv_lens, tree, splits):
+    """The two-warpgroup config's contract (128-row blocks; a warpgroup with no rows only keeps the slot
+    protocol), with the oracle standing in for the kernel."""
+    from ddtree.kernels.tree_attention import reference
+
+    monkeypatch.setattr(kernel_module.hopper, "launch_splits", reference.split_partials_reference)
+    cfg = kernel_module.hopper.PINGPONG
+    check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
+    assert kernel_module.last_launch["hopper"] == cfg
+
+
 @pytest.mark.parametrize("masked_tail", [True, False])
 @pytest.mark.parametrize("q_lens,kv_lens,tree,splits", [
     ([65, 17], [700, 300], True, 3),       # 130 + 34 rows (GQA 2): two 64-row blocks and a 2-row one
@@ -285,7 +300,11 @@ def test_default_path_takes_the_hopper_kernel_for_decode_and_trees(monkeypatch):
     for q_lens, kv_lens, tree, used in (([1, 1], [900, 40], False, True), ([17], [400], True, True),
                                         ([6], [300], False, False)):
         check(q_lens, kv_lens, 16, torch.float32, tree, hq=8, hkv=2)
-        assert (kernel_module.last_launch["hopper"] == hop.DEFAULT) == used, (q_lens, kernel_module.last_launch)
+        want = hop.config_for(max(q_lens) * 4) if used else None
+        assert kernel_module.last_launch["hopper"] == want, (q_lens, kernel_module.last_launch)
+    # 64-node trees (256 rows) take the two-warpgroup kernel; 65 nodes (4 rows past 256) and decode the 64-row one
+    assert hop.config_for(256) == hop.PINGPONG and hop.config_for(68) == hop.PINGPONG
+    assert hop.config_for(260) == hop.DEFAULT and hop.config_for(4) == hop.DEFAULT
 
 
 def test_hopper_config_rules():
@@ -293,8 +312,9 @@ def test_hopper_config_rules():
 
     assert HopperConfig().programs_per_sm(128) == 2  # 3 x 32 KB ring + 16 KB Q: two fit in 228 KB
     assert HopperConfig(128, 64, 3).programs_per_sm(128) == 1
+    assert HopperConfig(128, 128, 3).programs_per_sm(128) == 1  # 224 KB: Q 32 + 3 x (K 32 + V 32)
     with pytest.raises(AssertionError):
-        HopperConfig(128, 128, 2)  # wrong on the H200 (BENCHMARKS.md): refused
+        HopperConfig(64, 128, 3)  # 128-wide tiles only with two warpgroups: one would not fit two per SM
 
 
 def test_hopper_kernel_failure_falls_back(monkeypatch, caplog):

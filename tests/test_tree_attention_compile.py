@@ -27,8 +27,8 @@ def reports():
                            "--defaults", "--json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {r["name"] for r in rows} == {"decode 16k", "decode 1k", "tree 65 nodes", "hopper ctx", "hopper decode",
-                                         "combine"}, proc.stdout
+    assert {r["name"] for r in rows} == {"decode 16k", "decode 1k", "tree 65 nodes", "hopper ctx", "hopper pingpong",
+                                         "hopper decode", "combine"}, proc.stdout
     return {r["name"]: r for r in rows}
 
 
@@ -69,6 +69,15 @@ def test_hopper_kernel_has_the_swapped_tail(reports):
     # decode launches the merge as a programmatic dependent (hopper.merge_pdl), so the kernel must trigger it;
     # tree rows launch it ordinarily
     assert reports["hopper decode"]["gdc_launch"] and not reports["hopper ctx"]["gdc_launch"]
+
+
+def test_hopper_pingpong_kernel_compiles_lean(reports):
+    """The two-warpgroup build (hopper.PINGPONG: 128-row blocks, 128-wide K/V tiles, 3 stages in 224 KB of shared
+    memory): no spills, no wgmma serialisation, m64n128 wgmma for both products, one program per SM."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    r = reports["hopper pingpong"]
+    assert "error" not in r and r["stack"] == 0 and r["LDL"] == 0 and r["serialized"] == [], r
+    assert r["per_sm"] == 1 and r["HGMMA"] > 0 and r["HGMMA_N8"] == 0 and r["UTMALDG"] > 0, r
 
 
 def test_hopper_kernel_reads_q_from_registers(reports):

@@ -17,7 +17,13 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
 - a last row block of <= `tail_n` rows (one node's GQA group: a tree of 4k + 1 nodes, every default budget + the
   root, has 4 such rows at G = 4) runs swapped, S^T = K Q^T with the KV positions as wgmma's M and N = tail_n,
   instead of a 64-row block that is 94% padding (H200, 65 nodes: 16k 52-53 vs 53-57 us, b = 8 at 8k 196-203
-  vs 209-212 us over three runs; BENCHMARKS.md).
+  vs 209-212 us over three runs; BENCHMARKS.md);
+- with block_m = 128 (`PINGPONG`, FA3's shape for head dim 128, and cuDNN's: 2 math warpgroups x 64 rows,
+  128-wide tiles, 3 stages, one program per SM) the two math warpgroups are separate partitions that share every
+  K/V tile (a slot frees after both arrive) and issue their MMAs in turn through two mbarriers; Q stays in shared
+  memory there (the registers go to the 64 x 128 S and P). `config_for` picks it where the rows fill their last
+  128-row block at least half (64 nodes: 16k 44.7 vs 46.6 us, 32k 77.7 vs 86.5, b = 8 at 8k 148.3 vs 161.6);
+  a 4k + 1-node tree keeps the 64-row blocks and the swapped tail.
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
 context tile and the new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial
@@ -59,7 +65,7 @@ DISABLE_ENV = "DDTREE_NO_HOPPER_ATTENTION"
 
 @dataclass(frozen=True)
 class HopperConfig:
-    block_m: int = 64  # rows per program: 64 per warpgroup (wgmma M); 128 = two warpgroups sharing each K/V tile
+    block_m: int = 64  # rows per program: 64 per warpgroup (wgmma M); 128 = two warpgroups (see PINGPONG)
     block_n: int = 64  # KV positions per tile (a multiple of the TMA box, min(page, block_n))
     stages: int = 3  # ring slots
     masked_tail: bool = True  # the last split (partial context tile + masked new tokens) here, not in Triton
@@ -67,8 +73,10 @@ class HopperConfig:
     pdl: bool | None = None  # the split merge as a programmatic dependent; None: only for decode (see merge_pdl)
 
     def __post_init__(self):
-        # 128-wide tiles gave wrong results on the H200 with block_m 128 (rel err 0.14) and were slower anyway
-        assert self.block_m in (64, 128) and self.block_n == 64 and self.stages >= 2, self
+        # block_m 128: two consumer warpgroups (partitions) of 64 rows each sharing every K/V tile, their MMAs
+        # issued in turn (ping-pong), one program per SM
+        assert self.block_m in (64, 128) and self.block_n in (64, 128) and self.stages >= 2, self
+        assert self.block_n == 64 or self.block_m == 128, self
         assert self.tail_n in (0, 8, 16), self
 
     def programs_per_sm(self, head_dim: int) -> int:
@@ -78,6 +86,17 @@ class HopperConfig:
 
 
 DEFAULT = HopperConfig()
+# two consumer warpgroups sharing 128-wide K/V tiles (FA3's shape for head dim 128): faster where the rows fill
+# 128-row blocks (H200, 64 nodes: 16k 43.2 vs 45.4 us, 32k 68.8 vs 76.0, b = 8 at 8k 138.0 vs 151.8), slower
+# where a last block would hold a tree's 4-row tail (65 nodes at 16k: 52.8 vs 50.7); BENCHMARKS.md
+PINGPONG = HopperConfig(block_m=128, block_n=128, stages=3)
+
+
+def config_for(rows_per_request: int) -> HopperConfig:
+    """The default path's config: PINGPONG when the rows fill their last 128-row block at least half, else
+    DEFAULT (64-row blocks, a swapped block for a one-node tail or a decode token's group)."""
+    rest = rows_per_request % PINGPONG.block_m
+    return PINGPONG if rest == 0 or rest > 64 else DEFAULT
 _LOG2E = 1.4426950408889634
 
 
@@ -178,21 +197,41 @@ if not _disabled:  # Gluon imported
         q_smem = gl.allocate_shared_memory(k_desc.dtype, [BM, D], k_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
+        NC: gl.constexpr = BM // 64  # consumer warpgroups, each freeing a slot with one arrive
         full = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NS + 2 * (NC - 1), 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NS):
             mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(empty.index(i), count=NC)
+        if NC == 2:  # the two turn barriers of the ping-pong
+            mbarrier.init(empty.index(NS), count=1)
+            mbarrier.init(empty.index(NS + 1), count=1)
         fence_async_shared()
         gl.thread_barrier()  # the barriers are initialised before either partition uses them
         # the consumer gathers Q itself, so that load overlaps the producer's first page-id load and TMA
-        gl.warp_specialize([
-            (consume, (q_ptr, stride_qt, stride_qh, q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked,
-                       qk_scale, part_o, part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len,
-                       mask_ptr + b * stride_mb, stride_mt, HKV, G, D, BM, BN, NS, MODE, TN, num_warps)),
-            (_produce, (k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, kvh * D, n_pages,
-                        PAGE, BOX, BN, NS)),
-        ], [1], [24])
+        mask_row = mask_ptr + b * stride_mb
+        if NC == 1:
+            gl.warp_specialize([
+                (consume, (q_ptr, stride_qt, stride_qh, q_smem, k_bufs, v_bufs, full, empty, empty.index(0),
+                           empty.index(0), tile_lo, n_tiles, masked, qk_scale, part_o, part_lse, row0, n_rows,
+                           q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt, HKV, G, D, BM, BN, NS,
+                           MODE, TN, False, 0, num_warps)),
+                (_produce, (k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, kvh * D, n_pages,
+                            PAGE, BOX, BN, NS)),
+            ], [1], [24])
+        else:  # ping-pong: the first warpgroup issues its MMAs first, then they alternate tile by tile
+            gl.warp_specialize([
+                (consume, (q_ptr, stride_qt, stride_qh, q_smem.slice(0, 64), k_bufs, v_bufs, full, empty,
+                           empty.index(NS), empty.index(NS + 1), tile_lo, n_tiles, masked, qk_scale, part_o, part_lse,
+                           row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt, HKV, G,
+                           D, 64, BN, NS, MODE, 0, True, 1, 4)),
+                (consume, (q_ptr, stride_qt, stride_qh, q_smem.slice(64, 64), k_bufs, v_bufs, full, empty,
+                           empty.index(NS + 1), empty.index(NS), tile_lo, n_tiles, masked, qk_scale, part_o,
+                           part_lse, row0 + 64, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row,
+                           stride_mt, HKV, G, D, 64, BN, NS, MODE, 0, True, 0, 4)),
+                (_produce, (k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, kvh * D, n_pages,
+                            PAGE, BOX, BN, NS)),
+            ], [4, 1], [232, 24])
 
     @gluon.jit
     def _produce(k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, col, n_pages,
@@ -254,4 +293,4 @@ def launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size,
         part_lse, scale * _LOG2E, num_splits, q.stride(0), q.stride(1), block_table.stride(0), block_table.shape[1],
         stride_mb, stride_mt, HKV=hkv, G=group, D=d, PAGE=page_size, BOX=box, BM=cfg.block_m, BN=cfg.block_n,
         NS=cfg.stages, MODE=mode, MASKED_TAIL=cfg.masked_tail, TN=tail_n(cfg, group),
-        PDL=pdl, num_warps=cfg.block_m // 16, maxnreg=128)
+        PDL=pdl, num_warps=4, maxnreg=128 if cfg.block_m == 64 else 168)

@@ -45,10 +45,19 @@ if HAVE_GLUON:
         return gl.where(vis, s, float("-inf"))
 
     @gluon.jit
-    def consume(q_ptr, stride_qt, stride_qh, q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale,
-                part_o, part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt,
-                HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                NS: gl.constexpr, MODE: gl.constexpr, TN: gl.constexpr, num_warps: gl.constexpr):
+    def consume(q_ptr, stride_qt, stride_qh, q_smem, k_bufs, v_bufs, full, empty, turn_mine, turn_other, tile_lo,
+                n_tiles, masked, qk_scale, part_o, part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx,
+                kv_len, mask_row, stride_mt, HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BM: gl.constexpr,
+                BN: gl.constexpr, NS: gl.constexpr, MODE: gl.constexpr, TN: gl.constexpr, PP: gl.constexpr,
+                FIRST: gl.constexpr, num_warps: gl.constexpr):
+        if PP:  # a ping-pong warpgroup whose rows are all past the request's end keeps only the slot / turn protocol
+            if row0 >= n_rows:
+                for j in range(n_tiles - 1):
+                    mbarrier.wait(full.index((j + 1) % NS), ((j + 1) // NS) & 1)
+                    mbarrier.wait(turn_mine, (j & 1) ^ FIRST)
+                    mbarrier.arrive(turn_other)
+                    mbarrier.arrive(empty.index(j % NS))
+                return
         # Q rows (row = token * G + head-in-group) gathered from [T, Hq, D] into shared memory
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld_layout))
@@ -66,13 +75,13 @@ if HAVE_GLUON:
                                  part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row,
                                  stride_mt, HKV, G, D, BN, TN, NS, MODE, num_warps)
             else:
-                _consume_rows(q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o,
-                              part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row,
-                              stride_mt, HKV, G, D, BM, BN, NS, MODE, num_warps)
+                _consume_rows(q_smem, k_bufs, v_bufs, full, empty, turn_mine, turn_other, tile_lo, n_tiles, masked,
+                              qk_scale, part_o, part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len,
+                              mask_row, stride_mt, HKV, G, D, BM, BN, NS, MODE, PP, FIRST, num_warps)
         else:
-            _consume_rows(q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o, part_lse,
-                          row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt, HKV, G, D,
-                          BM, BN, NS, MODE, num_warps)
+            _consume_rows(q_smem, k_bufs, v_bufs, full, empty, turn_mine, turn_other, tile_lo, n_tiles, masked,
+                          qk_scale, part_o, part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len,
+                          mask_row, stride_mt, HKV, G, D, BM, BN, NS, MODE, PP, FIRST, num_warps)
 
     @gluon.jit
     def _softmax_cols(s_t, m_i, l_acc, tile, masked, qk_scale, row0, n_rows, ctx, kv_len, mask_row, stride_mt,
@@ -156,18 +165,24 @@ if HAVE_GLUON:
         gl.store(part_lse + base, lse, mask=rows < n_rows)
 
     @gluon.jit
-    def _consume_rows(q_smem, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, masked, qk_scale, part_o, part_lse, row0,
-                      n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt,
-                      HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                      NS: gl.constexpr, MODE: gl.constexpr, num_warps: gl.constexpr):
+    def _consume_rows(q_smem, k_bufs, v_bufs, full, empty, turn_mine, turn_other, tile_lo, n_tiles, masked, qk_scale,
+                      part_o, part_lse, row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row,
+                      stride_mt, HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BM: gl.constexpr,
+                      BN: gl.constexpr, NS: gl.constexpr, MODE: gl.constexpr, PP: gl.constexpr, FIRST: gl.constexpr,
+                      num_warps: gl.constexpr):
         # online softmax over the tiles as they land in `full` slots; each slot goes back through `empty`
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        # Q in registers: each tile's Q K^T reads only K from shared memory
-        q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        # Q in registers: each tile's Q K^T reads only K from shared memory (with 128-wide tiles the registers go to
+        # S and P instead, as in FA3)
+        QREG: gl.constexpr = BN == 64
+        if QREG:
+            q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        else:
+            q_op = q_smem
         # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
         m_i = gl.full([BM], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.full([BM], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
@@ -176,7 +191,10 @@ if HAVE_GLUON:
             mbarrier.wait(full.index(0), 0)
             s_tok = warpgroup_mma(q_op, k_bufs.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
-            s, q_op = warpgroup_mma_wait(0, deps=(s_tok, q_op))
+            if QREG:
+                s, q_op = warpgroup_mma_wait(0, deps=(s_tok, q_op))
+            else:
+                s = warpgroup_mma_wait(0, deps=(s_tok,))
             if masked:
                 s = _mask_tile(s, tile_lo, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G, BM, BN, MODE, s_layout)
             m_i = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
@@ -187,10 +205,17 @@ if HAVE_GLUON:
                 slot = j % NS
                 nxt = (j + 1) % NS
                 mbarrier.wait(full.index(nxt), ((j + 1) // NS) & 1)
+                if PP:
+                    mbarrier.wait(turn_mine, (j & 1) ^ FIRST)  # a fresh barrier passes parity 1: FIRST goes first
                 s_tok = warpgroup_mma(q_op, k_bufs.index(nxt).permute((1, 0)),
                                       gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
                 o_tok = warpgroup_mma(p_op, v_bufs.index(slot), o_acc, is_async=True)
-                s, q_op = warpgroup_mma_wait(1, deps=(s_tok, q_op))  # FIFO: S(j+1) done; P V(j) may still run
+                if PP:
+                    mbarrier.arrive(turn_other)
+                if QREG:  # FIFO: S(j+1) done; P V(j) may still run
+                    s, q_op = warpgroup_mma_wait(1, deps=(s_tok, q_op))
+                else:
+                    s = warpgroup_mma_wait(1, deps=(s_tok,))
                 if masked:
                     s = _mask_tile(s, tile_lo + j + 1, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G, BM, BN,
                                    MODE, s_layout)

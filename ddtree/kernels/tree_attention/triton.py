@@ -330,7 +330,7 @@ def paged_attention(
     if hopper_ctx is None or hopper_ctx is True:  # True: the same, wherever supported
         use = (new_kv is None and not one_split and (config is None or triton_last_split_ok)
                and hopper.supported(q, k_pool, page_size, rows))
-        hopper_ctx = hopper.DEFAULT if use else None
+        hopper_ctx = hopper.config_for(rows) if use else None
     if hopper_ctx:
         # the Gluon kernel does the context splits, and the last (masked) one with masked_tail (else Triton)
         if not hopper_ctx.masked_tail and not triton_last_split_ok:
