@@ -22,8 +22,8 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
   128-wide tiles, 3 stages, one program per SM) the two math warpgroups are separate partitions that share every
   K/V tile (a slot frees after both arrive) and issue their MMAs in turn through two mbarriers; Q stays in shared
   memory there (the registers go to the 64 x 128 S and P). `config_for` picks it where the rows fill their last
-  128-row block at least half (64 nodes: 16k 44.7 vs 46.6 us, 32k 77.7 vs 86.5, b = 8 at 8k 148.3 vs 161.6);
-  a 4k + 1-node tree keeps the 64-row blocks and the swapped tail.
+  128-row block at least half (64 nodes: 16k 43.2-44.7 vs 45.4-46.6 us in two runs); a 4k + 1-node tree keeps
+  the 64-row blocks and the swapped tail.
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
 context tile and the new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial
@@ -77,6 +77,9 @@ class HopperConfig:
         # issued in turn (ping-pong), one program per SM
         assert self.block_m in (64, 128) and self.block_n in (64, 128) and self.stages >= 2, self
         assert self.block_n == 64 or self.block_m == 128, self
+        # the Triton kernel's last split continues 64-row blocks of 64-wide tiles (causal rows' full tiles end at
+        # their block's first token), so only that shape may leave it the masked tiles
+        assert self.masked_tail or (self.block_m == 64 and self.block_n == 64), self
         assert self.tail_n in (0, 8, 16), self
 
     def programs_per_sm(self, head_dim: int) -> int:
@@ -87,8 +90,9 @@ class HopperConfig:
 
 DEFAULT = HopperConfig()
 # two consumer warpgroups sharing 128-wide K/V tiles (FA3's shape for head dim 128): faster where the rows fill
-# 128-row blocks (H200, 64 nodes: 16k 43.2 vs 45.4 us, 32k 68.8 vs 76.0, b = 8 at 8k 138.0 vs 151.8), slower
-# where a last block would hold a tree's 4-row tail (65 nodes at 16k: 52.8 vs 50.7); BENCHMARKS.md
+# 128-row blocks (H200, two runs, 64 nodes: 16k 43.2-44.7 vs 45.4-46.6 us, 32k 68.8-77.7 vs 76.0-86.5, b = 8 at
+# 8k 138.0-148.3 vs 151.8-161.6), slower where a last block would hold a tree's 4-row tail (65 nodes at 16k:
+# 52.7-52.8 vs 50.7-52.1); BENCHMARKS.md
 PINGPONG = HopperConfig(block_m=128, block_n=128, stages=3)
 
 
@@ -97,6 +101,8 @@ def config_for(rows_per_request: int) -> HopperConfig:
     DEFAULT (64-row blocks, a swapped block for a one-node tail or a decode token's group)."""
     rest = rows_per_request % PINGPONG.block_m
     return PINGPONG if rest == 0 or rest > 64 else DEFAULT
+
+
 _LOG2E = 1.4426950408889634
 
 
