@@ -116,7 +116,7 @@ def hopper_report(hkv: int = 8, group: int = 4, dim: int = 128, page: int = 16, 
     fn = hopper._split_attn
     backend = make_backend(target)
     nw = 4
-    kw = {"num_warps": nw, "maxnreg": 128 if cfg.block_m == 64 else 168}  # as launch_splits
+    kw = {"num_warps": nw, "maxnreg": cfg.maxnreg}  # as launch_splits
     bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
     options, sig, consts, attrs = fn._pack_args(backend, kw, bound, spec, options)
     ck = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)

@@ -22,7 +22,7 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
   128-wide tiles, 3 stages, one program per SM) the two math warpgroups are separate partitions that share every
   K/V tile (a slot frees after both arrive) and issue their MMAs in turn through two mbarriers; Q stays in shared
   memory there (the registers go to the 64 x 128 S and P). `config_for` picks it where the rows fill their last
-  128-row block at least half (64 nodes: 16k 43.2-44.7 vs 45.4-46.6 us in two runs); a 4k + 1-node tree keeps
+  128-row block more than half (64 nodes: 16k 43.2-44.7 vs 45.4-46.6 us in two runs); a 4k + 1-node tree keeps
   the 64-row blocks and the swapped tail.
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
@@ -82,9 +82,15 @@ class HopperConfig:
         assert self.masked_tail or (self.block_m == 64 and self.block_n == 64), self
         assert self.tail_n in (0, 8, 16), self
 
+    @property
+    def maxnreg(self) -> int:
+        """Registers per thread at launch: 2 x (math + producer warpgroup) x 128 or 3 warpgroups x 168 fill the
+        SM's 64K; setmaxnreg then moves them from the producer to the math warps."""
+        return 128 if self.block_m == 64 else 168
+
     def programs_per_sm(self, head_dim: int) -> int:
         smem = (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 2048
-        by_regs = 2 if self.block_m == 64 else 1  # launched at 128 regs x (math warps + a producer warpgroup)
+        by_regs = 65536 // (self.maxnreg * 32 * 4 * (self.block_m // 64 + 1))
         return max(1, min(233472 // smem, by_regs))
 
 
@@ -97,10 +103,10 @@ PINGPONG = HopperConfig(block_m=128, block_n=128, stages=3)
 
 
 def config_for(rows_per_request: int) -> HopperConfig:
-    """The default path's config: PINGPONG when the rows fill their last 128-row block at least half, else
+    """The default path's config: PINGPONG when the rows fill their last 128-row block more than half, else
     DEFAULT (64-row blocks, a swapped block for a one-node tail or a decode token's group)."""
     rest = rows_per_request % PINGPONG.block_m
-    return PINGPONG if rest == 0 or rest > 64 else DEFAULT
+    return PINGPONG if rest == 0 or rest > PINGPONG.block_m // 2 else DEFAULT
 
 
 _LOG2E = 1.4426950408889634
@@ -299,4 +305,4 @@ def launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size,
         part_lse, scale * _LOG2E, num_splits, q.stride(0), q.stride(1), block_table.stride(0), block_table.shape[1],
         stride_mb, stride_mt, HKV=hkv, G=group, D=d, PAGE=page_size, BOX=box, BM=cfg.block_m, BN=cfg.block_n,
         NS=cfg.stages, MODE=mode, MASKED_TAIL=cfg.masked_tail, TN=tail_n(cfg, group),
-        PDL=pdl, num_warps=4, maxnreg=128 if cfg.block_m == 64 else 168)
+        PDL=pdl, num_warps=4, maxnreg=cfg.maxnreg)

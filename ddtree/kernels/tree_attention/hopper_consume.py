@@ -37,6 +37,17 @@ if HAVE_GLUON:
         return vis
 
     @gluon.jit
+    def _partial_index(rows, q_start, kvh, split, num_splits, HKV: gl.constexpr, G: gl.constexpr):
+        # rows (token * G + head-in-group) of KV head kvh -> their split's slot in part_lse ([T, Hq, S]; part_o * D)
+        return ((q_start + rows // G) * (HKV * G) + kvh * G + rows % G) * num_splits + split
+
+    @gluon.jit
+    def _log2_sum_exp(m_i, l_i):
+        # base-2 log-sum-exp of a row's partial, -inf for a row that saw nothing in this split
+        has = l_i > 0.0
+        return gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+
+    @gluon.jit
     def _mask_tile(s, tile, row0, n_rows, ctx, kv_len, mask_row, stride_mt, G: gl.constexpr, BM: gl.constexpr,
                    BN: gl.constexpr, MODE: gl.constexpr, s_layout: gl.constexpr):
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
@@ -155,12 +166,11 @@ if HAVE_GLUON:
                 o_acc = warpgroup_mma(v_bufs.index(last).permute((1, 0)), p_bufs[1].permute((1, 0)), o_acc)
         l_i = gl.sum(l_acc, axis=0)
 
-        has = l_i > 0.0
-        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        o = o_acc / gl.where(has, l_i, 1.0)[None, :]
+        lse = _log2_sum_exp(m_i, l_i)
+        o = o_acc / gl.where(l_i > 0.0, l_i, 1.0)[None, :]
         rows = row0 + gl.arange(0, TN, layout=gl.SliceLayout(0, st_layout))
         d = gl.arange(0, D, layout=gl.SliceLayout(1, st_layout))
-        base = ((q_start + rows // G) * (HKV * G) + kvh * G + rows % G) * num_splits + split
+        base = _partial_index(rows, q_start, kvh, split, num_splits, HKV, G)
         gl.store(part_o + base[None, :] * D + d[:, None], o, mask=(rows < n_rows)[None, :])
         gl.store(part_lse + base, lse, mask=rows < n_rows)
 
@@ -233,14 +243,13 @@ if HAVE_GLUON:
             o_acc = warpgroup_mma_wait(0, deps=(o_tok,))
 
         # normalised partial + log-sum-exp (base 2), as the Triton kernel's SPLIT store
-        has = l_i > 0.0
-        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        l_o = gl.convert_layout(gl.where(has, l_i, 1.0), gl.SliceLayout(1, o_layout))
+        lse = _log2_sum_exp(m_i, l_i)
+        l_o = gl.convert_layout(gl.where(l_i > 0.0, l_i, 1.0), gl.SliceLayout(1, o_layout))
         o = o_acc / l_o[:, None]
         rows_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        base = ((q_start + rows_o // G) * (HKV * G) + kvh * G + rows_o % G) * num_splits + split
+        base = _partial_index(rows_o, q_start, kvh, split, num_splits, HKV, G)
         gl.store(part_o + base[:, None] * D + d_o[None, :], o, mask=(rows_o < n_rows)[:, None])
         rows_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-        base_s = ((q_start + rows_s // G) * (HKV * G) + kvh * G + rows_s % G) * num_splits + split
+        base_s = _partial_index(rows_s, q_start, kvh, split, num_splits, HKV, G)
         gl.store(part_lse + base_s, lse, mask=rows_s < n_rows)
