@@ -15,7 +15,6 @@ R input copies that together exceed the L2 several times. Also: the device time 
 kernels in a graph (the fixed cost a split kernel + merge pair pays before any work).
 """
 
-import math
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from gpu_tree_attention import D, DEV, DT, HKV, HQ, Problem, bandwidths, rel, save_json  # noqa: E402
+from gpu_tree_attention import D, DEV, DT, HKV, HQ, Problem, bandwidths, cold_copies, rel, save_json  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
 
@@ -41,10 +40,6 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def copies_for(nbytes: int) -> int:
-    return int(min(64, max(2, math.ceil(4 * 60e6 / nbytes))))
-
-
 def vendor(b: int, rows: int, ctx: int, backend) -> tuple[float, int, float]:
     """(best seconds per call, its chunk count S, rel err vs an fp32 reference of one copy) for the context part
     of b requests x HKV heads, `rows` query rows per KV head, cut into S chunks."""
@@ -53,7 +48,7 @@ def vendor(b: int, rows: int, ctx: int, backend) -> tuple[float, int, float]:
         if ctx % s or ctx // s < 128:
             continue
         n = ctx // s
-        r_copies = copies_for(2 * b * ctx * HKV * D * 2)
+        r_copies = cold_copies(2 * b * ctx * HKV * D * 2)
         qs = [torch.randn(b * s, HKV, rows, D, dtype=DT, device=DEV) for _ in range(r_copies)]
         ks = [torch.randn(b * s, HKV, n, D, dtype=DT, device=DEV) for _ in range(r_copies)]
         vs = [torch.randn(b * s, HKV, n, D, dtype=DT, device=DEV) for _ in range(r_copies)]
@@ -73,7 +68,7 @@ def vendor(b: int, rows: int, ctx: int, backend) -> tuple[float, int, float]:
 
 def ours(b: int, n: int, ctx: int) -> tuple[float, float, int]:
     L = ctx + n
-    p = Problem([n] * b, [L] * b, copies_for(b * L * HKV * D * 4), tree=n > 1, seed=ctx + n)
+    p = Problem([n] * b, [L] * b, cold_copies(b * L * HKV * D * 4), tree=n > 1, seed=ctx + n)
     err = rel(p.ours(0), p.reference(0))
     t = time_graph(lambda: [p.ours(r) for r in range(p.R)], p.R)
     return t, err, last_launch["num_splits"]

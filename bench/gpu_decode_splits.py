@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from gpu_tree_attention import D, HKV, Problem, bandwidths, rel  # noqa: E402
+from gpu_tree_attention import D, HKV, Problem, bandwidths, cold_copies, rel  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.envs import env_flag  # noqa: E402
 from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
@@ -38,7 +38,7 @@ VARIANTS = (("default", {}), ("Triton n64 w4 st5", {"config": KernelConfig(16, 6
 def problem(q_lens, kv_lens, tree, seed):
     """A Problem with enough random input copies to defeat L2 (R x KV bytes >= ~240 MB), and its KV bytes."""
     kv_bytes = sum(kv_lens) * HKV * D * 4
-    return Problem(q_lens, kv_lens, max(2, int(4 * 60e6 // kv_bytes) + 1), tree=tree, seed=seed), kv_bytes
+    return Problem(q_lens, kv_lens, cold_copies(kv_bytes), tree=tree, seed=seed), kv_bytes
 
 
 def graph_err(p, ref):

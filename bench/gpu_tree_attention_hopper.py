@@ -11,7 +11,6 @@
    per-kernel device times (torch.profiler) of one call with the Hopper kernel.
 """
 
-import math
 import os
 import sys
 import time
@@ -21,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from gpu_tree_attention import CASES, D, HKV, HQ, Problem, bandwidths, kernel_times, rel, save_json  # noqa: E402
+from gpu_tree_attention import (CASES, D, HKV, HQ, Problem, bandwidths, cold_copies, kernel_times, rel,  # noqa: E402
+                                save_json)
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
 from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
@@ -69,7 +69,7 @@ def correctness():
 def point(name, b, n, ctx, bw):
     L = ctx + n
     kv_bytes = b * L * HKV * D * 4
-    p = Problem([n] * b, [L] * b, int(min(64, max(2, math.ceil(4 * 60e6 / kv_bytes)))), tree=n > 1, seed=ctx + n)
+    p = Problem([n] * b, [L] * b, cold_copies(kv_bytes), tree=n > 1, seed=ctx + n)
     floor = kv_bytes / bw
     ref = p.reference(0)
     row = {"point": name, "floor_us": floor * 1e6}
