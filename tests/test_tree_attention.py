@@ -248,23 +248,10 @@ def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
 
 
+@pytest.mark.parametrize("cfg", ["default", "triton last split", "pingpong"])
 @pytest.mark.parametrize("q_lens,kv_lens,tree,splits", [
     ([64, 17], [3000, 300], True, 5),      # GQA 2: 128 rows (one full 128-row block) beside 34 (one mostly empty)
     ([96, 1], [700, 90], False, 3),        # a causal chain whose second warpgroup's rows start mid-chain, decode
-])
-def test_hopper_pingpong_handoff(monkeypatch, q_lens, kv_lens, tree, splits):
-    """The two-warpgroup config's contract (128-row blocks; a warpgroup with no rows only keeps the slot
-    protocol), with the oracle standing in for the kernel."""
-    from ddtree.kernels.tree_attention import reference
-
-    monkeypatch.setattr(kernel_module.hopper, "launch_splits", reference.split_partials_reference)
-    cfg = kernel_module.hopper.PINGPONG
-    check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
-    assert kernel_module.last_launch["hopper"] == cfg
-
-
-@pytest.mark.parametrize("masked_tail", [True, False])
-@pytest.mark.parametrize("q_lens,kv_lens,tree,splits", [
     ([65, 17], [700, 300], True, 3),       # 130 + 34 rows (GQA 2): two 64-row blocks and a 2-row one
     ([40, 33], [900, 500], False, 5),      # causal chains: each row block's full tiles end at its first token
     ([65], [65 + 64 * 5], True, 4),        # context a whole number of tiles: no partial tile in the last split
@@ -272,15 +259,17 @@ def test_hopper_pingpong_handoff(monkeypatch, q_lens, kv_lens, tree, splits):
     ([1, 1, 1], [700, 5, 1], False, 3),    # decode (one swapped block per request), a context of 0
     ([2, 1], [300, 64], False, 4),         # a 2-token chain beside decode
 ])
-def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, masked_tail):
+def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, cfg):
     """The Gluon kernel's contract (hopper.py), without a GPU: with its PyTorch oracle standing in for it, the
-    combine (and with masked_tail=False the Triton launch of the last split only) give the full attention."""
+    combine (and with masked_tail=False the Triton launch of the last split only) give the full attention; with
+    PINGPONG's 128-row blocks too (a warpgroup with no rows only keeps the slot protocol)."""
     from ddtree.kernels.tree_attention import reference
-    from ddtree.kernels.tree_attention.hopper import HopperConfig
 
-    monkeypatch.setattr(kernel_module.hopper, "launch_splits", reference.split_partials_reference)
-    cfg = HopperConfig(masked_tail=masked_tail)
-    if not masked_tail and max(q_lens) * 2 <= 32:  # decode-sized rows: no 64-row Triton blocks for the last split
+    hop = kernel_module.hopper
+    monkeypatch.setattr(hop, "launch_splits", reference.split_partials_reference)
+    cfg = {"default": hop.DEFAULT, "triton last split": hop.HopperConfig(masked_tail=False),
+           "pingpong": hop.PINGPONG}[cfg]
+    if not cfg.masked_tail and max(q_lens) * 2 <= 32:  # decode-sized rows: no 64-row Triton blocks for the last split
         with pytest.raises(ValueError, match="masked_tail=True"):
             check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
         return
