@@ -97,7 +97,7 @@ def prefilled_requests(runner, n: int, context: int, vocab: int, chunk: int, see
 def run_case(runner, spec, reqs, context: int, rounds: int, warmup: int, clock, override=None) -> dict:
     """Median per-round time and stage split over `rounds` rounds after `warmup`; KV trimmed back each round."""
     from ddtree.bench.round_timing import PhaseMarks, percentile
-    from ddtree.speculative.decoder import SpecDecoder
+    from ddtree.engine.decoder import SpecDecoder
 
     marks = PhaseMarks(clock)
     decoder = SpecDecoder(runner, spec, times=marks, target_override=override)
@@ -161,7 +161,7 @@ def run(ns) -> int:
     from ddtree.bench.round_timing import Clock
     from ddtree.engine.model_runner import ModelRunner
     from ddtree.models.layers import torch_dtype
-    from ddtree.speculative.decoder import SpecConfig
+    from ddtree.engine.decoder import SpecConfig
 
     t_start = time.perf_counter()
     if ns.peer_checkout:  # a wrong path fails before any weights are built

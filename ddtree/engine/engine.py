@@ -13,7 +13,7 @@ from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.setup import build_runner, load_tokenizer, resolve_device
-from ddtree.speculative.decoder import SpecConfig, SpecDecoder
+from ddtree.engine.decoder import SpecConfig, SpecDecoder
 
 logger = logging.getLogger("ddtree")
 
