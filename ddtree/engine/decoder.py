@@ -1,4 +1,4 @@
-"""One decoding round for a batch of running requests (the engine side of speculative decoding), as named phases:
+"""One decoding round for a batch of running requests (the engine side of speculative decoding):
 draft -> build tree -> verify -> sample at every node -> accept walk -> commit.
 
 NONE (plain AR) is the one-node tree; DFLASH is the drafter's top-1 chain; DDTREE the best-first tree.

@@ -15,6 +15,7 @@ from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, 
 from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.kv_cache import KVPool, kv_bytes_per_token
 from ddtree.engine.request import Req
+from ddtree.engine.state_pool import HybridStatePool
 from ddtree.server_args import DEFAULT_CUDA_GRAPH_MAX_BS
 
 
@@ -86,9 +87,10 @@ class ModelRunner:
         # Hybrid targets keep recurrent state per request in rows indexed by the request's block-table slot.
         self.state_pool = None
         if tcfg.is_hybrid:
-            self.state_pool = target.make_state_pool(
-                cfg.max_running_requests, cfg.max_verify_width, device, cfg.mamba_strategy, cfg.mamba_ssm_dtype
-            )
+            # conv windows and stashed inputs keep the model dtype; SSM states --mamba-ssm-dtype
+            self.state_pool = HybridStatePool.for_config(
+                tcfg, cfg.max_running_requests, cfg.max_verify_width, device, cfg.mamba_strategy,
+                cfg.mamba_ssm_dtype, target.model.embed_tokens.weight.dtype)
         self._round: RoundMeta | None = None
         self.graphs = None
         if cfg.enable_cuda_graph:
