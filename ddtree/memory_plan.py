@@ -20,7 +20,9 @@ from ddtree.engine.config import (
 )
 from ddtree.server_args import ServerArgs, resolve_server_args
 
-__all__ = ["DTYPE_BYTES", "MemoryPlan", "memory_plan", "recurrent_state_bytes", "target_param_count"]
+__all__ = [
+    "DTYPE_BYTES", "MemoryPlan", "memory_plan", "recurrent_state_bytes", "target_param_count",
+]
 
 
 def _attention_params(hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, gated_q: bool) -> int:
@@ -164,8 +166,8 @@ def _kib(n: int) -> str:
 
 
 def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan:
-    """The engine's pools (`ddtree.engine.config.plan_pools`, the function the engine sizes itself with)
-    for computed weight bytes, with the weights, KV per token and requests at full context beside them."""
+    """The engine's pools (`ddtree.engine.config.plan_pools`, the function the engine sizes itself
+    with) for computed weight bytes, beside the weights, KV per token and requests at full context."""
     if args.target_config is None:
         args = resolve_server_args(args)
     t, d, tp = args.target_config, args.drafter_config, args.tp_size
@@ -184,8 +186,8 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
     warnings = list(pools.warnings)
     rest = pools.static_bytes - weights - pools.workspace_bytes
     if at_ctx == 0 and rest > 0:
-        warnings.append(f"not one request of --context-length {ctx} fits ({pools.kv_tokens:,} KV tokens); "
-                        "lower --context-length or free memory")
+        warnings.append(f"not one request of --context-length {ctx} fits ({pools.kv_tokens:,} KV "
+                        "tokens); lower --context-length or free memory")
     act = dtype_bytes(args.dtype)
     return MemoryPlan(
         device_name=name, device_bytes=device_bytes, static_bytes=pools.static_bytes, tp_size=tp,
@@ -195,7 +197,8 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         verify_buffer_bytes_per_request=pools.workspace_bytes // args.max_running_requests,
         max_running_requests=args.max_running_requests, workspace_bytes=pools.workspace_bytes,
         state_bytes_per_request=pools.state_bytes_per_request,
-        spec_state_bytes_per_request=pools.spec_state_bytes_per_request, state_pool_bytes=pools.state_pool_bytes,
-        state_pool_requests=pools.state_rows, kv_pool_bytes=pools.kv_pool_bytes, kv_tokens=pools.kv_tokens,
-        num_pages=pools.num_pages, context_length=ctx, requests_at_context=at_ctx, warnings=tuple(warnings),
+        spec_state_bytes_per_request=pools.spec_state_bytes_per_request,
+        state_pool_bytes=pools.state_pool_bytes, state_pool_requests=pools.state_rows,
+        kv_pool_bytes=pools.kv_pool_bytes, kv_tokens=pools.kv_tokens, num_pages=pools.num_pages,
+        context_length=ctx, requests_at_context=at_ctx, warnings=tuple(warnings),
     )

@@ -41,7 +41,8 @@ class ServerArgs:
     tokenizer_path: str | None = _opt(None, "tokenizer dir; default: --model-path")
     trust_remote_code: bool = _opt(False, "accepted for SGLang compatibility; no remote code is ever run")
     dtype: str = _opt("auto", "weight/activation dtype; auto = the target config's dtype", DTYPES)
-    kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto = --dtype (the one implemented)", DTYPES)
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto = --dtype (the one implemented)",
+                               DTYPES)
     device: str = _opt("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
     context_length: int | None = _opt(None, "max tokens per request; default: target max_position_embeddings")
     served_model_name: str | None = _opt(None, "model name reported by the API; default: --model-path")
@@ -51,7 +52,8 @@ class ServerArgs:
     max_prefill_tokens: int = _opt(16384, "max tokens in one prefill batch")
     chunked_prefill_size: int = _opt(2048, "prefill chunk size in tokens; -1 disables chunking")
     page_size: int = _opt(16, "KV cache page size in tokens")
-    tp_size: int = _opt(1, "tensor parallel degree (1 until tensor parallelism lands)", aliases=("--tp", "--tensor-parallel-size"))
+    tp_size: int = _opt(1, "tensor parallel degree (1 until tensor parallelism lands)",
+                        aliases=("--tp", "--tensor-parallel-size"))
     random_seed: int | None = _opt(None, "random seed")
     attention_backend: str = _opt("torch", "attention kernels", ATTENTION_BACKENDS)
     disable_cuda_graph: bool = _opt(False, "run verify and draft eagerly (no CUDA graphs); graphs need cuda + triton")
@@ -262,7 +264,8 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         check_pair(t, d, p)
     check_tp(args.tp_size, t, d, p)
     if args.tp_size > 1:
-        p.append(f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; pass --tp-size 1")
+        p.append(f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; "
+                 "pass --tp-size 1")
     _resolve_speculative(args, t, d, upd, p)
     if not args.is_speculative and args.max_running_requests is None:
         upd["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS
@@ -319,8 +322,9 @@ def _resolve_target_defaults(a: ServerArgs, t: TargetConfig, d: DrafterConfig | 
     if a.kv_cache_dtype == "auto":
         upd["kv_cache_dtype"] = dtype
     elif a.kv_cache_dtype != dtype:
-        p.append(f"--kv-cache-dtype {a.kv_cache_dtype} differs from --dtype {dtype}: a separate KV cache dtype is "
-                 f"not implemented yet; drop --kv-cache-dtype or pass --kv-cache-dtype {dtype}")
+        p.append(f"--kv-cache-dtype {a.kv_cache_dtype} differs from --dtype {dtype}: a separate KV "
+                 f"cache dtype is not implemented yet; drop --kv-cache-dtype or pass "
+                 f"--kv-cache-dtype {dtype}")
     ctx = a.context_length
     if ctx is None:
         ctx = upd["context_length"] = t.max_position_embeddings

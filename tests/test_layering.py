@@ -1,5 +1,5 @@
-"""Layers point one way: kernels <- attention <- models <- engine <- server, and `speculative/` is pure tree
-math. Every import in every module is checked, function-level (lazy) imports included."""
+"""Layers point one way: kernels <- attention <- models <- engine <- server, and `speculative/` is
+pure tree math. Every import in every module is checked, function-level (lazy) imports included."""
 
 import ast
 import pathlib
@@ -27,7 +27,11 @@ def ddtree_imports(path: pathlib.Path) -> list[tuple[int, str]]:
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.append((node.lineno, node.module))
-            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if node.module == "ddtree"]
+            out += [
+                (node.lineno, f"{node.module}.{a.name}")
+                for a in node.names
+                if node.module == "ddtree"
+            ]
     return [(line, m) for line, m in out if m == "ddtree" or m.startswith("ddtree.")]
 
 
@@ -48,20 +52,27 @@ def test_layers_point_one_way(package):
 
 def test_no_relative_imports():
     """Relative imports would slip past the check above."""
-    rel = [f"{p.relative_to(PKG.parent)}:{n.lineno}" for p in PKG.rglob("*.py")
-           for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ImportFrom) and n.level]
+    rel = [
+        f"{p.relative_to(PKG.parent)}:{n.lineno}"
+        for p in PKG.rglob("*.py")
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.ImportFrom) and n.level
+    ]
     assert rel == []
 
 
 def test_the_check_can_fail(tmp_path, monkeypatch):
     (tmp_path / "speculative").mkdir()
-    (tmp_path / "speculative" / "bad.py").write_text("def f():\n    from ddtree.engine.request import Req\n")
+    (tmp_path / "speculative" / "bad.py").write_text(
+        "def f():\n    from ddtree.engine.request import Req\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "PKG", tmp_path)
     assert violations("speculative") == ["speculative/bad.py:2 imports ddtree.engine.request"]
 
 
 def test_attention_registry_is_lazy():
-    """The seam imports no backend at module level (no cycle with the backends, which import its types)."""
+    """The seam imports no backend at module level (no cycle with the backends, which import its
+    types)."""
     tree = ast.parse((PKG / "attention" / "backend.py").read_text())
     top = [n.module for n in tree.body if isinstance(n, ast.ImportFrom)]
     assert not [m for m in top if m and m.startswith("ddtree.")]

@@ -217,7 +217,8 @@ def test_pool_bytes_and_shapes(text_ckpt):
     _, path = text_ckpt
     target = load_target(path, torch.float32)
     for strategy in STRATEGIES:
-        pool = HybridStatePool.for_config(target.config, 3, 5, "cpu", strategy, "float32", torch.float32)
+        pool = HybridStatePool.for_config(target.config, 3, 5, "cpu", strategy, "float32",
+                                          torch.float32)
         assert isinstance(pool, HybridStatePool)
         state, stash = state_bytes_per_request(target.config, 5, strategy, "float32", torch.float32)
         assert pool.state_bytes == 3 * state and pool.stash_bytes == 3 * stash

@@ -78,20 +78,22 @@ def _torch_backend() -> type:
 
 
 def _triton_backend() -> type:
-    from ddtree.attention.triton_backend import TritonAttentionBackend  # imports Triton itself, lazily
+    # the module imports Triton itself, lazily
+    from ddtree.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend
 
 
-# name -> lazy factory of the backend class: a backend module is imported only when its name is asked
-# for, so this seam imports no implementation (and the implementations, which import this file's
-# metadata types, form no cycle with it).
+# name -> lazy factory of the backend class: a backend module is imported only when its name is
+# asked for, so this seam imports no implementation (and the implementations, which import this
+# file's metadata types, form no cycle with it).
 BACKENDS: dict[str, Callable[[], type]] = {"torch": _torch_backend, "triton": _triton_backend}
 
 
 def get_backend(name: str, **kwargs) -> AttentionBackend:
     if name not in BACKENDS:
-        raise ValueError(f"--attention-backend {name!r} is not available; choose one of {sorted(BACKENDS)}")
+        choices = ", ".join(sorted(BACKENDS))
+        raise ValueError(f"--attention-backend {name!r} is not available; choose one of {choices}")
     return BACKENDS[name]()(**kwargs)
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, register_backend, store_kv
+from ddtree.attention.backend import (
+    AttentionMetadata,
+    DraftAttentionMetadata,
+    register_backend,
+    store_kv,
+)
 from ddtree.kernels.paged import gather_slots
 
 

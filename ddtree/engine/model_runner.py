@@ -4,10 +4,10 @@ Device-side throughout a round: the host supplies per-request lengths (which it 
 (`RoundMeta`, one host->device copy shared by draft, verify and commit) and reads back only the accepted tokens
 after `commit`. With `enable_cuda_graph`, verify and draft replay CUDA graphs (`ddtree/engine/cuda_graph.py`).
 
-`Req.kv_len` has one owner, this runner: it is the number of the request's tokens whose target KV, drafter
-context and hybrid state are committed, and it changes only in `prefill` (after the extend), `advance`
-(after a round's commit: root + accepted drafts; the bonus token stays pending) and `release` (0 when the
-request's pages are freed).
+`Req.kv_len` has one owner, this runner: it counts the request's tokens whose target KV, drafter
+context and hybrid state are committed, and it changes only in `prefill` (after the extend),
+`advance` (after a round's commit: root + accepted drafts; the bonus token stays pending) and
+`release` (0 when the request's pages are freed).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ class ModelRunner:
         self.pool_index = {layer: j for j, layer in enumerate(self.attn_layers)}
         # Scratch pages past the block manager's range (never handed out): the KV writes of padded CUDA-graph
         # rows land there, so padding can never touch a real request's KV.
-        self.scratch_pages = list(range(cfg.num_pages, cfg.num_pages + scratch_pages(cfg.max_verify_width, cfg.page_size)))
+        n_scratch = scratch_pages(cfg.max_verify_width, cfg.page_size)
+        self.scratch_pages = list(range(cfg.num_pages, cfg.num_pages + n_scratch))
         slots = (cfg.num_pages + len(self.scratch_pages)) * cfg.page_size
         self.kv = KVPool(len(self.attn_layers), slots, tcfg.num_key_value_heads, tcfg.head_dim, dtype, device)
         self.draft_kv = None
@@ -241,7 +242,7 @@ class ModelRunner:
                meta: RoundMeta | None = None) -> None:
         """Move the accepted nodes' KV to logical positions L..L+k (contiguous, in path order) and write
         their drafter context. path [b, D+1] node indices (root first), accept_length [b] = k. Ends the
-        round: its RoundMeta is dropped (`advance` applies the accepted lengths once they are read back)."""
+        round: its RoundMeta is dropped (`advance` applies the accepted lengths once read back)."""
         meta = meta or self.round_meta(reqs)
         self._round = None
         if self.state_pool is not None:
@@ -269,14 +270,14 @@ class ModelRunner:
             store_kv(self.draft_kv.layer(layer), slots, k, v)
 
     def advance(self, reqs: list[Req], committed: list[int]) -> None:
-        """After a round's `commit`: request i has `committed[i]` more cached tokens (its root and accepted
-        drafts); the pages its verify reserved past them go back."""
+        """After a round's `commit`: request i has `committed[i]` more cached tokens (its root and
+        accepted drafts); the pages its verify reserved past them go back."""
         for r, k in zip(reqs, committed):
             r.kv_len += k
             self.bm.trim(r, r.kv_len)
 
     def release(self, req: Req, keep_tokens: int | None = None) -> None:
-        """Trim to `keep_tokens` cached tokens, or free everything (the request then caches nothing)."""
+        """Trim to `keep_tokens` cached tokens, or free everything (then it caches nothing)."""
         if keep_tokens is None:
             self.bm.free(req)
             req.kv_len = 0

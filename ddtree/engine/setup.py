@@ -24,7 +24,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_tokenizer(path: str | None):
-    if not path or not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not path or not any(
+        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
         return None
     from transformers import AutoTokenizer
 
@@ -32,8 +34,8 @@ def load_tokenizer(path: str | None):
 
 
 def device_bytes(device: torch.device) -> int:
-    """What the static pool is a fraction of: the GPU's memory (the plan assumes nothing else uses it), or
-    host RAM on the CPU."""
+    """What the static pool is a fraction of: the GPU's memory (the plan assumes nothing else uses
+    it), or host RAM on the CPU."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return device_memory_bytes("cpu")[0]
@@ -46,9 +48,12 @@ def module_bytes(*modules) -> int:
 
 
 def build_runner(args, device: torch.device) -> tuple[ModelRunner, int]:
-    """Load the weights, size the pools for them, build the runner; returns it and the context length."""
+    """Load the weights, size the pools for them, build the runner; returns it and the context
+    length."""
     if args.target_config is None:
-        raise ValueError("build_runner needs resolved ServerArgs (resolve_server_args / prepare_server_args)")
+        raise ValueError(
+            "build_runner needs resolved ServerArgs (resolve_server_args / prepare_server_args)"
+        )
     dtype = torch_dtype(args.dtype)
     target = load_target(args.model_path, dtype, str(device))
     drafter = None
@@ -58,17 +63,28 @@ def build_runner(args, device: torch.device) -> tuple[ModelRunner, int]:
     for w in pools.warnings:
         logger.warning("%s", w)
     if pools.max_running_requests < 1:
-        raise ConfigError([f"the recurrent-state pool holds no request ({pools.state_pool_bytes} bytes); raise "
-                           "--mem-fraction-static or --mamba-full-memory-ratio, or lower "
-                           "--speculative-ddtree-budget"])
+        raise ConfigError([
+            f"the recurrent-state pool holds no request ({pools.state_pool_bytes} bytes); raise "
+            "--mem-fraction-static or --mamba-full-memory-ratio, or lower --speculative-ddtree-budget"
+        ])
     cfg = runner_config(args, pools, device.type)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        need = pools.kv_pool_bytes + pools.state_pool_bytes
-        if need > free:
-            logger.warning("the KV and state pools (%.1f GiB) exceed the free device memory (%.1f GiB): another "
-                           "process holds memory; lower --mem-fraction-static", need / 2**30, free / 2**30)
-    logger.info("KV cache: %d pages x %d tokens (%.1f MiB), %d max running requests, context %d",
-                cfg.num_pages, cfg.page_size, cfg.num_pages * cfg.page_size * pools.kv_bytes_per_token / 2**20,
-                cfg.max_running_requests, cfg.max_context)
+        state = pools.spec_state_bytes_per_request + pools.state_bytes_per_request
+        need = pools.kv_tokens * pools.kv_bytes_per_token + cfg.max_running_requests * state
+        if need > free:  # the plan assumes the device holds only this engine
+            logger.warning(
+                "the KV and state pools (%.1f GiB) exceed the free device memory (%.1f GiB): "
+                "another process holds memory; lower --mem-fraction-static",
+                need / 2**30,
+                free / 2**30,
+            )
+    logger.info(
+        "KV cache: %d pages x %d tokens (%.1f MiB), %d max running requests, context %d",
+        cfg.num_pages,
+        cfg.page_size,
+        cfg.num_pages * cfg.page_size * pools.kv_bytes_per_token / 2**20,
+        cfg.max_running_requests,
+        cfg.max_context,
+    )
     return ModelRunner(target, drafter, cfg, device, dtype), cfg.max_context
