@@ -59,11 +59,11 @@ def ints(s: str | None) -> list[int]:
 
 
 def runner_config(algo: str, budget: int, batch: int, context: int, ns, device):
-    from ddtree.engine.model_runner import RunnerConfig
+    from ddtree.engine.config import RunnerConfig, pages_per_request, verify_width
 
-    width = {"NONE": 1, "DFLASH": ns.block_size}.get(algo, budget + 1)
+    width = verify_width(algo, ns.block_size, budget)  # the engine's widths and page counts
     max_context = context + ns.block_size
-    per_req = -(-(max_context + width) // ns.page_size) + 1
+    per_req = pages_per_request(max_context, width, ns.page_size)
     return RunnerConfig(page_size=ns.page_size, num_pages=batch * per_req + 4, max_running_requests=batch,
                         max_context=max_context, block_size=ns.block_size, max_verify_width=width,
                         attention_backend=ns.attention_backend,

@@ -226,7 +226,7 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         warnings.append(
             f"weights ({_gib(weight_bytes)}) and verify buffers ({_gib(workspace)}) exceed the "
             f"static pool ({_gib(static)}); raise --mem-fraction-static, lower "
-            "--max-running-requests or use a larger --tp-size"
+            "--max-running-requests or use a device with more memory"
         )
     rest = max(rest, 0)
     state = spec_state = state_pool = 0
@@ -234,13 +234,9 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     if t.is_hybrid:
         geo = GDNGeometry.from_config(t)
         state = geo.state_bytes(args.mamba_ssm_dtype, args.dtype) // tp
-        if args.is_speculative:
-            spec_state = (
-                geo.stash_bytes(
-                    width, args.mamba_scheduler_strategy, args.mamba_ssm_dtype, args.dtype
-                )
-                // tp
-            )
+        # the runner keeps a stash of `width` nodes (1 without speculation: the AR round's root)
+        strategy = args.mamba_scheduler_strategy
+        spec_state = geo.stash_bytes(width, strategy, args.mamba_ssm_dtype, args.dtype) // tp
         per_request = state + spec_state
         r = args.mamba_full_memory_ratio
         state_pool = (
