@@ -20,7 +20,7 @@ from ddtree.bench.cuda_timing import time_graph
 from ddtree.bench.random_pair import QWEN3_8B, build_pair, pair_configs, read_bytes
 from ddtree.bench.rounds import measure_floor, prefilled_requests, runner_config
 from ddtree.engine.model_runner import ModelRunner
-from ddtree.speculative.decoder import SpecConfig, SpecDecoder
+from ddtree.engine.decoder import SpecConfig, SpecDecoder
 
 
 def profile_case(target, drafter, algo, budget, batch, context, rounds, top):

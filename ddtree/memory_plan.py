@@ -1,18 +1,28 @@
 """Static memory plan from config.json geometry alone: weights, KV per token, per-request buffers and state.
 
+The pools come from `ddtree.engine.config.plan_pools`, the function the engine sizes itself with.
 Parameter counts follow transformers' Qwen3 / Qwen3.5 modeling code exactly (text model only: vision tower and
 MTP weights are never loaded by the engine). Per-device numbers divide sharded tensors by --tp-size.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ddtree.configs import DrafterConfig, TargetConfig
-from ddtree.server_args import ServerArgs, cuda_available, resolve_server_args
+from ddtree.engine.config import (
+    DTYPE_BYTES,
+    GDNGeometry,
+    device_memory_bytes,
+    dtype_bytes,
+    kv_bytes_per_token,
+    plan_pools,
+)
+from ddtree.server_args import ServerArgs, resolve_server_args
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+__all__ = [
+    "DTYPE_BYTES", "MemoryPlan", "memory_plan", "recurrent_state_bytes", "target_param_count",
+]
 
 
 def _attention_params(hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, gated_q: bool) -> int:
@@ -68,7 +78,7 @@ def drafter_param_count(d: DrafterConfig) -> int:
 
 
 def target_kv_bytes_per_token(t: TargetConfig, dtype_bytes: int) -> int:
-    return 2 * len(t.attention_layer_ids) * t.num_key_value_heads * t.head_dim * dtype_bytes
+    return kv_bytes_per_token(t, None, dtype_bytes)[0]
 
 
 def drafter_kv_bytes_per_token(d: DrafterConfig, dtype_bytes: int) -> int:
@@ -77,21 +87,14 @@ def drafter_kv_bytes_per_token(d: DrafterConfig, dtype_bytes: int) -> int:
 
 
 def recurrent_state_bytes(t: TargetConfig, act_bytes: int, ssm_bytes: int) -> tuple[int, int]:
-    """(conv window, delta-rule state) bytes of one request over all GDN layers. The conv window keeps the
-    activation dtype and the SSM state uses --mamba-ssm-dtype, as in SGLang's Mamba pool."""
-    conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
-    n = len(t.linear_layer_ids)
-    conv = n * conv_dim * max(t.linear_conv_kernel_dim - 1, 0) * act_bytes
-    ssm = n * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim * ssm_bytes
-    return conv, ssm
+    """(conv window, delta-rule state) bytes of one request over all GDN layers."""
+    return GDNGeometry.from_config(t).state_parts(ssm_bytes, act_bytes)
 
 
-def device_memory_bytes(device: str = "auto") -> tuple[int, str]:
-    if device != "cpu" and cuda_available():
-        import torch
-
-        return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host RAM"
+def weight_bytes(t: TargetConfig, d: DrafterConfig | None, dtype) -> tuple[int, int]:
+    """(target, drafter) weight bytes of the whole model (all ranks)."""
+    n = dtype_bytes(dtype)
+    return target_param_count(t) * n, drafter_param_count(d) * n if d is not None else 0
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,8 @@ class MemoryPlan:
     state_pool_bytes: int
     state_pool_requests: int | None  # None for dense targets
     kv_pool_bytes: int
-    kv_tokens: int
+    kv_tokens: int  # = num_pages x page_size: what the engine allocates
+    num_pages: int
     context_length: int
     requests_at_context: int
     warnings: tuple[str, ...] = ()
@@ -162,78 +166,39 @@ def _kib(n: int) -> str:
 
 
 def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan:
+    """The engine's pools (`ddtree.engine.config.plan_pools`, the function the engine sizes itself
+    with) for computed weight bytes, beside the weights, KV per token and requests at full context."""
     if args.target_config is None:
         args = resolve_server_args(args)
-    t, d = args.target_config, args.drafter_config
-    tp = args.tp_size
+    t, d, tp = args.target_config, args.drafter_config, args.tp_size
     if device_bytes is None:
         device_bytes, name = device_memory_bytes(args.device)
     else:
         name = "given"
-    act = DTYPE_BYTES[args.dtype]
-    kv_dtype = DTYPE_BYTES[args.kv_cache_dtype if args.kv_cache_dtype != "auto" else args.dtype]
-    static = int(device_bytes * args.mem_fraction_static)
-    tw = target_param_count(t) * act
-    dw = drafter_param_count(d) * act if d is not None else 0
+    tw, dw = weight_bytes(t, d, args.dtype)
     weights = -(-(tw + dw) // tp)
-    tkv = target_kv_bytes_per_token(t, kv_dtype)
-    dkv = drafter_kv_bytes_per_token(d, kv_dtype) if d is not None else 0
-    kv_per_token = (tkv + dkv) // tp
-    width = args.verify_width
-    verify = width * t.vocab_size * 4
-    if d is not None:
-        block = args.speculative_dflash_block_size or d.block_size
-        verify += block * t.vocab_size * 4 + width * len(d.target_layer_ids) * t.hidden_size * act
-    n_req = args.max_running_requests or 1
-    workspace = n_req * verify
-    rest = static - weights - workspace
-    warnings = []
-    if rest <= 0:
-        warnings.append(f"weights ({_gib(weights)}) and verify buffers ({_gib(workspace)}) exceed the static pool "
-                        f"({_gib(static)}); raise --mem-fraction-static, lower --max-running-requests or use a "
-                        "larger --tp-size")
-    rest = max(rest, 0)
-    state = spec_state = state_pool = 0
-    state_requests = None
-    if t.is_hybrid:
-        conv, ssm = recurrent_state_bytes(t, act, DTYPE_BYTES[args.mamba_ssm_dtype])
-        state = (conv + ssm) // tp
-        spec_state = 0
-        if args.is_speculative and args.mamba_scheduler_strategy == "extra_buffer":
-            spec_state = width * state  # a full conv + delta-rule state per verified node
-        elif args.is_speculative:  # no_buffer: per-node GDN inputs, replayed along the accepted path
-            conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * \
-                t.linear_value_head_dim
-            per_node = 2 * conv_dim * act + t.linear_num_value_heads * (4 + act)
-            spec_state = width * len(t.linear_layer_ids) * per_node // tp
-        per_request = state + spec_state
-        r = args.mamba_full_memory_ratio
-        state_pool = min(args.max_mamba_cache_size * per_request, rest) if args.max_mamba_cache_size else \
-            int(rest * r / (1 + r))
-        state_requests = state_pool // per_request
-        if state_requests < n_req:
-            warnings.append(f"the state pool holds {state_requests} requests < --max-running-requests {n_req}; "
-                            "concurrency is capped there (raise --mamba-full-memory-ratio, lower "
-                            "--speculative-ddtree-budget or --max-running-requests, or use --mamba-ssm-dtype "
-                            "bfloat16)")
-    kv_pool = rest - state_pool
-    kv_tokens = kv_pool // kv_per_token // args.page_size * args.page_size if kv_per_token else 0
-    if args.max_total_tokens is not None:
-        kv_tokens = min(kv_tokens, args.max_total_tokens)
-    ctx = args.context_length or t.max_position_embeddings
-    at_ctx = kv_tokens // ctx
-    if state_requests is not None:
-        at_ctx = min(at_ctx, state_requests)
+    pools = plan_pools(args, device_bytes, weights, args.device)
+    tkv, dkv = kv_bytes_per_token(t, d, args.kv_cache_dtype)
+    ctx = args.context_length
+    at_ctx = pools.kv_tokens // ctx
+    if pools.state_rows is not None:
+        at_ctx = min(at_ctx, pools.state_rows)
+    warnings = list(pools.warnings)
+    rest = pools.static_bytes - weights - pools.workspace_bytes
     if at_ctx == 0 and rest > 0:
-        warnings.append(f"not one request of --context-length {ctx} fits ({kv_tokens:,} KV tokens); lower "
-                        "--context-length or free memory")
+        warnings.append(f"not one request of --context-length {ctx} fits ({pools.kv_tokens:,} KV "
+                        "tokens); lower --context-length or free memory")
+    act = dtype_bytes(args.dtype)
     return MemoryPlan(
-        device_name=name, device_bytes=device_bytes, static_bytes=static, tp_size=tp,
+        device_name=name, device_bytes=device_bytes, static_bytes=pools.static_bytes, tp_size=tp,
         target_params=tw // act, drafter_params=dw // act, target_weight_bytes=tw, drafter_weight_bytes=dw,
         weight_bytes_per_device=weights, target_kv_bytes_per_token=tkv, drafter_kv_bytes_per_token=dkv,
-        kv_bytes_per_token_per_device=kv_per_token, verify_width=width, verify_buffer_bytes_per_request=verify,
-        max_running_requests=n_req, workspace_bytes=workspace, state_bytes_per_request=state,
-        spec_state_bytes_per_request=spec_state, state_pool_bytes=state_pool, state_pool_requests=state_requests,
-        kv_pool_bytes=kv_pool, kv_tokens=kv_tokens, context_length=ctx, requests_at_context=at_ctx,
-        warnings=tuple(warnings),
+        kv_bytes_per_token_per_device=pools.kv_bytes_per_token, verify_width=pools.width,
+        verify_buffer_bytes_per_request=pools.workspace_bytes // args.max_running_requests,
+        max_running_requests=args.max_running_requests, workspace_bytes=pools.workspace_bytes,
+        state_bytes_per_request=pools.state_bytes_per_request,
+        spec_state_bytes_per_request=pools.spec_state_bytes_per_request,
+        state_pool_bytes=pools.state_pool_bytes, state_pool_requests=pools.state_rows,
+        kv_pool_bytes=pools.kv_pool_bytes, kv_tokens=pools.kv_tokens, num_pages=pools.num_pages,
+        context_length=ctx, requests_at_context=at_ctx, warnings=tuple(warnings),
     )

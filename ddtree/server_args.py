@@ -41,7 +41,8 @@ class ServerArgs:
     tokenizer_path: str | None = _opt(None, "tokenizer dir; default: --model-path")
     trust_remote_code: bool = _opt(False, "accepted for SGLang compatibility; no remote code is ever run")
     dtype: str = _opt("auto", "weight/activation dtype; auto = the target config's dtype", DTYPES)
-    kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto = --dtype", DTYPES)
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto = --dtype (the one implemented)",
+                               DTYPES)
     device: str = _opt("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
     context_length: int | None = _opt(None, "max tokens per request; default: target max_position_embeddings")
     served_model_name: str | None = _opt(None, "model name reported by the API; default: --model-path")
@@ -51,7 +52,8 @@ class ServerArgs:
     max_prefill_tokens: int = _opt(16384, "max tokens in one prefill batch")
     chunked_prefill_size: int = _opt(2048, "prefill chunk size in tokens; -1 disables chunking")
     page_size: int = _opt(16, "KV cache page size in tokens")
-    tp_size: int = _opt(1, "tensor parallel degree", aliases=("--tp", "--tensor-parallel-size"))
+    tp_size: int = _opt(1, "tensor parallel degree (1 until tensor parallelism lands)",
+                        aliases=("--tp", "--tensor-parallel-size"))
     random_seed: int | None = _opt(None, "random seed")
     attention_backend: str = _opt("torch", "attention kernels", ATTENTION_BACKENDS)
     disable_cuda_graph: bool = _opt(False, "run verify and draft eagerly (no CUDA graphs); graphs need cuda + triton")
@@ -85,14 +87,6 @@ class ServerArgs:
     @property
     def is_speculative(self) -> bool:
         return self.speculative_algorithm != "NONE"
-
-    @property
-    def verify_width(self) -> int:
-        """Tokens the target scores per request per round: max(block, budget+1) for DDTree, block for DFlash."""
-        block = self.speculative_dflash_block_size or 1
-        if self.speculative_algorithm == "DDTREE":
-            return max(block, (self.speculative_ddtree_budget or 0) + 1)
-        return block if self.speculative_algorithm == "DFLASH" else 1
 
 
 SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(ServerArgs) if f.name.startswith("speculative_")
@@ -269,6 +263,9 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     if t is not None and d is not None:
         check_pair(t, d, p)
     check_tp(args.tp_size, t, d, p)
+    if args.tp_size > 1:
+        p.append(f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; "
+                 "pass --tp-size 1")
     _resolve_speculative(args, t, d, upd, p)
     if not args.is_speculative and args.max_running_requests is None:
         upd["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS
@@ -278,7 +275,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         logger.info("Device is set to %s.", upd["device"])
     if t is not None:
         _resolve_mamba(args, t, upd, p)
-        _resolve_target_defaults(args, t, d, upd, upd.get("device", args.device))
+        _resolve_target_defaults(args, t, d, upd, upd.get("device", args.device), p)
     _resolve_cuda_graph(args, upd, upd.get("device", args.device))
     upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
     upd["tokenizer_path"] = args.tokenizer_path or upd.get("model_path")
@@ -308,7 +305,7 @@ def _resolve_cuda_graph(a: ServerArgs, upd: dict, device: str) -> None:
 
 
 def _resolve_target_defaults(a: ServerArgs, t: TargetConfig, d: DrafterConfig | None, upd: dict,
-                             device: str) -> None:
+                             device: str, p: list[str]) -> None:
     if a.dtype == "auto" and device == "cpu":
         # CPU bf16 matmuls are slow and round differently for different batch shapes, so a tree verify
         # could flip a near-tie that plain decoding resolves the other way.
@@ -321,8 +318,13 @@ def _resolve_target_defaults(a: ServerArgs, t: TargetConfig, d: DrafterConfig | 
             dtype = "bfloat16"
         upd["dtype"] = dtype
         logger.info("Dtype is set to %s from the target model config.", dtype)
+    dtype = upd.get("dtype", a.dtype)
     if a.kv_cache_dtype == "auto":
-        upd["kv_cache_dtype"] = upd.get("dtype", a.dtype)
+        upd["kv_cache_dtype"] = dtype
+    elif a.kv_cache_dtype != dtype:
+        p.append(f"--kv-cache-dtype {a.kv_cache_dtype} differs from --dtype {dtype}: a separate KV "
+                 f"cache dtype is not implemented yet; drop --kv-cache-dtype or pass "
+                 f"--kv-cache-dtype {dtype}")
     ctx = a.context_length
     if ctx is None:
         ctx = upd["context_length"] = t.max_position_embeddings

@@ -85,7 +85,7 @@ def first_child_chain(tree: DraftTree, i: int) -> list[int]:
 
 @pytest.mark.parametrize("algorithm", ["DFLASH", "DDTREE"])
 def test_forced_accept_lengths_and_tokens(random_runner, algorithm):
-    from ddtree.speculative.decoder import SpecConfig, SpecDecoder
+    from ddtree.engine.decoder import SpecConfig, SpecDecoder
 
     runner, reqs = random_runner
     lengths = torch.tensor([1, 3, 9, 16])

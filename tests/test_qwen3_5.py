@@ -217,11 +217,12 @@ def test_pool_bytes_and_shapes(text_ckpt):
     _, path = text_ckpt
     target = load_target(path, torch.float32)
     for strategy in STRATEGIES:
-        pool = target.make_state_pool(3, 5, "cpu", strategy, "float32")
+        pool = HybridStatePool.for_config(target.config, 3, 5, "cpu", strategy, "float32",
+                                          torch.float32)
         assert isinstance(pool, HybridStatePool)
         state, stash = state_bytes_per_request(target.config, 5, strategy, "float32", torch.float32)
         assert pool.state_bytes == 3 * state and pool.stash_bytes == 3 * stash
         assert pool.bytes == pool.state_bytes + pool.stash_bytes
         assert pool.conv.shape == (3, 3, 2 * 2 * 8 + 4 * 8, 3) and pool.ssm.shape == (3, 3, 4, 8, 8)
     with pytest.raises(ValueError, match="mamba-scheduler-strategy"):
-        target.make_state_pool(1, 1, "cpu", "lazy", "float32")
+        HybridStatePool.for_config(target.config, 1, 1, "cpu", "lazy", "float32")

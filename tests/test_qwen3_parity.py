@@ -7,7 +7,7 @@ import torch
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.models.loader import load_target
-from ddtree.speculative.decoder import _root_only
+from ddtree.engine.decoder import _root_only
 from hf_fixtures import save_hf_qwen3
 
 

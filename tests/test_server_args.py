@@ -15,6 +15,7 @@ from config_fixtures import (
     write_model_dir,
 )
 from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
+from ddtree.engine.config import spec_config
 from ddtree.server_args import ServerArgs, make_parser, prepare_server_args, resolve_server_args
 
 DDTREE_FLAGS = [
@@ -98,7 +99,8 @@ def test_resolved_defaults_are_logged(dense, caplog):
                                 "--speculative-draft-model-path", drafter])
     assert spec_tuple(args) == ("DDTREE", 16, 64, 64, False)
     assert args.speculative_dflash_block_size == 16 and args.max_running_requests == 48
-    assert args.dtype == "bfloat16" and args.context_length == 40960 and args.verify_width == 65
+    assert args.dtype == "bfloat16" and args.context_length == 40960
+    assert spec_config(args).verify_width == 65
     cpu = prepare_server_args(["--model-path", target, "--device", "cpu"])
     assert cpu.dtype == "float32" and any("float32 on the CPU" in m for m in caplog.messages)
     assert "Max running requests is reset to 48 for speculative decoding." in caplog.messages
@@ -119,7 +121,7 @@ def test_dflash_resolution(dense, caplog):
     args = prepare_server_args(["--model-path", target, "--speculative-algorithm", "dflash",
                                 "--speculative-draft-model-path", drafter, "--speculative-ddtree-budget", "32"])
     assert args.speculative_algorithm == "DFLASH" and args.speculative_num_draft_tokens == 16
-    assert args.speculative_ddtree_budget is None and args.verify_width == 16
+    assert args.speculative_ddtree_budget is None and spec_config(args).verify_width == 16
     assert any("--speculative-ddtree-budget" in m and "DDTREE only" in m for m in caplog.messages)
 
 
@@ -226,7 +228,9 @@ def test_tp_size(dense, hybrid):
     one_problem(ddtree_argv(dense, "--tp-size", "0"), "--tp-size")
     msg = one_problem(ddtree_argv(hybrid, "--tp-size", "8"), "--tp-size", "KV heads")
     assert "[1, 2, 4]" in msg
-    assert prepare_server_args(ddtree_argv(hybrid, "--tp", "4")).tp_size == 4
+    one_problem(ddtree_argv(hybrid, "--tp", "4"), "--tp-size 4", "not implemented yet",
+                "--tp-size 1")
+    assert prepare_server_args(ddtree_argv(hybrid, "--tp", "1")).tp_size == 1
 
 
 def test_context_length_warns_past_max_position(dense, caplog):

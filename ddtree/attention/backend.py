@@ -10,7 +10,7 @@ stored.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -61,25 +61,40 @@ class AttentionBackend(Protocol):
         ...
 
 
-_REGISTRY: dict[str, type] = {}
-
-
 def register_backend(name: str):
+    """Names a backend class (`cls.name`); the registry below says where each name's class lives."""
+
     def deco(cls):
-        _REGISTRY[name] = cls
         cls.name = name
         return cls
 
     return deco
 
 
-def get_backend(name: str) -> AttentionBackend:
-    from ddtree.attention import torch_ref  # noqa: F401  (registers "torch")
-    from ddtree.attention import triton_backend  # noqa: F401  (registers "triton"; imports Triton lazily)
+def _torch_backend() -> type:
+    from ddtree.attention.torch_ref import TorchReferenceBackend
 
-    if name not in _REGISTRY:
-        raise ValueError(f"--attention-backend {name!r} is not available; choose one of {sorted(_REGISTRY)}")
-    return _REGISTRY[name]()
+    return TorchReferenceBackend
+
+
+def _triton_backend() -> type:
+    # the module imports Triton itself, lazily
+    from ddtree.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend
+
+
+# name -> lazy factory of the backend class: a backend module is imported only when its name is
+# asked for, so this seam imports no implementation (and the implementations, which import this
+# file's metadata types, form no cycle with it).
+BACKENDS: dict[str, Callable[[], type]] = {"torch": _torch_backend, "triton": _triton_backend}
+
+
+def get_backend(name: str, **kwargs) -> AttentionBackend:
+    if name not in BACKENDS:
+        choices = ", ".join(sorted(BACKENDS))
+        raise ValueError(f"--attention-backend {name!r} is not available; choose one of {choices}")
+    return BACKENDS[name]()(**kwargs)
 
 
 def store_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -87,9 +102,3 @@ def store_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k
     kc, vc = kv_cache
     kc.index_copy_(0, slots, k.to(kc.dtype))
     vc.index_copy_(0, slots, v.to(vc.dtype))
-
-
-def gather_slots(block_table_row: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
-    """Slots of logical positions [0, length) for one request."""
-    pos = torch.arange(length, device=block_table_row.device)
-    return block_table_row[pos // page_size] * page_size + pos % page_size

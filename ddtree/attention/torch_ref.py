@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from ddtree.attention.backend import (
     AttentionMetadata,
     DraftAttentionMetadata,
-    gather_slots,
     register_backend,
     store_kv,
 )
+from ddtree.kernels.paged import gather_slots
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

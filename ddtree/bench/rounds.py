@@ -59,11 +59,11 @@ def ints(s: str | None) -> list[int]:
 
 
 def runner_config(algo: str, budget: int, batch: int, context: int, ns, device):
-    from ddtree.engine.model_runner import RunnerConfig
+    from ddtree.engine.config import RunnerConfig, pages_per_request, verify_width
 
-    width = {"NONE": 1, "DFLASH": ns.block_size}.get(algo, budget + 1)
+    width = verify_width(algo, ns.block_size, budget)  # the engine's widths and page counts
     max_context = context + ns.block_size
-    per_req = -(-(max_context + width) // ns.page_size) + 1
+    per_req = pages_per_request(max_context, width, ns.page_size)
     return RunnerConfig(page_size=ns.page_size, num_pages=batch * per_req + 4, max_running_requests=batch,
                         max_context=max_context, block_size=ns.block_size, max_verify_width=width,
                         attention_backend=ns.attention_backend,
@@ -97,7 +97,7 @@ def prefilled_requests(runner, n: int, context: int, vocab: int, chunk: int, see
 def run_case(runner, spec, reqs, context: int, rounds: int, warmup: int, clock, override=None) -> dict:
     """Median per-round time and stage split over `rounds` rounds after `warmup`; KV trimmed back each round."""
     from ddtree.bench.round_timing import PhaseMarks, percentile
-    from ddtree.speculative.decoder import SpecDecoder
+    from ddtree.engine.decoder import SpecDecoder
 
     marks = PhaseMarks(clock)
     decoder = SpecDecoder(runner, spec, times=marks, target_override=override)
@@ -161,7 +161,7 @@ def run(ns) -> int:
     from ddtree.bench.round_timing import Clock
     from ddtree.engine.model_runner import ModelRunner
     from ddtree.models.layers import torch_dtype
-    from ddtree.speculative.decoder import SpecConfig
+    from ddtree.engine.decoder import SpecConfig
 
     t_start = time.perf_counter()
     if ns.peer_checkout:  # a wrong path fails before any weights are built

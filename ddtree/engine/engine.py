@@ -8,12 +8,13 @@ import time
 
 import torch
 
+from ddtree.engine.config import prefill_chunk_tokens, spec_config
+from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.setup import build_runner, load_tokenizer, resolve_device
-from ddtree.speculative.decoder import SpecConfig, SpecDecoder
 
 logger = logging.getLogger("ddtree")
 
@@ -24,17 +25,11 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.runner, self.max_context = build_runner(args, self.device)
-        algo = args.speculative_algorithm
-        self.spec = SpecConfig(
-            algorithm=algo,
-            block_size=args.speculative_dflash_block_size or 16,
-            budget=args.speculative_ddtree_budget or 1,
-            topk_cap=args.speculative_ddtree_topk_cap or 1,
-            shadow_linear=bool(args.speculative_ddtree_shadow_linear),
-        )
+        self.spec = spec_config(args)  # the derivation that sized the runner's pools and widths
         self.decoder = SpecDecoder(self.runner, self.spec)
-        width = self.runner.cfg.max_verify_width
-        self.scheduler = Scheduler(self.runner, self.runner.cfg.max_running_requests, args.chunked_prefill_size, width)
+        cfg = self.runner.cfg
+        self.scheduler = Scheduler(self.runner, cfg.max_running_requests,
+                                   prefill_chunk_tokens(args), cfg.max_verify_width)
         eos = set(self.runner.target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

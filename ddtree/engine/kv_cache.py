@@ -24,6 +24,3 @@ class KVPool:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
-
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

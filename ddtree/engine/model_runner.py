@@ -3,6 +3,11 @@
 Device-side throughout a round: the host supplies per-request lengths (which it already knows) once per round
 (`RoundMeta`, one host->device copy shared by draft, verify and commit) and reads back only the accepted tokens
 after `commit`. With `enable_cuda_graph`, verify and draft replay CUDA graphs (`ddtree/engine/cuda_graph.py`).
+
+`Req.kv_len` has one owner, this runner: it counts the request's tokens whose target KV, drafter
+context and hybrid state are committed, and it changes only in `prefill` (after the extend),
+`advance` (after a round's commit: root + accepted drafts; the bonus token stays pending) and
+`release` (0 when the request's pages are freed).
 """
 
 from __future__ import annotations
@@ -13,24 +18,10 @@ import torch
 
 from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, get_backend, store_kv
 from ddtree.engine.block_manager import BlockManager
-from ddtree.engine.kv_cache import KVPool, kv_bytes_per_token
+from ddtree.engine.config import RunnerConfig, pages_per_request, scratch_pages
+from ddtree.engine.kv_cache import KVPool
 from ddtree.engine.request import Req
-from ddtree.server_args import DEFAULT_CUDA_GRAPH_MAX_BS
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    page_size: int = 16
-    num_pages: int = 1024
-    max_running_requests: int = 16
-    max_context: int = 4096
-    block_size: int = 16  # drafted block incl. the root; depth limit = block_size - 1
-    max_verify_width: int = 65  # most tree nodes (root included) one request verifies at once
-    attention_backend: str = "torch"
-    mamba_strategy: str = "extra_buffer"
-    mamba_ssm_dtype: str = "float32"
-    enable_cuda_graph: bool = False  # graphs for verify and draft (CUDA, triton backend, dense target)
-    cuda_graph_max_bs: int = DEFAULT_CUDA_GRAPH_MAX_BS  # largest padded batch captured; bigger ones run eagerly
+from ddtree.engine.state_pool import HybridStatePool
 
 
 @dataclass
@@ -71,7 +62,8 @@ class ModelRunner:
         self.pool_index = {layer: j for j, layer in enumerate(self.attn_layers)}
         # Scratch pages past the block manager's range (never handed out): the KV writes of padded CUDA-graph
         # rows land there, so padding can never touch a real request's KV.
-        self.scratch_pages = list(range(cfg.num_pages, cfg.num_pages + -(-cfg.max_verify_width // cfg.page_size)))
+        n_scratch = scratch_pages(cfg.max_verify_width, cfg.page_size)
+        self.scratch_pages = list(range(cfg.num_pages, cfg.num_pages + n_scratch))
         slots = (cfg.num_pages + len(self.scratch_pages)) * cfg.page_size
         self.kv = KVPool(len(self.attn_layers), slots, tcfg.num_key_value_heads, tcfg.head_dim, dtype, device)
         self.draft_kv = None
@@ -81,29 +73,21 @@ class ModelRunner:
             self.draft_kv = KVPool(dcfg.num_hidden_layers, slots, dcfg.num_key_value_heads, dcfg.head_dim, dtype,
                                    device)
             self.tap_layers = dcfg.target_layer_ids
-        max_pages = -(-(cfg.max_context + cfg.max_verify_width) // cfg.page_size) + 1
+        max_pages = pages_per_request(cfg.max_context, cfg.max_verify_width, cfg.page_size)
         self.bm = BlockManager(cfg.num_pages, cfg.page_size, cfg.max_running_requests, max_pages, device)
         # Hybrid targets keep recurrent state per request in rows indexed by the request's block-table slot.
         self.state_pool = None
         if tcfg.is_hybrid:
-            self.state_pool = target.make_state_pool(
-                cfg.max_running_requests, cfg.max_verify_width, device, cfg.mamba_strategy, cfg.mamba_ssm_dtype
-            )
+            # conv windows and stashed inputs keep the model dtype; SSM states --mamba-ssm-dtype
+            self.state_pool = HybridStatePool.for_config(
+                tcfg, cfg.max_running_requests, cfg.max_verify_width, device, cfg.mamba_strategy,
+                cfg.mamba_ssm_dtype, target.model.embed_tokens.weight.dtype)
         self._round: RoundMeta | None = None
         self.graphs = None
         if cfg.enable_cuda_graph:
             from ddtree.engine.cuda_graph import make_graph_runner
 
             self.graphs = make_graph_runner(self)
-
-    @staticmethod
-    def kv_bytes_per_token(target_cfg, drafter_cfg, dtype) -> int:
-        n = kv_bytes_per_token(len(target_cfg.attention_layer_ids), target_cfg.num_key_value_heads,
-                               target_cfg.head_dim, dtype)
-        if drafter_cfg is not None:
-            n += kv_bytes_per_token(drafter_cfg.num_hidden_layers, drafter_cfg.num_key_value_heads,
-                                    drafter_cfg.head_dim, dtype)
-        return n
 
     # ---- metadata ------------------------------------------------------------------------------------
     def round_meta(self, reqs: list[Req]) -> RoundMeta:
@@ -258,7 +242,7 @@ class ModelRunner:
                meta: RoundMeta | None = None) -> None:
         """Move the accepted nodes' KV to logical positions L..L+k (contiguous, in path order) and write
         their drafter context. path [b, D+1] node indices (root first), accept_length [b] = k. Ends the
-        round: its RoundMeta is dropped (the caller advances kv_len next)."""
+        round: its RoundMeta is dropped (`advance` applies the accepted lengths once read back)."""
         meta = meta or self.round_meta(reqs)
         self._round = None
         if self.state_pool is not None:
@@ -285,9 +269,17 @@ class ModelRunner:
         for layer, (k, v) in enumerate(self.drafter.context_kv(features, positions)):
             store_kv(self.draft_kv.layer(layer), slots, k, v)
 
+    def advance(self, reqs: list[Req], committed: list[int]) -> None:
+        """After a round's `commit`: request i has `committed[i]` more cached tokens (its root and
+        accepted drafts); the pages its verify reserved past them go back."""
+        for r, k in zip(reqs, committed):
+            r.kv_len += k
+            self.bm.trim(r, r.kv_len)
+
     def release(self, req: Req, keep_tokens: int | None = None) -> None:
-        """Trim to `keep_tokens` cached tokens, or free everything when None."""
+        """Trim to `keep_tokens` cached tokens, or free everything (then it caches nothing)."""
         if keep_tokens is None:
             self.bm.free(req)
+            req.kv_len = 0
         else:
             self.bm.trim(req, keep_tokens)

@@ -1,4 +1,5 @@
-"""Engine construction from resolved ServerArgs: device, tokenizer, weights, pools sized to memory."""
+"""Engine construction from resolved ServerArgs: device, tokenizer, weights, then pools sized by
+`ddtree.engine.config.plan_pools` (the memory plan's function) for the weights actually loaded."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import os
 
 import torch
 
-from ddtree.engine.model_runner import ModelRunner, RunnerConfig
+from ddtree.configs import ConfigError
+from ddtree.engine.config import device_memory_bytes, plan_pools, runner_config
+from ddtree.engine.model_runner import ModelRunner
 from ddtree.models.layers import torch_dtype
 from ddtree.models.loader import load_drafter, load_target
 
 logger = logging.getLogger("ddtree")
-
-CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU path is for tests and small models: cap its KV pool
 
 
 def resolve_device(name: str) -> torch.device:
@@ -23,55 +24,67 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_tokenizer(path: str | None):
-    if not path or not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not path or not any(
+        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
         return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
 
 
-def verify_width(args) -> int:
-    algo = args.speculative_algorithm
-    if algo == "DDTREE":
-        return 1 + int(args.speculative_ddtree_budget)
-    if algo == "DFLASH":
-        return int(args.speculative_dflash_block_size)
-    return 1
+def device_bytes(device: torch.device) -> int:
+    """What the static pool is a fraction of: the GPU's memory (the plan assumes nothing else uses
+    it), or host RAM on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return device_memory_bytes("cpu")[0]
 
 
-def _num_pages(args, runner_bytes_per_token: int, device: torch.device, max_reqs: int, ctx: int, width: int) -> int:
-    if args.max_total_tokens:
-        tokens = int(args.max_total_tokens)
-    else:
-        want = max_reqs * (ctx + width)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * args.mem_fraction_static)
-        else:
-            budget = CPU_KV_BUDGET_BYTES
-        tokens = min(want, budget // max(runner_bytes_per_token, 1))
-    return max(2, -(-tokens // args.page_size))
+def module_bytes(*modules) -> int:
+    """Parameter bytes of the loaded models (shared tensors counted once)."""
+    seen = {id(p): p for m in modules if m is not None for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in seen.values())
 
 
 def build_runner(args, device: torch.device) -> tuple[ModelRunner, int]:
-    tcfg = args.target_config
-    dtype = torch_dtype(args.dtype if args.dtype != "auto" else tcfg.dtype)
+    """Load the weights, size the pools for them, build the runner; returns it and the context
+    length."""
+    if args.target_config is None:
+        raise ValueError(
+            "build_runner needs resolved ServerArgs (resolve_server_args / prepare_server_args)"
+        )
+    dtype = torch_dtype(args.dtype)
     target = load_target(args.model_path, dtype, str(device))
     drafter = None
-    if args.speculative_algorithm in ("DFLASH", "DDTREE"):
+    if args.is_speculative:
         drafter = load_drafter(args.speculative_draft_model_path, dtype, str(device))
-    ctx = int(args.context_length or tcfg.max_position_embeddings)
-    width = verify_width(args)
-    max_reqs = int(args.max_running_requests)
-    per_token = ModelRunner.kv_bytes_per_token(tcfg, drafter.config if drafter else None, dtype)
-    pages = _num_pages(args, per_token, device, max_reqs, ctx, width)
-    cfg = RunnerConfig(
-        page_size=args.page_size, num_pages=pages, max_running_requests=max_reqs, max_context=ctx,
-        block_size=int(args.speculative_dflash_block_size or 16), max_verify_width=width,
-        attention_backend=args.attention_backend, mamba_strategy=args.mamba_scheduler_strategy or "extra_buffer",
-        mamba_ssm_dtype=args.mamba_ssm_dtype, enable_cuda_graph=device.type == "cuda" and not args.disable_cuda_graph,
-        cuda_graph_max_bs=int(args.cuda_graph_max_bs or RunnerConfig.cuda_graph_max_bs),
+    pools = plan_pools(args, device_bytes(device), module_bytes(target, drafter), device.type)
+    for w in pools.warnings:
+        logger.warning("%s", w)
+    if pools.max_running_requests < 1:
+        raise ConfigError([
+            f"the recurrent-state pool holds no request ({pools.state_pool_bytes} bytes); raise "
+            "--mem-fraction-static or --mamba-full-memory-ratio, or lower --speculative-ddtree-budget"
+        ])
+    cfg = runner_config(args, pools, device.type)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        state = pools.spec_state_bytes_per_request + pools.state_bytes_per_request
+        need = pools.kv_tokens * pools.kv_bytes_per_token + cfg.max_running_requests * state
+        if need > free:  # the plan assumes the device holds only this engine
+            logger.warning(
+                "the KV and state pools (%.1f GiB) exceed the free device memory (%.1f GiB): "
+                "another process holds memory; lower --mem-fraction-static",
+                need / 2**30,
+                free / 2**30,
+            )
+    logger.info(
+        "KV cache: %d pages x %d tokens (%.1f MiB), %d max running requests, context %d",
+        cfg.num_pages,
+        cfg.page_size,
+        cfg.num_pages * cfg.page_size * pools.kv_bytes_per_token / 2**20,
+        cfg.max_running_requests,
+        cfg.max_context,
     )
-    logger.info("KV cache: %d pages x %d tokens (%.1f MiB), %d max running requests, context %d",
-                pages, args.page_size, pages * args.page_size * per_token / 2**20, max_reqs, ctx)
-    return ModelRunner(target, drafter, cfg, device, dtype), ctx
+    return ModelRunner(target, drafter, cfg, device, dtype), cfg.max_context

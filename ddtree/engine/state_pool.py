@@ -14,11 +14,10 @@ CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk.py), extra_buffer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from ddtree.engine.config import GDNGeometry
 from ddtree.kernels.gdn import causal_conv1d_step, causal_conv1d_varlen, replay_conv_path, tree_causal_conv1d
 from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree_rule
 
@@ -32,40 +31,6 @@ def _dtype(d) -> torch.dtype:
     if d not in _SSM_DTYPES:
         raise ValueError(f"--mamba-ssm-dtype {d!r} is not supported; choose one of {sorted(_SSM_DTYPES)}")
     return _SSM_DTYPES[d]
-
-
-@dataclass(frozen=True)
-class GDNGeometry:
-    num_layers: int
-    hk: int
-    dk: int
-    hv: int
-    dv: int
-    kernel: int
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.hk * self.dk + self.hv * self.dv
-
-    @classmethod
-    def from_config(cls, cfg) -> "GDNGeometry":
-        return cls(len(cfg.linear_layer_ids), cfg.linear_num_key_heads, cfg.linear_key_head_dim,
-                   cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
-
-    def state_bytes(self, ssm_dtype, dtype) -> int:
-        """Persistent conv window + SSM state of one request over all GDN layers."""
-        conv = self.conv_dim * (self.kernel - 1) * _dtype(dtype).itemsize
-        ssm = self.hv * self.dk * self.dv * _dtype(ssm_dtype).itemsize
-        return self.num_layers * (conv + ssm)
-
-    def stash_bytes(self, width: int, strategy: str, ssm_dtype, dtype) -> int:
-        """Per-node tree-verify stash of one request over all GDN layers (`width` nodes)."""
-        act = _dtype(dtype).itemsize
-        if strategy == "extra_buffer":
-            per_node = self.state_bytes(ssm_dtype, dtype) // self.num_layers
-        else:
-            per_node = 2 * self.conv_dim * act + self.hv * (4 + act)
-        return self.num_layers * width * per_node
 
 
 def state_bytes_per_request(cfg, max_verify_width: int, strategy: str, ssm_dtype, dtype) -> tuple[int, int]:

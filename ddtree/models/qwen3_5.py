@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from ddtree.configs import TargetConfig
-from ddtree.engine.state_pool import HybridStatePool
 from ddtree.models.gated_deltanet import GatedDeltaNet, LinearStateContext
 from ddtree.kernels.fused import qk_norm_rope
 from ddtree.models.layers import MLP, RMSNorm, fuse_linears
@@ -101,10 +100,4 @@ class Qwen3_5ForCausalLM(CausalLM):
     """Parameter names match HF text checkpoints (`model.layers.N.{linear_attn,self_attn}...`); the loader
     maps VLM keys (`model.language_model.*`) onto them and skips the vision tower and MTP head."""
 
-    body_cls = Qwen3_5Body
-
-    def make_state_pool(self, max_reqs: int, max_verify_width: int, device, strategy: str = "extra_buffer",
-                        ssm_dtype: str = "float32") -> HybridStatePool:
-        """Recurrent state rows for `max_reqs` requests; conv windows and stashed inputs keep the model dtype."""
-        return HybridStatePool.for_config(self.config, max_reqs, max_verify_width, device, strategy, ssm_dtype,
-                                          self.model.embed_tokens.weight.dtype)
+    body_cls = Qwen3_5Body  # its recurrent-state pool is the engine's (`ModelRunner` builds it)

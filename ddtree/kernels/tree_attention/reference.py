@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ddtree.attention.backend import gather_slots
+from ddtree.kernels.paged import gather_slots
 
 
 def visibility(n: int, kv_len: int, tree_mask: torch.Tensor | None, causal: bool, device) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""One decoding round for a batch of running requests, as named phases:
+"""One decoding round for a batch of running requests (the engine side of speculative decoding):
 draft -> build tree -> verify -> sample at every node -> accept walk -> commit.
 
 NONE (plain AR) is the one-node tree; DFLASH is the drafter's top-1 chain; DDTREE the best-first tree.
@@ -18,20 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.engine.config import SpecConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
 from ddtree.engine.sampler import sample_nodes
 from ddtree.speculative.accept import accept_tree
 from ddtree.speculative.tree import DraftTree, build_chain, build_tree
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    algorithm: str = "NONE"  # NONE | DFLASH | DDTREE
-    block_size: int = 16
-    budget: int = 64
-    topk_cap: int = 64
-    shadow_linear: bool = False
 
 
 @dataclass
@@ -101,13 +93,9 @@ class SpecDecoder:
         runner.commit(reqs, res.path, res.accept_length, vo.taps)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1).cpu()  # the round's one device->host copy
         self.times.add("commit", t)
-        emitted = []
-        for r, row in zip(reqs, out.tolist()):
-            k = row[0]
-            r.kv_len += k  # root + (k - 1) accepted drafts are now cached; the bonus is pending
-            runner.release(r, r.kv_len)
-            emitted.append(row[1 : 1 + k])
-        return emitted
+        rows = out.tolist()
+        runner.advance(reqs, [row[0] for row in rows])  # root + (k - 1) accepted drafts; the bonus is pending
+        return [row[1 : 1 + row[0]] for row in rows]
 
     def _budgets(self, reqs: list[Req]) -> list[int] | None:
         """Per-request DDTree budgets, or None when every request uses the server's."""
@@ -143,9 +131,7 @@ class SpecDecoder:
         runner.commit(reqs, zeros[:, None], zeros, None)  # no KV moves; commits hybrid state of the root
         tokens = tokens.cpu()
         self.times.add("commit", t)
-        for r in reqs:
-            r.kv_len += n
-            runner.release(r, r.kv_len)
+        runner.advance(reqs, [n] * len(reqs))
         return [[tok] for tok in tokens.tolist()]
 
 

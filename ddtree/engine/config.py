@@ -1,0 +1,296 @@
+"""The engine's configuration, derived once from resolved `ServerArgs`, and the sizing functions
+that the engine (`engine/setup.py`) and the memory plan (`ddtree check-config`) share, so the plan's
+numbers are the engine's. Torch-free: planning from config.json alone stays fast.
+
+Derivation: `spec_config(args)` -> `SpecConfig`; `plan_pools(args, device_bytes, weight_bytes,
+device)` -> `PoolPlan` (static pool = device bytes x --mem-fraction-static, minus weights and verify
+buffers, split between the hybrid state pool and the KV pool); `runner_config(args, pools)` ->
+`RunnerConfig`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ddtree.server_args import DEFAULT_CUDA_GRAPH_MAX_BS, cuda_available
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU path is for tests and small models: cap its KV pool
+MIN_PAGES = 2  # the engine always gets a KV pool, even one no request fits in (the plan warns then)
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per element of a dtype name ("bfloat16") or a torch dtype (an int passes through)."""
+    if isinstance(dtype, int):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def verify_width(algorithm: str, block_size: int, budget: int) -> int:
+    """Tree nodes one request verifies per round, root included. It sizes everything a verify
+    touches: the KV slots reserved past kv_len, the verify rows and CUDA-graph width, the per-node
+    recurrent states. DDTREE: budget + 1 (every tree, a smaller per-request budget's too, is padded
+    to exactly that); DFLASH: the block (root + block - 1 chain); NONE: the root alone. The
+    drafter's own block of block_size rows is a separate buffer (`verify_buffer_bytes`)."""
+    if algorithm == "DDTREE":
+        return budget + 1
+    return block_size if algorithm == "DFLASH" else 1
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str = "NONE"  # NONE | DFLASH | DDTREE
+    block_size: int = 16  # drafted block incl. the root; depth limit = block_size - 1 (1 for NONE)
+    budget: int = 64  # DDTREE nodes per round, root excluded (0 unless DDTREE)
+    topk_cap: int = 64
+    shadow_linear: bool = False
+
+    @property
+    def verify_width(self) -> int:
+        return verify_width(self.algorithm, self.block_size, self.budget)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    page_size: int = 16
+    num_pages: int = 1024
+    max_running_requests: int = 16
+    max_context: int = 4096
+    block_size: int = 16  # drafted block incl. the root; depth limit = block_size - 1
+    max_verify_width: int = 65  # most tree nodes (root included) one request verifies at once
+    attention_backend: str = "torch"
+    mamba_strategy: str = "extra_buffer"
+    mamba_ssm_dtype: str = "float32"
+    enable_cuda_graph: bool = (
+        False  # graphs for verify and draft (CUDA, triton backend, dense target)
+    )
+    cuda_graph_max_bs: int = (
+        DEFAULT_CUDA_GRAPH_MAX_BS  # largest padded batch captured; bigger ones run eagerly
+    )
+
+
+def spec_config(args) -> SpecConfig:
+    """The speculative settings of resolved ServerArgs (resolution has filled every default it
+    needs)."""
+    algo = args.speculative_algorithm
+    if algo == "NONE":
+        return SpecConfig(algorithm="NONE", block_size=1, budget=0, topk_cap=0)
+    ddtree = algo == "DDTREE"
+    return SpecConfig(
+        algorithm=algo,
+        block_size=args.speculative_dflash_block_size,
+        budget=args.speculative_ddtree_budget if ddtree else 0,
+        topk_cap=args.speculative_ddtree_topk_cap if ddtree else 0,
+        shadow_linear=ddtree and args.speculative_ddtree_shadow_linear,
+    )
+
+
+def prefill_chunk_tokens(args) -> int:
+    """Prompt tokens one prefill step takes: --chunked-prefill-size, or a whole context when it is
+    -1."""
+    return args.context_length if args.chunked_prefill_size == -1 else args.chunked_prefill_size
+
+
+# ---- sizing shared by the engine and the memory plan
+# ---------------------------------------------------
+def kv_bytes_per_token(t, d, dtype) -> tuple[int, int]:
+    """(target, drafter) K+V bytes per cached token. The drafter's context K/V of every layer
+    (sliding ones included) sits at the target's token slots."""
+    n = dtype_bytes(dtype)
+    target = 2 * len(t.attention_layer_ids) * t.num_key_value_heads * t.head_dim * n
+    drafter = (
+        2 * d.num_hidden_layers * d.num_key_value_heads * d.head_dim * n if d is not None else 0
+    )
+    return target, drafter
+
+
+def scratch_pages(width: int, page_size: int) -> int:
+    """Pages past the block manager's range that padded CUDA-graph rows write into (one verify
+    width)."""
+    return -(-width // page_size)
+
+
+def pages_per_request(max_context: int, width: int, page_size: int) -> int:
+    """Block-table row length: a request at max context plus one verify width, and one page of
+    slack."""
+    return -(-(max_context + width) // page_size) + 1
+
+
+def verify_buffer_bytes(t, d, width: int, block_size: int, act_dtype) -> int:
+    """Per-request verify workspace: fp32 verify logits, fp32 draft logits and the tapped hidden
+    states."""
+    n = width * t.vocab_size * 4
+    if d is not None:
+        n += block_size * t.vocab_size * 4 + width * len(
+            d.target_layer_ids
+        ) * t.hidden_size * dtype_bytes(act_dtype)
+    return n
+
+
+@dataclass(frozen=True)
+class GDNGeometry:
+    num_layers: int
+    hk: int
+    dk: int
+    hv: int
+    dv: int
+    kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.hk * self.dk + self.hv * self.dv
+
+    @classmethod
+    def from_config(cls, cfg) -> "GDNGeometry":
+        return cls(
+            len(cfg.linear_layer_ids),
+            cfg.linear_num_key_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_num_value_heads,
+            cfg.linear_value_head_dim,
+            cfg.linear_conv_kernel_dim,
+        )
+
+    def state_parts(self, ssm_dtype, dtype) -> tuple[int, int]:
+        """(conv window, delta-rule state) bytes of one request over all GDN layers. The conv window
+        keeps the activation dtype and the SSM state --mamba-ssm-dtype, as in SGLang's Mamba pool.
+        """
+        conv = self.num_layers * self.conv_dim * max(self.kernel - 1, 0) * dtype_bytes(dtype)
+        return conv, self.num_layers * self.hv * self.dk * self.dv * dtype_bytes(ssm_dtype)
+
+    def state_bytes(self, ssm_dtype, dtype) -> int:
+        """Persistent conv window + SSM state of one request over all GDN layers."""
+        return sum(self.state_parts(ssm_dtype, dtype))
+
+    def stash_bytes(self, width: int, strategy: str, ssm_dtype, dtype) -> int:
+        """Per-node tree-verify stash of one request over all GDN layers (`width` nodes):
+        extra_buffer keeps a full state per node, no_buffer the node's GDN inputs (pre/post-conv
+        q|k|v, fp32 gate, beta)."""
+        if strategy == "extra_buffer":
+            per_node = self.state_bytes(ssm_dtype, dtype) // self.num_layers
+        else:
+            per_node = 2 * self.conv_dim * dtype_bytes(dtype) + self.hv * (4 + dtype_bytes(dtype))
+        return self.num_layers * width * per_node
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """How the static pool is spent, per device. `num_pages` and `state_rows` are what the engine
+    allocates."""
+
+    static_bytes: int  # device bytes x --mem-fraction-static
+    weight_bytes: int
+    width: int  # verify width
+    workspace_bytes: int  # verify buffers for max_running_requests
+    kv_bytes_per_token: int
+    state_bytes_per_request: int  # persistent conv + SSM state (0 for dense targets)
+    spec_state_bytes_per_request: int  # tree-verify stash
+    state_pool_bytes: int
+    state_rows: int | None  # requests the state pool holds (None for dense targets)
+    kv_pool_bytes: int
+    kv_tokens: int  # KV slots handed out (= num_pages x page_size)
+    num_pages: int
+    max_running_requests: int  # --max-running-requests, capped at state_rows
+    warnings: tuple[str, ...] = ()
+
+
+def device_memory_bytes(device: str = "auto") -> tuple[int, str]:
+    """(bytes, name) of GPU 0, or of host RAM on the CPU."""
+    if device != "cpu" and cuda_available():
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host RAM"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolPlan:
+    """The pools of resolved ServerArgs on a device of `device_bytes` holding `weight_bytes` of
+    weights (both per device: sharded sizes divide by --tp-size). The KV pool gets what the state
+    pool leaves, at most what max_running_requests requests at full context use (and
+    CPU_KV_BUDGET_BYTES on the CPU); --max-total-tokens caps it."""
+    t, d, tp = args.target_config, args.drafter_config, args.tp_size
+    spec = spec_config(args)
+    width, n_req = spec.verify_width, args.max_running_requests
+    static = int(device_bytes * args.mem_fraction_static)
+    workspace = n_req * verify_buffer_bytes(t, d, width, spec.block_size, args.dtype)
+    rest = static - weight_bytes - workspace
+    warnings = []
+    if rest <= 0:
+        warnings.append(
+            f"weights ({_gib(weight_bytes)}) and verify buffers ({_gib(workspace)}) exceed the "
+            f"static pool ({_gib(static)}); raise --mem-fraction-static, lower "
+            "--max-running-requests or use a device with more memory"
+        )
+    rest = max(rest, 0)
+    state = spec_state = state_pool = 0
+    rows = None
+    if t.is_hybrid:
+        geo = GDNGeometry.from_config(t)
+        state = geo.state_bytes(args.mamba_ssm_dtype, args.dtype) // tp
+        # the runner keeps a stash of `width` nodes (1 without speculation: the AR round's root)
+        strategy = args.mamba_scheduler_strategy
+        spec_state = geo.stash_bytes(width, strategy, args.mamba_ssm_dtype, args.dtype) // tp
+        per_request = state + spec_state
+        r = args.mamba_full_memory_ratio
+        state_pool = (
+            min(args.max_mamba_cache_size * per_request, rest)
+            if args.max_mamba_cache_size
+            else int(rest * r / (1 + r))
+        )
+        rows = state_pool // per_request
+        if rows < n_req:
+            warnings.append(
+                f"the state pool holds {rows} requests < --max-running-requests {n_req}; "
+                "concurrency is capped there (raise --mamba-full-memory-ratio, lower "
+                "--speculative-ddtree-budget or --max-running-requests, or use --mamba-ssm-dtype "
+                "bfloat16)"
+            )
+    running = n_req if rows is None else max(min(n_req, rows), 0)
+    kv_pool = rest - state_pool
+    per_token = sum(kv_bytes_per_token(t, d, args.kv_cache_dtype)) // tp
+    budget = min(kv_pool, CPU_KV_BUDGET_BYTES) if device == "cpu" else kv_pool
+    want = running * (args.context_length + width)
+    pages = min(budget // per_token, want) // args.page_size
+    if args.max_total_tokens is not None:  # the user's cap, rounded up to whole pages
+        pages = min(pages, -(-args.max_total_tokens // args.page_size))
+    pages = max(pages, MIN_PAGES)
+    return PoolPlan(
+        static_bytes=static,
+        weight_bytes=weight_bytes,
+        width=width,
+        workspace_bytes=workspace,
+        kv_bytes_per_token=per_token,
+        state_bytes_per_request=state,
+        spec_state_bytes_per_request=spec_state,
+        state_pool_bytes=state_pool,
+        state_rows=rows,
+        kv_pool_bytes=kv_pool,
+        kv_tokens=pages * args.page_size,
+        num_pages=pages,
+        max_running_requests=running,
+        warnings=tuple(warnings),
+    )
+
+
+def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:
+    spec = spec_config(args)
+    return RunnerConfig(
+        page_size=args.page_size,
+        num_pages=pools.num_pages,
+        max_running_requests=pools.max_running_requests,
+        max_context=args.context_length,
+        block_size=spec.block_size,
+        max_verify_width=spec.verify_width,
+        attention_backend=args.attention_backend,
+        mamba_strategy=args.mamba_scheduler_strategy or RunnerConfig.mamba_strategy,
+        mamba_ssm_dtype=args.mamba_ssm_dtype,
+        enable_cuda_graph=device == "cuda" and not args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS,
+    )
