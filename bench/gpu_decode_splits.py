@@ -24,9 +24,8 @@ import torch  # noqa: E402
 
 from gpu_tree_attention import D, HKV, Problem, bandwidths, cold_copies, rel  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
-from ddtree.envs import env_flag  # noqa: E402
+from ddtree import envs  # noqa: E402
 from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
-from ddtree.kernels.tree_attention.merge import PDL_DISABLE_ENV  # noqa: E402
 from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import KernelConfig  # noqa: E402
 
@@ -114,7 +113,7 @@ def main():
         return pdl_ab()
     bw = bandwidths()["sm_copy_graph"]
     torch.cuda.empty_cache()
-    pdl = "off" if env_flag(PDL_DISABLE_ENV) else "on"
+    pdl = "off" if envs.NO_PDL.on() else "on"
     print(f"{torch.cuda.get_device_name()}; SM copy {bw / 1e12:.2f} TB/s; PDL {pdl}")
     if "--batch" in sys.argv:
         return batched(bw)

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from ddtree import envs  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.gdn import backend, reference  # noqa: E402
 from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule  # noqa: E402
@@ -329,7 +330,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="a,b,c,d,e", help="sections to run, e.g. a,d,e")
     ap.add_argument("--deadline-s", type=float, default=170, help="skip the sections not started by then")
-    ap.add_argument("--toy-dir", default=os.environ.get("DDTREE_TOY_HYBRID", "out/toy_hybrid_pair"),
+    ap.add_argument("--toy-dir", default=envs.TOY_HYBRID.get(),
                     help="toy hybrid pair (built here, ~1 min on one CPU thread, when missing)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False

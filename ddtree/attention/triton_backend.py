@@ -16,9 +16,9 @@ import torch
 
 from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, register_backend, store_kv
 from ddtree.attention.torch_ref import TorchReferenceBackend
-from ddtree.envs import env_flag
+from ddtree import envs
 
-FORCE_REFERENCE_ENV = "DDTREE_FORCE_REFERENCE_ATTENTION"
+FORCE_REFERENCE_ENV = envs.FORCE_REFERENCE_ATTENTION.name
 
 
 @register_backend("triton")
@@ -27,7 +27,7 @@ class TritonAttentionBackend:
         # num_splits: fixed split count (e.g. while capturing CUDA graphs); None = chosen per call from the
         # host kv_lens, which under graph capture should then be the captured maxima.
         self.num_splits = num_splits
-        self.force_reference = env_flag(FORCE_REFERENCE_ENV)
+        self.force_reference = envs.FORCE_REFERENCE_ATTENTION.on()
         self._ref = TorchReferenceBackend()
         self._kernel = None
         if not self.force_reference:
@@ -46,7 +46,7 @@ class TritonAttentionBackend:
         d = q.shape[-1]
         if d < 16 or d & (d - 1):
             return True
-        return q.device.type != "cuda" and not env_flag("TRITON_INTERPRET")
+        return q.device.type != "cuda" and not envs.TRITON_INTERPRET.on()
 
     def extend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         if self._use_reference(q):

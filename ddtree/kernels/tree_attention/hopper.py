@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ddtree.envs import env_flag
+from ddtree import envs
 
 logger = logging.getLogger("ddtree")
 _disabled: list[str] = []  # why the kernel cannot run here (no Gluon; failed to build or launch): Triton instead
@@ -60,7 +60,7 @@ try:
 except Exception as e:  # noqa: BLE001  (no Gluon in this Triton: the Triton kernel does everything)
     _disabled.append(f"no Gluon: {type(e).__name__}: {e}")
 
-DISABLE_ENV = "DDTREE_NO_HOPPER_ATTENTION"
+DISABLE_ENV = envs.NO_HOPPER_ATTENTION.name
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_re
     token's group, the swapped path). Rows in between stay with the Triton kernel's 16/32-row blocks."""
     group = q.shape[1] // k_pool.shape[1]
     return (not _disabled and triton.__version__.startswith(TRITON_VERSIONS)
-            and not env_flag(DISABLE_ENV) and q.is_cuda
+            and not envs.NO_HOPPER_ATTENTION.on() and q.is_cuda
             and torch.cuda.get_device_capability(q.device) == (9, 0)
             and k_pool.dtype in CHECKED_ON_DEVICE["dtypes"] and k_pool.shape[-1] in CHECKED_ON_DEVICE["head_dims"]
             and page_size in CHECKED_ON_DEVICE["page_sizes"] and rows_supported(rows_per_request, group)
