@@ -40,13 +40,33 @@ class TritonAttentionBackend:
                 ) from e
             self._kernel = kernel
 
-    def _use_reference(self, q: torch.Tensor) -> bool:
+    def _reference_reason(self, head_dim: int, device: torch.device) -> str | None:
         if self._kernel is None:
-            return True
-        d = q.shape[-1]
-        if d < 16 or d & (d - 1):
-            return True
-        return q.device.type != "cuda" and not envs.TRITON_INTERPRET.on()
+            return f"{FORCE_REFERENCE_ENV} is set"
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            return f"head dim {head_dim} (the kernel takes powers of two >= 16)"
+        if device.type != "cuda" and not envs.TRITON_INTERPRET.on():
+            return f"{device.type} tensors without {envs.TRITON_INTERPRET.name}=1"
+        return None
+
+    def _use_reference(self, q: torch.Tensor) -> bool:
+        return self._reference_reason(q.shape[-1], q.device) is not None
+
+    def with_splits(self, num_splits: int | None) -> TritonAttentionBackend:
+        return self if num_splits == self.num_splits else TritonAttentionBackend(num_splits=num_splits)
+
+    def launch_plan(self, shape, device: torch.device, num_splits: int | None = None):
+        """The `dispatch.LaunchPlan` that `extend` / `draft_block` run for a call of `shape` (a
+        dispatch.AttentionShape; sliding-window drafter layers aside) with `num_splits` or this backend's split
+        count: what a CUDA graph captured on this backend replays. Choosing the splits, ask after one call of
+        the shape (it compiles the kernel variant whose resident-program count picks them)."""
+        from ddtree.kernels.tree_attention import dispatch
+
+        why = self._reference_reason(shape.head_dim, device)
+        if why is not None:
+            return dispatch.reference_plan(why)
+        return dispatch.plan(shape, device, num_splits=num_splits or self.num_splits,
+                             triton_slots=lambda cfg: self._kernel.triton_slots(shape, cfg, device))
 
     def extend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         if self._use_reference(q):

@@ -130,17 +130,28 @@ def disable(err: BaseException) -> None:
 CHECKED_ON_DEVICE = {"dtypes": (torch.bfloat16,), "head_dims": (128,), "page_sizes": (16,)}
 
 
-def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_request: int) -> bool:
-    """Where the default path uses this kernel: Hopper, the dtype / head dim / page size in CHECKED_ON_DEVICE, and
-    rows per request (q tokens x GQA group) either > 32 (trees, chains) or <= DEFAULT.tail_n (decode: one
-    token's group, the swapped path). Rows in between stay with the Triton kernel's 16/32-row blocks."""
-    group = q.shape[1] // k_pool.shape[1]
-    return (not _disabled and triton.__version__.startswith(TRITON_VERSIONS)
-            and not envs.NO_HOPPER_ATTENTION.on() and q.is_cuda
-            and torch.cuda.get_device_capability(q.device) == (9, 0)
-            and k_pool.dtype in CHECKED_ON_DEVICE["dtypes"] and k_pool.shape[-1] in CHECKED_ON_DEVICE["head_dims"]
-            and page_size in CHECKED_ON_DEVICE["page_sizes"] and rows_supported(rows_per_request, group)
-            and k_pool.is_contiguous() and k_pool.data_ptr() % 16 == 0)
+def unsupported(shape, device: torch.device) -> str | None:
+    """Why the default path does not use this kernel for `shape` (a dispatch.AttentionShape), or None. It
+    does on Hopper for the dtype / head dim / page size in CHECKED_ON_DEVICE and rows per request (q tokens x
+    GQA group) either > 32 (trees, chains) or <= DEFAULT.tail_n (decode: one token's group, the swapped path);
+    rows in between stay with the Triton kernel's 16/32-row blocks."""
+    if _disabled:
+        return f"the Gluon kernel is unavailable: {_disabled[0]}"
+    if not triton.__version__.startswith(TRITON_VERSIONS):
+        return f"Gluon checked only with Triton {TRITON_VERSIONS}, not {triton.__version__}"
+    if envs.NO_HOPPER_ATTENTION.on():
+        return f"{envs.NO_HOPPER_ATTENTION.name} is set"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "not sm_90"
+    checked = CHECKED_ON_DEVICE
+    if (shape.dtype not in checked["dtypes"] or shape.head_dim not in checked["head_dims"]
+            or shape.page_size not in checked["page_sizes"]):
+        return f"{shape.dtype}, head dim {shape.head_dim}, page {shape.page_size}: not checked on the device"
+    if not rows_supported(shape.rows, shape.group):
+        return f"{shape.rows} rows per request (17..32 or a GQA group wider than the swapped tail)"
+    if not shape.pools_ok:
+        return "the KV pools are not contiguous and 16-byte aligned"
+    return None
 
 
 if not _disabled:  # Gluon imported

@@ -10,8 +10,7 @@ import torch
 
 from ddtree import envs
 
-_SLOTS: dict[tuple, int] = {}
-last_launch: dict = {}  # host-side record of the latest launch (config, num_splits, grid), for benchmarks
+_SLOTS: dict[tuple, int] = {}  # cache: resident programs per compiled variant (filled once per key)
 
 
 @dataclass(frozen=True)
