@@ -1,5 +1,5 @@
-"""The environment switches: every `DDTREE_*` name in the code, tests, bench/ and docs is in `envs.TABLE`, and
-only ddtree/envs.py reads one from `os.environ`."""
+"""The environment switches: every `DDTREE_*` name in the code, tests, bench/ and docs is in
+`envs.TABLE`, and only ddtree/envs.py reads one from `os.environ`."""
 
 import io
 import os
@@ -12,7 +12,8 @@ from ddtree import envs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = re.compile(r"(?<![A-Za-z0-9_$])\$?(DDTREE_[A-Z0-9_]+)")
-# an os.environ read with a literal name (get / [] / getenv); writes in tests (monkeypatch.setenv) are fine
+# an os.environ read with a literal name (get / [] / getenv); writes in tests (monkeypatch.setenv)
+# are fine
 RAW_READ = re.compile(r"(environ\.get\(|environ\[|getenv\()\s*[\"']DDTREE_")
 
 
@@ -24,14 +25,16 @@ def _files(exts):
 
 
 def env_names_in(path: str) -> set[str]:
-    """DDTREE_* names in a file's strings and comments (.py; Python identifiers such as DDTREE_FIELDS are not
-    environment variables) or its whole text (docs)."""
+    """DDTREE_* names in a file's strings and comments (.py; Python identifiers such as
+    DDTREE_FIELDS are not environment variables) or its whole text (docs)."""
     text = open(path, encoding="utf-8").read()
     if not path.endswith(".py"):
         return set(NAME.findall(text))
     found = set()
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        if tok.type in (tokenize.STRING, tokenize.COMMENT) or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
+        if tok.type in (tokenize.STRING, tokenize.COMMENT) or tok.type == getattr(
+            tokenize, "FSTRING_MIDDLE", -1
+        ):
             found |= set(NAME.findall(tok.string))
     return found
 
@@ -39,29 +42,38 @@ def env_names_in(path: str) -> set[str]:
 def test_every_ddtree_name_is_in_the_table():
     missing = {}
     for path in _files((".py", ".md")):
-        if os.path.exists(path) and path != os.path.abspath(__file__):  # its control uses made-up names
+        if os.path.exists(path) and path != os.path.abspath(
+            __file__
+        ):  # its control uses made-up names
             for name in env_names_in(path) - set(envs.TABLE):
                 missing.setdefault(name, []).append(os.path.relpath(path, ROOT))
     assert not missing, f"DDTREE_* names not in ddtree/envs.py TABLE: {missing}"
 
 
 def test_no_raw_environ_reads_outside_envs():
-    bad = [os.path.relpath(p, ROOT) for p in _files((".py",))
-           if p not in (os.path.join(ROOT, "ddtree", "envs.py"), os.path.abspath(__file__))
-           and RAW_READ.search(open(p).read())]
+    bad = [
+        os.path.relpath(p, ROOT)
+        for p in _files((".py",))
+        if p not in (os.path.join(ROOT, "ddtree", "envs.py"), os.path.abspath(__file__))
+        and RAW_READ.search(open(p).read())
+    ]
     assert not bad, f"read DDTREE_* switches through ddtree.envs, not os.environ: {bad}"
 
 
 def test_the_scan_can_fail(tmp_path):
     """Control: a name used only in a string is found; a Python identifier is not."""
     p = tmp_path / "x.py"
-    p.write_text('DDTREE_FIELDS = 1\nx = os.environ.get("DDTREE_NOT_A_SWITCH")  # see $DDTREE_CACHE\n')
+    p.write_text(
+        'DDTREE_FIELDS = 1\nx = os.environ.get("DDTREE_NOT_A_SWITCH")  # see $DDTREE_CACHE\n'
+    )
     assert env_names_in(str(p)) == {"DDTREE_NOT_A_SWITCH", "DDTREE_CACHE"}
     assert RAW_READ.search(p.read_text())
 
 
-@pytest.mark.parametrize("value,want", [("", False), ("0", False), ("off", False), ("No", False),
-                                        ("1", True), ("yes", True)])
+@pytest.mark.parametrize(
+    "value,want",
+    [("", False), ("0", False), ("off", False), ("No", False), ("1", True), ("yes", True)],
+)
 def test_flag_values(monkeypatch, value, want):
     monkeypatch.setenv(envs.NO_PDL.name, value)
     assert envs.NO_PDL.on() is want

@@ -1,32 +1,35 @@
 """CUDA graphs for the forwards of every round, one family each: the target verify (width n =
-max_verify_width, + the greedy accept walk), the commit, and the drafter block -> tree (width S = block_size).
-Each family (graph_buffers.py: `VerifyGraph`, `CommitGraph`; draft_graph.py: `DraftGraph`) owns its static
-buffers, its `load` and its `pad`; here are the padded batch buckets, the graphs per (padded batch, launch
-plan), their capture into one memory pool, the replay, and `CudaGraphRunner`, the face `ModelRunner` sees.
+max_verify_width, + the greedy accept walk), the commit, and the drafter block -> tree (width S =
+block_size). Each family (graph_buffers.py: `VerifyGraph`, `CommitGraph`; draft_graph.py:
+`DraftGraph`) owns its static buffers, its `load` and its `pad`; here are the padded batch buckets,
+the graphs per (padded batch, launch plan), their capture into one memory pool, the replay, and
+`CudaGraphRunner`, the face `ModelRunner` sees.
 
-KV splits. The Triton kernel is capturable because its launch shape depends only on host ints (batch, max
-q_len, num_splits), so the split count is fixed per graph, and no single count is right for all contexts: the
-count that fills the GPU at a long context (tens of splits for a small batch) makes a short-context round pay
-for mostly-empty programs, their partial writes and the combine; one split leaves a long context to a few dozen
-programs on 132 SMs. So the live max kv_len picks a bucket (<= 1k, 4k, 16k, max context) and each
-(bs, bucket) uses the kernel's own choice (`choose_num_splits`) at the bucket's upper bound: the attention
-backend's `launch_plan` for the family's attention shape there, asked after one eager call (which compiles the
-variant). That choice depends on the context only through its cap (>= 4 KV tiles per split for decode rows,
->= 6 for tree / chain rows), so it grows with the bucket (never decreasing) and then saturates: graphs are
-keyed by (bs, `LaunchPlan.capture_key` = split count and whether the Hopper kernel runs: the two paths choose
-their split counts differently, so an equal count alone does not mean the same launches) and buckets with equal plans share
-one. A live context gets its bucket top's count: never fewer splits than eager would pick, and the surplus is
-bounded by the bucket's width (4x in the middle buckets).
-An empty split (its tile range lies past the request's context) runs no loop iteration and stores lse = -inf;
-the combine gives it weight 0. Every real or padded row sees at least itself in some split, so no row is
-all -inf and the result equals the unsplit one up to rounding.
+KV splits. The Triton kernel is capturable because its launch shape depends only on host ints
+(batch, max q_len, num_splits), so the split count is fixed per graph, and no single count is right
+for all contexts: the count that fills the GPU at a long context (tens of splits for a small batch)
+makes a short-context round pay for mostly-empty programs, their partial writes and the combine; one
+split leaves a long context to a few dozen programs on 132 SMs. So the live max kv_len picks a
+bucket (<= 1k, 4k, 16k, max context) and each (bs, bucket) uses the kernel's own choice
+(`choose_num_splits`) at the bucket's upper bound: the attention backend's `launch_plan` for the
+family's attention shape there, asked after one eager call (which compiles the variant). That choice
+depends on the context only through its cap (>= 4 KV tiles per split for decode rows, >= 6 for tree
+/ chain rows), so it grows with the bucket (never decreasing) and then saturates: graphs are keyed
+by (bs, `LaunchPlan.capture_key` = split count and whether the Hopper kernel runs: the two paths
+choose their split counts differently, so an equal count alone does not mean the same launches) and
+buckets with equal plans share one. A live context gets its bucket top's count: never fewer splits
+than eager would pick, and the surplus is bounded by the bucket's width (4x in the middle buckets).
+An empty split (its tile range lies past the request's context) runs no loop iteration and stores
+lse = -inf; the combine gives it weight 0. Every real or padded row sees at least itself in some
+split, so no row is all -inf and the result equals the unsplit one up to rounding.
 
-Capture order: verify (largest batch first), commit, then the draft graphs, all in one memory pool. A graph-owned
-output may share memory with an intermediate of a graph captured earlier, so whatever is read after another
-graph's replay lives in static buffers outside the pool: the draft tree and logits (read by verify, the eager
-walk, the override), the verify logits and taps (read by sampling and the commit). Verify's own outputs (tokens,
-accept result) are read before the next verify and are only overwritten by graphs captured before them (whose
-replays never come between). All static outputs are valid until the next replay: read them within the round.
+Capture order: verify (largest batch first), commit, then the draft graphs, all in one memory pool.
+A graph-owned output may share memory with an intermediate of a graph captured earlier, so whatever
+is read after another graph's replay lives in static buffers outside the pool: the draft tree and
+logits (read by verify, the eager walk, the override), the verify logits and taps (read by sampling
+and the commit). Verify's own outputs (tokens, accept result) are read before the next verify and
+are only overwritten by graphs captured before them (whose replays never come between). All static
+outputs are valid until the next replay: read them within the round.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def ctx_bounds(top: int) -> list[int]:
 
 
 def make_graph_runner(runner) -> CudaGraphRunner | None:
-    """The capturing graph runner, or None (with the reason logged once) when this setup must stay eager."""
+    """The capturing graph runner, or None (with the reason logged once) when this setup must stay
+    eager."""
     why = None
     if runner.device.type != "cuda":
         why = f"the device is {runner.device.type}"
@@ -76,8 +80,8 @@ def make_graph_runner(runner) -> CudaGraphRunner | None:
 
 
 def capture_graph(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-    """(graph, outputs) of fn() captured into `pool`, after two warm-up calls on a side stream (Triton compiles
-    the variant, cuBLAS picks its kernels)."""
+    """(graph, outputs) of fn() captured into `pool`, after two warm-up calls on a side stream
+    (Triton compiles the variant, cuBLAS picks its kernels)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -100,25 +104,28 @@ def _draft_capturable(runner) -> str | None:
     if d is None:
         return "no drafter"
     if any(d.config.layer_window(i) is not None for i in range(d.config.num_hidden_layers)):
-        # sliding-window layers use the torch reference: a host loop over ctx_lens with per-request gathers
-        # whose shapes are the live context lengths, baked in at capture
-        return "the drafter has sliding-window layers (torch reference attention: data-dependent shapes)"
+        # sliding-window layers use the torch reference: a host loop over ctx_lens with per-request
+        # gathers whose shapes are the live context lengths, baked in at capture
+        return ("the drafter has sliding-window layers (torch reference attention: data-dependent "
+                "shapes)")
     if not _kernel_head_dim(d.config.head_dim):
         return f"the drafter head dim {d.config.head_dim} runs the torch reference"
     return None
 
 
 class GraphSet:
-    """One family's forward at a fixed width: graphs keyed by (padded batch, plan key), chosen per (bs, ctx
-    bucket). `forward(bs, backend, host_kv_lens)` runs on the family's static buffers and returns a tuple of
-    tensors; `shape(bs, bound)` is its attention calls' shape. Host lengths are compared with the context
-    buckets; a padded row's host length is `pad_len`."""
+    """One family's forward at a fixed width: graphs keyed by (padded batch, plan key), chosen per
+    (bs, ctx bucket). `forward(bs, backend, host_kv_lens)` runs on the family's static buffers and
+    returns a tuple of tensors; `shape(bs, bound)` is its attention calls' shape. Host lengths are
+    compared with the context buckets; a padded row's host length is `pad_len`."""
 
     def __init__(self, owner: CudaGraphRunner, forward, shape, top: int, pad_len: int):
         self.owner, self.forward, self.shape, self.pad_len = owner, forward, shape, pad_len
         self.bounds = ctx_bounds(top)
         self.plans: dict[tuple[int, int], tuple] = {}  # (bs, bound) -> LaunchPlan.capture_key
-        self.graphs: dict[tuple[int, tuple], tuple] = {}  # (bs, key) -> (graph or None, outputs, backend)
+        self.graphs: dict[
+            tuple[int, tuple], tuple
+        ] = {}  # (bs, key) -> (graph or None, outputs, backend)
 
     def build(self, buckets: list[int]) -> None:
         for bs in sorted(buckets, reverse=True):
@@ -128,8 +135,9 @@ class GraphSet:
                     self.graphs[(bs, key)] = self._capture(bs, key, bound)
 
     def probe(self, bs: int, bound: int) -> tuple:
-        """The backend's launch plan for bs rows of length <= bound, as its capture key. One eager call first
-        compiles the kernel variant whose resident-program count picks the split count."""
+        """The backend's launch plan for bs rows of length <= bound, as its capture key. One
+        eager call first compiles the kernel variant whose resident-program count picks the split
+        count."""
         backend = self.owner.runner.backend
         self.forward(bs, backend, [bound] * bs)
         return backend.launch_plan(self.shape(bs, bound), self.owner.runner.device).capture_key
@@ -146,21 +154,24 @@ class GraphSet:
         return b <= self.owner.buckets[-1] and host_max <= self.bounds[-1]
 
     def run(self, b: int, host_kv_lens: list[int]) -> tuple:
-        """Replay (without capture: run) the graph for b live rows of host lengths `host_kv_lens`."""
+        """Replay (without capture: run) the graph for b live rows of host lengths
+        `host_kv_lens`."""
         bs = self.owner.bucket(b)
         bound = self.bounds[bisect.bisect_left(self.bounds, max(host_kv_lens))]
         graph, out, backend = self.graphs[(bs, self.plans[(bs, bound)])]
-        if graph is None:  # the same padded static-shape path; the reference reads the live host lengths
+        if (
+            graph is None
+        ):  # the same padded static-shape path; the reference reads the live host lengths
             return self.forward(bs, backend, host_kv_lens + [self.pad_len] * (bs - b))
         graph.replay()
         return out
 
 
 class CudaGraphRunner:
-    """The graph families for `ModelRunner.verify` / `commit` / `draft` / `draft_tree`, their graphs, and the
-    round's hand-off between them (a commit replays only on the rows of the verify that replayed).
-    capture=False runs the same padded static-shape path eagerly (the CPU tests of everything but the capture
-    itself)."""
+    """The graph families for `ModelRunner.verify` / `commit` / `draft` / `draft_tree`, their
+    graphs, and the round's hand-off between them (a commit replays only on the rows of the verify
+    that replayed). capture=False runs the same padded static-shape path eagerly (the CPU tests of
+    everything but the capture itself)."""
 
     def __init__(self, runner, capture: bool = True, max_bs: int | None = None):
         self.runner, self.capture = runner, capture
@@ -171,14 +182,17 @@ class CudaGraphRunner:
         padding = Padding(runner, max_bs)
         self.verify_graph = v = VerifyGraph(runner, padding)
         self.verify_set = GraphSet(self, v.forward, v.attention_shape, cfg.max_context + v.n, v.n)
-        # commit (KV move + drafter context write) on the verify buffers: graphs keyed by padded batch only
+        # commit (KV move + drafter context write) on the verify buffers: graphs keyed by padded
+        # batch only
         self.commit_graph = CommitGraph(v) if v.accept_depth is not None else None
         self.commit_graphs: dict[int, object] = {}
         self._verified = 0  # live rows of the verify replay whose commit is pending (0: none)
 
         self.draft_graph: DraftGraph | None = None
-        self.draft_set: GraphSet | None = None  # the plain drafter block (hidden out), captured on first use
-        self.draft_sets: dict[tuple, GraphSet] = {}  # tree spec -> fused drafter block + LM head + tree build
+        self.draft_set: GraphSet | None = None
+        self.draft_sets: dict[
+            tuple, GraphSet
+        ] = {}  # tree spec -> fused drafter block + LM head + tree build
         self.tree_spec: tuple | None = None
         self._built = False
         why_eager = _draft_capturable(runner)
@@ -203,13 +217,19 @@ class CudaGraphRunner:
             self._draft_set(self.tree_spec)
         if self.capture:
             torch.cuda.synchronize()
-            logger.info("CUDA graphs captured: %d verify (batch sizes %s; verify width %d, LM head + argmax%s "
-                        "inside).", len(self.verify_set.graphs), self.buckets, self.verify_graph.n,
-                        " + accept walk" if self.commit_graph else "")
+            logger.info(
+                "CUDA graphs captured: %d verify (batch sizes %s; verify width %d, "
+                "LM head + argmax%s inside).",
+                len(self.verify_set.graphs),
+                self.buckets,
+                self.verify_graph.n,
+                " + accept walk" if self.commit_graph else "",
+            )
 
     @torch.inference_mode()
     def _draft_set(self, spec: tuple | None) -> GraphSet:
-        """The draft graphs for a tree spec (None: the plain block), built (captured) on first use."""
+        """The draft graphs for a tree spec (None: the plain block), built (captured) on
+        first use."""
         d, top = self.draft_graph, self.runner.cfg.max_context
         if spec is None:
             if self.draft_set is None:
@@ -220,57 +240,81 @@ class CudaGraphRunner:
         if gs is None:
             d.add_tree(spec)
             gs = self.draft_sets[spec] = GraphSet(
-                self, lambda bs, backend, host: d.tree_forward(spec, bs, backend, host), d.attention_shape, top, 0)
+                self,
+                lambda bs, backend, host: d.tree_forward(spec, bs, backend, host),
+                d.attention_shape,
+                top,
+                0,
+            )
             gs.build(self.buckets)
             if self.capture:
                 torch.cuda.synchronize()
-                logger.info("CUDA graphs captured: %d draft (block %d -> LM head -> %s).", len(gs.graphs), d.S,
-                            "chain" if spec[0] == "DFLASH" else f"tree B={spec[1]} top-k {spec[2]}"
-                            f"{' shadow-linear' if spec[3] else ''}")
+                logger.info(
+                    "CUDA graphs captured: %d draft (block %d -> LM head -> %s).",
+                    len(gs.graphs),
+                    d.S,
+                    "chain"
+                    if spec[0] == "DFLASH"
+                    else f"tree B={spec[1]} top-k {spec[2]}{' shadow-linear' if spec[3] else ''}",
+                )
         return gs
 
-    def set_tree_spec(self, algorithm: str, budget: int, topk_cap: int, shadow_linear: bool) -> None:
-        """The decoder's tree: its draft graphs run drafter -> tree in one replay (captured here, once per spec)."""
+    def set_tree_spec(
+        self, algorithm: str, budget: int, topk_cap: int, shadow_linear: bool
+    ) -> None:
+        """The decoder's tree: its draft graphs run drafter -> tree in one replay (captured here,
+        once per spec)."""
         if self.draft_graph is None or algorithm not in ("DFLASH", "DDTREE"):
             return
-        spec = ("DFLASH", 0, 0, False) if algorithm == "DFLASH" else ("DDTREE", budget, topk_cap, shadow_linear)
+        spec = (
+            ("DFLASH", 0, 0, False)
+            if algorithm == "DFLASH"
+            else ("DDTREE", budget, topk_cap, shadow_linear)
+        )
         self.tree_spec = spec
         if self._built:
             self._draft_set(spec)
 
-    # ---- verify ------------------------------------------------------------------------------------------
+    # ---- verify
+    # ------------------------------------------------------------------------------------------
     def can_verify(self, b: int, n: int, max_kv_len: int) -> bool:
-        """max_kv_len: the longest live request after this verify's write (= its cached tokens + n)."""
+        """max_kv_len: the longest live request after this verify's write (= its cached
+        tokens + n)."""
         return n == self.verify_graph.n and self.verify_set.fits(b, max_kv_len)
 
     def verify(self, meta, tree):
-        """meta: the round's RoundMeta (rows gathered after allocation). Returns (logits [b*n, V] in the LM
-        head's dtype, taps [b*n, K*H] or None, greedy tokens [b, n], the greedy accept walk or None when the
-        tree's depth bound is not the captured one)."""
+        """meta: the round's RoundMeta (rows gathered after allocation). Returns (logits
+        [b*n, V] in the LM head's dtype, taps [b*n, K*H] or None, greedy tokens [b, n], the greedy
+        accept walk or None when the tree's depth bound is not the captured one)."""
         v = self.verify_graph
         b = v.load(meta, tree)
         out = self.verify_set.run(b, [k + v.n for k in meta.kv_lens])
         self._verified = b
         return v.outputs(out, b, tree.depth_bound)
 
-    # ---- commit ------------------------------------------------------------------------------------------
+    # ---- commit
+    # ------------------------------------------------------------------------------------------
     def drop_pending_commit(self) -> None:
         """The round's verify ran eagerly: no replayed verify rows await a commit."""
         self._verified = 0
 
     def can_commit(self, path: torch.Tensor, taps) -> bool:
-        """This round's verify replayed here (its rows, lengths and taps are still in the static buffers)."""
+        """This round's verify replayed here (its rows, lengths and taps are still in the static
+        buffers)."""
         v = self.verify_graph
-        ok = (self.commit_graph is not None and self._verified == path.shape[0]
-              and path.shape[1] == v.accept_depth + 1
-              and (taps is None or (v.taps is not None and taps.data_ptr() == v.taps.data_ptr())))
+        ok = (
+            self.commit_graph is not None
+            and self._verified == path.shape[0]
+            and path.shape[1] == v.accept_depth + 1
+            and (taps is None or (v.taps is not None and taps.data_ptr() == v.taps.data_ptr()))
+        )
         if not ok:
             self.drop_pending_commit()
         return ok
 
     def commit(self, path: torch.Tensor, accept_length: torch.Tensor) -> None:
-        """`ModelRunner.commit_kv` for the rows of this round's verify replay; padded rows commit nothing (their
-        moves stay in the scratch pages)."""
+        """`ModelRunner.commit_kv` for the rows of this round's verify replay; padded rows commit
+        nothing (their moves stay in the scratch pages)."""
         self.drop_pending_commit()
         bs = self.bucket(self.commit_graph.load(path, accept_length))
         graph = self.commit_graphs.get(bs)
@@ -279,21 +323,29 @@ class CudaGraphRunner:
         else:
             graph.replay()
 
-    # ---- draft -------------------------------------------------------------------------------------------
+    # ---- draft
+    # -------------------------------------------------------------------------------------------
     def can_draft(self, b: int, block_size: int, max_ctx_len: int) -> bool:
-        return (self.draft_graph is not None and block_size == self.draft_graph.S and b <= self.buckets[-1]
-                and max_ctx_len <= self.runner.cfg.max_context)
+        return (
+            self.draft_graph is not None
+            and block_size == self.draft_graph.S
+            and b <= self.buckets[-1]
+            and max_ctx_len <= self.runner.cfg.max_context
+        )
 
     def draft(self, meta, roots: torch.Tensor) -> torch.Tensor:
-        """Returns the drafter's final hidden [b, S, H] for the round's blocks (the plain block graph)."""
+        """Returns the drafter's final hidden [b, S, H] for the round's blocks (the plain block
+        graph)."""
         gs = self._draft_set(None)
         b = self.draft_graph.load(meta, roots)
         (hidden,) = gs.run(b, list(meta.kv_lens))
         return hidden[:b]
 
-    def draft_tree(self, meta, roots: torch.Tensor, depth_limits: list[int] | None) -> tuple[torch.Tensor, DraftTree]:
-        """One replay from the roots to the round's tree (the decoder's spec). depth_limits: per-request depth
-        limits (None: all D). Returns (drafter logits [b, D, V], the tree)."""
+    def draft_tree(
+        self, meta, roots: torch.Tensor, depth_limits: list[int] | None
+    ) -> tuple[torch.Tensor, DraftTree]:
+        """One replay from the roots to the round's tree (the decoder's spec). depth_limits:
+        per-request depth limits (None: all D). Returns (drafter logits [b, D, V], the tree)."""
         gs = self._draft_set(self.tree_spec)
         b = self.draft_graph.load(meta, roots, depth_limits)
         gs.run(b, list(meta.kv_lens))

@@ -1,22 +1,24 @@
-"""The verify and commit graph families: each owns its static buffers, how a round's live data is loaded
-into them (`load`), how rows return to the padding state (`pad`), and the forward a graph captures
-(`forward`). The draft family is in ddtree/engine/draft_graph.py; `CudaGraphRunner` (cuda_graph.py) captures
-and replays them.
+"""The verify and commit graph families: each owns its static buffers, how a round's live data is
+loaded into them (`load`), how rows return to the padding state (`pad`), and the forward a graph
+captures (`forward`). The draft family is in ddtree/engine/draft_graph.py; `CudaGraphRunner`
+(cuda_graph.py) captures and replays them.
 
-Static inputs are sized for the largest captured batch M; a graph for padded batch bs reads the first bs
-rows. `load` writes the live rows [0, b) and returns rows [b, previous b) to the padding state: a padded
-request caches n tokens of its own (kv_len = n, no context), sees only itself (identity tree mask; an empty
-drafter context), and writes its K/V into the runner's scratch pages, which the block manager never hands
-out. So padding never touches a real request's KV and never yields a row with nothing visible (no NaN).
+Static inputs are sized for the largest captured batch M; a graph for padded batch bs reads the
+first bs rows. `load` writes the live rows [0, b) and returns rows [b, previous b) to the padding
+state: a padded request caches n tokens of its own (kv_len = n, no context), sees only itself
+(identity tree mask; an empty drafter context), and writes its K/V into the runner's scratch pages,
+which the block manager never hands out. So padding never touches a real request's KV and never
+yields a row with nothing visible (no NaN).
 
 What a replay covers (nothing in between needs the host):
-  - verify: target forward -> target LM head on all padded rows (into one static logits buffer shared by
-    every graph) -> greedy argmax per node -> the accept walk on the static tree (parents / depths / valid).
-    The decoder uses the in-graph walk when every request is greedy and no `target_override` is set;
-    otherwise it samples from the logits and walks eagerly.
-  - commit: the KV move of the accepted path and the drafter-context write (`ModelRunner.commit_kv`) on the
-    verify graph's static rows / lengths / taps, graphs keyed by padded batch (padded rows: path 0, length
-    0, their moves and writes stay in the scratch pages). Used whenever the round's verify replayed.
+  - verify: target forward -> target LM head on all padded rows (into one static logits buffer
+    shared by every graph) -> greedy argmax per node -> the accept walk on the static tree (parents
+    / depths / valid). The decoder uses the in-graph walk when every request is greedy and no
+    `target_override` is set; otherwise it samples from the logits and walks eagerly.
+  - commit: the KV move of the accepted path and the drafter-context write (`ModelRunner.commit_kv`)
+    on the verify graph's static rows / lengths / taps, graphs keyed by padded batch (padded rows:
+    path 0, length 0, their moves and writes stay in the scratch pages). Used whenever the round's
+    verify replayed.
 """
 
 from __future__ import annotations
@@ -30,14 +32,18 @@ from ddtree.speculative.tree import DraftTree
 
 
 class Padding:
-    """Block-table rows and KV slots of a padded request: the runner's scratch pages, shared by every family."""
+    """Block-table rows and KV slots of a padded request: the runner's scratch pages, shared by
+    every family."""
 
     def __init__(self, runner, max_bs: int):
         dev, P = runner.device, runner.bm.max_pages_per_req
         self.page_size = runner.cfg.page_size
         self.scratch = torch.tensor(runner.scratch_pages, dtype=torch.int64, device=dev)
-        self.rows = self.scratch[torch.arange(P, device=dev) % len(self.scratch)].expand(max_bs, P).clone(
-            memory_format=torch.contiguous_format)
+        self.rows = (
+            self.scratch[torch.arange(P, device=dev) % len(self.scratch)]
+            .expand(max_bs, P)
+            .clone(memory_format=torch.contiguous_format)
+        )
         self.max_bs = max_bs
 
     def slots(self, width: int) -> torch.Tensor:
@@ -48,7 +54,8 @@ class Padding:
 
 
 class VerifyGraph:
-    """Tree verify at width n = max_verify_width (+ the greedy accept walk when the tree has depth)."""
+    """Tree verify at width n = max_verify_width (+ the greedy accept walk when the tree has
+    depth)."""
 
     def __init__(self, runner, padding: Padding):
         self.runner = runner
@@ -56,8 +63,11 @@ class VerifyGraph:
         head = runner.target.lm_head.weight
         n = self.n = cfg.max_verify_width
         self.pad_rows, self.pad_slots = padding.rows, padding.slots(n)
-        self.pad_mask = torch.eye(n, dtype=torch.bool, device=dev).expand(M, n, n).clone(
-            memory_format=torch.contiguous_format)
+        self.pad_mask = (
+            torch.eye(n, dtype=torch.bool, device=dev)
+            .expand(M, n, n)
+            .clone(memory_format=torch.contiguous_format)
+        )
         self.ids = torch.zeros(M * n, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(M * n, dtype=torch.int64, device=dev)
         self.slots = self.pad_slots.clone()
@@ -66,25 +76,43 @@ class VerifyGraph:
         self.mask = self.pad_mask.clone()
         self.indptr = torch.arange(0, (M + 1) * n, n, device=dev)
         self.arange = torch.arange(n, device=dev)
-        # the tree fields the in-graph accept walk reads (padding rows: no drafted node, nothing accepted)
+        # the tree fields the in-graph accept walk reads (padding rows: no drafted node, nothing
+        # accepted)
         self.parents = torch.full((M, n), -1, dtype=torch.int64, device=dev)
         self.depths = torch.zeros(M, n, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(M, n, dtype=torch.bool, device=dev)
-        self.logits = torch.empty(M * n, head.shape[0], dtype=head.dtype, device=dev)  # one for every graph
+        self.logits = torch.empty(
+            M * n, head.shape[0], dtype=head.dtype, device=dev
+        )  # one for every graph
         K = len(runner.tap_layers)
-        self.taps = (torch.zeros(M * n, K * runner.target.config.hidden_size, dtype=head.dtype, device=dev)
-                     if K else None)
-        # depth bound of the trees the decoder verifies (drafted block minus its root); the walk needs n > 1
+        self.taps = (
+            torch.zeros(M * n, K * runner.target.config.hidden_size, dtype=head.dtype, device=dev)
+            if K
+            else None
+        )
+        # depth bound of the trees the decoder verifies (drafted block minus its root); the walk
+        # needs n > 1
         self.accept_depth = cfg.block_size - 1 if n > 1 and cfg.block_size > 1 else None
         self.live = 0  # leading rows that may hold live data (the rest are in the padding state)
 
     @staticmethod
     def shape_of(runner, bs: int, n: int, bound: int) -> AttentionShape:
-        """The shape of a target tree-verify attention call: bs rows of n nodes, host KV lengths <= bound."""
+        """The shape of a target tree-verify attention call: bs rows of n nodes, host KV lengths <=
+        bound."""
         t, k_pool = runner.target.config, runner.kv.layer(0)[0]
-        return AttentionShape(bs, n, bound, t.num_attention_heads, t.num_key_value_heads, t.head_dim,
-                              runner.cfg.page_size, k_pool.dtype, MODES["tree"], False,
-                              k_pool.is_contiguous() and k_pool.data_ptr() % 16 == 0)
+        return AttentionShape(
+            bs,
+            n,
+            bound,
+            t.num_attention_heads,
+            t.num_key_value_heads,
+            t.head_dim,
+            runner.cfg.page_size,
+            k_pool.dtype,
+            MODES["tree"],
+            False,
+            k_pool.is_contiguous() and k_pool.data_ptr() % 16 == 0,
+        )
 
     def attention_shape(self, bs: int, bound: int) -> AttentionShape:
         """The shape of every target attention call of `forward(bs, ., [bound] * bs)`."""
@@ -103,7 +131,8 @@ class VerifyGraph:
         self.valid[lo:hi].zero_()
 
     def load(self, meta, tree: DraftTree) -> int:
-        """The round's rows (meta: RoundMeta after allocation) and tree; returns the live batch b."""
+        """The round's rows (meta: RoundMeta after allocation) and tree; returns the live
+        batch b."""
         b, n = tree.tokens.shape
         T = b * n
         if b < self.live:  # rows that held live data last time return to the padding state
@@ -125,8 +154,13 @@ class VerifyGraph:
     def forward(self, bs: int, backend, host_kv_lens: list[int]) -> tuple:
         n, T = self.n, bs * self.n
         meta = AttentionMetadata(
-            q_lens=[n] * bs, kv_lens=host_kv_lens, qo_indptr=self.indptr[: bs + 1], kv_lens_t=self.kv_lens[:bs],
-            block_table=self.rows[:bs], slot_mapping=self.slots[:T], page_size=self.runner.cfg.page_size,
+            q_lens=[n] * bs,
+            kv_lens=host_kv_lens,
+            qo_indptr=self.indptr[: bs + 1],
+            kv_lens_t=self.kv_lens[:bs],
+            block_table=self.rows[:bs],
+            slot_mapping=self.slots[:T],
+            page_size=self.runner.cfg.page_size,
             tree_mask=self.mask[:bs],
         )
         hidden, taps = self.runner.target_forward(self.ids[:T], self.pos[:T], meta, backend)
@@ -135,16 +169,24 @@ class VerifyGraph:
         logits = self.runner.target.logits(hidden)
         self.logits[:T].copy_(logits)
         tokens = logits.view(bs, n, -1).argmax(-1)
-        # logits and taps are read from self.logits / self.taps (a graph-owned copy would hold memory per graph)
+        # logits and taps are read from self.logits / self.taps (a graph-owned copy would hold
+        # memory per graph)
         if self.accept_depth is None:
             return (tokens,)
-        tree = DraftTree(self.ids[:T].view(bs, n), self.parents[:bs], self.depths[:bs], self.valid[:bs],
-                         self.mask[:bs], self.accept_depth)
+        tree = DraftTree(
+            self.ids[:T].view(bs, n),
+            self.parents[:bs],
+            self.depths[:bs],
+            self.valid[:bs],
+            self.mask[:bs],
+            self.accept_depth,
+        )
         res = accept_tree(tree, tokens)
         return tokens, res.accept_length, res.path, res.out_tokens, res.num_out, res.last_node
 
     def outputs(self, out: tuple, b: int, depth_bound: int):
-        """(logits [b*n, V], taps or None, greedy tokens [b, n], the accept walk or None) of a replay."""
+        """(logits [b*n, V], taps or None, greedy tokens [b, n], the accept walk or None) of a
+        replay."""
         T = b * self.n
         taps = self.taps[:T] if self.taps is not None else None
         res = None
@@ -154,7 +196,8 @@ class VerifyGraph:
 
 
 class CommitGraph:
-    """`ModelRunner.commit_kv` on the verify graph's rows, lengths and taps: the accepted path and length."""
+    """`ModelRunner.commit_kv` on the verify graph's rows, lengths and taps: the accepted path and
+    length."""
 
     def __init__(self, verify: VerifyGraph):
         self.verify, self.runner = verify, verify.runner
@@ -179,4 +222,6 @@ class CommitGraph:
     def forward(self, bs: int) -> None:
         v, n = self.verify, self.verify.n
         taps = v.taps[: bs * n].view(bs, n, -1) if v.taps is not None else None
-        self.runner.commit_kv(v.kv_lens[:bs] - n, v.rows[:bs], self.path[:bs], self.length[:bs], taps)
+        self.runner.commit_kv(
+            v.kv_lens[:bs] - n, v.rows[:bs], self.path[:bs], self.length[:bs], taps
+        )

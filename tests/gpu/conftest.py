@@ -1,5 +1,5 @@
-"""tests/gpu: correctness on the device, behind the `gpu` marker (python3 -m pytest -m gpu tests/gpu -q).
-Every test here is marked `gpu` and skipped without CUDA."""
+"""tests/gpu: correctness on the device, behind the `gpu` marker (python3 -m pytest -m gpu tests/gpu
+-q). Every test here is marked `gpu` and skipped without CUDA."""
 
 import pytest
 import torch
@@ -16,7 +16,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _cuda_clean():
-    """Each test frees its device memory (the engines and pools of one test are not the next one's)."""
+    """Each test frees its device memory (the engines and pools of one test are not the next
+    one's)."""
     yield
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
-"""CUDA graphs vs eager on the device, on the embedded pair: token-identical outputs for greedy AR (NONE),
-DFLASH and DDTREE, fp32 and bf16, batch 1 and a ragged batch of 5, and the graph path really replayed
-(verify; for DFLASH / DDTREE the fused draft -> tree and the in-graph accept walk). Formerly the check of
-bench/gpu_cuda_graphs.py, which now only times."""
+"""CUDA graphs vs eager on the device, on the embedded pair: token-identical outputs for greedy AR
+(NONE), DFLASH and DDTREE, fp32 and bf16, batch 1 and a ragged batch of 5, and the graph path really
+replayed (verify; for DFLASH / DDTREE the fused draft -> tree and the in-graph accept walk).
+Formerly the check of bench/gpu_cuda_graphs.py, which now only times."""
 
 import inspect
 import os
@@ -86,7 +86,7 @@ def test_graphs_match_eager(pair, dtype, algo, budget):
             bad = [i for i, (x, y) in enumerate(zip(eager, graph)) if x != y]
             if dtype == "float32":
                 assert not bad, f"b={b}: requests {bad} differ"
-            else:  # batch-shape-dependent bf16 rounding can flip a near-tie: at most one request of the batch
+            else:  # batch-shape-dependent bf16 rounding can flip a near-tie: at most one request
                 assert len(bad) <= max(1, b // 5), f"b={b}: requests {bad} differ"
     finally:
         runner.graphs = graphs

@@ -1,6 +1,6 @@
-"""The fused decoder-layer kernels (ddtree/kernels/fused) on the device against their references, at Qwen3-8B
-shapes (bf16), M = 1, 65, 520 tokens, and a 2-layer Qwen3-8B-shaped target forward through the model code.
-Formerly the check of bench/gpu_fused_kernels.py, which now only times."""
+"""The fused decoder-layer kernels (ddtree/kernels/fused) on the device against their references, at
+Qwen3-8B shapes (bf16), M = 1, 65, 520 tokens, and a 2-layer Qwen3-8B-shaped target forward through
+the model code. Formerly the check of bench/gpu_fused_kernels.py, which now only times."""
 
 import pytest
 import torch
@@ -35,21 +35,35 @@ def test_fused_kernels_match_reference(m):
     qkv = rnd(m, (HQ + 2 * HKV) * D, s=2.0)
     qw = (1 + 0.2 * torch.randn(D, generator=gen, device=dev)).to(dt)
     kw = (1 + 0.2 * torch.randn(D, generator=gen, device=dev)).to(dt)
-    cos, sin = RotaryEmbedding(D, 1e6).cos_sin(torch.randint(0, 40000, (m,), generator=gen, device=dev), dt)
+    cos, sin = RotaryEmbedding(D, 1e6).cos_sin(
+        torch.randint(0, 40000, (m,), generator=gen, device=dev), dt
+    )
     gu = rnd(m, 2 * INTER, s=2.0)
-    q, k = qkv[:, :HQ * D].view(-1, HQ, D), qkv[:, HQ * D:(HQ + HKV) * D].view(-1, HKV, D)
+    q, k = qkv[:, : HQ * D].view(-1, HQ, D), qkv[:, HQ * D : (HQ + HKV) * D].view(-1, HKV, D)
     bad = []
     for name, got, ref in (
         ("add_rmsnorm", tk.add_rmsnorm(x, res, w, EPS), R.add_rmsnorm_reference(x, res, w, EPS)),
         ("rmsnorm", tk.add_rmsnorm(x, None, w, EPS)[:1], (R.rmsnorm_reference(x, w, EPS),)),
-        ("add_rmsnorm(1+w)", tk.add_rmsnorm(x, res, w - 1, EPS, True),
-         R.add_rmsnorm_reference(x, res, w - 1, EPS, True)),
-        ("qk_norm_rope", tk.qk_norm_rope(q, k, qw, kw, cos, sin, EPS),
-         R.qk_norm_rope_reference(q, k, qw, kw, cos, sin, EPS)),
+        (
+            "add_rmsnorm(1+w)",
+            tk.add_rmsnorm(x, res, w - 1, EPS, True),
+            R.add_rmsnorm_reference(x, res, w - 1, EPS, True),
+        ),
+        (
+            "qk_norm_rope",
+            tk.qk_norm_rope(q, k, qw, kw, cos, sin, EPS),
+            R.qk_norm_rope_reference(q, k, qw, kw, cos, sin, EPS),
+        ),
         ("silu_mul", (tk.silu_mul(gu),), (R.silu_mul_reference(gu),)),
     ):
         for j, (g, r) in enumerate(zip(got, ref)):
-            assert g.shape == r.shape and g.dtype == r.dtype, (name, g.shape, r.shape, g.dtype, r.dtype)
+            assert g.shape == r.shape and g.dtype == r.dtype, (
+                name,
+                g.shape,
+                r.shape,
+                g.dtype,
+                r.dtype,
+            )
             mx, l2 = err(g, r)
             if not (mx < MAX_REL and l2 < L2_REL):
                 bad.append((f"{name}[{j}]", mx, l2))

@@ -1,7 +1,7 @@
-"""Gated DeltaNet kernels on the device against the PyTorch reference (ddtree/kernels/gdn): the Triton tree
-kernel (outputs and node states; chains, bushy and random trees, a padded request; fp32 and bf16) and the
-chunk-form tree verify (outputs and the accepted node's state). Formerly the checks of bench/gpu_gdn_tree.py
-sections (a) and (b), which now only time."""
+"""Gated DeltaNet kernels on the device against the PyTorch reference (ddtree/kernels/gdn): the
+Triton tree kernel (outputs and node states; chains, bushy and random trees, a padded request; fp32
+and bf16) and the chunk-form tree verify (outputs and the accepted node's state). Formerly the
+checks of bench/gpu_gdn_tree.py sections (a) and (b), which now only time."""
 
 import pytest
 import torch
@@ -16,7 +16,8 @@ def rel(a, b):
 
 
 def tree(b, n, kind, gen, dev):
-    """Depth-sorted parents (parent < child): chain, bushy or random; (parents, depths) on the device."""
+    """Depth-sorted parents (parent < child): chain, bushy or random; (parents, depths) on the
+    device."""
     parents = torch.full((b, n), -1, dtype=torch.int64)
     for r in range(b):
         for c in range(1, n):
@@ -73,9 +74,13 @@ def test_tree_chunk_matches_reference(b, with_state):
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(b)
     parents, depths = tree(b, 65, "bushy", gen, dev)
     q, k, v, g, beta, s0 = (t.float() for t in inputs(b, 65, torch.bfloat16, gen, dev))
-    ro, rst = reference.tree_gated_delta_rule(q, k, v, g, beta, parents, depths, s0, return_node_states=True)
+    ro, rst = reference.tree_gated_delta_rule(
+        q, k, v, g, beta, parents, depths, s0, return_node_states=True
+    )
     last = torch.randint(0, 65, (b,), generator=gen).to(dev)
-    o, st = tree_chunk_gated_delta_rule(q, k, v, g, beta, parents, depths, s0, last=last if with_state else None)
+    o, st = tree_chunk_gated_delta_rule(
+        q, k, v, g, beta, parents, depths, s0, last=last if with_state else None
+    )
     assert torch.isfinite(o).all() and rel(o, ro) < 1e-4
     if with_state:
         assert rel(st, rst[torch.arange(b, device=dev), last]) < 1e-4

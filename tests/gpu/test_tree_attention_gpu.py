@@ -1,7 +1,8 @@
-"""Tree attention on the device: the Triton kernel and the Gluon (sm_90) kernel against the PyTorch reference
-on random ragged batches (trees, causal chains, decode, prefill; contexts up to 32k; pages of 16 and 1), output
-poisoned with NaN first, at the serving shape (32 query heads, 8 KV heads, head dim 128, bf16). Formerly the
-correctness passes of bench/gpu_tree_attention.py and bench/gpu_tree_attention_hopper.py."""
+"""Tree attention on the device: the Triton kernel and the Gluon (sm_90) kernel against the PyTorch
+reference on random ragged batches (trees, causal chains, decode, prefill; contexts up to 32k; pages
+of 16 and 1), output poisoned with NaN first, at the serving shape (32 query heads, 8 KV heads, head
+dim 128, bf16). Formerly the correctness passes of bench/gpu_tree_attention.py and
+bench/gpu_tree_attention_hopper.py."""
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ CASES = [  # (q_lens, kv_lens, page, tree)
     ([16, 16], [20000, 16], 16, False),
     ([512, 37, 1], [512, 4000, 70], 16, False),
     ([9, 9], [5000, 700], 1, True),
-    # one-node tails (rows = 64 k + 4) beside full blocks, so the swapped tail block runs next to the 64-row path
+    # one-node tails (rows = 64 k + 4) beside full blocks, so the swapped tail block runs next to
+    # the 64-row path
     ([40, 33], [9000, 5000], 16, False),
     ([17, 33, 80], [3000, 17000 + 33, 900], 16, False),
     ([66, 65, 80, 17], [20000, 7000 + 65, 1000, 17], 16, True),
@@ -62,9 +64,19 @@ def problem(q_lens, kv_lens, page, tree, seed):
                 m[c] |= m[int(torch.randint(0, c, (1,), generator=gen))]
             mask[i] = m
         mask = mask.to(dev)
-    return dict(q=q, k_pool=k_pool, v_pool=v_pool, block_table=table.to(dev), qo_indptr=indptr.to(dev),
-                kv_lens=torch.tensor(kv_lens, device=dev), page_size=page, scale=D ** -0.5,
-                max_q_len=max(q_lens), max_kv_len=max(kv_lens), tree_mask=mask)
+    return dict(
+        q=q,
+        k_pool=k_pool,
+        v_pool=v_pool,
+        block_table=table.to(dev),
+        qo_indptr=indptr.to(dev),
+        kv_lens=torch.tensor(kv_lens, device=dev),
+        page_size=page,
+        scale=D**-0.5,
+        max_q_len=max(q_lens),
+        max_kv_len=max(kv_lens),
+        tree_mask=mask,
+    )
 
 
 def run(p, **kw):
@@ -73,9 +85,27 @@ def run(p, **kw):
 
     k = _kernel()
     out = torch.full_like(p["q"], float("nan"))
-    pos = [p[n] for n in ("q", "k_pool", "v_pool", "block_table", "qo_indptr", "kv_lens", "page_size", "scale")]
-    _, plan = k.paged_attention_plan(*pos, max_q_len=p["max_q_len"], max_kv_len=p["max_kv_len"],
-                                     tree_mask=p["tree_mask"], out=out, **kw)
+    pos = [
+        p[n]
+        for n in (
+            "q",
+            "k_pool",
+            "v_pool",
+            "block_table",
+            "qo_indptr",
+            "kv_lens",
+            "page_size",
+            "scale",
+        )
+    ]
+    _, plan = k.paged_attention_plan(
+        *pos,
+        max_q_len=p["max_q_len"],
+        max_kv_len=p["max_kv_len"],
+        tree_mask=p["tree_mask"],
+        out=out,
+        **kw,
+    )
     ref = paged_attention_reference(p["q"].float(), *pos[1:], tree_mask=p["tree_mask"])
     assert torch.isfinite(out).all(), "unwritten or NaN output rows"
     return rel(out, ref), plan
@@ -92,15 +122,21 @@ def test_triton_kernel_matches_reference(ci, splits):
 def _hopper_configs():
     from ddtree.kernels.tree_attention.hopper import HopperConfig
 
-    return [HopperConfig(), HopperConfig(128, 128, 3), HopperConfig(128, 64, 3), HopperConfig(tail_n=0),
-            HopperConfig(masked_tail=False)]
+    return [
+        HopperConfig(),
+        HopperConfig(128, 128, 3),
+        HopperConfig(128, 64, 3),
+        HopperConfig(tail_n=0),
+        HopperConfig(masked_tail=False),
+    ]
 
 
 @pytest.mark.parametrize("variant", ["default", "splits 3", "splits 7", "configs"])
 @pytest.mark.parametrize("ci", [i for i, c in enumerate(CASES) if c[2] == 16])
 def test_hopper_kernel_matches_reference(ci, variant):
-    """The default dispatch (the Gluon kernel where `hopper.unsupported` gives no reason), forced split counts,
-    and every timed HopperConfig (masked_tail=False needs 64-row blocks: > 32 rows)."""
+    """The default dispatch (the Gluon kernel where `hopper.unsupported` gives no reason),
+    forced split counts, and every timed HopperConfig (masked_tail=False needs 64-row blocks: > 32
+    rows)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is sm_90 only")
     q_lens, kv_lens, page, tree = CASES[ci]
@@ -109,7 +145,11 @@ def test_hopper_kernel_matches_reference(ci, variant):
         for cfg in _hopper_configs():
             if cfg.masked_tail or max(q_lens) * HQ // HKV > 32:
                 err, plan = run(p, hopper_ctx=cfg)
-                assert plan.kernel == "hopper" and plan.hopper == cfg and err < TOL, (cfg, plan, err)
+                assert plan.kernel == "hopper" and plan.hopper == cfg and err < TOL, (
+                    cfg,
+                    plan,
+                    err,
+                )
         return
     splits = None if variant == "default" else int(variant.split()[1])
     err, plan = run(p, num_splits=splits, hopper_ctx=True)
@@ -118,8 +158,9 @@ def test_hopper_kernel_matches_reference(ci, variant):
 
 
 def test_default_dispatch_takes_the_gluon_kernel_on_h200():
-    """On the H200 (sm_90, Triton 3.6) the default plan of a 65-node tree and of decode is the Gluon kernel:
-    a dispatch that silently fell back would pass the comparisons above on the Triton kernel alone."""
+    """On the H200 (sm_90, Triton 3.6) the default plan of a 65-node tree and of decode is the Gluon
+    kernel: a dispatch that silently fell back would pass the comparisons above on the Triton kernel
+    alone."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 only")
     for q_lens, kv_lens, tree in (([65], [16384 + 65], True), ([1, 1], [4096, 900], False)):
@@ -128,11 +169,23 @@ def test_default_dispatch_takes_the_gluon_kernel_on_h200():
 
 
 def test_graph_replay_matches_eager():
-    """The default launch replayed from a CUDA graph (the merge as a programmatic dependent there too) equals
-    the eager call, after other inputs ran in between."""
+    """The default launch replayed from a CUDA graph (the merge as a programmatic dependent there
+    too) equals the eager call, after other inputs ran in between."""
     k = _kernel()
     p = problem([65, 1], [16384 + 65, 3000], 16, True, 3)
-    pos = [p[n] for n in ("q", "k_pool", "v_pool", "block_table", "qo_indptr", "kv_lens", "page_size", "scale")]
+    pos = [
+        p[n]
+        for n in (
+            "q",
+            "k_pool",
+            "v_pool",
+            "block_table",
+            "qo_indptr",
+            "kv_lens",
+            "page_size",
+            "scale",
+        )
+    ]
     kw = dict(max_q_len=p["max_q_len"], max_kv_len=p["max_kv_len"], tree_mask=p["tree_mask"])
     eager = k.paged_attention(*pos, **kw)
     out = torch.empty_like(eager)
