@@ -1,8 +1,9 @@
 """`--attention-backend triton`: our split-KV paged kernel for decode, chain/tree verify and causal extend.
 
 Dispatch: every extend shape (q = 1 decode, verify with a tree mask, causal chain, ragged prefill) goes
-through one kernel, `ddtree.kernels.tree_attention.triton.paged_attention`; its launch config is picked from
-the rows per request (q tokens x GQA group). `draft_block` runs the same kernel with the block's K/V passed
+through one kernel, `ddtree.kernels.tree_attention.triton.paged_attention`; its launch plan (kernel, tiles,
+splits, PDL) comes from `kernels/tree_attention/dispatch.py`, and `launch_plan` gives the graph runner the
+plan of a shape (what a captured graph replays). `draft_block` runs the same kernel with the block's K/V passed
 alongside (never stored), except for sliding-window layers, which use the torch reference.
 
 Falls back to the torch reference when DDTREE_FORCE_REFERENCE_ATTENTION=1, or when the tensors are on the CPU

@@ -32,8 +32,9 @@ oracle). With masked_tail=False the Triton kernel runs the last split instead (m
 Rows past the request's length in a tile read finite pool data (the engine's pools are zero-initialised) that
 the mask gives weight 0. Written for sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8
 and divides or is divided by 64 (TMA boxes of min(page, 64) rows) and no `new_kv` (the drafter's block); the
-default path uses it where `supported` says: the CHECKED_ON_DEVICE shapes, and > 32 rows per request (trees,
-chains) or <= tail_n (decode, all swapped: 4k 10.7 vs 14.1 us, ragged b = 8 69 vs 105 us; BENCHMARKS.md).
+default plan (dispatch.py) uses it where `unsupported` gives no reason: the CHECKED_ON_DEVICE shapes, and
+> 32 rows per request (trees, chains) or <= tail_n (decode, all swapped: 4k 10.7 vs 14.1 us, ragged b = 8
+69 vs 105 us; BENCHMARKS.md).
 `DDTREE_NO_HOPPER_ATTENTION=1` turns it off (the Triton kernel then does everything);
 DDTREE_FORCE_REFERENCE_ATTENTION=1 still replaces both with the PyTorch reference.
 """
