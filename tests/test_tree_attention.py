@@ -365,3 +365,34 @@ def test_hopper_row_gate():
     assert not hopper.rows_supported(16, 16)  # GQA 16: a token's group is wider than tail_n
     assert not hopper.rows_supported(0, 4)
     assert hopper.tail_n(hopper.HopperConfig(tail_n=0), 4) == 0 and not hopper.rows_supported(12, 4)
+
+
+def test_dispatch_plan_is_frozen_and_names_its_fallback(monkeypatch):
+    """The dispatcher's plan: hashable (graphs key on it), the Gluon kernel refused with a reason for the
+    drafter block, one split, the env switch and the device; no launch needed."""
+    import dataclasses
+
+    from ddtree import envs
+    from ddtree.kernels.tree_attention import dispatch
+
+    hop = kernel_module.hopper
+    monkeypatch.setattr(hop, "_disabled", [])  # as where Gluon imports
+    cpu = torch.device("cpu")
+    tree = dispatch.AttentionShape(2, 65, 4096, 32, 8, 128, 16, torch.bfloat16, dispatch.MODES["tree"])
+    p = dispatch.plan(tree, cpu, triton_slots=lambda cfg: 264)
+    assert p.kernel == "triton" and p.fallback == "not sm_90" and p.num_splits > 1 and not p.pdl
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.num_splits = 3
+    assert {p: 1}[dispatch.plan(tree, cpu, triton_slots=lambda cfg: 264)] == 1  # equal plans, one key
+    block = dataclasses.replace(tree, new_kv=True)
+    assert "alongside" in dispatch.plan(block, cpu, triton_slots=lambda cfg: 264).fallback
+    assert dispatch.plan(tree, cpu, num_splits=1).fallback == "one split asked for"
+    monkeypatch.setenv(envs.NO_HOPPER_ATTENTION.name, "1")
+    assert envs.NO_HOPPER_ATTENTION.name in hop.unsupported(tree, cpu)
+    monkeypatch.delenv(envs.NO_HOPPER_ATTENTION.name)
+    monkeypatch.setattr(hop, "unsupported", lambda shape, device: None)
+    monkeypatch.setattr(hop, "sm_count", lambda device: 132)
+    g = dispatch.plan(tree, cpu)
+    assert g.kernel == "hopper" and g.hopper == hop.config_for(tree.rows) and g.fallback is None
+    assert g.capture_key == (g.num_splits, True) and g.num_splits >= 2
+    assert dispatch.plan(tree, cpu, num_splits=1).kernel == "triton"  # one split: no partials, no Gluon
