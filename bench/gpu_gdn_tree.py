@@ -15,6 +15,7 @@ Qwen3.6-27B-shaped GDN layer (config: Hk=16, Hv=48, dk=dv=128, conv kernel 4; 48
     state, and the full verify + commit per layer for both strategies (with (b)'s verify times).
 (d) fla chunk (prefill: varlen, initial states) and fused recurrent (decode, continuing from the chunk's final
     state) vs the reference: rel err and time.
+    (The pass / fail checks of (b) and (d) are also tests/gpu/test_gdn_gpu.py.)
 (e) the toy hybrid pair on the GPU in fp32: DFLASH and DDTREE (B=16, both strategies) token-identical to AR.
 Each section catches its own failure; the exit code is 1 if any check failed or crashed.
 """

@@ -84,3 +84,26 @@ def test_tree_chunk_matches_reference(b, with_state):
     assert torch.isfinite(o).all() and rel(o, ro) < 1e-4
     if with_state:
         assert rel(st, rst[torch.arange(b, device=dev), last]) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunk_and_recurrent_dispatch_match_reference(dtype):
+    """Prefill (varlen chunk rule, initial states) and decode continuing from its final state,
+    through the dispatch (fla on CUDA where installed, else the reference), against the reference.
+    Formerly section (d) of bench/gpu_gdn_tree.py (which still times it)."""
+    from ddtree.kernels.gdn import dispatch, reference
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(11)
+    lens = [1000, 37, 3059]
+    q, k, v, g, beta, _ = inputs(1, sum(lens), dtype, gen, dev)
+    s0 = (torch.randn(len(lens), HV, DK, DV, generator=gen) * 0.1).to(dev)
+    cu = torch.tensor([0, *lens], device=dev).cumsum(0)
+    o, S = dispatch.chunk_rule(q, k, v, g, beta, s0, cu_seqlens=cu)
+    ro, rS = reference.gated_delta_rule_chunked(q, k, v, g, beta, s0, cu_seqlens=cu)
+    nq, nk, nv, ng, nb, _ = inputs(len(lens), 1, dtype, gen, dev)
+    od, Sd = dispatch.recurrent_rule(nq, nk, nv, ng, nb, S)
+    rod, rSd = reference.gated_delta_rule_recurrent(nq, nk, nv, ng, nb, rS)
+    tol = 5e-3 if dtype == torch.float32 else 3e-2  # fla's chunk dots run in tf32 on fp32 inputs
+    errs = {"prefill_out": rel(o, ro), "prefill_state": rel(S, rS), "decode_out": rel(od, rod),
+            "decode_state": rel(Sd, rSd)}
+    assert torch.isfinite(Sd).all() and all(e < tol for e in errs.values()), errs
