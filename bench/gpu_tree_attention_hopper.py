@@ -23,8 +23,9 @@ from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
 
 T0 = time.time()
-# Hopper-kernel configs timed beside the default dispatch (hopper.config_for; correctness: tests/gpu): 64-row blocks (DEFAULT), two warpgroups with 128- or 64-wide tiles, and tail_n=0 (the
-# kernel before the swapped tail block)
+# Hopper-kernel configs timed beside the default dispatch (hopper.config_for; correctness: tests/gpu):
+# 64-row blocks (DEFAULT), two warpgroups with 128- or 64-wide tiles, and tail_n=0 (the kernel before the
+# swapped tail block)
 VARIANTS = (HopperConfig(), HopperConfig(128, 128, 3), HopperConfig(128, 64, 3), HopperConfig(tail_n=0))
 POINTS = [("b1 n65 1k", 1, 65, 1024), ("b1 n65 4k", 1, 65, 4096), ("b1 n65 16k", 1, 65, 16384),
           ("b1 n65 32k", 1, 65, 32768), ("b8 n65 8k", 8, 65, 8192), ("b1 n64 16k", 1, 64, 16384),
