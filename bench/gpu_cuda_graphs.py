@@ -13,7 +13,8 @@ greedy, 48 tokens) run twice on it: graphs on, and with the runner's graphs deta
   - the graph path really ran (verify replays; for DFLASH/DDTREE draft replays, which now end in the finished
     tree, and verify replays whose greedy accept walk ran inside the graph);
   - ms per round (median over the rounds that ran the full batch), eager vs graphs.
-Exit code 1 if an fp32 mismatch, a missing replay or a crash happened.
+Exit code 1 if an fp32 mismatch, a missing replay or a crash happened. The pass / fail check of the same
+comparison is tests/gpu/test_cuda_graphs_gpu.py (python3 -m pytest -m gpu tests/gpu); this script times it.
 """
 
 import argparse

@@ -24,10 +24,8 @@ import torch  # noqa: E402
 
 from gpu_tree_attention import D, HKV, Problem, bandwidths, cold_copies, rel  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
-from ddtree.envs import env_flag  # noqa: E402
+from ddtree import envs  # noqa: E402
 from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
-from ddtree.kernels.tree_attention.merge import PDL_DISABLE_ENV  # noqa: E402
-from ddtree.kernels.tree_attention.triton import last_launch  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import KernelConfig  # noqa: E402
 
 SPLITS = (None, 15, 16, 24, 32, 33, 48, 64)
@@ -73,8 +71,8 @@ def batched(bw):
         ref = p.reference(0)
         cells = []
         for kw in ({"hopper_ctx": False}, {"hopper_ctx": HopperConfig()}):
-            err = rel(p.ours(0, **kw), ref)
-            used = last_launch["num_splits"]
+            out, plan = p.ours_plan(0, **kw)
+            err, used = rel(out, ref), plan.num_splits
             t = time_graph(lambda: [p.ours(r, **kw) for r in range(p.R)], p.R) * 1e6
             cells.append((t, used, err))
         (tt, st, et), (tg, sg, eg) = cells
@@ -114,7 +112,7 @@ def main():
         return pdl_ab()
     bw = bandwidths()["sm_copy_graph"]
     torch.cuda.empty_cache()
-    pdl = "off" if env_flag(PDL_DISABLE_ENV) else "on"
+    pdl = "off" if envs.NO_PDL.on() else "on"
     print(f"{torch.cuda.get_device_name()}; SM copy {bw / 1e12:.2f} TB/s; PDL {pdl}")
     if "--batch" in sys.argv:
         return batched(bw)
@@ -129,8 +127,8 @@ def main():
             cells = []
             for s in SPLITS:
                 try:
-                    err = rel(p.ours(0, num_splits=s, **kw), ref)
-                    used = last_launch["num_splits"]
+                    out, plan = p.ours_plan(0, num_splits=s, **kw)
+                    err, used = rel(out, ref), plan.num_splits
                     t = time_graph(lambda: [p.ours(r, num_splits=s, **kw) for r in range(p.R)], p.R) * 1e6
                 except Exception as e:  # noqa: BLE001
                     cells.append(f"s{s}: {type(e).__name__}")

@@ -1,12 +1,11 @@
 """Fused layer kernels on the GPU (ddtree/kernels/fused): Triton vs the PyTorch reference at Qwen3-8B shapes.
 
-    python3 bench/gpu_fused_kernels.py          # H200, about 30 s; exit 1 on a mismatch
+    python3 bench/gpu_fused_kernels.py          # H200, about 30 s
 
-For M = 1, 65, 520 tokens: each kernel's error against the reference (max |diff| / max |ref|, relative L2, the
-fraction of bit-identical elements), then one layer's worth of calls replayed from a CUDA graph (reference vs
-Triton): the elementwise calls alone (2 add+RMSNorm, q/k norm+RoPE, SiLU-mul) and the layer without attention
-(the same plus the qkv, o, gate|up and down GEMMs), with kernels per layer counted by torch.profiler. Last, a
-2-layer Qwen3-8B-shaped target forward through the model code, reference vs Triton.
+For M = 1, 65, 520 tokens: one layer's worth of calls replayed from a CUDA graph (reference vs Triton): the
+elementwise calls alone (2 add+RMSNorm, q/k norm+RoPE, SiLU-mul) and the layer without attention (the same
+plus the qkv, o, gate|up and down GEMMs), with kernels per layer counted by torch.profiler. The kernels'
+errors against the references (and a 2-layer target forward) are tests/gpu/test_fused_kernels_gpu.py.
 """
 
 from __future__ import annotations
@@ -22,18 +21,9 @@ import torch  # noqa: E402
 
 import ddtree.kernels.fused as fused  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
-from ddtree.kernels.fused import reference as R  # noqa: E402
 from ddtree.models.layers import RotaryEmbedding  # noqa: E402
 
 H, HQ, HKV, D, INTER, EPS = 4096, 32, 8, 128, 12288, 1e-6
-MAX_REL = 1e-2  # max |diff| / max |ref|: a few bf16 ulps of the largest element
-L2_REL = 3e-3
-
-
-def err(got, ref):
-    g, r = got.double(), ref.double()
-    return ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item(), \
-        ((g - r).norm() / r.norm().clamp_min(1e-30)).item(), (got == ref).float().mean().item()
 
 
 class Inputs:
@@ -58,24 +48,6 @@ class Inputs:
         q = self.qkv[:, :HQ * D].view(-1, HQ, D)
         k = self.qkv[:, HQ * D:(HQ + HKV) * D].view(-1, HKV, D)
         return q, k
-
-
-def check(inp: Inputs, tk) -> list[tuple[str, float, float, float]]:
-    rows = []
-    q, k = inp.qk()
-    for name, got, ref in (
-        ("add_rmsnorm", tk.add_rmsnorm(inp.x, inp.res, inp.w, EPS), R.add_rmsnorm_reference(inp.x, inp.res, inp.w, EPS)),
-        ("rmsnorm", tk.add_rmsnorm(inp.x, None, inp.w, EPS)[:1], (R.rmsnorm_reference(inp.x, inp.w, EPS),)),
-        ("add_rmsnorm(1+w)", tk.add_rmsnorm(inp.x, inp.res, inp.w - 1, EPS, True),
-         R.add_rmsnorm_reference(inp.x, inp.res, inp.w - 1, EPS, True)),
-        ("qk_norm_rope", tk.qk_norm_rope(q, k, inp.qw, inp.kw, inp.cos, inp.sin, EPS),
-         R.qk_norm_rope_reference(q, k, inp.qw, inp.kw, inp.cos, inp.sin, EPS)),
-        ("silu_mul", (tk.silu_mul(inp.gu),), (R.silu_mul_reference(inp.gu),)),
-    ):
-        for j, (g, r) in enumerate(zip(got, ref)):
-            assert g.shape == r.shape and g.dtype == r.dtype, (name, g.shape, r.shape, g.dtype, r.dtype)
-            rows.append((f"{name}[{j}]", *err(g, r)))
-    return rows
 
 
 def layer_calls(inp: Inputs, with_gemms: bool):
@@ -112,37 +84,9 @@ def set_reference(on: bool):
         os.environ.pop(fused.FORCE_REFERENCE_ENV, None)
 
 
-def model_check(dev) -> float:
-    from ddtree.bench.random_pair import QWEN3_8B, build_pair, pair_configs
-
-    shape = dict(QWEN3_8B, num_layers=2)
-    tcfg, dcfg = pair_configs(shape, 1, 16, "bfloat16")
-    target, _ = build_pair(tcfg, dcfg, dev, torch.bfloat16, 0)
-    with torch.no_grad():
-        for p in target.parameters():
-            if p.dim() == 1:
-                p.add_(0.2 * torch.randn_like(p))
-    ids = torch.randint(0, tcfg.vocab_size, (1, 65), device=dev)
-    out = {}
-    for ref in (True, False):
-        set_reference(ref)
-        with torch.no_grad():
-            out[ref] = target.forward_train(ids, tap_layers=(0,))
-    set_reference(False)
-    worst = 0.0
-    for name, g, r in (("logits", out[False][0], out[True][0]), ("tap0", out[False][1], out[True][1])):
-        mx, l2, same = err(g, r)
-        print(f"  2-layer 8B target {name:7s} max_rel {mx:.2e}  l2_rel {l2:.2e}  identical {100 * same:5.1f}%")
-        worst = max(worst, l2)
-    del target
-    torch.cuda.empty_cache()
-    return worst
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--skip-model", action="store_true")
     ns = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -150,17 +94,10 @@ def main(argv=None) -> int:
     t0 = time.time()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    from ddtree.kernels.fused import triton as tk
-
-    bad = []
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  Qwen3-8B shapes (bf16)")
     for m in (1, 65, 520):
         inp = Inputs(m, dev, gen)
         print(f"\nM = {m}")
-        for name, mx, l2, same in check(inp, tk):
-            ok = mx < MAX_REL and l2 < L2_REL
-            bad += [] if ok else [f"M={m} {name}"]
-            print(f"  {name:22s} max_rel {mx:.2e}  l2_rel {l2:.2e}  identical {100 * same:5.1f}%  {'ok' if ok else 'MISMATCH'}")
         for gemms in (False, True):
             label = "layer w/o attention" if gemms else "elementwise calls  "
             times, kernels = {}, {}
@@ -174,13 +111,8 @@ def main(argv=None) -> int:
                   f"({kernels[False]:3d} kernels)   x36 layers: {36 * times[True] / 1e3:.2f} -> {36 * times[False] / 1e3:.2f} ms")
         del inp
         torch.cuda.empty_cache()
-    if not ns.skip_model:
-        print()
-        worst = model_check(dev)
-        if worst > 2e-2:
-            bad.append("2-layer target forward")
-    print(f"\n{time.time() - t0:.1f} s; {'MISMATCH: ' + ', '.join(bad) if bad else 'all kernels match the reference'}")
-    return 1 if bad else 0
+    print(f"\n{time.time() - t0:.1f} s")
+    return 0
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 
+from ddtree import envs
+
 PACKAGE_PAIR = os.path.join(os.path.dirname(__file__), "assets", "default_pair")
 
 
 def cache_dir() -> str:
-    return os.environ.get("DDTREE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ddtree")
+    return envs.CACHE.get() or os.path.join(os.path.expanduser("~"), ".cache", "ddtree")
 
 
 def _complete(path: str) -> bool:

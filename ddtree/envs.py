@@ -1,10 +1,109 @@
-"""Boolean environment switches (DDTREE_FORCE_REFERENCE_*, TRITON_INTERPRET, ...), read one way everywhere."""
+"""Every environment switch the code reads, in one table (name, default, what it does), read one
+way.
+
+A reader names the entry (`envs.NO_PDL.on()`, `envs.CACHE.get()`), never `os.environ` with a
+literal: tests/test_envs.py checks that every `DDTREE_*` name in the code, the tests, bench/ and the
+docs is in `TABLE`. Flags: unset, empty, 0, false, no and off (any case) mean off; any other value
+means on.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+
+
+def flag_value(value: str) -> bool:
+    """Empty, 0, false, no and off (any case) mean off; any other value means on."""
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def env_flag(name: str) -> bool:
-    """Unset, empty, 0, false, no and off (any case) mean off; any other value means on."""
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    """`name` read as a flag (unset = off)."""
+    return flag_value(os.environ.get(name, ""))
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str  # "" = unset
+    help: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+    def on(self) -> bool:
+        """The value as a flag (see the module docstring)."""
+        return flag_value(self.get())
+
+
+FORCE_REFERENCE_ATTENTION = EnvVar(
+    "DDTREE_FORCE_REFERENCE_ATTENTION", "",
+    "1: the triton attention backend runs the PyTorch reference (no Triton needed; no CUDA graphs)")
+NO_HOPPER_ATTENTION = EnvVar(
+    "DDTREE_NO_HOPPER_ATTENTION", "",
+    "1: never the Gluon (sm_90) tree-attention kernel; the Triton kernel does every split")
+NO_PDL = EnvVar(
+    "DDTREE_NO_PDL", "",
+    "1: the split-KV merge launches as an ordinary kernel, not a programmatic dependent (PDL)")
+FORCE_REFERENCE_KERNELS = EnvVar(
+    "DDTREE_FORCE_REFERENCE_KERNELS",
+    "",
+    "1: the fused decoder-layer kernels (add + RMSNorm, q/k norm + RoPE, SiLU-mul) run their "
+    "references",
+)
+FUSED_KERNELS_INTERPRET = EnvVar(
+    "DDTREE_FUSED_KERNELS_INTERPRET",
+    "",
+    "1 (with TRITON_INTERPRET=1): the fused kernels run on the CPU in Triton's interpreter (tests)",
+)
+FORCE_REFERENCE_GDN = EnvVar(
+    "DDTREE_FORCE_REFERENCE_GDN",
+    "",
+    "1: every Gated DeltaNet op runs the PyTorch reference (not fla, not our Triton kernels)",
+)
+GDN_TREE_CHUNK = EnvVar(
+    "DDTREE_GDN_TREE_CHUNK",
+    "auto",
+    "the chunk-form GDN tree verify: auto = on CUDA, 1 = everywhere (CPU tests), 0 = never",
+)
+CACHE = EnvVar(
+    "DDTREE_CACHE", "", "directory for the embedded / toy model pairs (unset: ~/.cache/ddtree)"
+)
+PEER_CHECKOUT = EnvVar(
+    "DDTREE_PEER_CHECKOUT",
+    "",
+    "path of the paper's code checkout for the peer comparison (unset: .peer/ in the repository)",
+)
+TOY_HYBRID = EnvVar(
+    "DDTREE_TOY_HYBRID",
+    "out/toy_hybrid_pair",
+    "bench/gpu_gdn_tree.py: directory of the toy hybrid pair",
+)
+TRITON_INTERPRET = EnvVar(
+    "TRITON_INTERPRET",
+    "",
+    "Triton's own: 1 runs Triton kernels on the CPU in its interpreter (the CPU tests)",
+)
+
+TABLE: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        FORCE_REFERENCE_ATTENTION,
+        NO_HOPPER_ATTENTION,
+        NO_PDL,
+        FORCE_REFERENCE_KERNELS,
+        FUSED_KERNELS_INTERPRET,
+        FORCE_REFERENCE_GDN,
+        GDN_TREE_CHUNK,
+        CACHE,
+        PEER_CHECKOUT,
+        TOY_HYBRID,
+        TRITON_INTERPRET,
+    )
+}
+
+
+def describe() -> str:
+    """The table as text (name, default, what it does)."""
+    return "\n".join(f"{v.name}={v.default or '<unset>'}: {v.help}" for v in TABLE.values())

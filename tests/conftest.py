@@ -4,6 +4,8 @@ import sys
 import pytest
 import torch
 
+from ddtree import envs
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 if not torch.cuda.is_available():
@@ -18,7 +20,7 @@ def toy_pair(tmp_path_factory):
     corpus, so drafts are really accepted. Cached across sessions in $DDTREE_CACHE when set."""
     from ddtree.train.toy import build_toy_pair
 
-    root = os.environ.get("DDTREE_CACHE")
+    root = envs.CACHE.get()
     out = os.path.join(root, "toy_pair") if root else str(tmp_path_factory.mktemp("toy_pair"))
     return build_toy_pair(out)
 
@@ -29,7 +31,7 @@ def toy_hybrid_pair(tmp_path_factory):
     gated full-attention layer). Cached across sessions in $DDTREE_CACHE when set."""
     from ddtree.train.toy import build_toy_hybrid_pair
 
-    root = os.environ.get("DDTREE_CACHE")
+    root = envs.CACHE.get()
     out = os.path.join(root, "toy_hybrid_pair") if root else str(tmp_path_factory.mktemp("toy_hybrid_pair"))
     return build_toy_hybrid_pair(out)
 

@@ -13,12 +13,13 @@ import os
 import pytest
 import torch
 
+from ddtree import envs
 from ddtree.bench.peer import PeerCheckoutError, build_peer_models, load_peer, peer_round_ms, random_prompt
 from ddtree.bench.random_pair import SMOKE, build_pair, pair_configs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PEER = os.environ.get("DDTREE_PEER_CHECKOUT", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".peer"))
+PEER = envs.PEER_CHECKOUT.get() or os.path.join(os.path.dirname(os.path.dirname(__file__)), ".peer")
 needs_peer = pytest.mark.skipif(not os.path.isdir(PEER), reason=f"no liranringel/ddtree checkout at {PEER} "
                                 "(never committed; unpack the repository's files into .peer/ddtree)")
 CONTEXT, ROUNDS, BUDGET = 24, 6, 8

@@ -7,7 +7,7 @@ import torch
 from engine_utils import make_llm, toy_prompts
 
 from ddtree import SamplingParams
-from ddtree.engine.cuda_graph import CudaGraphRunner, _GraphSet, batch_buckets, ctx_bounds
+from ddtree.engine.cuda_graph import CudaGraphRunner, GraphSet, batch_buckets, ctx_bounds
 from ddtree.engine.model_runner import RoundMeta
 
 # ragged prompts (5..33 tokens) and different lengths, so the live batch shrinks 5 -> 1 over the run
@@ -136,8 +136,9 @@ def test_padding_check_catches_a_pad_slot_in_a_real_page(toy_pair, one_torch_thr
     llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=8, max_running_requests=8)
     runner = llm.engine.runner
     g = runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=4)
-    g.pad_slots.copy_(torch.arange(g.n).repeat(len(g.pad_slots) // g.n))  # page 0 instead of scratch
-    g.v_slots.copy_(g.pad_slots)
+    v = g.verify_graph
+    v.pad_slots.copy_(torch.arange(v.n).repeat(len(v.pad_slots) // v.n))  # page 0 instead of scratch
+    v.slots.copy_(v.pad_slots)
     g.build()
     log = []
     _watch_kv(runner, log)
@@ -191,7 +192,7 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
     prompts = [list(p) for p in toy_prompts(3)]
     kw = dict(speculative_ddtree_budget=4, max_running_requests=4, context_length=120)
     ref = make_llm(toy_pair, "DDTREE", **kw).generate(prompts, params)
-    monkeypatch.setattr(_GraphSet, "_probe", lambda self, bs, bound: (3, False))
+    monkeypatch.setattr(GraphSet, "probe", lambda self, bs, bound: (3, False))
     llm = make_llm(toy_pair, "DDTREE", attention_backend="triton", **kw)
     runner = llm.engine.runner
     runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=4)
@@ -200,6 +201,45 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
     assert all(backend.num_splits == 3 for _, _, backend in runner.graphs.verify_set.graphs.values())
     ours = llm.generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+
+
+def test_probed_plans_are_the_plans_that_run(toy_pair, monkeypatch):
+    """The graph sets key their graphs by the backend's `launch_plan` for each (bs, bucket); it must be the plan
+    the dispatcher gives the forward's attention calls (verify: tree rows; draft: the block with its K/V
+    alongside)."""
+    from triton_utils import load_kernel_module
+
+    kernel = load_kernel_module("ddtree.kernels.tree_attention.triton")
+    import ddtree.server_args as server_args
+
+    if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
+        monkeypatch.setattr(server_args, "IMPLEMENTED_ATTENTION_BACKENDS",
+                            server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",))
+    llm = make_llm(toy_pair, "DDTREE", attention_backend="triton", speculative_ddtree_budget=4,
+                   max_running_requests=2, context_length=120)
+    runner = llm.engine.runner
+    g = CudaGraphRunner(runner, capture=False, max_bs=2)
+    ran, launched = [], kernel.paged_attention_plan
+
+    def recording(*a, **kw):
+        out, plan = launched(*a, **kw)
+        ran.append(plan)
+        return out, plan
+
+    monkeypatch.setattr(kernel, "paged_attention_plan", recording)
+    d = g.draft_graph
+    for gs, family in ((g.verify_set, g.verify_graph), (GraphSet(g, d.forward, d.attention_shape, 120, 0), d)):
+        for bs in g.buckets:
+            ran.clear()
+            key = gs.probe(bs, gs.bounds[-1])
+            assert ran and {p.capture_key for p in ran} == {key}
+            asked = runner.backend.launch_plan(family.attention_shape(bs, gs.bounds[-1]), runner.device)
+            assert asked == ran[-1]
+    # control: the equality is not vacuous; a longer context than the bucket's asks for more splits
+    import dataclasses
+
+    far = dataclasses.replace(family.attention_shape(bs, gs.bounds[-1]), max_kv_len=1 << 20)
+    assert runner.backend.launch_plan(far, runner.device).num_splits > ran[-1].num_splits
 
 
 def _resolve(tmp_path, *extra):

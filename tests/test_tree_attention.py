@@ -60,14 +60,16 @@ def check(q_lens, kv_lens, page, dtype, tree, num_splits=None, hq=4, hkv=2, d=32
     q, kp, vp, bt, indptr, kvl, mask = paged_inputs(q_lens, kv_lens, page, hq, hkv, d, dtype, gen, tree)
     scale = d ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, kp, vp, bt, indptr, kvl, page, scale, max_q_len=max(q_lens), max_kv_len=max(kv_lens),
-                    tree_mask=mask, num_splits=num_splits, config=config, out=out, **kw)
+    _, plan = kernel_module.paged_attention_plan(q, kp, vp, bt, indptr, kvl, page, scale, max_q_len=max(q_lens),
+                                                 max_kv_len=max(kv_lens), tree_mask=mask, num_splits=num_splits,
+                                                 config=config, out=out, **kw)
     ref = paged_attention_reference(q.double(), kp.double(), vp.double(), bt, indptr, kvl, page, scale,
                                     tree_mask=mask, acc_dtype=torch.float64)
     assert torch.isfinite(out).all(), "unwritten or NaN output rows"
     err = rel(out, ref)
     print(f"q_lens={q_lens} kv_lens={kv_lens} page={page} {dtype} tree={tree} splits={num_splits}: rel {err:.2e}")
     assert err < TOL[dtype], err
+    return plan
     return err
 
 
@@ -273,24 +275,26 @@ def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, cfg)
         with pytest.raises(ValueError, match="masked_tail=True"):
             check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
         return
-    check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
-    assert kernel_module.last_launch["hopper"] == cfg and kernel_module.last_launch["num_splits"] == splits
+    plan = check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
+    assert plan.kernel == "hopper" and plan.hopper == cfg and plan.num_splits == splits
 
 
 def test_default_path_takes_the_hopper_kernel_for_decode_and_trees(monkeypatch):
-    """Where hopper.supported holds (sm_90, bf16, head dim 128, 16-token pages), the default dispatch sends tree
+    """Where hopper.unsupported gives no reason (sm_90, bf16, head dim 128, 16-token pages), the default dispatch sends tree
     rows and decode rows to the Gluon kernel, and 4-8 token chains (16-32 rows at GQA 4) to Triton."""
     from ddtree.kernels.tree_attention import reference
 
     hop = kernel_module.hopper
     monkeypatch.setattr(hop, "launch_splits", reference.split_partials_reference)
-    monkeypatch.setattr(hop, "supported", lambda q, k, page, rows: hop.rows_supported(rows, q.shape[1] // k.shape[1]))
+    monkeypatch.setattr(hop, "unsupported", lambda shape, device: None if hop.rows_supported(shape.rows, shape.group)
+                        else "rows")
     monkeypatch.setattr(hop, "sm_count", lambda device: 132)
     for q_lens, kv_lens, tree, used in (([1, 1], [900, 40], False, True), ([17], [400], True, True),
                                         ([6], [300], False, False)):
-        check(q_lens, kv_lens, 16, torch.float32, tree, hq=8, hkv=2)
+        plan = check(q_lens, kv_lens, 16, torch.float32, tree, hq=8, hkv=2)
         want = hop.config_for(max(q_lens) * 4) if used else None
-        assert kernel_module.last_launch["hopper"] == want, (q_lens, kernel_module.last_launch)
+        assert plan.hopper == want and (plan.kernel == "hopper") == used, (q_lens, plan)
+        assert (plan.fallback is None) == used
     # 64-node trees (256 rows) take the two-warpgroup kernel; 65 nodes (4 rows past 256) and decode the 64-row one
     assert hop.config_for(256) == hop.PINGPONG and hop.config_for(68) == hop.PINGPONG
     assert hop.config_for(260) == hop.DEFAULT and hop.config_for(4) == hop.DEFAULT
@@ -324,8 +328,9 @@ def test_hopper_kernel_failure_falls_back(monkeypatch, caplog):
 
     monkeypatch.setattr(hop, "launch_splits", broken)
     with caplog.at_level("WARNING", logger="ddtree"):
-        check([65, 17], [700, 300], 16, torch.float32, True, num_splits=3, hopper_ctx=HopperConfig())
-    assert calls == [1] and not kernel_module.last_launch["hopper"] and kernel_module.last_launch["num_splits"] == 3
+        plan = check([65, 17], [700, 300], 16, torch.float32, True, num_splits=3, hopper_ctx=HopperConfig())
+    assert calls == [1] and plan.kernel == "triton" and plan.hopper is None and plan.num_splits == 3
+    assert "Gluon kernel failed" in plan.fallback
     assert len(hop._disabled) == 1 and "unavailable" in caplog.text
 
 
@@ -360,3 +365,34 @@ def test_hopper_row_gate():
     assert not hopper.rows_supported(16, 16)  # GQA 16: a token's group is wider than tail_n
     assert not hopper.rows_supported(0, 4)
     assert hopper.tail_n(hopper.HopperConfig(tail_n=0), 4) == 0 and not hopper.rows_supported(12, 4)
+
+
+def test_dispatch_plan_is_frozen_and_names_its_fallback(monkeypatch):
+    """The dispatcher's plan: hashable (graphs key on it), the Gluon kernel refused with a reason for the
+    drafter block, one split, the env switch and the device; no launch needed."""
+    import dataclasses
+
+    from ddtree import envs
+    from ddtree.kernels.tree_attention import dispatch
+
+    hop = kernel_module.hopper
+    monkeypatch.setattr(hop, "_disabled", [])  # as where Gluon imports
+    cpu = torch.device("cpu")
+    tree = dispatch.AttentionShape(2, 65, 4096, 32, 8, 128, 16, torch.bfloat16, dispatch.MODES["tree"])
+    p = dispatch.plan(tree, cpu, triton_slots=lambda cfg: 264)
+    assert p.kernel == "triton" and p.fallback == "not sm_90" and p.num_splits > 1 and not p.pdl
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.num_splits = 3
+    assert {p: 1}[dispatch.plan(tree, cpu, triton_slots=lambda cfg: 264)] == 1  # equal plans, one key
+    block = dataclasses.replace(tree, new_kv=True)
+    assert "alongside" in dispatch.plan(block, cpu, triton_slots=lambda cfg: 264).fallback
+    assert dispatch.plan(tree, cpu, num_splits=1).fallback == "one split asked for"
+    monkeypatch.setenv(envs.NO_HOPPER_ATTENTION.name, "1")
+    assert envs.NO_HOPPER_ATTENTION.name in hop.unsupported(tree, cpu)
+    monkeypatch.delenv(envs.NO_HOPPER_ATTENTION.name)
+    monkeypatch.setattr(hop, "unsupported", lambda shape, device: None)
+    monkeypatch.setattr(hop, "sm_count", lambda device: 132)
+    g = dispatch.plan(tree, cpu)
+    assert g.kernel == "hopper" and g.hopper == hop.config_for(tree.rows) and g.fallback is None
+    assert g.capture_key == (g.num_splits, True) and g.num_splits >= 2
+    assert dispatch.plan(tree, cpu, num_splits=1).kernel == "triton"  # one split: no partials, no Gluon

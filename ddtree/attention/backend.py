@@ -60,6 +60,16 @@ class AttentionBackend(Protocol):
         |pq - pk| < W (z-lab DFlash semantics)."""
         ...
 
+    # CUDA-graph hooks: the graph runner asks the backend, instead of inspecting its type
+    def launch_plan(self, shape, device: torch.device, num_splits: int | None = None):
+        """The kernels.tree_attention.dispatch.LaunchPlan of a call of `shape` (kernel "reference": not
+        capturable, with the reason in `fallback`). num_splits: fixed (None: the backend's own)."""
+        ...
+
+    def with_splits(self, num_splits: int | None) -> AttentionBackend:
+        """This backend with the KV split count fixed (what a captured graph replays)."""
+        ...
+
 
 def register_backend(name: str):
     """Names a backend class (`cls.name`); the registry below says where each name's class lives."""

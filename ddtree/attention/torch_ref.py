@@ -26,6 +26,15 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 @register_backend("torch")
 class TorchReferenceBackend:
+    def launch_plan(self, shape, device: torch.device, num_splits: int | None = None):
+        from ddtree.kernels.tree_attention.dispatch import reference_plan
+
+        return reference_plan(f"--attention-backend {getattr(self, 'name', 'torch')} is not capturable "
+                              "(use triton)")
+
+    def with_splits(self, num_splits: int | None):
+        return self
+
     def extend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         store_kv(kv_cache, meta.slot_mapping, k, v)
         kc, vc = kv_cache

@@ -1,8 +1,9 @@
 """`--attention-backend triton`: our split-KV paged kernel for decode, chain/tree verify and causal extend.
 
 Dispatch: every extend shape (q = 1 decode, verify with a tree mask, causal chain, ragged prefill) goes
-through one kernel, `ddtree.kernels.tree_attention.triton.paged_attention`; its launch config is picked from
-the rows per request (q tokens x GQA group). `draft_block` runs the same kernel with the block's K/V passed
+through one kernel, `ddtree.kernels.tree_attention.triton.paged_attention`; its launch plan (kernel, tiles,
+splits, PDL) comes from `kernels/tree_attention/dispatch.py`, and `launch_plan` gives the graph runner the
+plan of a shape (what a captured graph replays). `draft_block` runs the same kernel with the block's K/V passed
 alongside (never stored), except for sliding-window layers, which use the torch reference.
 
 Falls back to the torch reference when DDTREE_FORCE_REFERENCE_ATTENTION=1, or when the tensors are on the CPU
@@ -16,9 +17,9 @@ import torch
 
 from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, register_backend, store_kv
 from ddtree.attention.torch_ref import TorchReferenceBackend
-from ddtree.envs import env_flag
+from ddtree import envs
 
-FORCE_REFERENCE_ENV = "DDTREE_FORCE_REFERENCE_ATTENTION"
+FORCE_REFERENCE_ENV = envs.FORCE_REFERENCE_ATTENTION.name
 
 
 @register_backend("triton")
@@ -27,7 +28,7 @@ class TritonAttentionBackend:
         # num_splits: fixed split count (e.g. while capturing CUDA graphs); None = chosen per call from the
         # host kv_lens, which under graph capture should then be the captured maxima.
         self.num_splits = num_splits
-        self.force_reference = env_flag(FORCE_REFERENCE_ENV)
+        self.force_reference = envs.FORCE_REFERENCE_ATTENTION.on()
         self._ref = TorchReferenceBackend()
         self._kernel = None
         if not self.force_reference:
@@ -40,13 +41,33 @@ class TritonAttentionBackend:
                 ) from e
             self._kernel = kernel
 
-    def _use_reference(self, q: torch.Tensor) -> bool:
+    def _reference_reason(self, head_dim: int, device: torch.device) -> str | None:
         if self._kernel is None:
-            return True
-        d = q.shape[-1]
-        if d < 16 or d & (d - 1):
-            return True
-        return q.device.type != "cuda" and not env_flag("TRITON_INTERPRET")
+            return f"{FORCE_REFERENCE_ENV} is set"
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            return f"head dim {head_dim} (the kernel takes powers of two >= 16)"
+        if device.type != "cuda" and not envs.TRITON_INTERPRET.on():
+            return f"{device.type} tensors without {envs.TRITON_INTERPRET.name}=1"
+        return None
+
+    def _use_reference(self, q: torch.Tensor) -> bool:
+        return self._reference_reason(q.shape[-1], q.device) is not None
+
+    def with_splits(self, num_splits: int | None) -> TritonAttentionBackend:
+        return self if num_splits == self.num_splits else TritonAttentionBackend(num_splits=num_splits)
+
+    def launch_plan(self, shape, device: torch.device, num_splits: int | None = None):
+        """The `dispatch.LaunchPlan` that `extend` / `draft_block` run for a call of `shape` (a
+        dispatch.AttentionShape; sliding-window drafter layers aside) with `num_splits` or this backend's split
+        count: what a CUDA graph captured on this backend replays. Choosing the splits, ask after one call of
+        the shape (it compiles the kernel variant whose resident-program count picks them)."""
+        from ddtree.kernels.tree_attention import dispatch
+
+        why = self._reference_reason(shape.head_dim, device)
+        if why is not None:
+            return dispatch.reference_plan(why)
+        return dispatch.plan(shape, device, num_splits=num_splits or self.num_splits,
+                             triton_slots=lambda cfg: self._kernel.triton_slots(shape, cfg, device))
 
     def extend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         if self._use_reference(q):

@@ -1,30 +1,35 @@
-"""CUDA graphs for the two forwards of every round, the target verify (width n = max_verify_width) and the
-drafter block (width S = block_size): padded batch buckets, graphs keyed by (padded batch, KV split count), their
-capture into one memory pool, and the replay. The static buffers, their padding state and the forwards captured
-here are `GraphBuffers` (ddtree/engine/graph_buffers.py).
+"""CUDA graphs for the forwards of every round, one family each: the target verify (width n =
+max_verify_width, + the greedy accept walk), the commit, and the drafter block -> tree (width S =
+block_size). Each family (graph_buffers.py: `VerifyGraph`, `CommitGraph`; draft_graph.py:
+`DraftGraph`) owns its static buffers, its `load` and its `pad`; here are the padded batch buckets,
+the graphs per (padded batch, launch plan), their capture into one memory pool, the replay, and
+`CudaGraphRunner`, the face `ModelRunner` sees.
 
-KV splits. The Triton kernel is capturable because its launch shape depends only on host ints (batch, max
-q_len, num_splits), so the split count is fixed per graph, and no single count is right for all contexts: the
-count that fills the GPU at a long context (tens of splits for a small batch) makes a short-context round pay
-for mostly-empty programs, their partial writes and the combine; one split leaves a long context to a few dozen
-programs on 132 SMs. So the live max kv_len picks a bucket (<= 1k, 4k, 16k, max context) and each
-(bs, bucket) uses the kernel's own choice (`choose_num_splits`) at the bucket's upper bound, probed with one
-eager call. That choice depends on the context only through its cap (>= 4 KV tiles per split for decode rows,
->= 6 for tree / chain rows), so it grows with the bucket (never decreasing) and then saturates: graphs are
-keyed by (bs, launch plan = split count and whether the Hopper kernel runs: the two paths choose their split
-counts differently, so an equal count alone does not mean the same launches) and buckets with equal plans share
-one. A live context gets its bucket top's count: never fewer splits than eager would pick, and the surplus is
-bounded by the bucket's width (4x in the middle buckets).
-An empty split (its tile range lies past the request's context) runs no loop iteration and stores lse = -inf;
-the combine gives it weight 0. Every real or padded row sees at least itself in some split, so no row is
-all -inf and the result equals the unsplit one up to rounding.
+KV splits. The Triton kernel is capturable because its launch shape depends only on host ints
+(batch, max q_len, num_splits), so the split count is fixed per graph, and no single count is right
+for all contexts: the count that fills the GPU at a long context (tens of splits for a small batch)
+makes a short-context round pay for mostly-empty programs, their partial writes and the combine; one
+split leaves a long context to a few dozen programs on 132 SMs. So the live max kv_len picks a
+bucket (<= 1k, 4k, 16k, max context) and each (bs, bucket) uses the kernel's own choice
+(`choose_num_splits`) at the bucket's upper bound: the attention backend's `launch_plan` for the
+family's attention shape there, asked after one eager call (which compiles the variant). That choice
+depends on the context only through its cap (>= 4 KV tiles per split for decode rows, >= 6 for tree
+/ chain rows), so it grows with the bucket (never decreasing) and then saturates: graphs are keyed
+by (bs, `LaunchPlan.capture_key` = split count and whether the Hopper kernel runs: the two paths
+choose their split counts differently, so an equal count alone does not mean the same launches) and
+buckets with equal plans share one. A live context gets its bucket top's count: never fewer splits
+than eager would pick, and the surplus is bounded by the bucket's width (4x in the middle buckets).
+An empty split (its tile range lies past the request's context) runs no loop iteration and stores
+lse = -inf; the combine gives it weight 0. Every real or padded row sees at least itself in some
+split, so no row is all -inf and the result equals the unsplit one up to rounding.
 
-Capture order: verify (largest batch first), commit, then the draft graphs, all in one memory pool. A graph-owned
-output may share memory with an intermediate of a graph captured earlier, so whatever is read after another
-graph's replay lives in static buffers outside the pool: the draft tree and logits (read by verify, the eager
-walk, the override), the verify logits and taps (read by sampling and the commit). Verify's own outputs (tokens,
-accept result) are read before the next verify and are only overwritten by graphs captured before them (whose
-replays never come between). All static outputs are valid until the next replay: read them within the round.
+Capture order: verify (largest batch first), commit, then the draft graphs, all in one memory pool.
+A graph-owned output may share memory with an intermediate of a graph captured earlier, so whatever
+is read after another graph's replay lives in static buffers outside the pool: the draft tree and
+logits (read by verify, the eager walk, the override), the verify logits and taps (read by sampling
+and the commit). Verify's own outputs (tokens, accept result) are read before the next verify and
+are only overwritten by graphs captured before them (whose replays never come between). All static
+outputs are valid until the next replay: read them within the round.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ import logging
 
 import torch
 
-from ddtree.engine.graph_buffers import GraphBuffers
+from ddtree.engine.draft_graph import DraftGraph
+from ddtree.engine.graph_buffers import CommitGraph, Padding, VerifyGraph
+from ddtree.speculative.tree import DraftTree
 
 logger = logging.getLogger("ddtree")
 
@@ -52,20 +59,18 @@ def ctx_bounds(top: int) -> list[int]:
 
 
 def make_graph_runner(runner) -> CudaGraphRunner | None:
-    """The capturing graph runner, or None (with the reason logged once) when this setup must stay eager."""
-    from ddtree.attention.triton_backend import TritonAttentionBackend
-
+    """The capturing graph runner, or None (with the reason logged once) when this setup must stay
+    eager."""
     why = None
     if runner.device.type != "cuda":
         why = f"the device is {runner.device.type}"
-    elif not isinstance(runner.backend, TritonAttentionBackend):
-        why = f"--attention-backend {runner.cfg.attention_backend} is not capturable (use triton)"
-    elif runner.backend.force_reference:
-        why = "the triton backend is forced to the torch reference"
     elif runner.state_pool is not None:
         why = "hybrid (Gated DeltaNet) targets are not captured yet"
-    elif not _kernel_head_dim(runner.target.config.head_dim):
-        why = f"the target head dim {runner.target.config.head_dim} runs the torch reference"
+    else:  # the backend says whether a kernel (capturable) or the reference runs the verify shape
+        shape = VerifyGraph.shape_of(runner, 1, runner.cfg.max_verify_width, runner.cfg.max_context)
+        plan = runner.backend.launch_plan(shape, runner.device, num_splits=1)
+        if plan.kernel == "reference":
+            why = f"the attention runs the torch reference ({plan.fallback})"
     if why:
         logger.info("CUDA graphs are off: %s; verify and draft run eagerly.", why)
         return None
@@ -75,8 +80,8 @@ def make_graph_runner(runner) -> CudaGraphRunner | None:
 
 
 def capture_graph(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-    """(graph, outputs) of fn() captured into `pool`, after two warm-up calls on a side stream (Triton compiles
-    the variant, cuBLAS picks its kernels)."""
+    """(graph, outputs) of fn() captured into `pool`, after two warm-up calls on a side stream
+    (Triton compiles the variant, cuBLAS picks its kernels)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -99,47 +104,46 @@ def _draft_capturable(runner) -> str | None:
     if d is None:
         return "no drafter"
     if any(d.config.layer_window(i) is not None for i in range(d.config.num_hidden_layers)):
-        # sliding-window layers use the torch reference: a host loop over ctx_lens with per-request gathers
-        # whose shapes are the live context lengths, baked in at capture
-        return "the drafter has sliding-window layers (torch reference attention: data-dependent shapes)"
+        # sliding-window layers use the torch reference: a host loop over ctx_lens with per-request
+        # gathers whose shapes are the live context lengths, baked in at capture
+        return ("the drafter has sliding-window layers (torch reference attention: data-dependent "
+                "shapes)")
     if not _kernel_head_dim(d.config.head_dim):
         return f"the drafter head dim {d.config.head_dim} runs the torch reference"
     return None
 
 
-class _GraphSet:
-    """One forward at a fixed width: graphs keyed by (padded batch, launch plan), chosen per (bs, ctx bucket).
-    `forward(bs, backend, host_kv_lens)` runs on the static buffers and returns a tuple of tensors; host lengths
-    are compared with the context buckets, and a padded row's host length is `pad_len`."""
+class GraphSet:
+    """One family's forward at a fixed width: graphs keyed by (padded batch, plan key), chosen per
+    (bs, ctx bucket). `forward(bs, backend, host_kv_lens)` runs on the family's static buffers and
+    returns a tuple of tensors; `shape(bs, bound)` is its attention calls' shape. Host lengths are
+    compared with the context buckets; a padded row's host length is `pad_len`."""
 
-    def __init__(self, owner: CudaGraphRunner, forward, top: int, pad_len: int):
-        self.owner, self.forward, self.pad_len = owner, forward, pad_len
+    def __init__(self, owner: CudaGraphRunner, forward, shape, top: int, pad_len: int):
+        self.owner, self.forward, self.shape, self.pad_len = owner, forward, shape, pad_len
         self.bounds = ctx_bounds(top)
-        self.splits: dict[tuple[int, int], tuple | None] = {}  # (bs, bound) -> launch plan
-        self.graphs: dict[tuple[int, tuple | None], tuple] = {}  # (bs, plan) -> (graph or None, outputs, backend)
+        self.plans: dict[tuple[int, int], tuple] = {}  # (bs, bound) -> LaunchPlan.capture_key
+        self.graphs: dict[
+            tuple[int, tuple], tuple
+        ] = {}  # (bs, key) -> (graph or None, outputs, backend)
 
     def build(self, buckets: list[int]) -> None:
         for bs in sorted(buckets, reverse=True):
             for bound in self.bounds:
-                s = self.splits[(bs, bound)] = self._probe(bs, bound)
-                if (bs, s) not in self.graphs:
-                    self.graphs[(bs, s)] = self._capture(bs, s, bound)
+                key = self.plans[(bs, bound)] = self.probe(bs, bound)
+                if (bs, key) not in self.graphs:
+                    self.graphs[(bs, key)] = self._capture(bs, key, bound)
 
-    def _probe(self, bs: int, bound: int) -> tuple | None:
-        """The kernel's own launch plan for bs rows of length <= bound: (split count, whether the Hopper kernel
-        runs), None where the torch reference runs. Buckets share a graph only when both agree."""
-        from ddtree.attention.triton_backend import TritonAttentionBackend
-        from ddtree.kernels.tree_attention.tuning import last_launch
-
-        backend = self.owner.backend(None)
-        if not isinstance(backend, TritonAttentionBackend):
-            return None
-        last_launch.clear()
+    def probe(self, bs: int, bound: int) -> tuple:
+        """The backend's launch plan for bs rows of length <= bound, as its capture key. One
+        eager call first compiles the kernel variant whose resident-program count picks the split
+        count."""
+        backend = self.owner.runner.backend
         self.forward(bs, backend, [bound] * bs)
-        return last_launch.get("num_splits"), bool(last_launch.get("hopper"))
+        return backend.launch_plan(self.shape(bs, bound), self.owner.runner.device).capture_key
 
-    def _capture(self, bs: int, plan: tuple | None, bound: int) -> tuple:
-        backend = self.owner.backend(plan[0] if plan else None)
+    def _capture(self, bs: int, key: tuple, bound: int) -> tuple:
+        backend = self.owner.runner.backend.with_splits(key[0])
         if not self.owner.capture:
             return None, None, backend
         host = [bound] * bs  # host lengths only size the grid, and the split count is fixed
@@ -150,20 +154,24 @@ class _GraphSet:
         return b <= self.owner.buckets[-1] and host_max <= self.bounds[-1]
 
     def run(self, b: int, host_kv_lens: list[int]) -> tuple:
-        """Replay (without capture: run) the graph for b live rows of host lengths `host_kv_lens`."""
-        bs = self.owner.buckets[bisect.bisect_left(self.owner.buckets, b)]
+        """Replay (without capture: run) the graph for b live rows of host lengths
+        `host_kv_lens`."""
+        bs = self.owner.bucket(b)
         bound = self.bounds[bisect.bisect_left(self.bounds, max(host_kv_lens))]
-        graph, out, backend = self.graphs[(bs, self.splits[(bs, bound)])]
-        if graph is None:  # the same padded static-shape path; the reference reads the live host lengths
+        graph, out, backend = self.graphs[(bs, self.plans[(bs, bound)])]
+        if (
+            graph is None
+        ):  # the same padded static-shape path; the reference reads the live host lengths
             return self.forward(bs, backend, host_kv_lens + [self.pad_len] * (bs - b))
         graph.replay()
         return out
 
 
-class CudaGraphRunner(GraphBuffers):
-    """Graphs over the static buffers (`GraphBuffers`) for `ModelRunner.verify` / `ModelRunner.draft`.
-    capture=False runs the same padded static-shape path eagerly (the CPU tests of everything but the capture
-    itself)."""
+class CudaGraphRunner:
+    """The graph families for `ModelRunner.verify` / `commit` / `draft` / `draft_tree`, their
+    graphs, and the round's hand-off between them (a commit replays only on the rows of the verify
+    that replayed). capture=False runs the same padded static-shape path eagerly (the CPU tests of
+    everything but the capture itself)."""
 
     def __init__(self, runner, capture: bool = True, max_bs: int | None = None):
         self.runner, self.capture = runner, capture
@@ -171,79 +179,174 @@ class CudaGraphRunner(GraphBuffers):
         max_bs = min(max_bs or cfg.cuda_graph_max_bs, cfg.max_running_requests)
         self.buckets = batch_buckets(max_bs)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self._backends: dict = {}
-        self._init_verify(max_bs)
-        self.verify_set = _GraphSet(self, self._verify_forward, cfg.max_context + self.n, self.n)
-        # commit (KV move + drafter context write) on the verify buffers: graphs keyed by padded batch only
+        padding = Padding(runner, max_bs)
+        self.verify_graph = v = VerifyGraph(runner, padding)
+        self.verify_set = GraphSet(self, v.forward, v.attention_shape, cfg.max_context + v.n, v.n)
+        # commit (KV move + drafter context write) on the verify buffers: graphs keyed by padded
+        # batch only
+        self.commit_graph = CommitGraph(v) if v.accept_depth is not None else None
         self.commit_graphs: dict[int, object] = {}
+        self._verified = 0  # live rows of the verify replay whose commit is pending (0: none)
 
-        self.draft_set = None  # the plain drafter block (hidden out), captured on first use
-        self.draft_sets: dict[tuple, _GraphSet] = {}  # tree spec -> fused drafter block + LM head + tree build
-        self.tree_bufs: dict[tuple, tuple] = {}  # tree spec -> static DraftTree fields [M, ...]
+        self.draft_graph: DraftGraph | None = None
+        self.draft_set: GraphSet | None = None
+        self.draft_sets: dict[
+            tuple, GraphSet
+        ] = {}  # tree spec -> fused drafter block + LM head + tree build
         self.tree_spec: tuple | None = None
         self._built = False
         why_eager = _draft_capturable(runner)
-        self.drafts = why_eager is None
-        if self.drafts:
-            self._init_draft(max_bs)
+        if why_eager is None:
+            self.draft_graph = DraftGraph(runner, padding)
         elif runner.drafter is not None:
             logger.info("CUDA graphs: the drafter forward runs eagerly: %s.", why_eager)
 
-    def backend(self, splits: int | None):
-        """An attention backend with a fixed split count (the runner's own backend when it is not Triton)."""
-        from ddtree.attention.triton_backend import TritonAttentionBackend
-
-        if not isinstance(self.runner.backend, TritonAttentionBackend):
-            return self.runner.backend
-        if splits not in self._backends:
-            self._backends[splits] = TritonAttentionBackend(num_splits=splits)
-        return self._backends[splits]
+    def bucket(self, b: int) -> int:
+        """The padded batch of b live rows."""
+        return self.buckets[bisect.bisect_left(self.buckets, b)]
 
     @torch.inference_mode()
     def build(self) -> None:
         self.verify_set.build(self.buckets)
-        if self.accept_depth is not None:
+        if self.commit_graph is not None:
             for bs in sorted(self.buckets, reverse=True):
-                self.commit_graphs[bs] = self._capture_plain(lambda bs=bs: self._commit_forward(bs))
+                fn = lambda bs=bs: self.commit_graph.forward(bs)  # noqa: E731
+                self.commit_graphs[bs] = capture_graph(fn, self.pool)[0] if self.capture else None
         self._built = True
         if self.tree_spec is not None:
             self._draft_set(self.tree_spec)
         if self.capture:
             torch.cuda.synchronize()
-            logger.info("CUDA graphs captured: %d verify (batch sizes %s; verify width %d, LM head + argmax%s "
-                        "inside).", len(self.verify_set.graphs), self.buckets, self.n,
-                        " + accept walk" if self.accept_depth else "")
-
-    def _capture_plain(self, fn):
-        """A graph of fn() (no outputs used), or None without capture."""
-        return capture_graph(fn, self.pool)[0] if self.capture else None
+            logger.info(
+                "CUDA graphs captured: %d verify (batch sizes %s; verify width %d, "
+                "LM head + argmax%s inside).",
+                len(self.verify_set.graphs),
+                self.buckets,
+                self.verify_graph.n,
+                " + accept walk" if self.commit_graph else "",
+            )
 
     @torch.inference_mode()
-    def _draft_set(self, spec: tuple | None) -> _GraphSet:
-        """The draft graphs for a tree spec (None: the plain block), built (captured) on first use."""
+    def _draft_set(self, spec: tuple | None) -> GraphSet:
+        """The draft graphs for a tree spec (None: the plain block), built (captured) on
+        first use."""
+        d, top = self.draft_graph, self.runner.cfg.max_context
         if spec is None:
             if self.draft_set is None:
-                self.draft_set = _GraphSet(self, self._draft_forward, self.runner.cfg.max_context, 0)
+                self.draft_set = GraphSet(self, d.forward, d.attention_shape, top, 0)
                 self.draft_set.build(self.buckets)
             return self.draft_set
         gs = self.draft_sets.get(spec)
         if gs is None:
-            self._init_tree(spec)
-            gs = self.draft_sets[spec] = _GraphSet(self, lambda bs, backend, host: self._draft_tree_forward(
-                spec, bs, backend, host), self.runner.cfg.max_context, 0)
+            d.add_tree(spec)
+            gs = self.draft_sets[spec] = GraphSet(
+                self,
+                lambda bs, backend, host: d.tree_forward(spec, bs, backend, host),
+                d.attention_shape,
+                top,
+                0,
+            )
             gs.build(self.buckets)
             if self.capture:
                 torch.cuda.synchronize()
-                logger.info("CUDA graphs captured: %d draft (block %d -> LM head -> %s).", len(gs.graphs), self.S,
-                            "chain" if spec[0] == "DFLASH" else f"tree B={spec[1]} top-k {spec[2]}"
-                            f"{' shadow-linear' if spec[3] else ''}")
+                logger.info(
+                    "CUDA graphs captured: %d draft (block %d -> LM head -> %s).",
+                    len(gs.graphs),
+                    d.S,
+                    "chain"
+                    if spec[0] == "DFLASH"
+                    else f"tree B={spec[1]} top-k {spec[2]}{' shadow-linear' if spec[3] else ''}",
+                )
         return gs
 
-    def set_tree_spec(self, algorithm: str, budget: int, topk_cap: int, shadow_linear: bool) -> None:
-        """The decoder's tree: its draft graphs run drafter -> tree in one replay (captured here, once per spec)."""
-        if not self.drafts or algorithm not in ("DFLASH", "DDTREE"):
+    def set_tree_spec(
+        self, algorithm: str, budget: int, topk_cap: int, shadow_linear: bool
+    ) -> None:
+        """The decoder's tree: its draft graphs run drafter -> tree in one replay (captured here,
+        once per spec)."""
+        if self.draft_graph is None or algorithm not in ("DFLASH", "DDTREE"):
             return
-        spec = ("DFLASH", 0, 0, False) if algorithm == "DFLASH" else ("DDTREE", budget, topk_cap, shadow_linear)
+        spec = (
+            ("DFLASH", 0, 0, False)
+            if algorithm == "DFLASH"
+            else ("DDTREE", budget, topk_cap, shadow_linear)
+        )
         self.tree_spec = spec
         if self._built:
             self._draft_set(spec)
+
+    # ---- verify
+    # ------------------------------------------------------------------------------------------
+    def can_verify(self, b: int, n: int, max_kv_len: int) -> bool:
+        """max_kv_len: the longest live request after this verify's write (= its cached
+        tokens + n)."""
+        return n == self.verify_graph.n and self.verify_set.fits(b, max_kv_len)
+
+    def verify(self, meta, tree):
+        """meta: the round's RoundMeta (rows gathered after allocation). Returns (logits
+        [b*n, V] in the LM head's dtype, taps [b*n, K*H] or None, greedy tokens [b, n], the greedy
+        accept walk or None when the tree's depth bound is not the captured one)."""
+        v = self.verify_graph
+        b = v.load(meta, tree)
+        out = self.verify_set.run(b, [k + v.n for k in meta.kv_lens])
+        self._verified = b
+        return v.outputs(out, b, tree.depth_bound)
+
+    # ---- commit
+    # ------------------------------------------------------------------------------------------
+    def drop_pending_commit(self) -> None:
+        """The round's verify ran eagerly: no replayed verify rows await a commit."""
+        self._verified = 0
+
+    def can_commit(self, path: torch.Tensor, taps) -> bool:
+        """This round's verify replayed here (its rows, lengths and taps are still in the static
+        buffers)."""
+        v = self.verify_graph
+        ok = (
+            self.commit_graph is not None
+            and self._verified == path.shape[0]
+            and path.shape[1] == v.accept_depth + 1
+            and (taps is None or (v.taps is not None and taps.data_ptr() == v.taps.data_ptr()))
+        )
+        if not ok:
+            self.drop_pending_commit()
+        return ok
+
+    def commit(self, path: torch.Tensor, accept_length: torch.Tensor) -> None:
+        """`ModelRunner.commit_kv` for the rows of this round's verify replay; padded rows commit
+        nothing (their moves stay in the scratch pages)."""
+        self.drop_pending_commit()
+        bs = self.bucket(self.commit_graph.load(path, accept_length))
+        graph = self.commit_graphs.get(bs)
+        if graph is None:
+            self.commit_graph.forward(bs)
+        else:
+            graph.replay()
+
+    # ---- draft
+    # -------------------------------------------------------------------------------------------
+    def can_draft(self, b: int, block_size: int, max_ctx_len: int) -> bool:
+        return (
+            self.draft_graph is not None
+            and block_size == self.draft_graph.S
+            and b <= self.buckets[-1]
+            and max_ctx_len <= self.runner.cfg.max_context
+        )
+
+    def draft(self, meta, roots: torch.Tensor) -> torch.Tensor:
+        """Returns the drafter's final hidden [b, S, H] for the round's blocks (the plain block
+        graph)."""
+        gs = self._draft_set(None)
+        b = self.draft_graph.load(meta, roots)
+        (hidden,) = gs.run(b, list(meta.kv_lens))
+        return hidden[:b]
+
+    def draft_tree(
+        self, meta, roots: torch.Tensor, depth_limits: list[int] | None
+    ) -> tuple[torch.Tensor, DraftTree]:
+        """One replay from the roots to the round's tree (the decoder's spec). depth_limits:
+        per-request depth limits (None: all D). Returns (drafter logits [b, D, V], the tree)."""
+        gs = self._draft_set(self.tree_spec)
+        b = self.draft_graph.load(meta, roots, depth_limits)
+        gs.run(b, list(meta.kv_lens))
+        return self.draft_graph.tree(self.tree_spec, b)

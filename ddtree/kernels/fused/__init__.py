@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.envs import env_flag
+from ddtree import envs
 from ddtree.kernels.fused.reference import (
     add_rmsnorm_reference,
     qk_norm_rope_reference,
@@ -20,8 +20,8 @@ from ddtree.kernels.fused.reference import (
     silu_mul_reference,
 )
 
-FORCE_REFERENCE_ENV = "DDTREE_FORCE_REFERENCE_KERNELS"
-INTERPRET_ENV = "DDTREE_FUSED_KERNELS_INTERPRET"
+FORCE_REFERENCE_ENV = envs.FORCE_REFERENCE_KERNELS.name
+INTERPRET_ENV = envs.FUSED_KERNELS_INTERPRET.name
 
 __all__ = ["FORCE_REFERENCE_ENV", "add_rmsnorm", "qk_norm_rope", "rmsnorm", "silu_mul", "use_triton"]
 
@@ -51,10 +51,10 @@ def _triton(interpreted: bool = False):
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """Whether the Triton kernels take these tensors (device, env switches, autograd), not their layout."""
     ts = [t for t in tensors if t is not None]
-    if env_flag(FORCE_REFERENCE_ENV):
+    if envs.FORCE_REFERENCE_KERNELS.on():
         return False
     cpu = ts[0].device.type != "cuda"
-    if cpu and not (env_flag("TRITON_INTERPRET") and env_flag(INTERPRET_ENV)):
+    if cpu and not (envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return False

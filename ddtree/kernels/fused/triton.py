@@ -14,10 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.envs import env_flag
+from ddtree import envs
 
 # TRITON_INTERPRET is read when a kernel is decorated; the dispatch reloads this module when it needs the other mode
-_decorated_interpreted = env_flag("TRITON_INTERPRET")
+_decorated_interpreted = envs.TRITON_INTERPRET.on()
 
 
 @triton.jit

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 
 import torch
 
-from ddtree.envs import env_flag
+from ddtree import envs
 
-FORCE_ENV = "DDTREE_FORCE_REFERENCE_GDN"
-TREE_CHUNK_ENV = "DDTREE_GDN_TREE_CHUNK"
+FORCE_ENV = envs.FORCE_REFERENCE_GDN.name
+TREE_CHUNK_ENV = envs.GDN_TREE_CHUNK.name
 ran: collections.Counter = collections.Counter()
 
 
 def force_reference() -> bool:
-    return env_flag(FORCE_ENV)
+    return envs.FORCE_REFERENCE_GDN.on()
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,7 +65,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def use_tree_chunk(t: torch.Tensor) -> bool:
     """The chunk-form tree rule for a verify that needs no node states (see the module docstring)."""
-    mode = os.environ.get(TREE_CHUNK_ENV, "auto")
+    mode = envs.GDN_TREE_CHUNK.get()
     if force_reference() or mode == "0":
         return False
     return mode == "1" or t.is_cuda

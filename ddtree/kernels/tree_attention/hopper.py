@@ -32,8 +32,9 @@ oracle). With masked_tail=False the Triton kernel runs the last split instead (m
 Rows past the request's length in a tile read finite pool data (the engine's pools are zero-initialised) that
 the mask gives weight 0. Written for sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8
 and divides or is divided by 64 (TMA boxes of min(page, 64) rows) and no `new_kv` (the drafter's block); the
-default path uses it where `supported` says: the CHECKED_ON_DEVICE shapes, and > 32 rows per request (trees,
-chains) or <= tail_n (decode, all swapped: 4k 10.7 vs 14.1 us, ragged b = 8 69 vs 105 us; BENCHMARKS.md).
+default plan (dispatch.py) uses it where `unsupported` gives no reason: the CHECKED_ON_DEVICE shapes, and
+> 32 rows per request (trees, chains) or <= tail_n (decode, all swapped: 4k 10.7 vs 14.1 us, ragged b = 8
+69 vs 105 us; BENCHMARKS.md).
 `DDTREE_NO_HOPPER_ATTENTION=1` turns it off (the Triton kernel then does everything);
 DDTREE_FORCE_REFERENCE_ATTENTION=1 still replaces both with the PyTorch reference.
 """
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ddtree.envs import env_flag
+from ddtree import envs
 
 logger = logging.getLogger("ddtree")
 _disabled: list[str] = []  # why the kernel cannot run here (no Gluon; failed to build or launch): Triton instead
@@ -60,7 +61,7 @@ try:
 except Exception as e:  # noqa: BLE001  (no Gluon in this Triton: the Triton kernel does everything)
     _disabled.append(f"no Gluon: {type(e).__name__}: {e}")
 
-DISABLE_ENV = "DDTREE_NO_HOPPER_ATTENTION"
+DISABLE_ENV = envs.NO_HOPPER_ATTENTION.name
 
 
 @dataclass(frozen=True)
@@ -130,17 +131,28 @@ def disable(err: BaseException) -> None:
 CHECKED_ON_DEVICE = {"dtypes": (torch.bfloat16,), "head_dims": (128,), "page_sizes": (16,)}
 
 
-def supported(q: torch.Tensor, k_pool: torch.Tensor, page_size: int, rows_per_request: int) -> bool:
-    """Where the default path uses this kernel: Hopper, the dtype / head dim / page size in CHECKED_ON_DEVICE, and
-    rows per request (q tokens x GQA group) either > 32 (trees, chains) or <= DEFAULT.tail_n (decode: one
-    token's group, the swapped path). Rows in between stay with the Triton kernel's 16/32-row blocks."""
-    group = q.shape[1] // k_pool.shape[1]
-    return (not _disabled and triton.__version__.startswith(TRITON_VERSIONS)
-            and not env_flag(DISABLE_ENV) and q.is_cuda
-            and torch.cuda.get_device_capability(q.device) == (9, 0)
-            and k_pool.dtype in CHECKED_ON_DEVICE["dtypes"] and k_pool.shape[-1] in CHECKED_ON_DEVICE["head_dims"]
-            and page_size in CHECKED_ON_DEVICE["page_sizes"] and rows_supported(rows_per_request, group)
-            and k_pool.is_contiguous() and k_pool.data_ptr() % 16 == 0)
+def unsupported(shape, device: torch.device) -> str | None:
+    """Why the default path does not use this kernel for `shape` (a dispatch.AttentionShape), or None. It
+    does on Hopper for the dtype / head dim / page size in CHECKED_ON_DEVICE and rows per request (q tokens x
+    GQA group) either > 32 (trees, chains) or <= DEFAULT.tail_n (decode: one token's group, the swapped path);
+    rows in between stay with the Triton kernel's 16/32-row blocks."""
+    if _disabled:
+        return f"the Gluon kernel is unavailable: {_disabled[0]}"
+    if not triton.__version__.startswith(TRITON_VERSIONS):
+        return f"Gluon checked only with Triton {TRITON_VERSIONS}, not {triton.__version__}"
+    if envs.NO_HOPPER_ATTENTION.on():
+        return f"{envs.NO_HOPPER_ATTENTION.name} is set"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "not sm_90"
+    checked = CHECKED_ON_DEVICE
+    if (shape.dtype not in checked["dtypes"] or shape.head_dim not in checked["head_dims"]
+            or shape.page_size not in checked["page_sizes"]):
+        return f"{shape.dtype}, head dim {shape.head_dim}, page {shape.page_size}: not checked on the device"
+    if not rows_supported(shape.rows, shape.group):
+        return f"{shape.rows} rows per request (17..32 or a GQA group wider than the swapped tail)"
+    if not shape.pools_ok:
+        return "the KV pools are not contiguous and 16-byte aligned"
+    return None
 
 
 if not _disabled:  # Gluon imported

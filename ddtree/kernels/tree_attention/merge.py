@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.envs import env_flag
+from ddtree import envs
 
-PDL_DISABLE_ENV = "DDTREE_NO_PDL"
+PDL_DISABLE_ENV = envs.NO_PDL.name
 
 try:  # grid dependency control, Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -41,7 +41,7 @@ except ImportError:  # no PDL with this Triton: kernels still reference the name
 def pdl_ok(device: torch.device) -> bool:
     """Whether the merge may launch as a programmatic dependent: sm_90+, not the interpreter, not DDTREE_NO_PDL."""
     return (HAVE_GDC and device.type == "cuda" and not triton.knobs.runtime.interpret
-            and not env_flag(PDL_DISABLE_ENV) and torch.cuda.get_device_capability(device) >= (9, 0))
+            and not envs.NO_PDL.on() and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 @triton.jit

@@ -24,21 +24,16 @@ the first call compiles).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels.tree_attention import hopper
+from ddtree.kernels.tree_attention import dispatch, hopper
+from ddtree.kernels.tree_attention.dispatch import AttentionShape, LaunchPlan
 from ddtree.kernels.tree_attention.merge import combine, gdc_launch_dependents, pdl_ok
-from ddtree.kernels.tree_attention.tuning import (
-    KernelConfig,
-    choose_num_splits,
-    default_config,
-    last_launch,
-    patch_interpreter_index,
-    resident_slots,
-    split_min_tiles,
-)
+from ddtree.kernels.tree_attention.tuning import KernelConfig, patch_interpreter_index, resident_slots
 
 
 if triton.knobs.runtime.interpret:
@@ -270,38 +265,38 @@ def _dot_mode(dtype: torch.dtype) -> int:
     return 1 if dtype == torch.float32 else 0
 
 
-def paged_attention(
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                    qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float, **kw) -> torch.Tensor:
+    """`paged_attention_plan` without the plan: [T, Hq, D]."""
+    return paged_attention_plan(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, **kw)[0]
+
+
+def paged_attention_plan(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
     qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float, *,
     max_q_len: int, max_kv_len: int, tree_mask: torch.Tensor | None = None, causal: bool = True,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, num_splits: int | None = None,
     config: KernelConfig | None = None, out: torch.Tensor | None = None,
-    hopper_ctx: bool | hopper.HopperConfig | None = None,
-) -> torch.Tensor:
+    hopper_ctx: bool | hopper.HopperConfig | None = None, plan: LaunchPlan | None = None,
+) -> tuple[torch.Tensor, LaunchPlan | None]:
     """See the module docstring. `max_q_len` and `max_kv_len` are host ints bounding the batch (they size the
     grid and the split count only; pass the captured maxima under a CUDA graph). Without a tree mask the new
     tokens see each other causally, or all of them when `causal` is False. `new_kv` = (k, v) [T, Hkv, D] rows
     aligned with q: the new tokens' K/V are read from there instead of the pools (the drafter's block K/V,
-    which is never stored). `hopper_ctx` (True / False / a HopperConfig): run the rows through the Gluon kernel
-    of `hopper.py` (default: wherever `hopper.supported` says so, with the default or a 64-row tail-split
-    `config`). Returns [T, Hq, D]."""
+    which is never stored). num_splits / config / hopper_ctx: passed to `dispatch.plan` (hopper_ctx True /
+    None: the Gluon kernel of `hopper.py` wherever it is supported), unless `plan` is given. Returns
+    ([T, Hq, D], the plan that ran; None for an empty batch)."""
     T, hq, dim = q.shape
     hkv = k_pool.shape[1]
     assert hq % hkv == 0 and dim == k_pool.shape[2] and dim >= 16 and dim & (dim - 1) == 0
     assert k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
-    group = hq // hkv
     b = qo_indptr.shape[0] - 1
     if out is None:
         out = torch.empty(T, hq, dim, dtype=q.dtype, device=q.device)
     if T == 0 or b == 0:
-        return out
+        return out, None
     if q.dtype != k_pool.dtype or q.stride(-1) != 1:
         q = q.to(k_pool.dtype).contiguous()
-    rows = max_q_len * group  # per request, at most: q tokens x GQA group
-    cfg = config or default_config(rows, dim, max_kv_len)
-    q_blocks = -(-rows // cfg.block_m)
-    # the Triton kernel can run the last split after the Gluon kernel's context splits: same 64-row blocks
-    triton_last_split_ok = cfg.tail_split and cfg.block_m == 64
     mode = 1 if tree_mask is not None else 0 if causal else 2
     if tree_mask is not None:
         mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
@@ -314,10 +309,6 @@ def paged_attention(
         assert k_ext.shape == (T, hkv, dim) and v_ext.shape == (T, hkv, dim)
     else:
         k_ext = v_ext = k_pool
-    consts = dict(HKV=hkv, G=group, D=dim, PAGE=page_size, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
-                  BLOCK_N=cfg.block_n, TREE_N=cfg.tree_n, TAIL_SPLIT=cfg.tail_split, MODE=mode,
-                  EXTRA=new_kv is not None, DOT=_dot_mode(k_pool.dtype),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def args(split_count, part_o, part_lse):
         return (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask, out, part_o, part_lse, k_ext, v_ext,
@@ -325,59 +316,85 @@ def paged_attention(
                 q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_table.stride(0),
                 out.stride(0), out.stride(1), smb, smt, k_ext.stride(1), k_ext.stride(0))
 
-    one_split = num_splits == 1  # asked for: no partials, so no Hopper kernel either
-    auto_splits = num_splits is None
-    if hopper_ctx is None or hopper_ctx is True:  # True: the same, wherever supported
-        use = (new_kv is None and not one_split and (config is None or triton_last_split_ok)
-               and hopper.supported(q, k_pool, page_size, rows))
-        hopper_ctx = hopper.config_for(rows) if use else None
-    if hopper_ctx:
-        # the Gluon kernel does the context splits, and the last (masked) one with masked_tail (else Triton)
-        if not hopper_ctx.masked_tail and not triton_last_split_ok:
-            raise ValueError(f"hopper_ctx={hopper_ctx}: the Triton last split needs 64-row tail-split blocks like "
-                             f"the Gluon kernel's, not {cfg}; use masked_tail=True")
-        if num_splits is None:
-            slots = hopper_ctx.programs_per_sm(dim) * hopper.sm_count(q.device)
-            num_splits = choose_num_splits(-(-rows // hopper_ctx.block_m) * b * hkv, max_kv_len, hopper_ctx.block_n,
-                                           slots, min_tiles=split_min_tiles(rows), tail_split=True)
-        num_splits = max(num_splits, 2)
-    elif num_splits is None:
-        key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(k_pool.dtype),)
-        f32 = torch.empty(1, dtype=torch.float32, device=q.device)
-        # the variant a split launch below uses (PDL as there), so that launch reuses this compile
-        slots = resident_slots(q.device, key, lambda: _split_kv_attn.warmup(
-            *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, PDL=pdl_ok(q.device), **consts))
-        num_splits = choose_num_splits(q_blocks * b * hkv, max_kv_len, cfg.block_n, slots,
-                                       min_tiles=split_min_tiles(rows), tail_split=cfg.tail_split)
-    split = num_splits > 1
-    # the merge as a programmatic dependent (H200, BENCHMARKS.md): after the Triton kernel (decode 0.8-2.2 us
-    # faster), after the Hopper kernel where hopper.merge_pdl says
-    pdl = (split and pdl_ok(q.device)
-           and (not hopper_ctx or hopper.merge_pdl(hopper_ctx, rows, group)))
-    if split:
-        part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out
-    grid = (q_blocks, b * hkv, 1 if hopper_ctx else num_splits)  # with hopper_ctx: the last split only
-    last_launch.update(config=cfg, num_splits=num_splits, grid=grid, hopper=hopper_ctx)
-    if hopper_ctx:
+    shape = AttentionShape.of(q, k_pool, qo_indptr, page_size, max_q_len, max_kv_len, mode, new_kv is not None)
+    if plan is None:
+        plan = dispatch.plan(shape, q.device, num_splits=num_splits, config=config, hopper_ctx=hopper_ctx,
+                             triton_slots=lambda cfg: triton_slots(shape, cfg, q.device, args))
+    gluon_args = (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, scale, mask, smb, smt)
+    if plan.kernel == "hopper":
         try:
-            hopper.launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o,
-                                 part_lse, num_splits, max_q_len, mode, mask, smb, smt, hopper_ctx, pdl)
+            launch(plan, shape, args, out, gluon_args)
+            return out, plan
         except Exception as e:  # noqa: BLE001 - e.g. another Triton's Gluon: fall back, once and for all
             hopper.disable(e)
-            return paged_attention(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale,
-                                   max_q_len=max_q_len, max_kv_len=max_kv_len, tree_mask=tree_mask, causal=causal,
-                                   new_kv=new_kv, num_splits=None if auto_splits else num_splits, config=config,
-                                   out=out, hopper_ctx=False)
-    if not (hopper_ctx and hopper_ctx.masked_tail):
-        _split_kv_attn[grid](*args(num_splits, part_o, part_lse), SPLIT=split, CTX_DONE=bool(hopper_ctx),
-                             PDL=pdl, **consts)
+            plan = dispatch.plan(shape, q.device, num_splits=num_splits, config=config, hopper_ctx=False,
+                                 triton_slots=lambda cfg: triton_slots(shape, cfg, q.device, args))
+            plan = dataclasses.replace(plan, fallback=f"the Gluon kernel failed: {type(e).__name__}")
+    launch(plan, shape, args, out, gluon_args)
+    return out, plan
+
+
+def _consts(shape: AttentionShape, cfg: KernelConfig) -> dict:
+    return dict(HKV=shape.num_kv_heads, G=shape.group, D=shape.head_dim, PAGE=shape.page_size,
+                BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n, TREE_N=cfg.tree_n,
+                TAIL_SPLIT=cfg.tail_split, MODE=shape.mode, EXTRA=shape.new_kv, DOT=_dot_mode(shape.dtype),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def triton_slots(shape: AttentionShape, cfg: KernelConfig, device: torch.device, args=None) -> int:
+    """Resident programs of the split kernel variant that `cfg` and `shape` compile to (SMs x per SM). args:
+    the call's argument builder (None: stand-in tensors of the shape's dtypes, for a plan asked ahead)."""
+    consts = _consts(shape, cfg)
+    key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(shape.dtype),)
+    if args is None:
+        args = _stand_in_args(shape, device)
+    f32 = torch.empty(1, dtype=torch.float32, device=device)
+    # the variant a split launch uses (PDL as there), so that launch reuses this compile
+    return resident_slots(device, key, lambda: _split_kv_attn.warmup(
+        *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, PDL=pdl_ok(device), **consts))
+
+
+def _stand_in_args(shape: AttentionShape, device: torch.device):
+    hq, hkv, d, p = shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.page_size
+    q = torch.zeros(1, hq, d, dtype=shape.dtype, device=device)
+    pool = torch.zeros(p, hkv, d, dtype=shape.dtype, device=device)
+    ints = torch.zeros(2, dtype=torch.int64, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    mask = torch.zeros(1, 1, 1, dtype=torch.uint8, device=device) if shape.mode == 1 else ints
+    smb, smt = (1, 1) if shape.mode == 1 else (0, 0)
+
+    def args(split_count, part_o, part_lse):
+        return (q, pool, pool, table, ints, ints, mask, q, part_o, part_lse, pool, pool, 1.0, split_count,
+                q.stride(0), q.stride(1), pool.stride(0), pool.stride(1), table.stride(0), q.stride(0),
+                q.stride(1), smb, smt, pool.stride(1), pool.stride(0))
+
+    return args
+
+
+def launch(plan: LaunchPlan, shape: AttentionShape, args, out: torch.Tensor, gluon_args: tuple) -> None:
+    """Launch `plan` ("hopper" or "triton"): the split kernels, then the merge. args(splits, part_o,
+    part_lse): the Triton kernel's arguments; gluon_args: (q, k_pool, v_pool, block_table, qo_indptr, kv_lens,
+    scale, mask, stride_mb, stride_mt) for `hopper.launch_splits`."""
+    cfg, num_splits, hop, pdl = plan.config, plan.num_splits, plan.hopper, plan.pdl
+    T, hq, dim = out.shape
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=out.device)
+        part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=out.device)
+    else:
+        part_o = part_lse = out
+    if hop:
+        q, k_pool, v_pool, block_table, qo_indptr, kv_lens, scale, mask, smb, smt = gluon_args
+        hopper.launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, shape.page_size, scale, part_o,
+                             part_lse, num_splits, shape.max_q_len, shape.mode, mask, smb, smt, hop, pdl)
+    if not (hop and hop.masked_tail):
+        q_blocks = -(-shape.rows // cfg.block_m)
+        grid = (q_blocks, shape.batch * shape.num_kv_heads, 1 if hop else num_splits)  # hopper: last split only
+        _split_kv_attn[grid](*args(num_splits, part_o, part_lse), SPLIT=split, CTX_DONE=bool(hop), PDL=pdl,
+                             **_consts(shape, cfg))
     if split:
         combine[(T, hq)](
             part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HQ=hq, D=dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, num_warps=cfg.combine_warps,
-            launch_pdl=pdl,
+            HQ=hq, D=dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PDL=pdl,
+            num_warps=cfg.combine_warps, launch_pdl=pdl,
         )
-    return out

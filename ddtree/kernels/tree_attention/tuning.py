@@ -8,10 +8,9 @@ from typing import Callable
 
 import torch
 
-from ddtree.envs import env_flag
+from ddtree import envs
 
-_SLOTS: dict[tuple, int] = {}
-last_launch: dict = {}  # host-side record of the latest launch (config, num_splits, grid), for benchmarks
+_SLOTS: dict[tuple, int] = {}  # cache: resident programs per compiled variant (filled once per key)
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def choose_num_splits(programs_per_split: int, max_kv_len: int, block_n: int, sl
 def resident_slots(device: torch.device, key: tuple, compile_fn: Callable) -> int:
     """SMs x resident programs per SM for the compiled kernel variant `key`; `compile_fn` returns Triton's
     compiled kernel (called once per key). Off the GPU (interpreter) a nominal H200: 132 SMs x 2."""
-    if device.type != "cuda" or env_flag("TRITON_INTERPRET"):
+    if device.type != "cuda" or envs.TRITON_INTERPRET.on():
         return 2 * 132
     key = (device.index,) + key
     if key not in _SLOTS:

@@ -1,0 +1,177 @@
+"""Which kernel runs a paged-attention call, with which tiles, splits and PDL: a frozen `LaunchPlan`
+from the call's host shape (`AttentionShape`) and the device, decided here once, launched by
+`triton.launch` (the Triton kernel, the Gluon kernel of `hopper.py` for the context splits, the
+split merge).
+
+The rules (the H200 measurements behind them are in BENCHMARKS.md):
+- tiles: `tuning.default_config` from rows per request (q tokens x GQA group), head dim and context;
+- the Gluon kernel (`hopper.unsupported` says where not) does the context splits of tree / chain
+  rows (> 32 rows) and decode rows, `hopper.config_for` picks its config; never with `new_kv` (the
+  drafter's block), never with one split asked for, and with a Triton config only when the Triton
+  last split can follow it;
+- splits: the fewest that fill the GPU's resident slots (`tuning.choose_num_splits`), unless fixed
+  by the caller (a CUDA graph fixes them per bucket); the Gluon kernel always has >= 2 (its last
+  split is the masked one);
+- PDL: the merge launches as a programmatic dependent on sm_90 (`merge.pdl_ok`), after the Gluon
+  kernel only where `hopper.merge_pdl` says.
+A plan depends only on host ints and the device, so a CUDA graph captured with a plan replays that
+plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ddtree.kernels.tree_attention.tuning import (KernelConfig, choose_num_splits, default_config,
+                                                  split_min_tiles)
+
+MODES = {
+    "causal": 0,
+    "tree": 1,
+    "all": 2,
+}  # how new tokens see each other (the kernels' MODE constexpr)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The host-side shape of one call: what the plan may depend on."""
+
+    batch: int
+    max_q_len: int
+    max_kv_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype  # the pools' dtype
+    mode: int = 0  # MODES
+    new_kv: bool = False  # the new tokens' K/V come alongside (drafter block), not from the pools
+    pools_ok: bool = True  # the pools are contiguous and 16-byte aligned (TMA descriptors)
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def rows(self) -> int:
+        """Rows per request, at most: q tokens x GQA group."""
+        return self.max_q_len * self.group
+
+    @classmethod
+    def of(
+        cls, q, k_pool, qo_indptr, page_size, max_q_len, max_kv_len, mode, new_kv
+    ) -> AttentionShape:
+        return cls(
+            qo_indptr.shape[0] - 1,
+            max_q_len,
+            max_kv_len,
+            q.shape[1],
+            k_pool.shape[1],
+            q.shape[2],
+            page_size,
+            k_pool.dtype,
+            mode,
+            new_kv,
+            k_pool.is_contiguous() and k_pool.data_ptr() % 16 == 0,
+        )
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """kernel: "hopper" (Gluon context splits, then the Triton last split unless
+    hopper.masked_tail, then the merge), "triton" (split kernel, then the merge when num_splits > 1)
+    or "reference" (PyTorch). config: the Triton tiles (its kernel, the last split, the merge's
+    warps); fallback: why not Gluon (or why the reference), None where nothing was refused."""
+
+    kernel: str
+    config: KernelConfig | None = None
+    hopper: object | None = None  # hopper.HopperConfig
+    num_splits: int = 1
+    pdl: bool = False
+    fallback: str | None = None
+
+    @property
+    def capture_key(self) -> tuple:
+        """What a CUDA graph of the call fixes: buckets with equal keys share a graph."""
+        return self.num_splits, self.kernel == "hopper"
+
+
+def reference_plan(why: str) -> LaunchPlan:
+    return LaunchPlan("reference", fallback=why)
+
+
+def plan(
+    shape: AttentionShape,
+    device: torch.device,
+    *,
+    num_splits: int | None = None,
+    config: KernelConfig | None = None,
+    hopper_ctx=None,
+    triton_slots: Callable[[KernelConfig], int] | None = None,
+) -> LaunchPlan:
+    """The plan of one call. num_splits: fixed (None: chosen here); config: fixed Triton tiles;
+    hopper_ctx: True / None (Gluon wherever supported), False (never), or a HopperConfig (that one;
+    ValueError where the Triton last split cannot follow it). triton_slots(config): resident Triton
+    programs on the device (the launcher's compiled variant); needed only when the Triton kernel's
+    split count is chosen here."""
+    from ddtree.kernels.tree_attention import hopper, merge
+
+    rows = shape.rows
+    cfg = config or default_config(rows, shape.head_dim, shape.max_kv_len)
+    # the Triton kernel can run the last split after the Gluon kernel's context splits: same 64-row
+    # blocks
+    triton_last_split_ok = cfg.tail_split and cfg.block_m == 64
+    why = None
+    hop = hopper_ctx
+    if hop is None or hop is True:
+        why = (
+            "the drafter block's K/V come alongside"
+            if shape.new_kv
+            else "one split asked for"
+            if num_splits == 1
+            else "a Triton config that cannot run the last split"
+            if config is not None and not triton_last_split_ok
+            else hopper.unsupported(shape, device)
+        )
+        hop = hopper.config_for(rows) if why is None else None
+    elif hop is False:
+        why, hop = "hopper_ctx=False", None
+    if hop is not None:
+        if not hop.masked_tail and not triton_last_split_ok:
+            raise ValueError(
+                f"hopper_ctx={hop}: the Triton last split needs 64-row tail-split blocks like "
+                f"the Gluon kernel's, not {cfg}; use masked_tail=True"
+            )
+        if num_splits is None:
+            slots = hop.programs_per_sm(shape.head_dim) * hopper.sm_count(device)
+            num_splits = choose_num_splits(
+                -(-rows // hop.block_m) * shape.batch * shape.num_kv_heads,
+                shape.max_kv_len,
+                hop.block_n,
+                slots,
+                min_tiles=split_min_tiles(rows),
+                tail_split=True,
+            )
+        num_splits = max(num_splits, 2)
+    elif num_splits is None:
+        q_blocks = -(-rows // cfg.block_m)
+        slots = triton_slots(cfg) if triton_slots is not None else 2 * 132
+        num_splits = choose_num_splits(
+            q_blocks * shape.batch * shape.num_kv_heads,
+            shape.max_kv_len,
+            cfg.block_n,
+            slots,
+            min_tiles=split_min_tiles(rows),
+            tail_split=cfg.tail_split,
+        )
+    # the merge as a programmatic dependent (H200, BENCHMARKS.md): after the Triton kernel (decode
+    # 0.8-2.2 us faster), after the Hopper kernel where hopper.merge_pdl says
+    pdl = (
+        num_splits > 1
+        and merge.pdl_ok(device)
+        and (hop is None or hopper.merge_pdl(hop, rows, shape.group))
+    )
+    return LaunchPlan("hopper" if hop is not None else "triton", cfg, hop, num_splits, pdl, why)

@@ -1,0 +1,109 @@
+"""Gated DeltaNet kernels on the device against the PyTorch reference (ddtree/kernels/gdn): the
+Triton tree kernel (outputs and node states; chains, bushy and random trees, a padded request; fp32
+and bf16) and the chunk-form tree verify (outputs and the accepted node's state). Formerly the
+checks of bench/gpu_gdn_tree.py sections (a) and (b), which now only time."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+HK, HV, DK, DV = 16, 48, 128, 128
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def tree(b, n, kind, gen, dev):
+    """Depth-sorted parents (parent < child): chain, bushy or random; (parents, depths) on the
+    device."""
+    parents = torch.full((b, n), -1, dtype=torch.int64)
+    for r in range(b):
+        for c in range(1, n):
+            if kind == "chain":
+                p = c - 1
+            elif kind == "bushy":
+                p = max(0, c - 1 - int(torch.randint(0, 9, (1,), generator=gen)))
+            else:
+                p = int(torch.randint(0, c, (1,), generator=gen))
+            parents[r, c] = p
+    depths = torch.zeros(b, n, dtype=torch.int64)
+    for c in range(1, n):
+        depths[:, c] = depths.gather(1, parents[:, c:c + 1])[:, 0] + 1
+    return parents.to(dev), depths.to(dev)
+
+
+def inputs(b, n, dtype, gen, dev):
+    q, k = (torch.randn(b, n, HK, DK, generator=gen).to(dev, dtype) for _ in range(2))
+    v = torch.randn(b, n, HV, DV, generator=gen).to(dev, dtype)
+    g = (-torch.rand(b, n, HV, generator=gen) * 2).to(dev)
+    beta = torch.rand(b, n, HV, generator=gen).to(dev, dtype)
+    s0 = (torch.randn(b, HV, DK, DV, generator=gen) * 0.1).to(dev)
+    return q, k, v, g, beta, s0
+
+
+@pytest.mark.parametrize("kind", ["chain", "bushy", "random"])
+@pytest.mark.parametrize("budget", [1, 4, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_tree_kernel_matches_reference(dtype, budget, kind):
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn import reference
+    from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(budget * 7 + len(kind))
+    parents, depths = tree(2, budget + 1, kind, gen, dev)
+    if kind == "random" and budget > 1:  # request 1 padded: its last third is padding
+        cut = (budget + 1) * 2 // 3
+        parents[1, cut:], depths[1, cut:] = -1, -1
+    q, k, v, g, beta, s0 = inputs(2, budget + 1, dtype, gen, dev)
+    args = (q, k, v, g, beta, parents, depths, s0)
+    o, st = tree_gated_delta_rule_triton(*args, return_node_states=True)
+    ro, rst = reference.tree_gated_delta_rule(*args, return_node_states=True)
+    assert torch.isfinite(o).all()
+    assert rel(o, ro) < (1e-4 if dtype == torch.float32 else 2e-2) and rel(st, rst) < 1e-4
+
+
+@pytest.mark.parametrize("b", [1, 8])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_tree_chunk_matches_reference(b, with_state):
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn import reference
+    from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(b)
+    parents, depths = tree(b, 65, "bushy", gen, dev)
+    q, k, v, g, beta, s0 = (t.float() for t in inputs(b, 65, torch.bfloat16, gen, dev))
+    ro, rst = reference.tree_gated_delta_rule(
+        q, k, v, g, beta, parents, depths, s0, return_node_states=True
+    )
+    last = torch.randint(0, 65, (b,), generator=gen).to(dev)
+    o, st = tree_chunk_gated_delta_rule(
+        q, k, v, g, beta, parents, depths, s0, last=last if with_state else None
+    )
+    assert torch.isfinite(o).all() and rel(o, ro) < 1e-4
+    if with_state:
+        assert rel(st, rst[torch.arange(b, device=dev), last]) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunk_and_recurrent_dispatch_match_reference(dtype):
+    """Prefill (varlen chunk rule, initial states) and decode continuing from its final state,
+    through the dispatch (fla on CUDA where installed, else the reference), against the reference.
+    Formerly section (d) of bench/gpu_gdn_tree.py (which still times it)."""
+    from ddtree.kernels.gdn import dispatch, reference
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(11)
+    lens = [1000, 37, 3059]
+    q, k, v, g, beta, _ = inputs(1, sum(lens), dtype, gen, dev)
+    s0 = (torch.randn(len(lens), HV, DK, DV, generator=gen) * 0.1).to(dev)
+    cu = torch.tensor([0, *lens], device=dev).cumsum(0)
+    o, S = dispatch.chunk_rule(q, k, v, g, beta, s0, cu_seqlens=cu)
+    ro, rS = reference.gated_delta_rule_chunked(q, k, v, g, beta, s0, cu_seqlens=cu)
+    nq, nk, nv, ng, nb, _ = inputs(len(lens), 1, dtype, gen, dev)
+    od, Sd = dispatch.recurrent_rule(nq, nk, nv, ng, nb, S)
+    rod, rSd = reference.gated_delta_rule_recurrent(nq, nk, nv, ng, nb, rS)
+    tol = 5e-3 if dtype == torch.float32 else 3e-2  # fla's chunk dots run in tf32 on fp32 inputs
+    errs = {"prefill_out": rel(o, ro), "prefill_state": rel(S, rS), "decode_out": rel(od, rod),
+            "decode_state": rel(Sd, rSd)}
+    assert torch.isfinite(Sd).all() and all(e < tol for e in errs.values()), errs
