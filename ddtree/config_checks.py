@@ -60,12 +60,13 @@ def load_model_config(path: str, is_target: bool, p: list[str]):
 
 
 def check_weights(path: str, name: str, p: list[str]) -> None:
-    """The loader reads `model.safetensors.index.json` or every `*.safetensors` file: a directory with
-    neither would pass every config check and then fail at weight load, so it is refused here."""
+    """The loader reads `model.safetensors.index.json` or every `*.safetensors` file: a directory
+    with neither would pass every config check, then fail at weight load; it is refused here."""
     files = os.listdir(path)
-    if "model.safetensors.index.json" not in files and not any(f.endswith(".safetensors") for f in files):
-        p.append(f"{name} {path}: no *.safetensors weights, only config.json; pass the directory holding the "
-                 "full checkpoint (e.g. huggingface-cli download REPO --local-dir DIR)")
+    if "model.safetensors.index.json" in files or any(f.endswith(".safetensors") for f in files):
+        return
+    p.append(f"{name} {path}: no *.safetensors weights, only config.json; pass the directory "
+             "holding the full checkpoint (e.g. hf download REPO --local-dir DIR)")
 
 
 def check_pair(t: TargetConfig, d: DrafterConfig, p: list[str]) -> None:

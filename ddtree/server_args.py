@@ -53,8 +53,9 @@ class ServerArgs:
     page_size: int = _opt(16, "KV cache page size in tokens")
     tp_size: int = _opt(1, "tensor parallel degree", aliases=("--tp", "--tensor-parallel-size"))
     random_seed: int | None = _opt(None, "random seed")
-    attention_backend: str = _opt("auto", "attention kernels; auto = triton on cuda (Gluon kernels on sm_90) when "
-                                  "triton is installed, else torch (the reference)", ATTENTION_BACKENDS)
+    attention_backend: str = _opt("auto", "attention kernels; auto = triton on cuda (Gluon kernels "
+                                  "on sm_90) when triton is installed, else torch (the reference)",
+                                  ATTENTION_BACKENDS)
     disable_cuda_graph: bool = _opt(False, "run verify and draft eagerly (no CUDA graphs); graphs need cuda + triton")
     cuda_graph_max_bs: int | None = _opt(None, "largest (padded) batch size captured in CUDA graphs; default "
                                          f"min({DEFAULT_CUDA_GRAPH_MAX_BS}, --max-running-requests)")
@@ -139,7 +140,7 @@ def cuda_available() -> bool:
 
 
 def triton_available() -> bool:
-    """Whether `import triton` would succeed; looks the package up without importing it (that takes seconds)."""
+    """Whether `import triton` would succeed, found without importing it (that takes seconds)."""
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
@@ -194,10 +195,12 @@ def _resolve_speculative(a: ServerArgs, t, d, upd: dict, p: list[str]) -> None:
         p.append(f"--speculative-dflash-block-size {block} exceeds the drafter's trained block_size {d.block_size}; "
                  f"pass a value in 2..{d.block_size}")
     elif d is not None and block < d.block_size:
-        # Valid (the drafter fills a prefix of its trained block), but it changes what a round can accept.
-        logger.warning("--speculative-dflash-block-size %d is below the drafter's trained block_size %d: each "
-                       "round drafts %d tokens instead of %d, so at most %d are accepted per round; drop the flag "
-                       "to use the trained size", block, d.block_size, block - 1, d.block_size - 1, block)
+        # Valid (the drafter fills a prefix of its trained block), but it changes what a round can
+        # accept, so it is said out loud.
+        logger.warning("--speculative-dflash-block-size %d is below the drafter's trained "
+                       "block_size %d: each round drafts %d tokens instead of %d, so at most %d "
+                       "are accepted per round; drop the flag to use the trained size",
+                       block, d.block_size, block - 1, d.block_size - 1, block)
     upd["speculative_dflash_block_size"] = block
     draft_tokens = a.speculative_num_draft_tokens
     if draft_tokens is not None and block is not None and draft_tokens != block:
@@ -303,11 +306,11 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
 
 
 def _resolve_attention_backend(a: ServerArgs, upd: dict, device: str, p: list[str]) -> None:
-    """auto -> the fast path of the device at hand: triton on cuda (its launcher dispatches the Gluon kernels
-    on sm_90), the torch reference on the CPU or where triton is not installed."""
+    """auto -> the fast path of the device at hand: triton on cuda (its launcher dispatches the
+    Gluon kernels on sm_90), the torch reference on the CPU or where triton is not installed."""
     if a.attention_backend == "triton" and not triton_available():
-        p.append("--attention-backend triton: triton is not installed; pip install triton (CUDA torch wheels "
-                 "bring it), or pass --attention-backend torch")
+        p.append("--attention-backend triton: triton is not installed; pip install triton (CUDA "
+                 "torch wheels bring it), or pass --attention-backend torch")
     if a.attention_backend != "auto":
         return
     if device != "cuda":
@@ -315,7 +318,7 @@ def _resolve_attention_backend(a: ServerArgs, upd: dict, device: str, p: list[st
     elif triton_available():
         backend, why = "triton", "cuda with triton installed"
     else:
-        backend, why = "torch", "triton is not installed (pip install triton); CUDA graphs need it"
+        backend, why = "torch", "triton is not installed (pip install triton); graphs need it"
     upd["attention_backend"] = backend
     logger.info("Attention backend is set to %s (%s).", backend, why)
 
@@ -326,8 +329,8 @@ def _resolve_cuda_graph(a: ServerArgs, upd: dict, device: str) -> None:
             logger.warning("--cuda-graph-max-bs ignored: --disable-cuda-graph is set")
         return
     backend = upd.get("attention_backend", a.attention_backend)
-    why = ("the device is cpu" if device != "cuda" else None if backend == "triton"
-           else f"--attention-backend {backend} is not capturable; pass --attention-backend triton")
+    why = ("the device is cpu" if device != "cuda" else None if backend == "triton" else
+           f"--attention-backend {backend} is not capturable; pass --attention-backend triton")
     if why:
         upd["disable_cuda_graph"] = True
         logger.info("CUDA graphs are disabled: %s.", why)

@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from config_fixtures import dense_pair, hybrid_pair, qwen3_8b_config, qwen36_27b_config, write_model_dir
+from config_fixtures import (dense_pair, hybrid_pair, qwen3_8b_config, qwen36_27b_config,
+                             write_model_dir)
 from ddtree.check_config import main
 from ddtree.configs import TargetConfig
 from ddtree.memory_plan import (
@@ -145,8 +146,9 @@ def test_check_config_main_bad_config(tmp_path, capsys):
 
 def test_check_config_weights_over_pool_exits_1(tmp_path, capsys):
     target, drafter = dense_pair(tmp_path)
-    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
-               drafter, "--device", "cuda", "--device-memory-gib", "8"])
+    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE",
+               "--speculative-draft-model-path", drafter, "--device", "cuda",
+               "--device-memory-gib", "8"])
     captured = capsys.readouterr()
     assert rc == 1
     assert "memory plan" in captured.out  # the plan is still printed, to show where the memory goes
@@ -156,15 +158,18 @@ def test_check_config_weights_over_pool_exits_1(tmp_path, capsys):
 
 def test_check_config_zero_requests_at_context_exits_1(tmp_path, capsys):
     target, drafter = dense_pair(tmp_path)
-    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
-               drafter, "--device", "cuda", "--device-memory-gib", "24", "--max-total-tokens", "4096"])
+    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE",
+               "--speculative-draft-model-path", drafter, "--device", "cuda",
+               "--device-memory-gib", "24", "--max-total-tokens", "4096"])
     err = capsys.readouterr().err
-    assert rc == 1 and "not one request of --context-length 40960 fits" in err and "--context-length" in err
+    assert rc == 1
+    assert "not one request of --context-length 40960 fits (4,096 KV tokens); lower" in err
 
 
 def test_check_config_says_what_it_planned_for(tmp_path, capsys):
     target, drafter = dense_pair(tmp_path)
-    argv = ["--model-path", target, "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", drafter]
+    argv = ["--model-path", target, "--speculative-algorithm", "DDTREE",
+            "--speculative-draft-model-path", drafter]
     assert main([*argv, "--device", "cuda", "--device-memory-gib", "140"]) == 0
     out = capsys.readouterr().out
     assert "planned for: device cuda (140 GiB given by --device-memory-gib), dtype bfloat16" in out
@@ -198,7 +203,8 @@ def _run_check_config(tmp_path, prelude: str) -> float:
     target, drafter = hybrid_pair(tmp_path)
     code = (prelude + "import sys, time; t = time.perf_counter(); from ddtree.check_config import main; "
             f"rc = main(['--model-path', {target!r}, '--speculative-algorithm', 'DDTREE', "
-            f"'--speculative-draft-model-path', {drafter!r}, '--device', 'cuda', '--device-memory-gib', '140']); "
+            f"'--speculative-draft-model-path', {drafter!r}, '--device', 'cuda', "
+            "'--device-memory-gib', '140']); "
             "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch imported'; "
             "print(time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

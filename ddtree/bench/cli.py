@@ -7,11 +7,12 @@ import importlib
 import sys
 
 BENCHES = {
-    "acceptance": ("ddtree.bench.acceptance", "mean accepted length over DDTree budgets, shadow-linear, "
-                                              "temperatures (the engine end to end)"),
-    "rounds": ("ddtree.bench.rounds", "per-round cost of AR / DFLASH / DDTREE on a random Qwen3-8B-shaped pair "
-                                      "against the memory floor (--smoke: seconds on the CPU)"),
-    "serving": ("ddtree.bench.serving", "drive a running server: throughput, TTFT, TPOT, latency, accept length"),
+    "acceptance": ("ddtree.bench.acceptance", "mean accepted length over DDTree budgets, "
+                   "shadow-linear and temperatures (the engine end to end)"),
+    "rounds": ("ddtree.bench.rounds", "per-round cost of AR / DFLASH / DDTREE on a random "
+               "Qwen3-8B-shaped pair against the memory floor (--smoke: seconds on the CPU)"),
+    "serving": ("ddtree.bench.serving", "drive a running server: throughput, TTFT, TPOT, latency, "
+                "accept length"),
 }
 
 
@@ -22,8 +23,8 @@ def usage() -> str:
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
-    """Appends '(default: X)' to a flag's help unless the help already says its default; an off-by-default
-    switch shows '(default: off)'."""
+    """Appends '(default: X)' to a flag's help unless the help already says its default; a switch
+    shows '(default: off)'."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

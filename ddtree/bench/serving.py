@@ -191,7 +191,7 @@ def plot(report: dict, path: str) -> None:
 
 
 def finite(obj):
-    """`obj` with every non-finite float (an unpaced --request-rate is inf) as None, so it dumps as JSON."""
+    """`obj` with each non-finite float as None (an unpaced --request-rate is inf): strict JSON."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
@@ -208,7 +208,8 @@ TABLE_COLUMNS = (
     ("out tok/s", "tok/s", "output_throughput", None, 1),
     ("TTFT p50", "ms", "ttft_ms", "p50", 1), ("TTFT p99", "ms", "ttft_ms", "p99", 1),
     ("TPOT p50", "ms", "tpot_ms", "p50", 2), ("TPOT p99", "ms", "tpot_ms", "p99", 2),
-    ("E2E p50", "ms", "e2e_latency_ms", "p50", 1), ("accept", "tok/round", "mean_accept_length", None, 2),
+    ("E2E p50", "ms", "e2e_latency_ms", "p50", 1),
+    ("accept", "tok/round", "mean_accept_length", None, 2),
 )
 
 
@@ -217,7 +218,8 @@ def format_table(levels: list[dict]) -> str:
     lines = ["".join(f" {h:>11}" for h, *_ in TABLE_COLUMNS),
              "".join(f" {'(' + unit + ')':>11}" for _, unit, *_ in TABLE_COLUMNS)]
     for r in levels:
-        values = [(r[key][pct] if pct else r[key], digits) for _, _, key, pct, digits in TABLE_COLUMNS]
+        values = [(r[key][pct] if pct else r[key], digits)
+                  for _, _, key, pct, digits in TABLE_COLUMNS]
         lines.append("".join(f" {'-':>11}" if v is None else f" {v:>11.{d}f}" for v, d in values))
     return "\n".join(lines)
 
@@ -234,7 +236,8 @@ def make_parser() -> argparse.ArgumentParser:
                                           "default: the built-in synthetic set")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts per level (the set is cycled)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="one or more levels")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second; inf = all at once")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals per second; inf = all at once")
     p.add_argument("--max-tokens", type=int, default=128, help="max new tokens per request")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (ddtree extension)")
