@@ -39,10 +39,11 @@ HP = {"target_steps": 200, "target_lr": 1e-2, "corpus": 4096, "regen": 1536, "dr
       "drafter_steps": 250, "drafter_lr": 3e-3, "drafter_batch": 16, "anchors": 16}
 HYBRID_VERSION = 2
 HYBRID_MARKER = "ddtree_toy_hybrid.json"
-# fewer, hotter steps than the dense recipe: a hybrid step costs ~3x a dense one on the CPU. v2 trains
-# about 2/3 of v1's steps: tau 6.37, chain_tau 3.78 against v1's 6.70 / 4.42
-HYBRID_HP = {"target_steps": 140, "target_lr": 1.5e-2, "corpus": 4096, "regen": 1024, "drafter_layers": 2,
-             "drafter_steps": 200, "drafter_lr": 3e-3, "drafter_batch": 16, "anchors": 16}
+# fewer, hotter steps than the dense recipe: a hybrid step costs ~3x a dense one on the CPU.
+# v2 trains about 2/3 of v1's steps: tau 6.37, chain_tau 3.78 against v1's 6.70 / 4.42
+HYBRID_HP = {"target_steps": 140, "target_lr": 1.5e-2, "corpus": 4096, "regen": 1024,
+             "drafter_layers": 2, "drafter_steps": 200, "drafter_lr": 3e-3, "drafter_batch": 16,
+             "anchors": 16}
 HYBRID_TAPS = (1, 3)  # a GDN layer's output and the full-attention layer's
 
 
