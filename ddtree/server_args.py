@@ -153,7 +153,7 @@ def _check_scalars(a: ServerArgs, p: list[str]) -> None:
             p.append(f"{flag(f.name)} {value!r}: choose one of {', '.join(choices)}")
     if a.attention_backend in ATTENTION_BACKENDS and a.attention_backend not in IMPLEMENTED_ATTENTION_BACKENDS:
         p.append(f"--attention-backend {a.attention_backend} is not implemented yet; use --attention-backend "
-                 + " or ".join(IMPLEMENTED_ATTENTION_BACKENDS[1:]))
+                 + " or ".join(b for b in IMPLEMENTED_ATTENTION_BACKENDS if b != "auto"))
     if not 0 < a.mem_fraction_static < 1:
         p.append(f"--mem-fraction-static {a.mem_fraction_static}: must be in (0, 1), e.g. 0.85")
     if not 0 < a.mamba_full_memory_ratio < 1:
