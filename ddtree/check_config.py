@@ -1,7 +1,13 @@
 """`ddtree check-config <server flags>`: resolve the flags against config.json files and print the memory plan.
 
 Never loads weights (and imports torch only on a GPU machine, to read its memory size), so it answers in a
-fraction of a second. Exit status: 0 valid, 2 invalid configuration or bad flags.
+fraction of a second. It plans for the device the flags resolve to: the local GPU, or host RAM
+in float32 on a machine without one; `--device cuda --device-memory-gib 140` plans for a 140 GiB
+GPU (an H200) from any machine, in the target config's dtype. Exit status:
+  0  the plan serves at least one request at the context length;
+  1  the configuration resolves but cannot serve (weights exceed the pool, or not one request fits),
+     with the fix on stderr;
+  2  invalid configuration or bad flags.
 """
 
 from __future__ import annotations
@@ -10,8 +16,9 @@ import logging
 import sys
 
 from ddtree.configs import ConfigError
-from ddtree.memory_plan import memory_plan
-from ddtree.server_args import ServerArgs, cli_fields, make_parser, resolve_server_args
+from ddtree.memory_plan import MemoryPlan, memory_plan
+from ddtree.server_args import (ServerArgs, cli_fields, cuda_available, make_parser,
+                                resolve_server_args)
 
 logger = logging.getLogger("ddtree")
 
@@ -46,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     parser = make_parser("ddtree check-config")
     parser.add_argument("--device-memory-gib", type=float, default=None,
-                        help="plan for a device of this size instead of the local GPU / host RAM")
+                        help="plan for a device of this many GiB instead of the local GPU / "
+                             "host RAM; with --device cuda, for a GPU from a machine without "
+                             "one (H200: 140)")
     try:
         ns = vars(parser.parse_args(argv))
     except SystemExit as e:
@@ -65,10 +74,44 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+    if args.device == "cuda" and device_gib is None and not cuda_available():
+        print("error: --device cuda: this machine has no GPU to measure; pass "
+              "--device-memory-gib N to plan for a GPU of N GiB (e.g. --device-memory-gib 140 for "
+              "an H200)", file=sys.stderr)
+        return 2
     plan = memory_plan(args, None if device_gib is None else int(device_gib * 2**30))
     print(format_resolved(args))
+    print(planned_for(args, plan, device_gib))
     print(plan.format())
+    problems = cannot_serve(plan)
+    if problems:
+        print("error: this configuration resolves but cannot serve:", file=sys.stderr)
+        for line in problems:
+            print(f"  - {line}", file=sys.stderr)
+        return 1
     return 0
+
+
+def planned_for(args: ServerArgs, plan: MemoryPlan, device_gib: float | None) -> str:
+    """What the plan assumed, so that a planning run on the CPU is never read as a GPU plan."""
+    if device_gib is not None:
+        size = f"{device_gib:g} GiB given by --device-memory-gib"
+    else:
+        size = f"{plan.device_name}, {plan.device_bytes / 2**30:.1f} GiB"
+    line = (f"planned for: device {args.device} ({size}), dtype {args.dtype}, "
+            f"KV cache {args.kv_cache_dtype}, attention {args.attention_backend}")
+    if args.device == "cpu":
+        line += ("\n  (a CPU plan; to plan for a GPU from this machine pass --device cuda "
+                 "--device-memory-gib 140 for an H200)")
+    return line
+
+
+def cannot_serve(plan: MemoryPlan) -> list[str]:
+    """The verdict from the plan's own outputs: one line per reason, each naming the fix."""
+    if plan.fits:
+        return []
+    return list(plan.warnings) or [f"not one request of --context-length {plan.context_length:,} "
+                                   "fits; lower --context-length or free memory"]
 
 
 if __name__ == "__main__":

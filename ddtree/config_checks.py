@@ -52,10 +52,21 @@ def load_model_config(path: str, is_target: bool, p: list[str]):
             p.append(f"--speculative-draft-model-path {path}: architecture {arch!r} is not a DFlashDraftModel; "
                      "pass a DFlash drafter (e.g. z-lab/Qwen3-8B-DFlash-b16)")
         else:
+            check_weights(path, name, p)
             return path, (TargetConfig if is_target else DrafterConfig).from_dict(raw)
     except (OSError, KeyError, TypeError, ValueError) as e:
         p.append(f"{name} {path}: config.json is unreadable or lacks key {e}; fix or re-download the config")
     return path, None
+
+
+def check_weights(path: str, name: str, p: list[str]) -> None:
+    """The loader reads `model.safetensors.index.json` or every `*.safetensors` file: a directory
+    with neither would pass every config check, then fail at weight load; it is refused here."""
+    files = os.listdir(path)
+    if "model.safetensors.index.json" in files or any(f.endswith(".safetensors") for f in files):
+        return
+    p.append(f"{name} {path}: no *.safetensors weights, only config.json; pass the directory "
+             "holding the full checkpoint (e.g. hf download REPO --local-dir DIR)")
 
 
 def check_pair(t: TargetConfig, d: DrafterConfig, p: list[str]) -> None:

@@ -20,8 +20,8 @@ from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
 logger = logging.getLogger("ddtree")
 
 SPECULATIVE_ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
-ATTENTION_BACKENDS = ("torch", "triton", "flex")
-IMPLEMENTED_ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex")
+IMPLEMENTED_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAMBA_STRATEGIES = ("no_buffer", "extra_buffer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -55,7 +55,9 @@ class ServerArgs:
     tp_size: int = _opt(1, "tensor parallel degree (1 until tensor parallelism lands)",
                         aliases=("--tp", "--tensor-parallel-size"))
     random_seed: int | None = _opt(None, "random seed")
-    attention_backend: str = _opt("torch", "attention kernels", ATTENTION_BACKENDS)
+    attention_backend: str = _opt("auto", "attention kernels; auto = triton on cuda (Gluon kernels "
+                                  "on sm_90) when triton is installed, else torch (the reference)",
+                                  ATTENTION_BACKENDS)
     disable_cuda_graph: bool = _opt(False, "run verify and draft eagerly (no CUDA graphs); graphs need cuda + triton")
     cuda_graph_max_bs: int | None = _opt(None, "largest (padded) batch size captured in CUDA graphs; default "
                                          f"min({DEFAULT_CUDA_GRAPH_MAX_BS}, --max-running-requests)")
@@ -131,6 +133,13 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def triton_available() -> bool:
+    """Whether `import triton` would succeed, found without importing it (that takes seconds)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def _check_scalars(a: ServerArgs, p: list[str]) -> None:
     for f in cli_fields():
         value, choices = getattr(a, f.name), f.metadata["choices"]
@@ -138,7 +147,7 @@ def _check_scalars(a: ServerArgs, p: list[str]) -> None:
             p.append(f"{flag(f.name)} {value!r}: choose one of {', '.join(choices)}")
     if a.attention_backend in ATTENTION_BACKENDS and a.attention_backend not in IMPLEMENTED_ATTENTION_BACKENDS:
         p.append(f"--attention-backend {a.attention_backend} is not implemented yet; use --attention-backend "
-                 + " or ".join(IMPLEMENTED_ATTENTION_BACKENDS))
+                 + " or ".join(b for b in IMPLEMENTED_ATTENTION_BACKENDS if b != "auto"))
     if not 0 < a.mem_fraction_static < 1:
         p.append(f"--mem-fraction-static {a.mem_fraction_static}: must be in (0, 1), e.g. 0.85")
     if not 0 < a.mamba_full_memory_ratio < 1:
@@ -179,6 +188,13 @@ def _resolve_speculative(a: ServerArgs, t, d, upd: dict, p: list[str]) -> None:
     elif d is not None and block > d.block_size:
         p.append(f"--speculative-dflash-block-size {block} exceeds the drafter's trained block_size {d.block_size}; "
                  f"pass a value in 2..{d.block_size}")
+    elif d is not None and block < d.block_size:
+        # Valid (the drafter fills a prefix of its trained block), but it changes what a round can
+        # accept, so it is said out loud.
+        logger.warning("--speculative-dflash-block-size %d is below the drafter's trained "
+                       "block_size %d: each round drafts %d tokens instead of %d, so at most %d "
+                       "are accepted per round; drop the flag to use the trained size",
+                       block, d.block_size, block - 1, d.block_size - 1, block)
     upd["speculative_dflash_block_size"] = block
     draft_tokens = a.speculative_num_draft_tokens
     if draft_tokens is not None and block is not None and draft_tokens != block:
@@ -276,7 +292,9 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     if t is not None:
         _resolve_mamba(args, t, upd, p)
         _resolve_target_defaults(args, t, d, upd, upd.get("device", args.device), p)
-    _resolve_cuda_graph(args, upd, upd.get("device", args.device))
+    device = upd.get("device", args.device)
+    _resolve_attention_backend(args, upd, device, p)
+    _resolve_cuda_graph(args, upd, device)
     upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
     upd["tokenizer_path"] = args.tokenizer_path or upd.get("model_path")
     if p:
@@ -284,13 +302,32 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     return dataclasses.replace(args, target_config=t, drafter_config=d, **upd)
 
 
+def _resolve_attention_backend(a: ServerArgs, upd: dict, device: str, p: list[str]) -> None:
+    """auto -> the fast path of the device at hand: triton on cuda (its launcher dispatches the
+    Gluon kernels on sm_90), the torch reference on the CPU or where triton is not installed."""
+    if a.attention_backend == "triton" and not triton_available():
+        p.append("--attention-backend triton: triton is not installed; pip install triton (CUDA "
+                 "torch wheels bring it), or pass --attention-backend torch")
+    if a.attention_backend != "auto":
+        return
+    if device != "cuda":
+        backend, why = "torch", "the reference, on the CPU"
+    elif triton_available():
+        backend, why = "triton", "cuda with triton installed"
+    else:
+        backend, why = "torch", "triton is not installed (pip install triton); graphs need it"
+    upd["attention_backend"] = backend
+    logger.info("Attention backend is set to %s (%s).", backend, why)
+
+
 def _resolve_cuda_graph(a: ServerArgs, upd: dict, device: str) -> None:
     if a.disable_cuda_graph:
         if a.cuda_graph_max_bs is not None:
             logger.warning("--cuda-graph-max-bs ignored: --disable-cuda-graph is set")
         return
-    why = ("the device is cpu" if device != "cuda" else None if a.attention_backend == "triton"
-           else f"--attention-backend {a.attention_backend} is not capturable; pass --attention-backend triton")
+    backend = upd.get("attention_backend", a.attention_backend)
+    why = ("the device is cpu" if device != "cuda" else None if backend == "triton" else
+           f"--attention-backend {backend} is not capturable; pass --attention-backend triton")
     if why:
         upd["disable_cuda_graph"] = True
         logger.info("CUDA graphs are disabled: %s.", why)

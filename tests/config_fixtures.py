@@ -1,4 +1,5 @@
-"""Config-only model directories (config.json, no weights) with the geometry of real checkpoints.
+"""Config-only model directories (config.json + an empty weights placeholder) shaped like real
+checkpoints.
 
 Each `*_config(**overrides)` returns a fresh dict; `write_model_dir(root, name, cfg)` writes it and returns the
 directory. Overrides with value `DELETE` remove the key.
@@ -200,11 +201,15 @@ def qwen36_27b_dflash_config(dflash_overrides: dict | None = None, **overrides) 
     return _apply(cfg, overrides)
 
 
-def write_model_dir(root, name: str, cfg: dict) -> str:
+def write_model_dir(root, name: str, cfg: dict, weights: bool = True) -> str:
+    """With `weights`, an empty `model.safetensors` placeholder too: config resolution refuses a
+    directory without weight files, and nothing that reads these directories loads weights."""
     path = os.path.join(str(root), name)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
+    if weights:
+        open(os.path.join(path, "model.safetensors"), "wb").close()
     return path
 
 

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from config_fixtures import dense_pair, hybrid_pair, qwen3_8b_config, qwen36_27b_config
+from config_fixtures import (dense_pair, hybrid_pair, qwen3_8b_config, qwen36_27b_config,
+                             write_model_dir)
 from ddtree.check_config import main
 from ddtree.configs import TargetConfig
 from ddtree.memory_plan import (
@@ -130,7 +131,7 @@ def test_check_config_main_hybrid(tmp_path, capsys):
     target, drafter = hybrid_pair(tmp_path)
     rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
                drafter, "--mamba-scheduler-strategy", "extra_buffer", "--mamba-full-memory-ratio", "0.5",
-               "--device-memory-gib", "140"])
+               "--device", "cuda", "--device-memory-gib", "140"])
     out = capsys.readouterr().out
     assert rc == 0 and "state pool" in out and "hybrid (48 GDN + 16 attention layers)" in out
 
@@ -145,6 +146,56 @@ def test_check_config_main_bad_config(tmp_path, capsys):
     assert "--tp-size" in err and "--speculative-draft-model-path" in err
 
 
+def test_check_config_weights_over_pool_exits_1(tmp_path, capsys):
+    target, drafter = dense_pair(tmp_path)
+    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE",
+               "--speculative-draft-model-path", drafter, "--device", "cuda",
+               "--device-memory-gib", "8"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "memory plan" in captured.out  # the plan is still printed, to show where the memory goes
+    assert "error: this configuration resolves but cannot serve:" in captured.err
+    assert "exceed the static pool" in captured.err and "--mem-fraction-static" in captured.err
+
+
+def test_check_config_zero_requests_at_context_exits_1(tmp_path, capsys):
+    target, drafter = dense_pair(tmp_path)
+    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE",
+               "--speculative-draft-model-path", drafter, "--device", "cuda",
+               "--device-memory-gib", "24", "--max-total-tokens", "4096"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "not one request of --context-length 40960 fits (4,096 KV tokens); lower" in err
+
+
+def test_check_config_says_what_it_planned_for(tmp_path, capsys):
+    target, drafter = dense_pair(tmp_path)
+    argv = ["--model-path", target, "--speculative-algorithm", "DDTREE",
+            "--speculative-draft-model-path", drafter]
+    assert main([*argv, "--device", "cuda", "--device-memory-gib", "140"]) == 0
+    out = capsys.readouterr().out
+    assert "planned for: device cuda (140 GiB given by --device-memory-gib), dtype bfloat16" in out
+    assert main([*argv, "--device", "cpu", "--device-memory-gib", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "planned for: device cpu" in out and "dtype float32" in out
+    assert "--device cuda --device-memory-gib 140" in out  # how to plan for the GPU instead
+
+
+def test_check_config_cuda_without_gpu_needs_a_size(tmp_path, capsys, monkeypatch):
+    import ddtree.check_config as cc
+
+    monkeypatch.setattr(cc, "cuda_available", lambda: False)
+    target = dense_pair(tmp_path)[0]
+    assert main(["--model-path", target, "--device", "cuda"]) == 2
+    assert "--device-memory-gib" in capsys.readouterr().err
+
+
+def test_check_config_config_only_dir_exits_2(tmp_path, capsys):
+    target = write_model_dir(tmp_path, "bare", qwen3_8b_config(), weights=False)
+    assert main(["--model-path", target, "--device-memory-gib", "80"]) == 2
+    assert f"--model-path {target}: no *.safetensors weights" in capsys.readouterr().err
+
+
 def test_check_config_main_bad_flag(capsys):
     assert main(["--speculative-algorithm", "MEDUSA"]) == 2
     assert "invalid choice" in capsys.readouterr().err
@@ -154,7 +205,8 @@ def _run_check_config(tmp_path, prelude: str) -> float:
     target, drafter = hybrid_pair(tmp_path)
     code = (prelude + "import sys, time; t = time.perf_counter(); from ddtree.check_config import main; "
             f"rc = main(['--model-path', {target!r}, '--speculative-algorithm', 'DDTREE', "
-            f"'--speculative-draft-model-path', {drafter!r}, '--device', 'cpu']); "
+            f"'--speculative-draft-model-path', {drafter!r}, '--device', 'cuda', "
+            "'--device-memory-gib', '140']); "
             "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch imported'; "
             "print(time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

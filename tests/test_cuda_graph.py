@@ -264,7 +264,7 @@ def test_cuda_graph_flags_resolve(tmp_path, caplog):
     few = _resolve(tmp_path, "--device", "cuda", "--attention-backend", "triton", "--max-running-requests", "4",
                    "--cuda-graph-max-bs", "32")
     assert few.cuda_graph_max_bs == 4
-    torch_backend = _resolve(tmp_path, "--device", "cuda")
+    torch_backend = _resolve(tmp_path, "--device", "cuda", "--attention-backend", "torch")
     assert torch_backend.disable_cuda_graph
     assert any("--attention-backend torch is not capturable; pass --attention-backend triton" in m
                for m in caplog.messages)

@@ -24,18 +24,22 @@ DEFAULT_PROMPTS = (  # held-out code prompts: modules the embedded pair's corpus
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddtree bench acceptance")
+    from ddtree.bench.cli import DefaultsFormatter
+
+    p = argparse.ArgumentParser(prog="ddtree bench acceptance", formatter_class=DefaultsFormatter)
     p.add_argument("--model-path", default=None, help="target dir; default: the embedded pair")
-    p.add_argument("--speculative-draft-model-path", default=None)
+    p.add_argument("--speculative-draft-model-path", default=None,
+                   help="DFlash drafter dir; default: the embedded pair's")
     p.add_argument("--prompts-file", help='JSONL, one {"prompt": ...} per line; default: a built-in set')
-    p.add_argument("--budgets", default="8,16,32,64,128,256")
+    p.add_argument("--budgets", default="8,16,32,64,128,256", help="comma list of DDTREE budgets")
     p.add_argument("--shadow-linear", default="off,on", help="comma list of off/on")
     p.add_argument("--temperature", default="0,1", help="comma list")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (EOS off)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="drafter block size; default: the drafter's")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i: seed + i")
+    p.add_argument("--dtype", default="auto", help="as ddtree serve --dtype")
+    p.add_argument("--device", default="auto", help="as ddtree serve --device")
     p.add_argument("--output", default="acceptance.json", help="JSON rows; PNGs are written beside it")
     return p
 

@@ -23,9 +23,11 @@ from ddtree.bench.rounds_report import (PHASES, add_vs_batch1, make_row, plot, p
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddtree bench rounds")
+    from ddtree.bench.cli import DefaultsFormatter
+
+    p = argparse.ArgumentParser(prog="ddtree bench rounds", formatter_class=DefaultsFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; finishes in seconds")
-    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--batch-sizes", default="1,8", help="comma list of batch sizes")
     p.add_argument("--budgets", default="16,64,256", help="DDTREE budgets")
     p.add_argument("--context", default=None, help="comma list of context lengths (default 1024; smoke 64)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per config (default 50; smoke 3)")
@@ -33,24 +35,30 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-lengths", default="1,4,8,16",
                    help="forced emitted tokens per round for DFLASH and DDTREE at --forced-budget, at the first "
                         "context; empty: none")
-    p.add_argument("--accept-trace", default=None, help="JSON list of emitted lengths per round to replay too")
-    p.add_argument("--forced-budget", type=int, default=64)
+    p.add_argument("--accept-trace", default=None,
+                   help="JSON list of emitted lengths per round to replay too (default: none)")
+    p.add_argument("--forced-budget", type=int, default=64,
+                   help="DDTREE budget of the forced-accept rows")
     p.add_argument("--drafter-layers", type=int, default=None, help="default 5; smoke 2")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill call (the engine default)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16, help="drafter block size")
+    p.add_argument("--page-size", type=int, default=16, help="KV page size in tokens")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="tokens per prefill call (default: %(default)s, as the engine)")
+    p.add_argument("--device", default="auto", help="auto = cuda when available (cpu with --smoke)")
     p.add_argument("--dtype", default=None, help="default bfloat16; smoke float32")
     p.add_argument("--attention-backend", default=None, help="default triton on GPU, torch on CPU")
-    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="time eager rounds")
     p.add_argument("--copy-mib", type=int, default=None, help="copy size for the bandwidth (default 2048; smoke 16)")
-    p.add_argument("--time-budget-s", type=float, default=0, help="skip configs once this much time has passed")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="JSON rows; a PNG is written beside it")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--time-budget-s", type=float, default=0,
+                   help="skip configs once this much time has passed; 0 = no limit")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--output", default=None,
+                   help="JSON rows; a PNG is written beside it (default: none)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--peer-checkout", default=None, metavar="DIR",
                    help="an outside checkout of liranringel/ddtree: time its DDTREE round (B = --forced-budget, "
-                        "batch 1, first context) on the same weights in this process, against ours")
+                        "batch 1, first context) on the same weights in this process, against ours "
+                        "(default: none)")
     return p
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import sys
@@ -189,23 +190,61 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def finite(obj):
+    """`obj` with each non-finite float as None (an unpaced --request-rate is inf): strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+# (header, unit, row key, percentile or None, decimals); every column is 11 wide after a space
+TABLE_COLUMNS = (
+    ("conc", "requests", "concurrency", None, 0), ("ok", "requests", "completed", None, 0),
+    ("fail", "requests", "failed", None, 0), ("req/s", "req/s", "request_throughput", None, 2),
+    ("out tok/s", "tok/s", "output_throughput", None, 1),
+    ("TTFT p50", "ms", "ttft_ms", "p50", 1), ("TTFT p99", "ms", "ttft_ms", "p99", 1),
+    ("TPOT p50", "ms", "tpot_ms", "p50", 2), ("TPOT p99", "ms", "tpot_ms", "p99", 2),
+    ("E2E p50", "ms", "e2e_latency_ms", "p50", 1),
+    ("accept", "tok/round", "mean_accept_length", None, 2),
+)
+
+
+def format_table(levels: list[dict]) -> str:
+    """One row per concurrency level under a header and a line of units."""
+    lines = ["".join(f" {h:>11}" for h, *_ in TABLE_COLUMNS),
+             "".join(f" {'(' + unit + ')':>11}" for _, unit, *_ in TABLE_COLUMNS)]
+    for r in levels:
+        values = [(r[key][pct] if pct else r[key], digits)
+                  for _, _, key, pct, digits in TABLE_COLUMNS]
+        lines.append("".join(f" {'-':>11}" if v is None else f" {v:>11.{d}f}" for v, d in values))
+    return "\n".join(lines)
+
+
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddtree bench serving", description=__doc__.split("\n\n")[0])
+    from ddtree.bench.cli import DefaultsFormatter
+
+    p = argparse.ArgumentParser(prog="ddtree bench serving", description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root URL (without /v1)")
     p.add_argument("--model", help="model name; default: the first one /v1/models lists")
-    p.add_argument("--api-key")
+    p.add_argument("--api-key", help="bearer token the server requires (default: none)")
     p.add_argument("--dataset-path", help='JSONL prompt set ({"prompt"} or {"messages"} per line); '
                                           "default: the built-in synthetic set")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts per level (the set is cycled)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="one or more levels")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals per second; inf = all at once")
+    p.add_argument("--max-tokens", type=int, default=128, help="max new tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (ddtree extension)")
     p.add_argument("--chat", action="store_true", help="send text prompts to /v1/chat/completions")
     p.add_argument("--warmup", type=int, default=1, help="requests sent once before measuring")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic set and the arrivals")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--output", default="bench_serving.json", help="JSON report; the PNG goes next to it")
     p.add_argument("--save-requests", action="store_true", help="keep per-request timings in the JSON")
     return p
@@ -222,17 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     items = [base[i % len(base)] for i in range(ns.num_prompts)] if base else []
-    report = asyncio.run(run(ns, items))
+    report = finite(asyncio.run(run(ns, items)))
     os.makedirs(os.path.dirname(os.path.abspath(ns.output)), exist_ok=True)
     with open(ns.output, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
+        json.dump(report, f, indent=2, allow_nan=False)  # strict JSON: no Infinity / NaN
     png = os.path.splitext(ns.output)[0] + ".png"
     plot(report, png)
-    print(f"{'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'TPOT p50':>9} {'TPOT p99':>9} {'accept':>7}")
-    for r in report["results"]:
-        print(f"{r['concurrency']:>5} {r['completed']:>5} {r['failed']:>4} {r['request_throughput']:>7.2f} "
-              f"{r['output_throughput']:>10.1f} {r['ttft_ms']['p50']:>9.1f} {r['ttft_ms']['p99']:>9.1f} "
-              f"{r['tpot_ms']['p50']:>9.2f} {r['tpot_ms']['p99']:>9.2f} {r['mean_accept_length']:>7.2f}")
+    print(format_table(report["results"]))
     print(f"wrote {ns.output} and {png}")
     return 1 if any(r["failed"] for r in report["results"]) else 0

@@ -1,0 +1,155 @@
+"""Help and output of the console script: every generate sampling flag and every bench flag has
+help that shows its default, `ddtree bench --help` exits 0, serving tables carry units, `bench
+serving` writes strict JSON, and `generate --json` prints only JSON on stdout."""
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from server_fixtures import REPO_ROOT, build_tiny_pair
+
+
+def _expanded_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    return parser._get_formatter()._expand_help(action)
+
+
+def _flags_lacking(parser, actions) -> list[str]:
+    bad = []
+    for action in actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        text = _expanded_help(parser, action) if action.help else ""
+        if "default" not in text:
+            bad.append(f"{'/'.join(action.option_strings)}: {text!r}")
+    return bad
+
+
+def test_generate_sampling_flags_have_help_and_defaults():
+    from ddtree.generate import make_parser
+
+    parser = make_parser()
+    group = next(g for g in parser._action_groups if g.title == "generation")
+    assert {"--temperature", "--top-p", "--top-k", "--seed", "--max-tokens"} <= {
+        s for a in group._group_actions for s in a.option_strings
+    }
+    assert _flags_lacking(parser, group._group_actions) == []
+    top_p = next(a for a in group._group_actions if "--top-p" in a.option_strings)
+    assert "(default: 1.0)" in _expanded_help(parser, top_p)
+
+
+@pytest.mark.parametrize(
+    "module", ["ddtree.bench.acceptance", "ddtree.bench.rounds", "ddtree.bench.serving"]
+)
+def test_every_bench_flag_has_help_and_default(module):
+    import importlib
+
+    parser = importlib.import_module(module).make_parser()
+    assert _flags_lacking(parser, parser._actions) == []
+
+
+def test_bench_help_exits_0_and_lists_subcommands(capsys):
+    from ddtree.cli import main
+
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("acceptance", "rounds", "serving"):
+        assert f"\n  {name} " in out
+    assert main(["bench"]) == 2 and main(["bench", "nope"]) == 2
+
+
+def _level(**over) -> dict:
+    row = {
+        "concurrency": 4,
+        "request_rate": float("inf"),
+        "completed": 8,
+        "failed": 0,
+        "errors": [],
+        "duration_s": 2.0,
+        "request_throughput": 4.0,
+        "output_throughput": 512.0,
+        "total_token_throughput": 600.0,
+        "total_output_tokens": 1024,
+        "ttft_ms": {"mean": 9.0, "p50": 8.0, "p90": 12.0, "p99": 15.0},
+        "tpot_ms": {"mean": 3.0, "p50": 2.5, "p90": 4.0, "p99": 5.0},
+        "e2e_latency_ms": {"mean": 400.0, "p50": 390.0, "p90": 450.0, "p99": 480.0},
+        "mean_accept_length": 5.5,
+        "requests": None,
+    }
+    row.update(over)
+    return row
+
+
+def test_serving_table_has_units():
+    from ddtree.bench.serving import format_table
+
+    header, units, row = format_table([_level()]).splitlines()
+    assert (
+        "TTFT p50" in header and "(ms)" in units and "(tok/s)" in units and "(tok/round)" in units
+    )
+    assert len(header) == len(units) == len(row)
+    assert row.split()[-1] == "5.50" and "512.0" in row
+
+
+def test_serving_json_is_strict(tmp_path, monkeypatch, capsys):
+    """An unpaced run (--request-rate inf, the default) used to write `Infinity`: not JSON."""
+    import ddtree.bench.serving as serving
+
+    async def fake_run(ns, items):
+        return {
+            "base_url": ns.base_url,
+            "model": "m",
+            "num_prompts": len(items),
+            "max_tokens": ns.max_tokens,
+            "temperature": ns.temperature,
+            "dataset": "synthetic",
+            "results": [_level(), _level(concurrency=16, mean_accept_length=float("nan"))],
+        }
+
+    monkeypatch.setattr(serving, "run", fake_run)
+    monkeypatch.setattr(serving, "plot", lambda report, path: None)
+    out = tmp_path / "serving.json"
+    assert serving.main(["--num-prompts", "2", "--output", str(out)]) == 0
+
+    def refuse(name):
+        raise AssertionError(f"non-JSON constant {name}")
+
+    report = json.loads(out.read_text(), parse_constant=refuse)
+    assert report["results"][0]["request_rate"] is None
+    assert report["results"][1]["mean_accept_length"] is None
+    assert "(tok/round)" in capsys.readouterr().out
+    asyncio.run(asyncio.sleep(0))  # the patched coroutine left no loop behind
+
+
+def test_generate_json_prints_only_json_on_stdout(tmp_path):
+    target, drafter = build_tiny_pair(str(tmp_path))
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddtree",
+        "generate",
+        "--model-path",
+        target,
+        "--speculative-algorithm",
+        "DDTREE",
+        "--speculative-draft-model-path",
+        drafter,
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "6",
+        "--prompt",
+        "ab",
+        "--prompt",
+        "cd",
+        "--json",
+        "--compare-ar",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line parses
+    assert [r["prompt"] for r in rows] == ["ab", "cd"] and all("token_ids" in r for r in rows)
+    assert "speed-up DDTREE over AR at batch 1" in proc.stderr  # the statistics went to stderr

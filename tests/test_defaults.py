@@ -1,0 +1,151 @@
+"""Defaults resolved per device (attention backend, CUDA graphs), and the config checks that stop a
+configuration which resolves but cannot serve: a directory without weights, a block size off the
+drafter's."""
+
+import logging
+
+import pytest
+
+from config_fixtures import dense_pair, qwen3_8b_config, write_model_dir
+from ddtree import server_args
+from ddtree.configs import ConfigError
+from ddtree.server_args import ServerArgs, prepare_server_args, resolve_server_args
+
+
+@pytest.fixture
+def dense(tmp_path):
+    return dense_pair(tmp_path)
+
+
+def ddtree_argv(pair, *extra):
+    return [
+        "--model-path",
+        pair[0],
+        "--speculative-draft-model-path",
+        pair[1],
+        "--speculative-algorithm",
+        "DDTREE",
+        *extra,
+    ]
+
+
+def problems_of(argv) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        prepare_server_args(argv)
+    return info.value.problems
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """machine(cuda, triton): fake the GPU probe and the triton lookup that resolution reads."""
+
+    def set_machine(cuda: bool, triton: bool):
+        monkeypatch.setattr(server_args, "cuda_available", lambda: cuda)
+        monkeypatch.setattr(server_args, "triton_available", lambda: triton)
+
+    return set_machine
+
+
+def test_default_backend_flag_is_auto():
+    assert ServerArgs().attention_backend == "auto"
+
+
+def test_auto_on_cuda_with_triton_is_triton_with_graphs(dense, machine, caplog):
+    caplog.set_level(logging.INFO, logger="ddtree")
+    machine(cuda=True, triton=True)
+    args = prepare_server_args(ddtree_argv(dense))
+    assert (args.device, args.attention_backend, args.disable_cuda_graph) == (
+        "cuda",
+        "triton",
+        False,
+    )
+    assert args.cuda_graph_max_bs == 16
+    assert any(m.startswith("Attention backend is set to triton") for m in caplog.messages)
+    assert any("CUDA graphs are enabled" in m for m in caplog.messages)
+
+
+def test_auto_on_cuda_without_triton_is_reference_with_reason(dense, machine, caplog):
+    caplog.set_level(logging.INFO, logger="ddtree")
+    machine(cuda=True, triton=False)
+    args = prepare_server_args(ddtree_argv(dense))
+    assert (args.device, args.attention_backend, args.disable_cuda_graph) == ("cuda", "torch", True)
+    assert any(
+        "Attention backend is set to torch" in m and "triton is not installed" in m
+        for m in caplog.messages
+    )
+    assert any("CUDA graphs are disabled" in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_auto_on_cpu_is_reference(dense, machine, caplog, triton):
+    caplog.set_level(logging.INFO, logger="ddtree")
+    machine(cuda=False, triton=triton)
+    args = prepare_server_args(ddtree_argv(dense))
+    assert (args.device, args.attention_backend, args.disable_cuda_graph) == ("cpu", "torch", True)
+    assert any(m.startswith("Attention backend is set to torch") for m in caplog.messages)
+
+
+def test_explicit_device_cpu_on_a_gpu_machine_is_reference(dense, machine):
+    machine(cuda=True, triton=True)
+    args = prepare_server_args(ddtree_argv(dense, "--device", "cpu"))
+    assert (args.attention_backend, args.disable_cuda_graph) == ("torch", True)
+
+
+def test_explicit_backend_is_kept(dense, machine):
+    machine(cuda=True, triton=True)
+    args = prepare_server_args(ddtree_argv(dense, "--attention-backend", "torch"))
+    assert (args.attention_backend, args.disable_cuda_graph) == ("torch", True)
+    args = prepare_server_args(ddtree_argv(dense, "--disable-cuda-graph"))
+    assert (args.attention_backend, args.disable_cuda_graph) == ("triton", True)
+
+
+def test_explicit_triton_without_triton_is_refused(dense, machine):
+    machine(cuda=True, triton=False)
+    problems = problems_of(ddtree_argv(dense, "--attention-backend", "triton"))
+    assert any(
+        p.startswith("--attention-backend triton") and "pip install triton" in p for p in problems
+    )
+
+
+def test_resolved_backend_is_never_auto(dense):
+    """The engine's registry knows torch and triton only: resolution replaces auto everywhere."""
+    args = resolve_server_args(ServerArgs(model_path=dense[0]))
+    assert args.attention_backend in ("torch", "triton")
+
+
+@pytest.mark.parametrize("is_target", [True, False])
+def test_config_only_dir_fails_at_resolution(tmp_path, is_target):
+    target, drafter = dense_pair(tmp_path)
+    bare = write_model_dir(tmp_path / "bare", "model", qwen3_8b_config(), weights=False)
+    if not is_target:
+        from config_fixtures import qwen3_8b_dflash_config
+
+        bare = write_model_dir(
+            tmp_path / "bare", "drafter", qwen3_8b_dflash_config(), weights=False
+        )
+    pair = (bare, drafter) if is_target else (target, bare)
+    problems = problems_of(ddtree_argv(pair))
+    flag = "--model-path" if is_target else "--speculative-draft-model-path"
+    hits = [p for p in problems if p.startswith(f"{flag} {bare}: no *.safetensors")]
+    assert len(hits) == 1 and len(problems) == 1, problems
+
+
+def test_sharded_index_counts_as_weights(tmp_path):
+    target = write_model_dir(tmp_path, "sharded", qwen3_8b_config(), weights=False)
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text("{}")
+    assert prepare_server_args(["--model-path", target]).model_path == target
+
+
+def test_smaller_block_than_trained_is_warned(dense, caplog):
+    args = prepare_server_args(ddtree_argv(dense, "--speculative-dflash-block-size", "7"))
+    assert args.speculative_dflash_block_size == 7 and args.speculative_num_draft_tokens == 7
+    hits = [r for r in caplog.records if "--speculative-dflash-block-size 7" in r.getMessage()]
+    assert hits and hits[0].levelno == logging.WARNING
+    assert (
+        "trained block_size 16" in hits[0].getMessage() and "drop the flag" in hits[0].getMessage()
+    )
+
+
+def test_trained_block_size_is_silent(dense, caplog):
+    prepare_server_args(ddtree_argv(dense, "--speculative-dflash-block-size", "16"))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
