@@ -34,7 +34,8 @@ class LLMEngine:
         )
         self.decoder = SpecDecoder(self.runner, self.spec)
         width = self.runner.cfg.max_verify_width
-        self.scheduler = Scheduler(self.runner, self.runner.cfg.max_running_requests, args.chunked_prefill_size, width)
+        self.scheduler = Scheduler(self.runner, self.runner.cfg.max_running_requests, args.chunked_prefill_size, width,
+                                   args.max_prefill_tokens)
         eos = set(self.runner.target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
