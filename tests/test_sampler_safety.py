@@ -1,5 +1,6 @@
-"""Degenerate sampling numbers stay numerically safe: a temperature near 0 samples as greedy and a top_p that
-rounds to 0 keeps the top token, instead of NaN probabilities collapsing every draw onto token id 0."""
+"""Degenerate sampling numbers stay numerically safe: a temperature near 0 samples as greedy and a
+top_p that rounds to 0 keeps the top token, instead of NaN probabilities collapsing every draw onto
+token id 0."""
 
 import pytest
 import torch
@@ -43,5 +44,7 @@ def test_huge_temperature_is_uniform_not_degenerate():
     p = SamplingParams(temperature=1e300)
     probs = torch.softmax(filter_logits(logits(), p.temperature, -1, 1.0), -1)
     assert torch.isfinite(probs).all() and torch.allclose(probs, torch.full_like(probs, 1 / 32))
-    draws = torch.stack([sample_from(logits(), p, torch.Generator().manual_seed(s)) for s in range(20)])
+    draws = torch.stack(
+        [sample_from(logits(), p, torch.Generator().manual_seed(s)) for s in range(20)]
+    )
     assert len(set(draws.flatten().tolist())) > 5

@@ -1,6 +1,6 @@
-"""Scheduling policy without a model: prefill and decode alternate while both have work (a long prompt cannot
-stall the running requests), and one prefill batch holds at most min(--chunked-prefill-size,
---max-prefill-tokens) tokens."""
+"""Scheduling policy without a model: prefill and decode alternate while both have work (a long
+prompt cannot stall the running requests), and one prefill batch holds at most
+min(--chunked-prefill-size, --max-prefill-tokens) tokens."""
 
 import types
 
@@ -25,11 +25,14 @@ class RoomyBlocks:
 
 def scheduler(chunk: int, max_prefill: int | None = None) -> Scheduler:
     runner = types.SimpleNamespace(bm=RoomyBlocks(), release=lambda req: None)
-    return Scheduler(runner, max_running=8, chunk_tokens=chunk, verify_width=4, max_prefill_tokens=max_prefill)
+    return Scheduler(
+        runner, max_running=8, chunk_tokens=chunk, verify_width=4, max_prefill_tokens=max_prefill
+    )
 
 
 def run(s: Scheduler, steps: int) -> list[tuple[str, int]]:
-    """Schedule `steps` batches, pretending each ran: prefill advances kv_len, decode emits one token."""
+    """Schedule `steps` batches, pretending each ran: prefill advances kv_len, decode emits one
+    token."""
     trace = []
     for _ in range(steps):
         b = s.schedule()
@@ -73,9 +76,15 @@ def test_max_prefill_tokens_caps_one_prefill_batch():
     assert all(n <= 100 for kind, n in trace if kind == "P")
 
 
-@pytest.mark.parametrize("chunk, max_prefill, budget", [(-1, 500, 500), (64, 500, 64), (512, 100, 100)])
+@pytest.mark.parametrize(
+    "chunk, max_prefill, budget", [(-1, 500, 500), (64, 500, 64), (512, 100, 100)]
+)
 def test_prefill_budget(chunk, max_prefill, budget):
     assert scheduler(chunk, max_prefill).prefill_budget == budget
     s = scheduler(chunk, max_prefill)
     s.add(req(2 * budget))
-    assert run(s, 3) == [("P", budget), ("P", budget), ("D", 1)]  # chunking disabled still never exceeds --max-prefill-tokens
+    assert run(s, 3) == [
+        ("P", budget),
+        ("P", budget),
+        ("D", 1),
+    ]  # chunking disabled still never exceeds --max-prefill-tokens
