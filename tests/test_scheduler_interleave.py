@@ -88,3 +88,14 @@ def test_prefill_budget(chunk, max_prefill, budget):
         ("P", budget),
         ("D", 1),
     ]  # chunking disabled still never exceeds --max-prefill-tokens
+
+
+def test_short_prompt_behind_a_long_one_is_admitted_at_the_next_prefill():
+    s = scheduler(chunk=64)
+    s.add(req(64 * 10))
+    assert run(s, 1) == [("P", 64)]
+    s.add(req(5))  # arrives while the long prompt prefills
+    trace = run(s, 3)
+    # the long prompt's chunk yields half the budget; the short prompt is prefilled at once and decodes
+    assert trace[0] == ("P", 32 + 5) and trace[1] == ("D", 1), trace
+    assert trace[2] == ("P", 64)  # nobody waits: the long prompt has the whole budget again

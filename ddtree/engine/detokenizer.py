@@ -32,10 +32,11 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Stop-string checks whose cost does not grow with the output: `find` scans only the window that the
-    newest characters can complete (one regex pass for every stop string at once), `holdback` only the last
-    `max_len - 1` characters. Per call: O(new + max_len) for find, O(max_len^2) for holdback, whatever the
-    text length; the request bounds (server/limits.py) cap the stop count and lengths."""
+    """Stop-string checks whose cost does not grow with the output: `find` scans only the window
+    that the newest characters can complete (one regex pass for every stop string at once),
+    `holdback` only the last `max_len - 1` characters. Per call: O(new + max_len) for find,
+    O(max_len^2) for holdback, whatever the text length; the request bounds (server/limits.py) cap
+    the stop count and lengths."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
@@ -55,24 +56,27 @@ class StopMatcher:
         return m.start() if m else -1
 
     def holdback(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string: characters that
-        a later token may still turn into a stop (and cut), so they are not streamed yet."""
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string:
+        characters that a later token may still turn into a stop (and cut), so they are not streamed
+        yet."""
         for k in range(min(self.max_len - 1, len(text)), 0, -1):
             tail = text[-k:]
-            if hash(tail) in self.prefix_hashes and any(s.startswith(tail) and len(s) > k for s in self.stops):
+            if hash(tail) in self.prefix_hashes and any(
+                    len(s) > k and s.startswith(tail) for s in self.stops):
                 return k
         return 0
 
 
 @functools.lru_cache(maxsize=64)
 def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
-    """One matcher per distinct stop tuple (requests usually share a few); built once, reused every step."""
+    """One matcher per distinct stop tuple (requests usually share a few); built once, reused every
+    step."""
     return StopMatcher(stops)
 
 
 def find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> int:
-    """Index in `text` where the earliest stop string begins, considering only matches that overlap the last
-    `new_len` characters; -1 if none."""
+    """Index in `text` where the earliest stop string begins, considering only matches that overlap
+    the last `new_len` characters; -1 if none."""
     return stop_matcher(tuple(stops)).find(text, new_len)
 
 
