@@ -615,3 +615,32 @@ def test_running_stream_keeps_its_pace_while_a_long_prompt_prefills(server, http
     longest_step = max(b - a for _, a, b in steps if start <= a <= end)
     gaps = [b - a for a, b in zip(during, during[1:])]
     assert max(gaps) < 3 * longest_step + 0.5, (max(gaps), longest_step)
+
+
+def test_short_request_is_not_stuck_behind_a_long_prefill(server, http, pair, monkeypatch):
+    """The issue's case: a 4-token request waited for a whole 4,090-token prefill. It is now admitted at
+    the next prefill step and finishes while the long prompt is still prefilling."""
+    done = {}
+    runner = server.engine.runner
+    real = runner.prefill
+
+    def slow_prefill(*a, **kw):  # every chunk takes >= 0.1 s, so the long prompt takes >= 1.4 s
+        time.sleep(0.1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runner, "prefill", slow_prefill)
+
+    def long_request():
+        body = {"model": pair[0], "prompt": "L" * (CONTEXT - 40), "max_tokens": 1, "temperature": 0}
+        assert http.post("/v1/completions", json=body).status_code == 200
+        done["long"] = time.monotonic()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    wait_running(server.base_url, 1)
+    body = {"model": pair[0], "prompt": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    done["short"] = time.monotonic()
+    t.join(60)
+    assert done["short"] < done["long"], done
+    assert_pools_idle(server.base_url)
