@@ -618,8 +618,8 @@ def test_running_stream_keeps_its_pace_while_a_long_prompt_prefills(server, http
 
 
 def test_short_request_is_not_stuck_behind_a_long_prefill(server, http, pair, monkeypatch):
-    """The issue's case: a 4-token request waited for a whole 4,090-token prefill. It is now admitted at
-    the next prefill step and finishes while the long prompt is still prefilling."""
+    """The issue's case: a 4-token request waited for a whole 4,090-token prefill. It is now
+    admitted at the next prefill step and finishes while the long prompt is still prefilling."""
     done = {}
     runner = server.engine.runner
     real = runner.prefill
