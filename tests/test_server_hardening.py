@@ -638,7 +638,8 @@ def test_short_request_is_not_stuck_behind_a_long_prefill(server, http, pair, mo
     t = threading.Thread(target=long_request)
     t.start()
     wait_running(server.base_url, 1)
-    body = {"model": pair[0], "prompt": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body = {"model": pair[0], "prompt": "tiny", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
     assert http.post("/v1/completions", json=body).status_code == 200
     done["short"] = time.monotonic()
     t.join(60)
