@@ -63,8 +63,14 @@ class ServerArgs:
                                          f"min({DEFAULT_CUDA_GRAPH_MAX_BS}, --max-running-requests)")
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
-    api_key: str | None = _opt(None, "require this API key on HTTP requests")
+    api_key: str | None = _opt(None, "require this API key (Authorization: Bearer) on every route "
+                               "but /health")
     enable_metrics: bool = _opt(False, "expose Prometheus metrics at /metrics")
+    metrics_no_auth: bool = _opt(False, "serve /metrics without the --api-key (for scrapers that "
+                                 "send no key)")
+    graceful_shutdown_timeout: float = _opt(30.0, "seconds SIGTERM waits for in-flight requests "
+                                            "before ending them with an error; a second SIGTERM "
+                                            "or a SIGINT ends them at once")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
     speculative_algorithm: str = _opt("NONE", "NONE, DFLASH (chain) or DDTREE (tree); case-insensitive",
                                       SPECULATIVE_ALGORITHMS)
@@ -160,6 +166,12 @@ def _check_scalars(a: ServerArgs, p: list[str]) -> None:
         p.append(f"--chunked-prefill-size {a.chunked_prefill_size}: must be positive, or -1 to disable chunking")
     if not 0 < a.port < 65536:
         p.append(f"--port {a.port}: must be in 1..65535")
+    if not a.graceful_shutdown_timeout >= 0:  # also refuses NaN
+        p.append(f"--graceful-shutdown-timeout {a.graceful_shutdown_timeout}: must be >= 0 seconds "
+                 "(0 ends in-flight requests at the first SIGTERM)")
+    if a.metrics_no_auth and not (a.api_key and a.enable_metrics):
+        p.append("--metrics-no-auth opens /metrics despite --api-key: it needs both --api-key and "
+                 "--enable-metrics; drop it or add them")
 
 
 _MINIMUMS = {

@@ -22,6 +22,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}[assistant]{% endif %}"
 )
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# base_url -> --api-key of the servers started here: the helpers below read /get_server_info, which
+# needs it
+API_KEYS: dict[str, str] = {}
 
 
 def save_char_tokenizer(model_dir: str) -> None:
@@ -119,15 +122,19 @@ def start_thread_server(argv: list[str], **app_kw) -> ThreadServer:
     """Build the engine and app from server flags and serve them from a uvicorn thread; waits for /health."""
     import uvicorn
 
+    from ddtree.server.http import uvicorn_kwargs
     from ddtree.server.launch import build_app, prepare_args
 
     args = prepare_args(argv + ["--port", str(free_port())])
     app, async_engine = build_app(args, **app_kw)
-    config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
+                            access_log=False, **uvicorn_kwargs())
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{args.port}"
+    if args.api_key:
+        API_KEYS[url] = args.api_key
     wait_healthy(url, 60)
     return ThreadServer(url, app, async_engine, server, thread)
 
@@ -163,6 +170,8 @@ def subprocess_server(argv: list[str], module: str = "ddtree.launch_server", env
     proc = subprocess.Popen([sys.executable, "-m", module, *argv, "--port", str(port), "--log-level", "warning"],
                             cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
+    if "--api-key" in argv:
+        API_KEYS[url] = argv[argv.index("--api-key") + 1]
     try:
         wait_healthy(url, 120, proc)
         yield url, proc
@@ -177,7 +186,9 @@ def subprocess_server(argv: list[str], module: str = "ddtree.launch_server", env
 
 
 def server_info(base_url: str) -> dict:
-    r = httpx.get(base_url + "/get_server_info", timeout=10)
+    key = API_KEYS.get(base_url)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    r = httpx.get(base_url + "/get_server_info", timeout=10, headers=headers)
     r.raise_for_status()
     return r.json()
 

@@ -3,6 +3,9 @@ completes inside an accepted block cuts the output exactly there."""
 
 from __future__ import annotations
 
+import functools
+import re
+
 
 class IncrementalDetokenizer:
     """Emits text as tokens arrive; holds back bytes of an unfinished UTF-8 character (U+FFFD)."""
@@ -28,13 +31,55 @@ class IncrementalDetokenizer:
         return ""
 
 
+class StopMatcher:
+    """Stop-string checks whose cost does not grow with the output: `find` scans only the window
+    that the newest characters can complete (one regex pass for every stop string at once),
+    `holdback` only the last `max_len - 1` characters. Per call: O(new + max_len) for find,
+    O(max_len^2) for holdback, whatever the text length; the request bounds (server/limits.py) cap
+    the stop count and lengths."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.max_len = max(map(len, stops), default=0)
+        # longest first, so at one start index the regex reports a stop rather than its own prefix
+        alts = sorted(set(stops), key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, alts))) if alts else None
+        # hashes of every proper prefix: a suffix of the text is looked up in O(1), then confirmed
+        self.prefix_hashes = frozenset(hash(s[:k]) for s in alts for k in range(1, len(s)))
+
+    def find(self, text: str, new_len: int) -> int:
+        """Index where the earliest stop string begins among matches that overlap the last `new_len`
+        characters; -1 if none. (Earlier text holds no stop: it would have finished the request.)"""
+        if self.pattern is None:
+            return -1
+        m = self.pattern.search(text, max(0, len(text) - new_len - self.max_len + 1))
+        return m.start() if m else -1
+
+    def holdback(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string:
+        characters that a later token may still turn into a stop (and cut), so they are not streamed
+        yet."""
+        for k in range(min(self.max_len - 1, len(text)), 0, -1):
+            tail = text[-k:]
+            if hash(tail) in self.prefix_hashes and any(
+                    len(s) > k and s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+
+@functools.lru_cache(maxsize=64)
+def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
+    """One matcher per distinct stop tuple (requests usually share a few); built once, reused every
+    step."""
+    return StopMatcher(stops)
+
+
 def find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> int:
-    """Index in `text` where the earliest stop string begins, considering only matches that overlap the last
-    `new_len` characters; -1 if none."""
-    best = -1
-    for s in stops:
-        start = max(0, len(text) - new_len - len(s) + 1)
-        i = text.find(s, start)
-        if i >= 0 and (best < 0 or i < best):
-            best = i
-    return best
+    """Index in `text` where the earliest stop string begins, considering only matches that overlap
+    the last `new_len` characters; -1 if none."""
+    return stop_matcher(tuple(stops)).find(text, new_len)
+
+
+def stop_holdback(text: str, stops: tuple[str, ...]) -> int:
+    """See StopMatcher.holdback."""
+    return stop_matcher(tuple(stops)).holdback(text) if stops else 0

@@ -28,8 +28,8 @@ class LLMEngine:
         self.spec = spec_config(args)  # the derivation that sized the runner's pools and widths
         self.decoder = SpecDecoder(self.runner, self.spec)
         cfg = self.runner.cfg
-        self.scheduler = Scheduler(self.runner, cfg.max_running_requests,
-                                   prefill_chunk_tokens(args), cfg.max_verify_width)
+        self.scheduler = Scheduler(self.runner, cfg.max_running_requests, prefill_chunk_tokens(args),
+                                   cfg.max_verify_width, args.max_prefill_tokens)
         eos = set(self.runner.target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

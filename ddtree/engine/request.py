@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Temperatures below this sample as greedy (argmax): dividing fp32 logits by a smaller one overflows to inf,
+# the softmax becomes NaN and every draw collapses onto token id 0. vLLM and SGLang use the same cut-off.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,7 +42,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
 class ReqStatus(enum.Enum):

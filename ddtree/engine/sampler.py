@@ -20,6 +20,8 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # keep the smallest prefix reaching top_p
+        # the top token always stays: a top_p that rounds to 0 in fp32 would otherwise drop every entry
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x

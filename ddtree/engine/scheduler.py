@@ -1,6 +1,9 @@
-"""Continuous batching: requests join and leave the running set every step. Prefill (chunked) goes first;
-otherwise every running request takes one decoding round. When KV pages run out, the newest running
-request is preempted (its KV freed) and recomputed later."""
+"""Continuous batching: requests join and leave the running set every step. A step is either a
+prefill batch (new prompts and chunks of long ones, at most `prefill_budget` tokens) or one decoding
+round of every running request. While both kinds have work they alternate, so a long prompt prefills
+one chunk per step and the running requests decode in between: their time per output token grows by
+one chunk, not by the whole prompt. When KV pages run out, the newest running request is preempted
+(its KV freed) and recomputed later."""
 
 from __future__ import annotations
 
@@ -19,12 +22,22 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, max_running: int, chunk_tokens: int, verify_width: int):
+    def __init__(self, runner: ModelRunner, max_running: int, chunk_tokens: int, verify_width: int,
+                 max_prefill_tokens: int | None = None):
         self.runner, self.bm = runner, runner.bm
-        self.max_running, self.chunk_tokens, self.verify_width = max_running, chunk_tokens, verify_width
+        self.max_running, self.verify_width = max_running, verify_width
+        # tokens of one prefill batch: --chunked-prefill-size (<= 0: no chunking) capped by
+        # --max-prefill-tokens; a prompt longer than the budget is prefilled in budget-sized chunks
+        # either way
+        caps = [c for c in (chunk_tokens, max_prefill_tokens) if c is not None and c > 0]
+        if not caps:
+            raise ValueError("a prefill budget needs --chunked-prefill-size > 0 or "
+                             "--max-prefill-tokens")
+        self.prefill_budget = min(caps)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
+        self.last_was_prefill = False
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -34,21 +47,38 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> Batch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        # NOTE: the order only decides which step runs first; tokens are the same either way
+        # (lossless tests)
+        decode_turn = self.last_was_prefill and any(not r.needs_prefill for r in self.running)
+        if decode_turn:
+            batch = self._schedule_decode() or self._schedule_prefill()
+        else:
+            batch = self._schedule_prefill() or self._schedule_decode()
+        self.last_was_prefill = batch is not None and batch.is_prefill
+        return batch
 
     def _schedule_prefill(self) -> Batch | None:
-        budget = self.chunk_tokens
+        budget = self.prefill_budget
+        # while requests wait, unfinished chunked prefills take at most half the budget: a short
+        # prompt that arrives behind a long one is admitted at the next prefill step, not after the
+        # whole prompt
+        head = self.waiting[0] if self.waiting else None
+        admissible = (head is not None and len(self.running) < self.max_running
+                      and self.bm.can_allocate(head, head.prefill_len + self.verify_width))
+        share = budget // 2 if admissible else budget
         reqs, q_lens = [], []
         for r in self.running:  # unfinished chunked prefills first
-            if r.needs_prefill and budget > 0:
-                q = min(budget, r.prefill_len - r.kv_len)
+            if r.needs_prefill and share > 0:
+                q = min(share, r.prefill_len - r.kv_len)
                 reqs.append(r)
                 q_lens.append(q)
                 budget -= q
+                share -= q
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             r = self.waiting[0]
             q = min(budget, r.prefill_len)
-            # admit only when the whole prompt plus one verify width fits, so admission never thrashes
+            # admit only when the whole prompt plus one verify width fits, so admission never
+            # thrashes
             if not self.bm.can_allocate(r, r.prefill_len + self.verify_width):
                 break
             self.waiting.popleft()

@@ -1,6 +1,9 @@
-"""The FastAPI app: OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`), `/health`,
-`/metrics` (Prometheus, with --enable-metrics), `/get_server_info` (pool counts and allocator integrity, read
-between two engine steps). Every failure is an OpenAI-style `{"error": {message, type, param, code}}` body.
+"""The FastAPI app: OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`),
+`/health` (200 while the engine loop runs and keeps stepping; 503 when it died or is stuck),
+`/metrics` (Prometheus, with --enable-metrics), `/get_server_info` (pool counts and allocator
+integrity, read between two engine steps). With --api-key every route needs the key except /health
+(and /metrics with --metrics-no-auth): server/http.py. Every failure is an OpenAI-style `{"error":
+{message, type, param, code}}` body.
 The `ddtree` response extension is documented in `ddtree.server.openai_serving`.
 """
 
@@ -9,58 +12,34 @@ from __future__ import annotations
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.server import protocol
 from ddtree.server.async_engine import AsyncEngine
+from ddtree.server.http import (BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ApiKeyAuth, BodyLimit,
+                                CatchAll)
 from ddtree.server.metrics import pool_snapshot
 from ddtree.server.openai_serving import OpenAIServing
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
+# pydantic error kinds where the type was right but the value is not (reported as code
+# invalid_value)
+VALUE_ERRORS = frozenset({"value_error", "finite_number", "too_long", "string_too_long",
+                          "too_short", "string_too_short", "string_unicode"})
 
 
 def json_error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-class BodyLimit:
-    """ASGI middleware: a body over `limit` bytes gets 413 before any handler runs. The body is read here and
-    replayed, so the limit holds without a Content-Length header too."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_big = APIError(413, f"request body exceeds the {self.limit}-byte limit", code="request_too_large")
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await json_error(too_big)(scope, receive, send)
-        chunks, size, more = [], 0, True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            more = msg.get("more_body", False)
-            if size > self.limit:
-                return await json_error(too_big)(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+def pick_error(errors: list[dict]) -> dict:
+    """The error to report: for a union field pydantic lists one error per member; a member whose
+    type matched but whose value failed (too long, not finite, a surrogate) says more than 'should
+    be a list'."""
+    return next((e for e in errors if e.get("type") in VALUE_ERRORS), errors[0])
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -70,26 +49,27 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, e: RequestValidationError):
-        err = e.errors()[0]
+        err = pick_error(e.errors())
         if err.get("type") == "json_invalid":
             return json_error(APIError(400, f"request body is not valid JSON: {err.get('msg')}", code="invalid_json"))
         param = protocol.error_param(err.get("loc", ()))
         if param is None:
             return json_error(APIError(400, "the request body must be a JSON object (Content-Type: application/json)",
                                        code="invalid_type"))
-        code = "missing_required_parameter" if err.get("type") == "missing" else "invalid_type"
-        return json_error(APIError(400, f"{param}: {err.get('msg')}", param=param, code=code))
+        kind = err.get("type", "")
+        code = ("missing_required_parameter" if kind == "missing"
+                else "invalid_value" if kind in VALUE_ERRORS else "invalid_type")
+        msg = str(err.get("msg")).removeprefix("Value error, ")
+        return json_error(APIError(400, f"{param}: {msg}", param=param, code=code))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
         return json_error(APIError(e.status_code, str(e.detail)))
 
-    @app.exception_handler(Exception)
-    async def _server_error(request, e: Exception):
-        return json_error(APIError(500, f"internal server error: {type(e).__name__}: {e}"))
 
-
-def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(aengine: AsyncEngine, args, metrics=None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     engine = aengine.engine
     serving = OpenAIServing(aengine, args)
     created = int(time.time())
@@ -101,14 +81,15 @@ def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = D
         aengine.shutdown()
 
     app = FastAPI(title="ddtree", lifespan=lifespan)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    # added last = outermost: the key is checked before the body is read; CatchAll sits inside
+    # FastAPI's ServerErrorMiddleware, which would re-raise and make uvicorn drop the connection
+    app.add_middleware(CatchAll)
+    app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout)
+    open_paths = ("/health", "/metrics") if args.metrics_no_auth else ("/health",)
+    app.add_middleware(ApiKeyAuth, api_key=args.api_key, open_paths=open_paths)
     add_error_handlers(app)
 
-    def check_key(request: Request) -> None:
-        if args.api_key and request.headers.get("authorization") != f"Bearer {args.api_key}":
-            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -128,8 +109,9 @@ def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = D
 
     @app.get("/health")
     async def health():
-        if not aengine.alive:
-            return json_error(APIError(503, "the engine is not running", code="engine_unavailable"))
+        problem = aengine.health_problem()
+        if problem is not None:
+            return json_error(APIError(503, problem, code="engine_unavailable"))
         return Response(status_code=200)
 
     @app.get("/get_server_info")

@@ -4,6 +4,10 @@ Invariant: only the engine thread touches the engine (requests, pools, tokenizer
 through a command queue (`call`, `submit`, `abort`); between two steps the thread runs every queued command,
 so requests join and leave the running batch at every step. After each step it publishes, per request, the
 text that can no longer be taken back by a stop string into that request's asyncio queue.
+
+Liveness: the loop stamps `_tick` every iteration; `health_problem()` reports a dead thread, or a
+loop that has not come round for STALL_TIMEOUT_S (a step that hangs), so /health turns 503 instead
+of staying green.
 """
 
 from __future__ import annotations
@@ -17,11 +21,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ddtree.engine.detokenizer import stop_holdback
 from ddtree.engine.request import Req, SamplingParams
 
 logger = logging.getLogger("ddtree")
 
 IDLE_POLL_S = 0.05
+# SGLang's health-check timeout; a real step takes milliseconds to a few seconds
+STALL_TIMEOUT_S = 20.0
+SHUTTING_DOWN = "server is shutting down"
+
+
+class EngineUnavailable(Exception):
+    """The engine takes no new request: its thread is gone or the server is shutting down (HTTP
+    503)."""
 
 
 @dataclass
@@ -31,6 +44,9 @@ class Delta:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    # with error: 500 for an engine fault, 503 when the server is shutting down
+    error_status: int = 500
+    error_code: str = "engine_error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     rounds: int = 0
@@ -46,6 +62,7 @@ class Stream:
     req: Req | None = field(default=None, repr=False)  # engine thread only
     added: float = 0.0
     sent_chars: int = 0
+    held_for: int = -1  # len(req.text) when the stop holdback was last computed
     seen_tokens: int = 0
     seen_rounds: int = 0
 
@@ -56,18 +73,6 @@ class Stream:
             pass
 
 
-def stop_holdback(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string: characters that a
-    later token may still turn into a stop (and cut), so they are not streamed yet."""
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return hold
-
-
 class AsyncEngine:
     def __init__(self, engine, metrics=None):
         self.engine, self.metrics = engine, metrics
@@ -75,6 +80,9 @@ class AsyncEngine:
         self._streams: dict[str, Stream] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closing = False  # set by fail_all: no new request is admitted
+        self._tick = time.monotonic()
+        self.stall_timeout_s = STALL_TIMEOUT_S
 
     # ---- handler side (event loop) ---------------------------------------------------------------------
     def start(self) -> None:
@@ -92,10 +100,28 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve (for /health), or None."""
+        if not self.alive:
+            return "the engine is not running"
+        stalled = time.monotonic() - self._tick
+        if stalled > self.stall_timeout_s:
+            return f"the engine loop has not completed a step for {stalled:.0f} s"
+        if self._closing:
+            return SHUTTING_DOWN
+        return None
+
+    def fail_all(self, message: str = SHUTTING_DOWN) -> None:
+        """End every in-flight request with an error (503) and admit no new one; safe from a signal
+        handler (SimpleQueue.put is reentrant). The engine thread frees their pages before its next
+        step."""
+        self._closing = True
+        self._cmds.put((lambda: self._fail_all(message), None))
+
     async def call(self, fn: Callable[[], object]):
         """Run fn() on the engine thread between two steps; its result or exception comes back here."""
         if not self.alive:
-            raise RuntimeError("the engine thread is not running")
+            raise EngineUnavailable("the engine is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put((fn, fut))
         return await asyncio.wrap_future(fut)
@@ -107,6 +133,8 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
 
         def add() -> Stream:
+            if self._closing:
+                raise EngineUnavailable(SHUTTING_DOWN)
             ids, params = prepare(self.engine)
             req = self.engine.add_request(ids, params)
             st = Stream(req.rid, req.num_prompt_tokens, q, loop, req, time.monotonic())
@@ -124,6 +152,7 @@ class AsyncEngine:
     # ---- engine thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._tick = time.monotonic()
             self._run_commands(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
                 try:
@@ -140,8 +169,7 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.on_pools(self.engine)
         self._run_commands(block=False)
-        for rid in list(self._streams):
-            self._fail(rid, "server is shutting down")
+        self._fail_all(SHUTTING_DOWN)
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -169,7 +197,13 @@ class AsyncEngine:
         for rid, st in list(self._streams.items()):
             req = st.req
             done = req.finish_reason is not None
-            safe = len(req.text) if done else len(req.text) - stop_holdback(req.text, req.params.stop)
+            if done:
+                safe = len(req.text)
+            elif len(req.text) != st.held_for:  # new text: what may still become a stop is held
+                st.held_for = len(req.text)
+                safe = len(req.text) - stop_holdback(req.text, req.params.stop)
+            else:
+                safe = st.sent_chars
             text = req.text[st.sent_chars:safe] if safe > st.sent_chars else ""
             st.sent_chars = max(st.sent_chars, safe)
             n_tok, rounds = req.num_output_tokens, req.stats.accept_lengths
@@ -186,8 +220,9 @@ class AsyncEngine:
                 st.put(Delta(text=text))
 
     @staticmethod
-    def _final(req: Req, text: str, error: str | None = None) -> Delta:
-        return Delta(text=text, finish_reason=req.finish_reason, error=error, prompt_tokens=req.num_prompt_tokens,
+    def _final(req: Req, text: str, error: str | None = None, **err) -> Delta:
+        return Delta(text=text, finish_reason=req.finish_reason, error=error, **err,
+                     prompt_tokens=req.num_prompt_tokens,
                      completion_tokens=req.num_output_tokens, rounds=req.stats.rounds,
                      mean_accept_length=req.stats.mean_accept_length)
 
@@ -203,11 +238,15 @@ class AsyncEngine:
         if st is not None and self.metrics is not None:
             self.metrics.on_finish("abort", time.monotonic() - st.added)
 
-    def _fail(self, rid: str, message: str) -> None:
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._streams):
+            self._fail(rid, message, status=503, code="server_shutting_down")
+
+    def _fail(self, rid: str, message: str, status: int = 500, code: str = "engine_error") -> None:
         st = self._release(rid)
         if st is not None:
             st.req.finish_reason = st.req.finish_reason or "abort"
-            st.put(self._final(st.req, "", error=message))
+            st.put(self._final(st.req, "", error=message, error_status=status, error_code=code))
             if self.metrics is not None:
                 self.metrics.on_finish("error", time.monotonic() - st.added)
 

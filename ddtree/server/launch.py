@@ -1,12 +1,20 @@
 """`ddtree serve` / `python -m ddtree.launch_server`: validate the flags before any weight is loaded, build the
-engine and the OpenAI API, and serve it with uvicorn. SIGINT/SIGTERM stop accepting connections and let the
-in-flight requests finish (a second signal forces exit); the engine thread stops after the last response."""
+engine and the OpenAI API, and serve it with uvicorn.
+
+Shutdown (`DrainingServer`): SIGTERM stops accepting connections and lets in-flight requests finish
+for up to --graceful-shutdown-timeout seconds; then, or at a second SIGTERM, or at a SIGINT, every
+in-flight request is ended with an error (503 `server_shutting_down`: a JSON body, or an SSE error
+event then `[DONE]` for a stream). The engine thread stops after the last response and the process
+exits 0. One more signal after that forces uvicorn out without waiting for connections (still exit
+0, the engine thread joined).
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
 import sys
+import threading
 
 from ddtree.configs import ConfigError
 from ddtree.server_args import ServerArgs, make_parser, resolve_server_args
@@ -36,6 +44,43 @@ def build_app(args: ServerArgs, **app_kw):
     return create_app(aengine, args, metrics, **app_kw), aengine
 
 
+def draining_server(config, aengine, drain_timeout: float):
+    """A uvicorn.Server whose signals drain with a deadline (see the module docstring)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self):
+            super().__init__(config)
+            self._timer: threading.Timer | None = None
+            self._ended = False
+
+        def handle_exit(self, sig: int, frame) -> None:
+            # NOTE: uvicorn's own handler records the signal and re-raises it after the drain (death
+            # by signal, status 143/130); a server that drained as asked exits 0 instead
+            if self._ended:
+                self.force_exit = True
+                return
+            self.should_exit = True
+            if sig == signal.SIGTERM and self._timer is None and drain_timeout > 0:
+                logger.info("SIGTERM: draining in-flight requests for up to %g s (send SIGTERM "
+                            "again or SIGINT to end them now)", drain_timeout)
+                self._timer = threading.Timer(drain_timeout, self.end_in_flight)
+                self._timer.daemon = True
+                self._timer.start()
+            else:
+                self.end_in_flight()
+
+        def end_in_flight(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            if not self._ended:
+                self._ended = True
+                logger.info("ending in-flight requests: server is shutting down")
+                aengine.fail_all()
+
+    return DrainingServer()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = make_parser("ddtree serve").parse_args(argv)
@@ -48,17 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    app, _ = build_app(args)
+    from ddtree.server.http import uvicorn_kwargs
+
+    app, aengine = build_app(args)
     logger.info("serving %s (%s) on http://%s:%d", args.served_model_name, args.speculative_algorithm,
                 args.host, args.port)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    # NOTE: uvicorn re-raises the signal that stopped it once the drain is over; a no-op handler turns that
-    # into a clean exit (status 0) instead of death by SIGTERM.
-    stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, lambda *_: None) for s in stops}
+    # uvicorn's own graceful timeout is only a backstop: ended requests answer within a step
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False, **uvicorn_kwargs(),
+                            timeout_graceful_shutdown=args.graceful_shutdown_timeout + 10)
     try:
-        uvicorn.Server(config).run()
+        draining_server(config, aengine, args.graceful_shutdown_timeout).run()
     finally:
-        for s in stops:
-            signal.signal(s, previous[s])
+        aengine.shutdown()  # after a forced exit the lifespan shutdown did not run
     return 0

@@ -16,8 +16,8 @@ import uuid
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ddtree.server import protocol
-from ddtree.server.async_engine import AsyncEngine, Delta, Stream
+from ddtree.server import limits, protocol
+from ddtree.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Stream
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context
@@ -47,6 +47,16 @@ def usage(d: Delta) -> dict:
             "total_tokens": d.prompt_tokens + d.completion_tokens}
 
 
+def prompt_chars(body) -> int:
+    """Characters of prompt text a request carries (token-id prompts count 0: the context check
+    bounds them)."""
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(m.content) if isinstance(m.content, str)
+                   else sum(len(p.text) for p in m.content or ()) for m in body.messages)
+    p = body.prompt
+    return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
+
+
 def tokenize(engine, text: str, param: str) -> list[int]:
     if engine.tokenizer is None:
         raise protocol.invalid(param, "this model has no tokenizer; send the prompt as a list of token ids")
@@ -60,6 +70,7 @@ class OpenAIServing:
         self.model_names = {self.model_name, args.model_path}
         self.algorithm = args.speculative_algorithm
         self.vocab_size = aengine.engine.runner.target.config.vocab_size
+        self.max_context = aengine.engine.max_context
 
     def ext(self, d: Delta) -> dict:
         return {"algorithm": self.algorithm, "mean_accept_length": d.mean_accept_length, "rounds": d.rounds}
@@ -70,8 +81,13 @@ class OpenAIServing:
             raise APIError(404, f"model: the model {body.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
         protocol.check_supported(body)
-        if not self.aengine.alive:
-            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        chars = prompt_chars(body)
+        if chars > limits.prompt_chars_limit(self.max_context):
+            per_token = limits.PROMPT_CHARS_PER_TOKEN
+            raise APIError(400, f"{param}: has {chars} characters; this model's context length is "
+                                f"{self.max_context} tokens (at most {per_token} characters per token "
+                                "are accepted before tokenizing)", param=param,
+                           code="context_length_exceeded")
 
         def prepare(e):
             ids = prompt_of(e)
@@ -80,6 +96,8 @@ class OpenAIServing:
 
         try:
             return await self.aengine.submit(prepare)
+        except EngineUnavailable as err:
+            raise APIError(503, str(err), code="engine_unavailable") from err
         except ValueError as err:  # the engine's own admission checks
             raise APIError(400, f"{param}: {err}", param=param) from err
 
@@ -104,7 +122,7 @@ class OpenAIServing:
                 if d.finish_reason is not None or d.error is not None:
                     done = True
                     if d.error is not None:
-                        raise APIError(500, d.error, code="engine_error")
+                        raise APIError(d.error_status, d.error, code=d.error_code)
                     d.text = "".join(parts)
                     return d
         finally:
@@ -124,7 +142,7 @@ class OpenAIServing:
                 d = await st.queue.get()
                 if d.error is not None:
                     state["done"] = True
-                    yield sse(APIError(500, d.error, code="engine_error").body())
+                    yield sse(APIError(d.error_status, d.error, code=d.error_code).body())
                     break
                 if d.text:
                     yield sse(chunk_of(d.text, None) | tail)

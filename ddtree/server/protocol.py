@@ -1,18 +1,23 @@
 """OpenAI request schemas, OpenAI-style error bodies, and the translation of a request into SamplingParams.
 
-Fields outside the schema are ignored, except the OpenAI parameters this server cannot honour (they are
-rejected with 400 when set to anything but their neutral value). Extensions beyond OpenAI: `top_k`,
+Fields outside the schema are ignored, except the parameters this server cannot honour (OpenAI's,
+vLLM's and SGLang's): they are rejected with 400 naming the field when set to anything but their
+neutral value, so a client never gets unconstrained text for a constrained request. `seed` is
+honoured, `user` accepted. Sizes and value checks of every field: server/limits.py. Extensions
+beyond OpenAI: `top_k`,
 `stop_token_ids`, `ignore_eos`, `ddtree_budget` (this request's DDTree budget; values above the server's
 `--speculative-ddtree-budget` are capped at it).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ddtree.engine.request import SamplingParams
+from ddtree.server.limits import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRINGS,
+                                  MAX_STOP_TOKEN_IDS, Finite, Name, StopString, Text)
 
 MAX_SEED = 2**63
 
@@ -45,33 +50,44 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Name | None = None
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
+    temperature: Finite | None = None
+    top_p: Finite | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False
     ddtree_budget: StrictInt | None = None
     n: StrictInt | None = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    user: Name | None = None
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+    repetition_penalty: Finite | None = None
+    min_p: Finite | None = None
+    min_tokens: StrictInt | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
 
     # (field, neutral values): set to anything else, the request is rejected instead of silently ignored
-    UNSUPPORTED: ClassVar[tuple] = (("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
-                           ("logit_bias", (None, {})))
+    UNSUPPORTED: ClassVar[tuple] = (
+        ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
+        ("repetition_penalty", (None, 1)),
+        ("min_p", (None, 0)), ("min_tokens", (None, 0)), ("logit_bias", (None, {})),
+        ("response_format", (None, {"type": "text"})), ("regex", (None,)), ("json_schema", (None,)),
+        ("ebnf", (None,)))
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     echo: bool | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     logprobs: int | None = None
     best_of: int | None = None
 
@@ -81,25 +97,31 @@ class CompletionRequest(_SamplingFields):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: StrictInt | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
 
+    # tool_choice / function_call "none" and "auto" without tools both mean plain text
     UNSUPPORTED: ClassVar[tuple] = _SamplingFields.UNSUPPORTED + (
-        ("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("tools", (None, [])))
+        ("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("tools", (None, [])),
+        ("tool_choice", (None, "none", "auto")), ("functions", (None, [])),
+        ("function_call", (None, "none", "auto")))
 
 
 def error_param(loc) -> str | None:

@@ -1,0 +1,65 @@
+"""Request bounds and value checks, declared on the request schemas (server/protocol.py).
+
+Every list and string field of a request has a limit; a request over it, a non-finite number or a
+string with a lone UTF-16 surrogate gets a 400 naming the field (api.py renders pydantic's errors).
+The limits keep the host work one request causes bounded, so a hostile request cannot slow the
+others: stop strings are checked on the engine thread at every step (engine/detokenizer.py's
+StopMatcher, O(max stop length) per token).
+
+| field                                        | limit                                           |
+|----------------------------------------------|-------------------------------------------------|
+| `stop`                                       | MAX_STOP_STRINGS strings of 1..MAX_STOP_CHARS   |
+| `stop_token_ids`                             | MAX_STOP_TOKEN_IDS ids                          |
+| `messages`                                   | MAX_MESSAGES messages, MAX_CONTENT_PARTS parts  |
+| prompt / message text                        | PROMPT_CHARS_PER_TOKEN x context length chars   |
+|                                              | (checked before tokenizing), then context tokens |
+| `model`, `user`, other names                 | MAX_NAME_CHARS characters                       |
+| the whole body                               | 8 MiB (server/http.py's BodyLimit)              |
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AfterValidator, AllowInfNan, Field, StrictFloat
+
+MAX_STOP_STRINGS = 16  # OpenAI allows 4
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 256
+MAX_NAME_CHARS = 256
+# a prompt string longer than this many characters per context token cannot fit once tokenized (no
+# tokenizer packs more into one token in practice); refused before the engine thread spends time
+# tokenizing
+PROMPT_CHARS_PER_TOKEN = 32
+
+
+def no_surrogates(text: str) -> str:
+    """Lone UTF-16 surrogates (JSON "\\ud800") are valid JSON but not Unicode: no tokenizer takes
+    them and no response can echo them, so they are a client error, found here instead of deep in
+    the engine."""
+    for i, ch in enumerate(text):
+        if "\ud800" <= ch <= "\udfff":
+            raise ValueError(
+                f"contains a lone UTF-16 surrogate U+{ord(ch):04X} at index {i}; send valid "
+                "Unicode (a surrogate pair encodes one character)"
+            )
+    return text
+
+
+def text(max_length: int | None = None):
+    """A request string: valid Unicode, at most max_length characters when given."""
+    return Annotated[str, Field(max_length=max_length), AfterValidator(no_surrogates)]
+
+
+Text = text()
+Name = text(MAX_NAME_CHARS)
+StopString = text(MAX_STOP_CHARS)  # empty ones: protocol.sampling_params names them
+# NaN and +-Infinity parse from JSON (Python's json accepts them) but mean nothing as a sampling
+# knob
+Finite = Annotated[StrictFloat, AllowInfNan(False)]
+
+
+def prompt_chars_limit(max_context: int) -> int:
+    return PROMPT_CHARS_PER_TOKEN * max_context
