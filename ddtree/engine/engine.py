@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ddtree.engine import logprobs
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes
@@ -89,9 +90,13 @@ class LLMEngine:
             ready = [i for i, r in enumerate(batch.reqs) if not r.needs_prefill and not r.output_ids]
             if ready:
                 reqs = [batch.reqs[i] for i in ready]
-                first = sample_nodes(logits[ready][:, None], [r.params for r in reqs], [r.generator for r in reqs])
-                for r, tok in zip(reqs, first[:, 0].tolist()):
-                    self.emitter.emit(r, [tok])
+                rows = logits[ready][:, None]
+                first = sample_nodes(rows, [r.params for r in reqs], [r.generator for r in reqs])
+                lp = logprobs.node_logprobs(reqs, rows, torch.zeros_like(first), first)
+                host, lp_rows = logprobs.read_back(reqs, first, lp)
+                for r, toks, lp_row in zip(reqs, host, lp_rows):
+                    logprobs.append(r, lp_row, toks)
+                    self.emitter.emit(r, toks)
         else:
             emitted = self.decoder.round(batch.reqs, self.max_context)
             for r, toks in zip(batch.reqs, emitted):
@@ -100,6 +105,7 @@ class LLMEngine:
                 self.emitter.emit(r, toks)
         for r in batch.reqs:
             if r.finish_reason is not None and not r.is_finished:
+                logprobs.trim(r)
                 self.scheduler.finish(r)
                 self.requests.pop(r.rid, None)
         return batch.reqs

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +22,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     ddtree_budget: int | None = None  # per-request DDTree budget, at most the server's (its verify width)
+    logprobs: bool = False  # report each emitted token's target log-prob (RequestOutput.logprobs)
+    top_logprobs: int = 0  # and the k most likely tokens at its position (implies logprobs)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -35,6 +39,10 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.ddtree_budget is not None and self.ddtree_budget < 1:
             raise ValueError(f"ddtree_budget must be >= 1, got {self.ddtree_budget}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if self.top_logprobs:
+            object.__setattr__(self, "logprobs", True)
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +82,7 @@ class Req:
     stats: SpecStats = field(default_factory=SpecStats)
     text: str = ""
     stop_hit: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.engine import logprobs
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
 from ddtree.engine.sampler import sample_nodes
@@ -98,15 +99,18 @@ class SpecDecoder:
                 target_tokens = self.target_override(tree, target_tokens)
             res = accept_tree(tree, target_tokens)
         t = self.times.add("accept", t)
+        lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)  # token j drawn at path[j]
         runner.commit(reqs, res.path, res.accept_length, vo.taps)
-        out = torch.cat([res.num_out[:, None], res.out_tokens], 1).cpu()  # the round's one device->host copy
+        out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
+        host, lp_rows = logprobs.read_back(reqs, out, lp)  # the round's one device->host copy
         self.times.add("commit", t)
         emitted = []
-        for r, row in zip(reqs, out.tolist()):
+        for r, row, lp_row in zip(reqs, host, lp_rows):
             k = row[0]
             r.kv_len += k  # root + (k - 1) accepted drafts are now cached; the bonus is pending
             runner.release(r, r.kv_len)
             emitted.append(row[1 : 1 + k])
+            logprobs.append(r, lp_row, emitted[-1])
         return emitted
 
     def _budgets(self, reqs: list[Req]) -> list[int] | None:
@@ -137,16 +141,18 @@ class SpecDecoder:
         vo = runner.verify_nodes(reqs, tree)
         t = self.times.add("verify", t)
         params, generators = [r.params for r in reqs], [r.generator for r in reqs]
-        tokens = sample_nodes(vo.logits, params, generators, vo.greedy_tokens)[:, 0]
+        tokens = sample_nodes(vo.logits, params, generators, vo.greedy_tokens)[:, :1]
         t = self.times.add("accept", t)
         zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
+        lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)
         runner.commit(reqs, zeros[:, None], zeros, None)  # no KV moves; commits hybrid state of the root
-        tokens = tokens.cpu()
+        host, lp_rows = logprobs.read_back(reqs, tokens, lp)
         self.times.add("commit", t)
-        for r in reqs:
+        for r, lp_row, toks in zip(reqs, lp_rows, host):
             r.kv_len += n
             runner.release(r, r.kv_len)
-        return [[tok] for tok in tokens.tolist()]
+            logprobs.append(r, lp_row, toks)
+        return host
 
 
 def pad_tree(tree: DraftTree, n: int) -> DraftTree:
