@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`), `/health`,
 `/metrics` (Prometheus, with --enable-metrics), `/get_server_info` (pool counts and allocator integrity, read
-between two engine steps). Every failure is an OpenAI-style `{"error": {message, type, param, code}}` body.
+between two engine steps), and SGLang's native `/generate` and `/get_model_info` (`ddtree.server.native_api`).
+Every failure is an OpenAI-style `{"error": {message, type, param, code}}` body.
 The `ddtree` response extension is documented in `ddtree.server.openai_serving`.
 """
 
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ddtree.server import protocol
 from ddtree.server.async_engine import AsyncEngine
 from ddtree.server.metrics import pool_snapshot
+from ddtree.server.native_api import native_router
 from ddtree.server.openai_serving import OpenAIServing
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -125,6 +127,7 @@ def create_app(aengine: AsyncEngine, args, metrics=None, max_body_bytes: int = D
         return {"object": "list", "data": [card]}
 
     app.include_router(v1)
+    app.include_router(native_router(serving, args, engine), dependencies=[Depends(check_key)])
 
     @app.get("/health")
     async def health():
