@@ -9,6 +9,7 @@ import time
 import torch
 
 from ddtree.engine import logprobs
+from ddtree.engine.batch_log import BatchLog
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes
@@ -36,6 +37,7 @@ class LLMEngine:
         self.decoder = SpecDecoder(self.runner, self.spec)
         width = self.runner.cfg.max_verify_width
         self.scheduler = Scheduler(self.runner, self.runner.cfg.max_running_requests, args.chunked_prefill_size, width)
+        self.batch_log = BatchLog(self.scheduler, args.decode_log_interval)
         eos = set(self.runner.target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -97,12 +99,14 @@ class LLMEngine:
                 for r, toks, lp_row in zip(reqs, host, lp_rows):
                     logprobs.append(r, lp_row, toks)
                     self.emitter.emit(r, toks)
+            self.batch_log.prefill(batch.q_lens)
         else:
             emitted = self.decoder.round(batch.reqs, self.max_context)
             for r, toks in zip(batch.reqs, emitted):
                 r.stats.rounds += 1
                 r.stats.accept_lengths.append(len(toks))
                 self.emitter.emit(r, toks)
+            self.batch_log.decode(emitted)
         for r in batch.reqs:
             if r.finish_reason is not None and not r.is_finished:
                 logprobs.trim(r)
