@@ -62,7 +62,7 @@ class ServerArgs:
     api_key: str | None = _opt(None, "require this API key on HTTP requests")
     enable_metrics: bool = _opt(False, "expose Prometheus metrics at /metrics")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
-    decode_log_interval: int = _opt(40, "log a 'Decode batch.' stats line every this many decode steps")
+    decode_log_interval: int = _opt(40, "log a 'Decode batch.' stats line every N decode steps")
     speculative_algorithm: str = _opt("NONE", "NONE, DFLASH (chain) or DDTREE (tree); case-insensitive",
                                       SPECULATIVE_ALGORITHMS)
     speculative_draft_model_path: str | None = _opt(None, "DFlash drafter dir (or cached HF repo id)")

@@ -1,4 +1,5 @@
-"""SGLang-style engine log lines: one per prefill batch, one every --decode-log-interval decode steps."""
+"""SGLang-style engine log lines: one per prefill batch, one every --decode-log-interval decode
+steps."""
 
 import logging
 import re
@@ -10,10 +11,14 @@ from ddtree.configs import ConfigError
 from ddtree.server_args import ServerArgs, resolve_server_args
 from server_fixtures import build_tiny_pair
 
-DECODE = re.compile(r"^Decode batch\. #running-req: (\d+), #token: (\d+), token usage: (\d\.\d\d), accept len: "
-                    r"(\d+\.\d\d), gen throughput \(token/s\): (\d+\.\d\d), #queue-req: (\d+)$")
-PREFILL = re.compile(r"^Prefill batch\. #new-seq: (\d+), #new-token: (\d+), #cached-token: 0, token usage: "
-                     r"(\d\.\d\d), #running-req: (\d+), #queue-req: (\d+)$")
+DECODE = re.compile(
+    r"^Decode batch\. #running-req: (\d+), #token: (\d+), token usage: (\d\.\d\d), accept len: "
+    r"(\d+\.\d\d), gen throughput \(token/s\): (\d+\.\d\d), #queue-req: (\d+)$"
+)
+PREFILL = re.compile(
+    r"^Prefill batch\. #new-seq: (\d+), #new-token: (\d+), #cached-token: 0, token usage: "
+    r"(\d\.\d\d), #running-req: (\d+), #queue-req: (\d+)$"
+)
 
 
 @pytest.fixture(scope="module")
@@ -22,17 +27,34 @@ def pair(tmp_path_factory):
 
 
 def lines(caplog, pattern):
-    return [m for m in (pattern.match(r.getMessage()) for r in caplog.records if r.name == "ddtree") if m]
+    return [
+        m
+        for m in (pattern.match(r.getMessage()) for r in caplog.records if r.name == "ddtree")
+        if m
+    ]
 
 
 @pytest.mark.parametrize("algorithm, interval", [("NONE", 4), ("DDTREE", 2)])
 def test_decode_and_prefill_lines_every_interval(pair, caplog, algorithm, interval):
-    kw = {"speculative_draft_model_path": pair[1], "speculative_ddtree_budget": 6} if algorithm != "NONE" else {}
-    llm = LLM(pair[0], device="cpu", dtype="float32", speculative_algorithm=algorithm,
-              decode_log_interval=interval, max_total_tokens=512, **kw)
+    kw = (
+        {"speculative_draft_model_path": pair[1], "speculative_ddtree_budget": 6}
+        if algorithm != "NONE"
+        else {}
+    )
+    llm = LLM(
+        pair[0],
+        device="cpu",
+        dtype="float32",
+        speculative_algorithm=algorithm,
+        decode_log_interval=interval,
+        max_total_tokens=512,
+        **kw,
+    )
     caplog.set_level(logging.INFO, logger="ddtree")
     caplog.clear()
-    outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    outs = llm.generate(
+        [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     prefill = lines(caplog, PREFILL)
     assert prefill and [int(m[1]) for m in prefill] == [2] and [int(m[2]) for m in prefill] == [7]
     decode = lines(caplog, DECODE)

@@ -1,6 +1,6 @@
-"""Log-probs of emitted tokens equal the target's log-softmax from a plain full forward over prompt + output
-(no paging, no tree), in AR, DFLASH and DDTREE modes, on the embedded pair whose drafts are really accepted,
-so tokens emitted from accepted nodes and bonus tokens are both checked."""
+"""Log-probs of emitted tokens equal the target's log-softmax from a plain full forward over prompt
++ output (no paging, no tree), in AR, DFLASH and DDTREE modes, on the embedded pair whose drafts are
+really accepted, so tokens emitted from accepted nodes and bonus tokens are both checked."""
 
 import functools
 
@@ -12,7 +12,10 @@ from ddtree.assets import default_model_paths
 from ddtree.engine import logprobs
 from ddtree.models.loader import load_target
 
-PROMPTS = ["import json\n\n\ndef dumps(obj, *, indent=None):\n    ", "class Stack:\n    def push(self, x):\n"]
+PROMPTS = [
+    "import json\n\n\ndef dumps(obj, *, indent=None):\n    ",
+    "class Stack:\n    def push(self, x):\n",
+]
 TOP = 3
 
 
@@ -22,17 +25,23 @@ def reference_target():
 
 
 def reference_logprobs(prompt_ids, output_ids) -> torch.Tensor:
-    """[len(output_ids), V]: row j = the target's log-softmax over the next token after prompt + output[:j]."""
+    """[len(output_ids), V]: row j = the target's log-softmax after prompt + output[:j]."""
     ids = torch.tensor([list(prompt_ids) + list(output_ids[:-1])])
     with torch.no_grad():
         logits, _ = reference_target().forward_train(ids)
-    return torch.log_softmax(logits[0, len(prompt_ids) - 1:].float(), -1)
+    return torch.log_softmax(logits[0, len(prompt_ids) - 1 :].float(), -1)
 
 
 @functools.lru_cache(maxsize=None)
 def llm(algorithm: str):
-    return LLM(None, speculative_algorithm=algorithm, device="cpu", dtype="float32", max_running_requests=2,
-               speculative_ddtree_budget=16)
+    return LLM(
+        None,
+        speculative_algorithm=algorithm,
+        device="cpu",
+        dtype="float32",
+        max_running_requests=2,
+        speculative_ddtree_budget=16,
+    )
 
 
 def check_against_reference(out, k: int):
@@ -47,7 +56,9 @@ def check_against_reference(out, k: int):
         assert len(e.top) == k
         if not k:
             continue
-        torch.testing.assert_close(torch.tensor([v for _, v in e.top]), top.values[j], rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor([v for _, v in e.top]), top.values[j], rtol=0, atol=1e-4
+        )
         # ids may swap only between (near-)ties
         assert e.top[0][0] == top.indices[j, 0].item() or e.top[0][1] - e.top[1][1] < 1e-4
 
@@ -61,25 +72,30 @@ def test_greedy_logprobs_equal_full_forward(algorithm, one_torch_thread):
         # at T=0 the emitted token is the most likely one
         assert all(e.top[0][0] == e.token_id for e in out.logprobs)
     if algorithm != "NONE":
-        assert sum(o.mean_accept_length for o in outs) / len(outs) > 2  # accepted nodes' tokens were checked
+        assert (
+            sum(o.mean_accept_length for o in outs) / len(outs) > 2
+        )  # accepted nodes' tokens were checked
 
 
 @pytest.mark.parametrize("algorithm", ["NONE", "DDTREE"])
 def test_sampled_logprobs_are_the_raw_target_distribution(algorithm, one_torch_thread):
-    """At T>0 the reported values are the target's before temperature / top-k / top-p (vLLM's default)."""
-    params = SamplingParams(temperature=0.7, top_k=2, max_tokens=24, ignore_eos=True, seed=3, logprobs=True)
+    """At T>0 the values are the target's before temperature / top-k / top-p (vLLM's default)."""
+    params = SamplingParams(
+        temperature=0.7, top_k=2, max_tokens=24, ignore_eos=True, seed=3, logprobs=True
+    )
     for out in llm(algorithm).generate(PROMPTS, params):
         ref = reference_logprobs(out.prompt_token_ids, out.token_ids)
         got = torch.tensor([e.logprob for e in out.logprobs])
-        torch.testing.assert_close(got, ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0],
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            got, ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0], rtol=0, atol=1e-4
+        )
         assert all(e.top == () for e in out.logprobs)
         # top-k=2 sampling only ever emits one of the two most likely tokens
         assert (ref.topk(2, -1).indices == torch.tensor(out.token_ids)[:, None]).any(-1).all()
 
 
 def test_logprobs_follow_a_stop_inside_a_round(one_torch_thread):
-    """A length limit that falls inside an accepted block drops the block's tail and its log-probs."""
+    """A length limit inside an accepted block drops the block's tail and its log-probs."""
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=True)
     for out in llm("DDTREE").generate(PROMPTS, params):
         assert len(out.token_ids) == 7 and len(out.logprobs) == 7
@@ -90,8 +106,15 @@ def test_no_logprobs_unless_asked(one_torch_thread):
     out = llm("DDTREE").generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8))[0]
     assert out.logprobs is None
     req = type("R", (), {"params": SamplingParams()})()
-    assert logprobs.node_logprobs([req], torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.int64),
-                                  torch.zeros(1, 2, dtype=torch.int64)) is None
+    assert (
+        logprobs.node_logprobs(
+            [req],
+            torch.zeros(1, 2, 5),
+            torch.zeros(1, 2, dtype=torch.int64),
+            torch.zeros(1, 2, dtype=torch.int64),
+        )
+        is None
+    )
 
 
 def test_params_validate_top_logprobs():
@@ -101,7 +124,7 @@ def test_params_validate_top_logprobs():
 
 
 def test_a_wrong_row_is_caught():
-    """Meta-test: taking each token's log-prob at the next node instead of its own changes the values."""
+    """Meta-test: taking each token's log-prob at the next node instead of its own is caught."""
     torch.manual_seed(0)
     logits = torch.randn(1, 4, 11)
     req = type("R", (), {"params": SamplingParams(logprobs=True)})()

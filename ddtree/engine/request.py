@@ -40,7 +40,8 @@ class SamplingParams:
         if self.ddtree_budget is not None and self.ddtree_budget < 1:
             raise ValueError(f"ddtree_budget must be >= 1, got {self.ddtree_budget}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, "
+                             f"got {self.top_logprobs}")
         if self.top_logprobs:
             object.__setattr__(self, "logprobs", True)
 
@@ -82,7 +83,7 @@ class Req:
     stats: SpecStats = field(default_factory=SpecStats)
     text: str = ""
     stop_hit: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`), `/health`,
 `/metrics` (Prometheus, with --enable-metrics), `/get_server_info` (pool counts and allocator integrity, read
-between two engine steps), and SGLang's native `/generate` and `/get_model_info` (`ddtree.server.native_api`).
-Every failure is an OpenAI-style `{"error": {message, type, param, code}}` body.
+between two engine steps), and SGLang's native `/generate` and `/get_model_info`
+(`ddtree.server.native_api`). Every failure is an OpenAI-style
+`{"error": {message, type, param, code}}` body.
 The `ddtree` response extension is documented in `ddtree.server.openai_serving`.
 """
 

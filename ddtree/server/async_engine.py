@@ -178,7 +178,8 @@ class AsyncEngine:
             st.sent_chars = max(st.sent_chars, safe)
             n_tok, rounds = req.num_output_tokens, req.stats.accept_lengths
             new_ids = req.output_ids[st.seen_tokens:n_tok]
-            lps = decode_entries(self.engine.tokenizer, req.logprobs[st.seen_tokens:n_tok]) if req.logprobs else []
+            lps = req.logprobs[st.seen_tokens:n_tok]
+            lps = decode_entries(self.engine.tokenizer, lps) if lps else []
             if self.metrics is not None and (n_tok > st.seen_tokens or len(rounds) > st.seen_rounds):
                 first = time.monotonic() - st.added if st.seen_tokens == 0 and n_tok else None
                 self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds:], first)

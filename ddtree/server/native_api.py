@@ -1,12 +1,13 @@
 """SGLang's native routes: `POST /generate` and `GET /get_model_info`.
 
-`/generate` answers one prompt with `{"text", "output_ids", "meta_info"}` and a batch (or n > 1) with a list
-of them, prompt-major. meta_info: id, finish_reason ({"type": "stop", "matched": string or token id} |
-{"type": "length", "length": n} | {"type": "abort"}), prompt_tokens, completion_tokens, cached_tokens (0: no
-prefix cache), e2e_latency, and for DFLASH / DDTREE spec_verify_ct (decoding rounds) and spec_accept_length
-(mean tokens per round); with `return_logprob`, output_token_logprobs / output_top_logprobs. Streaming sends
-SSE `data:` objects whose text and output_ids are cumulative (SGLang's default), with "index" when several
-choices interleave, then `data: [DONE]`.
+`/generate` answers one prompt with `{"text", "output_ids", "meta_info"}` and a batch (or n > 1)
+with a list of them, prompt-major. meta_info: id, finish_reason ({"type": "stop", "matched": string
+or token id} | {"type": "length", "length": n} | {"type": "abort"}), prompt_tokens,
+completion_tokens, cached_tokens (0: no prefix cache), e2e_latency, and for DFLASH / DDTREE
+spec_verify_ct (decoding rounds) and spec_accept_length (mean tokens per round); with
+`return_logprob`, output_token_logprobs / output_top_logprobs. Streaming sends SSE `data:` objects
+whose text and output_ids are cumulative (SGLang's default), with "index" when several choices
+interleave, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -37,10 +38,24 @@ class NativeServing:
         self.serving, self.args = serving, args
         self.speculative = args.speculative_algorithm != "NONE"
 
-    def result(self, body: GenerateRequest, d: Delta, rid: str, text: str, ids: list[int], lps: list,
-               started: float) -> dict:
-        meta = {"id": rid, "finish_reason": finish_reason(d), "prompt_tokens": d.prompt_tokens,
-                "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": time.monotonic() - started}
+    def result(
+        self,
+        body: GenerateRequest,
+        d: Delta,
+        rid: str,
+        text: str,
+        ids: list[int],
+        lps: list,
+        started: float,
+    ) -> dict:
+        meta = {
+            "id": rid,
+            "finish_reason": finish_reason(d),
+            "prompt_tokens": d.prompt_tokens,
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "e2e_latency": time.monotonic() - started,
+        }
         if self.speculative:
             meta |= {"spec_verify_ct": d.rounds, "spec_accept_length": d.mean_accept_length}
         if body.return_logprob:
@@ -57,6 +72,7 @@ class NativeServing:
         streams = []
         try:
             for prompt, sp in zip(prompts, sps):
+
                 def prepare(e, prompt=prompt, sp=sp):
                     ids = tokenize(e, prompt, param) if isinstance(prompt, str) else list(prompt)
                     protocol.check_prompt_ids(ids, vocab, e.max_context, param)
@@ -72,19 +88,26 @@ class NativeServing:
         if body.stream:
             return self._stream(body, streams, rids, started)
         ds = await self.serving.final_deltas(streams, request)
-        out = [self.result(body, d, rid, d.text, d.token_ids, d.logprobs, started) for d, rid in zip(ds, rids)]
+        out = [
+            self.result(body, d, rid, d.text, d.token_ids, d.logprobs, started)
+            for d, rid in zip(ds, rids)
+        ]
         return out if batch or len(out) > 1 else out[0]
 
     @staticmethod
     def _rids(body: GenerateRequest, streams) -> list[str]:
-        """The caller's `rid`s where given (one per prompt; suffixed per choice with n > 1), else ours."""
+        """The caller's `rid`s (one per prompt; `-i` per choice with n > 1), else ours."""
         given = [body.rid] if isinstance(body.rid, str) else body.rid
         if not given or len(given) * (len(streams) // len(given)) != len(streams):
             return [st.rid for st in streams]
         n = len(streams) // len(given)
-        return [given[i // n] if n == 1 else f"{given[i // n]}-{i % n}" for i in range(len(streams))]
+        return [
+            given[i // n] if n == 1 else f"{given[i // n]}-{i % n}" for i in range(len(streams))
+        ]
 
-    def _stream(self, body: GenerateRequest, streams, rids: list[str], started: float) -> SSEResponse:
+    def _stream(
+        self, body: GenerateRequest, streams, rids: list[str], started: float
+    ) -> SSEResponse:
         merged = Interleaved(streams)
         texts, ids, lps = [""] * len(streams), [[] for _ in streams], [[] for _ in streams]
 
@@ -110,11 +133,18 @@ class NativeServing:
         """SGLang's fields, plus the drafter and algorithm this server decodes with."""
         t = engine.runner.target.config
         a = self.args
-        return {"model_path": a.model_path, "tokenizer_path": a.tokenizer_path, "is_generation": True,
-                "weight_version": "default", "model_type": t.model_type, "architectures": [t.architecture],
-                "served_model_name": self.serving.model_name, "max_context_length": engine.max_context,
-                "speculative_algorithm": a.speculative_algorithm,
-                "speculative_draft_model_path": a.speculative_draft_model_path}
+        return {
+            "model_path": a.model_path,
+            "tokenizer_path": a.tokenizer_path,
+            "is_generation": True,
+            "weight_version": "default",
+            "model_type": t.model_type,
+            "architectures": [t.architecture],
+            "served_model_name": self.serving.model_name,
+            "max_context_length": engine.max_context,
+            "speculative_algorithm": a.speculative_algorithm,
+            "speculative_draft_model_path": a.speculative_draft_model_path,
+        }
 
 
 def native_router(serving: OpenAIServing, args, engine) -> APIRouter:

@@ -1,11 +1,12 @@
-"""SGLang's native `/generate` request (`io_struct.GenerateReqInput`, `sampling_params.SamplingParams` field
-names) and its translation into engine SamplingParams.
+"""SGLang's native `/generate` request (`io_struct.GenerateReqInput`,
+`sampling_params.SamplingParams` field names) and its translation into engine SamplingParams.
 
-Accepted: `text` or `input_ids` (one prompt or a batch), `sampling_params` (one dict or one per prompt:
-max_new_tokens [128], temperature, top_p, top_k, stop, stop_token_ids, ignore_eos, n, sampling_seed, plus our
-`ddtree_budget`), `stream`, `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`, `rid`. SGLang
-options this engine cannot honour (penalties, min_p, min_new_tokens, constrained decoding, input log-probs)
-are refused with a 400 naming the field when set to anything but their neutral value.
+Accepted: `text` or `input_ids` (one prompt or a batch), `sampling_params` (one dict or one per
+prompt: max_new_tokens [128], temperature, top_p, top_k, stop, stop_token_ids, ignore_eos, n,
+sampling_seed, plus our `ddtree_budget`), `stream`, `return_logprob`, `top_logprobs_num`,
+`return_text_in_logprobs`, `rid`. SGLang options this engine cannot honour (penalties, min_p,
+min_new_tokens, constrained decoding, input log-probs) are refused with a 400 naming the field when
+set to anything but their neutral value.
 """
 
 from __future__ import annotations
@@ -46,10 +47,17 @@ class NativeSamplingParams(BaseModel):
     no_stop_trim: bool | None = None
 
     UNSUPPORTED: ClassVar[tuple] = (
-        ("min_p", (None, 0)), ("frequency_penalty", (None, 0)), ("presence_penalty", (None, 0)),
-        ("repetition_penalty", (None, 1)), ("min_new_tokens", (None, 0)), ("json_schema", (None,)),
-        ("regex", (None,)), ("ebnf", (None,)), ("no_stop_trim", (None, False)),
-        ("skip_special_tokens", (True,)))
+        ("min_p", (None, 0)),
+        ("frequency_penalty", (None, 0)),
+        ("presence_penalty", (None, 0)),
+        ("repetition_penalty", (None, 1)),
+        ("min_new_tokens", (None, 0)),
+        ("json_schema", (None,)),
+        ("regex", (None,)),
+        ("ebnf", (None,)),
+        ("no_stop_trim", (None, False)),
+        ("skip_special_tokens", (True,)),
+    )
 
 
 class GenerateRequest(BaseModel):
@@ -90,14 +98,22 @@ class GenerateRequest(BaseModel):
 
 def check_native(req: GenerateRequest, sp: NativeSamplingParams) -> None:
     if req.logprob_start_len != -1:
-        raise invalid("logprob_start_len", "input (prompt) log-probs are not supported; leave it at -1",
-                      code="unsupported_parameter")
+        raise invalid(
+            "logprob_start_len",
+            "input (prompt) log-probs are not supported; leave it at -1",
+            code="unsupported_parameter",
+        )
     if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
-        raise invalid("top_logprobs_num", f"must be in 0..{MAX_TOP_LOGPROBS} (got {req.top_logprobs_num})")
+        raise invalid(
+            "top_logprobs_num", f"must be in 0..{MAX_TOP_LOGPROBS} (got {req.top_logprobs_num})"
+        )
     for name, neutral in sp.UNSUPPORTED:
         if getattr(sp, name) not in neutral:
-            raise invalid(f"sampling_params.{name}", "is not supported by this server; leave it unset",
-                          code="unsupported_parameter")
+            raise invalid(
+                f"sampling_params.{name}",
+                "is not supported by this server; leave it unset",
+                code="unsupported_parameter",
+            )
     if not 1 <= sp.n <= MAX_N:
         raise invalid("sampling_params.n", f"must be in 1..{MAX_N} (got {sp.n})")
     seed = sp.sampling_seed
@@ -105,17 +121,22 @@ def check_native(req: GenerateRequest, sp: NativeSamplingParams) -> None:
         raise invalid("sampling_params.sampling_seed", f"must be in [0, 2**63 - n] (got {seed})")
 
 
-def native_sampling_params(req: GenerateRequest, sp: NativeSamplingParams, prompt_len: int,
-                           max_context: int) -> SamplingParams:
+def native_sampling_params(
+    req: GenerateRequest, sp: NativeSamplingParams, prompt_len: int, max_context: int
+) -> SamplingParams:
     """Validated SamplingParams; each bad value raises a 400 naming its field."""
     room = max_context - prompt_len
     max_new = room if sp.max_new_tokens is None else sp.max_new_tokens
     if max_new < 1:
         raise invalid("sampling_params.max_new_tokens", f"must be at least 1 (got {max_new})")
     if max_new > room:
-        raise APIError(400, f"sampling_params.max_new_tokens: {max_new} is too large: the prompt has {prompt_len}"
-                            f" tokens and the context length is {max_context}, so at most {room} can be generated",
-                       param="sampling_params.max_new_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"sampling_params.max_new_tokens: {max_new} is too large: the prompt has {prompt_len}"
+            f" tokens and the context length is {max_context}, so at most {room} can be generated",
+            param="sampling_params.max_new_tokens",
+            code="context_length_exceeded",
+        )
     temperature = 1.0 if sp.temperature is None else sp.temperature
     if temperature < 0:
         raise invalid("sampling_params.temperature", f"must be >= 0 (got {temperature})")
@@ -124,7 +145,9 @@ def native_sampling_params(req: GenerateRequest, sp: NativeSamplingParams, promp
         raise invalid("sampling_params.top_p", f"must be in (0, 1] (got {top_p})")
     top_k = -1 if sp.top_k is None else sp.top_k
     if top_k < -1:
-        raise invalid("sampling_params.top_k", f"must be -1 (disabled) or a positive count (got {top_k})")
+        raise invalid(
+            "sampling_params.top_k", f"must be -1 (disabled) or a positive count (got {top_k})"
+        )
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
     if any(s == "" for s in stop):
         raise invalid("sampling_params.stop", "stop strings must be non-empty")
@@ -133,9 +156,18 @@ def native_sampling_params(req: GenerateRequest, sp: NativeSamplingParams, promp
     if sp.ddtree_budget is not None and sp.ddtree_budget < 1:
         raise invalid("sampling_params.ddtree_budget", f"must be >= 1 (got {sp.ddtree_budget})")
     try:
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new, stop=stop,
-                              stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, seed=sp.sampling_seed,
-                              ddtree_budget=sp.ddtree_budget, logprobs=req.return_logprob,
-                              top_logprobs=req.top_logprobs_num if req.return_logprob else 0)
+        return SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_new,
+            stop=stop,
+            stop_token_ids=sp.stop_token_ids,
+            ignore_eos=sp.ignore_eos,
+            seed=sp.sampling_seed,
+            ddtree_budget=sp.ddtree_budget,
+            logprobs=req.return_logprob,
+            top_logprobs=req.top_logprobs_num if req.return_logprob else 0,
+        )
     except ValueError as e:
         raise APIError(400, str(e)) from e

@@ -1,6 +1,7 @@
 """Completions and chat completions: validate, admit into the engine, and answer as one JSON body or an SSE
-stream of OpenAI chunk objects. `n > 1` admits n independent requests (choice i samples with seed + i when a
-seed is given); usage counts the prompt once and sums the choices' completion tokens, as OpenAI does.
+stream of OpenAI chunk objects. `n > 1` admits n independent requests (choice i samples with
+seed + i when a seed is given); usage counts the prompt once and sums the choices' completion
+tokens, as OpenAI does.
 
 Extension: every completion response, and the finishing chunk (plus the usage chunk) of every stream, carries
 a top-level object `"ddtree": {"algorithm", "mean_accept_length", "rounds"}` - the mean number of tokens emitted
@@ -46,9 +47,10 @@ def sse(obj) -> str:
 
 
 def usage(ds: list[Delta]) -> dict:
-    """One prompt, n choices: the prompt counts once, the completions add up (OpenAI's accounting)."""
+    """One prompt, n choices: the prompt counts once, the completions add up (as OpenAI)."""
     prompt, completion = ds[0].prompt_tokens, sum(d.completion_tokens for d in ds)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def tokenize(engine, text: str, param: str) -> list[int]:
@@ -58,8 +60,9 @@ def tokenize(engine, text: str, param: str) -> list[int]:
 
 
 class Interleaved:
-    """The deltas of several streams as one async iterator of (choice index, Delta), in arrival order, until
-    every stream has finished or failed. `close` aborts the requests that have not (the client went away)."""
+    """The deltas of several streams as one async iterator of (choice index, Delta), in arrival
+    order, until every stream has finished or failed. `close` aborts the requests that have not
+    (the client went away)."""
 
     def __init__(self, streams: list[Stream]):
         self.streams, self.done = streams, set()
@@ -74,7 +77,8 @@ class Interleaved:
                 return
 
     async def __aiter__(self):
-        self.tasks = [asyncio.ensure_future(self._forward(i, st)) for i, st in enumerate(self.streams)]
+        self.tasks = [asyncio.ensure_future(self._forward(i, st))
+                      for i, st in enumerate(self.streams)]
         while len(self.done) < len(self.streams):
             i, d = await self.merged.get()
             if d.finish_reason is not None or d.error is not None:
@@ -97,14 +101,16 @@ class OpenAIServing:
         self.vocab_size = aengine.engine.runner.target.config.vocab_size
 
     def ext(self, ds: list[Delta]) -> dict:
-        """The `ddtree` extension over one or more choices (mean accept length weighted by rounds)."""
+        """The `ddtree` extension over one or more choices (accept length weighted by rounds)."""
         rounds = sum(d.rounds for d in ds)
         mean = sum(d.mean_accept_length * d.rounds for d in ds) / rounds if rounds else 0.0
         return {"algorithm": self.algorithm, "mean_accept_length": mean, "rounds": rounds}
 
-    async def start(self, body, prompt_of, param: str, default_max_tokens: int | None) -> list[Stream]:
-        """Validate, tokenize (on the engine thread: prompt_of(engine) -> ids) and admit body.n requests;
-        failures are APIErrors. The `model` field names no model: the one served model answers any name."""
+    async def start(self, body, prompt_of, param: str,
+                    default_max_tokens: int | None) -> list[Stream]:
+        """Validate, tokenize (on the engine thread: prompt_of(engine) -> ids) and admit body.n
+        requests; failures are APIErrors. `model` picks nothing: the one served model answers any
+        name, as in SGLang."""
         protocol.check_supported(body)
 
         def prepare(e):
@@ -115,8 +121,9 @@ class OpenAIServing:
         return await self.submit_n(prepare, body.n or 1, param)
 
     async def submit_n(self, prepare, n: int, param: str) -> list[Stream]:
-        """n independent requests for one prompt. The first admission validates and tokenizes; the other n - 1
-        reuse its ids and params (seed + i when a seed is given) and join in the same engine-thread hop."""
+        """n independent requests for one prompt. The first admission validates and tokenizes; the
+        other n - 1 reuse its ids and params (seed + i when a seed is given) and are admitted
+        together, in one engine-thread hop."""
         if not self.aengine.alive:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         first = {}
@@ -184,9 +191,11 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    def stream(self, streams: list[Stream], body, chunk_of, first_chunks: tuple = ()) -> SSEResponse:
-        """chunk_of(i, d, None) builds choice i's chunk from Delta d (text, log-probs), chunk_of(i, None, reason)
-        its finishing chunk, chunk_of(None, None, None) one without choices. The choices' deltas interleave."""
+    def stream(self, streams: list[Stream], body, chunk_of,
+               first_chunks: tuple = ()) -> SSEResponse:
+        """chunk_of(i, d, None) builds choice i's chunk from Delta d (text, log-probs),
+        chunk_of(i, None, reason) its finishing chunk, chunk_of(None, None, None) one without
+        choices. The choices' deltas interleave."""
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         tail = {"usage": None} if include_usage else {}
         merged = Interleaved(streams)
@@ -225,12 +234,14 @@ class OpenAIServing:
                 if i is None:
                     return head | {"choices": []}
                 if d is None:
-                    return head | {"choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": reason}]}
+                    return head | {"choices": [{"index": i, "text": "", "logprobs": None,
+                                                "finish_reason": reason}]}
                 lp = None
                 if want_logprobs:
                     lp = completion_logprobs(d.logprobs, offsets[i])
                     offsets[i] += sum(len(e.token) for e in d.logprobs)
-                return head | {"choices": [{"index": i, "text": d.text, "logprobs": lp, "finish_reason": None}]}
+                return head | {"choices": [{"index": i, "text": d.text, "logprobs": lp,
+                                            "finish_reason": None}]}
 
             return self.stream(streams, body, chunk)
         ds = await self.final_deltas(streams, request)
@@ -263,16 +274,19 @@ class OpenAIServing:
                 if i is None:
                     return head | {"choices": []}
                 if d is None:
-                    return head | {"choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]}
+                    return head | {"choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                "finish_reason": reason}]}
                 delta = {"content": d.text}
                 return head | {"choices": [{"index": i, "delta": delta, "logprobs": logprobs_of(d),
                                             "finish_reason": None}]}
 
-            first = tuple(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}]}
+            role = {"role": "assistant", "content": ""}
+            first = tuple(head | {"choices": [{"index": i, "delta": role, "logprobs": None,
+                                               "finish_reason": None}]}
                           for i in range(len(streams)))
             return self.stream(streams, body, chunk, first)
         ds = await self.final_deltas(streams, request)
-        choices = [{"index": i, "message": {"role": "assistant", "content": d.text}, "logprobs": logprobs_of(d),
-                    "finish_reason": d.finish_reason} for i, d in enumerate(ds)]
+        choices = [{"index": i, "message": {"role": "assistant", "content": d.text},
+                    "logprobs": logprobs_of(d), "finish_reason": d.finish_reason}
+                   for i, d in enumerate(ds)]
         return head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}

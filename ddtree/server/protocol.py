@@ -5,10 +5,11 @@ rejected with 400 when set to anything but their neutral value). Extensions beyo
 `stop_token_ids`, `ignore_eos`, `ddtree_budget` (this request's DDTree budget; values above the server's
 `--speculative-ddtree-budget` are capped at it).
 
-`logprobs` (completions: an int, the top-k per position; chat: a bool, with `top_logprobs`) report the target's
-log-softmax at each emitted position before temperature / top-k / top-p, as vLLM does by default. `n` (up to
-MAX_N) runs n independent requests; with a `seed`, choice i samples with seed + i. Any `model` name is accepted
-(the one served model answers, as SGLang does); responses report the served name.
+`logprobs` (completions: an int, the top-k per position; chat: a bool, with `top_logprobs`) report
+the target's log-softmax at each emitted position before temperature / top-k / top-p, as vLLM does
+by default. `n` (up to MAX_N) runs n independent requests; with a `seed`, choice i samples with
+seed + i. Any `model` name is accepted (the one served model answers, as SGLang does); responses
+report the served name.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def check_supported(req: _SamplingFields) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise invalid("n", f"must be in 1..{MAX_N} (got {req.n})")
     if req.seed is not None and (req.n or 1) > 1 and req.seed + req.n - 1 >= MAX_SEED:
-        raise invalid("seed", f"with n={req.n} choices seeds seed..seed+{req.n - 1} must be below 2**63")
+        raise invalid("seed", f"with n={req.n}, seeds seed..seed+{req.n - 1} must be below 2**63")
     for name, neutral in req.UNSUPPORTED:
         if getattr(req, name) not in neutral:
             raise invalid(name, "is not supported by this server; leave it unset", code="unsupported_parameter")
@@ -222,7 +223,7 @@ def sampling_params(req: _SamplingFields, prompt_len: int, max_context: int,
     try:
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                               stop=stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                              seed=req.seed, ddtree_budget=req.ddtree_budget, logprobs=want_logprobs,
-                              top_logprobs=top_logprobs)
+                              seed=req.seed, ddtree_budget=req.ddtree_budget,
+                              logprobs=want_logprobs, top_logprobs=top_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from e

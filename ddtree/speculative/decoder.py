@@ -99,7 +99,8 @@ class SpecDecoder:
                 target_tokens = self.target_override(tree, target_tokens)
             res = accept_tree(tree, target_tokens)
         t = self.times.add("accept", t)
-        lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)  # token j drawn at path[j]
+        # emitted token j was drawn at node path[j]
+        lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
         runner.commit(reqs, res.path, res.accept_length, vo.taps)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
         host, lp_rows = logprobs.read_back(reqs, out, lp)  # the round's one device->host copy
