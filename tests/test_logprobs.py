@@ -134,3 +134,24 @@ def test_a_wrong_row_is_caught():
     want = torch.log_softmax(logits[0, :3], -1).gather(1, tokens[0][:, None])[:, 0].double()
     torch.testing.assert_close(right[0, :, 0], want)
     assert not torch.allclose(wrong[0, :, 0], want)
+
+
+@pytest.mark.parametrize("algorithm", ["NONE", "DDTREE"])
+def test_logprobs_from_the_graph_buffers(algorithm, one_torch_thread):
+    """The CUDA-graph path (static buffers, greedy walk in the graph; here capture=False on the
+    CPU) hands back its logits buffer: log-probs read from it equal the full forward too."""
+    from ddtree.engine.cuda_graph import CudaGraphRunner
+
+    eng = LLM(None, speculative_algorithm=algorithm, device="cpu", dtype="float32",
+              max_running_requests=2, speculative_ddtree_budget=8)
+    runner, spec = eng.engine.runner, eng.engine.spec
+    runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=2)
+    runner.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)
+    runner.graphs.build()
+    replays = []
+    verify = runner.graphs.verify
+    runner.graphs.verify = lambda meta, tree: replays.append(1) or verify(meta, tree)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, top_logprobs=2)
+    for out in eng.generate(PROMPTS, params):
+        check_against_reference(out, 2)
+    assert replays
