@@ -286,6 +286,18 @@ def test_generate_stream_is_cumulative(http):
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
 
 
+def test_generate_stream_interleaves_choices(http):
+    sp = {"max_new_tokens": 5, "temperature": 1.0, "n": 2, "sampling_seed": 3, "ignore_eos": True}
+    body = {"text": PROMPT, "stream": True, "sampling_params": sp}
+    events = sse_events(http.post("/generate", json=body))
+    last = {e["index"]: e for e in events}
+    assert set(last) == {0, 1}
+    assert all(e["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+               for e in last.values())
+    whole = http.post("/generate", json=body | {"stream": False}).json()
+    assert [w["text"] for w in whole] == [last[0]["text"], last[1]["text"]]
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
