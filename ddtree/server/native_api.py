@@ -63,6 +63,7 @@ class NativeServing:
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def generate(self, body: GenerateRequest, request: Request):
+        started = time.monotonic()  # e2e_latency counts from the request's arrival
         prompts, batch = body.prompts()
         sps = body.params_for(len(prompts))
         for sp in sps:
@@ -84,7 +85,6 @@ class NativeServing:
                 self.serving.aengine.abort(st.rid)
             raise
         rids = self._rids(body, streams)
-        started = time.monotonic()
         if body.stream:
             return self._stream(body, streams, rids, started)
         ds = await self.serving.final_deltas(streams, request)
