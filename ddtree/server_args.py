@@ -72,6 +72,7 @@ class ServerArgs:
                                             "before ending them with an error; a second SIGTERM "
                                             "or a SIGINT ends them at once")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
+    decode_log_interval: int = _opt(40, "log a 'Decode batch.' stats line every N decode steps")
     speculative_algorithm: str = _opt("NONE", "NONE, DFLASH (chain) or DDTREE (tree); case-insensitive",
                                       SPECULATIVE_ALGORITHMS)
     speculative_draft_model_path: str | None = _opt(None, "DFlash drafter dir (or cached HF repo id)")
@@ -177,7 +178,7 @@ def _check_scalars(a: ServerArgs, p: list[str]) -> None:
 _MINIMUMS = {
     "context_length": 1, "max_running_requests": 1, "max_total_tokens": 1, "max_prefill_tokens": 1, "page_size": 1,
     "tp_size": 1, "cuda_graph_max_bs": 1, "max_mamba_cache_size": 1, "speculative_dflash_block_size": 2,
-    "speculative_ddtree_budget": 1, "speculative_ddtree_topk_cap": 1,
+    "speculative_ddtree_budget": 1, "speculative_ddtree_topk_cap": 1, "decode_log_interval": 1,
 }
 _MINIMUM_HINTS = {
     "speculative_dflash_block_size": " (the bonus token plus one drafted token)",

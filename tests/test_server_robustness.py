@@ -62,7 +62,6 @@ BAD_COMPLETIONS = {  # name: (body patch, status, param, code)
     "wrong type stream_options": ({"stream_options": {"include_usage": "yes"}}, 400,
                                   "stream_options.include_usage", "invalid_type"),
     "missing prompt": ({"prompt": None}, 400, "prompt", None),
-    "unknown model": ({"model": "gpt-17"}, 404, "model", "model_not_found"),
     "empty prompt": ({"prompt": ""}, 400, "prompt", "invalid_value"),
     "empty token prompt": ({"prompt": []}, 400, "prompt", "invalid_value"),
     "token out of vocab": ({"prompt": [1, 2, 100000]}, 400, "prompt", "invalid_value"),
@@ -75,9 +74,11 @@ BAD_COMPLETIONS = {  # name: (body patch, status, param, code)
     "top_p zero": ({"top_p": 0}, 400, "top_p", "invalid_value"),
     "top_p above one": ({"top_p": 1.5}, 400, "top_p", "invalid_value"),
     "top_k below -1": ({"top_k": -3}, 400, "top_k", "invalid_value"),
-    "n two": ({"n": 2}, 400, "n", "invalid_value"),
+    "n above the limit": ({"n": 17}, 400, "n", "invalid_value"),
+    "n zero": ({"n": 0}, 400, "n", "invalid_value"),
     "best_of": ({"best_of": 3}, 400, "best_of", "unsupported_parameter"),
-    "logprobs": ({"logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+    "logprobs above the limit": ({"logprobs": 21}, 400, "logprobs", "invalid_value"),
+    "logprobs negative": ({"logprobs": -1}, 400, "logprobs", "invalid_value"),
     "empty stop string": ({"stop": ["", "x"]}, 400, "stop", "invalid_value"),
     "negative seed": ({"seed": -1}, 400, "seed", "invalid_value"),
 }
@@ -99,11 +100,14 @@ BAD_CHATS = {
     "image content part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                            400, "messages.0.content", "invalid_type"),
     "empty messages": ({"messages": []}, 400, "messages", "invalid_value"),
-    "chat n two": ({"n": 3}, 400, "n", "invalid_value"),
+    "chat n above the limit": ({"n": 17}, 400, "n", "invalid_value"),
+    "chat top_logprobs above the limit": ({"logprobs": True, "top_logprobs": 21}, 400,
+                                          "top_logprobs", "invalid_value"),
+    "chat top_logprobs without logprobs": ({"top_logprobs": 2}, 400, "top_logprobs",
+                                           "invalid_value"),
     "chat max_tokens zero": ({"max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     "chat too long": ({"messages": [{"role": "user", "content": "y" * CONTEXT}]}, 400, "messages",
                       "context_length_exceeded"),
-    "chat unknown model": ({"model": "nope"}, 404, "model", "model_not_found"),
 }
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.engine.config import SpecConfig
+from ddtree.engine import logprobs
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
 from ddtree.engine.sampler import sample_nodes
@@ -90,12 +91,17 @@ class SpecDecoder:
                 target_tokens = self.target_override(tree, target_tokens)
             res = accept_tree(tree, target_tokens)
         t = self.times.add("accept", t)
+        # emitted token j was drawn at node path[j]
+        lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
         runner.commit(reqs, res.path, res.accept_length, vo.taps)
-        out = torch.cat([res.num_out[:, None], res.out_tokens], 1).cpu()  # the round's one device->host copy
+        out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
+        host, lp_rows = logprobs.read_back(reqs, out, lp)  # the round's one device->host copy
         self.times.add("commit", t)
-        rows = out.tolist()
-        runner.advance(reqs, [row[0] for row in rows])  # root + (k - 1) accepted drafts; the bonus is pending
-        return [row[1 : 1 + row[0]] for row in rows]
+        runner.advance(reqs, [row[0] for row in host])  # root + (k - 1) accepted drafts; the bonus is pending
+        emitted = [row[1 : 1 + row[0]] for row in host]
+        for r, lp_row, toks in zip(reqs, lp_rows, emitted):
+            logprobs.append(r, lp_row, toks)
+        return emitted
 
     def _budgets(self, reqs: list[Req]) -> list[int] | None:
         """Per-request DDTree budgets, or None when every request uses the server's."""
@@ -125,14 +131,17 @@ class SpecDecoder:
         vo = runner.verify_nodes(reqs, tree)
         t = self.times.add("verify", t)
         params, generators = [r.params for r in reqs], [r.generator for r in reqs]
-        tokens = sample_nodes(vo.logits, params, generators, vo.greedy_tokens)[:, 0]
+        tokens = sample_nodes(vo.logits, params, generators, vo.greedy_tokens)[:, :1]
         t = self.times.add("accept", t)
         zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
+        lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)
         runner.commit(reqs, zeros[:, None], zeros, None)  # no KV moves; commits hybrid state of the root
-        tokens = tokens.cpu()
+        host, lp_rows = logprobs.read_back(reqs, tokens, lp)
         self.times.add("commit", t)
         runner.advance(reqs, [n] * len(reqs))
-        return [[tok] for tok in tokens.tolist()]
+        for r, lp_row, toks in zip(reqs, lp_rows, host):
+            logprobs.append(r, lp_row, toks)
+        return host
 
 
 def pad_tree(tree: DraftTree, n: int) -> DraftTree:

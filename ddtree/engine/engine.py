@@ -10,6 +10,8 @@ import torch
 
 from ddtree.engine.config import prefill_chunk_tokens, spec_config
 from ddtree.engine.decoder import SpecDecoder
+from ddtree.engine import logprobs
+from ddtree.engine.batch_log import BatchLog
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes
@@ -30,6 +32,7 @@ class LLMEngine:
         cfg = self.runner.cfg
         self.scheduler = Scheduler(self.runner, cfg.max_running_requests, prefill_chunk_tokens(args),
                                    cfg.max_verify_width, args.max_prefill_tokens)
+        self.batch_log = BatchLog(self.scheduler, args.decode_log_interval)
         eos = set(self.runner.target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -84,17 +87,24 @@ class LLMEngine:
             ready = [i for i, r in enumerate(batch.reqs) if not r.needs_prefill and not r.output_ids]
             if ready:
                 reqs = [batch.reqs[i] for i in ready]
-                first = sample_nodes(logits[ready][:, None], [r.params for r in reqs], [r.generator for r in reqs])
-                for r, tok in zip(reqs, first[:, 0].tolist()):
-                    self.emitter.emit(r, [tok])
+                rows = logits[ready][:, None]
+                first = sample_nodes(rows, [r.params for r in reqs], [r.generator for r in reqs])
+                lp = logprobs.node_logprobs(reqs, rows, torch.zeros_like(first), first)
+                host, lp_rows = logprobs.read_back(reqs, first, lp)
+                for r, toks, lp_row in zip(reqs, host, lp_rows):
+                    logprobs.append(r, lp_row, toks)
+                    self.emitter.emit(r, toks)
+            self.batch_log.prefill(batch.q_lens)
         else:
             emitted = self.decoder.round(batch.reqs, self.max_context)
             for r, toks in zip(batch.reqs, emitted):
                 r.stats.rounds += 1
                 r.stats.accept_lengths.append(len(toks))
                 self.emitter.emit(r, toks)
+            self.batch_log.decode(emitted)
         for r in batch.reqs:
             if r.finish_reason is not None and not r.is_finished:
+                logprobs.trim(r)
                 self.scheduler.finish(r)
                 self.requests.pop(r.rid, None)
         return batch.reqs

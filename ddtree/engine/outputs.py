@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ddtree.engine.detokenizer import IncrementalDetokenizer, find_stop
+from ddtree.engine.logprobs import TokenLogprob
 from ddtree.engine.request import Req
 
 
@@ -18,6 +19,7 @@ class RequestOutput:
     finish_reason: str | None
     rounds: int
     accept_lengths: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # per token_ids entry, when SamplingParams.logprobs
 
     @property
     def mean_accept_length(self) -> float:
@@ -26,7 +28,8 @@ class RequestOutput:
     @classmethod
     def of(cls, req: Req) -> "RequestOutput":
         return cls(req.rid, list(req.prompt_ids), list(req.output_ids), req.text, req.finish_reason,
-                   req.stats.rounds, list(req.stats.accept_lengths))
+                   req.stats.rounds, list(req.stats.accept_lengths),
+                   list(req.logprobs) if req.params.logprobs else None)
 
 
 class TokenEmitter:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+
 # Temperatures below this sample as greedy (argmax): dividing fp32 logits by a smaller one overflows to inf,
 # the softmax becomes NaN and every draw collapses onto token id 0. vLLM and SGLang use the same cut-off.
 SAMPLING_EPS = 1e-5
@@ -24,6 +26,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     ddtree_budget: int | None = None  # per-request DDTree budget, at most the server's (its verify width)
+    logprobs: bool = False  # report each emitted token's target log-prob (RequestOutput.logprobs)
+    top_logprobs: int = 0  # and the k most likely tokens at its position (implies logprobs)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -39,6 +43,11 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.ddtree_budget is not None and self.ddtree_budget < 1:
             raise ValueError(f"ddtree_budget must be >= 1, got {self.ddtree_budget}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, "
+                             f"got {self.top_logprobs}")
+        if self.top_logprobs:
+            object.__setattr__(self, "logprobs", True)
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +87,7 @@ class Req:
     stats: SpecStats = field(default_factory=SpecStats)
     text: str = ""
     stop_hit: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
 
     @property
     def num_prompt_tokens(self) -> int:

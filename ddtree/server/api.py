@@ -1,4 +1,5 @@
 """The FastAPI app: OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`),
+SGLang's native `/generate` and `/get_model_info` (`ddtree.server.native_api`),
 `/health` (200 while the engine loop runs and keeps stepping; 503 when it died or is stuck),
 `/metrics` (Prometheus, with --enable-metrics), `/get_server_info` (pool counts and allocator
 integrity, read between two engine steps). With --api-key every route needs the key except /health
@@ -22,6 +23,7 @@ from ddtree.server.async_engine import AsyncEngine
 from ddtree.server.http import (BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ApiKeyAuth, BodyLimit,
                                 CatchAll)
 from ddtree.server.metrics import pool_snapshot
+from ddtree.server.native_api import native_router
 from ddtree.server.openai_serving import OpenAIServing
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -106,6 +108,7 @@ def create_app(aengine: AsyncEngine, args, metrics=None,
         return {"object": "list", "data": [card]}
 
     app.include_router(v1)
+    app.include_router(native_router(serving, args, engine), dependencies=[Depends(check_key)])
 
     @app.get("/health")
     async def health():

@@ -23,6 +23,7 @@ from typing import Callable
 
 from ddtree.engine.detokenizer import stop_holdback
 from ddtree.engine.request import Req, SamplingParams
+from ddtree.server.logprob_format import LogprobEntry, decode_entries
 
 logger = logging.getLogger("ddtree")
 
@@ -51,6 +52,9 @@ class Delta:
     completion_tokens: int = 0
     rounds: int = 0
     mean_accept_length: float = 0.0
+    token_ids: list[int] = field(default_factory=list)  # tokens emitted since the previous Delta
+    logprobs: list[LogprobEntry] = field(default_factory=list)  # theirs, when the request asked
+    matched: str | int | None = None  # what stopped it: the stop string, or the EOS / stop token id
 
 
 @dataclass
@@ -207,24 +211,30 @@ class AsyncEngine:
             text = req.text[st.sent_chars:safe] if safe > st.sent_chars else ""
             st.sent_chars = max(st.sent_chars, safe)
             n_tok, rounds = req.num_output_tokens, req.stats.accept_lengths
+            new_ids = req.output_ids[st.seen_tokens:n_tok]
+            lps = req.logprobs[st.seen_tokens:n_tok]
+            lps = decode_entries(self.engine.tokenizer, lps) if lps else []
             if self.metrics is not None and (n_tok > st.seen_tokens or len(rounds) > st.seen_rounds):
                 first = time.monotonic() - st.added if st.seen_tokens == 0 and n_tok else None
                 self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds:], first)
             st.seen_tokens, st.seen_rounds = n_tok, len(rounds)
             if done:
                 self._streams.pop(rid)
-                st.put(self._final(req, text))
+                st.put(self._final(req, text, token_ids=new_ids, logprobs=lps))
                 if self.metrics is not None:
                     self.metrics.on_finish(req.finish_reason, time.monotonic() - st.added)
-            elif text:
-                st.put(Delta(text=text))
+            elif text or new_ids:
+                st.put(Delta(text=text, token_ids=new_ids, logprobs=lps))
 
     @staticmethod
-    def _final(req: Req, text: str, error: str | None = None, **err) -> Delta:
-        return Delta(text=text, finish_reason=req.finish_reason, error=error, **err,
+    def _final(req: Req, text: str, error: str | None = None, **extra) -> Delta:
+        matched = req.stop_hit
+        if matched is None and req.finish_reason == "stop" and req.output_ids:
+            matched = req.output_ids[-1]
+        return Delta(text=text, finish_reason=req.finish_reason, error=error,
                      prompt_tokens=req.num_prompt_tokens,
                      completion_tokens=req.num_output_tokens, rounds=req.stats.rounds,
-                     mean_accept_length=req.stats.mean_accept_length)
+                     mean_accept_length=req.stats.mean_accept_length, matched=matched, **extra)
 
     def _release(self, rid: str) -> Stream | None:
         st = self._streams.pop(rid, None)

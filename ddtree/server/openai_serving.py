@@ -1,5 +1,7 @@
 """Completions and chat completions: validate, admit into the engine, and answer as one JSON body or an SSE
-stream of OpenAI chunk objects.
+stream of OpenAI chunk objects. `n > 1` admits n independent requests (choice i samples with
+seed + i when a seed is given); usage counts the prompt once and sums the choices' completion
+tokens, as OpenAI does.
 
 Extension: every completion response, and the finishing chunk (plus the usage chunk) of every stream, carries
 a top-level object `"ddtree": {"algorithm", "mean_accept_length", "rounds"}` - the mean number of tokens emitted
@@ -9,6 +11,7 @@ per decoding round (accepted draft tokens + bonus; 1.0 for plain AR) and the num
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -18,6 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from ddtree.server import limits, protocol
 from ddtree.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Stream
+from ddtree.server.logprob_format import chat_logprobs, completion_logprobs
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context
@@ -42,9 +46,11 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def usage(d: Delta) -> dict:
-    return {"prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
-            "total_tokens": d.prompt_tokens + d.completion_tokens}
+def usage(ds: list[Delta]) -> dict:
+    """One prompt, n choices: the prompt counts once, the completions add up (as OpenAI)."""
+    prompt, completion = ds[0].prompt_tokens, sum(d.completion_tokens for d in ds)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def prompt_chars(body) -> int:
@@ -63,23 +69,59 @@ def tokenize(engine, text: str, param: str) -> list[int]:
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
+class Interleaved:
+    """The deltas of several streams as one async iterator of (choice index, Delta), in arrival
+    order, until every stream has finished or failed. `close` aborts the requests that have not
+    (the client went away)."""
+
+    def __init__(self, streams: list[Stream]):
+        self.streams, self.done = streams, set()
+        self.merged: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Future] = []
+
+    async def _forward(self, i: int, st: Stream) -> None:
+        while True:
+            d = await st.queue.get()
+            self.merged.put_nowait((i, d))
+            if d.finish_reason is not None or d.error is not None:
+                return
+
+    async def __aiter__(self):
+        self.tasks = [asyncio.ensure_future(self._forward(i, st))
+                      for i, st in enumerate(self.streams)]
+        while len(self.done) < len(self.streams):
+            i, d = await self.merged.get()
+            if d.finish_reason is not None or d.error is not None:
+                self.done.add(i)
+            yield i, d
+
+    def close(self, aengine: AsyncEngine) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for i, st in enumerate(self.streams):
+            if i not in self.done:
+                aengine.abort(st.rid)
+
+
 class OpenAIServing:
     def __init__(self, aengine: AsyncEngine, args):
         self.aengine = aengine
         self.model_name = args.served_model_name or args.model_path
-        self.model_names = {self.model_name, args.model_path}
         self.algorithm = args.speculative_algorithm
         self.vocab_size = aengine.engine.runner.target.config.vocab_size
         self.max_context = aengine.engine.max_context
 
-    def ext(self, d: Delta) -> dict:
-        return {"algorithm": self.algorithm, "mean_accept_length": d.mean_accept_length, "rounds": d.rounds}
+    def ext(self, ds: list[Delta]) -> dict:
+        """The `ddtree` extension over one or more choices (accept length weighted by rounds)."""
+        rounds = sum(d.rounds for d in ds)
+        mean = sum(d.mean_accept_length * d.rounds for d in ds) / rounds if rounds else 0.0
+        return {"algorithm": self.algorithm, "mean_accept_length": mean, "rounds": rounds}
 
-    async def start(self, body, prompt_of, param: str, default_max_tokens: int | None) -> Stream:
-        """Validate, tokenize (on the engine thread: prompt_of(engine) -> ids) and admit; failures are APIErrors."""
-        if body.model is not None and body.model not in self.model_names:
-            raise APIError(404, f"model: the model {body.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+    async def start(self, body, prompt_of, param: str,
+                    default_max_tokens: int | None) -> list[Stream]:
+        """Validate, tokenize (on the engine thread: prompt_of(engine) -> ids) and admit body.n
+        requests; failures are APIErrors. `model` picks nothing: the one served model answers any
+        name, as in SGLang."""
         protocol.check_supported(body)
         chars = prompt_chars(body)
         if chars > limits.prompt_chars_limit(self.max_context):
@@ -94,16 +136,45 @@ class OpenAIServing:
             protocol.check_prompt_ids(ids, self.vocab_size, e.max_context, param)
             return ids, protocol.sampling_params(body, len(ids), e.max_context, default_max_tokens)
 
+        return await self.submit_n(prepare, body.n or 1, param)
+
+    async def submit_n(self, prepare, n: int, param: str) -> list[Stream]:
+        """n independent requests for one prompt. The first admission validates and tokenizes; the
+        other n - 1 reuse its ids and params (seed + i when a seed is given) and are admitted
+        together, in one engine-thread hop."""
+        if not self.aengine.alive:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        first = {}
+
+        def prepare_first(e):
+            first["out"] = prepare(e)
+            return first["out"]
+
+        def nth(i: int):
+            ids, params = first["out"]
+            if params.seed is not None:
+                params = dataclasses.replace(params, seed=params.seed + i)
+            return lambda e: (ids, params)
+
         try:
-            return await self.aengine.submit(prepare)
+            streams = [await self.aengine.submit(prepare_first)]
+            results = await asyncio.gather(*(self.aengine.submit(nth(i)) for i in range(1, n)),
+                                           return_exceptions=True)
         except EngineUnavailable as err:
             raise APIError(503, str(err), code="engine_unavailable") from err
         except ValueError as err:  # the engine's own admission checks
             raise APIError(400, f"{param}: {err}", param=param) from err
+        streams += [r for r in results if isinstance(r, Stream)]
+        failed = [r for r in results if not isinstance(r, Stream)]
+        if failed:
+            for st in streams:
+                self.aengine.abort(st.rid)
+            raise APIError(500, f"admitting choice {len(streams)} of {n} failed: {failed[0]}")
+        return streams
 
     async def final_delta(self, st: Stream, request: Request) -> Delta:
         """All of a request's deltas joined into one; the request is aborted if the client goes away first."""
-        parts, done = [], False
+        parts, ids, lps, done = [], [], [], False
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_POLL_S
         try:
@@ -119,65 +190,89 @@ class OpenAIServing:
                 if d is None:
                     continue
                 parts.append(d.text)
+                ids += d.token_ids
+                lps += d.logprobs
                 if d.finish_reason is not None or d.error is not None:
                     done = True
                     if d.error is not None:
                         raise APIError(d.error_status, d.error, code=d.error_code)
-                    d.text = "".join(parts)
+                    d.text, d.token_ids, d.logprobs = "".join(parts), ids, lps
                     return d
         finally:
             if not done:
                 self.aengine.abort(st.rid)
 
-    def stream(self, st: Stream, body, chunk_of, first_chunk: dict | None = None) -> SSEResponse:
-        """chunk_of(text, finish_reason) builds a chunk; chunk_of(None, None) one without choices."""
+    async def final_deltas(self, streams: list[Stream], request: Request) -> list[Delta]:
+        """final_delta of every choice; if one fails, the others are cancelled (and so aborted)."""
+        tasks = [asyncio.ensure_future(self.final_delta(st, request)) for st in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def stream(self, streams: list[Stream], body, chunk_of,
+               first_chunks: tuple = ()) -> SSEResponse:
+        """chunk_of(i, d, None) builds choice i's chunk from Delta d (text, log-probs),
+        chunk_of(i, None, reason) its finishing chunk, chunk_of(None, None, None) one without
+        choices. The choices' deltas interleave."""
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         tail = {"usage": None} if include_usage else {}
-        state = {"done": False}
+        merged = Interleaved(streams)
 
         async def events():
-            if first_chunk is not None:
-                yield sse(first_chunk | tail)
-            while True:
-                d = await st.queue.get()
+            finals: dict[int, Delta] = {}
+            for chunk in first_chunks:
+                yield sse(chunk | tail)
+            async for i, d in merged:
                 if d.error is not None:
-                    state["done"] = True
                     yield sse(APIError(d.error_status, d.error, code=d.error_code).body())
                     break
-                if d.text:
-                    yield sse(chunk_of(d.text, None) | tail)
+                if d.text or d.logprobs:
+                    yield sse(chunk_of(i, d, None) | tail)
                 if d.finish_reason is not None:
-                    state["done"] = True
-                    yield sse(chunk_of("", d.finish_reason) | {"ddtree": self.ext(d)} | tail)
-                    if include_usage:
-                        yield sse(chunk_of(None, None) | {"usage": usage(d), "ddtree": self.ext(d)})
-                    break
+                    finals[i] = d
+                    yield sse(chunk_of(i, None, d.finish_reason) | {"ddtree": self.ext([d])} | tail)
+            if include_usage and len(finals) == len(streams):
+                ds = [finals[i] for i in range(len(streams))]
+                yield sse(chunk_of(None, None, None) | {"usage": usage(ds), "ddtree": self.ext(ds)})
             yield "data: [DONE]\n\n"
 
-        def on_close():
-            if not state["done"]:
-                self.aengine.abort(st.rid)
-
-        return SSEResponse(events(), on_close)
+        return SSEResponse(events(), lambda: merged.close(self.aengine))
 
     async def completions(self, body: CompletionRequest, request: Request):
         prompt = protocol.completion_prompt(body)
+        want_logprobs, _ = protocol.logprob_fields(body)
         ids_of = (lambda e: tokenize(e, prompt, "prompt")) if isinstance(prompt, str) else (lambda e: list(prompt))
-        st = await self.start(body, ids_of, "prompt", DEFAULT_COMPLETION_MAX_TOKENS)
+        streams = await self.start(body, ids_of, "prompt", DEFAULT_COMPLETION_MAX_TOKENS)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         if body.stream:
-            def chunk(text, reason):
-                return head | {"choices": [] if text is None else [
-                    {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+            offsets = [0] * len(streams)
 
-            return self.stream(st, body, chunk)
-        d = await self.final_delta(st, request)
-        choice = {"index": 0, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
-        return head | {"choices": [choice], "usage": usage(d), "ddtree": self.ext(d)}
+            def chunk(i, d, reason):
+                if i is None:
+                    return head | {"choices": []}
+                if d is None:
+                    return head | {"choices": [{"index": i, "text": "", "logprobs": None,
+                                                "finish_reason": reason}]}
+                lp = None
+                if want_logprobs:
+                    lp = completion_logprobs(d.logprobs, offsets[i])
+                    offsets[i] += sum(len(e.token) for e in d.logprobs)
+                return head | {"choices": [{"index": i, "text": d.text, "logprobs": lp,
+                                            "finish_reason": None}]}
+
+            return self.stream(streams, body, chunk)
+        ds = await self.final_deltas(streams, request)
+        choices = [{"index": i, "text": d.text, "finish_reason": d.finish_reason,
+                    "logprobs": completion_logprobs(d.logprobs, 0) if want_logprobs else None}
+                   for i, d in enumerate(ds)]
+        return head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         messages = protocol.chat_messages(body)
+        want_logprobs, _ = protocol.logprob_fields(body)
 
         def render(e):
             if e.tokenizer is None or not getattr(e.tokenizer, "chat_template", None):
@@ -185,22 +280,33 @@ class OpenAIServing:
             text = e.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return tokenize(e, text, "messages")
 
-        st = await self.start(body, render, "messages", None)
+        streams = await self.start(body, render, "messages", None)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "system_fingerprint": None}
+
+        def logprobs_of(d):
+            return chat_logprobs(d.logprobs) if want_logprobs else None
+
         if body.stream:
             head = head | {"object": "chat.completion.chunk"}
 
-            def chunk(text, reason):
-                if text is None:
+            def chunk(i, d, reason):
+                if i is None:
                     return head | {"choices": []}
-                delta = {"content": text} if text or reason is None else {}
-                return head | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+                if d is None:
+                    return head | {"choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                "finish_reason": reason}]}
+                delta = {"content": d.text}
+                return head | {"choices": [{"index": i, "delta": delta, "logprobs": logprobs_of(d),
+                                            "finish_reason": None}]}
 
-            first = head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                         "finish_reason": None}]}
-            return self.stream(st, body, chunk, first)
-        d = await self.final_delta(st, request)
-        choice = {"index": 0, "message": {"role": "assistant", "content": d.text}, "logprobs": None,
-                  "finish_reason": d.finish_reason}
-        return head | {"choices": [choice], "usage": usage(d), "ddtree": self.ext(d)}
+            role = {"role": "assistant", "content": ""}
+            first = tuple(head | {"choices": [{"index": i, "delta": role, "logprobs": None,
+                                               "finish_reason": None}]}
+                          for i in range(len(streams)))
+            return self.stream(streams, body, chunk, first)
+        ds = await self.final_deltas(streams, request)
+        choices = [{"index": i, "message": {"role": "assistant", "content": d.text},
+                    "logprobs": logprobs_of(d), "finish_reason": d.finish_reason}
+                   for i, d in enumerate(ds)]
+        return head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}

@@ -7,6 +7,12 @@ honoured, `user` accepted. Sizes and value checks of every field: server/limits.
 beyond OpenAI: `top_k`,
 `stop_token_ids`, `ignore_eos`, `ddtree_budget` (this request's DDTree budget; values above the server's
 `--speculative-ddtree-budget` are capped at it).
+
+`logprobs` (completions: an int, the top-k per position; chat: a bool, with `top_logprobs`) report
+the target's log-softmax at each emitted position before temperature / top-k / top-p, as vLLM does
+by default. `n` (up to MAX_N) runs n independent requests; with a `seed`, choice i samples with
+seed + i. Any `model` name is accepted (the one served model answers, as SGLang does); responses
+report the served name.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
 from ddtree.engine.request import SamplingParams
 from ddtree.server.limits import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRINGS,
                                   MAX_STOP_TOKEN_IDS, Finite, Name, StopString, Text)
 
 MAX_SEED = 2**63
+MAX_N = 16
 
 
 class APIError(Exception):
@@ -88,11 +96,11 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
     echo: bool | None = None
     suffix: Text | None = None
-    logprobs: int | None = None
+    logprobs: StrictInt | None = None
     best_of: int | None = None
 
     UNSUPPORTED: ClassVar[tuple] = _SamplingFields.UNSUPPORTED + (
-        ("echo", (None, False)), ("suffix", (None, "")), ("logprobs", (None,)), ("best_of", (None, 1)))
+        ("echo", (None, False)), ("suffix", (None, "")), ("best_of", (None, 1)))
 
 
 class TextPart(BaseModel):
@@ -110,8 +118,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     tools: list | None = None
     tool_choice: Any = None
     functions: list | None = None
@@ -119,26 +127,46 @@ class ChatCompletionRequest(_SamplingFields):
 
     # tool_choice / function_call "none" and "auto" without tools both mean plain text
     UNSUPPORTED: ClassVar[tuple] = _SamplingFields.UNSUPPORTED + (
-        ("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("tools", (None, [])),
-        ("tool_choice", (None, "none", "auto")), ("functions", (None, [])),
+        ("tools", (None, [])), ("tool_choice", (None, "none", "auto")), ("functions", (None, [])),
         ("function_call", (None, "none", "auto")))
 
 
 def error_param(loc) -> str | None:
     """Dotted field path of a validation error location, without pydantic's union-member tags."""
+    from ddtree.server.native_protocol import GenerateRequest, NativeSamplingParams
+
     names = set()
-    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions):
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
+                  GenerateRequest, NativeSamplingParams):
         names.update(model.model_fields)
     parts = [str(x) for x in loc if isinstance(x, int) or x in names]
     return ".".join(parts) or None
 
 
 def check_supported(req: _SamplingFields) -> None:
-    if req.n not in (None, 1):
-        raise invalid("n", f"only n=1 is supported (got {req.n}); send one request per completion")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise invalid("n", f"must be in 1..{MAX_N} (got {req.n})")
+    if req.seed is not None and (req.n or 1) > 1 and req.seed + req.n - 1 >= MAX_SEED:
+        raise invalid("seed", f"with n={req.n}, seeds seed..seed+{req.n - 1} must be below 2**63")
     for name, neutral in req.UNSUPPORTED:
         if getattr(req, name) not in neutral:
             raise invalid(name, "is not supported by this server; leave it unset", code="unsupported_parameter")
+
+
+def logprob_fields(req: _SamplingFields) -> tuple[bool, int]:
+    """(report log-probs, top-k per position) of a completion (`logprobs: int`) or chat request
+    (`logprobs: bool`, `top_logprobs: int`); a bad value raises a 400 naming its field."""
+    if isinstance(req, ChatCompletionRequest):
+        top = req.top_logprobs or 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise invalid("top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS} (got {top})")
+        if top and not req.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        return bool(req.logprobs), top
+    lp = getattr(req, "logprobs", None)
+    if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
+        raise invalid("logprobs", f"must be in 0..{MAX_TOP_LOGPROBS} (got {lp})")
+    return lp is not None, lp or 0
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -213,9 +241,11 @@ def sampling_params(req: _SamplingFields, prompt_len: int, max_context: int,
         raise invalid("stop_token_ids", "token ids must be non-negative")
     if req.ddtree_budget is not None and req.ddtree_budget < 1:
         raise invalid("ddtree_budget", f"must be >= 1 (got {req.ddtree_budget})")
+    want_logprobs, top_logprobs = logprob_fields(req)
     try:
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                               stop=stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                              seed=req.seed, ddtree_budget=req.ddtree_budget)
+                              seed=req.seed, ddtree_budget=req.ddtree_budget,
+                              logprobs=want_logprobs, top_logprobs=top_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from e

@@ -1,0 +1,173 @@
+"""SGLang's native `/generate` request (`io_struct.GenerateReqInput`,
+`sampling_params.SamplingParams` field names) and its translation into engine SamplingParams.
+
+Accepted: `text` or `input_ids` (one prompt or a batch), `sampling_params` (one dict or one per
+prompt: max_new_tokens [128], temperature, top_p, top_k, stop, stop_token_ids, ignore_eos, n,
+sampling_seed, plus our `ddtree_budget`), `stream`, `return_logprob`, `top_logprobs_num`,
+`return_text_in_logprobs`, `rid`. SGLang options this engine cannot honour (penalties, min_p,
+min_new_tokens, constrained decoding, input log-probs) are refused with a 400 naming the field when
+set to anything but their neutral value.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+
+from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
+from ddtree.engine.request import SamplingParams
+from ddtree.server.protocol import MAX_N, MAX_SEED, APIError, invalid
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+class NativeSamplingParams(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    max_new_tokens: StrictInt | None = DEFAULT_MAX_NEW_TOKENS
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    sampling_seed: StrictInt | None = None
+    ddtree_budget: StrictInt | None = None
+    skip_special_tokens: StrictBool = True
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_new_tokens: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    no_stop_trim: bool | None = None
+
+    UNSUPPORTED: ClassVar[tuple] = (
+        ("min_p", (None, 0)),
+        ("frequency_penalty", (None, 0)),
+        ("presence_penalty", (None, 0)),
+        ("repetition_penalty", (None, 1)),
+        ("min_new_tokens", (None, 0)),
+        ("json_schema", (None,)),
+        ("regex", (None,)),
+        ("ebnf", (None,)),
+        ("no_stop_trim", (None, False)),
+        ("skip_special_tokens", (True,)),
+    )
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
+    stream: StrictBool = False
+    return_logprob: StrictBool = False
+    top_logprobs_num: StrictInt = 0
+    return_text_in_logprobs: StrictBool = False
+    logprob_start_len: StrictInt = -1
+    rid: str | list[str] | None = None
+
+    def prompts(self) -> tuple[list, bool]:
+        """(prompts: strings or token-id lists, whether the request was a batch)."""
+        if (self.text is None) == (self.input_ids is None):
+            raise invalid("text", "give exactly one of text and input_ids")
+        if self.text is not None:
+            batch = isinstance(self.text, list)
+            prompts, param = (self.text if batch else [self.text]), "text"
+        else:
+            batch = bool(self.input_ids) and isinstance(self.input_ids[0], list)
+            prompts, param = (self.input_ids if batch else [self.input_ids]), "input_ids"
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise invalid(param, "is empty")
+        return prompts, batch
+
+    def params_for(self, n_prompts: int) -> list[NativeSamplingParams]:
+        sp = self.sampling_params
+        if isinstance(sp, list):
+            if len(sp) != n_prompts:
+                raise invalid("sampling_params", f"has {len(sp)} entries for {n_prompts} prompts")
+            return sp
+        return [sp or NativeSamplingParams()] * n_prompts
+
+
+def check_native(req: GenerateRequest, sp: NativeSamplingParams) -> None:
+    if req.logprob_start_len != -1:
+        raise invalid(
+            "logprob_start_len",
+            "input (prompt) log-probs are not supported; leave it at -1",
+            code="unsupported_parameter",
+        )
+    if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise invalid(
+            "top_logprobs_num", f"must be in 0..{MAX_TOP_LOGPROBS} (got {req.top_logprobs_num})"
+        )
+    for name, neutral in sp.UNSUPPORTED:
+        if getattr(sp, name) not in neutral:
+            raise invalid(
+                f"sampling_params.{name}",
+                "is not supported by this server; leave it unset",
+                code="unsupported_parameter",
+            )
+    if not 1 <= sp.n <= MAX_N:
+        raise invalid("sampling_params.n", f"must be in 1..{MAX_N} (got {sp.n})")
+    seed = sp.sampling_seed
+    if seed is not None and not 0 <= seed <= MAX_SEED - sp.n:
+        raise invalid("sampling_params.sampling_seed", f"must be in [0, 2**63 - n] (got {seed})")
+
+
+def native_sampling_params(
+    req: GenerateRequest, sp: NativeSamplingParams, prompt_len: int, max_context: int
+) -> SamplingParams:
+    """Validated SamplingParams; each bad value raises a 400 naming its field."""
+    room = max_context - prompt_len
+    max_new = room if sp.max_new_tokens is None else sp.max_new_tokens
+    if max_new < 1:
+        raise invalid("sampling_params.max_new_tokens", f"must be at least 1 (got {max_new})")
+    if max_new > room:
+        raise APIError(
+            400,
+            f"sampling_params.max_new_tokens: {max_new} is too large: the prompt has {prompt_len}"
+            f" tokens and the context length is {max_context}, so at most {room} can be generated",
+            param="sampling_params.max_new_tokens",
+            code="context_length_exceeded",
+        )
+    temperature = 1.0 if sp.temperature is None else sp.temperature
+    if temperature < 0:
+        raise invalid("sampling_params.temperature", f"must be >= 0 (got {temperature})")
+    top_p = 1.0 if sp.top_p is None else sp.top_p
+    if not 0 < top_p <= 1:
+        raise invalid("sampling_params.top_p", f"must be in (0, 1] (got {top_p})")
+    top_k = -1 if sp.top_k is None else sp.top_k
+    if top_k < -1:
+        raise invalid(
+            "sampling_params.top_k", f"must be -1 (disabled) or a positive count (got {top_k})"
+        )
+    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    if any(s == "" for s in stop):
+        raise invalid("sampling_params.stop", "stop strings must be non-empty")
+    if any(t < 0 for t in sp.stop_token_ids or ()):
+        raise invalid("sampling_params.stop_token_ids", "token ids must be non-negative")
+    if sp.ddtree_budget is not None and sp.ddtree_budget < 1:
+        raise invalid("sampling_params.ddtree_budget", f"must be >= 1 (got {sp.ddtree_budget})")
+    try:
+        return SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_new,
+            stop=stop,
+            stop_token_ids=sp.stop_token_ids,
+            ignore_eos=sp.ignore_eos,
+            seed=sp.sampling_seed,
+            ddtree_budget=sp.ddtree_budget,
+            logprobs=req.return_logprob,
+            top_logprobs=req.top_logprobs_num if req.return_logprob else 0,
+        )
+    except ValueError as e:
+        raise APIError(400, str(e)) from e

@@ -1,0 +1,74 @@
+"""SGLang-style engine log lines: one per prefill batch, one every --decode-log-interval decode
+steps."""
+
+import logging
+import re
+
+import pytest
+
+from ddtree import LLM, SamplingParams
+from ddtree.configs import ConfigError
+from ddtree.server_args import ServerArgs, resolve_server_args
+from server_fixtures import build_tiny_pair
+
+DECODE = re.compile(
+    r"^Decode batch\. #running-req: (\d+), #token: (\d+), token usage: (\d\.\d\d), accept len: "
+    r"(\d+\.\d\d), gen throughput \(token/s\): (\d+\.\d\d), #queue-req: (\d+)$"
+)
+PREFILL = re.compile(
+    r"^Prefill batch\. #new-seq: (\d+), #new-token: (\d+), #cached-token: 0, token usage: "
+    r"(\d\.\d\d), #running-req: (\d+), #queue-req: (\d+)$"
+)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build_tiny_pair(str(tmp_path_factory.mktemp("log_pair")))
+
+
+def lines(caplog, pattern):
+    return [
+        m
+        for m in (pattern.match(r.getMessage()) for r in caplog.records if r.name == "ddtree")
+        if m
+    ]
+
+
+@pytest.mark.parametrize("algorithm, interval", [("NONE", 4), ("DDTREE", 2)])
+def test_decode_and_prefill_lines_every_interval(pair, caplog, algorithm, interval):
+    kw = (
+        {"speculative_draft_model_path": pair[1], "speculative_ddtree_budget": 6}
+        if algorithm != "NONE"
+        else {}
+    )
+    llm = LLM(
+        pair[0],
+        device="cpu",
+        dtype="float32",
+        speculative_algorithm=algorithm,
+        decode_log_interval=interval,
+        max_total_tokens=512,
+        **kw,
+    )
+    caplog.set_level(logging.INFO, logger="ddtree")
+    caplog.clear()
+    outs = llm.generate(
+        [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    prefill = lines(caplog, PREFILL)
+    assert prefill and [int(m[1]) for m in prefill] == [2] and [int(m[2]) for m in prefill] == [7]
+    decode = lines(caplog, DECODE)
+    steps = max(o.rounds for o in outs)
+    assert len(decode) == steps // interval  # one line per `interval` decode steps, none in between
+    first = decode[0]
+    assert int(first[1]) == 2 and int(first[2]) > 7 and float(first[3]) > 0 and int(first[6]) == 0
+    assert float(first[5]) > 0
+    if algorithm == "NONE":
+        assert float(first[4]) == 1.0
+    else:
+        assert float(first[4]) >= 1.0
+
+
+def test_decode_log_interval_is_checked():
+    with pytest.raises(ConfigError, match="--decode-log-interval 0"):
+        resolve_server_args(ServerArgs(decode_log_interval=0, device="cpu"))
