@@ -9,6 +9,7 @@ BENCHES = {
     "acceptance": "ddtree.bench.acceptance",
     "rounds": "ddtree.bench.rounds",
     "serving": "ddtree.bench.serving",
+    "at-scale": "ddtree.bench.at_scale",
 }
 
 
