@@ -47,6 +47,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default=None, help="default triton on cuda, torch on cpu")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="servers' KV cap (default: what fits)")
+    p.add_argument("--rounds-budget", type=int, default=64, help="DDTREE budget of the rounds check")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU check of the whole run in well under a minute: give a tiny --shape JSON")
     p.add_argument("--port", type=int, default=30123)
     p.add_argument("--server-timeout-s", type=float, default=300, help="wait this long for a server to be up")
     return p
@@ -74,6 +78,8 @@ class Server:
                 "--speculative-algorithm", algo, "--device", ns.device, "--attention-backend",
                 ns.attention_backend, "--max-running-requests", str(max(ns.levels)),
                 "--log-level", "warning"]
+        if ns.max_total_tokens:
+            argv += ["--max-total-tokens", str(ns.max_total_tokens)]
         if algo != "NONE":
             argv += ["--speculative-draft-model-path", drafter]
         if algo == "DDTREE":
@@ -165,10 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.bench import at_scale_report as rep
     from ddtree.bench import at_scale_validity as val
     from ddtree.bench.acceptance import DEFAULT_PROMPTS
+    from ddtree.bench.serving import Item
     from ddtree.configs import TargetConfig
 
     ns = make_parser().parse_args(argv)
     ns.t_start = time.perf_counter()
+    if ns.smoke:
+        apply_smoke(ns)
+        torch.set_num_threads(1)
     try:
         configs = [parse_config(c) for c in ns.configs.split(",") if c.strip()]
         ns.levels = [int(c) for c in ns.concurrency.split(",") if c.strip()]
@@ -187,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     tcfg = TargetConfig.from_dict(pair.target_config)
     if "rounds" in parts and not tcfg.is_hybrid:
         kw = dict(batches=[int(b) for b in ns.rounds_batches.split(",")], context=ns.rounds_context,
-                  rounds=ns.rounds, warmup=3, device=torch.device(ns.device),
+                  rounds=ns.rounds, warmup=1 if ns.smoke else 3, device=torch.device(ns.device),
+                  budget=ns.rounds_budget,
                   attention_backend=ns.attention_backend, cuda_graph=not ns.disable_cuda_graph)
         src_vocab = _source_vocab()  # contexts of real tokens
         report["rounds"] += val.time_pair("inflated", pair.target, pair.drafter, src_vocab, **kw)
@@ -197,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     if "rounds" in parts and not tcfg.is_hybrid:
         report["rounds"] += val.random_rounds(tcfg, report_drafter(ddir), kw)
-    base = list(DEFAULT_PROMPTS)
+    base = [Item(prompt=p) for p in DEFAULT_PROMPTS]
     if "serving" in parts:
         for algo, budget in configs:
             name = val.config_name(algo, budget)
@@ -209,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# {name}: server up in {srv.startup_s:.1f} s", flush=True)
                 report["serving"][name] = serve_levels(ns, srv.url, base)
     if "tau" in parts:
+        if ns.tau_level not in ns.levels:
+            ns.tau_level = ns.levels[0]
         spec = [(a, b) for a, b in configs if a != "NONE" and val.config_name(a, b) in report["serving"]]
-        small = val.small_pair_tau(level_items(base, ns.tau_level, ns), ns.max_tokens, spec, ns.device)
+        prompts = [it.prompt for it in level_items(base, ns.tau_level, ns)]
+        small = val.small_pair_tau(prompts, ns.max_tokens, spec, ns.device)
         for name, t in small.items():
             served = {lv["concurrency"]: lv for lv in report["serving"][name]}.get(ns.tau_level)
             report["tau"][name] = {"small": t, "inflated": served and served["mean_accept_length"]}
@@ -227,6 +241,19 @@ def main(argv: list[str] | None = None) -> int:
         rep.plot(rows, os.path.splitext(path)[0] + ".png", f"{ns.shape} (inflated embedded pair)")
     print(f"done in {report['seconds']:.0f} s; wrote {path}")
     return 1 if any(r["failed"] for r in rows) else 0
+
+
+SMOKE = {"device": "cpu", "configs": "DFLASH,DDTREE8,NONE", "concurrency": "1,2", "max_tokens": 8,
+         "min_prompts": 2, "waves": 1, "rounds_batches": "1,2", "rounds_context": 32, "rounds": 2,
+         "rounds_budget": 8, "tau_level": 2, "max_total_tokens": 2048}
+
+
+def apply_smoke(ns) -> None:
+    """Small counts on the CPU, but every step of the real run (flags given explicitly still win)."""
+    defaults = make_parser().parse_args([])
+    for key, value in SMOKE.items():
+        if getattr(ns, key) == getattr(defaults, key):
+            setattr(ns, key, value)
 
 
 def _source_vocab() -> int:

@@ -9,7 +9,6 @@ import gc
 
 import torch
 
-ROUND_CONFIGS = (("NONE", 0), ("DFLASH", 0), ("DDTREE", 64))
 
 
 def random_shape(tcfg) -> dict:
@@ -21,8 +20,9 @@ def random_shape(tcfg) -> dict:
 
 
 def time_pair(label: str, target, drafter, vocab: int, batches: list[int], context: int, rounds: int,
-              warmup: int, device, attention_backend: str, cuda_graph: bool) -> list[dict]:
-    """ms per round (median) of NONE / DFLASH / DDTREE B=64 at each batch, as `bench rounds` times them."""
+              warmup: int, device, attention_backend: str, cuda_graph: bool, budget: int = 64) -> list[dict]:
+    """ms per round (median) of NONE / DFLASH / DDTREE B=budget at each batch, as `bench rounds` times
+    them (contexts of random tokens below `vocab`)."""
     from ddtree.bench.round_timing import Clock
     from ddtree.bench.rounds import prefilled_requests, run_case, runner_config
     from ddtree.engine.model_runner import ModelRunner
@@ -32,7 +32,7 @@ def time_pair(label: str, target, drafter, vocab: int, batches: list[int], conte
                             attention_backend=attention_backend, disable_cuda_graph=not cuda_graph)
     dtype = next(target.parameters()).dtype
     clock, rows = Clock(device), []
-    for algo, budget in ROUND_CONFIGS:
+    for algo, budget in (("NONE", 0), ("DFLASH", 0), ("DDTREE", budget)):
         runner = ModelRunner(target, drafter if algo != "NONE" else None,
                              runner_config(algo, budget, max(batches), context, ns, device), device, dtype)
         reqs = prefilled_requests(runner, max(batches), context, vocab, 2048, 0)
