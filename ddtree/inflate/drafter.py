@@ -66,8 +66,8 @@ def inflate_drafter(small: nn.Module, cfg: DrafterConfig, tcfg: TargetConfig, re
         raise InflateError(f"drafter shape ({cfg.num_hidden_layers} layers, MLP {cfg.intermediate_size}) is "
                            f"smaller than the source's ({s.num_hidden_layers}, {s.intermediate_size})")
     with torch.device("meta"):
-        big = DFlashDrafter(cfg)
-    big = big.to_empty(device=device).to(dtype)
+        big = DFlashDrafter(cfg).to(dtype)
+    big = big.to_empty(device=device)
     h, H = s.hidden_size, cfg.hidden_size
     big_pos = {b: t for t, b in enumerate(cfg.target_layer_ids)}
     cols = torch.full((len(cfg.target_layer_ids) * H,), -1)

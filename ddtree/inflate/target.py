@@ -99,9 +99,9 @@ def inflate_target(small: nn.Module, cfg: TargetConfig, res: Residual, device, d
     carriers = layer_plan(s, cfg)
     if cfg.is_hybrid and not cfg.attn_output_gate:
         raise InflateError("hybrid --shape needs attn_output_gate true (Qwen3.5/3.6 gated attention)")
-    with torch.device("meta"):
-        big = build_target(cfg)
-    big = big.to_empty(device=device).to(dtype)
+    with torch.device("meta"):  # dtype first: a 27B model never exists in fp32
+        big = build_target(cfg).to(dtype)
+    big = big.to_empty(device=device)
     maps = head_maps(s.num_attention_heads, s.num_key_value_heads, s.head_dim,
                      int(s.head_dim * s.partial_rotary_factor), cfg.num_attention_heads, cfg.num_key_value_heads,
                      cfg.head_dim, int(cfg.head_dim * cfg.partial_rotary_factor))
