@@ -1,5 +1,5 @@
-"""`ddtree bench at-scale`: the table's ratios, and the whole run end to end on the CPU (tiny shape, one
-served config, one level)."""
+"""`ddtree bench at-scale`: the table's ratios, and the whole run end to end on the CPU (tiny shape,
+one served config, one level)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,27 @@ from inflate_fixtures import shape
 
 def _level(c, tput, tau=1.0):
     pct = {"mean": 1.0, "p50": 1.0, "p90": 1.0, "p99": 2.0}
-    return {"concurrency": c, "completed": 4, "failed": 0, "output_throughput": tput, "ttft_ms": pct,
-            "tpot_ms": pct, "mean_accept_length": tau}
+    return {
+        "concurrency": c,
+        "completed": 4,
+        "failed": 0,
+        "output_throughput": tput,
+        "ttft_ms": pct,
+        "tpot_ms": pct,
+        "mean_accept_length": tau,
+    }
 
 
 def test_table_ratios():
     from ddtree.bench.at_scale_report import table_rows
 
-    rows = table_rows({"DFLASH": [_level(1, 200.0), _level(8, 400.0)], "NONE": [_level(1, 100.0)],
-                       "DDTREE B=64": [_level(1, 300.0), _level(8, 200.0)]})
+    rows = table_rows(
+        {
+            "DFLASH": [_level(1, 200.0), _level(8, 400.0)],
+            "NONE": [_level(1, 100.0)],
+            "DDTREE B=64": [_level(1, 300.0), _level(8, 200.0)],
+        }
+    )
     got = {(r["concurrency"], r["config"]): (r["ratio"], r["ratio_to"]) for r in rows}
     assert got[(1, "DFLASH")] == (2.0, "NONE")
     assert got[(1, "DDTREE B=64")] == (1.5, "DFLASH")
@@ -47,15 +59,32 @@ def test_bad_config_is_refused(capsys):
 
 
 def test_smoke_end_to_end(tmp_path):
-    """Inflate to a tiny shape, serve it (one config, one level) through launch_server and the serving
-    client, and compare τ with the small pair: the same machinery as the H200 run."""
+    """Inflate to a tiny shape, serve it (one config, one level) through launch_server and the
+    serving client, and compare τ with the small pair: the same machinery as the H200 run."""
     from ddtree.bench.at_scale import main
 
     spec = tmp_path / "tiny.json"
     spec.write_text(json.dumps({k: v for k, v in shape("dense").items() if k != "drafter"}))
     out = tmp_path / "out"
-    rc = main(["--smoke", "--shape", str(spec), "--work-dir", str(tmp_path / "work"), "--out", str(out),
-               "--configs", "DFLASH", "--concurrency", "1", "--parts", "serving,tau", "--port", "30177"])
+    rc = main(
+        [
+            "--smoke",
+            "--shape",
+            str(spec),
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+            "--configs",
+            "DFLASH",
+            "--concurrency",
+            "1",
+            "--parts",
+            "serving,tau",
+            "--port",
+            "30177",
+        ]
+    )
     assert rc == 0
     report = json.loads((out / "at_scale.json").read_text())
     (row,) = report["table"]

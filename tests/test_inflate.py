@@ -26,7 +26,9 @@ def small():
 def pair(request, small):
     from ddtree.inflate import inflate_pair
 
-    return request.param, inflate_pair(small[0], small[1], shape(request.param), dtype=torch.float32)
+    return request.param, inflate_pair(
+        small[0], small[1], shape(request.param), dtype=torch.float32
+    )
 
 
 def _ids(n=2, t=48, seed=0):
@@ -43,7 +45,9 @@ def test_target_logits_equal_small(small, pair):
     ids = _ids()
     ref, _ = small[2].forward_train(ids)
     big, _ = p.target.forward_train(ids)
-    assert type(p.target).__name__ == ("Qwen3_5ForCausalLM" if kind == "hybrid" else "Qwen3ForCausalLM")
+    assert type(p.target).__name__ == (
+        "Qwen3_5ForCausalLM" if kind == "hybrid" else "Qwen3ForCausalLM"
+    )
     assert max_rel(big[..., :SRC_VOCAB], ref) <= 1e-5
     # padded rows: far below every real logit, and exactly zero probability even at T = 5
     assert float(big[..., SRC_VOCAB:].max()) < float(ref.min()) - 1e3
@@ -68,7 +72,7 @@ def test_the_check_can_fail(small, pair):
 
 @torch.no_grad()
 def test_drafter_proposals_equal_small(small, pair):
-    """Same taps (through the carriers), same block embeddings -> same drafter logits over the real vocab."""
+    """Same taps (via the carriers), same block embeddings -> same drafter logits (real vocab)."""
     _, p = pair
     t_small, d_small = small[2], small[3]
     ids = _ids(1, 40, seed=1)
@@ -78,9 +82,12 @@ def test_drafter_proposals_equal_small(small, pair):
     anchors = torch.tensor([[5, 17, 30]])
     block = torch.full((1, 3, S), d_small.config.mask_token_id)
     block[..., 0] = ids[0, anchors[0]]
-    ref = d_small.logits(d_small.forward_train(taps_s, t_small.embed_tokens(block), anchors), t_small.lm_head)
-    big = p.drafter.logits(p.drafter.forward_train(taps_b, p.target.embed_tokens(block), anchors),
-                           p.target.lm_head)
+    ref = d_small.logits(
+        d_small.forward_train(taps_s, t_small.embed_tokens(block), anchors), t_small.lm_head
+    )
+    big = p.drafter.logits(
+        p.drafter.forward_train(taps_b, p.target.embed_tokens(block), anchors), p.target.lm_head
+    )
     assert max_rel(big[..., :SRC_VOCAB], ref) <= 1e-5
     assert torch.equal(big.argmax(-1), ref.argmax(-1))
     assert torch.equal(big.topk(8, -1).indices, ref.topk(8, -1).indices)
@@ -111,8 +118,12 @@ def test_named_shapes_resolve():
     from ddtree.inflate.shapes import resolve_shape
 
     t8, d8 = resolve_shape("qwen3-8b")
-    assert (t8["hidden_size"], t8["num_hidden_layers"], t8["vocab_size"], d8["num_hidden_layers"]) == \
-        (4096, 36, 151936, 5)
+    assert (
+        t8["hidden_size"],
+        t8["num_hidden_layers"],
+        t8["vocab_size"],
+        d8["num_hidden_layers"],
+    ) == (4096, 36, 151936, 5)
     t27, d27 = resolve_shape("qwen3.6-27b")
     cfg = TargetConfig.from_dict(t27)
     assert cfg.is_hybrid and len(cfg.linear_layer_ids) == 48 and len(cfg.attention_layer_ids) == 16
@@ -120,8 +131,8 @@ def test_named_shapes_resolve():
 
 
 def test_written_pair_loads_and_matches(small, pair, tmp_path):
-    """OUT/target and OUT/drafter: sharded safetensors, config, tokenizer + chat template; our loader reads
-    them back to the same function."""
+    """OUT/target and OUT/drafter: sharded safetensors, config, tokenizer + chat template; our
+    loader reads them back to the same function."""
     from ddtree.inflate import write_pair
     from ddtree.models.loader import load_drafter, load_target
 
@@ -131,12 +142,17 @@ def test_written_pair_loads_and_matches(small, pair, tmp_path):
     for f in ("tokenizer.json", "chat_template.jinja", "config.json"):
         assert os.path.exists(os.path.join(tdir, f))
     with open(os.path.join(ddir, "config.json")) as f:
-        assert json.load(f)["dflash_config"]["target_layer_ids"] == list(p.drafter.config.target_layer_ids)
+        assert json.load(f)["dflash_config"]["target_layer_ids"] == list(
+            p.drafter.config.target_layer_ids
+        )
     target = load_target(tdir, torch.float32)
     load_drafter(ddir, torch.float32)
     ids = _ids(1, 24, seed=2)
     with torch.no_grad():
-        assert max_rel(target.forward_train(ids)[0][..., :SRC_VOCAB], small[2].forward_train(ids)[0]) <= 1e-5
+        assert (
+            max_rel(target.forward_train(ids)[0][..., :SRC_VOCAB], small[2].forward_train(ids)[0])
+            <= 1e-5
+        )
     if kind == "dense":  # transformers reads the dense target as an ordinary Qwen3ForCausalLM
         from transformers import AutoModelForCausalLM
 

@@ -1,5 +1,5 @@
-"""The inflated pair through the engine (`ddtree.LLM`, fp32, CPU): T=0 tokens equal the small pair's for
-DFLASH and DDTREE, and at T > 0 no padded-vocabulary token is ever emitted."""
+"""The inflated pair through the engine (`ddtree.LLM`, fp32, CPU): T=0 tokens equal the small pair's
+for DFLASH and DDTREE, and at T > 0 no padded-vocabulary token is ever emitted."""
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ ALGOS = {"DFLASH": {}, "DDTREE": {"speculative_ddtree_budget": 16}}
 def small_outputs(pairs):
     from ddtree import SamplingParams
 
-    return {a: generate(pairs["small"], a, SamplingParams(**GREEDY_KW), **kw) for a, kw in ALGOS.items()}
+    return {
+        a: generate(pairs["small"], a, SamplingParams(**GREEDY_KW), **kw) for a, kw in ALGOS.items()
+    }
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
@@ -57,8 +59,10 @@ def test_t0_tokens_equal_small_pair(pairs, small_outputs, kind, algorithm):
     big = generate(pairs[kind], algorithm, SamplingParams(**GREEDY_KW), **ALGOS[algorithm])
     assert [o.token_ids for o in big] == [o.token_ids for o in small]
     # the drafts really are accepted, and as often as the small pair's
-    acc = [sum(n for o in outs for n in o.accept_lengths) / sum(len(o.accept_lengths) for o in outs)
-           for outs in (small, big)]
+    acc = [
+        sum(n for o in outs for n in o.accept_lengths) / sum(len(o.accept_lengths) for o in outs)
+        for outs in (small, big)
+    ]
     assert acc[0] > 1.5 and acc[1] == pytest.approx(acc[0])
 
 

@@ -1,17 +1,19 @@
-"""`ddtree bench at-scale` (= `python3 -m ddtree.bench.at_scale`): serving at a production shape in one
-device run, with the validity of the method measured in the same run.
+"""`ddtree bench at-scale` (= `python3 -m ddtree.bench.at_scale`): serving at a production shape in
+one device run, with the validity of the method measured in the same run.
 
-1. Inflate the embedded pair to `--shape` (default Qwen3-8B) on the device (`ddtree.inflate`: the small
-   pair's function at full size) and write it under --work-dir (local disk there; reused when present).
-2. `rounds`: per-round time of the inflated target vs a random-weight target of the same shape (NONE,
-   DFLASH, DDTREE B=64 at batch 1 and 8; `bench rounds`' runner and clock) - the inflated pair must cost
-   what a trained pair of the shape costs.
-3. `serving`: for each config (default DFLASH, DDTREE B=64, NONE, B=16, B=32: the order is the priority
-   under --time-budget-s) start `python3 -m ddtree.launch_server`, drive every concurrency with
-   `bench serving`'s client on held-out prompts (`bench acceptance`'s set, not the training corpus), the
-   prompt count scaled per level (--waves x concurrency, at least --min-prompts), stop the server.
-4. `tau`: τ of the small pair on the same prompts (offline, T=0) beside the served τ of the inflated pair.
-Prints one table and writes --out/at_scale.json and --out/at_scale.png.
+1. Inflate the embedded pair to `--shape` (default Qwen3-8B) on the device (`ddtree.inflate`: the
+   small pair's function at full size) and write it under --work-dir (local disk there; rewritten
+   each run).
+2. `rounds`: per-round time of the inflated target vs a random-weight target of the same shape
+   (NONE, DFLASH, DDTREE B=64 at batch 1 and 8; `bench rounds`' runner and clock) - the inflated
+   pair must cost what a trained pair of the shape costs.
+3. `serving`: for each config (default DFLASH, DDTREE B=64, NONE, B=16, B=32: the order is the
+   priority under --time-budget-s) start `python3 -m ddtree.launch_server`, drive every concurrency
+   with `bench serving`'s client on held-out prompts (`bench acceptance`'s set, not the training
+   corpus), the prompt count scaled per level (--waves x concurrency, at least --min-prompts), stop
+   the server.
+4. `tau`: τ of the small pair on the same prompts (offline, T=0) beside the served τ of the inflated
+   pair. Prints one table and writes --out/at_scale.json and --out/at_scale.png.
 """
 
 from __future__ import annotations
@@ -30,29 +32,56 @@ PARTS = ("rounds", "serving", "tau")
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddtree bench at-scale", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="qwen3-8b", help="qwen3-8b, qwen3.6-27b or a config.json (ddtree inflate)")
-    p.add_argument("--work-dir", default="/tmp/ddtree_at_scale", help="where the inflated pair is written")
-    p.add_argument("--out", default="at_scale_out", help="directory for at_scale.json, .png and server logs")
-    p.add_argument("--configs", default="DFLASH,DDTREE64,NONE,DDTREE16,DDTREE32", help="serving configs in order")
+    p.add_argument(
+        "--shape",
+        default="qwen3-8b",
+        help="qwen3-8b, qwen3.6-27b or a config.json (ddtree inflate)",
+    )
+    p.add_argument(
+        "--work-dir", default="/tmp/ddtree_at_scale", help="where the inflated pair is written"
+    )
+    p.add_argument(
+        "--out", default="at_scale_out", help="directory for at_scale.json, .png and server logs"
+    )
+    p.add_argument(
+        "--configs",
+        default="DFLASH,DDTREE64,NONE,DDTREE16,DDTREE32",
+        help="serving configs in order",
+    )
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
-    p.add_argument("--waves", type=int, default=2, help="prompts per level = waves x concurrency ...")
+    p.add_argument(
+        "--waves", type=int, default=2, help="prompts per level = waves x concurrency ..."
+    )
     p.add_argument("--min-prompts", type=int, default=4, help="... but at least this many")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--rounds-batches", default="1,8")
     p.add_argument("--rounds-context", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=20, help="timed rounds per rounds config")
-    p.add_argument("--tau-level", type=int, default=8, help="concurrency whose prompts the τ check reuses")
-    p.add_argument("--time-budget-s", type=float, default=540, help="skip what is left once this has passed")
+    p.add_argument(
+        "--tau-level", type=int, default=8, help="concurrency whose prompts the τ check reuses"
+    )
+    p.add_argument(
+        "--time-budget-s", type=float, default=540, help="skip what is left once this has passed"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default=None, help="default triton on cuda, torch on cpu")
     p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="servers' KV cap (default: what fits)")
-    p.add_argument("--rounds-budget", type=int, default=64, help="DDTREE budget of the rounds check")
-    p.add_argument("--smoke", action="store_true",
-                   help="CPU check of the whole run in well under a minute: give a tiny --shape JSON")
+    p.add_argument(
+        "--max-total-tokens", type=int, default=None, help="servers' KV cap (default: what fits)"
+    )
+    p.add_argument(
+        "--rounds-budget", type=int, default=64, help="DDTREE budget of the rounds check"
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU check of the whole run in well under a minute: give a tiny --shape JSON",
+    )
     p.add_argument("--port", type=int, default=30123)
-    p.add_argument("--server-timeout-s", type=float, default=300, help="wait this long for a server to be up")
+    p.add_argument(
+        "--server-timeout-s", type=float, default=300, help="wait this long for a server to be up"
+    )
     return p
 
 
@@ -71,13 +100,28 @@ def level_items(base: list, concurrency: int, ns) -> list:
 
 
 class Server:
-    """`python3 -m ddtree.launch_server` for one config, its log under --out; `with` waits for /health."""
+    """`python3 -m ddtree.launch_server` for one config, log in --out; `with` waits for /health."""
 
     def __init__(self, ns, target: str, drafter: str, algo: str, budget: int, log: str):
-        argv = [sys.executable, "-m", "ddtree.launch_server", "--model-path", target, "--port", str(ns.port),
-                "--speculative-algorithm", algo, "--device", ns.device, "--attention-backend",
-                ns.attention_backend, "--max-running-requests", str(max(ns.levels)),
-                "--log-level", "warning"]
+        argv = [
+            sys.executable,
+            "-m",
+            "ddtree.launch_server",
+            "--model-path",
+            target,
+            "--port",
+            str(ns.port),
+            "--speculative-algorithm",
+            algo,
+            "--device",
+            ns.device,
+            "--attention-backend",
+            ns.attention_backend,
+            "--max-running-requests",
+            str(max(ns.levels)),
+            "--log-level",
+            "warning",
+        ]
         if ns.max_total_tokens:
             argv += ["--max-total-tokens", str(ns.max_total_tokens)]
         if algo != "NONE":
@@ -99,7 +143,9 @@ class Server:
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < self.ns.server_timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}; see {self.log_path}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     self.startup_s = time.perf_counter() - t0
@@ -130,12 +176,27 @@ def serve_levels(ns, url: str, base: list) -> list[dict]:
             continue
         items = level_items(base, c, ns)
         args = serving.make_parser().parse_args(
-            ["--base-url", url, "--max-tokens", str(ns.max_tokens), "--ignore-eos", "--concurrency", str(c),
-             "--warmup", str(min(c, 4) if i == 0 else 0), "--timeout", "300"])
+            [
+                "--base-url",
+                url,
+                "--max-tokens",
+                str(ns.max_tokens),
+                "--ignore-eos",
+                "--concurrency",
+                str(c),
+                "--warmup",
+                str(min(c, 4) if i == 0 else 0),
+                "--timeout",
+                "300",
+            ]
+        )
         res = asyncio.run(serving.run(args, items))["results"][0]
         levels.append(res)
-        print(f"#   c={c}: {res['completed']} ok, {res['output_throughput']:.0f} tok/s, "
-              f"tau {res['mean_accept_length']:.2f}", flush=True)
+        print(
+            f"#   c={c}: {res['completed']} ok, {res['output_throughput']:.0f} tok/s, "
+            f"tau {res['mean_accept_length']:.2f}",
+            flush=True,
+        )
     return levels
 
 
@@ -156,12 +217,20 @@ def build(ns, report: dict):
     t1 = time.perf_counter()
     name = os.path.splitext(os.path.basename(ns.shape))[0]
     tdir, ddir = write_pair(pair, os.path.join(ns.work_dir, name))
-    report["build"] = {"build_s": t1 - t0, "write_s": time.perf_counter() - t1, "target": tdir, "drafter": ddir,
-                       "target_params": sum(p.numel() for p in pair.target.parameters()),
-                       "drafter_params": sum(p.numel() for p in pair.drafter.parameters())}
-    print(f"# inflated {ns.shape}: built {t1 - t0:.1f} s, written {report['build']['write_s']:.1f} s "
-          f"({report['build']['target_params'] / 1e9:.2f}B + {report['build']['drafter_params'] / 1e9:.2f}B)",
-          flush=True)
+    report["build"] = {
+        "build_s": t1 - t0,
+        "write_s": time.perf_counter() - t1,
+        "target": tdir,
+        "drafter": ddir,
+        "target_params": sum(p.numel() for p in pair.target.parameters()),
+        "drafter_params": sum(p.numel() for p in pair.drafter.parameters()),
+    }
+    print(
+        f"# inflated {ns.shape}: built {t1 - t0:.1f} s, written {report['build']['write_s']:.1f} s "
+        f"({report['build']['target_params'] / 1e9:.2f}B + "
+        f"{report['build']['drafter_params'] / 1e9:.2f}B)",
+        flush=True,
+    )
     return pair, tdir, ddir
 
 
@@ -188,18 +257,30 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ns.device = ("cuda" if torch.cuda.is_available() else "cpu") if ns.device == "auto" else ns.device
+    ns.device = (
+        ("cuda" if torch.cuda.is_available() else "cpu") if ns.device == "auto" else ns.device
+    )
     ns.attention_backend = ns.attention_backend or ("triton" if ns.device == "cuda" else "torch")
     os.makedirs(ns.out, exist_ok=True)
-    report = {"meta": {k: v for k, v in vars(ns).items() if k != "t_start"}, "serving": {}, "rounds": [],
-              "tau": {}}
+    report = {
+        "meta": {k: v for k, v in vars(ns).items() if k != "t_start"},
+        "serving": {},
+        "rounds": [],
+        "tau": {},
+    }
     pair, tdir, ddir = build(ns, report)
     tcfg = TargetConfig.from_dict(pair.target_config)
     if "rounds" in parts and not tcfg.is_hybrid:
-        kw = dict(batches=[int(b) for b in ns.rounds_batches.split(",")], context=ns.rounds_context,
-                  rounds=ns.rounds, warmup=1 if ns.smoke else 3, device=torch.device(ns.device),
-                  budget=ns.rounds_budget,
-                  attention_backend=ns.attention_backend, cuda_graph=not ns.disable_cuda_graph)
+        kw = dict(
+            batches=[int(b) for b in ns.rounds_batches.split(",")],
+            context=ns.rounds_context,
+            rounds=ns.rounds,
+            warmup=1 if ns.smoke else 3,
+            device=torch.device(ns.device),
+            budget=ns.rounds_budget,
+            attention_backend=ns.attention_backend,
+            cuda_graph=not ns.disable_cuda_graph,
+        )
         src_vocab = _source_vocab()  # contexts of real tokens
         report["rounds"] += val.time_pair("inflated", pair.target, pair.drafter, src_vocab, **kw)
     del pair
@@ -222,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     if "tau" in parts:
         if ns.tau_level not in ns.levels:
             ns.tau_level = ns.levels[0]
-        spec = [(a, b) for a, b in configs if a != "NONE" and val.config_name(a, b) in report["serving"]]
+        spec = [
+            (a, b) for a, b in configs if a != "NONE" and val.config_name(a, b) in report["serving"]
+        ]
         prompts = [it.prompt for it in level_items(base, ns.tau_level, ns)]
         small = val.small_pair_tau(prompts, ns.max_tokens, spec, ns.device)
         for name, t in small.items():
@@ -243,13 +326,24 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r["failed"] for r in rows) else 0
 
 
-SMOKE = {"device": "cpu", "configs": "DFLASH,DDTREE8,NONE", "concurrency": "1,2", "max_tokens": 8,
-         "min_prompts": 2, "waves": 1, "rounds_batches": "1,2", "rounds_context": 32, "rounds": 2,
-         "rounds_budget": 8, "tau_level": 2, "max_total_tokens": 2048}
+SMOKE = {
+    "device": "cpu",
+    "configs": "DFLASH,DDTREE8,NONE",
+    "concurrency": "1,2",
+    "max_tokens": 8,
+    "min_prompts": 2,
+    "waves": 1,
+    "rounds_batches": "1,2",
+    "rounds_context": 32,
+    "rounds": 2,
+    "rounds_budget": 8,
+    "tau_level": 2,
+    "max_total_tokens": 2048,
+}
 
 
 def apply_smoke(ns) -> None:
-    """Small counts on the CPU, but every step of the real run (flags given explicitly still win)."""
+    """Small counts on the CPU, every step of the real run (explicit flags still win)."""
     defaults = make_parser().parse_args([])
     for key, value in SMOKE.items():
         if getattr(ns, key) == getattr(defaults, key):

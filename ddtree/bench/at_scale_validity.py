@@ -1,6 +1,7 @@
 """Validity of the inflated pair as a stand-in for a trained production pair, in the at-scale run:
-per-round cost of the inflated target against a random-weight target of the same shape (`bench rounds`'
-runner and clock), and τ of the inflated pair against the small pair on the same prompts."""
+per-round cost of the inflated target against a random-weight target of the same shape (`bench
+rounds`' runner and clock), and τ of the inflated pair against the small pair on the same prompts.
+"""
 
 from __future__ import annotations
 
@@ -10,40 +11,84 @@ import gc
 import torch
 
 
-
 def random_shape(tcfg) -> dict:
     """`random_pair.pair_configs` keys for a dense target config."""
-    return {"vocab_size": tcfg.vocab_size, "hidden_size": tcfg.hidden_size, "num_layers": tcfg.num_hidden_layers,
-            "num_heads": tcfg.num_attention_heads, "num_kv_heads": tcfg.num_key_value_heads,
-            "head_dim": tcfg.head_dim, "intermediate_size": tcfg.intermediate_size,
-            "max_position_embeddings": tcfg.max_position_embeddings, "rope_theta": tcfg.rope_theta}
+    return {
+        "vocab_size": tcfg.vocab_size,
+        "hidden_size": tcfg.hidden_size,
+        "num_layers": tcfg.num_hidden_layers,
+        "num_heads": tcfg.num_attention_heads,
+        "num_kv_heads": tcfg.num_key_value_heads,
+        "head_dim": tcfg.head_dim,
+        "intermediate_size": tcfg.intermediate_size,
+        "max_position_embeddings": tcfg.max_position_embeddings,
+        "rope_theta": tcfg.rope_theta,
+    }
 
 
-def time_pair(label: str, target, drafter, vocab: int, batches: list[int], context: int, rounds: int,
-              warmup: int, device, attention_backend: str, cuda_graph: bool, budget: int = 64) -> list[dict]:
-    """ms per round (median) of NONE / DFLASH / DDTREE B=budget at each batch, as `bench rounds` times
-    them (contexts of random tokens below `vocab`)."""
+def time_pair(
+    label: str,
+    target,
+    drafter,
+    vocab: int,
+    batches: list[int],
+    context: int,
+    rounds: int,
+    warmup: int,
+    device,
+    attention_backend: str,
+    cuda_graph: bool,
+    budget: int = 64,
+) -> list[dict]:
+    """ms per round (median) of NONE / DFLASH / DDTREE B=budget at each batch, as `bench rounds`
+    times them (contexts of random tokens below `vocab`)."""
     from ddtree.bench.round_timing import Clock
     from ddtree.bench.rounds import prefilled_requests, run_case, runner_config
     from ddtree.engine.model_runner import ModelRunner
     from ddtree.speculative.decoder import SpecConfig
 
-    ns = argparse.Namespace(block_size=drafter.config.block_size, page_size=16,
-                            attention_backend=attention_backend, disable_cuda_graph=not cuda_graph)
+    ns = argparse.Namespace(
+        block_size=drafter.config.block_size,
+        page_size=16,
+        attention_backend=attention_backend,
+        disable_cuda_graph=not cuda_graph,
+    )
     dtype = next(target.parameters()).dtype
     clock, rows = Clock(device), []
     for algo, budget in (("NONE", 0), ("DFLASH", 0), ("DDTREE", budget)):
-        runner = ModelRunner(target, drafter if algo != "NONE" else None,
-                             runner_config(algo, budget, max(batches), context, ns, device), device, dtype)
+        runner = ModelRunner(
+            target,
+            drafter if algo != "NONE" else None,
+            runner_config(algo, budget, max(batches), context, ns, device),
+            device,
+            dtype,
+        )
         reqs = prefilled_requests(runner, max(batches), context, vocab, 2048, 0)
         for batch in batches:
-            spec = SpecConfig(algorithm=algo, block_size=ns.block_size, budget=max(budget, 1),
-                              topk_cap=max(budget, 1), shadow_linear=False)
+            spec = SpecConfig(
+                algorithm=algo,
+                block_size=ns.block_size,
+                budget=max(budget, 1),
+                topk_cap=max(budget, 1),
+                shadow_linear=False,
+            )
             res = run_case(runner, spec, reqs[:batch], context, rounds, warmup, clock)
-            rows.append({"pair": label, "config": algo if algo != "DDTREE" else f"DDTREE B={budget}",
-                         "batch": batch, "context": context, "ms": res["ms"], "ms_p10": res["ms_p10"],
-                         "ms_p90": res["ms_p90"], "emitted_mean": res["emitted_mean"]})
-            print(f"# rounds {label:>8} {rows[-1]['config']:>12} b{batch}: {res['ms']:.2f} ms", flush=True)
+            rows.append(
+                {
+                    "pair": label,
+                    "config": algo if algo != "DDTREE" else f"DDTREE B={budget}",
+                    "batch": batch,
+                    "context": context,
+                    "ms": res["ms"],
+                    "ms_p10": res["ms_p10"],
+                    "ms_p90": res["ms_p90"],
+                    "emitted_mean": res["emitted_mean"],
+                }
+            )
+            print(
+                f"# rounds {label:>8} {rows[-1]['config']:>12} b{batch}: {res['ms']:.2f} ms",
+                flush=True,
+            )
         for r in reqs:
             runner.release(r)
         del runner, reqs
@@ -54,13 +99,17 @@ def time_pair(label: str, target, drafter, vocab: int, batches: list[int], conte
 
 
 def random_rounds(tcfg, dcfg_dict: dict, kw: dict) -> list[dict]:
-    """The same timing on a random-weight pair of the inflated pair's shape (built on the device)."""
+    """The same timing on a random-weight pair of the inflated shape (built on the device)."""
     from ddtree.bench.random_pair import build_pair, pair_configs
 
     device = kw["device"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rcfg, rdcfg = pair_configs(random_shape(tcfg), dcfg_dict["num_hidden_layers"], dcfg_dict["block_size"],
-                               str(dtype).removeprefix("torch."))
+    rcfg, rdcfg = pair_configs(
+        random_shape(tcfg),
+        dcfg_dict["num_hidden_layers"],
+        dcfg_dict["block_size"],
+        str(dtype).removeprefix("torch."),
+    )
     target, drafter = build_pair(rcfg, rdcfg, device, dtype)
     try:
         return time_pair("random", target, drafter, rcfg.vocab_size, **kw)
@@ -76,14 +125,23 @@ def rounds_ratios(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r["pair"] == "inflated" and (r["config"], r["batch"]) in rand:
             ratio = r["ms"] / rand[(r["config"], r["batch"])]
-            out.append({"config": r["config"], "batch": r["batch"], "inflated_ms": r["ms"],
-                        "random_ms": rand[(r["config"], r["batch"])], "ratio": ratio,
-                        "within_5pct": abs(ratio - 1) <= 0.05})
+            out.append(
+                {
+                    "config": r["config"],
+                    "batch": r["batch"],
+                    "inflated_ms": r["ms"],
+                    "random_ms": rand[(r["config"], r["batch"])],
+                    "ratio": ratio,
+                    "within_5pct": abs(ratio - 1) <= 0.05,
+                }
+            )
     return out
 
 
-def small_pair_tau(prompts: list, max_tokens: int, configs: list[tuple[str, int]], device: str) -> dict:
-    """τ (tokens per round, weighted by rounds) of the embedded small pair, offline at T=0, bf16 on the GPU."""
+def small_pair_tau(
+    prompts: list, max_tokens: int, configs: list[tuple[str, int]], device: str
+) -> dict:
+    """τ (tokens per round, weighted by rounds) of the embedded pair, offline, T=0, bf16 on GPU."""
     from ddtree import LLM, SamplingParams
     from ddtree.assets import default_model_paths
 
@@ -93,8 +151,16 @@ def small_pair_tau(prompts: list, max_tokens: int, configs: list[tuple[str, int]
     out = {}
     for algo, budget in configs:
         kw = {"speculative_ddtree_budget": budget} if algo == "DDTREE" else {}
-        llm = LLM(t, speculative_algorithm=algo, speculative_draft_model_path=d, device=device, dtype=dtype,
-                  disable_cuda_graph=True, max_running_requests=8, **kw)
+        llm = LLM(
+            t,
+            speculative_algorithm=algo,
+            speculative_draft_model_path=d,
+            device=device,
+            dtype=dtype,
+            disable_cuda_graph=True,
+            max_running_requests=8,
+            **kw,
+        )
         outs = llm.generate(list(prompts), params)
         lengths = [n for o in outs for n in o.accept_lengths]
         out[config_name(algo, budget)] = sum(lengths) / max(len(lengths), 1)

@@ -1,5 +1,5 @@
-"""Writing an inflated pair as two ordinary HF model directories: sharded safetensors + config.json, and the
-source target's tokenizer, chat template and generation config beside the target."""
+"""Writing an inflated pair as two ordinary HF model directories: sharded safetensors + config.json,
+and the source target's tokenizer, chat template and generation config beside the target."""
 
 from __future__ import annotations
 
@@ -11,8 +11,16 @@ from torch import nn
 from ddtree.models.loader import save_model
 
 SHARD_BYTES = 5 << 30  # HF's default shard size
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 
 
 def write_model(module: nn.Module, path: str, config: dict, shard_bytes: int = SHARD_BYTES) -> None:

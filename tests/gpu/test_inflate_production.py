@@ -1,6 +1,6 @@
-"""The production shapes on the GPU: the inflated Qwen3-8B pair (fp32, ~33 GB) computes the embedded pair's
-logits and drafter proposals; the Qwen3.6-27B hybrid target (bf16, built in memory) agrees with it to bf16
-rounding. Run: python3 -m pytest -q tests/gpu/test_inflate_production.py"""
+"""The production shapes on the GPU: the inflated Qwen3-8B pair (fp32, ~33 GB) computes the embedded
+pair's logits and drafter proposals; the Qwen3.6-27B hybrid target (bf16, built in memory) agrees
+with it to bf16 rounding. Run: python3 -m pytest -q tests/gpu/test_inflate_production.py"""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import gc
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (H200: 139 GiB)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (H200: 139 GiB)"),
+]
 
 
 def _small():
@@ -28,8 +30,13 @@ def test_qwen3_8b_fp32_logits_equal_small():
     t, d, small = _small()
     pair = inflate_pair(t, d, "qwen3-8b", "cuda", torch.float32)
     assert sum(p.numel() for p in pair.target.parameters()) > 8e9
-    ids = torch.randint(3, small.config.vocab_size, (2, 256), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(0))
+    ids = torch.randint(
+        3,
+        small.config.vocab_size,
+        (2, 256),
+        device="cuda",
+        generator=torch.Generator("cuda").manual_seed(0),
+    )
     ref, _ = small.forward_train(ids)
     big, _ = pair.target.forward_train(ids)
     v = small.config.vocab_size
@@ -47,8 +54,13 @@ def test_qwen36_27b_bf16_builds_and_tracks_small():
     t, d, small = _small()
     pair = inflate_pair(t, d, "qwen3.6-27b", "cuda", torch.bfloat16)
     assert pair.target.config.is_hybrid and len(pair.target.config.linear_layer_ids) == 48
-    ids = torch.randint(3, small.config.vocab_size, (1, 128), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(0))
+    ids = torch.randint(
+        3,
+        small.config.vocab_size,
+        (1, 128),
+        device="cuda",
+        generator=torch.Generator("cuda").manual_seed(0),
+    )
     ref, _ = small.forward_train(ids)
     big, _ = pair.target.forward_train(ids)
     v = small.config.vocab_size
