@@ -62,7 +62,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--tau-level", type=int, default=8, help="concurrency whose prompts the τ check reuses"
     )
     p.add_argument(
-        "--time-budget-s", type=float, default=540, help="skip what is left once this has passed"
+        "--time-budget-s",
+        type=float,
+        default=540,
+        help="start no server config expected to end after this",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default=None, help="default triton on cuda, torch on cpu")
@@ -200,8 +203,18 @@ def serve_levels(ns, url: str, base: list) -> list[dict]:
     return levels
 
 
-def over(ns) -> bool:
-    return time.perf_counter() - ns.t_start > ns.time_budget_s
+def over(ns, need_s: float = 0.0) -> bool:
+    """True once --time-budget-s has passed, or would pass within `need_s` (a step's expected length)."""
+    return time.perf_counter() - ns.t_start + need_s > ns.time_budget_s
+
+
+def save(report: dict, ns) -> str:
+    """Rewritten after every step: a run cut short at the device limit still leaves its JSON."""
+    path = os.path.join(ns.out, "at_scale.json")
+    report["seconds"] = time.perf_counter() - ns.t_start
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    return path
 
 
 def build(ns, report: dict):
@@ -289,18 +302,24 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     if "rounds" in parts and not tcfg.is_hybrid:
         report["rounds"] += val.random_rounds(tcfg, report_drafter(ddir), kw)
+        report["rounds_ratios"] = val.rounds_ratios(report["rounds"])
+        save(report, ns)
     base = [Item(prompt=p) for p in DEFAULT_PROMPTS]
     if "serving" in parts:
+        last_s = 0.0  # the previous config's wall time: the next one is expected to take as long
         for algo, budget in configs:
             name = val.config_name(algo, budget)
-            if over(ns):
+            if over(ns, last_s):
                 print(f"# {name}: skipped (time budget)", flush=True)
                 continue
+            t0 = time.perf_counter()
             log = os.path.join(ns.out, f"server_{name.replace(' ', '_').replace('=', '')}.log")
             with Server(ns, tdir, ddir, algo, budget, log) as srv:
                 print(f"# {name}: server up in {srv.startup_s:.1f} s", flush=True)
                 report["serving"][name] = serve_levels(ns, srv.url, base)
-    if "tau" in parts:
+            last_s = time.perf_counter() - t0
+            save(report, ns)
+    if "tau" in parts and not over(ns, 20):
         if ns.tau_level not in ns.levels:
             ns.tau_level = ns.levels[0]
         spec = [
@@ -313,13 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             report["tau"][name] = {"small": t, "inflated": served and served["mean_accept_length"]}
     rows = rep.table_rows(report["serving"])
     report["table"], report["rounds_ratios"] = rows, val.rounds_ratios(report["rounds"])
-    report["seconds"] = time.perf_counter() - ns.t_start
+    path = save(report, ns)
     print(f"\n{ns.shape}: {ns.max_tokens} output tokens per request, held-out prompts, T=0")
     rep.print_table(rows)
     rep.print_validity(report["rounds_ratios"], report["tau"])
-    path = os.path.join(ns.out, "at_scale.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
     if rows:
         rep.plot(rows, os.path.splitext(path)[0] + ".png", f"{ns.shape} (inflated embedded pair)")
     print(f"done in {report['seconds']:.0f} s; wrote {path}")
