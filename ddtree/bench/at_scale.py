@@ -204,7 +204,7 @@ def serve_levels(ns, url: str, base: list) -> list[dict]:
 
 
 def over(ns, need_s: float = 0.0) -> bool:
-    """True once --time-budget-s has passed, or would pass within `need_s` (a step's expected length)."""
+    """True once --time-budget-s has passed, or would within `need_s` (a step's expected time)."""
     return time.perf_counter() - ns.t_start + need_s > ns.time_budget_s
 
 
