@@ -254,7 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.bench import at_scale_validity as val
     from ddtree.bench.acceptance import DEFAULT_PROMPTS
     from ddtree.bench.serving import Item
-    from ddtree.configs import TargetConfig
 
     ns = make_parser().parse_args(argv)
     ns.t_start = time.perf_counter()
@@ -282,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "tau": {},
     }
     pair, tdir, ddir = build(ns, report)
-    tcfg = TargetConfig.from_dict(pair.target_config)
-    if "rounds" in parts and not tcfg.is_hybrid:
+    if "rounds" in parts:
         kw = dict(
             batches=[int(b) for b in ns.rounds_batches.split(",")],
             context=ns.rounds_context,
@@ -300,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     if ns.device == "cuda":
         torch.cuda.empty_cache()
-    if "rounds" in parts and not tcfg.is_hybrid:
-        report["rounds"] += val.random_rounds(tcfg, report_drafter(ddir), kw)
+    if "rounds" in parts:
+        report["rounds"] += val.random_rounds(ns.shape, report_drafter(ddir), kw)
         report["rounds_ratios"] = val.rounds_ratios(report["rounds"])
         save(report, ns)
     base = [Item(prompt=p) for p in DEFAULT_PROMPTS]

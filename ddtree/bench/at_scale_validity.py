@@ -11,21 +11,6 @@ import gc
 import torch
 
 
-def random_shape(tcfg) -> dict:
-    """`random_pair.pair_configs` keys for a dense target config."""
-    return {
-        "vocab_size": tcfg.vocab_size,
-        "hidden_size": tcfg.hidden_size,
-        "num_layers": tcfg.num_hidden_layers,
-        "num_heads": tcfg.num_attention_heads,
-        "num_kv_heads": tcfg.num_key_value_heads,
-        "head_dim": tcfg.head_dim,
-        "intermediate_size": tcfg.intermediate_size,
-        "max_position_embeddings": tcfg.max_position_embeddings,
-        "rope_theta": tcfg.rope_theta,
-    }
-
-
 def time_pair(
     label: str,
     target,
@@ -98,17 +83,16 @@ def time_pair(
     return rows
 
 
-def random_rounds(tcfg, dcfg_dict: dict, kw: dict) -> list[dict]:
-    """The same timing on a random-weight pair of the inflated shape (built on the device)."""
-    from ddtree.bench.random_pair import build_pair, pair_configs
+def random_rounds(shape, dcfg_dict: dict, kw: dict) -> list[dict]:
+    """The same timing on a random-weight pair of the inflated `shape` (dense or hybrid, built on the
+    device; `random_pair.shape_configs`)."""
+    from ddtree.bench.random_pair import build_pair, shape_configs
 
     device = kw["device"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rcfg, rdcfg = pair_configs(
-        random_shape(tcfg),
-        dcfg_dict["num_hidden_layers"],
-        dcfg_dict["block_size"],
-        str(dtype).removeprefix("torch."),
+    name = str(dtype).removeprefix("torch.")
+    rcfg, rdcfg = shape_configs(
+        shape, dcfg_dict["num_hidden_layers"], dcfg_dict["block_size"], name
     )
     target, drafter = build_pair(rcfg, rdcfg, device, dtype)
     try:
