@@ -12,7 +12,8 @@ commands:
   serve           run the OpenAI-compatible HTTP server (same as python -m ddtree.launch_server)
   train-target    pretrain a small Qwen3 target from a corpus
   train-drafter   train a DFlash drafter for a target
-  bench           benchmarks: acceptance | rounds | serving
+  bench           benchmarks: acceptance | rounds | serving | at-scale
+  inflate         widen a small trained pair to a production shape (same logits)
 """
 
 
@@ -24,6 +25,7 @@ def _commands():
         "train-target": ("ddtree.train.cli", "main"),
         "train-drafter": ("ddtree.train.cli", "main"),
         "bench": ("ddtree.bench.cli", "main"),
+        "inflate": ("ddtree.inflate.cli", "main"),
     }
 
 

@@ -13,6 +13,8 @@ BENCHES = {
                "Qwen3-8B-shaped pair against the memory floor (--smoke: seconds on the CPU)"),
     "serving": ("ddtree.bench.serving", "drive a running server: throughput, TTFT, TPOT, latency, "
                 "accept length"),
+    "at-scale": ("ddtree.bench.at_scale", "on the GPU: inflate the embedded pair to a production "
+                 "shape, serve NONE / DFLASH / DDTREE, sweep concurrency; one table + JSON + PNG"),
 }
 
 

@@ -11,7 +11,6 @@ from torch import nn
 
 from ddtree.configs import DrafterConfig, TargetConfig
 from ddtree.models.dflash import DFlashDrafter
-from ddtree.models.qwen3 import Qwen3ForCausalLM
 from ddtree.train.drafter import drafter_config_for
 from ddtree.train.lm import qwen3_config
 
@@ -21,6 +20,41 @@ QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "num_layers": 36, "num_he
             "head_dim": 128, "intermediate_size": 12288, "max_position_embeddings": 40960, "rope_theta": 1e6}
 SMOKE = {"vocab_size": 512, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
          "intermediate_size": 192, "max_position_embeddings": 4096, "rope_theta": 1e6}
+
+
+# A tiny hybrid (3 Gated DeltaNet + 1 gated attention layers) for `bench rounds --smoke`.
+SMOKE_HYBRID = {
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 512,
+    "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "intermediate_size": 192, "full_attention_interval": 4,
+    "partial_rotary_factor": 0.25,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "attn_output_gate": True,
+    "max_position_embeddings": 4096,
+}
+DRAFTER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "layer_types", "sliding_window")
+
+
+def shape_configs(shape: str, drafter_layers: int | None, block_size: int, dtype: str,
+                  smoke: bool = False) -> tuple[TargetConfig, DrafterConfig]:
+    """Configs of a `ddtree inflate --shape` (qwen3-8b, qwen3.6-27b or a config.json), dense or
+    hybrid, with that shape's drafter (layers, heads, sliding windows); `smoke` swaps a hybrid shape
+    for SMOKE_HYBRID."""
+    from ddtree.inflate.shapes import is_hybrid, resolve_shape
+
+    t, d = resolve_shape(shape)
+    if smoke and is_hybrid(t):
+        t, d = dict(SMOKE_HYBRID), {"num_hidden_layers": 2}
+    vocab = int(t["vocab_size"])
+    arch = "Qwen3_5ForCausalLM" if is_hybrid(t) else "Qwen3ForCausalLM"
+    base = {"architectures": [arch], "max_position_embeddings": 40960, "rope_theta": 1e6}
+    tcfg = TargetConfig.from_dict({**base, **t, "mask_token_id": vocab - 1, "torch_dtype": dtype})
+    n = drafter_layers or int(d.get("num_hidden_layers", 5))
+    dd = drafter_config_for(tcfg, num_layers=n, block_size=block_size, torch_dtype=dtype)
+    dd.update({k: d[k] for k in DRAFTER_KEYS if k in d and (k != "layer_types" or len(d[k]) == n)})
+    dd["use_sliding_window"] = bool(dd.get("sliding_window"))
+    return tcfg, DrafterConfig.from_dict(dd)
 
 
 def pair_configs(shape: dict, drafter_layers: int, block_size: int, dtype: str) -> tuple[TargetConfig, DrafterConfig]:
@@ -47,8 +81,10 @@ def init_random(model: nn.Module, seed: int, device) -> nn.Module:
 
 def build_pair(tcfg: TargetConfig, dcfg: DrafterConfig, device, dtype: torch.dtype, seed: int = 0):
     """(target, drafter) allocated straight on `device` in `dtype` (meta construction, no host copy)."""
+    from ddtree.models.loader import build_target  # dense or hybrid
+
     with torch.device("meta"):
-        target = Qwen3ForCausalLM(tcfg).to(dtype)
+        target = build_target(tcfg).to(dtype)
         drafter = DFlashDrafter(dcfg).to(dtype)
     target = init_random(target.to_empty(device=device), seed, device)
     drafter = init_random(drafter.to_empty(device=device), seed + 1, device)

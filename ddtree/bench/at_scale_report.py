@@ -1,0 +1,107 @@
+"""The at-scale run's one table (per concurrency and config: output tok/s, TTFT / TPOT p50 / p99, τ,
+and the throughput ratio DDTREE / DFLASH or DFLASH / NONE), the validity lines, and the PNG."""
+
+from __future__ import annotations
+
+
+def ratio_base(config: str) -> str | None:
+    return "DFLASH" if config.startswith("DDTREE") else "NONE" if config == "DFLASH" else None
+
+
+def table_rows(serving: dict[str, list[dict]]) -> list[dict]:
+    """A row per (concurrency, config), with the ratio to its base config at that concurrency."""
+    by = {(cfg, lv["concurrency"]): lv for cfg, levels in serving.items() for lv in levels}
+    rows = []
+    for c in sorted({c for _, c in by}):
+        for cfg in serving:
+            lv = by.get((cfg, c))
+            if lv is None:
+                continue
+            base = by.get((ratio_base(cfg), c))
+            ratio = (
+                lv["output_throughput"] / base["output_throughput"]
+                if base and base["output_throughput"]
+                else None
+            )
+            rows.append(
+                {
+                    "concurrency": c,
+                    "config": cfg,
+                    "prompts": lv["completed"] + lv["failed"],
+                    "failed": lv["failed"],
+                    "output_tok_s": lv["output_throughput"],
+                    "ttft_p50": lv["ttft_ms"]["p50"],
+                    "ttft_p99": lv["ttft_ms"]["p99"],
+                    "tpot_p50": lv["tpot_ms"]["p50"],
+                    "tpot_p99": lv["tpot_ms"]["p99"],
+                    "tau": lv["mean_accept_length"],
+                    "ratio": ratio,
+                    "ratio_to": ratio_base(cfg) if ratio is not None else None,
+                }
+            )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'conc':>4} {'config':>12} {'n':>4} {'fail':>4} {'out tok/s':>10} "
+        f"{'TTFT p50':>9} {'p99':>8} "
+        f"{'TPOT p50':>9} {'p99':>7} {'tau':>5}  ratio"
+    )
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}x vs {r['ratio_to']}" if r["ratio"] is not None else ""
+        print(
+            f"{r['concurrency']:>4} {r['config']:>12} {r['prompts']:>4} {r['failed']:>4} "
+            f"{r['output_tok_s']:>10.1f} {r['ttft_p50']:>9.1f} {r['ttft_p99']:>8.1f} "
+            f"{r['tpot_p50']:>9.2f} "
+            f"{r['tpot_p99']:>7.2f} {r['tau']:>5.2f}  {ratio}"
+        )
+
+
+def print_validity(rounds: list[dict], tau: dict) -> None:
+    for r in rounds:
+        flag = "within ±5%" if r["within_5pct"] else "OUTSIDE ±5%"
+        print(
+            f"rounds {r['config']:>12} b{r['batch']}: inflated {r['inflated_ms']:.2f} ms vs random "
+            f"{r['random_ms']:.2f} ms = {r['ratio']:.3f}x ({flag})"
+        )
+    for cfg, t in tau.items():
+        if t.get("inflated") is not None and t.get("small"):
+            print(
+                f"tau {cfg:>12}: inflated {t['inflated']:.3f} vs small {t['small']:.3f} "
+                f"({100 * (t['inflated'] / t['small'] - 1):+.1f}%)"
+            )
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for cfg in dict.fromkeys(r["config"] for r in rows):
+        rs = [r for r in rows if r["config"] == cfg]
+        xs = [r["concurrency"] for r in rs]
+        axes[0].plot(xs, [r["output_tok_s"] for r in rs], "o-", label=cfg)
+        axes[2].plot(xs, [r["tpot_p50"] for r in rs], "o-", label=cfg)
+        if any(r["ratio"] is not None for r in rs):
+            axes[1].plot(
+                [r["concurrency"] for r in rs if r["ratio"] is not None],
+                [r["ratio"] for r in rs if r["ratio"] is not None],
+                "o-",
+                label=f"{cfg} / {ratio_base(cfg)}",
+            )
+    axes[0].set(ylabel="output tokens / s", title="throughput")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[1].set(ylabel="throughput ratio", title="DDTREE / DFLASH and DFLASH / NONE")
+    axes[2].set(ylabel="ms", title="TPOT p50", yscale="log")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

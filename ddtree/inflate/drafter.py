@@ -1,0 +1,146 @@
+"""The widened DFlash drafter: its layers spread over the shape's layers, its taps on the target
+layers that carry the source's tapped layers, extra taps on other layers with zero `fc` columns."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.inflate.blocks import fill_layer, fill_residual_norm
+from ddtree.inflate.layout import InflateError, Residual, head_maps, put, spread
+
+
+def drafter_taps(
+    src: DrafterConfig, carriers: list[int], num_taps: int, num_layers: int
+) -> list[int]:
+    """Sorted big tap ids: the carriers of the source taps plus evenly spread other layers."""
+    real = [carriers[i] for i in src.target_layer_ids]
+    if num_taps < len(real) or num_taps > num_layers:
+        raise InflateError(
+            f"drafter num_taps {num_taps} must be in [{len(real)} (the source's), {num_layers}]"
+        )
+    others = [j for j in range(num_layers) if j not in real]
+    extra = spread(num_taps - len(real), others) if num_taps > len(real) else []
+    return sorted(real + extra)
+
+
+def _causal(src: DrafterConfig) -> bool:
+    kinds = {src.layer_is_causal(i) for i in range(src.num_hidden_layers)}
+    if len(kinds) != 1:
+        raise InflateError(
+            "SRC_DRAFTER mixes causal and bidirectional layers; inflate needs one kind"
+        )
+    return kinds.pop()
+
+
+def drafter_config(
+    src: DrafterConfig, shape: dict, target: dict, taps: list[int], res: Residual, dtype: str
+) -> dict:
+    """Sliding-window layers of the shape keep their window but take the source layers' in-block
+    causality (explicit `is_causal`): within the window they compute what the source's full layers
+    did."""
+    n = int(shape["num_hidden_layers"])
+    types = list(shape.get("layer_types") or ["full_attention"] * n)
+    if len(types) != n:
+        raise InflateError(f"drafter layer_types has {len(types)} entries for {n} layers")
+    window = shape.get("sliding_window") if "sliding_attention" in types else None
+    dflash = {
+        "mask_token_id": src.mask_token_id,
+        "target_layer_ids": taps,
+        "block_size": src.block_size,
+    }
+    if window is not None or src.is_causal is not None:
+        dflash["is_causal"] = _causal(src)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": target["hidden_size"],
+        "vocab_size": target["vocab_size"],
+        **{
+            k: int(shape[k])
+            for k in (
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+            )
+        },
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": res.eps(src.rms_norm_eps),
+        "rope_theta": src.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": src.max_position_embeddings,
+        "layer_types": types,
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "block_size": src.block_size,
+        "num_target_layers": target["num_hidden_layers"],
+        "dflash_config": dflash,
+    }
+
+
+@torch.no_grad()
+def inflate_drafter(
+    small: nn.Module,
+    cfg: DrafterConfig,
+    tcfg: TargetConfig,
+    res: Residual,
+    device,
+    dtype: torch.dtype,
+    carriers: list[int],
+) -> nn.Module:
+    from ddtree.models.dflash import DFlashDrafter
+
+    s = small.config
+    if (
+        s.rope_scaling is not None
+        or s.input_embedding_scale != 1.0
+        or s.output_multiplier != 1.0
+        or s.final_logit_softcapping
+    ):
+        raise InflateError(
+            "SRC_DRAFTER uses rope_scaling or logit scaling: not supported by inflate"
+        )
+    if cfg.num_hidden_layers < s.num_hidden_layers or cfg.intermediate_size < s.intermediate_size:
+        raise InflateError(
+            f"drafter shape ({cfg.num_hidden_layers} layers, MLP {cfg.intermediate_size}) is "
+            f"smaller than the source's ({s.num_hidden_layers}, {s.intermediate_size})"
+        )
+    with torch.device("meta"):
+        big = DFlashDrafter(cfg).to(dtype)
+    big = big.to_empty(device=device)
+    h, H = s.hidden_size, cfg.hidden_size
+    big_pos = {b: t for t, b in enumerate(cfg.target_layer_ids)}
+    cols = torch.full((len(cfg.target_layer_ids) * H,), -1)
+    for t_small, layer in enumerate(s.target_layer_ids):
+        t = big_pos[carriers[layer]]
+        cols[t * H : t * H + h] = torch.arange(h) + t_small * h
+    put(big.fc.weight.data, small.fc.weight.data, res.map, cols)
+    if (
+        res.const is not None
+    ):  # the fused context carries the constant too, so hidden_norm's RMS is exact
+        big.fc.weight.data[res.const, res.const] = 1.0
+    fill_residual_norm(big.hidden_norm.weight, small.hidden_norm.weight, res, False, False)
+    maps = head_maps(
+        s.num_attention_heads,
+        s.num_key_value_heads,
+        s.head_dim,
+        s.head_dim,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.head_dim,
+    )
+    placed = spread(s.num_hidden_layers, list(range(cfg.num_hidden_layers)))
+    where = {b: i for i, b in enumerate(placed)}
+    src_layer = 0
+    for j, layer in enumerate(big.layers):
+        src_layer = where.get(j, src_layer)
+        fill_layer(layer, small.layers[src_layer], maps, res, j in where)
+    fill_residual_norm(big.norm.weight, small.norm.weight, res, False, False, const_value=1.0)
+    return big.eval()
