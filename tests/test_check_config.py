@@ -120,7 +120,8 @@ def test_recurrent_state_bytes_bf16_ssm():
 def test_check_config_main_ok(tmp_path, capsys):
     target, drafter = dense_pair(tmp_path)
     rc = main(["check-config", "--model-path", target, "--speculative-algorithm", "ddtree",
-               "--speculative-draft-model-path", drafter, "--device-memory-gib", "80"])
+               "--speculative-draft-model-path", drafter, "--device", "cuda",
+               "--device-memory-gib", "80"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "speculative_ddtree_budget" in out and "memory plan" in out and "KV per token" in out
