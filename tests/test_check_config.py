@@ -176,7 +176,9 @@ def test_check_config_says_what_it_planned_for(tmp_path, capsys):
     assert main([*argv, "--device", "cuda", "--device-memory-gib", "140"]) == 0
     out = capsys.readouterr().out
     assert "planned for: device cuda (140 GiB given by --device-memory-gib), dtype bfloat16" in out
-    assert main([*argv, "--device", "cpu", "--device-memory-gib", "512"]) == 0
+    # the CPU engine caps its KV pool (CPU_KV_BUDGET_BYTES): an 8B pair in fp32 fits a 4k context
+    assert main([*argv, "--device", "cpu", "--device-memory-gib", "512",
+                 "--context-length", "4096"]) == 0
     out = capsys.readouterr().out
     assert "planned for: device cpu" in out and "dtype float32" in out
     assert "--device cuda --device-memory-gib 140" in out  # how to plan for the GPU instead
