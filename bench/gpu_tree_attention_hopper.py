@@ -23,7 +23,7 @@ from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
 
 T0 = time.time()
-# Hopper-kernel configs timed beside the default dispatch (hopper.config_for; correctness: tests/gpu):
+# Hopper-kernel configs timed beside the default dispatch (dispatch.gluon_config_for; correctness: tests/gpu):
 # 64-row blocks (DEFAULT), two warpgroups with 128- or 64-wide tiles, and tail_n=0 (the kernel before the
 # swapped tail block)
 VARIANTS = (HopperConfig(), HopperConfig(128, 128, 3), HopperConfig(128, 64, 3), HopperConfig(tail_n=0))

@@ -185,7 +185,7 @@ def main():
              f"Hopper kernel (Gluon, {hopper.DEFAULT})"),
             ({"name": "hopper pingpong", "config": str(hopper.PINGPONG), "mode": 1},
              _or_error(hopper_report, cfg=hopper.PINGPONG), f"Hopper kernel, two warpgroups ({hopper.PINGPONG})"),
-            # decode: causal, the merge launched as a programmatic dependent (hopper.merge_pdl)
+            # decode: causal, the merge launched as a programmatic dependent (dispatch.gluon_merge_pdl)
             ({"name": "hopper decode", "mode": 0}, _or_error(hopper_report, mode=0, pdl=True), "Hopper kernel, decode"),
             ({"name": "combine"}, _or_error(combine_report), "Split merge (PDL)"),
         ]

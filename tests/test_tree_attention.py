@@ -280,24 +280,27 @@ def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, cfg)
 
 
 def test_default_path_takes_the_hopper_kernel_for_decode_and_trees(monkeypatch):
-    """Where hopper.unsupported gives no reason (sm_90, bf16, head dim 128, 16-token pages), the default dispatch sends tree
+    """Where dispatch.gluon_unsupported gives no reason (sm_90, bf16, head dim 128, 16-token pages), the default dispatch sends tree
     rows and decode rows to the Gluon kernel, and 4-8 token chains (16-32 rows at GQA 4) to Triton."""
     from ddtree.kernels.tree_attention import reference
 
     hop = kernel_module.hopper
     monkeypatch.setattr(hop, "launch_splits", reference.split_partials_reference)
-    monkeypatch.setattr(hop, "unsupported", lambda shape, device: None if hop.rows_supported(shape.rows, shape.group)
-                        else "rows")
+    from ddtree.kernels.tree_attention import dispatch
+
+    monkeypatch.setattr(dispatch, "gluon_unsupported", lambda shape, device: None
+                        if dispatch.gluon_rows_supported(shape.rows, shape.group) else "rows")
     monkeypatch.setattr(hop, "sm_count", lambda device: 132)
     for q_lens, kv_lens, tree, used in (([1, 1], [900, 40], False, True), ([17], [400], True, True),
                                         ([6], [300], False, False)):
         plan = check(q_lens, kv_lens, 16, torch.float32, tree, hq=8, hkv=2)
-        want = hop.config_for(max(q_lens) * 4) if used else None
+        want = dispatch.gluon_config_for(max(q_lens) * 4) if used else None
         assert plan.hopper == want and (plan.kernel == "hopper") == used, (q_lens, plan)
         assert (plan.fallback is None) == used
     # 64-node trees (256 rows) take the two-warpgroup kernel; 65 nodes (4 rows past 256) and decode the 64-row one
-    assert hop.config_for(256) == hop.PINGPONG and hop.config_for(68) == hop.PINGPONG
-    assert hop.config_for(260) == hop.DEFAULT and hop.config_for(4) == hop.DEFAULT
+    config_for = dispatch.gluon_config_for
+    assert config_for(256) == hop.PINGPONG and config_for(68) == hop.PINGPONG
+    assert config_for(260) == hop.DEFAULT and config_for(4) == hop.DEFAULT
 
 
 def test_hopper_config_rules():
@@ -358,13 +361,14 @@ def test_hopper_row_gate():
     decode (one token's GQA group <= tail_n: a single swapped block); 17..32 rows stay with Triton's 32-row
     blocks, and so do groups wider than the swapped block."""
     from ddtree.kernels.tree_attention import hopper
+    from ddtree.kernels.tree_attention.dispatch import gluon_rows_supported as rows_supported
 
-    assert hopper.rows_supported(4, 4) and hopper.rows_supported(8, 8)  # decode, GQA 4 and 8
-    assert hopper.rows_supported(65 * 4, 4) and hopper.rows_supported(33, 1)
-    assert not hopper.rows_supported(16, 4) and not hopper.rows_supported(32, 4)  # 4-8 token chains
-    assert not hopper.rows_supported(16, 16)  # GQA 16: a token's group is wider than tail_n
-    assert not hopper.rows_supported(0, 4)
-    assert hopper.tail_n(hopper.HopperConfig(tail_n=0), 4) == 0 and not hopper.rows_supported(12, 4)
+    assert rows_supported(4, 4) and rows_supported(8, 8)  # decode, GQA 4 and 8
+    assert rows_supported(65 * 4, 4) and rows_supported(33, 1)
+    assert not rows_supported(16, 4) and not rows_supported(32, 4)  # 4-8 token chains
+    assert not rows_supported(16, 16)  # GQA 16: a token's group is wider than tail_n
+    assert not rows_supported(0, 4)
+    assert hopper.tail_n(hopper.HopperConfig(tail_n=0), 4) == 0 and not rows_supported(12, 4)
 
 
 def test_dispatch_plan_is_frozen_and_names_its_fallback(monkeypatch):
@@ -388,11 +392,11 @@ def test_dispatch_plan_is_frozen_and_names_its_fallback(monkeypatch):
     assert "alongside" in dispatch.plan(block, cpu, triton_slots=lambda cfg: 264).fallback
     assert dispatch.plan(tree, cpu, num_splits=1).fallback == "one split asked for"
     monkeypatch.setenv(envs.NO_HOPPER_ATTENTION.name, "1")
-    assert envs.NO_HOPPER_ATTENTION.name in hop.unsupported(tree, cpu)
+    assert envs.NO_HOPPER_ATTENTION.name in dispatch.gluon_unsupported(tree, cpu)
     monkeypatch.delenv(envs.NO_HOPPER_ATTENTION.name)
-    monkeypatch.setattr(hop, "unsupported", lambda shape, device: None)
+    monkeypatch.setattr(dispatch, "gluon_unsupported", lambda shape, device: None)
     monkeypatch.setattr(hop, "sm_count", lambda device: 132)
     g = dispatch.plan(tree, cpu)
-    assert g.kernel == "hopper" and g.hopper == hop.config_for(tree.rows) and g.fallback is None
+    assert g.kernel == "hopper" and g.hopper == dispatch.gluon_config_for(tree.rows) and g.fallback is None
     assert g.capture_key == (g.num_splits, True) and g.num_splits >= 2
     assert dispatch.plan(tree, cpu, num_splits=1).kernel == "triton"  # one split: no partials, no Gluon

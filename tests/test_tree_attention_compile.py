@@ -77,7 +77,7 @@ def test_hopper_kernel_has_the_swapped_tail(reports):
     for name in ("hopper ctx", "hopper decode"):
         r = reports[name]
         assert "error" not in r and r["HGMMA_N8"] > 0 and r["serialized"] == [], r
-    # decode launches the merge as a programmatic dependent (hopper.merge_pdl), so the kernel must trigger it;
+    # decode launches the merge as a programmatic dependent (dispatch.gluon_merge_pdl), so the kernel must trigger it;
     # tree rows launch it ordinarily
     assert reports["hopper decode"]["gdc_launch"] and not reports["hopper ctx"]["gdc_launch"]
 

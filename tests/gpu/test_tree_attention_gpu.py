@@ -134,7 +134,7 @@ def _hopper_configs():
 @pytest.mark.parametrize("variant", ["default", "splits 3", "splits 7", "configs"])
 @pytest.mark.parametrize("ci", [i for i, c in enumerate(CASES) if c[2] == 16])
 def test_hopper_kernel_matches_reference(ci, variant):
-    """The default dispatch (the Gluon kernel where `hopper.unsupported` gives no reason),
+    """The default dispatch (the Gluon kernel where `dispatch.gluon_unsupported` gives no reason),
     forced split counts, and every timed HopperConfig (masked_tail=False needs 64-row blocks: > 32
     rows)."""
     if torch.cuda.get_device_capability() != (9, 0):

@@ -5,15 +5,15 @@ split merge).
 
 The rules (the H200 measurements behind them are in BENCHMARKS.md):
 - tiles: `tuning.default_config` from rows per request (q tokens x GQA group), head dim and context;
-- the Gluon kernel (`hopper.unsupported` says where not) does the context splits of tree / chain
-  rows (> 32 rows) and decode rows, `hopper.config_for` picks its config; never with `new_kv` (the
+- the Gluon kernel (`gluon_unsupported` says where not) does the context splits of tree / chain
+  rows (> 32 rows) and decode rows, `gluon_config_for` picks its config; never with `new_kv` (the
   drafter's block), never with one split asked for, and with a Triton config only when the Triton
   last split can follow it;
 - splits: the fewest that fill the GPU's resident slots (`tuning.choose_num_splits`), unless fixed
   by the caller (a CUDA graph fixes them per bucket); the Gluon kernel always has >= 2 (its last
   split is the masked one);
 - PDL: the merge launches as a programmatic dependent on sm_90 (`merge.pdl_ok`), after the Gluon
-  kernel only where `hopper.merge_pdl` says.
+  kernel only where `gluon_merge_pdl` says.
 A plan depends only on host ints and the device, so a CUDA graph captured with a plan replays that
 plan.
 """
@@ -134,9 +134,9 @@ def plan(
             if num_splits == 1
             else "a Triton config that cannot run the last split"
             if config is not None and not triton_last_split_ok
-            else hopper.unsupported(shape, device)
+            else gluon_unsupported(shape, device)
         )
-        hop = hopper.config_for(rows) if why is None else None
+        hop = gluon_config_for(rows) if why is None else None
     elif hop is False:
         why, hop = "hopper_ctx=False", None
     if hop is not None:
@@ -168,10 +168,86 @@ def plan(
             tail_split=cfg.tail_split,
         )
     # the merge as a programmatic dependent (H200, BENCHMARKS.md): after the Triton kernel (decode
-    # 0.8-2.2 us faster), after the Hopper kernel where hopper.merge_pdl says
+    # 0.8-2.2 us faster), after the Hopper kernel where gluon_merge_pdl says
     pdl = (
         num_splits > 1
         and merge.pdl_ok(device)
-        and (hop is None or hopper.merge_pdl(hop, rows, shape.group))
+        and (hop is None or gluon_merge_pdl(hop, rows, shape.group))
     )
     return LaunchPlan("hopper" if hop is not None else "triton", cfg, hop, num_splits, pdl, why)
+
+
+# ---- the Gluon (sm_90) kernel's rules: where the default plan uses it, with which config
+# ----------------
+
+# Gluon is experimental and its API moves between Triton releases (warp_specialize's arguments
+# already differ on Triton's main branch): only the release the kernel was written and checked with
+# is tried.
+GLUON_TRITON_VERSIONS = ("3.6.",)
+# What has been run against the reference on the H200 (BENCHMARKS.md): bf16, head dim 128, 16-token
+# pages. The kernel also compiles for sm_90 at head dim 64 and 32-128-token pages
+# (tree_attention_compile_report.py) and is written for fp16, but until those run on the device they
+# stay with the Triton kernel.
+GLUON_CHECKED_ON_DEVICE = {"dtypes": (torch.bfloat16,), "head_dims": (128,), "page_sizes": (16,)}
+
+
+def gluon_config_for(rows_per_request: int):
+    """The default plan's HopperConfig: PINGPONG when the rows fill their last 128-row block
+    more than half, else DEFAULT (64-row blocks, a swapped block for a one-node tail or a decode
+    token's group)."""
+    from ddtree.kernels.tree_attention.hopper import DEFAULT, PINGPONG
+
+    rest = rows_per_request % PINGPONG.block_m
+    return PINGPONG if rest == 0 or rest > PINGPONG.block_m // 2 else DEFAULT
+
+
+def gluon_rows_supported(rows_per_request: int, group: int) -> bool:
+    """> 32 rows: 64-row blocks (+ a swapped tail); <= tail_n: one swapped block (decode).
+    17..32: Triton."""
+    from ddtree.kernels.tree_attention.hopper import DEFAULT, tail_n
+
+    return rows_per_request > 32 or 0 < rows_per_request <= tail_n(DEFAULT, group)
+
+
+def gluon_merge_pdl(cfg, rows_per_request: int, group: int) -> bool:
+    """Whether the merge after the Gluon kernel launches as a programmatic dependent (the kernel
+    then triggers it first thing). By default only for decode-shaped launches (all blocks swapped),
+    where the launch gap is a visible share of a memory-bound call; the caller still checks
+    merge.pdl_ok."""
+    from ddtree.kernels.tree_attention.hopper import tail_n
+
+    if cfg.pdl is not None:
+        return cfg.pdl
+    return rows_per_request <= tail_n(cfg, group)
+
+
+def gluon_unsupported(shape: AttentionShape, device: torch.device) -> str | None:
+    """Why the default plan does not use the Gluon kernel for `shape`, or None. It does on
+    Hopper for the dtype / head dim / page size in GLUON_CHECKED_ON_DEVICE and rows per request (q
+    tokens x GQA group) either > 32 (trees, chains) or <= DEFAULT.tail_n (decode: one token's group,
+    the swapped path); rows in between stay with the Triton kernel's 16/32-row blocks."""
+    import triton
+
+    from ddtree import envs
+    from ddtree.kernels.tree_attention import hopper
+
+    if hopper.unavailable():
+        return f"the Gluon kernel is unavailable: {hopper.unavailable()}"
+    if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
+        return f"Gluon checked only with Triton {GLUON_TRITON_VERSIONS}, not {triton.__version__}"
+    if envs.NO_HOPPER_ATTENTION.on():
+        return f"{envs.NO_HOPPER_ATTENTION.name} is set"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "not sm_90"
+    checked = GLUON_CHECKED_ON_DEVICE
+    if (shape.dtype not in checked["dtypes"] or shape.head_dim not in checked["head_dims"]
+            or shape.page_size not in checked["page_sizes"]):
+        return (
+            f"{shape.dtype}, head dim {shape.head_dim}, page {shape.page_size}: not checked on the "
+            "device"
+        )
+    if not gluon_rows_supported(shape.rows, shape.group):
+        return f"{shape.rows} rows per request (17..32 or a GQA group wider than the swapped tail)"
+    if not shape.pools_ok:
+        return "the KV pools are not contiguous and 16-byte aligned"
+    return None

@@ -21,8 +21,8 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
 - with block_m = 128 (`PINGPONG`, FA3's shape for head dim 128, and cuDNN's: 2 math warpgroups x 64 rows,
   128-wide tiles, 3 stages, one program per SM) the two math warpgroups are separate partitions that share every
   K/V tile (a slot frees after both arrive) and issue their MMAs in turn through two mbarriers; Q stays in shared
-  memory there (the registers go to the 64 x 128 S and P). `config_for` picks it where the rows fill their last
-  128-row block more than half (64 nodes: 16k 43.2-44.7 vs 45.4-46.6 us in two runs); a 4k + 1-node tree keeps
+  memory there (the registers go to the 64 x 128 S and P). `dispatch.gluon_config_for` picks it where the
+  rows fill their last 128-row block more than half (64 nodes: 16k 43.2-44.7 vs 45.4-46.6 us in two runs); a 4k + 1-node tree keeps
   the 64-row blocks and the swapped tail.
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
@@ -32,7 +32,7 @@ oracle). With masked_tail=False the Triton kernel runs the last split instead (m
 Rows past the request's length in a tile read finite pool data (the engine's pools are zero-initialised) that
 the mask gives weight 0. Written for sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8
 and divides or is divided by 64 (TMA boxes of min(page, 64) rows) and no `new_kv` (the drafter's block); the
-default plan (dispatch.py) uses it where `unsupported` gives no reason: the CHECKED_ON_DEVICE shapes, and
+default plan uses it where `dispatch.gluon_unsupported` gives no reason: the checked shapes, and
 > 32 rows per request (trees, chains) or <= tail_n (decode, all swapped: 4k 10.7 vs 14.1 us, ragged b = 8
 69 vs 105 us; BENCHMARKS.md).
 `DDTREE_NO_HOPPER_ATTENTION=1` turns it off (the Triton kernel then does everything);
@@ -45,7 +45,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ddtree import envs
 
@@ -71,7 +70,7 @@ class HopperConfig:
     stages: int = 3  # ring slots
     masked_tail: bool = True  # the last split (partial context tile + masked new tokens) here, not in Triton
     tail_n: int = 8  # a last row block of <= tail_n rows runs swapped (S^T = K Q^T, N = tail_n); 0 = off
-    pdl: bool | None = None  # the split merge as a programmatic dependent; None: only for decode (see merge_pdl)
+    pdl: bool | None = None  # the split merge as a programmatic dependent; None: only for decode (dispatch.gluon_merge_pdl)
 
     def __post_init__(self):
         # block_m 128: two consumer warpgroups (partitions) of 64 rows each sharing every K/V tile, their MMAs
@@ -103,19 +102,12 @@ DEFAULT = HopperConfig()
 PINGPONG = HopperConfig(block_m=128, block_n=128, stages=3)
 
 
-def config_for(rows_per_request: int) -> HopperConfig:
-    """The default path's config: PINGPONG when the rows fill their last 128-row block more than half, else
-    DEFAULT (64-row blocks, a swapped block for a one-node tail or a decode token's group)."""
-    rest = rows_per_request % PINGPONG.block_m
-    return PINGPONG if rest == 0 or rest > PINGPONG.block_m // 2 else DEFAULT
-
-
 _LOG2E = 1.4426950408889634
 
 
-# Gluon is experimental and its API moves between Triton releases (warp_specialize's arguments already differ on
-# Triton's main branch): only the release this kernel was written and checked with is tried.
-TRITON_VERSIONS = ("3.6.",)
+def unavailable() -> str | None:
+    """Why the kernel cannot run in this process (no Gluon; it failed to build or launch once), or None."""
+    return _disabled[0] if _disabled else None
 
 
 def disable(err: BaseException) -> None:
@@ -123,36 +115,6 @@ def disable(err: BaseException) -> None:
         logger.warning("Hopper tree-attention kernel unavailable (%s: %s); using the Triton kernel",
                        type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
     _disabled.append(f"{type(err).__name__}: {err}")
-
-
-# What has been run against the reference on the H200 (BENCHMARKS.md): bf16, head dim 128, 16-token pages. The
-# kernel also compiles for sm_90 at head dim 64 and 32-128-token pages (tree_attention_compile_report.py) and is
-# written for fp16, but until those run on the device they stay with the Triton kernel.
-CHECKED_ON_DEVICE = {"dtypes": (torch.bfloat16,), "head_dims": (128,), "page_sizes": (16,)}
-
-
-def unsupported(shape, device: torch.device) -> str | None:
-    """Why the default path does not use this kernel for `shape` (a dispatch.AttentionShape), or None. It
-    does on Hopper for the dtype / head dim / page size in CHECKED_ON_DEVICE and rows per request (q tokens x
-    GQA group) either > 32 (trees, chains) or <= DEFAULT.tail_n (decode: one token's group, the swapped path);
-    rows in between stay with the Triton kernel's 16/32-row blocks."""
-    if _disabled:
-        return f"the Gluon kernel is unavailable: {_disabled[0]}"
-    if not triton.__version__.startswith(TRITON_VERSIONS):
-        return f"Gluon checked only with Triton {TRITON_VERSIONS}, not {triton.__version__}"
-    if envs.NO_HOPPER_ATTENTION.on():
-        return f"{envs.NO_HOPPER_ATTENTION.name} is set"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return "not sm_90"
-    checked = CHECKED_ON_DEVICE
-    if (shape.dtype not in checked["dtypes"] or shape.head_dim not in checked["head_dims"]
-            or shape.page_size not in checked["page_sizes"]):
-        return f"{shape.dtype}, head dim {shape.head_dim}, page {shape.page_size}: not checked on the device"
-    if not rows_supported(shape.rows, shape.group):
-        return f"{shape.rows} rows per request (17..32 or a GQA group wider than the swapped tail)"
-    if not shape.pools_ok:
-        return "the KV pools are not contiguous and 16-byte aligned"
-    return None
 
 
 if not _disabled:  # Gluon imported
@@ -268,20 +230,6 @@ if not _disabled:  # Gluon imported
             mbarrier.wait(empty.index(slot), ((j // NS) & 1) ^ 1)  # a fresh barrier passes parity 1
             _issue_tile(k_desc, v_desc, pages, tile_lo + j, k_bufs.index(slot), v_bufs.index(slot),
                         full.index(slot), col, PAGE, BOX, BN, pg_layout)
-
-
-def merge_pdl(cfg: HopperConfig, rows_per_request: int, group: int) -> bool:
-    """Whether the merge after this kernel launches as a programmatic dependent (the kernel then triggers it
-    first thing). By default only for decode-shaped launches (all blocks swapped), where the launch gap is a
-    visible share of a memory-bound call; the caller still checks merge.pdl_ok."""
-    if cfg.pdl is not None:
-        return cfg.pdl
-    return rows_per_request <= tail_n(cfg, group)
-
-
-def rows_supported(rows_per_request: int, group: int) -> bool:
-    """> 32 rows: 64-row blocks (+ a swapped tail); <= tail_n: one swapped block (decode). 17..32: Triton."""
-    return rows_per_request > 32 or 0 < rows_per_request <= tail_n(DEFAULT, group)
 
 
 def tail_n(cfg: HopperConfig, group: int) -> int:
