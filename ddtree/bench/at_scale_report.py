@@ -100,7 +100,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # no ratio line when a base config is missing
+            ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
