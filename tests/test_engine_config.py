@@ -193,7 +193,8 @@ def test_unchunked_prefill_acts():
     ]  # 37 tokens: one chunk of the default 2048
     whole = LLM(device="cpu", chunked_prefill_size=-1)
     engine = whole.engine
-    assert engine.scheduler.chunk_tokens == engine.max_context
+    # -1: no chunking, so one prefill batch is capped by --max-prefill-tokens alone
+    assert engine.scheduler.prefill_budget == min(engine.max_context, whole.args.max_prefill_tokens)
     out = whole.generate(prompt, params)[0]
     assert (
         out.token_ids == one_chunk.token_ids

@@ -30,7 +30,7 @@ def time_pair(
     from ddtree.bench.round_timing import Clock
     from ddtree.bench.rounds import prefilled_requests, run_case, runner_config
     from ddtree.engine.model_runner import ModelRunner
-    from ddtree.speculative.decoder import SpecConfig
+    from ddtree.engine.config import SpecConfig
 
     ns = argparse.Namespace(
         block_size=drafter.config.block_size,

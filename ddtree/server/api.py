@@ -108,7 +108,7 @@ def create_app(aengine: AsyncEngine, args, metrics=None,
         return {"object": "list", "data": [card]}
 
     app.include_router(v1)
-    app.include_router(native_router(serving, args, engine), dependencies=[Depends(check_key)])
+    app.include_router(native_router(serving, args, engine))  # behind ApiKeyAuth like every route
 
     @app.get("/health")
     async def health():
