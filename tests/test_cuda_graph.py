@@ -9,6 +9,7 @@ from engine_utils import make_llm, toy_prompts
 from ddtree import SamplingParams
 from ddtree.engine.cuda_graph import CudaGraphRunner, GraphSet, batch_buckets, ctx_bounds
 from ddtree.engine.model_runner import RoundMeta
+from triton_utils import cpu_interpreter_only
 
 # ragged prompts (5..33 tokens) and different lengths, so the live batch shrinks 5 -> 1 over the run
 PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 12, 22, 6, 17)]
@@ -203,6 +204,7 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
 
 
+@cpu_interpreter_only
 def test_probed_plans_are_the_plans_that_run(toy_pair, monkeypatch):
     """The graph sets key their graphs by the backend's `launch_plan` for each (bs, bucket); it must be the plan
     the dispatcher gives the forward's attention calls (verify: tree rows; draft: the block with its K/V

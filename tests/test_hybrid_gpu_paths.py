@@ -7,7 +7,7 @@ import pytest
 from ddtree import SamplingParams
 from engine_utils import run, toy_prompts
 from test_gdn_dispatch import _fake_fla
-from triton_utils import load_kernel_module
+from triton_utils import cpu_interpreter_only, load_kernel_module
 
 load_kernel_module("ddtree.kernels.gdn.triton_tree")
 
@@ -15,7 +15,7 @@ from ddtree.kernels.gdn import backend, dispatch  # noqa: E402
 
 PROMPTS = toy_prompts(2)
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), cpu_interpreter_only]
 
 
 @pytest.fixture(scope="module")

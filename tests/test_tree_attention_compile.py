@@ -22,7 +22,7 @@ def needs_gluon_triton():
     """The Gluon kernel is written against one Triton's Gluon API; `hopper.supported` keeps any other
     Triton on the Triton kernel, so its compile properties are checked under that version only."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from ddtree.kernels.tree_attention.hopper import TRITON_VERSIONS
+    from ddtree.kernels.tree_attention.dispatch import GLUON_TRITON_VERSIONS as TRITON_VERSIONS
 
     if not triton.__version__.startswith(TRITON_VERSIONS):
         pytest.skip(f"the Gluon kernel targets Triton {' / '.join(TRITON_VERSIONS)}x, not "

@@ -16,7 +16,10 @@ PROMPTS = ["import json\n\n\ndef dumps(obj, *, indent=None):\n    ",
            "class Stack:\n    def push(self, x):\n"]
 
 
-@pytest.mark.parametrize("dtype, atol", [("float32", 2e-3), ("bfloat16", 0.15)])
+# bf16: the engine (paged Triton attention, fused layers, graphs) and the plain forward round
+# differently; on the H200 their top-4 log-probs differed by up to 0.185 (3 bf16 steps at logits
+# of 8-16) in 2 of 160 entries, so the bound is 4 steps
+@pytest.mark.parametrize("dtype, atol", [("float32", 2e-3), ("bfloat16", 0.25)])
 @pytest.mark.parametrize("algorithm", ["NONE", "DFLASH", "DDTREE"])
 def test_cuda_graph_logprobs_equal_full_forward(algorithm, dtype, atol):
     llm = LLM(None, speculative_algorithm=algorithm, device="cuda", dtype=dtype,
