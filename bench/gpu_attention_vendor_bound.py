@@ -24,19 +24,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gpu_tree_attention import DEV, DT, HKV, HQ, D, Problem, bandwidths, cold_copies, rel, save_json  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from gpu_tree_attention import D, DEV, DT, HKV, HQ, Problem, bandwidths, cold_copies, rel, save_json  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 
 T0 = time.time()
 G = HQ // HKV
 WGMMA_CEILING = 900e12  # FLOP/s, bench/gpu_wgmma_ceiling.py on this H200 (884-920 measured)
-POINTS = [("b1 n65 1k", 1, 65, 1024), ("b1 n65 4k", 1, 65, 4096), ("b1 n65 16k", 1, 65, 16384),
-          ("b1 n65 32k", 1, 65, 32768), ("b8 n65 8k", 8, 65, 8192), ("b1 n64 16k", 1, 64, 16384),
-          ("b1 n1 16k", 1, 1, 16384)]
-BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+POINTS = [
+    ("b1 n65 1k", 1, 65, 1024),
+    ("b1 n65 4k", 1, 65, 4096),
+    ("b1 n65 16k", 1, 65, 16384),
+    ("b1 n65 32k", 1, 65, 32768),
+    ("b8 n65 8k", 8, 65, 8192),
+    ("b1 n64 16k", 1, 64, 16384),
+    ("b1 n1 16k", 1, 1, 16384),
+]
+BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
 
 
 def vendor(b: int, rows: int, ctx: int, backend) -> tuple[float, int, float]:
@@ -54,8 +63,12 @@ def vendor(b: int, rows: int, ctx: int, backend) -> tuple[float, int, float]:
         try:
             with sdpa_kernel([backend]):
                 out = F.scaled_dot_product_attention(qs[0], ks[0], vs[0])
-                t = time_graph(lambda: [F.scaled_dot_product_attention(qs[i], ks[i], vs[i])
-                                        for i in range(r_copies)], r_copies)
+                t = time_graph(
+                    lambda: [
+                        F.scaled_dot_product_attention(qs[i], ks[i], vs[i]) for i in range(r_copies)
+                    ],
+                    r_copies,
+                )
         except Exception as e:  # noqa: BLE001  (a backend that does not take this shape)
             print(f"    {backend} S={s}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
@@ -80,12 +93,16 @@ def launch_pair(pairs: int = 50) -> float:
 
 
 def main():
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}"
+    )
     bw = bandwidths()["sm_copy_graph"]
     torch.cuda.empty_cache()
     pair = launch_pair()
-    print(f"SM copy {bw / 1e12:.2f} TB/s; two minimal kernels (50 pairs in a graph): {pair * 1e6:.1f} us per pair",
-          flush=True)
+    print(
+        f"SM copy {bw / 1e12:.2f} TB/s; two minimal kernels (50 pairs in a graph): {pair * 1e6:.1f} us per pair",
+        flush=True,
+    )
     rows_out = []
     for name, b, n, ctx in POINTS:
         rows = n * G
@@ -98,17 +115,32 @@ def main():
             tv, sv, ev = vendor(b, rows, ctx, be)
             row[key] = (tv * 1e6, sv, ev)
         flops = 4 * b * HKV * rows * ctx * D
-        print(f"  {name:<11} floor {floor * 1e6:6.1f} tensor {tensor * 1e6:6.1f} | ours {t * 1e6:7.1f} "
-              f"({t / floor:.2f}x, s={s}, rel {err:.1e}) | " + " | ".join(
-                  f"{k} {row[k][0]:7.1f} ({row[k][0] / 1e6 / floor:.2f}x, S={row[k][1]}, "
-                  f"{flops / (row[k][0] / 1e6) / 1e12:.0f} TF/s)" for k in BACKENDS), flush=True)
+        print(
+            f"  {name:<11} floor {floor * 1e6:6.1f} tensor {tensor * 1e6:6.1f} | ours {t * 1e6:7.1f} "
+            f"({t / floor:.2f}x, s={s}, rel {err:.1e}) | "
+            + " | ".join(
+                f"{k} {row[k][0]:7.1f} ({row[k][0] / 1e6 / floor:.2f}x, S={row[k][1]}, "
+                f"{flops / (row[k][0] / 1e6) / 1e12:.0f} TF/s)"
+                for k in BACKENDS
+            ),
+            flush=True,
+        )
         rows_out.append(row)
-    print("\n| point | KV floor | tensor floor | ours (x floor) | cuDNN, ctx only (x) | flash (x) | efficient (x) |")
+    print(
+        "\n| point | KV floor | tensor floor | ours (x floor) | cuDNN, ctx only (x) | flash (x) | efficient (x) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows_out:
         cells = [f"{r[k][0]:.1f} ({r[k][0] / r['floor_us']:.2f}x)" for k in ("ours", *BACKENDS)]
-        print(f"| {r['point']} | {r['floor_us']:.1f} | {r['tensor_floor_us']:.1f} | " + " | ".join(cells) + " |")
-    save_json("gpu_attention_vendor_bound.json", {"sm_copy_Bps": bw, "launch_pair_s": pair, "points": rows_out})
+        print(
+            f"| {r['point']} | {r['floor_us']:.1f} | {r['tensor_floor_us']:.1f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    save_json(
+        "gpu_attention_vendor_bound.json",
+        {"sm_copy_Bps": bw, "launch_pair_s": pair, "points": rows_out},
+    )
     print(f"total {time.time() - T0:.0f} s")
 
 

@@ -41,9 +41,14 @@ T0 = time.time()
 
 def toy_subprocess(out: str) -> subprocess.Popen:
     code = f"from ddtree.train.toy import build_toy_pair; build_toy_pair({out!r})"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # CPU only: never touches the GPU while graphs capture
-    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
+    env = dict(
+        os.environ, CUDA_VISIBLE_DEVICES=""
+    )  # CPU only: never touches the GPU while graphs capture
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
 
 
 def prompts_for(pair_name: str, llm, n: int) -> list[list[int]]:
@@ -60,8 +65,10 @@ def prompts_for(pair_name: str, llm, n: int) -> list[list[int]]:
     import textwrap
 
     srcs = [inspect.getsource(m) for m in (textwrap, json.decoder, st, argparse, textwrap)]
-    return [llm.tokenizer.encode(s[200 * i:], add_special_tokens=False)[:k] for i, (s, k) in
-            enumerate(zip(srcs, lengths))]
+    return [
+        llm.tokenizer.encode(s[200 * i :], add_special_tokens=False)[:k]
+        for i, (s, k) in enumerate(zip(srcs, lengths))
+    ]
 
 
 class Probe:
@@ -86,7 +93,9 @@ class Probe:
             def counted(*a, _fn=fn, _key=key):
                 self.replays[_key] += 1
                 out = _fn(*a)
-                if _key == "verify" and out[3] is not None:  # the greedy accept walk ran inside the verify graph
+                if (
+                    _key == "verify" and out[3] is not None
+                ):  # the greedy accept walk ran inside the verify graph
                     self.replays["accept"] += 1
                 return out
 
@@ -111,8 +120,16 @@ def generate(llm, probe, prompts, graphs):
 
 
 def run_config(pair_name, target, drafter, dtype, algo, budget, rows, failures):
-    kw = dict(dtype=dtype, device="cuda", attention_backend="triton", cuda_graph_max_bs=8, max_running_requests=8,
-              context_length=2048, max_total_tokens=8 * (2048 + 80), speculative_algorithm=algo)
+    kw = dict(
+        dtype=dtype,
+        device="cuda",
+        attention_backend="triton",
+        cuda_graph_max_bs=8,
+        max_running_requests=8,
+        context_length=2048,
+        max_total_tokens=8 * (2048 + 80),
+        speculative_algorithm=algo,
+    )
     if algo != "NONE":
         kw["speculative_draft_model_path"] = drafter
     if budget:
@@ -136,14 +153,31 @@ def run_config(pair_name, target, drafter, dtype, algo, budget, rows, failures):
         if bad and dtype == "float32":
             failures.append(f"{pair_name} {dtype} {name} b={b}: {bad} requests differ")
             first = next(i for i, (x, y) in enumerate(zip(eager, graph)) if x != y)
-            pos = next((j for j, (u, v) in enumerate(zip(eager[first], graph[first])) if u != v), None)
+            pos = next(
+                (j for j, (u, v) in enumerate(zip(eager[first], graph[first])) if u != v), None
+            )
             notes.append(f"req {first} diverges at token {pos}")
-        if replays["verify"] == 0 or (algo != "NONE" and (replays["draft"] == 0 or replays["accept"] == 0)):
+        if replays["verify"] == 0 or (
+            algo != "NONE" and (replays["draft"] == 0 or replays["accept"] == 0)
+        ):
             failures.append(f"{pair_name} {dtype} {name} b={b}: no graph replay {replays}")
             notes.append("NO REPLAY")
-        rows.append((pair_name, dtype, name, b, f"{acc:.2f}", f"{ms_e:.2f}", f"{ms_g:.2f}",
-                     f"{ms_e / ms_g:.2f}x", f"{bad}/{b}", f"{replays['verify']}/{replays['draft']}/{replays['accept']}",
-                     f"{build_s:.1f}", " ".join(notes)))
+        rows.append(
+            (
+                pair_name,
+                dtype,
+                name,
+                b,
+                f"{acc:.2f}",
+                f"{ms_e:.2f}",
+                f"{ms_g:.2f}",
+                f"{ms_e / ms_g:.2f}x",
+                f"{bad}/{b}",
+                f"{replays['verify']}/{replays['draft']}/{replays['accept']}",
+                f"{build_s:.1f}",
+                " ".join(notes),
+            )
+        )
     del llm, runner, probe
     torch.cuda.empty_cache()
 
@@ -151,7 +185,9 @@ def run_config(pair_name, target, drafter, dtype, algo, budget, rows, failures):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="default,toy", help="pairs to run: default,toy")
-    ap.add_argument("--budget-s", type=float, default=125, help="skip remaining configs after this many seconds")
+    ap.add_argument(
+        "--budget-s", type=float, default=125, help="skip remaining configs after this many seconds"
+    )
     ns = ap.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     pairs = [p for p in ns.only.split(",") if p]
@@ -160,7 +196,10 @@ def main():
     rows, failures, skipped = [], [], []
     for pair_name in pairs:
         if pair_name == "default":
-            target, drafter = os.path.join(PACKAGE_PAIR, "target"), os.path.join(PACKAGE_PAIR, "drafter")
+            target, drafter = (
+                os.path.join(PACKAGE_PAIR, "target"),
+                os.path.join(PACKAGE_PAIR, "drafter"),
+            )
         else:
             t = time.time()
             if toy_proc.wait() != 0:
@@ -178,15 +217,32 @@ def main():
                 except Exception:  # noqa: BLE001 - report and go on with the other configs
                     failures.append(f"{pair_name} {dtype} {algo} {budget}: crashed")
                     traceback.print_exc()
-                print(f"[{time.time() - T0:5.0f}s] {pair_name} {dtype} {algo} {budget or ''} done", flush=True)
-    head = ("pair", "dtype", "algo", "batch", "accept", "eager ms/rd", "graph ms/rd", "speedup", "mismatch",
-            "replays v/d/acc", "build s", "notes")
+                print(
+                    f"[{time.time() - T0:5.0f}s] {pair_name} {dtype} {algo} {budget or ''} done",
+                    flush=True,
+                )
+    head = (
+        "pair",
+        "dtype",
+        "algo",
+        "batch",
+        "accept",
+        "eager ms/rd",
+        "graph ms/rd",
+        "speedup",
+        "mismatch",
+        "replays v/d/acc",
+        "build s",
+        "notes",
+    )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
     if skipped:
         print(f"skipped (over --budget-s {ns.budget_s:.0f}): {', '.join(skipped)}")
-    print(f"total {time.time() - T0:.0f}s on {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(
+        f"total {time.time() - T0:.0f}s on {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    )
     for f in failures:
         print("FAIL:", f)
     sys.exit(1 if failures else 0)

@@ -21,16 +21,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from gpu_tree_attention import HKV, D, Problem, bandwidths, cold_copies, rel  # noqa: E402
 
-from gpu_tree_attention import D, HKV, Problem, bandwidths, cold_copies, rel  # noqa: E402
-from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree import envs  # noqa: E402
+from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.tree_attention.hopper import HopperConfig  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import KernelConfig  # noqa: E402
 
 SPLITS = (None, 15, 16, 24, 32, 33, 48, 64)
-VARIANTS = (("default", {}), ("Triton n64 w4 st5", {"config": KernelConfig(16, 64, 4, 5, tail_split=False)}),
-            ("Gluon swapped", {"hopper_ctx": HopperConfig()}))
+VARIANTS = (
+    ("default", {}),
+    ("Triton n64 w4 st5", {"config": KernelConfig(16, 64, 4, 5, tail_split=False)}),
+    ("Gluon swapped", {"hopper_ctx": HopperConfig()}),
+)
 
 
 def problem(q_lens, kv_lens, tree, seed):
@@ -55,11 +58,19 @@ def graph_err(p, ref):
     return rel(out, ref) if torch.isfinite(out).all() else float("inf")
 
 
-BATCHES = [("b1 1k", [1024]), ("b1 2k", [2048]), ("b8 1k", [1024] * 8), ("b8 2k", [2048] * 8),
-           ("b8 4k", [4096] * 8), ("b8 16k", [16384] * 8),
-           ("b8 ragged 0.5-16k", [500, 16384, 3000, 9000, 1, 12000, 700, 6000]), ("b32 1k", [1024] * 32),
-           ("b64 2k", [2048] * 64), ("b4 32k", [32768] * 4),
-           ("b4 2-token chains 4k", [4096] * 4)]  # the last: q_len 2 (8 rows: still one swapped block)
+BATCHES = [
+    ("b1 1k", [1024]),
+    ("b1 2k", [2048]),
+    ("b8 1k", [1024] * 8),
+    ("b8 2k", [2048] * 8),
+    ("b8 4k", [4096] * 8),
+    ("b8 16k", [16384] * 8),
+    ("b8 ragged 0.5-16k", [500, 16384, 3000, 9000, 1, 12000, 700, 6000]),
+    ("b32 1k", [1024] * 32),
+    ("b64 2k", [2048] * 64),
+    ("b4 32k", [32768] * 4),
+    ("b4 2-token chains 4k", [4096] * 4),
+]  # the last: q_len 2 (8 rows: still one swapped block)
 
 
 def batched(bw):
@@ -77,14 +88,22 @@ def batched(bw):
             cells.append((t, used, err))
         (tt, st, et), (tg, sg, eg) = cells
         flag = "  WRONG" if max(et, eg) > 1e-2 else ""
-        print(f"| {name} | {kv_bytes / bw * 1e6:.1f} | {tt:.1f} ({st}) | {tg:.1f} ({sg}) | {tg / tt:.2f}{flag} |",
-              flush=True)
+        print(
+            f"| {name} | {kv_bytes / bw * 1e6:.1f} | {tt:.1f} ({st}) | {tg:.1f} ({sg}) | {tg / tt:.2f}{flag} |",
+            flush=True,
+        )
 
 
-PDL_POINTS = [("decode b1 4k", [1], [4096]), ("decode b1 16k", [1], [16384]), ("decode b1 32k", [1], [32768]),
-              ("decode b8 4k", [1] * 8, [4096] * 8), ("tree 65 16k", [65], [16384 + 65]),
-              ("tree 65 32k", [65], [32768 + 65]), ("tree 65 b8 8k", [65] * 8, [8192 + 65] * 8),
-              ("tree 17 16k", [17], [16384 + 17])]
+PDL_POINTS = [
+    ("decode b1 4k", [1], [4096]),
+    ("decode b1 16k", [1], [16384]),
+    ("decode b1 32k", [1], [32768]),
+    ("decode b8 4k", [1] * 8, [4096] * 8),
+    ("tree 65 16k", [65], [16384 + 65]),
+    ("tree 65 32k", [65], [32768 + 65]),
+    ("tree 65 b8 8k", [65] * 8, [8192 + 65] * 8),
+    ("tree 17 16k", [17], [16384 + 17]),
+]
 
 
 def pdl_ab():
@@ -101,10 +120,15 @@ def pdl_ab():
             err = rel(p.ours(0, hopper_ctx=cfg), ref)
             if err > 1e-2:
                 print(f"  WRONG: {name} pdl={on}: rel err {err:.2e}")
-            times[on].append(time_graph(lambda: [p.ours(r, hopper_ctx=cfg) for r in range(p.R)], p.R) * 1e6)
+            times[on].append(
+                time_graph(lambda: [p.ours(r, hopper_ctx=cfg) for r in range(p.R)], p.R) * 1e6
+            )
         on_t, off_t = times[True], times[False]
-        print(f"| {name} | {on_t[0]:.1f}, {on_t[1]:.1f} | {off_t[0]:.1f}, {off_t[1]:.1f} | "
-              f"{min(on_t) / min(off_t):.3f} |", flush=True)
+        print(
+            f"| {name} | {on_t[0]:.1f}, {on_t[1]:.1f} | {off_t[0]:.1f}, {off_t[1]:.1f} | "
+            f"{min(on_t) / min(off_t):.3f} |",
+            flush=True,
+        )
 
 
 def main():
@@ -121,7 +145,9 @@ def main():
         p, kv_bytes = problem([1], [ctx], False, ctx)
         ref = p.reference(0)
         floor = kv_bytes / bw * 1e6
-        print(f"\ndecode {ctx}: floor {floor:.1f} us (R={p.R}); CUDA-graph replay rel err {graph_err(p, ref):.1e}")
+        print(
+            f"\ndecode {ctx}: floor {floor:.1f} us (R={p.R}); CUDA-graph replay rel err {graph_err(p, ref):.1e}"
+        )
         best = None
         for name, kw in VARIANTS:
             cells = []
@@ -129,7 +155,10 @@ def main():
                 try:
                     out, plan = p.ours_plan(0, num_splits=s, **kw)
                     err, used = rel(out, ref), plan.num_splits
-                    t = time_graph(lambda: [p.ours(r, num_splits=s, **kw) for r in range(p.R)], p.R) * 1e6
+                    t = (
+                        time_graph(lambda: [p.ours(r, num_splits=s, **kw) for r in range(p.R)], p.R)
+                        * 1e6
+                    )
                 except Exception as e:  # noqa: BLE001
                     cells.append(f"s{s}: {type(e).__name__}")
                     continue
@@ -138,7 +167,9 @@ def main():
                 if not flag and (best is None or t < best[0]):
                     best = (t, name, used)
             print(f"  {name:<18} " + "  ".join(cells), flush=True)
-        print(f"  best {best[0]:.1f} us = {best[0] / floor:.2f}x floor ({best[1]}, splits {best[2]})")
+        print(
+            f"  best {best[0]:.1f} us = {best[0] / floor:.2f}x floor ({best[1]}, splits {best[2]})"
+        )
 
 
 if __name__ == "__main__":

@@ -42,27 +42,33 @@ class Inputs:
         self.cos, self.sin = RotaryEmbedding(D, 1e6).cos_sin(pos, dt)
         self.gu = rnd(m, 2 * INTER, s=2.0)
         self.w_qkv = rnd((HQ + 2 * HKV) * D, H, s=0.02)
-        self.w_o, self.w_gu, self.w_down = rnd(H, HQ * D, s=0.02), rnd(2 * INTER, H, s=0.02), rnd(H, INTER, s=0.02)
+        self.w_o, self.w_gu, self.w_down = (
+            rnd(H, HQ * D, s=0.02),
+            rnd(2 * INTER, H, s=0.02),
+            rnd(H, INTER, s=0.02),
+        )
 
     def qk(self):
-        q = self.qkv[:, :HQ * D].view(-1, HQ, D)
-        k = self.qkv[:, HQ * D:(HQ + HKV) * D].view(-1, HKV, D)
+        q = self.qkv[:, : HQ * D].view(-1, HQ, D)
+        k = self.qkv[:, HQ * D : (HQ + HKV) * D].view(-1, HKV, D)
         return q, k
 
 
 def layer_calls(inp: Inputs, with_gemms: bool):
     """One decoder layer's work through the dispatch (attention output stood in by the q slice)."""
+
     def run():
         h, res = fused.add_rmsnorm(inp.x, inp.res, inp.w, EPS)
         qkv = h @ inp.w_qkv.t() if with_gemms else inp.qkv
-        q = qkv[:, :HQ * D].view(-1, HQ, D)
-        k = qkv[:, HQ * D:(HQ + HKV) * D].view(-1, HKV, D)
+        q = qkv[:, : HQ * D].view(-1, HQ, D)
+        k = qkv[:, HQ * D : (HQ + HKV) * D].view(-1, HKV, D)
         q, k = fused.qk_norm_rope(q, k, inp.qw, inp.kw, inp.cos, inp.sin, EPS)
         a = q.view(-1, HQ * D) @ inp.w_o.t() if with_gemms else inp.x
         h, res = fused.add_rmsnorm(a, res, inp.w, EPS)
         gu = h @ inp.w_gu.t() if with_gemms else inp.gu
         act = fused.silu_mul(gu)
         return act @ inp.w_down.t() if with_gemms else act
+
     return run
 
 
@@ -107,8 +113,11 @@ def main(argv=None) -> int:
                 kernels[ref] = count_kernels(fn)
                 times[ref] = time_graph(fn, reps=ns.reps) * 1e6
             set_reference(False)
-            print(f"  {label} reference {times[True]:8.1f} us ({kernels[True]:3d} kernels)   triton {times[False]:8.1f} us "
-                  f"({kernels[False]:3d} kernels)   x36 layers: {36 * times[True] / 1e3:.2f} -> {36 * times[False] / 1e3:.2f} ms")
+            print(
+                f"  {label} reference {times[True]:8.1f} us ({kernels[True]:3d} kernels)   "
+                f"triton {times[False]:8.1f} us ({kernels[False]:3d} kernels)   "
+                f"x36 layers: {36 * times[True] / 1e3:.2f} -> {36 * times[False] / 1e3:.2f} ms"
+            )
         del inp
         torch.cuda.empty_cache()
     print(f"\n{time.time() - t0:.1f} s")

@@ -19,6 +19,7 @@ Qwen3.6-27B-shaped GDN layer (config: Hk=16, Hv=48, dk=dv=128, conv kernel 4; 48
 (e) the toy hybrid pair on the GPU in fp32: DFLASH and DDTREE (B=16, both strategies) token-identical to AR.
 Each section catches its own failure; the exit code is 1 if any check failed or crashed.
 """
+
 import argparse
 import json
 import os
@@ -85,7 +86,7 @@ def tree(b, n, kind, gen):
             parents[r, c] = p
     depths = torch.zeros(b, n, dtype=torch.int64)
     for c in range(1, n):
-        depths[:, c] = depths.gather(1, parents[:, c:c + 1])[:, 0] + 1
+        depths[:, c] = depths.gather(1, parents[:, c : c + 1])[:, 0] + 1
     return parents.to(DEV), depths.to(DEV)
 
 
@@ -99,7 +100,10 @@ def rule_inputs(b, n, dtype, gen):
 
 
 def section_b(gen):
-    print("(b) tree verify, B=64 (65 nodes), one GDN layer: us (kernel: CUDA graph; reference: eager)", flush=True)
+    print(
+        "(b) tree verify, B=64 (65 nodes), one GDN layer: us (kernel: CUDA graph; reference: eager)",
+        flush=True,
+    )
     out = []
     for b in (1, 8):
         parents, depths = tree(b, 65, "bushy", gen)
@@ -107,29 +111,66 @@ def section_b(gen):
         buf = torch.empty(b, 65, HV, DK, DV, device=DEV)
         best = None
         for bv, nw in ((None, 4), (8, 2), (16, 4), (32, 4), (32, 8), (64, 8)):
+
             def fn(bv=bv, nw=nw):
-                tree_gated_delta_rule_triton(q, k, v, g, beta, parents, depths, s0, node_states=buf, block_v=bv,
-                                             num_warps=nw)
+                tree_gated_delta_rule_triton(
+                    q, k, v, g, beta, parents, depths, s0, node_states=buf, block_v=bv, num_warps=nw
+                )
+
             try:
                 t = time_graph(fn, reps=20) * 1e6
             except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
                 row(f"b={b}", f"block_v={bv}", f"warps={nw}", f"failed: {type(e).__name__}")
                 continue
             best = min(best or t, t)
-            row(f"b={b}", f"block_v={bv or 'auto'}", f"warps={nw}", f"{t:8.1f} us",
-                f"node-state write {buf.numel() * 4 / t / 1e6:.2f} TB/s")
-        ref = time_eager(lambda: reference.tree_gated_delta_rule(q, k, v, g, beta, parents, depths, s0,
-                                                                 return_node_states=True, max_depth=64)) * 1e6
-        row(f"b={b}", "reference", f"{ref:8.1f} us", f"kernel best {best:.1f} us" if best else "kernel: none ran")
-        f32 = [t.float() for t in (q, k, v, g, beta)]  # errors on fp32 outputs (bf16 rounding would hide them)
-        ro, rst = reference.tree_gated_delta_rule(*f32, parents, depths, s0, return_node_states=True)
+            row(
+                f"b={b}",
+                f"block_v={bv or 'auto'}",
+                f"warps={nw}",
+                f"{t:8.1f} us",
+                f"node-state write {buf.numel() * 4 / t / 1e6:.2f} TB/s",
+            )
+        ref = (
+            time_eager(
+                lambda: reference.tree_gated_delta_rule(
+                    q, k, v, g, beta, parents, depths, s0, return_node_states=True, max_depth=64
+                )
+            )
+            * 1e6
+        )
+        row(
+            f"b={b}",
+            "reference",
+            f"{ref:8.1f} us",
+            f"kernel best {best:.1f} us" if best else "kernel: none ran",
+        )
+        f32 = [
+            t.float() for t in (q, k, v, g, beta)
+        ]  # errors on fp32 outputs (bf16 rounding would hide them)
+        ro, rst = reference.tree_gated_delta_rule(
+            *f32, parents, depths, s0, return_node_states=True
+        )
         last = torch.randint(0, 65, (b,), generator=gen).to(DEV)
         rec = {"b": b, "kernel_best_us": best, "reference_us": ref}
         for with_state in (False, True):
+
             def chunk(with_state=with_state):
-                return tree_chunk_gated_delta_rule(q, k, v, g, beta, parents, depths, s0, max_depth=64,
-                                                   last=last if with_state else None)
-            o, st = tree_chunk_gated_delta_rule(*f32, parents, depths, s0, last=last if with_state else None)
+                return tree_chunk_gated_delta_rule(
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    parents,
+                    depths,
+                    s0,
+                    max_depth=64,
+                    last=last if with_state else None,
+                )
+
+            o, st = tree_chunk_gated_delta_rule(
+                *f32, parents, depths, s0, last=last if with_state else None
+            )
             eo = rel(o, ro)
             es = rel(st, rst[torch.arange(b, device=DEV), last]) if with_state else 0.0
             eager = time_eager(chunk, reps=20) * 1e6
@@ -137,10 +178,19 @@ def section_b(gen):
                 graph = time_graph(chunk, reps=20) * 1e6
             except Exception as e:  # noqa: BLE001 - not capturable: reported, eager stands
                 graph = None
-                row(f"b={b}", "tree_chunk", f"CUDA graph capture failed: {type(e).__name__}: {e}"[:160])
+                row(
+                    f"b={b}",
+                    "tree_chunk",
+                    f"CUDA graph capture failed: {type(e).__name__}: {e}"[:160],
+                )
             name = "tree_chunk+state" if with_state else "tree_chunk"
-            row(f"b={b}", f"{name:16s}", f"eager {eager:8.1f} us", f"graph {graph:8.1f} us" if graph else "graph -",
-                f"rel err out {eo:.1e}" + (f" state {es:.1e}" if with_state else ""))
+            row(
+                f"b={b}",
+                f"{name:16s}",
+                f"eager {eager:8.1f} us",
+                f"graph {graph:8.1f} us" if graph else "graph -",
+                f"rel err out {eo:.1e}" + (f" state {es:.1e}" if with_state else ""),
+            )
             rec[f"{name}_eager_us"], rec[f"{name}_graph_us"] = eager, graph
             rec[f"{name}_err"] = (eo, es)
             if not (torch.isfinite(o).all() and eo < 1e-4 and es < 1e-4):
@@ -159,15 +209,29 @@ def section_c(gen):
         slots = torch.arange(b, device=DEV) + 1
         for strategy in ("extra_buffer", "no_buffer"):
             pool = HybridStatePool(geo, b + 1, 17, DEV, strategy, "float32", torch.bfloat16)
-            for name, t in pool.stash.items():  # replay inputs finite and non-trivial (g <= 0); copies move zeros
+            for (
+                name,
+                t,
+            ) in (
+                pool.stash.items()
+            ):  # replay inputs finite and non-trivial (g <= 0); copies move zeros
                 if strategy == "no_buffer":
-                    t.copy_(torch.rand(t.shape, device=DEV, dtype=t.dtype) * (-1 if name == "node_g" else 1))
+                    t.copy_(
+                        torch.rand(t.shape, device=DEV, dtype=t.dtype)
+                        * (-1 if name == "node_g" else 1)
+                    )
             for acc in (1, 4, 8, 16):
                 path = torch.arange(17, device=DEV).repeat(b, 1)
                 accept = torch.full((b,), acc, device=DEV)
                 t = us(lambda path=path, accept=accept, pool=pool: pool.commit(slots, path, accept))
                 per = float(t.rstrip("*")) / GDN_LAYERS
-                row(f"b={b}", f"{strategy:12s}", f"accept {acc:2d}", f"{t} us", f"({per:6.2f} us/layer)")
+                row(
+                    f"b={b}",
+                    f"{strategy:12s}",
+                    f"accept {acc:2d}",
+                    f"{t} us",
+                    f"({per:6.2f} us/layer)",
+                )
                 out.append({"b": b, "strategy": strategy, "accept": acc, "us": t})
             del pool
             torch.cuda.empty_cache()
@@ -181,7 +245,10 @@ def section_c_rule(gen):
     dispatch): fla fused-recurrent replay vs the chunk-form state of the chain's last node."""
     from ddtree.kernels.gdn import dispatch
 
-    print(f"(c') no_buffer commit rule on {GDN_LAYERS} layers' accepted chains: us total (per layer)", flush=True)
+    print(
+        f"(c') no_buffer commit rule on {GDN_LAYERS} layers' accepted chains: us total (per layer)",
+        flush=True,
+    )
     rule = {}
     for b in (1, 8):
         N, P = GDN_LAYERS * b, 17
@@ -203,24 +270,35 @@ def section_c_rule(gen):
                 return dispatch.replay(q, k, v, g, beta, path, s0)
 
             def by_formula():
-                return tree_chunk_gated_delta_rule(q, k, v, g, beta, par, dep, s0, max_depth=16, last=last)[1]
+                return tree_chunk_gated_delta_rule(
+                    q, k, v, g, beta, par, dep, s0, max_depth=16, last=last
+                )[1]
 
             e_rep, e_form = rel(by_replay(), want), rel(by_formula(), want)
             t_rep, t_form = us(by_replay), us(by_formula)
             per = [float(t.rstrip("*")) / GDN_LAYERS for t in (t_rep, t_form)]
-            row(f"b={b}", f"accept {acc:2d}", f"replay {t_rep} us ({per[0]:.2f}/layer, err {e_rep:.1e})",
-                f"chunk path state {t_form} us ({per[1]:.2f}/layer, err {e_form:.1e})")
+            row(
+                f"b={b}",
+                f"accept {acc:2d}",
+                f"replay {t_rep} us ({per[0]:.2f}/layer, err {e_rep:.1e})",
+                f"chunk path state {t_form} us ({per[1]:.2f}/layer, err {e_form:.1e})",
+            )
             rule[(b, acc)] = per
             if not (e_rep < 5e-3 and e_form < 1e-4):
                 FAILED.append(f"c:rule:b={b}:acc={acc}")
         del q, k, v, g, beta, s0
     RESULT["c_rule"] = {f"b={b},acc={a}": p for (b, a), p in rule.items()}
     verify = {r["b"]: r for r in RESULT.get("b", [])}
-    commit = {(r["b"], r["strategy"], r["accept"]): float(r["us"].rstrip("*")) / GDN_LAYERS for r in RESULT["c"]}
+    commit = {
+        (r["b"], r["strategy"], r["accept"]): float(r["us"].rstrip("*")) / GDN_LAYERS
+        for r in RESULT["c"]
+    }
     if not verify:
         print("  (run section b too for the verify + commit totals)", flush=True)
         return
-    print("  verify + commit per GDN layer, accept 8 (verify: CUDA graph; commit: HybridStatePool.commit / 48)")
+    print(
+        "  verify + commit per GDN layer, accept 8 (verify: CUDA graph; commit: HybridStatePool.commit / 48)"
+    )
     for b in (1, 8):
         vb = verify.get(b)
         if not vb:
@@ -228,8 +306,12 @@ def section_c_rule(gen):
         chunk_v = vb.get("tree_chunk_graph_us") or vb.get("tree_chunk_eager_us")
         ex = (vb["kernel_best_us"] or float("nan")) + commit[(b, "extra_buffer", 8)]
         nb = chunk_v + commit[(b, "no_buffer", 8)]
-        row(f"b={b}", f"extra_buffer (triton + copy) {ex:8.1f} us", f"no_buffer (tree_chunk + replay) {nb:8.1f} us",
-            f"x{GDN_LAYERS} layers: {ex * GDN_LAYERS / 1e3:.2f} ms vs {nb * GDN_LAYERS / 1e3:.2f} ms")
+        row(
+            f"b={b}",
+            f"extra_buffer (triton + copy) {ex:8.1f} us",
+            f"no_buffer (tree_chunk + replay) {nb:8.1f} us",
+            f"x{GDN_LAYERS} layers: {ex * GDN_LAYERS / 1e3:.2f} ms vs {nb * GDN_LAYERS / 1e3:.2f} ms",
+        )
 
 
 def section_d(gen):
@@ -246,23 +328,37 @@ def section_d(gen):
         cu = torch.tensor([0, *lens], device=DEV).cumsum(0)
         o, S = dispatch.chunk_rule(q, k, v, g, beta, s0, cu_seqlens=cu)
         ro, rS = reference.gated_delta_rule_chunked(q, k, v, g, beta, s0, cu_seqlens=cu)
-        nq, nk, nv, ng, nb, _ = rule_inputs(len(lens), 1, dtype, gen)  # decode continues from the chunk state
+        nq, nk, nv, ng, nb, _ = rule_inputs(
+            len(lens), 1, dtype, gen
+        )  # decode continues from the chunk state
         od, Sd = dispatch.recurrent_rule(nq, nk, nv, ng, nb, S)
         rod, rSd = reference.gated_delta_rule_recurrent(nq, nk, nv, ng, nb, rS)
-        errs = {"prefill_out": rel(o, ro), "prefill_state": rel(S, rS), "decode_out": rel(od, rod),
-                "decode_state": rel(Sd, rSd)}
+        errs = {
+            "prefill_out": rel(o, ro),
+            "prefill_state": rel(S, rS),
+            "decode_out": rel(od, rod),
+            "decode_state": rel(Sd, rSd),
+        }
         out[key] = errs
-        tol = 5e-3 if dtype == torch.float32 else 3e-2  # fla's chunk dots run in tf32 on fp32 inputs
+        tol = (
+            5e-3 if dtype == torch.float32 else 3e-2
+        )  # fla's chunk dots run in tf32 on fp32 inputs
         if not all(e < tol for e in errs.values()) or not torch.isfinite(Sd).all():
             FAILED.append(f"d:{key}")
         row(f"{key:8s} varlen {lens}", *(f"{n} {e:.1e}" for n, e in errs.items()))
     q, k, v, g, beta, _ = rule_inputs(1, 4096, torch.bfloat16, gen)
-    row("prefill 4096 tok bf16", f"dispatch {us(lambda: dispatch.chunk_rule(q, k, v, g, beta), False)} us",
-        f"reference {us(lambda: reference.gated_delta_rule_chunked(q, k, v, g, beta), False)} us")
+    row(
+        "prefill 4096 tok bf16",
+        f"dispatch {us(lambda: dispatch.chunk_rule(q, k, v, g, beta), False)} us",
+        f"reference {us(lambda: reference.gated_delta_rule_chunked(q, k, v, g, beta), False)} us",
+    )
     for b in (1, 8):
         q, k, v, g, beta, s0 = rule_inputs(b, 1, torch.bfloat16, gen)
-        row(f"decode b={b} bf16", f"dispatch {us(lambda: dispatch.recurrent_rule(q, k, v, g, beta, s0))} us",
-            f"reference {us(lambda: reference.gated_delta_rule_recurrent(q, k, v, g, beta, s0))} us")
+        row(
+            f"decode b={b} bf16",
+            f"dispatch {us(lambda: dispatch.recurrent_rule(q, k, v, g, beta, s0))} us",
+            f"reference {us(lambda: reference.gated_delta_rule_recurrent(q, k, v, g, beta, s0))} us",
+        )
     RESULT["d"] = out
 
 
@@ -272,19 +368,35 @@ def section_e(toy_dir):
 
     t0 = time.perf_counter()
     target, drafter = build_toy_hybrid_pair(toy_dir)
-    print(f"(e) toy hybrid pair on the GPU, fp32 (pair ready in {time.perf_counter() - t0:.0f} s)", flush=True)
+    print(
+        f"(e) toy hybrid pair on the GPU, fp32 (pair ready in {time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
     prompts = toy_prompts(8, 123)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    runs = [("NONE", "extra_buffer", {}), ("DFLASH", "extra_buffer", {}), ("DFLASH", "no_buffer", {}),
-            ("DDTREE", "extra_buffer", {"speculative_ddtree_budget": 16}),
-            ("DDTREE", "no_buffer", {"speculative_ddtree_budget": 16})]
+    runs = [
+        ("NONE", "extra_buffer", {}),
+        ("DFLASH", "extra_buffer", {}),
+        ("DFLASH", "no_buffer", {}),
+        ("DDTREE", "extra_buffer", {"speculative_ddtree_budget": 16}),
+        ("DDTREE", "no_buffer", {"speculative_ddtree_budget": 16}),
+    ]
     ar, out = None, []
     for algo, strategy, kw in runs:
         if algo != "NONE":
             kw = {**kw, "speculative_draft_model_path": drafter}
         backend.ran.clear()
-        llm = LLM(target, speculative_algorithm=algo, dtype="float32", device=DEV.type, mamba_scheduler_strategy=strategy,
-                  max_running_requests=8, max_total_tokens=8192, disable_cuda_graph=True, **kw)
+        llm = LLM(
+            target,
+            speculative_algorithm=algo,
+            dtype="float32",
+            device=DEV.type,
+            mamba_scheduler_strategy=strategy,
+            max_running_requests=8,
+            max_total_tokens=8192,
+            disable_cuda_graph=True,
+            **kw,
+        )
         outs = llm.generate([list(p) for p in prompts], params)
         toks = [o.token_ids for o in outs]
         lengths = [n for o in outs for n in o.accept_lengths]
@@ -294,7 +406,12 @@ def section_e(toy_dir):
             FAILED.append(f"e:{algo}:{strategy}")
         paths = ", ".join(f"{op}={name} x{n}" for (op, name), n in sorted(backend.ran.items()))
         accept = sum(lengths) / max(len(lengths), 1)
-        row(f"{algo:6s} {strategy:12s}", "== AR" if same else "DIFFERS from AR", f"mean accept {accept:.2f}", paths)
+        row(
+            f"{algo:6s} {strategy:12s}",
+            "== AR" if same else "DIFFERS from AR",
+            f"mean accept {accept:.2f}",
+            paths,
+        )
         out.append({"algorithm": algo, "strategy": strategy, "same_as_ar": same, "paths": paths})
         del llm
         torch.cuda.empty_cache()
@@ -304,25 +421,44 @@ def section_e(toy_dir):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="b,c,d,e", help="sections to run, e.g. b,d,e")
-    ap.add_argument("--deadline-s", type=float, default=170, help="skip the sections not started by then")
-    ap.add_argument("--toy-dir", default=envs.TOY_HYBRID.get(),
-                    help="toy hybrid pair (built here, ~1 min on one CPU thread, when missing)")
+    ap.add_argument(
+        "--deadline-s", type=float, default=170, help="skip the sections not started by then"
+    )
+    ap.add_argument(
+        "--toy-dir",
+        default=envs.TOY_HYBRID.get(),
+        help="toy hybrid pair (built here, ~1 min on one CPU thread, when missing)",
+    )
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     err = backend.fla_error()
     if err:
-        print(f"fla MISSING ({err}): prefill/decode/replay run the PyTorch reference on the GPU", flush=True)
+        print(
+            f"fla MISSING ({err}): prefill/decode/replay run the PyTorch reference on the GPU",
+            flush=True,
+        )
     else:
         import fla
 
         print(f"fla {fla.__version__} from {os.path.dirname(fla.__file__)}", flush=True)
-    print(torch.cuda.get_device_name(), f"torch {torch.__version__}", f"backends {backend.describe(DEV)}",
-          f"{backend.FORCE_ENV}={os.environ.get(backend.FORCE_ENV, '')}", flush=True)
-    RESULT.update(device=torch.cuda.get_device_name(), fla_error=err, backends=backend.describe(DEV))
+    print(
+        torch.cuda.get_device_name(),
+        f"torch {torch.__version__}",
+        f"backends {backend.describe(DEV)}",
+        f"{backend.FORCE_ENV}={os.environ.get(backend.FORCE_ENV, '')}",
+        flush=True,
+    )
+    RESULT.update(
+        device=torch.cuda.get_device_name(), fla_error=err, backends=backend.describe(DEV)
+    )
     gen = torch.Generator().manual_seed(0)
     # fla's chunk kernels autotune on first use per (shape, dtype): (e) and (d) pay it, so they come last
-    sections = {"b": section_b, "c": section_c, "e": lambda _: section_e(args.toy_dir),
-                "d": section_d}
+    sections = {
+        "b": section_b,
+        "c": section_c,
+        "e": lambda _: section_e(args.toy_dir),
+        "d": section_d,
+    }
     start = time.perf_counter()
     for name, fn in sections.items():
         if name not in args.only.split(","):

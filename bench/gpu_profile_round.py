@@ -19,12 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ddtree.bench.cuda_timing import time_graph
 from ddtree.bench.random_pair import QWEN3_8B, build_pair, pair_configs, read_bytes
 from ddtree.bench.rounds import measure_floor, prefilled_requests, runner_config
-from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.decoder import SpecConfig, SpecDecoder
+from ddtree.engine.model_runner import ModelRunner
 
 
 def profile_case(target, drafter, algo, budget, batch, context, rounds, top):
-    ns = SimpleNamespace(block_size=16, page_size=16, attention_backend="triton", disable_cuda_graph=False)
+    ns = SimpleNamespace(
+        block_size=16, page_size=16, attention_backend="triton", disable_cuda_graph=False
+    )
     cfg = runner_config(algo, budget, batch, context, ns, torch.device("cuda"))
     runner = ModelRunner(target, drafter if algo != "NONE" else None, cfg, "cuda", torch.bfloat16)
     reqs = prefilled_requests(runner, batch, context, target.config.vocab_size, 4096, 0)
@@ -53,13 +55,25 @@ def profile_case(target, drafter, algo, budget, batch, context, rounds, top):
         for _ in range(rounds):
             one_round()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
-    kern = sorted(((e.key, e.self_device_time_total / 1e3 / rounds, e.count / rounds) for e in events
-                   if e.self_device_time_total > 0), key=lambda x: -x[1])
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0
+    ]
+    kern = sorted(
+        (
+            (e.key, e.self_device_time_total / 1e3 / rounds, e.count / rounds)
+            for e in events
+            if e.self_device_time_total > 0
+        ),
+        key=lambda x: -x[1],
+    )
     busy = sum(k[1] for k in kern)
     name = f"{algo}{'' if algo == 'NONE' else ' B=' + str(budget)} b{batch} ctx{context}"
-    print(f"\n== {name}: wall {wall:.3f} ms/round, GPU kernels {busy:.3f} ms/round ({100 * busy / wall:.0f}% busy), "
-          f"{sum(k[2] for k in kern):.0f} kernel launches/round")
+    print(
+        f"\n== {name}: wall {wall:.3f} ms/round, GPU kernels {busy:.3f} ms/round ({100 * busy / wall:.0f}% busy), "
+        f"{sum(k[2] for k in kern):.0f} kernel launches/round"
+    )
     for key, ms, n in kern[:top]:
         print(f"   {ms:8.3f} ms  {n:6.1f}x  {key[:110]}")
     del runner, reqs, dec
@@ -72,14 +86,21 @@ def gemm_chain(target, m, fused):
     for layer in target.model.layers:
         a, mlp = layer.self_attn, layer.mlp
         if fused:  # the model's own fused weights
-            ws.append([a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight])
+            ws.append(
+                [a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+            )
         else:  # HF's separate projections: row views of the fused weights (contiguous)
             qkv = list(a.qkv_proj.weight.split([a.q_size, a.kv_size, a.kv_size]))
             gu = list(mlp.gate_up_proj.weight.split([mlp.inter, mlp.inter]))
             ws.append(qkv + [a.o_proj.weight] + gu + [mlp.down_proj.weight])
     h = target.config.hidden_size
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-    xo = torch.randn(m, target.config.num_attention_heads * target.config.head_dim, device="cuda", dtype=torch.bfloat16)
+    xo = torch.randn(
+        m,
+        target.config.num_attention_heads * target.config.head_dim,
+        device="cuda",
+        dtype=torch.bfloat16,
+    )
     xd = torch.randn(m, target.config.intermediate_size, device="cuda", dtype=torch.bfloat16)
 
     def run():
@@ -93,7 +114,9 @@ def gemm_chain(target, m, fused):
         x @ target.lm_head.weight.t()
 
     sec = time_graph(run, reps=20)
-    nbytes = sum(t.numel() * t.element_size() for w in ws for t in w) + target.lm_head.weight.numel() * 2
+    nbytes = (
+        sum(t.numel() * t.element_size() for w in ws for t in w) + target.lm_head.weight.numel() * 2
+    )
     del ws
     torch.cuda.empty_cache()
     return sec * 1e3, nbytes
@@ -104,21 +127,28 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--cases", default="NONE:0:1,DDTREE:64:1,DFLASH:0:1,DDTREE:64:8",
-                   help="comma-separated ALGO:budget:batch")
+    p.add_argument(
+        "--cases",
+        default="NONE:0:1,DDTREE:64:1,DFLASH:0:1,DDTREE:64:8",
+        help="comma-separated ALGO:budget:batch",
+    )
     p.add_argument("--skip-gemm-chain", action="store_true")
     ns = p.parse_args(argv)
     tcfg, dcfg = pair_configs(QWEN3_8B, 5, 16, "bfloat16")
     target, drafter = build_pair(tcfg, dcfg, torch.device("cuda"), torch.bfloat16, 0)
     floor = measure_floor(target, drafter, torch.device("cuda"), 2048 << 20)
     bw = floor["bandwidth_Bps"]
-    print(f"floor {floor['floor_ms']:.3f} ms ({read_bytes(target) / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)")
+    print(
+        f"floor {floor['floor_ms']:.3f} ms ({read_bytes(target) / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)"
+    )
     print("GEMM chain alone (36 layers' projections + LM head), CUDA graph:")
     for m in () if ns.skip_gemm_chain else (1, 8, 65, 520):
         for fused in (False, True):
             ms, nbytes = gemm_chain(target, m, fused)
-            print(f"   M={m:4d} {'fused q|k|v, gate|up' if fused else 'separate          '}  {ms:7.3f} ms "
-                  f"= {ms / (nbytes / bw * 1e3):.2f}x its weight-read floor")
+            print(
+                f"   M={m:4d} {'fused q|k|v, gate|up' if fused else 'separate          '}  {ms:7.3f} ms "
+                f"= {ms / (nbytes / bw * 1e3):.2f}x its weight-read floor"
+            )
     for case in ns.cases.split(","):
         algo, budget, batch = case.split(":")
         profile_case(target, drafter, algo, int(budget), int(batch), ns.context, ns.rounds, ns.top)

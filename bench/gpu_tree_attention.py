@@ -40,7 +40,9 @@ T0 = time.time()
 # seconds since start after which the sweep / Flex are skipped
 SWEEP_BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", 190))
 FLEX_BUDGET_S = float(os.environ.get("FLEX_BUDGET_S", 150))
-FLEX_POINTS = os.environ.get("FLEX_POINTS", "b1 n65 16k").split(",")  # Flex compiles slowly: few points
+FLEX_POINTS = os.environ.get("FLEX_POINTS", "b1 n65 16k").split(
+    ","
+)  # Flex compiles slowly: few points
 
 
 def rel(a, b):
@@ -65,21 +67,25 @@ def bandwidths():
     The old script timed `y.copy_(x)` inside a CUDA graph: a memcpy node, which may run on the copy engines
     rather than the SMs (2.72 TB/s in that run against 4.1-4.3 TB/s seen elsewhere on this card). The floor uses
     the best copy figure; the kernel reads KV through the SMs, so the SM copy is the apt one."""
-    x = torch.randn(2 ** 29, dtype=DT, device=DEV)  # 1 GiB each, ~17x the 60 MB L2
+    x = torch.randn(2**29, dtype=DT, device=DEV)  # 1 GiB each, ~17x the 60 MB L2
     y = torch.empty_like(x)
     nbytes = x.numel() * x.element_size()
-    out = {"memcpy_eager": copy_bandwidth(DEV, nbytes, reps=12)["bandwidth_Bps"]}  # the rounds benchmark's probe
+    out = {
+        "memcpy_eager": copy_bandwidth(DEV, nbytes, reps=12)["bandwidth_Bps"]
+    }  # the rounds benchmark's probe
     out["memcpy_graph"] = 2 * nbytes / time_graph(lambda: y.copy_(x), 1, reps=20)
     out["sm_copy_graph"] = 2 * nbytes / time_graph(lambda: torch.mul(x, 1.0, out=y), 1, reps=20)
     acc = torch.empty((), dtype=torch.float32, device=DEV)
-    out["read_graph"] = nbytes / time_graph(lambda: acc.copy_(x.sum(dtype=torch.float32)), 1, reps=20)
+    out["read_graph"] = nbytes / time_graph(
+        lambda: acc.copy_(x.sum(dtype=torch.float32)), 1, reps=20
+    )
     return out  # x, y freed on return (the caller empties the cache)
 
 
 def matmul_rate():
     a = torch.randn(8192, 8192, dtype=DT, device=DEV)
     b = torch.randn(8192, 8192, dtype=DT, device=DEV)
-    return 2 * 8192 ** 3 / time_graph(lambda: a @ b, 1, reps=10)
+    return 2 * 8192**3 / time_graph(lambda: a @ b, 1, reps=10)
 
 
 def random_tree_masks(b, n, gen):
@@ -111,56 +117,85 @@ class Problem:
             bt = torch.zeros(b, max(pages) + 1, dtype=torch.int64, device=DEV)
             o = r * per_copy
             for i, p in enumerate(pages):
-                bt[i, :p] = perm[o: o + p]
+                bt[i, :p] = perm[o : o + p]
                 o += p
             self.tables.append(bt)
         self.qs = [torch.randn(sum(q_lens), HQ, D, dtype=DT, device=DEV) for _ in range(copies)]
         self.indptr = torch.tensor([0] + q_lens, device=DEV).cumsum(0)
         self.kv_t = torch.tensor(kv_lens, device=DEV)
         self.mask = random_tree_masks(b, max(q_lens), gen) if tree else None
-        self.scale = D ** -0.5
+        self.scale = D**-0.5
         self.kv_bytes = sum(kv_lens) * HKV * D * 2 * 2
         if dense:  # equal lengths only: [b, H, L, D] copies for SDPA / Flex
             L, n = kv_lens[0], q_lens[0]
             self.dk, self.dv = [], []
             for bt in self.tables:
-                slots = bt[:, torch.arange(L, device=DEV) // page] * page + torch.arange(L, device=DEV) % page
+                slots = (
+                    bt[:, torch.arange(L, device=DEV) // page] * page
+                    + torch.arange(L, device=DEV) % page
+                )
                 self.dk.append(self.k_pool[slots].transpose(1, 2).contiguous())
                 self.dv.append(self.v_pool[slots].transpose(1, 2).contiguous())
             self.dq = [q.view(b, n, HQ, D).transpose(1, 2).contiguous() for q in self.qs]
             full = torch.ones(b, n, L, dtype=torch.bool, device=DEV)
             if tree:
-                full[:, :, L - n:] = self.mask
+                full[:, :, L - n :] = self.mask
             self.dense_mask = full[:, None]
 
     def ours_plan(self, r, **kw):
         """(output, the dispatch.LaunchPlan that ran) of our kernel on copy r."""
         kw.setdefault("tree_mask", self.mask)
-        return paged_attention_plan(self.qs[r], self.k_pool, self.v_pool, self.tables[r], self.indptr, self.kv_t,
-                                    self.page, self.scale, max_q_len=max(self.q_lens),
-                                    max_kv_len=max(self.kv_lens), **kw)
+        return paged_attention_plan(
+            self.qs[r],
+            self.k_pool,
+            self.v_pool,
+            self.tables[r],
+            self.indptr,
+            self.kv_t,
+            self.page,
+            self.scale,
+            max_q_len=max(self.q_lens),
+            max_kv_len=max(self.kv_lens),
+            **kw,
+        )
 
     def ours(self, r, **kw):
         return self.ours_plan(r, **kw)[0]
 
     def reference(self, r):
-        return paged_attention_reference(self.qs[r].float(), self.k_pool, self.v_pool, self.tables[r], self.indptr,
-                                         self.kv_t, self.page, self.scale, tree_mask=self.mask)
+        return paged_attention_reference(
+            self.qs[r].float(),
+            self.k_pool,
+            self.v_pool,
+            self.tables[r],
+            self.indptr,
+            self.kv_t,
+            self.page,
+            self.scale,
+            tree_mask=self.mask,
+        )
 
 
-POINTS = [("b1 n65 16k", 1, 65, 16384, True), ("b1 n65 1k", 1, 65, 1024, True),
-          ("b1 n65 4k", 1, 65, 4096, True), ("b1 n65 32k", 1, 65, 32768, True),
-          ("b8 n65 8k", 8, 65, 8192, True), ("b1 n1 16k (AR)", 1, 1, 16384, True),
-          ("b1 n64 16k (diag: 256 rows)", 1, 64, 16384, False),
-          ("b1 n16 16k (diag: 64 rows)", 1, 16, 16384, False)]  # (name, b, nodes, context, full sweep + SDPA/Flex)
+POINTS = [
+    ("b1 n65 16k", 1, 65, 16384, True),
+    ("b1 n65 1k", 1, 65, 1024, True),
+    ("b1 n65 4k", 1, 65, 4096, True),
+    ("b1 n65 32k", 1, 65, 32768, True),
+    ("b8 n65 8k", 8, 65, 8192, True),
+    ("b1 n1 16k (AR)", 1, 1, 16384, True),
+    ("b1 n64 16k (diag: 256 rows)", 1, 64, 16384, False),
+    ("b1 n16 16k (diag: 64 rows)", 1, 16, 16384, False),
+]  # (name, b, nodes, context, full sweep + SDPA/Flex)
 
 
 def short(c):
     if c is None:
         return "default"
-    return (f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}t{c.tail_m}tn{c.tree_n}"
-            f"{'T' if c.tail_split else 'S'}"
-            f"{f'c{c.combine_warps}' if c.combine_warps != 1 else ''}")
+    return (
+        f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}t{c.tail_m}tn{c.tree_n}"
+        f"{'T' if c.tail_split else 'S'}"
+        f"{f'c{c.combine_warps}' if c.combine_warps != 1 else ''}"
+    )
     # T: tail split (masked tiles in their own split); S: not; cN: N warps in the split-merging kernel
 
 
@@ -168,15 +203,19 @@ def sweep_configs(rows):
     """Candidate configs for `rows` (q tokens x GQA group) per request. sm_90 compile reports of each are in
     bench/tree_attention_compile_report.py (registers, spills, programs per SM)."""
     if rows <= 16:
-        return [KernelConfig(16, 128, 4, 5, tail_split=False), KernelConfig(16, 128, 4, 5),
-                KernelConfig(16, 64, 4, 5, tail_split=False), KernelConfig(16, 64, 4, 3)]
+        return [
+            KernelConfig(16, 128, 4, 5, tail_split=False),
+            KernelConfig(16, 128, 4, 5),
+            KernelConfig(16, 64, 4, 5, tail_split=False),
+            KernelConfig(16, 64, 4, 3),
+        ]
     return [
-        KernelConfig(64, 64, 4, 5),    # default: 5 stages keep 2-3 K/V tiles in flight; 2 programs/SM
-        KernelConfig(64, 32, 4, 5),    # 3 programs/SM
-        KernelConfig(64, 64, 4, 3),    # the previous session's defaults: 1 K/V tile in flight
+        KernelConfig(64, 64, 4, 5),  # default: 5 stages keep 2-3 K/V tiles in flight; 2 programs/SM
+        KernelConfig(64, 32, 4, 5),  # 3 programs/SM
+        KernelConfig(64, 64, 4, 3),  # the previous session's defaults: 1 K/V tile in flight
         KernelConfig(64, 32, 4, 3),
-        KernelConfig(128, 64, 8, 5),   # 3 row blocks per KV head instead of 5
-        KernelConfig(64, 128, 8, 5),   # 128-wide tiles: half the steps, 1 program/SM
+        KernelConfig(128, 64, 8, 5),  # 3 row blocks per KV head instead of 5
+        KernelConfig(64, 128, 8, 5),  # 128-wide tiles: half the steps, 1 program/SM
     ]
 
 
@@ -187,19 +226,31 @@ def flex_fn(p):
     ctx, tm = L - n, p.mask
     block_mask = None
     if n > 1:
+
         def mask_mod(bi, h, qi, ki):
             return (ki < ctx) | tm[bi, qi, (ki - ctx).clamp(min=0)]
 
         block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=n, KV_LEN=L, device=DEV)
-    for knob in ("cache_size_limit", "recompile_limit"):  # one compile per point shape and mask closure
+    for knob in (
+        "cache_size_limit",
+        "recompile_limit",
+    ):  # one compile per point shape and mask closure
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 64)
     flex = torch.compile(flex_attention, dynamic=False)
 
     def run():
         for r in range(p.R):
-            flex(p.dq[r], p.dk[r], p.dv[r], block_mask=block_mask, scale=p.scale, enable_gqa=True,
-                 kernel_options={"BACKEND": "TRITON"})
+            flex(
+                p.dq[r],
+                p.dk[r],
+                p.dv[r],
+                block_mask=block_mask,
+                scale=p.scale,
+                enable_gqa=True,
+                kernel_options={"BACKEND": "TRITON"},
+            )
+
     return run
 
 
@@ -208,8 +259,15 @@ def sdpa_fn(p):
 
     def run():
         for r in range(p.R):
-            F.scaled_dot_product_attention(p.dq[r], p.dk[r], p.dv[r], attn_mask=p.dense_mask if n > 1 else None,
-                                           scale=p.scale, enable_gqa=True)
+            F.scaled_dot_product_attention(
+                p.dq[r],
+                p.dk[r],
+                p.dv[r],
+                attn_mask=p.dense_mask if n > 1 else None,
+                scale=p.scale,
+                enable_gqa=True,
+            )
+
     return run
 
 
@@ -243,38 +301,68 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
     floor = kv_bytes / bw
     ref = p.reference(0)
     rows = n * (HQ // HKV)
-    res = {"point": name, "b": b, "n": n, "ctx": ctx, "kv_mb": kv_bytes / 1e6, "floor_us": floor * 1e6,
-           "copies": R, "variants": []}
+    res = {
+        "point": name,
+        "b": b,
+        "n": n,
+        "ctx": ctx,
+        "kv_mb": kv_bytes / 1e6,
+        "floor_us": floor * 1e6,
+        "copies": R,
+        "variants": [],
+    }
     c0 = default_config(rows, D, L)
     res["mma_floor_us"] = 4 * b * rows * HKV * L * D / mma * 1e6  # unpadded rows
 
     def run(label, cfg, splits, **kw):
         ablation = bool(kw)
         if cfg is not None:
-            kw["hopper_ctx"] = False  # the sweep tunes the Triton kernel (gpu_tree_attention_hopper.py: Gluon)
+            kw["hopper_ctx"] = (
+                False  # the sweep tunes the Triton kernel (gpu_tree_attention_hopper.py: Gluon)
+            )
         try:
             out, plan = p.ours_plan(0, config=cfg, num_splits=splits, **kw)
-            err = rel(out, ref) if not ablation else float("nan")  # ablations compute another function
-            t = time_graph(lambda: [p.ours(r, config=cfg, num_splits=splits, **kw) for r in range(R)], R)
+            err = (
+                rel(out, ref) if not ablation else float("nan")
+            )  # ablations compute another function
+            t = time_graph(
+                lambda: [p.ours(r, config=cfg, num_splits=splits, **kw) for r in range(R)], R
+            )
         except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is skipped
             print(f"    {label}: {type(e).__name__}: {str(e)[:160]}")
             return None
-        v = {"label": label, "config": short(plan.config), "splits": plan.num_splits, "us": t * 1e6,
-             "x": t / floor, "rel_err": err, "kernel": plan.kernel}
+        v = {
+            "label": label,
+            "config": short(plan.config),
+            "splits": plan.num_splits,
+            "us": t * 1e6,
+            "x": t / floor,
+            "rel_err": err,
+            "kernel": plan.kernel,
+        }
         res["variants"].append(v)
         bad = "" if err != err or err < 2e-2 else "  WRONG"
-        print(f"    {label:<8} {v['config']:<24} s={v['splits']:<3} {v['kernel']:<6}  {v['us']:8.1f} us  "
-              f"{v['x']:5.2f}x floor  rel {err:.1e}{bad}", flush=True)
+        print(
+            f"    {label:<8} {v['config']:<24} s={v['splits']:<3} {v['kernel']:<6}  {v['us']:8.1f} us  "
+            f"{v['x']:5.2f}x floor  rel {err:.1e}{bad}",
+            flush=True,
+        )
         return v
 
-    print(f"  {name}: KV {kv_bytes / 1e6:.1f} MB, floor {floor * 1e6:.1f} us, MMA floor "
-          f"{res['mma_floor_us']:.1f} us, {R} copies", flush=True)
+    print(
+        f"  {name}: KV {kv_bytes / 1e6:.1f} MB, floor {floor * 1e6:.1f} us, MMA floor "
+        f"{res['mma_floor_us']:.1f} us, {R} copies",
+        flush=True,
+    )
     res["default"] = run("default", None, None)
     if full:
         try:
             res["kernels_us"] = kernel_times(p, None)
-            print("    kernels (profiler, us per call): "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in res["kernels_us"].items()), flush=True)
+            print(
+                "    kernels (profiler, us per call): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in res["kernels_us"].items()),
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001 - the breakdown is a diagnostic
             print(f"    profiler failed: {type(e).__name__}: {str(e)[:160]}")
     for cfg in sweep_configs(rows):
@@ -294,8 +382,9 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
         for cfg in [by_name[t] for t in top[:2] if t in by_name]:
             s0 = next(v["splits"] for v in good if v["config"] == short(cfg))
             cands = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, s0 - 1, s0 + 1, 2 * s0})
-            for s in [s for s in cands if s >= 1 and s != s0 and s0 / 3 <= s <= 3 * s0 + 1 and s <= tiles] + \
-                    ([1] if s0 > 3 else []):
+            for s in [
+                s for s in cands if s >= 1 and s != s0 and s0 / 3 <= s <= 3 * s0 + 1 and s <= tiles
+            ] + ([1] if s0 > 3 else []):
                 if time.time() - T0 > SWEEP_BUDGET_S:
                     break
                 run("splits", cfg, s)
@@ -309,9 +398,11 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
     if good:
         best = min(good, key=lambda v: v["us"])
         res["best"] = best
-        print(f"  WINNER {name}: {best['config']} splits={best['splits']}  {best['us']:.1f} us "
-              f"({best['x']:.2f}x floor; default {res['default']['us'] if res['default'] else float('nan'):.1f})",
-              flush=True)
+        print(
+            f"  WINNER {name}: {best['config']} splits={best['splits']}  {best['us']:.1f} us "
+            f"({best['x']:.2f}x floor; default {res['default']['us'] if res['default'] else float('nan'):.1f})",
+            flush=True,
+        )
     if full:
         for label, make in (("sdpa", sdpa_fn), ("flex", flex_fn)):
             if label == "flex" and (name not in FLEX_POINTS or time.time() - T0 > FLEX_BUDGET_S):
@@ -345,31 +436,54 @@ def main():
     bws, mma = bandwidths(), matmul_rate()
     torch.cuda.empty_cache()
     bw = max(bws["memcpy_eager"], bws["memcpy_graph"], bws["sm_copy_graph"])
-    print("bandwidth TB/s: " + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in bws.items())
-          + f"; floor uses {bw / 1e12:.2f} (best copy, read+write); bf16 matmul {mma / 1e12:.0f} TFLOP/s", flush=True)
+    print(
+        "bandwidth TB/s: "
+        + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in bws.items())
+        + f"; floor uses {bw / 1e12:.2f} (best copy, read+write); bf16 matmul {mma / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     results = []
     for name, b, n, ctx, full in POINTS:
         bench_point(name, b, n, ctx, bw, mma, results, full=full)
         torch.cuda.empty_cache()
-    print("\n| point | KV floor us | target us | default | best: config, splits | SDPA | Flex | meets target |")
+    print(
+        "\n| point | KV floor us | target us | default | best: config, splits | SDPA | Flex | meets target |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         best = r.get("best")
         tgt = target_us(r["point"], r["floor_us"])
-        print(f"| {r['point']} | {r['floor_us']:.1f} | {tgt:.1f} | {fmt(r.get('default'))} | "
-              f"{fmt(best)} {best['config'] if best else ''} s={best['splits'] if best else ''} | "
-              f"{fmt(r.get('sdpa'))} | {fmt(r.get('flex'))} | "
-              f"{'yes' if best and best['us'] <= tgt else 'no'} |")
+        print(
+            f"| {r['point']} | {r['floor_us']:.1f} | {tgt:.1f} | {fmt(r.get('default'))} | "
+            f"{fmt(best)} {best['config'] if best else ''} s={best['splits'] if best else ''} | "
+            f"{fmt(r.get('sdpa'))} | {fmt(r.get('flex'))} | "
+            f"{'yes' if best and best['us'] <= tgt else 'no'} |"
+        )
     print("\nwins per config (shapes where it is within 3% of the best):")
     for cfg in sweep_configs(260) + sweep_configs(4):
-        wins = [r["point"] for r in results if r.get("best") and any(
-            v["config"] == short(cfg) and v["us"] <= 1.03 * r["best"]["us"] for v in r["variants"]
-            if not v["rel_err"] >= 2e-2)]
+        wins = [
+            r["point"]
+            for r in results
+            if r.get("best")
+            and any(
+                v["config"] == short(cfg) and v["us"] <= 1.03 * r["best"]["us"]
+                for v in r["variants"]
+                if not v["rel_err"] >= 2e-2
+            )
+        ]
         if wins:
             print(f"  {short(cfg)}: {', '.join(wins)}")
     print(f"total {time.time() - T0:.0f} s")
-    save_json("gpu_tree_attention.json", {"device": props.name, "bandwidths": bws, "copy_bw": bw,
-                                          "matmul_flops": mma, "points": results})
+    save_json(
+        "gpu_tree_attention.json",
+        {
+            "device": props.name,
+            "bandwidths": bws,
+            "copy_bw": bw,
+            "matmul_flops": mma,
+            "points": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -8,27 +8,45 @@ one warpgroup per program, 1-3 programs per SM, 1 or 2 independent accumulators 
 attention kernel's S = Q K^T is N = 64 and its P V is N = 128 (A = P in registers). TFLOP/s counts 2 * M * N * K
 per instruction group. N = 256 with two accumulators needs more registers than a thread has and is not run.
 """
+
 import time
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 
 @gluon.jit
-def wg_bench(a_ptr, b_ptr, out_ptr, ITERS, N: gl.constexpr, RS: gl.constexpr, TWO: gl.constexpr,
-             num_warps: gl.constexpr):
+def wg_bench(
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    ITERS,
+    N: gl.constexpr,
+    RS: gl.constexpr,
+    TWO: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, N, 16])
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N, 16]
+    )
     a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
     b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, 128], gl.bfloat16)
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
     c = gl.arange(0, 128, layout=gl.SliceLayout(0, ld))
-    a_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], a_sl, gl.load(a_ptr + r[:, None] * 128 + c[None, :]))
+    a_s = gl.allocate_shared_memory(
+        gl.bfloat16, [64, 128], a_sl, gl.load(a_ptr + r[:, None] * 128 + c[None, :])
+    )
     rb = gl.arange(0, N, layout=gl.SliceLayout(1, ld))
-    b_s = gl.allocate_shared_memory(gl.bfloat16, [N, 128], b_sl, gl.load(b_ptr + rb[:, None] * 128 + c[None, :]))
+    b_s = gl.allocate_shared_memory(
+        gl.bfloat16, [N, 128], b_sl, gl.load(b_ptr + rb[:, None] * 128 + c[None, :])
+    )
     fence_async_shared()
     gl.thread_barrier()
     acc = gl.zeros([64, N], gl.float32, acc_l)
@@ -66,15 +84,22 @@ def main():
             for two in (0, 1) if n < 256 else (0,):
                 for per_sm in (1, 2, 3):
                     grid = (sms * per_sm,)
-                    f = lambda: wg_bench[grid](a, b, out, iters, N=n, RS=rs, TWO=two, num_warps=4)
-                    f(); torch.cuda.synchronize()
+
+                    def f(grid=grid):
+                        wg_bench[grid](a, b, out, iters, N=n, RS=rs, TWO=two, num_warps=4)
+
+                    f()
+                    torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     for _ in range(3):
                         f()
                     torch.cuda.synchronize()
                     t = (time.perf_counter() - t0) / 3
                     flops = 2 * 64 * n * 128 * iters * (1 + two) * grid[0]
-                    print(f"{n:<4}{'reg' if rs else 'smem':<6}{1 + two:<8}{per_sm:<13}{flops / t / 1e12:7.0f}", flush=True)
+                    print(
+                        f"{n:<4}{'reg' if rs else 'smem':<6}{1 + two:<8}{per_sm:<13}{flops / t / 1e12:7.0f}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

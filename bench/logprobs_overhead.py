@@ -39,8 +39,11 @@ def main() -> None:
     for algo in a.algorithms.split(","):
         llm = LLM(None, speculative_algorithm=algo, device=a.device, max_running_requests=a.batch)
         base = None
-        for mode, lp in (("none", {}), ("logprobs", {"logprobs": True}),
-                         (f"top_logprobs={a.top}", {"top_logprobs": a.top})):
+        for mode, lp in (
+            ("none", {}),
+            ("logprobs", {"logprobs": True}),
+            (f"top_logprobs={a.top}", {"top_logprobs": a.top}),
+        ):
             tps = throughput(llm, a.batch, a.tokens, **lp)
             base = base or tps
             print(f"{algo:<10} {mode:<15} {tps:8.1f}   {tps / base:5.3f}")

@@ -14,7 +14,7 @@ def load(path):
     rows = list(csv.reader(open(path)))
     head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     cols = rows[head]
-    return cols, [dict(zip(cols, r)) for r in rows[head + 1:] if len(r) == len(cols)]
+    return cols, [dict(zip(cols, r)) for r in rows[head + 1 :] if len(r) == len(cols)]
 
 
 def num(v):
@@ -34,17 +34,24 @@ def main():
     total = sum(num(r["Warp Stall Sampling (All Samples)"]) for r in rows)
     per = Counter({s: sum(num(r[s]) for r in rows) for s in stalls})
     print(f"{len(rows)} instructions, {total:.0f} samples")
-    print("stalls: " + ", ".join(f"{s[6:]} {100 * v / total:.1f}%" for s, v in per.most_common(8) if v))
+    print(
+        "stalls: "
+        + ", ".join(f"{s[6:]} {100 * v / total:.1f}%" for s, v in per.most_common(8) if v)
+    )
     ops = Counter()
     for r in rows:
-        ops[r["Source"].split()[0] if r["Source"].split() else "?"] += num(r["Warp Stall Sampling (All Samples)"])
+        ops[r["Source"].split()[0] if r["Source"].split() else "?"] += num(
+            r["Warp Stall Sampling (All Samples)"]
+        )
     print("by opcode: " + ", ".join(f"{o} {100 * v / total:.1f}%" for o, v in ops.most_common(12)))
     top = sorted(rows, key=lambda r: -num(r["Warp Stall Sampling (All Samples)"]))[: a.top]
     for r in top:
         n = num(r["Warp Stall Sampling (All Samples)"])
         why = sorted(((num(r[s]), s[6:]) for s in stalls), reverse=True)[:2]
-        print(f"{100 * n / total:5.1f}%  {r['Address'][-5:]}  {r['Source'].strip()[:60]:60s} "
-              + " ".join(f"{w}:{100 * v / max(n, 1):.0f}%" for v, w in why if v))
+        print(
+            f"{100 * n / total:5.1f}%  {r['Address'][-5:]}  {r['Source'].strip()[:60]:60s} "
+            + " ".join(f"{w}:{100 * v / max(n, 1):.0f}%" for v, w in why if v)
+        )
 
 
 if __name__ == "__main__":

@@ -15,11 +15,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from gpu_tree_attention import Problem  # noqa: E402
 
-SHAPES = {"tree16k": (1, 65, 16384), "rows256": (1, 64, 16384), "decode16k": (1, 1, 16384),
-          "b8tree8k": (8, 65, 8192), "tree32k": (1, 65, 32768)}
+SHAPES = {
+    "tree16k": (1, 65, 16384),
+    "rows256": (1, 64, 16384),
+    "decode16k": (1, 1, 16384),
+    "b8tree8k": (8, 65, 8192),
+    "tree32k": (1, 65, 32768),
+}
 
 if __name__ == "__main__":
     b, n, ctx = SHAPES[sys.argv[1]]

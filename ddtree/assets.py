@@ -18,7 +18,9 @@ def cache_dir() -> str:
 
 
 def _complete(path: str) -> bool:
-    return all(os.path.exists(os.path.join(path, sub, "config.json")) for sub in ("target", "drafter"))
+    return all(
+        os.path.exists(os.path.join(path, sub, "config.json")) for sub in ("target", "drafter")
+    )
 
 
 def default_model_paths() -> tuple[str, str]:

@@ -17,8 +17,13 @@ import sys
 
 from ddtree.configs import ConfigError
 from ddtree.memory_plan import MemoryPlan, memory_plan
-from ddtree.server_args import (ServerArgs, cli_fields, cuda_available, make_parser,
-                                resolve_server_args)
+from ddtree.server_args import (
+    ServerArgs,
+    cli_fields,
+    cuda_available,
+    make_parser,
+    resolve_server_args,
+)
 
 logger = logging.getLogger("ddtree")
 
@@ -38,12 +43,19 @@ def format_resolved(args: ServerArgs) -> str:
             lines.append(f"  {f.name:<34} {value}")
     t, d = args.target_config, args.drafter_config
     if t is not None:
-        kind = f"hybrid ({len(t.linear_layer_ids)} GDN + {len(t.attention_layer_ids)} attention layers)" \
-            if t.is_hybrid else f"dense ({t.num_hidden_layers} layers)"
-        lines.append(f"target:  {t.architecture}, {kind}, hidden {t.hidden_size}, vocab {t.vocab_size}")
+        kind = (
+            f"hybrid ({len(t.linear_layer_ids)} GDN + {len(t.attention_layer_ids)} attention layers)"
+            if t.is_hybrid
+            else f"dense ({t.num_hidden_layers} layers)"
+        )
+        lines.append(
+            f"target:  {t.architecture}, {kind}, hidden {t.hidden_size}, vocab {t.vocab_size}"
+        )
     if d is not None:
-        lines.append(f"drafter: {d.num_hidden_layers} layers, block {d.block_size}, taps "
-                     f"{list(d.target_layer_ids)}, mask {d.mask_token_id}")
+        lines.append(
+            f"drafter: {d.num_hidden_layers} layers, block {d.block_size}, taps "
+            f"{list(d.target_layer_ids)}, mask {d.mask_token_id}"
+        )
     return "\n".join(lines)
 
 
@@ -52,10 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["check-config"]:
         argv = argv[1:]
     parser = make_parser("ddtree check-config")
-    parser.add_argument("--device-memory-gib", type=float, default=None,
-                        help="plan for a device of this many GiB instead of the local GPU / "
-                             "host RAM; with --device cuda, for a GPU from a machine without "
-                             "one (H200: 140)")
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=None,
+        help="plan for a device of this many GiB instead of the local GPU / "
+        "host RAM; with --device cuda, for a GPU from a machine without "
+        "one (H200: 140)",
+    )
     try:
         ns = vars(parser.parse_args(argv))
     except SystemExit as e:
@@ -75,9 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
     if args.device == "cuda" and device_gib is None and not cuda_available():
-        print("error: --device cuda: this machine has no GPU to measure; pass "
-              "--device-memory-gib N to plan for a GPU of N GiB (e.g. --device-memory-gib 140 for "
-              "an H200)", file=sys.stderr)
+        print(
+            "error: --device cuda: this machine has no GPU to measure; pass "
+            "--device-memory-gib N to plan for a GPU of N GiB (e.g. --device-memory-gib 140 for "
+            "an H200)",
+            file=sys.stderr,
+        )
         return 2
     plan = memory_plan(args, None if device_gib is None else int(device_gib * 2**30))
     print(format_resolved(args))
@@ -98,11 +117,15 @@ def planned_for(args: ServerArgs, plan: MemoryPlan, device_gib: float | None) ->
         size = f"{device_gib:g} GiB given by --device-memory-gib"
     else:
         size = f"{plan.device_name}, {plan.device_bytes / 2**30:.1f} GiB"
-    line = (f"planned for: device {args.device} ({size}), dtype {args.dtype}, "
-            f"KV cache {args.kv_cache_dtype}, attention {args.attention_backend}")
+    line = (
+        f"planned for: device {args.device} ({size}), dtype {args.dtype}, "
+        f"KV cache {args.kv_cache_dtype}, attention {args.attention_backend}"
+    )
     if args.device == "cpu":
-        line += ("\n  (a CPU plan; to plan for a GPU from this machine pass --device cuda "
-                 "--device-memory-gib 140 for an H200)")
+        line += (
+            "\n  (a CPU plan; to plan for a GPU from this machine pass --device cuda "
+            "--device-memory-gib 140 for an H200)"
+        )
     return line
 
 
@@ -110,8 +133,10 @@ def cannot_serve(plan: MemoryPlan) -> list[str]:
     """The verdict from the plan's own outputs: one line per reason, each naming the fix."""
     if plan.fits:
         return []
-    return list(plan.warnings) or [f"not one request of --context-length {plan.context_length:,} "
-                                   "fits; lower --context-length or free memory"]
+    return list(plan.warnings) or [
+        f"not one request of --context-length {plan.context_length:,} "
+        "fits; lower --context-length or free memory"
+    ]
 
 
 if __name__ == "__main__":

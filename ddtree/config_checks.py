@@ -36,26 +36,36 @@ def load_model_config(path: str, is_target: bool, p: list[str]):
         path = cached
     if not os.path.isfile(os.path.join(path, "config.json")):
         what = "has no config.json" if os.path.isdir(path) else "directory does not exist"
-        p.append(f"{name} {path}: {what}; pass the local model directory that holds config.json (or a Hugging "
-                 "Face repo id already in the local cache)")
+        p.append(
+            f"{name} {path}: {what}; pass the local model directory that holds config.json (or a Hugging "
+            "Face repo id already in the local cache)"
+        )
         return path, None
     supported = configs.DENSE_ARCHITECTURES + configs.HYBRID_ARCHITECTURES
     try:
         raw = configs.read_config_json(path)
         arch = (raw.get("architectures") or ["<none>"])[0]
         if is_target and arch in configs.DRAFTER_ARCHITECTURES:
-            p.append(f"--model-path {path}: this is a {arch} drafter; pass it as --speculative-draft-model-path "
-                     "and the target model as --model-path")
+            p.append(
+                f"--model-path {path}: this is a {arch} drafter; pass it as --speculative-draft-model-path "
+                "and the target model as --model-path"
+            )
         elif is_target and arch not in supported:
-            p.append(f"--model-path {path}: architecture {arch!r} is not supported; supported: {', '.join(supported)}")
+            p.append(
+                f"--model-path {path}: architecture {arch!r} is not supported; supported: {', '.join(supported)}"
+            )
         elif not is_target and arch not in configs.DRAFTER_ARCHITECTURES:
-            p.append(f"--speculative-draft-model-path {path}: architecture {arch!r} is not a DFlashDraftModel; "
-                     "pass a DFlash drafter (e.g. z-lab/Qwen3-8B-DFlash-b16)")
+            p.append(
+                f"--speculative-draft-model-path {path}: architecture {arch!r} is not a DFlashDraftModel; "
+                "pass a DFlash drafter (e.g. z-lab/Qwen3-8B-DFlash-b16)"
+            )
         else:
             check_weights(path, name, p)
             return path, (TargetConfig if is_target else DrafterConfig).from_dict(raw)
     except (OSError, KeyError, TypeError, ValueError) as e:
-        p.append(f"{name} {path}: config.json is unreadable or lacks key {e}; fix or re-download the config")
+        p.append(
+            f"{name} {path}: config.json is unreadable or lacks key {e}; fix or re-download the config"
+        )
     return path, None
 
 
@@ -65,48 +75,80 @@ def check_weights(path: str, name: str, p: list[str]) -> None:
     files = os.listdir(path)
     if "model.safetensors.index.json" in files or any(f.endswith(".safetensors") for f in files):
         return
-    p.append(f"{name} {path}: no *.safetensors weights, only config.json; pass the directory "
-             "holding the full checkpoint (e.g. hf download REPO --local-dir DIR)")
+    p.append(
+        f"{name} {path}: no *.safetensors weights, only config.json; pass the directory "
+        "holding the full checkpoint (e.g. hf download REPO --local-dir DIR)"
+    )
 
 
 def check_pair(t: TargetConfig, d: DrafterConfig, p: list[str]) -> None:
     F = "--speculative-draft-model-path"
     if d.hidden_size != t.hidden_size:
-        p.append(f"{F}: drafter hidden_size {d.hidden_size} != target hidden_size {t.hidden_size}; use the DFlash "
-                 "drafter trained for this --model-path")
+        p.append(
+            f"{F}: drafter hidden_size {d.hidden_size} != target hidden_size {t.hidden_size}; use the DFlash "
+            "drafter trained for this --model-path"
+        )
     if d.vocab_size != t.vocab_size:
-        p.append(f"{F}: drafter vocab_size {d.vocab_size} != target vocab_size {t.vocab_size}; use the DFlash "
-                 "drafter trained for this --model-path")
+        p.append(
+            f"{F}: drafter vocab_size {d.vocab_size} != target vocab_size {t.vocab_size}; use the DFlash "
+            "drafter trained for this --model-path"
+        )
     if d.mask_token_id is None:
-        p.append(f"{F}: drafter config has no dflash_config.mask_token_id; add the mask token id the drafter was "
-                 f"trained with (a row of the target embedding, < {t.vocab_size})")
+        p.append(
+            f"{F}: drafter config has no dflash_config.mask_token_id; add the mask token id the drafter was "
+            f"trained with (a row of the target embedding, < {t.vocab_size})"
+        )
     elif not 0 <= d.mask_token_id < t.vocab_size:
-        p.append(f"{F}: mask_token_id {d.mask_token_id} is not a row of the target embedding (vocab "
-                 f"{t.vocab_size}); use the drafter trained for this target")
+        p.append(
+            f"{F}: mask_token_id {d.mask_token_id} is not a row of the target embedding (vocab "
+            f"{t.vocab_size}); use the drafter trained for this target"
+        )
     n = t.num_hidden_layers
     bad = [i for i in d.target_layer_ids if not 0 <= i < n]
     if not d.target_layer_ids:
-        p.append(f"{F}: drafter config has neither dflash_config.target_layer_ids nor num_target_layers; add "
-                 "target_layer_ids")
+        p.append(
+            f"{F}: drafter config has neither dflash_config.target_layer_ids nor num_target_layers; add "
+            "target_layer_ids"
+        )
     elif bad:
-        p.append(f"{F}: target_layer_ids {bad} out of range for the target's {n} layers (valid 0..{n - 1}); use "
-                 "the drafter trained for this --model-path")
+        p.append(
+            f"{F}: target_layer_ids {bad} out of range for the target's {n} layers (valid 0..{n - 1}); use "
+            "the drafter trained for this --model-path"
+        )
     if d.num_target_layers and d.num_target_layers != n:
-        p.append(f"{F}: drafter was built for a {d.num_target_layers}-layer target but --model-path has {n} layers;"
-                 " use the drafter trained for this target")
+        p.append(
+            f"{F}: drafter was built for a {d.num_target_layers}-layer target but --model-path has {n} layers;"
+            " use the drafter trained for this target"
+        )
 
 
 def check_tp(tp: int, t: TargetConfig | None, d: DrafterConfig | None, p: list[str]) -> None:
     counts = {}
     if t is not None:
-        counts.update({"target attention heads": t.num_attention_heads, "target KV heads": t.num_key_value_heads})
+        counts.update(
+            {
+                "target attention heads": t.num_attention_heads,
+                "target KV heads": t.num_key_value_heads,
+            }
+        )
         if t.is_hybrid:
-            counts.update({"target linear key heads": t.linear_num_key_heads,
-                           "target linear value heads": t.linear_num_value_heads})
+            counts.update(
+                {
+                    "target linear key heads": t.linear_num_key_heads,
+                    "target linear value heads": t.linear_num_value_heads,
+                }
+            )
     if d is not None:
-        counts.update({"drafter attention heads": d.num_attention_heads, "drafter KV heads": d.num_key_value_heads})
+        counts.update(
+            {
+                "drafter attention heads": d.num_attention_heads,
+                "drafter KV heads": d.num_key_value_heads,
+            }
+        )
     bad = [f"{name} ({n})" for name, n in counts.items() if tp >= 1 and n % tp]
     if bad:
         g = math.gcd(*counts.values())
         valid = [k for k in range(1, g + 1) if g % k == 0]
-        p.append(f"--tp-size {tp} does not divide the {', '.join(bad)}; valid --tp-size values: {valid}")
+        p.append(
+            f"--tp-size {tp} does not divide the {', '.join(bad)}; valid --tp-size values: {valid}"
+        )

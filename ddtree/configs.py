@@ -117,7 +117,8 @@ class TargetConfig:
         interval = text.get("full_attention_interval")
         if not layer_types and interval and text.get("linear_num_value_heads"):
             layer_types = tuple(
-                "full_attention" if (i + 1) % int(interval) == 0 else "linear_attention" for i in range(n_layers)
+                "full_attention" if (i + 1) % int(interval) == 0 else "linear_attention"
+                for i in range(n_layers)
             )
         return cls(
             architecture=arch,
@@ -134,10 +135,17 @@ class TargetConfig:
             rope_scaling=scaling,
             partial_rotary_factor=partial,
             max_position_embeddings=int(text.get("max_position_embeddings", 40960)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            tie_word_embeddings=bool(
+                cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            ),
             attention_bias=bool(text.get("attention_bias", False)),
-            dtype=str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype")
-                      or "bfloat16"),
+            dtype=str(
+                text.get("torch_dtype")
+                or text.get("dtype")
+                or cfg.get("torch_dtype")
+                or cfg.get("dtype")
+                or "bfloat16"
+            ),
             eos_token_ids=_eos_ids(text.get("eos_token_id", cfg.get("eos_token_id"))),
             layer_types=layer_types,
             linear_num_key_heads=int(text.get("linear_num_key_heads", 0) or 0),
@@ -145,7 +153,9 @@ class TargetConfig:
             linear_key_head_dim=int(text.get("linear_key_head_dim", 0) or 0),
             linear_value_head_dim=int(text.get("linear_value_head_dim", 0) or 0),
             linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 0) or 0),
-            attn_output_gate=bool(text.get("attn_output_gate", "qwen3_5" in str(text.get("model_type", "")))),
+            attn_output_gate=bool(
+                text.get("attn_output_gate", "qwen3_5" in str(text.get("model_type", "")))
+            ),
             weight_prefix=prefix,
             raw=cfg,
         )
@@ -242,7 +252,8 @@ class DrafterConfig:
             layer_types=tuple(cfg.get("layer_types") or ()),
             sliding_window=(
                 int(cfg["sliding_window"])
-                if cfg.get("sliding_window") and (cfg.get("use_sliding_window", True) or cfg.get("layer_types"))
+                if cfg.get("sliding_window")
+                and (cfg.get("use_sliding_window", True) or cfg.get("layer_types"))
                 else None
             ),
             is_causal=None if causal is None else bool(causal),

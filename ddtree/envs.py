@@ -38,14 +38,20 @@ class EnvVar:
 
 
 FORCE_REFERENCE_ATTENTION = EnvVar(
-    "DDTREE_FORCE_REFERENCE_ATTENTION", "",
-    "1: the triton attention backend runs the PyTorch reference (no Triton needed; no CUDA graphs)")
+    "DDTREE_FORCE_REFERENCE_ATTENTION",
+    "",
+    "1: the triton attention backend runs the PyTorch reference (no Triton needed; no CUDA graphs)",
+)
 NO_HOPPER_ATTENTION = EnvVar(
-    "DDTREE_NO_HOPPER_ATTENTION", "",
-    "1: never the Gluon (sm_90) tree-attention kernel; the Triton kernel does every split")
+    "DDTREE_NO_HOPPER_ATTENTION",
+    "",
+    "1: never the Gluon (sm_90) tree-attention kernel; the Triton kernel does every split",
+)
 NO_PDL = EnvVar(
-    "DDTREE_NO_PDL", "",
-    "1: the split-KV merge launches as an ordinary kernel, not a programmatic dependent (PDL)")
+    "DDTREE_NO_PDL",
+    "",
+    "1: the split-KV merge launches as an ordinary kernel, not a programmatic dependent (PDL)",
+)
 FORCE_REFERENCE_KERNELS = EnvVar(
     "DDTREE_FORCE_REFERENCE_KERNELS",
     "",

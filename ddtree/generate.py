@@ -23,32 +23,62 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = server_parser("ddtree generate")
     g = p.add_argument_group("generation")
-    g.add_argument("--prompt", action="append",
-                   help=f"prompt text (repeatable); default: {len(DEFAULT_PROMPTS)} built-in code "
-                        "prompts")
-    g.add_argument("--prompts-file",
-                   help='JSONL file, one {"prompt": text or token ids} per line (default: none)')
-    g.add_argument("--chat", action="store_true",
-                   help="wrap prompts in the tokenizer's chat template (default: off)")
-    g.add_argument("--max-tokens", type=int, default=96,
-                   help="new tokens per prompt (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 = greedy (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling mass; 1 = off (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=-1,
-                   help="sample from the k most likely tokens; -1 = off (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=None,
-                   help="per-request sampling seed (default: unseeded)")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="keep generating past EOS up to --max-tokens (default: off)")
-    g.add_argument("--compare-ar", action="store_true",
-                   help="also run plain AR decoding and report the speed-up; both runs go one "
-                        "request at a time (batch 1) unless --max-running-requests is given "
-                        "(default: off)")
-    g.add_argument("--json", action="store_true",
-                   help="print only JSON on stdout, one object per output; the statistics go to "
-                        "stderr (default: off)")
+    g.add_argument(
+        "--prompt",
+        action="append",
+        help=f"prompt text (repeatable); default: {len(DEFAULT_PROMPTS)} built-in code prompts",
+    )
+    g.add_argument(
+        "--prompts-file",
+        help='JSONL file, one {"prompt": text or token ids} per line (default: none)',
+    )
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap prompts in the tokenizer's chat template (default: off)",
+    )
+    g.add_argument(
+        "--max-tokens", type=int, default=96, help="new tokens per prompt (default: %(default)s)"
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 = greedy (default: %(default)s)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling mass; 1 = off (default: %(default)s)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int,
+        default=-1,
+        help="sample from the k most likely tokens; -1 = off (default: %(default)s)",
+    )
+    g.add_argument(
+        "--seed", type=int, default=None, help="per-request sampling seed (default: unseeded)"
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past EOS up to --max-tokens (default: off)",
+    )
+    g.add_argument(
+        "--compare-ar",
+        action="store_true",
+        help="also run plain AR decoding and report the speed-up; both runs go one "
+        "request at a time (batch 1) unless --max-running-requests is given "
+        "(default: off)",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print only JSON on stdout, one object per output; the statistics go to "
+        "stderr (default: off)",
+    )
     return p
 
 
@@ -65,7 +95,10 @@ def histogram(lengths: list[int]) -> str:
         return "(no rounds)"
     counts = collections.Counter(lengths)
     top = max(counts.values())
-    rows = [f"  {k:>3} | {'#' * max(1, round(40 * counts[k] / top))} {counts[k]}" for k in sorted(counts)]
+    rows = [
+        f"  {k:>3} | {'#' * max(1, round(40 * counts[k] / top))} {counts[k]}"
+        for k in sorted(counts)
+    ]
     return "\n".join(rows)
 
 
@@ -77,8 +110,12 @@ def run(args, prompts, params, label: str, chat: bool = False, tqdm_bar: bool = 
     if chat:
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
             raise SystemExit("error: --chat needs a tokenizer with a chat template")
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                        add_generation_prompt=True) for p in prompts]
+        prompts = [
+            engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in prompts
+        ]
     t0 = time.perf_counter()
     reqs = engine.generate(prompts, params, use_tqdm=tqdm_bar)
     elapsed = time.perf_counter() - t0
@@ -86,8 +123,12 @@ def run(args, prompts, params, label: str, chat: bool = False, tqdm_bar: bool = 
     tokens = sum(len(o.token_ids) for o in outs)
     lengths = [n for o in outs for n in o.accept_lengths]
     stats = {
-        "label": label, "requests": len(outs), "tokens": tokens, "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "rounds": len(lengths),
+        "label": label,
+        "requests": len(outs),
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "rounds": len(lengths),
         "mean_accept_length": sum(lengths) / len(lengths) if lengths else 0.0,
     }
     return outs, stats, lengths
@@ -103,17 +144,26 @@ def main(argv: list[str]) -> int:
     if ns.compare_ar and ns.max_running_requests is None:
         # The speed-up the docs quote is batch 1: at larger batches AR amortises its weight reads.
         ns.max_running_requests = 1
-        logging.getLogger("ddtree").info("--compare-ar: timing both runs at batch 1 (--max-running-"
-                                         "requests 1); pass --max-running-requests N for batch N")
+        logging.getLogger("ddtree").info(
+            "--compare-ar: timing both runs at batch 1 (--max-running-"
+            "requests 1); pass --max-running-requests N for batch N"
+        )
     server_fields = {f.name for f in dataclasses.fields(ServerArgs)}
     try:
-        args = resolve_server_args(ServerArgs(**{k: v for k, v in vars(ns).items()
-                                                 if k in server_fields}))
+        args = resolve_server_args(
+            ServerArgs(**{k: v for k, v in vars(ns).items() if k in server_fields})
+        )
     except ConfigError as e:
         print(f"error: invalid configuration:\n{e}", file=sys.stderr)
         return 2
-    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-                            max_tokens=ns.max_tokens, ignore_eos=ns.ignore_eos, seed=ns.seed)
+    params = SamplingParams(
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        max_tokens=ns.max_tokens,
+        ignore_eos=ns.ignore_eos,
+        seed=ns.seed,
+    )
     prompts = load_prompts(ns)
     try:
         outs, stats, lengths = run(args, prompts, params, args.speculative_algorithm, ns.chat)
@@ -122,29 +172,48 @@ def main(argv: list[str]) -> int:
         return 2
     for prompt, o in zip(prompts, outs):
         if ns.json:
-            print(json.dumps({"prompt": prompt, "text": o.text, "token_ids": o.token_ids,
-                              "finish_reason": o.finish_reason,
-                              "mean_accept_length": o.mean_accept_length}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": o.text,
+                        "token_ids": o.token_ids,
+                        "finish_reason": o.finish_reason,
+                        "mean_accept_length": o.mean_accept_length,
+                    }
+                )
+            )
         else:
-            print(f"\n=== prompt: {prompt!r}\n{o.text if o.text else o.token_ids}\n--- "
-                  f"{len(o.token_ids)} tokens, finish={o.finish_reason}, rounds={o.rounds}, "
-                  f"mean accepted length={o.mean_accept_length:.2f}")
+            print(
+                f"\n=== prompt: {prompt!r}\n{o.text if o.text else o.token_ids}\n--- "
+                f"{len(o.token_ids)} tokens, finish={o.finish_reason}, rounds={o.rounds}, "
+                f"mean accepted length={o.mean_accept_length:.2f}"
+            )
     out = sys.stderr if ns.json else sys.stdout  # --json: stdout carries JSON only
     batch = batch_label(args.max_running_requests, len(prompts))
-    print(f"\n[{stats['label']}, {batch}] {stats['tokens']} tokens in {stats['seconds']:.2f} s = "
-          f"{stats['tokens_per_s']:.1f} tok/s, {stats['rounds']} rounds, "
-          f"mean accepted length {stats['mean_accept_length']:.2f}", file=out)
+    print(
+        f"\n[{stats['label']}, {batch}] {stats['tokens']} tokens in {stats['seconds']:.2f} s = "
+        f"{stats['tokens_per_s']:.1f} tok/s, {stats['rounds']} rounds, "
+        f"mean accepted length {stats['mean_accept_length']:.2f}",
+        file=out,
+    )
     print("accepted length per round (tokens emitted incl. bonus):", file=out)
     print(histogram(lengths), file=out)
     if ns.compare_ar and args.speculative_algorithm != "NONE":
         ar_args = dataclasses.replace(args, speculative_algorithm="NONE")
         ar_outs, ar_stats, _ = run(ar_args, prompts, params, "NONE")
         same = all(a.token_ids == b.token_ids for a, b in zip(outs, ar_outs))
-        print(f"[NONE, {batch}] {ar_stats['tokens']} tokens in {ar_stats['seconds']:.2f} s = "
-              f"{ar_stats['tokens_per_s']:.1f} tok/s", file=out)
-        print(f"speed-up {args.speculative_algorithm} over AR at {batch}: "
-              f"{ar_stats['seconds'] / stats['seconds']:.2f}x (wall clock); "
-              f"outputs identical to AR: {same}", file=out)
+        print(
+            f"[NONE, {batch}] {ar_stats['tokens']} tokens in {ar_stats['seconds']:.2f} s = "
+            f"{ar_stats['tokens_per_s']:.1f} tok/s",
+            file=out,
+        )
+        print(
+            f"speed-up {args.speculative_algorithm} over AR at {batch}: "
+            f"{ar_stats['seconds'] / stats['seconds']:.2f}x (wall clock); "
+            f"outputs identical to AR: {same}",
+            file=out,
+        )
     return 0
 
 

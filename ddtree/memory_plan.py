@@ -21,11 +21,17 @@ from ddtree.engine.config import (
 from ddtree.server_args import ServerArgs, resolve_server_args
 
 __all__ = [
-    "DTYPE_BYTES", "MemoryPlan", "memory_plan", "recurrent_state_bytes", "target_param_count",
+    "DTYPE_BYTES",
+    "MemoryPlan",
+    "memory_plan",
+    "recurrent_state_bytes",
+    "target_param_count",
 ]
 
 
-def _attention_params(hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, gated_q: bool) -> int:
+def _attention_params(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, gated_q: bool
+) -> int:
     q_out = heads * head_dim * (2 if gated_q else 1)
     kv_out = kv_heads * head_dim
     n = hidden * q_out + 2 * hidden * kv_out + heads * head_dim * hidden
@@ -41,7 +47,13 @@ def _gdn_params(t: TargetConfig) -> int:
     h, hv = t.hidden_size, t.linear_num_value_heads
     # in_proj_qkv + in_proj_z + in_proj_b + in_proj_a (Qwen3-Next fuses them as qkvz/ba: same count)
     proj = h * conv_dim + h * value_dim + 2 * h * hv
-    return proj + conv_dim * t.linear_conv_kernel_dim + 2 * hv + t.linear_value_head_dim + value_dim * h
+    return (
+        proj
+        + conv_dim * t.linear_conv_kernel_dim
+        + 2 * hv
+        + t.linear_value_head_dim
+        + value_dim * h
+    )
 
 
 def _mlp_params(t: TargetConfig, layer: int) -> int:
@@ -60,8 +72,14 @@ def _mlp_params(t: TargetConfig, layer: int) -> int:
 def target_param_count(t: TargetConfig) -> int:
     h = t.hidden_size
     n = t.vocab_size * h * (1 if t.tie_word_embeddings else 2) + h
-    attn = _attention_params(h, t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.attention_bias,
-                             t.attn_output_gate)
+    attn = _attention_params(
+        h,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.head_dim,
+        t.attention_bias,
+        t.attn_output_gate,
+    )
     linear = set(t.linear_layer_ids)
     for i in range(t.num_hidden_layers):
         n += (_gdn_params(t) if i in linear else attn) + _mlp_params(t, i) + 2 * h
@@ -72,7 +90,9 @@ def drafter_param_count(d: DrafterConfig) -> int:
     """fc + hidden_norm + layers + norm; the drafter borrows the target's embedding and lm_head."""
     h = d.hidden_size
     taps = len(d.target_layer_ids)
-    layer = _attention_params(h, d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.attention_bias, False)
+    layer = _attention_params(
+        h, d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.attention_bias, False
+    )
     layer += 3 * h * d.intermediate_size + 2 * h
     return taps * h * h + h + d.num_hidden_layers * layer + h
 
@@ -132,21 +152,42 @@ class MemoryPlan:
 
     def format(self) -> str:
         rows = [
-            ("device", f"{self.device_name}: {_gib(self.device_bytes)}, static pool {_gib(self.static_bytes)}"),
-            ("target weights", f"{self.target_params / 1e9:.2f} B params, {self.target_weight_bytes / 1e9:.2f} GB"),
-            ("drafter weights", f"{self.drafter_params / 1e9:.2f} B params, {self.drafter_weight_bytes / 1e9:.2f} GB"),
+            (
+                "device",
+                f"{self.device_name}: {_gib(self.device_bytes)}, static pool {_gib(self.static_bytes)}",
+            ),
+            (
+                "target weights",
+                f"{self.target_params / 1e9:.2f} B params, {self.target_weight_bytes / 1e9:.2f} GB",
+            ),
+            (
+                "drafter weights",
+                f"{self.drafter_params / 1e9:.2f} B params, {self.drafter_weight_bytes / 1e9:.2f} GB",
+            ),
             ("weights per device", f"{_gib(self.weight_bytes_per_device)} (tp {self.tp_size})"),
-            ("KV per token", f"target {_kib(self.target_kv_bytes_per_token)} + drafter "
-                             f"{_kib(self.drafter_kv_bytes_per_token)}; per device "
-                             f"{_kib(self.kv_bytes_per_token_per_device)}"),
-            ("verify buffers", f"width {self.verify_width}: {_gib(self.verify_buffer_bytes_per_request)}/request x "
-                               f"{self.max_running_requests} = {_gib(self.workspace_bytes)}"),
+            (
+                "KV per token",
+                f"target {_kib(self.target_kv_bytes_per_token)} + drafter "
+                f"{_kib(self.drafter_kv_bytes_per_token)}; per device "
+                f"{_kib(self.kv_bytes_per_token_per_device)}",
+            ),
+            (
+                "verify buffers",
+                f"width {self.verify_width}: {_gib(self.verify_buffer_bytes_per_request)}/request x "
+                f"{self.max_running_requests} = {_gib(self.workspace_bytes)}",
+            ),
         ]
         if self.state_pool_requests is not None:
             rows += [
-                ("recurrent state", f"{_gib(self.state_bytes_per_request)}/request + speculative "
-                                    f"{_gib(self.spec_state_bytes_per_request)}/request"),
-                ("state pool", f"{_gib(self.state_pool_bytes)} -> {self.state_pool_requests} requests"),
+                (
+                    "recurrent state",
+                    f"{_gib(self.state_bytes_per_request)}/request + speculative "
+                    f"{_gib(self.spec_state_bytes_per_request)}/request",
+                ),
+                (
+                    "state pool",
+                    f"{_gib(self.state_pool_bytes)} -> {self.state_pool_requests} requests",
+                ),
             ]
         rows += [
             ("KV pool", f"{_gib(self.kv_pool_bytes)} -> {self.kv_tokens:,} tokens"),
@@ -186,19 +227,36 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
     warnings = list(pools.warnings)
     rest = pools.static_bytes - weights - pools.workspace_bytes
     if at_ctx == 0 and rest > 0:
-        warnings.append(f"not one request of --context-length {ctx} fits ({pools.kv_tokens:,} KV "
-                        "tokens); lower --context-length or free memory")
+        warnings.append(
+            f"not one request of --context-length {ctx} fits ({pools.kv_tokens:,} KV "
+            "tokens); lower --context-length or free memory"
+        )
     act = dtype_bytes(args.dtype)
     return MemoryPlan(
-        device_name=name, device_bytes=device_bytes, static_bytes=pools.static_bytes, tp_size=tp,
-        target_params=tw // act, drafter_params=dw // act, target_weight_bytes=tw, drafter_weight_bytes=dw,
-        weight_bytes_per_device=weights, target_kv_bytes_per_token=tkv, drafter_kv_bytes_per_token=dkv,
-        kv_bytes_per_token_per_device=pools.kv_bytes_per_token, verify_width=pools.width,
+        device_name=name,
+        device_bytes=device_bytes,
+        static_bytes=pools.static_bytes,
+        tp_size=tp,
+        target_params=tw // act,
+        drafter_params=dw // act,
+        target_weight_bytes=tw,
+        drafter_weight_bytes=dw,
+        weight_bytes_per_device=weights,
+        target_kv_bytes_per_token=tkv,
+        drafter_kv_bytes_per_token=dkv,
+        kv_bytes_per_token_per_device=pools.kv_bytes_per_token,
+        verify_width=pools.width,
         verify_buffer_bytes_per_request=pools.workspace_bytes // args.max_running_requests,
-        max_running_requests=args.max_running_requests, workspace_bytes=pools.workspace_bytes,
+        max_running_requests=args.max_running_requests,
+        workspace_bytes=pools.workspace_bytes,
         state_bytes_per_request=pools.state_bytes_per_request,
         spec_state_bytes_per_request=pools.spec_state_bytes_per_request,
-        state_pool_bytes=pools.state_pool_bytes, state_pool_requests=pools.state_rows,
-        kv_pool_bytes=pools.kv_pool_bytes, kv_tokens=pools.kv_tokens, num_pages=pools.num_pages,
-        context_length=ctx, requests_at_context=at_ctx, warnings=tuple(warnings),
+        state_pool_bytes=pools.state_pool_bytes,
+        state_pool_requests=pools.state_rows,
+        kv_pool_bytes=pools.kv_pool_bytes,
+        kv_tokens=pools.kv_tokens,
+        num_pages=pools.num_pages,
+        context_length=ctx,
+        requests_at_context=at_ctx,
+        warnings=tuple(warnings),
     )

@@ -37,69 +37,127 @@ def _opt(default, help: str, choices=None, aliases=()):
 
 @dataclass(frozen=True)
 class ServerArgs:
-    model_path: str | None = _opt(None, "target model dir (or cached HF repo id); default: the embedded model pair")
+    model_path: str | None = _opt(
+        None, "target model dir (or cached HF repo id); default: the embedded model pair"
+    )
     tokenizer_path: str | None = _opt(None, "tokenizer dir; default: --model-path")
-    trust_remote_code: bool = _opt(False, "accepted for SGLang compatibility; no remote code is ever run")
+    trust_remote_code: bool = _opt(
+        False, "accepted for SGLang compatibility; no remote code is ever run"
+    )
     dtype: str = _opt("auto", "weight/activation dtype; auto = the target config's dtype", DTYPES)
-    kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto = --dtype (the one implemented)",
-                               DTYPES)
+    kv_cache_dtype: str = _opt(
+        "auto", "KV cache dtype; auto = --dtype (the one implemented)", DTYPES
+    )
     device: str = _opt("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
-    context_length: int | None = _opt(None, "max tokens per request; default: target max_position_embeddings")
-    served_model_name: str | None = _opt(None, "model name reported by the API; default: --model-path")
-    mem_fraction_static: float = _opt(0.85, "fraction of device memory for weights, KV and state pools")
-    max_running_requests: int | None = _opt(None, "max concurrent requests; default 48 speculative, 256 otherwise")
-    max_total_tokens: int | None = _opt(None, "cap on KV cache tokens; default: what fits in memory")
+    context_length: int | None = _opt(
+        None, "max tokens per request; default: target max_position_embeddings"
+    )
+    served_model_name: str | None = _opt(
+        None, "model name reported by the API; default: --model-path"
+    )
+    mem_fraction_static: float = _opt(
+        0.85, "fraction of device memory for weights, KV and state pools"
+    )
+    max_running_requests: int | None = _opt(
+        None, "max concurrent requests; default 48 speculative, 256 otherwise"
+    )
+    max_total_tokens: int | None = _opt(
+        None, "cap on KV cache tokens; default: what fits in memory"
+    )
     max_prefill_tokens: int = _opt(16384, "max tokens in one prefill batch")
     chunked_prefill_size: int = _opt(2048, "prefill chunk size in tokens; -1 disables chunking")
     page_size: int = _opt(16, "KV cache page size in tokens")
-    tp_size: int = _opt(1, "tensor parallel degree (1 until tensor parallelism lands)",
-                        aliases=("--tp", "--tensor-parallel-size"))
+    tp_size: int = _opt(
+        1,
+        "tensor parallel degree (1 until tensor parallelism lands)",
+        aliases=("--tp", "--tensor-parallel-size"),
+    )
     random_seed: int | None = _opt(None, "random seed")
-    attention_backend: str = _opt("auto", "attention kernels; auto = triton on cuda (Gluon kernels "
-                                  "on sm_90) when triton is installed, else torch (the reference)",
-                                  ATTENTION_BACKENDS)
-    disable_cuda_graph: bool = _opt(False, "run verify and draft eagerly (no CUDA graphs); graphs need cuda + triton")
-    cuda_graph_max_bs: int | None = _opt(None, "largest (padded) batch size captured in CUDA graphs; default "
-                                         f"min({DEFAULT_CUDA_GRAPH_MAX_BS}, --max-running-requests)")
+    attention_backend: str = _opt(
+        "auto",
+        "attention kernels; auto = triton on cuda (Gluon kernels "
+        "on sm_90) when triton is installed, else torch (the reference)",
+        ATTENTION_BACKENDS,
+    )
+    disable_cuda_graph: bool = _opt(
+        False, "run verify and draft eagerly (no CUDA graphs); graphs need cuda + triton"
+    )
+    cuda_graph_max_bs: int | None = _opt(
+        None,
+        "largest (padded) batch size captured in CUDA graphs; default "
+        f"min({DEFAULT_CUDA_GRAPH_MAX_BS}, --max-running-requests)",
+    )
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
-    api_key: str | None = _opt(None, "require this API key (Authorization: Bearer) on every route "
-                               "but /health")
+    api_key: str | None = _opt(
+        None, "require this API key (Authorization: Bearer) on every route but /health"
+    )
     enable_metrics: bool = _opt(False, "expose Prometheus metrics at /metrics")
-    metrics_no_auth: bool = _opt(False, "serve /metrics without the --api-key (for scrapers that "
-                                 "send no key)")
-    graceful_shutdown_timeout: float = _opt(30.0, "seconds SIGTERM waits for in-flight requests "
-                                            "before ending them with an error; a second SIGTERM "
-                                            "or a SIGINT ends them at once")
+    metrics_no_auth: bool = _opt(
+        False, "serve /metrics without the --api-key (for scrapers that send no key)"
+    )
+    graceful_shutdown_timeout: float = _opt(
+        30.0,
+        "seconds SIGTERM waits for in-flight requests "
+        "before ending them with an error; a second SIGTERM "
+        "or a SIGINT ends them at once",
+    )
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
     decode_log_interval: int = _opt(40, "log a 'Decode batch.' stats line every N decode steps")
-    speculative_algorithm: str = _opt("NONE", "NONE, DFLASH (chain) or DDTREE (tree); case-insensitive",
-                                      SPECULATIVE_ALGORITHMS)
-    speculative_draft_model_path: str | None = _opt(None, "DFlash drafter dir (or cached HF repo id)")
-    speculative_dflash_block_size: int | None = _opt(None, "drafter block size incl. bonus; default: draft config")
-    speculative_num_draft_tokens: int | None = _opt(None, "draft tokens per round; equals the block size")
-    speculative_ddtree_budget: int | None = _opt(None, "DDTree nodes drafted per round, root excluded (default 64)")
-    speculative_ddtree_topk_cap: int | None = _opt(None, "max DDTree candidates per depth; default min(budget, vocab)")
-    speculative_ddtree_shadow_linear: bool = _opt(False, "always include the drafter's top-1 chain in the tree")
-    mamba_scheduler_strategy: str | None = _opt(None, "hybrid targets: recurrent-state buffering; speculative "
-                                                "decoding needs extra_buffer", MAMBA_STRATEGIES,
-                                                aliases=("--mamba-radix-cache-strategy",))
+    speculative_algorithm: str = _opt(
+        "NONE", "NONE, DFLASH (chain) or DDTREE (tree); case-insensitive", SPECULATIVE_ALGORITHMS
+    )
+    speculative_draft_model_path: str | None = _opt(
+        None, "DFlash drafter dir (or cached HF repo id)"
+    )
+    speculative_dflash_block_size: int | None = _opt(
+        None, "drafter block size incl. bonus; default: draft config"
+    )
+    speculative_num_draft_tokens: int | None = _opt(
+        None, "draft tokens per round; equals the block size"
+    )
+    speculative_ddtree_budget: int | None = _opt(
+        None, "DDTree nodes drafted per round, root excluded (default 64)"
+    )
+    speculative_ddtree_topk_cap: int | None = _opt(
+        None, "max DDTree candidates per depth; default min(budget, vocab)"
+    )
+    speculative_ddtree_shadow_linear: bool = _opt(
+        False, "always include the drafter's top-1 chain in the tree"
+    )
+    mamba_scheduler_strategy: str | None = _opt(
+        None,
+        "hybrid targets: recurrent-state buffering; speculative decoding needs extra_buffer",
+        MAMBA_STRATEGIES,
+        aliases=("--mamba-radix-cache-strategy",),
+    )
     mamba_full_memory_ratio: float = _opt(0.9, "hybrid targets: state pool : KV pool memory ratio")
     mamba_ssm_dtype: str = _opt("float32", "hybrid targets: recurrent state dtype", DTYPES[1:])
-    max_mamba_cache_size: int | None = _opt(None, "hybrid targets: pin the state pool to this many requests")
-    target_config: TargetConfig | None = field(default=None, compare=False, repr=False, metadata={"cli": False})
-    drafter_config: DrafterConfig | None = field(default=None, compare=False, repr=False, metadata={"cli": False})
+    max_mamba_cache_size: int | None = _opt(
+        None, "hybrid targets: pin the state pool to this many requests"
+    )
+    target_config: TargetConfig | None = field(
+        default=None, compare=False, repr=False, metadata={"cli": False}
+    )
+    drafter_config: DrafterConfig | None = field(
+        default=None, compare=False, repr=False, metadata={"cli": False}
+    )
 
     def __post_init__(self):
-        object.__setattr__(self, "speculative_algorithm", str(self.speculative_algorithm or "NONE").upper())
+        object.__setattr__(
+            self, "speculative_algorithm", str(self.speculative_algorithm or "NONE").upper()
+        )
 
     @property
     def is_speculative(self) -> bool:
         return self.speculative_algorithm != "NONE"
 
 
-SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(ServerArgs) if f.name.startswith("speculative_")
-                           and f.name != "speculative_algorithm")
+SPECULATIVE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(ServerArgs)
+    if f.name.startswith("speculative_") and f.name != "speculative_algorithm"
+)
 DDTREE_FIELDS = tuple(n for n in SPECULATIVE_FIELDS if n.startswith("speculative_ddtree_"))
 
 
@@ -112,18 +170,33 @@ def cli_fields() -> list[dataclasses.Field]:
 
 
 def make_parser(prog: str = "ddtree serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="DDTree / DFlash speculative decoding server")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="DDTree / DFlash speculative decoding server"
+    )
     hints = typing.get_type_hints(ServerArgs)
     for f in cli_fields():
         names = [flag(f.name), *f.metadata["aliases"]]
-        kind = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+        kind = next(
+            (a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name]
+        )
         if kind is bool:
-            parser.add_argument(*names, dest=f.name, default=f.default, help=f.metadata["help"],
-                                action=argparse.BooleanOptionalAction if f.default else "store_true")
+            parser.add_argument(
+                *names,
+                dest=f.name,
+                default=f.default,
+                help=f.metadata["help"],
+                action=argparse.BooleanOptionalAction if f.default else "store_true",
+            )
             continue
         convert = str.upper if f.name == "speculative_algorithm" else kind
-        parser.add_argument(*names, dest=f.name, type=convert, default=f.default, choices=f.metadata["choices"],
-                            help=f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else ""))
+        parser.add_argument(
+            *names,
+            dest=f.name,
+            type=convert,
+            default=f.default,
+            choices=f.metadata["choices"],
+            help=f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else ""),
+        )
     return parser
 
 
@@ -133,7 +206,9 @@ def prepare_server_args(argv: list[str]) -> ServerArgs:
 
 def cuda_available() -> bool:
     """Imports torch only when a GPU driver node exists, so CPU-only planning stays fast."""
-    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")):
+    if not any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")
+    ):
         return False
     import torch
 
@@ -152,33 +227,55 @@ def _check_scalars(a: ServerArgs, p: list[str]) -> None:
         value, choices = getattr(a, f.name), f.metadata["choices"]
         if choices and value is not None and value not in choices:
             p.append(f"{flag(f.name)} {value!r}: choose one of {', '.join(choices)}")
-    if a.attention_backend in ATTENTION_BACKENDS and a.attention_backend not in IMPLEMENTED_ATTENTION_BACKENDS:
-        p.append(f"--attention-backend {a.attention_backend} is not implemented yet; use --attention-backend "
-                 + " or ".join(b for b in IMPLEMENTED_ATTENTION_BACKENDS if b != "auto"))
+    if (
+        a.attention_backend in ATTENTION_BACKENDS
+        and a.attention_backend not in IMPLEMENTED_ATTENTION_BACKENDS
+    ):
+        p.append(
+            f"--attention-backend {a.attention_backend} is not implemented yet; use --attention-backend "
+            + " or ".join(b for b in IMPLEMENTED_ATTENTION_BACKENDS if b != "auto")
+        )
     if not 0 < a.mem_fraction_static < 1:
         p.append(f"--mem-fraction-static {a.mem_fraction_static}: must be in (0, 1), e.g. 0.85")
     if not 0 < a.mamba_full_memory_ratio < 1:
-        p.append(f"--mamba-full-memory-ratio {a.mamba_full_memory_ratio}: must be in (0, 1), e.g. 0.9")
+        p.append(
+            f"--mamba-full-memory-ratio {a.mamba_full_memory_ratio}: must be in (0, 1), e.g. 0.9"
+        )
     for name, low in _MINIMUMS.items():
         value = getattr(a, name)
         if value is not None and value < low:
             p.append(f"{flag(name)} {value}: must be at least {low}{_MINIMUM_HINTS.get(name, '')}")
     if a.chunked_prefill_size == 0 or a.chunked_prefill_size < -1:
-        p.append(f"--chunked-prefill-size {a.chunked_prefill_size}: must be positive, or -1 to disable chunking")
+        p.append(
+            f"--chunked-prefill-size {a.chunked_prefill_size}: must be positive, or -1 to disable chunking"
+        )
     if not 0 < a.port < 65536:
         p.append(f"--port {a.port}: must be in 1..65535")
     if not a.graceful_shutdown_timeout >= 0:  # also refuses NaN
-        p.append(f"--graceful-shutdown-timeout {a.graceful_shutdown_timeout}: must be >= 0 seconds "
-                 "(0 ends in-flight requests at the first SIGTERM)")
+        p.append(
+            f"--graceful-shutdown-timeout {a.graceful_shutdown_timeout}: must be >= 0 seconds "
+            "(0 ends in-flight requests at the first SIGTERM)"
+        )
     if a.metrics_no_auth and not (a.api_key and a.enable_metrics):
-        p.append("--metrics-no-auth opens /metrics despite --api-key: it needs both --api-key and "
-                 "--enable-metrics; drop it or add them")
+        p.append(
+            "--metrics-no-auth opens /metrics despite --api-key: it needs both --api-key and "
+            "--enable-metrics; drop it or add them"
+        )
 
 
 _MINIMUMS = {
-    "context_length": 1, "max_running_requests": 1, "max_total_tokens": 1, "max_prefill_tokens": 1, "page_size": 1,
-    "tp_size": 1, "cuda_graph_max_bs": 1, "max_mamba_cache_size": 1, "speculative_dflash_block_size": 2,
-    "speculative_ddtree_budget": 1, "speculative_ddtree_topk_cap": 1, "decode_log_interval": 1,
+    "context_length": 1,
+    "max_running_requests": 1,
+    "max_total_tokens": 1,
+    "max_prefill_tokens": 1,
+    "page_size": 1,
+    "tp_size": 1,
+    "cuda_graph_max_bs": 1,
+    "max_mamba_cache_size": 1,
+    "speculative_dflash_block_size": 2,
+    "speculative_ddtree_budget": 1,
+    "speculative_ddtree_topk_cap": 1,
+    "decode_log_interval": 1,
 }
 _MINIMUM_HINTS = {
     "speculative_dflash_block_size": " (the bonus token plus one drafted token)",
@@ -189,41 +286,66 @@ _MINIMUM_HINTS = {
 def _resolve_speculative(a: ServerArgs, t, d, upd: dict, p: list[str]) -> None:
     algo = a.speculative_algorithm
     if algo == "NONE":
-        given = [flag(n) for n in SPECULATIVE_FIELDS if getattr(a, n) != ServerArgs.__dataclass_fields__[n].default]
+        given = [
+            flag(n)
+            for n in SPECULATIVE_FIELDS
+            if getattr(a, n) != ServerArgs.__dataclass_fields__[n].default
+        ]
         if given:
-            logger.warning("%s ignored because --speculative-algorithm is NONE; pass --speculative-algorithm "
-                           "DDTREE or DFLASH to use them", ", ".join(given))
+            logger.warning(
+                "%s ignored because --speculative-algorithm is NONE; pass --speculative-algorithm "
+                "DDTREE or DFLASH to use them",
+                ", ".join(given),
+            )
         return
     block = a.speculative_dflash_block_size
     if d is not None and block is None:
         block = d.block_size
-        logger.info("Speculative DFlash block size is set to %d from the draft model config.", block)
+        logger.info(
+            "Speculative DFlash block size is set to %d from the draft model config.", block
+        )
     elif d is not None and block > d.block_size:
-        p.append(f"--speculative-dflash-block-size {block} exceeds the drafter's trained block_size {d.block_size}; "
-                 f"pass a value in 2..{d.block_size}")
+        p.append(
+            f"--speculative-dflash-block-size {block} exceeds the drafter's trained block_size {d.block_size}; "
+            f"pass a value in 2..{d.block_size}"
+        )
     elif d is not None and block < d.block_size:
         # Valid (the drafter fills a prefix of its trained block), but it changes what a round can
         # accept, so it is said out loud.
-        logger.warning("--speculative-dflash-block-size %d is below the drafter's trained "
-                       "block_size %d: each round drafts %d tokens instead of %d, so at most %d "
-                       "are accepted per round; drop the flag to use the trained size",
-                       block, d.block_size, block - 1, d.block_size - 1, block)
+        logger.warning(
+            "--speculative-dflash-block-size %d is below the drafter's trained "
+            "block_size %d: each round drafts %d tokens instead of %d, so at most %d "
+            "are accepted per round; drop the flag to use the trained size",
+            block,
+            d.block_size,
+            block - 1,
+            d.block_size - 1,
+            block,
+        )
     upd["speculative_dflash_block_size"] = block
     draft_tokens = a.speculative_num_draft_tokens
     if draft_tokens is not None and block is not None and draft_tokens != block:
         if algo == "DFLASH":
-            p.append(f"--speculative-num-draft-tokens {draft_tokens} must equal the block size {block} for DFLASH; "
-                     f"drop it or pass --speculative-dflash-block-size {draft_tokens}")
+            p.append(
+                f"--speculative-num-draft-tokens {draft_tokens} must equal the block size {block} for DFLASH; "
+                f"drop it or pass --speculative-dflash-block-size {draft_tokens}"
+            )
         else:
-            logger.warning("--speculative-num-draft-tokens %d ignored for DDTREE: the drafter proposes %d tokens "
-                           "per round; the tree size is --speculative-ddtree-budget", draft_tokens, block)
+            logger.warning(
+                "--speculative-num-draft-tokens %d ignored for DDTREE: the drafter proposes %d tokens "
+                "per round; the tree size is --speculative-ddtree-budget",
+                draft_tokens,
+                block,
+            )
     if block is not None and draft_tokens != block:
         logger.info("Speculative num draft tokens is set to %d (the block size).", block)
     upd["speculative_num_draft_tokens"] = block
     if algo == "DFLASH":
         given = [flag(n) for n in DDTREE_FIELDS if getattr(a, n) not in (None, False)]
         if given:
-            logger.warning("%s ignored: they apply to --speculative-algorithm DDTREE only", ", ".join(given))
+            logger.warning(
+                "%s ignored: they apply to --speculative-algorithm DDTREE only", ", ".join(given)
+            )
         upd.update({n: ServerArgs.__dataclass_fields__[n].default for n in DDTREE_FIELDS})
     else:
         budget = a.speculative_ddtree_budget
@@ -233,29 +355,43 @@ def _resolve_speculative(a: ServerArgs, t, d, upd: dict, p: list[str]) -> None:
         upd["speculative_ddtree_budget"] = budget
         if a.speculative_ddtree_topk_cap is None and t is not None and budget >= 1:
             upd["speculative_ddtree_topk_cap"] = min(budget, t.vocab_size)
-            logger.info("Speculative DDTree top-k cap is set to %d.", upd["speculative_ddtree_topk_cap"])
+            logger.info(
+                "Speculative DDTree top-k cap is set to %d.", upd["speculative_ddtree_topk_cap"]
+            )
     if a.max_running_requests is None:
         upd["max_running_requests"] = SPECULATIVE_MAX_RUNNING_REQUESTS
-        logger.info("Max running requests is reset to %d for speculative decoding.", SPECULATIVE_MAX_RUNNING_REQUESTS)
+        logger.info(
+            "Max running requests is reset to %d for speculative decoding.",
+            SPECULATIVE_MAX_RUNNING_REQUESTS,
+        )
 
 
 def _resolve_mamba(a: ServerArgs, t: TargetConfig, upd: dict, p: list[str]) -> None:
     strategy = a.mamba_scheduler_strategy
     if not t.is_hybrid:
         if strategy is not None:
-            logger.warning("--mamba-scheduler-strategy %s ignored: %s is a dense (attention-only) target",
-                           strategy, t.architecture)
+            logger.warning(
+                "--mamba-scheduler-strategy %s ignored: %s is a dense (attention-only) target",
+                strategy,
+                t.architecture,
+            )
             upd["mamba_scheduler_strategy"] = None
         return
     if a.is_speculative and strategy is None:
         upd["mamba_scheduler_strategy"] = "extra_buffer"
-        logger.info("Mamba scheduler strategy is set to extra_buffer: the hybrid target %s needs a recurrent state "
-                    "per verified draft node for %s speculative decoding.", t.architecture, a.speculative_algorithm)
+        logger.info(
+            "Mamba scheduler strategy is set to extra_buffer: the hybrid target %s needs a recurrent state "
+            "per verified draft node for %s speculative decoding.",
+            t.architecture,
+            a.speculative_algorithm,
+        )
     elif a.is_speculative and strategy == "no_buffer":
-        logger.info("--mamba-scheduler-strategy no_buffer: per-node recurrent states are not kept; after each %s "
-                    "verify the accepted path is replayed from stashed inputs (less memory, one extra chunked pass "
-                    "per GDN layer). Pass --mamba-scheduler-strategy extra_buffer to commit by copy instead.",
-                    a.speculative_algorithm)
+        logger.info(
+            "--mamba-scheduler-strategy no_buffer: per-node recurrent states are not kept; after each %s "
+            "verify the accepted path is replayed from stashed inputs (less memory, one extra chunked pass "
+            "per GDN layer). Pass --mamba-scheduler-strategy extra_buffer to commit by copy instead.",
+            a.speculative_algorithm,
+        )
     elif strategy is None:
         upd["mamba_scheduler_strategy"] = "no_buffer"
         logger.info("Mamba scheduler strategy is set to no_buffer (no speculative decoding).")
@@ -273,15 +409,22 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
 
             target_path, default_drafter = default_model_paths()
         except Exception as e:  # noqa: BLE001 - any failure means "no embedded pair", reported as a problem
-            p.append(f"--model-path is required: the embedded default model pair is unavailable ({e})")
+            p.append(
+                f"--model-path is required: the embedded default model pair is unavailable ({e})"
+            )
         else:
-            logger.info("No --model-path given: using the embedded default model pair %s + %s.",
-                        target_path, default_drafter)
+            logger.info(
+                "No --model-path given: using the embedded default model pair %s + %s.",
+                target_path,
+                default_drafter,
+            )
             if args.is_speculative and drafter_path is None:
                 drafter_path = default_drafter
     if args.is_speculative and drafter_path is None:
-        p.append(f"--speculative-draft-model-path is required for --speculative-algorithm "
-                 f"{args.speculative_algorithm}; pass the DFlash drafter directory")
+        p.append(
+            f"--speculative-draft-model-path is required for --speculative-algorithm "
+            f"{args.speculative_algorithm}; pass the DFlash drafter directory"
+        )
     t = d = None
     if target_path is not None:
         target_path, t = load_model_config(target_path, True, p)
@@ -293,8 +436,9 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         check_pair(t, d, p)
     check_tp(args.tp_size, t, d, p)
     if args.tp_size > 1:
-        p.append(f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; "
-                 "pass --tp-size 1")
+        p.append(
+            f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; pass --tp-size 1"
+        )
     _resolve_speculative(args, t, d, upd, p)
     if not args.is_speculative and args.max_running_requests is None:
         upd["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS
@@ -319,8 +463,10 @@ def _resolve_attention_backend(a: ServerArgs, upd: dict, device: str, p: list[st
     """auto -> the fast path of the device at hand: triton on cuda (its launcher dispatches the
     Gluon kernels on sm_90), the torch reference on the CPU or where triton is not installed."""
     if a.attention_backend == "triton" and not triton_available():
-        p.append("--attention-backend triton: triton is not installed; pip install triton (CUDA "
-                 "torch wheels bring it), or pass --attention-backend torch")
+        p.append(
+            "--attention-backend triton: triton is not installed; pip install triton (CUDA "
+            "torch wheels bring it), or pass --attention-backend torch"
+        )
     if a.attention_backend != "auto":
         return
     if device != "cuda":
@@ -339,8 +485,13 @@ def _resolve_cuda_graph(a: ServerArgs, upd: dict, device: str) -> None:
             logger.warning("--cuda-graph-max-bs ignored: --disable-cuda-graph is set")
         return
     backend = upd.get("attention_backend", a.attention_backend)
-    why = ("the device is cpu" if device != "cuda" else None if backend == "triton" else
-           f"--attention-backend {backend} is not capturable; pass --attention-backend triton")
+    why = (
+        "the device is cpu"
+        if device != "cuda"
+        else None
+        if backend == "triton"
+        else f"--attention-backend {backend} is not capturable; pass --attention-backend triton"
+    )
     if why:
         upd["disable_cuda_graph"] = True
         logger.info("CUDA graphs are disabled: %s.", why)
@@ -349,13 +500,19 @@ def _resolve_cuda_graph(a: ServerArgs, upd: dict, device: str) -> None:
     max_bs = min(a.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, running)
     if max_bs != a.cuda_graph_max_bs:
         upd["cuda_graph_max_bs"] = max_bs
-        logger.info("Cuda graph max bs is set to %d%s.", max_bs, " (--max-running-requests)"
-                    if a.cuda_graph_max_bs and a.cuda_graph_max_bs > running else "")
+        logger.info(
+            "Cuda graph max bs is set to %d%s.",
+            max_bs,
+            " (--max-running-requests)"
+            if a.cuda_graph_max_bs and a.cuda_graph_max_bs > running
+            else "",
+        )
     logger.info("CUDA graphs are enabled for verify and draft (batch sizes up to %d).", max_bs)
 
 
-def _resolve_target_defaults(a: ServerArgs, t: TargetConfig, d: DrafterConfig | None, upd: dict,
-                             device: str, p: list[str]) -> None:
+def _resolve_target_defaults(
+    a: ServerArgs, t: TargetConfig, d: DrafterConfig | None, upd: dict, device: str, p: list[str]
+) -> None:
     if a.dtype == "auto" and device == "cpu":
         # CPU bf16 matmuls are slow and round differently for different batch shapes, so a tree verify
         # could flip a near-tie that plain decoding resolves the other way.
@@ -372,17 +529,26 @@ def _resolve_target_defaults(a: ServerArgs, t: TargetConfig, d: DrafterConfig | 
     if a.kv_cache_dtype == "auto":
         upd["kv_cache_dtype"] = dtype
     elif a.kv_cache_dtype != dtype:
-        p.append(f"--kv-cache-dtype {a.kv_cache_dtype} differs from --dtype {dtype}: a separate KV "
-                 f"cache dtype is not implemented yet; drop --kv-cache-dtype or pass "
-                 f"--kv-cache-dtype {dtype}")
+        p.append(
+            f"--kv-cache-dtype {a.kv_cache_dtype} differs from --dtype {dtype}: a separate KV "
+            f"cache dtype is not implemented yet; drop --kv-cache-dtype or pass "
+            f"--kv-cache-dtype {dtype}"
+        )
     ctx = a.context_length
     if ctx is None:
         ctx = upd["context_length"] = t.max_position_embeddings
         logger.info("Context length is set to %d from the target model config.", ctx)
     elif ctx > t.max_position_embeddings:
-        logger.warning("--context-length %d exceeds the target's max_position_embeddings %d; outputs past it are "
-                       "unreliable", ctx, t.max_position_embeddings)
+        logger.warning(
+            "--context-length %d exceeds the target's max_position_embeddings %d; outputs past it are "
+            "unreliable",
+            ctx,
+            t.max_position_embeddings,
+        )
     if d is not None and ctx > d.max_position_embeddings:
-        logger.warning("--context-length %d exceeds the drafter's max_position_embeddings %d; acceptance may drop "
-                       "on long requests", ctx, d.max_position_embeddings)
-
+        logger.warning(
+            "--context-length %d exceeds the drafter's max_position_embeddings %d; acceptance may drop "
+            "on long requests",
+            ctx,
+            d.max_position_embeddings,
+        )

@@ -63,7 +63,10 @@ def qwen3_8b_dflash_config(dflash_overrides: dict | None = None, **overrides) ->
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "block_size": 16,
         "bos_token_id": 151643,
-        "dflash_config": _apply({"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}, dflash_overrides or {}),
+        "dflash_config": _apply(
+            {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+            dflash_overrides or {},
+        ),
         "dtype": "bfloat16",
         "eos_token_id": 151645,
         "head_dim": 128,

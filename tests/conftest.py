@@ -32,7 +32,11 @@ def toy_hybrid_pair(tmp_path_factory):
     from ddtree.train.toy import build_toy_hybrid_pair
 
     root = envs.CACHE.get()
-    out = os.path.join(root, "toy_hybrid_pair") if root else str(tmp_path_factory.mktemp("toy_hybrid_pair"))
+    out = (
+        os.path.join(root, "toy_hybrid_pair")
+        if root
+        else str(tmp_path_factory.mktemp("toy_hybrid_pair"))
+    )
     return build_toy_hybrid_pair(out)
 
 

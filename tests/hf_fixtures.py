@@ -9,9 +9,19 @@ def tiny_qwen3_config(**overrides):
     from transformers import Qwen3Config
 
     kw = dict(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
-        tie_word_embeddings=False, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=0,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        eos_token_id=1,
+        bos_token_id=0,
     )
     kw.update(overrides)
     return Qwen3Config(**kw)

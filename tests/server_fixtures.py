@@ -37,24 +37,41 @@ def save_char_tokenizer(model_dir: str) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<mask>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<mask>",
-                                   pad_token="<eos>", additional_special_tokens=["<mask>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<eos>",
+        unk_token="<mask>",
+        pad_token="<eos>",
+        additional_special_tokens=["<mask>"],
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(model_dir)
 
 
-def build_tiny_pair(root: str, seed: int = 0, num_layers: int = 2, max_position_embeddings: int = 512,
-                    block_size: int = 4) -> tuple[str, str]:
+def build_tiny_pair(
+    root: str,
+    seed: int = 0,
+    num_layers: int = 2,
+    max_position_embeddings: int = 512,
+    block_size: int = 4,
+) -> tuple[str, str]:
     """(target_dir, drafter_dir): random Qwen3 target (vocab 97) with the char tokenizer + random drafter."""
     from hf_fixtures import save_hf_qwen3
     from pair_fixtures import save_random_drafter
 
     target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
-    save_hf_qwen3(target, seed=seed, eos_token_id=EOS_ID, bos_token_id=None, num_hidden_layers=num_layers,
-                  max_position_embeddings=max_position_embeddings)
+    save_hf_qwen3(
+        target,
+        seed=seed,
+        eos_token_id=EOS_ID,
+        bos_token_id=None,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=max_position_embeddings,
+    )
     save_char_tokenizer(target)
-    save_random_drafter(target, drafter, seed=seed, num_layers=1, block_size=block_size,
-                        mask_token_id=MASK_ID)
+    save_random_drafter(
+        target, drafter, seed=seed, num_layers=1, block_size=block_size, mask_token_id=MASK_ID
+    )
     return target, drafter
 
 
@@ -66,7 +83,9 @@ def build_tiny_hybrid_pair(root: str, seed: int = 0) -> tuple[str, str]:
     target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
     save_hf_qwen3_5(target, seed=seed, eos_token_id=EOS_ID, bos_token_id=None)
     save_char_tokenizer(target)
-    save_random_drafter(target, drafter, seed=seed, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    save_random_drafter(
+        target, drafter, seed=seed, num_layers=1, block_size=4, mask_token_id=MASK_ID
+    )
     return target, drafter
 
 
@@ -92,8 +111,17 @@ def free_port() -> int:
 
 def server_argv(pair, algorithm: str = "NONE", *extra: str) -> list[str]:
     target, drafter = pair
-    argv = ["--model-path", target, "--device", "cpu", "--dtype", "float32", "--enable-metrics",
-            "--speculative-algorithm", algorithm]
+    argv = [
+        "--model-path",
+        target,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--enable-metrics",
+        "--speculative-algorithm",
+        algorithm,
+    ]
     if algorithm != "NONE":
         argv += ["--speculative-draft-model-path", drafter]
     if algorithm == "DDTREE":
@@ -127,8 +155,14 @@ def start_thread_server(argv: list[str], **app_kw) -> ThreadServer:
 
     args = prepare_args(argv + ["--port", str(free_port())])
     app, async_engine = build_app(args, **app_kw)
-    config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
-                            access_log=False, **uvicorn_kwargs())
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        **uvicorn_kwargs(),
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
@@ -152,7 +186,9 @@ def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+            raise RuntimeError(
+                f"server exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
+            )
         try:
             if httpx.get(base_url + "/health", timeout=2).status_code == 200:
                 return
@@ -163,12 +199,24 @@ def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = 
 
 
 @contextlib.contextmanager
-def subprocess_server(argv: list[str], module: str = "ddtree.launch_server", env: dict | None = None):
+def subprocess_server(
+    argv: list[str], module: str = "ddtree.launch_server", env: dict | None = None
+):
     """`python -m ddtree.launch_server <argv>` on a free loopback port; yields (base_url, Popen)."""
     port = free_port()
-    full_env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
-    proc = subprocess.Popen([sys.executable, "-m", module, *argv, "--port", str(port), "--log-level", "warning"],
-                            cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    full_env = dict(
+        os.environ,
+        PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        **(env or {}),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *argv, "--port", str(port), "--log-level", "warning"],
+        cwd=REPO_ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     if "--api-key" in argv:
         API_KEYS[url] = argv[argv.index("--api-key") + 1]

@@ -30,7 +30,9 @@ def test_from_parents():
 
 
 def test_whole_tree_rejected():
-    r = run([0, 1, 2, 3, 4, 5, 6])  # target at root draws 0: no child has token 0 (padding must not match)
+    r = run(
+        [0, 1, 2, 3, 4, 5, 6]
+    )  # target at root draws 0: no child has token 0 (padding must not match)
     assert r.accept_length.tolist() == [0] and r.num_out.tolist() == [1]
     assert r.path.tolist() == [[0, 0, 0, 0]] and r.last_node.tolist() == [0]
     assert r.out_tokens.tolist() == [[0, -1, -1, -1]]
@@ -57,7 +59,9 @@ def test_full_depth():
 
 def test_batched_hand_trees():
     tree = DraftTree.from_parents(TOKENS.repeat(3, 1), PARENTS.repeat(3, 1), num_depths=3)
-    targets = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [7, 50, 9, 42, 0, 0, 0], [7, 0, 9, 11, 0, 13, 0]])
+    targets = torch.tensor(
+        [[0, 1, 2, 3, 4, 5, 6], [7, 50, 9, 42, 0, 0, 0], [7, 0, 9, 11, 0, 13, 0]]
+    )
     r = accept_tree(tree, targets)
     assert r.accept_length.tolist() == [0, 2, 3]
     assert r.path.tolist() == [[0, 0, 0, 0], [0, 2, 3, 3], [0, 2, 3, 5]]
@@ -82,22 +86,31 @@ def random_tree(rng: random.Random, n: int, V: int) -> tuple[list[int], list[int
     return tokens, parents
 
 
-def biased_target(rng: random.Random, tokens: list[int], parents: list[int], node: int, V: int) -> int:
+def biased_target(
+    rng: random.Random, tokens: list[int], parents: list[int], node: int, V: int
+) -> int:
     kids = [tokens[i] for i in range(len(tokens)) if parents[i] == node]
-    return rng.choice(kids) if kids and rng.random() < 0.7 else rng.randrange(V)  # long walks happen
+    return (
+        rng.choice(kids) if kids and rng.random() < 0.7 else rng.randrange(V)
+    )  # long walks happen
 
 
 def check_against_ref(tree: DraftTree, target: torch.Tensor):
     r = accept_tree(tree, target)
     D = tree.depth_bound
-    assert r.path.shape == (tree.batch_size, D + 1) and r.out_tokens.shape == (tree.batch_size, D + 1)
+    assert r.path.shape == (tree.batch_size, D + 1) and r.out_tokens.shape == (
+        tree.batch_size,
+        D + 1,
+    )
     for i in range(tree.batch_size):
         toks, tgt = tree.tokens[i].tolist(), target[i].tolist()
         path = accept_ref(toks, tree.parents[i].tolist(), tree.valid[i].tolist(), tgt)
         k = len(path) - 1
         assert r.accept_length[i] == k and r.num_out[i] == k + 1 and r.last_node[i] == path[-1]
         assert r.path[i].tolist() == path + [path[-1]] * (D - k)
-        assert r.out_tokens[i].tolist() == [toks[j] for j in path[1:]] + [tgt[path[-1]]] + [-1] * (D - k)
+        assert r.out_tokens[i].tolist() == [toks[j] for j in path[1:]] + [tgt[path[-1]]] + [-1] * (
+            D - k
+        )
 
 
 def test_random_hand_trees_vs_reference_walk():
@@ -105,8 +118,12 @@ def test_random_hand_trees_vs_reference_walk():
     for _ in range(300):
         b, n, V = rng.randint(1, 4), rng.randint(1, 12), rng.randint(2, 4)
         built = [random_tree(rng, n, V) for _ in range(b)]
-        tree = DraftTree.from_parents(torch.tensor([t for t, _ in built]), torch.tensor([p for _, p in built]))
-        target = torch.tensor([[biased_target(rng, t, p, j, V) for j in range(n)] for t, p in built])
+        tree = DraftTree.from_parents(
+            torch.tensor([t for t, _ in built]), torch.tensor([p for _, p in built])
+        )
+        target = torch.tensor(
+            [[biased_target(rng, t, p, j, V) for j in range(n)] for t, p in built]
+        )
         check_against_ref(tree, target)
 
 
@@ -115,6 +132,8 @@ def test_random_built_trees_vs_reference_walk():
     for trial in range(100):
         b, D, V = 3, 1 + trial % 5, 2 + trial % 4
         logits = torch.randn(b, D, V, generator=gen)
-        tree = build_tree(torch.randint(0, V, (b,), generator=gen), logits, 1 + trial % 17, V, trial % 2 == 0)
+        tree = build_tree(
+            torch.randint(0, V, (b,), generator=gen), logits, 1 + trial % 17, V, trial % 2 == 0
+        )
         target = torch.randint(0, V, tree.tokens.shape, generator=gen)
         check_against_ref(tree, target)

@@ -5,11 +5,11 @@ import logging
 import re
 
 import pytest
+from server_fixtures import build_tiny_pair
 
 from ddtree import LLM, SamplingParams
 from ddtree.configs import ConfigError
 from ddtree.server_args import ServerArgs, resolve_server_args
-from server_fixtures import build_tiny_pair
 
 DECODE = re.compile(
     r"^Decode batch\. #running-req: (\d+), #token: (\d+), token usage: (\d\.\d\d), accept len: "

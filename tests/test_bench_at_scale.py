@@ -7,7 +7,6 @@ import json
 import os
 
 import pytest
-
 from inflate_fixtures import shape
 
 

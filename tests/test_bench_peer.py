@@ -14,14 +14,23 @@ import pytest
 import torch
 
 from ddtree import envs
-from ddtree.bench.peer import PeerCheckoutError, build_peer_models, load_peer, peer_round_ms, random_prompt
+from ddtree.bench.peer import (
+    PeerCheckoutError,
+    build_peer_models,
+    load_peer,
+    peer_round_ms,
+    random_prompt,
+)
 from ddtree.bench.random_pair import SMOKE, build_pair, pair_configs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PEER = envs.PEER_CHECKOUT.get() or os.path.join(os.path.dirname(os.path.dirname(__file__)), ".peer")
-needs_peer = pytest.mark.skipif(not os.path.isdir(PEER), reason=f"no liranringel/ddtree checkout at {PEER} "
-                                "(never committed; unpack the repository's files into .peer/ddtree)")
+needs_peer = pytest.mark.skipif(
+    not os.path.isdir(PEER),
+    reason=f"no liranringel/ddtree checkout at {PEER} "
+    "(never committed; unpack the repository's files into .peer/ddtree)",
+)
 CONTEXT, ROUNDS, BUDGET = 24, 6, 8
 
 
@@ -36,7 +45,9 @@ def test_broken_checkout_names_the_flag_and_the_cause(tmp_path):
     (tmp_path / "model" / "dflash.py").write_text("")
     (tmp_path / "dflash.py").write_text("")
     (tmp_path / "ddtree.py").write_text("import no_such_module_for_the_peer_test\n")
-    with pytest.raises(PeerCheckoutError, match="--peer-checkout.*no_such_module_for_the_peer_test"):
+    with pytest.raises(
+        PeerCheckoutError, match="--peer-checkout.*no_such_module_for_the_peer_test"
+    ):
         load_peer(str(tmp_path))
     import ddtree  # our package is never shadowed by the peer's ddtree.py
 
@@ -71,10 +82,14 @@ def test_peer_runs_on_our_weights_and_matches_our_ar(pair):
         for _ in range(ROUNDS + 1):
             logits, _ = target.forward_train(ids[None])
             ids = torch.cat([ids, logits[0, -1].argmax()[None]])
-    ours = [t for t in ids[CONTEXT:].tolist() if t != mask]  # the peer drops MASK ids from its output
+    ours = [
+        t for t in ids[CONTEXT:].tolist() if t != mask
+    ]  # the peer drops MASK ids from its output
     assert len(ours) >= ROUNDS and res["output_ids"] == ours
 
-    chain = peer_round_ms(PEER, target, drafter, CONTEXT, 0, 3, "cpu", algorithm="DFLASH", warmup=0, seed=5)
+    chain = peer_round_ms(
+        PEER, target, drafter, CONTEXT, 0, 3, "cpu", algorithm="DFLASH", warmup=0, seed=5
+    )
     assert chain["ms"] > 0 and chain["budget"] is None and chain["output_ids"] == ours[:4]
 
 
@@ -90,6 +105,10 @@ def test_peer_drafter_is_ours(pair):
     block = torch.randn(1, 1, S, H, generator=gen)
     with torch.no_grad():
         ours = drafter.forward_train(feats, block, torch.tensor([[T]]))[0, 0]
-        theirs = peer_drafter(position_ids=torch.arange(T + S)[None], noise_embedding=block[0],
-                              target_hidden=feats, is_causal=False)[0]
+        theirs = peer_drafter(
+            position_ids=torch.arange(T + S)[None],
+            noise_embedding=block[0],
+            target_hidden=feats,
+            is_causal=False,
+        )[0]
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)

@@ -4,9 +4,14 @@ import subprocess
 import sys
 
 import pytest
+from config_fixtures import (
+    dense_pair,
+    hybrid_pair,
+    qwen3_8b_config,
+    qwen36_27b_config,
+    write_model_dir,
+)
 
-from config_fixtures import (dense_pair, hybrid_pair, qwen3_8b_config, qwen36_27b_config,
-                             write_model_dir)
 from ddtree.check_config import main
 from ddtree.configs import TargetConfig
 from ddtree.memory_plan import (
@@ -25,8 +30,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def ddtree_args(pair, *extra):
     target, drafter = pair
     # planned for a GPU deployment (on the CPU, dtype auto resolves to float32)
-    return prepare_server_args(["--model-path", target, "--speculative-algorithm", "DDTREE", "--device", "cuda",
-                                "--speculative-draft-model-path", drafter, *extra])
+    return prepare_server_args(
+        [
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "DDTREE",
+            "--device",
+            "cuda",
+            "--speculative-draft-model-path",
+            drafter,
+            *extra,
+        ]
+    )
 
 
 def test_qwen3_8b_plan(tmp_path):
@@ -42,7 +58,9 @@ def test_qwen3_8b_plan(tmp_path):
     expected_kv = plan.static_bytes - plan.weight_bytes_per_device - plan.workspace_bytes
     assert plan.kv_pool_bytes == expected_kv
     assert plan.kv_tokens == expected_kv // plan.kv_bytes_per_token_per_device // 16 * 16
-    assert plan.requests_at_context == plan.kv_tokens // 40960 > 0 and plan.fits and not plan.warnings
+    assert (
+        plan.requests_at_context == plan.kv_tokens // 40960 > 0 and plan.fits and not plan.warnings
+    )
     text = plan.format()
     assert "KV per token" in text and "16.38 GB" in text
 
@@ -57,7 +75,9 @@ def test_tp_halves_per_device_numbers(tmp_path):
 
 
 def test_hybrid_plan_state_split(tmp_path):
-    args = ddtree_args(hybrid_pair(tmp_path), "--mamba-full-memory-ratio", "0.5", "--max-running-requests", "4")
+    args = ddtree_args(
+        hybrid_pair(tmp_path), "--mamba-full-memory-ratio", "0.5", "--max-running-requests", "4"
+    )
     plan = memory_plan(args, device_bytes=140 * GIB)
     assert plan.target_params == pytest.approx(26.9e9, rel=0.01)
     assert plan.drafter_params == pytest.approx(1.73e9, rel=0.01)
@@ -100,12 +120,24 @@ def test_param_count_matches_transformers():
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    small = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32)
+    small = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     with torch.device("meta"):
         dense = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=3, **small))
-        hybrid_cfg = Qwen3_5TextConfig(num_hidden_layers=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                                       linear_key_head_dim=16, linear_value_head_dim=24, **small)
+        hybrid_cfg = Qwen3_5TextConfig(
+            num_hidden_layers=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=24,
+            **small,
+        )
         hybrid = Qwen3_5ForCausalLM(hybrid_cfg)
     assert target_param_count(TargetConfig.from_dict(dense.config.to_dict())) == _count(dense)
     assert target_param_count(TargetConfig.from_dict(hybrid_cfg.to_dict())) == _count(hybrid)
@@ -119,9 +151,21 @@ def test_recurrent_state_bytes_bf16_ssm():
 
 def test_check_config_main_ok(tmp_path, capsys):
     target, drafter = dense_pair(tmp_path)
-    rc = main(["check-config", "--model-path", target, "--speculative-algorithm", "ddtree",
-               "--speculative-draft-model-path", drafter, "--device", "cuda",
-               "--device-memory-gib", "80"])
+    rc = main(
+        [
+            "check-config",
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "ddtree",
+            "--speculative-draft-model-path",
+            drafter,
+            "--device",
+            "cuda",
+            "--device-memory-gib",
+            "80",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "speculative_ddtree_budget" in out and "memory plan" in out and "KV per token" in out
@@ -130,17 +174,42 @@ def test_check_config_main_ok(tmp_path, capsys):
 
 def test_check_config_main_hybrid(tmp_path, capsys):
     target, drafter = hybrid_pair(tmp_path)
-    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
-               drafter, "--mamba-scheduler-strategy", "extra_buffer", "--mamba-full-memory-ratio", "0.5",
-               "--device", "cuda", "--device-memory-gib", "140"])
+    rc = main(
+        [
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "DDTREE",
+            "--speculative-draft-model-path",
+            drafter,
+            "--mamba-scheduler-strategy",
+            "extra_buffer",
+            "--mamba-full-memory-ratio",
+            "0.5",
+            "--device",
+            "cuda",
+            "--device-memory-gib",
+            "140",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "state pool" in out and "hybrid (48 GDN + 16 attention layers)" in out
 
 
 def test_check_config_main_bad_config(tmp_path, capsys):
     target = dense_pair(tmp_path, target=qwen3_8b_config(num_hidden_layers=28))[0]
-    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE", "--tp-size", "3",
-               "--speculative-draft-model-path", str(tmp_path / "Qwen3-8B-DFlash-b16")])
+    rc = main(
+        [
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "DDTREE",
+            "--tp-size",
+            "3",
+            "--speculative-draft-model-path",
+            str(tmp_path / "Qwen3-8B-DFlash-b16"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert "error: invalid configuration:" in err
@@ -149,9 +218,20 @@ def test_check_config_main_bad_config(tmp_path, capsys):
 
 def test_check_config_weights_over_pool_exits_1(tmp_path, capsys):
     target, drafter = dense_pair(tmp_path)
-    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE",
-               "--speculative-draft-model-path", drafter, "--device", "cuda",
-               "--device-memory-gib", "8"])
+    rc = main(
+        [
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "DDTREE",
+            "--speculative-draft-model-path",
+            drafter,
+            "--device",
+            "cuda",
+            "--device-memory-gib",
+            "8",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 1
     assert "memory plan" in captured.out  # the plan is still printed, to show where the memory goes
@@ -161,9 +241,22 @@ def test_check_config_weights_over_pool_exits_1(tmp_path, capsys):
 
 def test_check_config_zero_requests_at_context_exits_1(tmp_path, capsys):
     target, drafter = dense_pair(tmp_path)
-    rc = main(["--model-path", target, "--speculative-algorithm", "DDTREE",
-               "--speculative-draft-model-path", drafter, "--device", "cuda",
-               "--device-memory-gib", "24", "--max-total-tokens", "4096"])
+    rc = main(
+        [
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "DDTREE",
+            "--speculative-draft-model-path",
+            drafter,
+            "--device",
+            "cuda",
+            "--device-memory-gib",
+            "24",
+            "--max-total-tokens",
+            "4096",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1
     assert "not one request of --context-length 40960 fits (4,096 KV tokens); lower" in err
@@ -171,14 +264,22 @@ def test_check_config_zero_requests_at_context_exits_1(tmp_path, capsys):
 
 def test_check_config_says_what_it_planned_for(tmp_path, capsys):
     target, drafter = dense_pair(tmp_path)
-    argv = ["--model-path", target, "--speculative-algorithm", "DDTREE",
-            "--speculative-draft-model-path", drafter]
+    argv = [
+        "--model-path",
+        target,
+        "--speculative-algorithm",
+        "DDTREE",
+        "--speculative-draft-model-path",
+        drafter,
+    ]
     assert main([*argv, "--device", "cuda", "--device-memory-gib", "140"]) == 0
     out = capsys.readouterr().out
     assert "planned for: device cuda (140 GiB given by --device-memory-gib), dtype bfloat16" in out
     # the CPU engine caps its KV pool (CPU_KV_BUDGET_BYTES): an 8B pair in fp32 fits a 4k context
-    assert main([*argv, "--device", "cpu", "--device-memory-gib", "512",
-                 "--context-length", "4096"]) == 0
+    assert (
+        main([*argv, "--device", "cpu", "--device-memory-gib", "512", "--context-length", "4096"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "planned for: device cpu" in out and "dtype float32" in out
     assert "--device cuda --device-memory-gib 140" in out  # how to plan for the GPU instead
@@ -206,12 +307,15 @@ def test_check_config_main_bad_flag(capsys):
 
 def _run_check_config(tmp_path, prelude: str) -> float:
     target, drafter = hybrid_pair(tmp_path)
-    code = (prelude + "import sys, time; t = time.perf_counter(); from ddtree.check_config import main; "
-            f"rc = main(['--model-path', {target!r}, '--speculative-algorithm', 'DDTREE', "
-            f"'--speculative-draft-model-path', {drafter!r}, '--device', 'cuda', "
-            "'--device-memory-gib', '140']); "
-            "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch imported'; "
-            "print(time.perf_counter() - t)")
+    code = (
+        prelude
+        + "import sys, time; t = time.perf_counter(); from ddtree.check_config import main; "
+        f"rc = main(['--model-path', {target!r}, '--speculative-algorithm', 'DDTREE', "
+        f"'--speculative-draft-model-path', {drafter!r}, '--device', 'cuda', "
+        "'--device-memory-gib', '140']); "
+        "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch imported'; "
+        "print(time.perf_counter() - t)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     return float(out.stdout.strip().splitlines()[-1])
@@ -219,8 +323,10 @@ def _run_check_config(tmp_path, prelude: str) -> float:
 
 def test_check_config_modules_are_fast_and_torch_free(tmp_path):
     # a bare `ddtree` package object isolates these modules from whatever ddtree/__init__.py imports
-    prelude = ("import sys, types; pkg = types.ModuleType('ddtree'); "
-               f"pkg.__path__ = [{os.path.join(REPO, 'ddtree')!r}]; sys.modules['ddtree'] = pkg; ")
+    prelude = (
+        "import sys, types; pkg = types.ModuleType('ddtree'); "
+        f"pkg.__path__ = [{os.path.join(REPO, 'ddtree')!r}]; sys.modules['ddtree'] = pkg; "
+    )
     assert _run_check_config(tmp_path, prelude) < 1.0
 
 

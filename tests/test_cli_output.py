@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from server_fixtures import REPO_ROOT, build_tiny_pair
 
 

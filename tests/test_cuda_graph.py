@@ -5,11 +5,11 @@ keep padding rows out of real KV pages, and build the round metadata once per ro
 import pytest
 import torch
 from engine_utils import make_llm, toy_prompts
+from triton_utils import cpu_interpreter_only
 
 from ddtree import SamplingParams
 from ddtree.engine.cuda_graph import CudaGraphRunner, GraphSet, batch_buckets, ctx_bounds
 from ddtree.engine.model_runner import RoundMeta
-from triton_utils import cpu_interpreter_only
 
 # ragged prompts (5..33 tokens) and different lengths, so the live batch shrinks 5 -> 1 over the run
 PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 12, 22, 6, 17)]
@@ -61,7 +61,9 @@ def test_buckets():
 
 @pytest.mark.parametrize("algorithm", ALGOS)
 @pytest.mark.parametrize("max_bs", [4, 8])
-def test_padded_static_path_gives_plain_tokens(toy_pair, plain, one_torch_thread, algorithm, max_bs):
+def test_padded_static_path_gives_plain_tokens(
+    toy_pair, plain, one_torch_thread, algorithm, max_bs
+):
     """5 requests: with max_bs 4 the first rounds (b = 5) run eagerly, later ones pad 3 -> 4 etc."""
     tokens, calls, _ = generate(toy_pair, algorithm, max_bs)
     assert tokens == plain[algorithm]
@@ -86,7 +88,9 @@ def test_single_request_bucket(toy_pair, plain, one_torch_thread, algorithm):
 def _illegal_writes(runner, meta, n, before, after) -> set[int]:
     """KV slots changed by one verify outside the live requests' [L, L+n) slots and the scratch pages."""
     p = runner.cfg.page_size
-    allowed = set(runner.slots_of(meta.rows, meta.lens[:, None] + torch.arange(n)).flatten().tolist())
+    allowed = set(
+        runner.slots_of(meta.rows, meta.lens[:, None] + torch.arange(n)).flatten().tolist()
+    )
     allowed |= {pg * p + i for pg in runner.scratch_pages for i in range(p)}
     changed = (before != after).flatten(3).any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
     return set(changed) - allowed
@@ -99,21 +103,36 @@ def _watch_kv(runner, log):
         before = torch.stack([runner.kv.k, runner.kv.v]).clone()
         out = verify(meta, tree)
         after = torch.stack([runner.kv.k, runner.kv.v])
-        scratch = [pg * runner.cfg.page_size + i for pg in runner.scratch_pages for i in range(runner.cfg.page_size)]
-        log.append((_illegal_writes(runner, meta, tree.tokens.shape[1], before, after),
-                    bool((before[:, :, scratch] != after[:, :, scratch]).any()), tree.tokens.shape[0]))
+        scratch = [
+            pg * runner.cfg.page_size + i
+            for pg in runner.scratch_pages
+            for i in range(runner.cfg.page_size)
+        ]
+        log.append(
+            (
+                _illegal_writes(runner, meta, tree.tokens.shape[1], before, after),
+                bool((before[:, :, scratch] != after[:, :, scratch]).any()),
+                tree.tokens.shape[0],
+            )
+        )
         last[:] = [meta, tree.tokens.shape[1]]
         return out
 
     last = []
     commit = graphs.commit
 
-    def watched_commit(path, accept_length):  # target KV moves and drafter-context writes stay in rows + scratch
+    def watched_commit(
+        path, accept_length
+    ):  # target KV moves and drafter-context writes stay in rows + scratch
         pools = [p for p in (runner.kv, runner.draft_kv) if p is not None]
         before = [torch.stack([p.k, p.v]).clone() for p in pools]
         commit(path, accept_length)
-        bad = set().union(*(_illegal_writes(runner, last[0], last[1], x, torch.stack([p.k, p.v]))
-                            for x, p in zip(before, pools)))
+        bad = set().union(
+            *(
+                _illegal_writes(runner, last[0], last[1], x, torch.stack([p.k, p.v]))
+                for x, p in zip(before, pools)
+            )
+        )
         log.append((bad, False, path.shape[0]))
 
     graphs.verify, graphs.commit = watched, watched_commit
@@ -127,7 +146,9 @@ def test_padding_rows_write_only_scratch_pages(toy_pair, one_torch_thread, algor
     runner.graphs.build()
     log = []
     _watch_kv(runner, log)
-    llm.generate([list(p) for p in toy_prompts(5)], PARAMS)  # 4 -> 3 live rows inside bucket 4: stale rows
+    llm.generate(
+        [list(p) for p in toy_prompts(5)], PARAMS
+    )  # 4 -> 3 live rows inside bucket 4: stale rows
     assert log and all(not bad for bad, _, _ in log)
     assert any(wrote for _, wrote, b in log if b == 3), "padding rows never wrote (to scratch)"
 
@@ -138,7 +159,9 @@ def test_padding_check_catches_a_pad_slot_in_a_real_page(toy_pair, one_torch_thr
     runner = llm.engine.runner
     g = runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=4)
     v = g.verify_graph
-    v.pad_slots.copy_(torch.arange(v.n).repeat(len(v.pad_slots) // v.n))  # page 0 instead of scratch
+    v.pad_slots.copy_(
+        torch.arange(v.n).repeat(len(v.pad_slots) // v.n)
+    )  # page 0 instead of scratch
     v.slots.copy_(v.pad_slots)
     g.build()
     log = []
@@ -173,7 +196,11 @@ def test_server_args_wire_cuda_graph_into_runner(toy_pair, caplog):
     caplog.set_level(logging.INFO, logger="ddtree")
     llm = make_llm(toy_pair, "DFLASH", cuda_graph_max_bs=4)
     cfg = llm.engine.runner.cfg
-    assert not cfg.enable_cuda_graph and cfg.cuda_graph_max_bs == 4 and llm.engine.runner.graphs is None
+    assert (
+        not cfg.enable_cuda_graph
+        and cfg.cuda_graph_max_bs == 4
+        and llm.engine.runner.graphs is None
+    )
     assert llm.args.disable_cuda_graph
     assert any("CUDA graphs are disabled: the device is cpu" in m for m in caplog.messages)
 
@@ -187,8 +214,11 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
     import ddtree.server_args as server_args
 
     if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
-        monkeypatch.setattr(server_args, "IMPLEMENTED_ATTENTION_BACKENDS",
-                            server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",))
+        monkeypatch.setattr(
+            server_args,
+            "IMPLEMENTED_ATTENTION_BACKENDS",
+            server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",),
+        )
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (8, 4, 6)]
     prompts = [list(p) for p in toy_prompts(3)]
     kw = dict(speculative_ddtree_budget=4, max_running_requests=4, context_length=120)
@@ -199,7 +229,9 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
     runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=4)
     runner.graphs.build()
     assert {s for _, s in runner.graphs.verify_set.graphs} == {(3, False)}
-    assert all(backend.num_splits == 3 for _, _, backend in runner.graphs.verify_set.graphs.values())
+    assert all(
+        backend.num_splits == 3 for _, _, backend in runner.graphs.verify_set.graphs.values()
+    )
     ours = llm.generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
 
@@ -215,10 +247,19 @@ def test_probed_plans_are_the_plans_that_run(toy_pair, monkeypatch):
     import ddtree.server_args as server_args
 
     if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
-        monkeypatch.setattr(server_args, "IMPLEMENTED_ATTENTION_BACKENDS",
-                            server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",))
-    llm = make_llm(toy_pair, "DDTREE", attention_backend="triton", speculative_ddtree_budget=4,
-                   max_running_requests=2, context_length=120)
+        monkeypatch.setattr(
+            server_args,
+            "IMPLEMENTED_ATTENTION_BACKENDS",
+            server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",),
+        )
+    llm = make_llm(
+        toy_pair,
+        "DDTREE",
+        attention_backend="triton",
+        speculative_ddtree_budget=4,
+        max_running_requests=2,
+        context_length=120,
+    )
     runner = llm.engine.runner
     g = CudaGraphRunner(runner, capture=False, max_bs=2)
     ran, launched = [], kernel.paged_attention_plan
@@ -230,12 +271,17 @@ def test_probed_plans_are_the_plans_that_run(toy_pair, monkeypatch):
 
     monkeypatch.setattr(kernel, "paged_attention_plan", recording)
     d = g.draft_graph
-    for gs, family in ((g.verify_set, g.verify_graph), (GraphSet(g, d.forward, d.attention_shape, 120, 0), d)):
+    for gs, family in (
+        (g.verify_set, g.verify_graph),
+        (GraphSet(g, d.forward, d.attention_shape, 120, 0), d),
+    ):
         for bs in g.buckets:
             ran.clear()
             key = gs.probe(bs, gs.bounds[-1])
             assert ran and {p.capture_key for p in ran} == {key}
-            asked = runner.backend.launch_plan(family.attention_shape(bs, gs.bounds[-1]), runner.device)
+            asked = runner.backend.launch_plan(
+                family.attention_shape(bs, gs.bounds[-1]), runner.device
+            )
             assert asked == ran[-1]
     # control: the equality is not vacuous; a longer context than the bucket's asks for more splits
     import dataclasses
@@ -250,8 +296,17 @@ def _resolve(tmp_path, *extra):
     from ddtree.server_args import prepare_server_args
 
     target, drafter = dense_pair(tmp_path)
-    return prepare_server_args(["--model-path", target, "--speculative-algorithm", "DDTREE",
-                                "--speculative-draft-model-path", drafter, *extra])
+    return prepare_server_args(
+        [
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "DDTREE",
+            "--speculative-draft-model-path",
+            drafter,
+            *extra,
+        ]
+    )
 
 
 def test_cuda_graph_flags_resolve(tmp_path, caplog):
@@ -263,26 +318,49 @@ def test_cuda_graph_flags_resolve(tmp_path, caplog):
     on = _resolve(tmp_path, "--device", "cuda", "--attention-backend", "triton")
     assert not on.disable_cuda_graph and on.cuda_graph_max_bs == 16
     assert "CUDA graphs are enabled for verify and draft (batch sizes up to 16)." in caplog.messages
-    few = _resolve(tmp_path, "--device", "cuda", "--attention-backend", "triton", "--max-running-requests", "4",
-                   "--cuda-graph-max-bs", "32")
+    few = _resolve(
+        tmp_path,
+        "--device",
+        "cuda",
+        "--attention-backend",
+        "triton",
+        "--max-running-requests",
+        "4",
+        "--cuda-graph-max-bs",
+        "32",
+    )
     assert few.cuda_graph_max_bs == 4
     torch_backend = _resolve(tmp_path, "--device", "cuda", "--attention-backend", "torch")
     assert torch_backend.disable_cuda_graph
-    assert any("--attention-backend torch is not capturable; pass --attention-backend triton" in m
-               for m in caplog.messages)
-    off = _resolve(tmp_path, "--device", "cuda", "--attention-backend", "triton", "--disable-cuda-graph",
-                   "--cuda-graph-max-bs", "8")
+    assert any(
+        "--attention-backend torch is not capturable; pass --attention-backend triton" in m
+        for m in caplog.messages
+    )
+    off = _resolve(
+        tmp_path,
+        "--device",
+        "cuda",
+        "--attention-backend",
+        "triton",
+        "--disable-cuda-graph",
+        "--cuda-graph-max-bs",
+        "8",
+    )
     assert off.disable_cuda_graph
     assert "--cuda-graph-max-bs ignored: --disable-cuda-graph is set" in caplog.messages
     with pytest.raises(ConfigError) as info:
         _resolve(tmp_path, "--cuda-graph-max-bs", "0")
-    assert any(p.startswith("--cuda-graph-max-bs 0: must be at least 1") for p in info.value.problems)
+    assert any(
+        p.startswith("--cuda-graph-max-bs 0: must be at least 1") for p in info.value.problems
+    )
 
 
 # ---- the fused draft -> tree replay and the in-graph greedy accept walk ---------------------------------------
 # small max_tokens: late rounds limit the tree depth per request; mixed budgets: some rounds build per-budget trees
-FUSED_PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, ddtree_budget=bud)
-                for m, bud in ((30, None), (12, 3), (22, None), (6, 5), (17, None))]
+FUSED_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, ddtree_budget=bud)
+    for m, bud in ((30, None), (12, 3), (22, None), (6, 5), (17, None))
+]
 
 
 def _check_rounds(llm, log, drop_limits=False):
@@ -305,12 +383,21 @@ def _check_rounds(llm, log, drop_limits=False):
             if spec.algorithm == "DFLASH":
                 ref = build_chain(roots, logits, max_depth=depth)
             else:
-                ref = build_tree(roots, logits, spec.budget, spec.topk_cap, spec.shadow_linear, max_depth=depth)
+                ref = build_tree(
+                    roots, logits, spec.budget, spec.topk_cap, spec.shadow_linear, max_depth=depth
+                )
             for f in ("tokens", "parents", "depths", "valid", "tree_mask"):
                 assert torch.equal(getattr(tree, f), getattr(ref, f)), f
             assert tree.num_depths == ref.num_depths
             budgets = llm.engine.decoder._budgets(reqs)
-            log.append(("draft", len(reqs), limits is not None, budgets is not None and spec.algorithm == "DDTREE"))
+            log.append(
+                (
+                    "draft",
+                    len(reqs),
+                    limits is not None,
+                    budgets is not None and spec.algorithm == "DDTREE",
+                )
+            )
         return logits, tree
 
     def checked_verify(reqs, tree, meta=None):
@@ -338,14 +425,21 @@ def test_fused_draft_tree_and_graph_accept_match_eager(toy_pair, one_torch_threa
     _check_rounds(llm, log)
     commits = []
     graph_commit = llm.engine.runner.graphs.commit
-    llm.engine.runner.graphs.commit = lambda path, k: (commits.append(path.shape[0]), graph_commit(path, k))
+    llm.engine.runner.graphs.commit = lambda path, k: (
+        commits.append(path.shape[0]),
+        graph_commit(path, k),
+    )
     outs = llm.generate(prompts, FUSED_PARAMS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     # accept lengths depend on the drafter's context KV, which the commit (graph path) writes
     assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in ref]
-    assert commits and any(b not in batch_buckets(4) for b in commits), "no padded commit through the graph path"
+    assert commits and any(b not in batch_buckets(4) for b in commits), (
+        "no padded commit through the graph path"
+    )
     drafts = [e for e in log if e[0] == "draft"]
-    assert drafts and any(b not in batch_buckets(4) for _, b, _, _ in drafts), "no padded fused replay"
+    assert drafts and any(b not in batch_buckets(4) for _, b, _, _ in drafts), (
+        "no padded fused replay"
+    )
     assert any(limited for _, _, limited, _ in drafts), "no round with per-request depth limits"
     if algorithm == "DDTREE":
         assert any(mixed for _, _, _, mixed in drafts), "no round with per-request budgets"
@@ -368,8 +462,10 @@ def test_graph_path_with_sampling_or_override_gives_plain_tokens(toy_pair, one_t
     from ddtree.bench.forced_accept import AcceptTrace
 
     if case == "sampling":
-        params = [SamplingParams(temperature=t, max_tokens=14, ignore_eos=True, seed=s, top_p=0.9)
-                  for t, s in ((0, None), (0.8, 1), (0, None), (1.0, 2))]
+        params = [
+            SamplingParams(temperature=t, max_tokens=14, ignore_eos=True, seed=s, top_p=0.9)
+            for t, s in ((0, None), (0.8, 1), (0, None), (1.0, 2))
+        ]
     else:
         params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)] * 4
     prompts = [list(p) for p in toy_prompts(4)]

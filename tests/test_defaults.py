@@ -5,8 +5,8 @@ drafter's."""
 import logging
 
 import pytest
-
 from config_fixtures import dense_pair, qwen3_8b_config, write_model_dir
+
 from ddtree import server_args
 from ddtree.configs import ConfigError
 from ddtree.server_args import ServerArgs, prepare_server_args, resolve_server_args

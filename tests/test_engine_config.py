@@ -6,10 +6,10 @@ import pathlib
 
 import pytest
 import torch
-
-import ddtree.engine.setup as setup
 from hybrid_fixtures import save_hf_qwen3_5
 from pair_fixtures import save_random_drafter
+
+import ddtree.engine.setup as setup
 from ddtree.configs import ConfigError
 from ddtree.engine.config import (
     GDNGeometry,

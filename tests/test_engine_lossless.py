@@ -2,7 +2,6 @@
 accepted (the mean accepted length is asserted in the same test)."""
 
 import pytest
-
 from engine_utils import GREEDY, mean_accept, run, toy_prompts
 
 
@@ -22,8 +21,14 @@ def test_dflash_is_lossless_and_accepts(toy_pair, ar_tokens):
 @pytest.mark.parametrize("cap", ["1", "4", "B"])
 def test_ddtree_is_lossless_and_accepts(toy_pair, ar_tokens, budget, shadow, cap):
     topk = budget if cap == "B" else int(cap)
-    outs = run(toy_pair, toy_prompts(), algorithm="DDTREE", speculative_ddtree_budget=budget,
-               speculative_ddtree_topk_cap=topk, speculative_ddtree_shadow_linear=shadow)
+    outs = run(
+        toy_pair,
+        toy_prompts(),
+        algorithm="DDTREE",
+        speculative_ddtree_budget=budget,
+        speculative_ddtree_topk_cap=topk,
+        speculative_ddtree_shadow_linear=shadow,
+    )
     assert [o.token_ids for o in outs] == ar_tokens
     if budget >= 16:
         assert mean_accept(outs) > 2
@@ -40,8 +45,14 @@ def test_batch_equals_batch_of_one(toy_pair, algorithm):
 
 def test_preemption_under_kv_pressure_is_lossless(toy_pair, ar_tokens):
     # a pool too small for all requests at once forces preempt-and-recompute
-    outs = run(toy_pair, toy_prompts(), algorithm="DDTREE", speculative_ddtree_budget=16, max_total_tokens=256,
-               page_size=8)
+    outs = run(
+        toy_pair,
+        toy_prompts(),
+        algorithm="DDTREE",
+        speculative_ddtree_budget=16,
+        max_total_tokens=256,
+        page_size=8,
+    )
     assert [o.token_ids for o in outs] == ar_tokens
 
 
@@ -58,13 +69,18 @@ def test_pools_are_clean_after_drain(toy_pair):
 
 def test_per_request_budgets_in_one_batch(toy_pair, ar_tokens):
     """Requests may ask for smaller trees than the server's budget; they share one verify forward."""
-    from ddtree import SamplingParams
     from engine_utils import make_llm
+
+    from ddtree import SamplingParams
 
     llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=32)
     budgets = [1, 4, None, 16, 8, 2]
-    params = [SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, ddtree_budget=b)
-              for b in budgets]
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, ddtree_budget=b
+        )
+        for b in budgets
+    ]
     outs = llm.generate([list(p) for p in toy_prompts()], params)
     assert [o.token_ids for o in outs] == ar_tokens
     assert mean_accept([outs[2], outs[3]]) > 2

@@ -4,10 +4,10 @@ first tokens), a biased walk is caught by the same test, and a fixed seed reprod
 import collections
 
 import pytest
+from engine_utils import biased_sample_nodes, make_llm, toy_prompts
 from scipy.stats import chi2_contingency
 
 from ddtree import SamplingParams
-from engine_utils import biased_sample_nodes, make_llm, toy_prompts
 
 N = 1500
 PROMPT = list(toy_prompts()[1])
@@ -16,9 +16,17 @@ PROMPT = list(toy_prompts()[1])
 def first_tokens(llm, seed0, n=N, k=3, **params):
     """Counter of the first k tokens of n seeded samples. Callers give AR and speculative runs disjoint seeds:
     with equal seeds a round's root draw is AR's draw, which would couple the samples."""
-    sp = [SamplingParams(temperature=params.get("temperature", 1.5), top_p=params.get("top_p", 1.0),
-                         top_k=params.get("top_k", -1), max_tokens=k, ignore_eos=True, seed=seed0 + i)
-          for i in range(n)]
+    sp = [
+        SamplingParams(
+            temperature=params.get("temperature", 1.5),
+            top_p=params.get("top_p", 1.0),
+            top_k=params.get("top_k", -1),
+            max_tokens=k,
+            ignore_eos=True,
+            seed=seed0 + i,
+        )
+        for i in range(n)
+    ]
     outs = llm.generate([PROMPT] * n, sp)
     return collections.Counter(tuple(o.token_ids[:k]) for o in outs)
 
@@ -60,7 +68,9 @@ def test_biased_acceptance_is_detected(toy_pair, ar_counts, monkeypatch):
 def test_top_k_top_p_distribution_matches_ar(toy_pair):
     kw = dict(temperature=1.0, top_k=5, top_p=0.9)
     ar = first_tokens(make_llm(toy_pair, "NONE", max_running_requests=256), 1000, n=800, k=2, **kw)
-    dd = first_tokens(make_llm(toy_pair, "DFLASH", max_running_requests=256), 100_000, n=800, k=2, **kw)
+    dd = first_tokens(
+        make_llm(toy_pair, "DFLASH", max_running_requests=256), 100_000, n=800, k=2, **kw
+    )
     assert same_distribution(ar, dd) > 1e-3
 
 

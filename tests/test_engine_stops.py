@@ -1,9 +1,9 @@
 """Stop tokens, stop strings and max_tokens honoured exactly when they fall inside an accepted block."""
 
 import pytest
+from engine_utils import make_llm, toy_prompts
 
 from ddtree import SamplingParams
-from engine_utils import make_llm, toy_prompts
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,10 @@ def test_stop_token_inside_block(reference):
             break
     else:
         pytest.skip("every in-block token occurred earlier")
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[tok], ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[tok], ignore_eos=True),
+    )[0]
     assert out.token_ids == full.token_ids[: j + 1] and out.finish_reason == "stop"
 
 
@@ -47,7 +50,9 @@ def test_stop_string_inside_block(reference):
     stop = tok.decode(full.token_ids[j : j + 1], skip_special_tokens=True).strip()
     assert stop
     cut = full.text.find(stop)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, stop=[stop], ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=48, stop=[stop], ignore_eos=True)
+    )[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[:cut]
     assert stop not in out.text

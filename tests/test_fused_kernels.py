@@ -8,7 +8,6 @@ are compared with a few-ulp tolerance; fp32 ones tightly.
 
 import pytest
 import torch
-
 from triton_utils import DEV, load_kernel_module, rel
 
 kernels = load_kernel_module("ddtree.kernels.fused.triton")
@@ -18,7 +17,9 @@ from ddtree.kernels.fused import reference as R  # noqa: E402
 from ddtree.models.layers import RotaryEmbedding  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
-BF16_REL = 2.5e-2 if DEV == "cpu" else 5e-3  # the interpreter's truncation biases each rounding toward zero
+BF16_REL = (
+    2.5e-2 if DEV == "cpu" else 5e-3
+)  # the interpreter's truncation biases each rounding toward zero
 
 
 def close(got, ref, dtype):
@@ -69,7 +70,7 @@ def fused_qkv(lead, hq, hkv, d, dtype, gen, q_width=None):
     qw = q_width or hq * d
     qkv = torch.randn(*lead, qw + 2 * hkv * d, generator=gen).to(dtype).to(DEV)
     q = qkv[..., :qw]
-    k = qkv[..., qw:qw + hkv * d].view(*lead, hkv, d)
+    k = qkv[..., qw : qw + hkv * d].view(*lead, hkv, d)
     return qkv, q, k
 
 
@@ -104,7 +105,9 @@ def test_qk_norm_rope_gated_query_heads():
     gen = torch.Generator().manual_seed(3)
     _, qg, k = fused_qkv((T,), hq, hkv, d, torch.float32, gen, q_width=2 * hq * d)
     q = qg.view(T, hq, 2 * d)[..., :d]
-    cos, sin = RotaryEmbedding(d, 10000.0, None, 0.5).cos_sin(torch.arange(T).to(DEV), torch.float32)
+    cos, sin = RotaryEmbedding(d, 10000.0, None, 0.5).cos_sin(
+        torch.arange(T).to(DEV), torch.float32
+    )
     qw, kw = norm_weight(d, torch.float32, gen, True), norm_weight(d, torch.float32, gen, True)
     got = kernels.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, True)
     ref = R.qk_norm_rope_reference(q, k, qw, kw, cos, sin, 1e-6, True)
@@ -143,7 +146,9 @@ def kernel_calls(monkeypatch):
     mod = fused._triton(interpreted=DEV == "cpu")
     for name in ("add_rmsnorm", "qk_norm_rope", "silu_mul"):
         fn = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
+        monkeypatch.setattr(
+            mod, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw)
+        )
     return calls
 
 
@@ -174,8 +179,12 @@ def test_dispatch_switches(monkeypatch, kernel_calls):
     x, w, q, qw, cos, sin = inputs
     fused.add_rmsnorm(x, x, w.requires_grad_(), 1e-6)  # autograd needs the reference
     assert kernel_calls == []
-    fused.qk_norm_rope(q, q, qw, qw, cos[:, :12], sin[:, :12], 1e-6)  # odd rotary dim pairs: still fine
-    fused.qk_norm_rope(q[..., :12], None, qw[:12], None, cos[:, :12], sin[:, :12], 1e-6)  # D=12: reference
+    fused.qk_norm_rope(
+        q, q, qw, qw, cos[:, :12], sin[:, :12], 1e-6
+    )  # odd rotary dim pairs: still fine
+    fused.qk_norm_rope(
+        q[..., :12], None, qw[:12], None, cos[:, :12], sin[:, :12], 1e-6
+    )  # D=12: reference
     assert kernel_calls == ["qk_norm_rope"]
     if DEV == "cpu":  # on the CPU the interpreter is opt-in
         kernel_calls.clear()
@@ -191,8 +200,17 @@ def test_dispatch_switches(monkeypatch, kernel_calls):
 def test_models_through_kernels_match_reference_path(monkeypatch, kernel_calls, dtype):
     from ddtree.bench.random_pair import build_pair, pair_configs
 
-    shape = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
-                 head_dim=16, max_position_embeddings=512, rope_theta=1e4)
+    shape = dict(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=1e4,
+    )
     tcfg, dcfg = pair_configs(shape, 2, 4, "float32")
     target, drafter = build_pair(tcfg, dcfg, torch.device(DEV), dtype, 0)
     for p in list(target.parameters()) + list(drafter.parameters()):
@@ -217,9 +235,14 @@ def test_models_through_kernels_match_reference_path(monkeypatch, kernel_calls, 
     got = run()
     layers = tcfg.num_hidden_layers + dcfg.num_hidden_layers
     assert kernel_calls.count("silu_mul") == layers
-    assert kernel_calls.count("qk_norm_rope") == layers + dcfg.num_hidden_layers  # + drafter context K
-    assert kernel_calls.count("add_rmsnorm") == 2 * layers + 2 + 1  # + final norms + drafter hidden_norm
+    assert (
+        kernel_calls.count("qk_norm_rope") == layers + dcfg.num_hidden_layers
+    )  # + drafter context K
+    assert (
+        kernel_calls.count("add_rmsnorm") == 2 * layers + 2 + 1
+    )  # + final norms + drafter hidden_norm
     for g, r in zip(got, ref):
         close(g, r, dtype) if dtype == torch.float32 else torch.testing.assert_close(
-            g.float(), r.float(), rtol=0.1, atol=0.1)
+            g.float(), r.float(), rtol=0.1, atol=0.1
+        )
         assert rel(g, r) < (1e-5 if dtype == torch.float32 else 3e-2)

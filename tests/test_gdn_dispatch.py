@@ -1,10 +1,12 @@
 """GDN backend dispatch: the reference on CPU and under DDTREE_FORCE_REFERENCE_GDN=1; the fla branch's argument
 plumbing (keywords, layouts, fp32 states) checked against a stand-in fla built from the reference, so the
 test never needs fla or a GPU."""
+
 import types
 
 import pytest
 import torch
+from test_gdn_reference import rel, rule_inputs
 
 from ddtree.kernels.gdn import backend, dispatch
 from ddtree.kernels.gdn.reference import (
@@ -13,7 +15,6 @@ from ddtree.kernels.gdn.reference import (
     replay_path,
     tree_gated_delta_rule,
 )
-from test_gdn_reference import rel, rule_inputs
 
 CUDA_LIKE = types.SimpleNamespace(is_cuda=True)
 
@@ -51,7 +52,9 @@ def _fake_fla(calls):
     def check(q, k, v, g, beta, initial_state, kw):
         assert kw.pop("output_final_state") and kw.pop("use_qk_l2norm_in_kernel") and not kw
         assert q.shape[2] == k.shape[2] and v.shape[2] % k.shape[2] == 0  # GVA: k is not expanded
-        assert g.dtype == torch.float32 and (initial_state is None or initial_state.dtype == torch.float32)
+        assert g.dtype == torch.float32 and (
+            initial_state is None or initial_state.dtype == torch.float32
+        )
 
     def chunk(q, k, v, *, g, beta, initial_state=None, cu_seqlens=None, **kw):
         check(q, k, v, g, beta, initial_state, kw)
@@ -92,9 +95,23 @@ def test_tree_rule_rows_reference():
     pool = torch.randn(4, 4, 8, 8)
     rows = torch.tensor([3, 1])
     buf = torch.full((4, 7, 4, 8, 8), 7.0)
-    o, st = dispatch.tree_rule(q, k, v, g, beta, parents, depths, pool, return_node_states=True,
-                               node_states=buf, initial_rows=rows, state_rows=rows)
-    ro, rst = tree_gated_delta_rule(q, k, v, g, beta, parents, depths, pool[rows], return_node_states=True)
+    o, st = dispatch.tree_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        parents,
+        depths,
+        pool,
+        return_node_states=True,
+        node_states=buf,
+        initial_rows=rows,
+        state_rows=rows,
+    )
+    ro, rst = tree_gated_delta_rule(
+        q, k, v, g, beta, parents, depths, pool[rows], return_node_states=True
+    )
     assert st is buf and torch.equal(o, ro) and torch.equal(buf[rows, :5], rst)
     assert (buf[[0, 2]] == 7).all() and (buf[rows, 5:] == 7).all()
 
@@ -114,10 +131,17 @@ def test_decode_extend_uses_step_kernels(strategy):
     w = torch.randn(geo.conv_dim, 4, generator=gen)
     q, k, v, g, beta, _ = rule_inputs(2, 1, 2, 4, dk=8, dv=8, seed=6)
     outs = []
-    for p, lens in zip(pools, ([1, 1], [1, 2])):  # [1, 2] forces the packed path; only 2 tokens are used
+    for p, lens in zip(
+        pools, ([1, 1], [1, 2])
+    ):  # [1, 2] forces the packed path; only 2 tokens are used
         ctx = p.extend_context([2, 0], lens, [5, 7])
         assert ctx.decode == (lens == [1, 1])
         ctx.cu_seqlens = torch.tensor([0, 1, 2])
-        outs.append((ctx.conv(0, x, w, None), ctx.rule(0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])))
+        outs.append(
+            (ctx.conv(0, x, w, None), ctx.rule(0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]))
+        )
     assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6) and rel(outs[0][1], outs[1][1]) < 1e-5
-    assert torch.allclose(pools[0].conv, pools[1].conv, atol=1e-6) and rel(pools[0].ssm, pools[1].ssm) < 1e-5
+    assert (
+        torch.allclose(pools[0].conv, pools[1].conv, atol=1e-6)
+        and rel(pools[0].ssm, pools[1].ssm) < 1e-5
+    )

@@ -64,9 +64,10 @@ def test_rule_varlen_equals_separate():
         o, s = fn(q, k, v, g, beta, S0, cu_seqlens=cu)
         for i in range(len(lens)):
             seg = slice(cu[i], cu[i + 1])
-            o_i, s_i = gated_delta_rule_recurrent(q[:, seg], k[:, seg], v[:, seg], g[:, seg], beta[:, seg],
-                                                  S0[i:i + 1])
-            assert rel(o[:, seg], o_i) < TOL and rel(s[i:i + 1], s_i) < TOL
+            o_i, s_i = gated_delta_rule_recurrent(
+                q[:, seg], k[:, seg], v[:, seg], g[:, seg], beta[:, seg], S0[i : i + 1]
+            )
+            assert rel(o[:, seg], o_i) < TOL and rel(s[i : i + 1], s_i) < TOL
 
 
 def test_conv_matches_transformers():
@@ -74,13 +75,15 @@ def test_conv_matches_transformers():
     x, w = torch.randn(T, C), torch.randn(C, K)
     y, state = causal_conv1d_prefill(x, w)
     y_hf = hf.causal_conv1d_fn(x.t()[None], w, None, activation="silu")[0].t()
-    assert rel(y, y_hf) < TOL and torch.equal(state, x[-(K - 1):].t())
+    assert rel(y, y_hf) < TOL and torch.equal(state, x[-(K - 1) :].t())
     xs, conv = torch.randn(3, C), torch.randn(3, C, K - 1)
     hf_state = torch.cat([torch.zeros(3, C, 1), conv], -1)  # transformers keeps K columns
     y_hf = hf.causal_conv1d_update(xs[..., None], hf_state, w, None, "silu")[..., 0]
     y, new = causal_conv1d_step(xs, conv, w)
     assert rel(y, y_hf) < TOL and rel(new, hf_state[..., 1:]) < TOL
-    assert torch.equal(conv[:, :, 1:], new[:, :, :-1])  # input state untouched, shifted copy returned
+    assert torch.equal(
+        conv[:, :, 1:], new[:, :, :-1]
+    )  # input state untouched, shifted copy returned
 
 
 @pytest.mark.parametrize("split", [0, 1, 2, 7])
@@ -100,14 +103,21 @@ def test_conv_prefill_then_steps_equals_one_conv(split):
     st = torch.randn(2, C, K - 1)
     y, s_v = causal_conv1d_varlen(x, w, cu, st, bias)
     for i in range(2):
-        y_i, s_i = causal_conv1d_prefill(x[cu[i]:cu[i + 1]], w, st[i], bias)
-        assert rel(y[cu[i]:cu[i + 1]], y_i) < TOL and rel(s_v[i], s_i) < TOL
+        y_i, s_i = causal_conv1d_prefill(x[cu[i] : cu[i + 1]], w, st[i], bias)
+        assert rel(y[cu[i] : cu[i + 1]], y_i) < TOL and rel(s_v[i], s_i) < TOL
 
 
 def test_layer_forward_matches_transformers_module():
-    cfg = Qwen3_5TextConfig(hidden_size=64, linear_num_value_heads=4, linear_num_key_heads=2,
-                            linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                            num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    cfg = Qwen3_5TextConfig(
+        hidden_size=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
     torch.manual_seed(0)
     layer = hf.Qwen3_5GatedDeltaNet(cfg, 0).eval()
     h = torch.randn(2, 11, 64)
@@ -118,8 +128,9 @@ def test_layer_forward_matches_transformers_module():
         qkv, _ = causal_conv1d_varlen(qkv, layer.conv1d.weight[:, 0], cu)
         q, k, v = qkv.reshape(2, 11, -1).split([32, 32, 32], -1)
         g, beta = gdn_gating(layer.in_proj_a(h), layer.in_proj_b(h), layer.A_log, layer.dt_bias)
-        o, _ = gated_delta_rule_chunked(q.reshape(2, 11, 2, 16), k.reshape(2, 11, 2, 16),
-                                        v.reshape(2, 11, 4, 8), g, beta)
+        o, _ = gated_delta_rule_chunked(
+            q.reshape(2, 11, 2, 16), k.reshape(2, 11, 2, 16), v.reshape(2, 11, 4, 8), g, beta
+        )
         o = layer.norm(o.reshape(-1, 8), layer.in_proj_z(h).reshape(-1, 8))
         out = layer.out_proj(o.reshape(2, 11, -1))
     assert rel(out, ref) < TOL
@@ -145,7 +156,7 @@ def pad_trees(trees, n):
     parents = torch.full((len(trees), n), -1)
     depths = torch.full((len(trees), n), -1)
     for i, (p, d) in enumerate(trees):
-        parents[i, :len(p)], depths[i, :len(d)] = torch.tensor(p), torch.tensor(d)
+        parents[i, : len(p)], depths[i, : len(d)] = torch.tensor(p), torch.tensor(d)
     return parents, depths
 
 
@@ -163,7 +174,11 @@ def tree_case(trees, seed=0, Hk=2, Hv=4, C=12, K=4):
     b = len(trees)
     q, k, v, g, beta, S0 = rule_inputs(b, n, Hk, Hv, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    x, w, conv = torch.randn(b, n, C, generator=gen), torch.randn(C, K, generator=gen), torch.randn(b, C, K - 1)
+    x, w, conv = (
+        torch.randn(b, n, C, generator=gen),
+        torch.randn(C, K, generator=gen),
+        torch.randn(b, C, K - 1),
+    )
     pad = depths < 0
     for t in (q, k, v, g, beta, x):  # padding carries garbage
         t[pad] = float("nan")
@@ -180,7 +195,9 @@ def check_tree(trees, seed):
     for r, (par, _) in enumerate(trees):
         for node in range(len(par)):
             path = torch.tensor(chain(par, node))
-            o_ref, s_ref = gated_delta_rule_recurrent(*(t[r:r + 1, path] for t in ins), S0[r:r + 1])
+            o_ref, s_ref = gated_delta_rule_recurrent(
+                *(t[r : r + 1, path] for t in ins), S0[r : r + 1]
+            )
             assert rel(o[r, node], o_ref[0, -1]) < TOL and rel(states[r, node], s_ref[0]) < TOL
             y_ref, c_ref = causal_conv1d_prefill(x[r, path], w, conv[r])
             assert rel(y[r, node], y_ref[-1]) < TOL and torch.equal(conv_states[r, node], c_ref)
@@ -191,19 +208,25 @@ def check_tree(trees, seed):
 
 def test_tree_flat_order_differs_from_chain_order():
     # 1 and 2 are both children of the root; 3's parent is 2, 4's is 3, 5's is 1
-    check_tree([([-1, 0, 0, 2, 3, 1], [0, 1, 1, 2, 3, 2]), ([3, 0, -1, 2, 1], [2, 3, 0, 1, 4])], seed=3)
+    check_tree(
+        [([-1, 0, 0, 2, 3, 1], [0, 1, 1, 2, 3, 2]), ([3, 0, -1, 2, 1], [2, 3, 0, 1, 4])], seed=3
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_trees_match_sequential_chains(seed):
     gen = torch.Generator().manual_seed(seed)
-    trees = [random_tree(torch.randint(1, 31, (1,), generator=gen).item(), 6, gen) for _ in range(2)]
+    trees = [
+        random_tree(torch.randint(1, 31, (1,), generator=gen).item(), 6, gen) for _ in range(2)
+    ]
     check_tree(trees, seed)
 
 
 def test_chain_tree_equals_sequential():
     n = 9
-    parents, depths, ins, S0, x, w, conv = tree_case([(list(range(-1, n - 1)), list(range(n)))] * 2, seed=5)
+    parents, depths, ins, S0, x, w, conv = tree_case(
+        [(list(range(-1, n - 1)), list(range(n)))] * 2, seed=5
+    )
     o, _ = tree_gated_delta_rule(*ins, parents, depths, S0)
     o_ref, _ = gated_delta_rule_chunked(*ins, S0)
     y, _ = tree_causal_conv1d(x, parents, conv, w)
@@ -216,7 +239,9 @@ def test_chain_tree_equals_sequential():
 @pytest.mark.parametrize("seed", range(3))
 def test_replay_equals_gathered_node_state(seed):
     gen = torch.Generator().manual_seed(100 + seed)
-    trees = [random_tree(torch.randint(1, 31, (1,), generator=gen).item(), 6, gen) for _ in range(2)]
+    trees = [
+        random_tree(torch.randint(1, 31, (1,), generator=gen).item(), 6, gen) for _ in range(2)
+    ]
     parents, depths, ins, S0, x, w, conv, states, conv_states = check_tree(trees, seed)
     accepted = torch.tensor([torch.randint(len(p), (1,), generator=gen).item() for p, _ in trees])
     paths = [chain(trees[r][0], accepted[r].item()) for r in range(2)]

@@ -2,13 +2,14 @@
 and the post-state of a chosen node (the commit without per-node states) on chains, bushy and random trees
 (depth up to 15, up to 65 nodes, requests with different trees and padding); its dispatch switch; and the
 hybrid engine's no_buffer strategy staying lossless with the chunk form forced on the CPU."""
+
 import pytest
 import torch
+from test_gdn_reference import chain, pad_trees, rel, rule_inputs
 
 from ddtree.kernels.gdn import backend, dispatch
 from ddtree.kernels.gdn.reference import replay_path, tree_gated_delta_rule
 from ddtree.kernels.gdn.tree_chunk import tree_ancestor_mask, tree_chunk_gated_delta_rule
-from test_gdn_reference import chain, pad_trees, rel, rule_inputs
 
 TOL = 1e-5
 
@@ -46,7 +47,9 @@ def check(trees, lasts, seed=0, **kw):
     o, states = tree_gated_delta_rule(*ins, parents, depths, S0, return_node_states=True)
     last = torch.tensor(lasts)
     for max_depth in (None, int(depths.max())):
-        oc, Sc = tree_chunk_gated_delta_rule(*ins, parents, depths, S0, max_depth=max_depth, last=last)
+        oc, Sc = tree_chunk_gated_delta_rule(
+            *ins, parents, depths, S0, max_depth=max_depth, last=last
+        )
         assert torch.isfinite(oc).all() and (oc[depths < 0] == 0).all()
         assert rel(oc, o) < TOL, rel(oc, o)
         assert rel(Sc, states[torch.arange(len(trees)), last]) < TOL
@@ -57,8 +60,11 @@ def check(trees, lasts, seed=0, **kw):
 @pytest.mark.parametrize("n", [1, 2, 9, 17, 65])
 def test_matches_reference(kind, n):
     gen = torch.Generator().manual_seed(n)
-    trees = [topo_tree(n, kind, gen, max_depth=15), topo_tree(max(1, n // 3), kind, gen),
-             topo_tree(max(1, n - 1), "random", gen, max_depth=3)]
+    trees = [
+        topo_tree(n, kind, gen, max_depth=15),
+        topo_tree(max(1, n // 3), kind, gen),
+        topo_tree(max(1, n - 1), "random", gen, max_depth=3),
+    ]
     lasts = [int(torch.randint(len(p), (1,), generator=gen)) for p, _ in trees]
     check(trees, lasts, seed=n)
 
@@ -86,7 +92,9 @@ def test_path_state_equals_replay_and_pool_rows():
     pool = torch.randn(5, *S0.shape[1:])
     rows = torch.tensor([4, 1])
     pool[rows] = S0
-    oc, Sp = tree_chunk_gated_delta_rule(*ins, parents, depths, pool, initial_rows=rows, last=torch.tensor(lasts))
+    oc, Sp = tree_chunk_gated_delta_rule(
+        *ins, parents, depths, pool, initial_rows=rows, last=torch.tensor(lasts)
+    )
     o0, S00 = tree_chunk_gated_delta_rule(*ins, parents, depths, S0, last=torch.tensor(lasts))
     assert torch.equal(oc, o0) and torch.equal(Sp, S00)
 
@@ -136,12 +144,16 @@ def ar_tokens(toy_hybrid_pair):
 @pytest.mark.usefixtures("one_torch_thread", "chunk_forced")
 @pytest.mark.parametrize("budget", [16, 48])
 def test_hybrid_no_buffer_lossless_with_chunk_tree(toy_hybrid_pair, ar_tokens, budget):
+    from engine_utils import mean_accept
     from test_hybrid_engine import _run
 
-    from engine_utils import mean_accept
-
-    outs = _run(toy_hybrid_pair, "DDTREE", "no_buffer", speculative_ddtree_budget=budget,
-                speculative_ddtree_topk_cap=budget)
+    outs = _run(
+        toy_hybrid_pair,
+        "DDTREE",
+        "no_buffer",
+        speculative_ddtree_budget=budget,
+        speculative_ddtree_topk_cap=budget,
+    )
     assert [o.token_ids for o in outs] == ar_tokens and mean_accept(outs) > 2
 
 

@@ -3,9 +3,9 @@
 Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before the kernel
 module is imported). Skips when triton is not installed.
 """
+
 import pytest
 import torch
-
 from triton_utils import DEV, load_kernel_module, rel
 
 kernel_module = load_kernel_module("ddtree.kernels.gdn.triton_tree")
@@ -64,14 +64,17 @@ def inputs(b, n, hk, hv, d, gen, garbage_padding=None):
     return q, k, v, g, beta, s0
 
 
-def check(sizes, n, d, seed, hk=2, hv=4, first_branch_is_path=True, valid_arg=False, kernel_kw=None, **kw):
+def check(
+    sizes, n, d, seed, hk=2, hv=4, first_branch_is_path=True, valid_arg=False, kernel_kw=None, **kw
+):
     gen = torch.Generator().manual_seed(seed)
     parents, depths = make_batch(sizes, n, gen, first_branch_is_path)
     q, k, v, g, beta, s0 = inputs(len(sizes), n, hk, hv, d, gen, garbage_padding=depths < 0)
     valid = (depths >= 0) if valid_arg else None
     to = [t.to(DEV) for t in (q, k, v, g, beta, parents, depths, s0)]
-    o, st = kernel_module.tree_gated_delta_rule_triton(*to, return_node_states=True, valid=valid, **kw,
-                                                       **(kernel_kw or {}))
+    o, st = kernel_module.tree_gated_delta_rule_triton(
+        *to, return_node_states=True, valid=valid, **kw, **(kernel_kw or {})
+    )
     ro, rst = tree_gated_delta_rule(*to, return_node_states=True, valid=valid, **kw)
     assert torch.isfinite(o).all() and torch.isfinite(st).all()
     pad = (depths < 0).to(DEV)
@@ -104,7 +107,10 @@ def test_bf16_inputs():
     gen = torch.Generator().manual_seed(6)
     parents, depths = make_batch([8, 5], 8, gen)
     q, k, v, g, beta, s0 = inputs(2, 8, 2, 4, 16, gen)
-    args = [t.to(DEV) for t in (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), parents, depths, s0)]
+    args = [
+        t.to(DEV)
+        for t in (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), parents, depths, s0)
+    ]
     o, st = kernel_module.tree_gated_delta_rule_triton(*args, return_node_states=True)
     ro, rst = tree_gated_delta_rule(*args, return_node_states=True)
     assert o.dtype == torch.bfloat16
@@ -114,13 +120,20 @@ def test_bf16_inputs():
 def test_no_node_states_and_force_reference(monkeypatch):
     gen = torch.Generator().manual_seed(7)
     parents, depths = make_batch([4, 4], 4, gen)
-    args = [t.to(DEV) for t in (*inputs(2, 4, 2, 4, 16, gen)[:5], parents, depths, inputs(2, 4, 2, 4, 16, gen)[5])]
+    args = [
+        t.to(DEV)
+        for t in (*inputs(2, 4, 2, 4, 16, gen)[:5], parents, depths, inputs(2, 4, 2, 4, 16, gen)[5])
+    ]
     o, st = kernel_module.tree_gated_delta_rule_triton(*args)
     assert st is None
     monkeypatch.setenv("DDTREE_FORCE_REFERENCE_GDN", "1")
     called = []
     real = kernel_module.tree_gated_delta_rule_rows
-    monkeypatch.setattr(kernel_module, "tree_gated_delta_rule_rows", lambda *a, **k: called.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        kernel_module,
+        "tree_gated_delta_rule_rows",
+        lambda *a, **k: called.append(1) or real(*a, **k),
+    )
     o2, _ = kernel_module.tree_gated_delta_rule_triton(*args)
     assert called and rel(o, o2) < TOL
 
@@ -131,9 +144,9 @@ def test_strided_views_and_int32_indices():
     parents, depths = make_batch([9, 4], 9, gen)
     b, n, hk, hv, d = 2, 9, 2, 4, 16
     fused = torch.randn(b, n, (2 * hk + hv) * d, generator=gen)
-    q = fused[..., :hk * d].view(b, n, hk, d)
-    k = fused[..., hk * d:2 * hk * d].view(b, n, hk, d)
-    v = fused[..., 2 * hk * d:].view(b, n, hv, d)
+    q = fused[..., : hk * d].view(b, n, hk, d)
+    k = fused[..., hk * d : 2 * hk * d].view(b, n, hk, d)
+    v = fused[..., 2 * hk * d :].view(b, n, hv, d)
     _, _, _, g, beta, s0 = inputs(b, n, hk, hv, d, gen)
     args = [t.to(DEV) for t in (q, k, v, g, beta, parents.int(), depths.int(), s0)]
     assert not args[0].is_contiguous()
@@ -154,9 +167,14 @@ def test_pool_rows():
     buf = torch.full((5, 8, 4, 16, 16), 3.0)
     args = [t.to(DEV) for t in (q, k, v, g, beta, parents, depths)]
     buf_d = buf.to(DEV)
-    o, st = kernel_module.tree_gated_delta_rule_triton(*args, pool.to(DEV), return_node_states=True,
-                                                       node_states=buf_d, initial_rows=rows.to(DEV),
-                                                       state_rows=rows.to(DEV))
+    o, st = kernel_module.tree_gated_delta_rule_triton(
+        *args,
+        pool.to(DEV),
+        return_node_states=True,
+        node_states=buf_d,
+        initial_rows=rows.to(DEV),
+        state_rows=rows.to(DEV),
+    )
     ro, rst = tree_gated_delta_rule(*args, s0.to(DEV), return_node_states=True)
     assert st is buf_d
     assert rel(o, ro) < TOL and rel(buf_d[rows.to(DEV), :6], rst) < TOL
@@ -168,15 +186,22 @@ def test_bf16_node_state_buffer():
     """A bf16 node-state buffer: states are stored rounded (children re-read them), outputs stay close."""
     gen = torch.Generator().manual_seed(10)
     parents, depths = make_batch([7, 7], 7, gen)
-    args = [t.to(DEV) for t in (*inputs(2, 7, 2, 4, 16, gen)[:5], parents, depths, inputs(2, 7, 2, 4, 16, gen)[5])]
+    args = [
+        t.to(DEV)
+        for t in (*inputs(2, 7, 2, 4, 16, gen)[:5], parents, depths, inputs(2, 7, 2, 4, 16, gen)[5])
+    ]
     buf = torch.zeros(2, 7, 4, 16, 16, dtype=torch.bfloat16, device=DEV)
-    o, st = kernel_module.tree_gated_delta_rule_triton(*args, return_node_states=True, node_states=buf)
+    o, st = kernel_module.tree_gated_delta_rule_triton(
+        *args, return_node_states=True, node_states=buf
+    )
     ro, rst = tree_gated_delta_rule(*args, return_node_states=True)
     assert st.dtype == torch.bfloat16 and rel(st, rst) < 2e-2 and rel(o, ro) < 2e-2
 
 
-@pytest.mark.parametrize("strategy,ssm_dtype", [("extra_buffer", "float32"), ("extra_buffer", "bfloat16"),
-                                                ("no_buffer", "float32")])
+@pytest.mark.parametrize(
+    "strategy,ssm_dtype",
+    [("extra_buffer", "float32"), ("extra_buffer", "bfloat16"), ("no_buffer", "float32")],
+)
 def test_tree_context_on_the_kernel(monkeypatch, strategy, ssm_dtype):
     """TreeContext.rule through the Triton kernel (forced on, interpreter on CPU) == through the reference,
     stash included: the pool-row plumbing of the engine's verify."""

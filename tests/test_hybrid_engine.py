@@ -9,14 +9,16 @@ import collections
 
 import pytest
 import torch
-
-from ddtree import SamplingParams
 from engine_utils import GREEDY, biased_sample_nodes, make_llm, mean_accept, run, toy_prompts
 from test_engine_sampling import PROMPT, same_distribution
 
+from ddtree import SamplingParams
+
 STRATEGIES = ("extra_buffer", "no_buffer")
 PROMPTS = toy_prompts(8)  # lengths 5..33
-N_SAMPLES = 1000  # per distribution of the first 3 tokens at T=1 (~800 distinct outcomes, rare ones pooled)
+N_SAMPLES = (
+    1000  # per distribution of the first 3 tokens at T=1 (~800 distinct outcomes, rare ones pooled)
+)
 
 
 def _run(pair, algorithm="NONE", strategy="extra_buffer", prompts=PROMPTS, **kw):
@@ -31,7 +33,9 @@ def ar_tokens(toy_hybrid_pair):
     return [o.token_ids for o in _run(toy_hybrid_pair)]
 
 
-def test_target_exports_for_transformers_and_ar_matches_training_generate(toy_hybrid_pair, ar_tokens):
+def test_target_exports_for_transformers_and_ar_matches_training_generate(
+    toy_hybrid_pair, ar_tokens
+):
     from transformers import Qwen3_5ForCausalLM as HFQwen3_5
 
     from ddtree.models.loader import load_target
@@ -47,7 +51,7 @@ def test_target_exports_for_transformers_and_ar_matches_training_generate(toy_hy
         torch.testing.assert_close(ours.forward_train(ids)[0], hf(ids).logits, rtol=1e-4, atol=1e-4)
     # the training side's cached generation (how the drafter's data was made) agrees with the engine
     new = len(ar_tokens[0])
-    assert [g[len(p):] for p, g in zip(PROMPTS, generate(ours, PROMPTS, new))] == ar_tokens
+    assert [g[len(p) :] for p, g in zip(PROMPTS, generate(ours, PROMPTS, new))] == ar_tokens
     assert [o.token_ids for o in _run(toy_hybrid_pair, strategy="no_buffer")] == ar_tokens
 
 
@@ -62,16 +66,31 @@ def test_dflash_is_lossless_and_accepts(toy_hybrid_pair, ar_tokens, strategy):
 @pytest.mark.parametrize("shadow", [False, True])
 @pytest.mark.parametrize("budget", [4, 16, 48])
 def test_ddtree_is_lossless_and_accepts(toy_hybrid_pair, ar_tokens, budget, shadow, strategy):
-    outs = _run(toy_hybrid_pair, "DDTREE", strategy, speculative_ddtree_budget=budget,
-                speculative_ddtree_topk_cap=budget, speculative_ddtree_shadow_linear=shadow)
+    outs = _run(
+        toy_hybrid_pair,
+        "DDTREE",
+        strategy,
+        speculative_ddtree_budget=budget,
+        speculative_ddtree_topk_cap=budget,
+        speculative_ddtree_shadow_linear=shadow,
+    )
     assert [o.token_ids for o in outs] == ar_tokens
     assert mean_accept(outs) > 2
 
 
-@pytest.mark.parametrize("algorithm,strategy", [("NONE", "extra_buffer"), ("DFLASH", "no_buffer"),
-                                                ("DDTREE", "extra_buffer"), ("DDTREE", "no_buffer")])
+@pytest.mark.parametrize(
+    "algorithm,strategy",
+    [
+        ("NONE", "extra_buffer"),
+        ("DFLASH", "no_buffer"),
+        ("DDTREE", "extra_buffer"),
+        ("DDTREE", "no_buffer"),
+    ],
+)
 def test_batch_equals_batch_of_one(toy_hybrid_pair, algorithm, strategy):
-    llm = make_llm(toy_hybrid_pair, algorithm, speculative_ddtree_budget=16, mamba_scheduler_strategy=strategy)
+    llm = make_llm(
+        toy_hybrid_pair, algorithm, speculative_ddtree_budget=16, mamba_scheduler_strategy=strategy
+    )
     batched = llm.generate([list(p) for p in PROMPTS], GREEDY)
     for p, o in zip(PROMPTS, batched):
         assert llm.generate([list(p)], GREEDY)[0].token_ids == o.token_ids
@@ -89,10 +108,12 @@ def _record_walks(monkeypatch):
         parents, valid = tree.parents.cpu(), tree.valid.cpu()
         node = torch.arange(tree.num_nodes)
         for b, k in enumerate(res.accept_length.tolist()):
-            path = res.path[b, 1:k + 1].tolist()
+            path = res.path[b, 1 : k + 1].tolist()
             # siblings are ordered by draft score, so an accepted node with an earlier valid sibling is off the
             # first branch, and flat order puts non-ancestors between it and its parent
-            off = any(bool((valid[b] & (parents[b] == parents[b, n]) & (node < n)).any()) for n in path)
+            off = any(
+                bool((valid[b] & (parents[b] == parents[b, n]) & (node < n)).any()) for n in path
+            )
             rounds.append((k, off, bool(valid[b, 1:].any())))
         return res
 
@@ -101,7 +122,9 @@ def _record_walks(monkeypatch):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_off_first_branch_and_rejected_trees_stay_lossless(toy_hybrid_pair, ar_tokens, strategy, monkeypatch):
+def test_off_first_branch_and_rejected_trees_stay_lossless(
+    toy_hybrid_pair, ar_tokens, strategy, monkeypatch
+):
     rounds = _record_walks(monkeypatch)
     outs = _run(toy_hybrid_pair, "DDTREE", strategy, speculative_ddtree_budget=16)
     assert [o.token_ids for o in outs] == ar_tokens
@@ -114,20 +137,30 @@ def test_off_first_branch_and_rejected_trees_stay_lossless(toy_hybrid_pair, ar_t
 def sample_first_tokens(llm, seed0: int, n: int = N_SAMPLES, k: int = 3):
     """(Counter of the first k tokens, outputs). Seeds are disjoint from the AR run's: with equal seeds a tree
     round's root draw is AR's draw, so the two samples would be coupled and the chi-square test vacuous."""
-    sp = [SamplingParams(temperature=1.0, max_tokens=k, ignore_eos=True, seed=seed0 + i) for i in range(n)]
+    sp = [
+        SamplingParams(temperature=1.0, max_tokens=k, ignore_eos=True, seed=seed0 + i)
+        for i in range(n)
+    ]
     outs = llm.generate([PROMPT] * n, sp)
     return collections.Counter(tuple(o.token_ids[:k]) for o in outs), outs
 
 
 @pytest.fixture(scope="module")
 def ar_counts(toy_hybrid_pair):
-    return sample_first_tokens(make_llm(toy_hybrid_pair, "NONE", max_running_requests=256), seed0=1000)[0]
+    return sample_first_tokens(
+        make_llm(toy_hybrid_pair, "NONE", max_running_requests=256), seed0=1000
+    )[0]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_ddtree_sampling_matches_ar(toy_hybrid_pair, ar_counts, strategy):
-    llm = make_llm(toy_hybrid_pair, "DDTREE", speculative_ddtree_budget=16, max_running_requests=256,
-                   mamba_scheduler_strategy=strategy)
+    llm = make_llm(
+        toy_hybrid_pair,
+        "DDTREE",
+        speculative_ddtree_budget=16,
+        max_running_requests=256,
+        mamba_scheduler_strategy=strategy,
+    )
     dd, outs = sample_first_tokens(llm, seed0=100_000)
     assert len(ar_counts) > 5, "the test needs a spread-out distribution"
     assert same_distribution(ar_counts, dd) > 1e-3
@@ -140,7 +173,9 @@ def test_biased_acceptance_is_detected(toy_hybrid_pair, ar_counts, monkeypatch):
     import ddtree.engine.decoder as dec
 
     monkeypatch.setattr(dec, "sample_nodes", biased_sample_nodes(dec.sample_nodes))
-    llm = make_llm(toy_hybrid_pair, "DDTREE", speculative_ddtree_budget=16, max_running_requests=256)
+    llm = make_llm(
+        toy_hybrid_pair, "DDTREE", speculative_ddtree_budget=16, max_running_requests=256
+    )
     assert same_distribution(ar_counts, sample_first_tokens(llm, seed0=100_000)[0]) < 1e-3
 
 
@@ -148,8 +183,15 @@ def test_biased_acceptance_is_detected(toy_hybrid_pair, ar_counts, monkeypatch):
 def test_preemption_is_lossless_and_pools_drain_clean(toy_hybrid_pair, ar_tokens, strategy):
     # a KV pool too small for all requests at once forces preempt-and-recompute (from a fresh recurrent
     # state); small prefill chunks carry the recurrent state across chunks
-    llm = make_llm(toy_hybrid_pair, "DDTREE", speculative_ddtree_budget=16, mamba_scheduler_strategy=strategy,
-                   max_total_tokens=256, page_size=8, chunked_prefill_size=16)
+    llm = make_llm(
+        toy_hybrid_pair,
+        "DDTREE",
+        speculative_ddtree_budget=16,
+        mamba_scheduler_strategy=strategy,
+        max_total_tokens=256,
+        page_size=8,
+        chunked_prefill_size=16,
+    )
     assert [o.token_ids for o in llm.generate([list(p) for p in PROMPTS], GREEDY)] == ar_tokens
     assert llm.engine.scheduler.num_preemptions > 0
     runner = llm.engine.runner

@@ -2,12 +2,13 @@
 verify with node states (extra_buffer), the chunk-form tree rule for verify without them (no_buffer), and
 fla's call signatures (a stand-in built from the reference) for prefill and replay. DFLASH and
 DDTREE stay token-identical to AR (all-reference) under both commit strategies."""
-import pytest
 
-from ddtree import SamplingParams
+import pytest
 from engine_utils import run, toy_prompts
 from test_gdn_dispatch import _fake_fla
 from triton_utils import cpu_interpreter_only, load_kernel_module
+
+from ddtree import SamplingParams
 
 load_kernel_module("ddtree.kernels.gdn.triton_tree")
 
@@ -20,7 +21,10 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"), cpu_interpreter_only]
 
 @pytest.fixture(scope="module")
 def ar_tokens(toy_hybrid_pair):
-    return [o.token_ids for o in run(toy_hybrid_pair, PROMPTS, PARAMS, mamba_scheduler_strategy="extra_buffer")]
+    return [
+        o.token_ids
+        for o in run(toy_hybrid_pair, PROMPTS, PARAMS, mamba_scheduler_strategy="extra_buffer")
+    ]
 
 
 @pytest.mark.parametrize("strategy", ["extra_buffer", "no_buffer"])
@@ -31,12 +35,21 @@ def test_gpu_paths_are_lossless(monkeypatch, toy_hybrid_pair, ar_tokens, strateg
     monkeypatch.setattr(dispatch, "use_fla", lambda t: True)
     monkeypatch.setattr(dispatch, "fla_ops", lambda: _fake_fla(calls))
     backend.ran.clear()
-    outs = run(toy_hybrid_pair, PROMPTS, PARAMS, algorithm="DDTREE", mamba_scheduler_strategy=strategy,
-               speculative_ddtree_budget=6)
+    outs = run(
+        toy_hybrid_pair,
+        PROMPTS,
+        PARAMS,
+        algorithm="DDTREE",
+        mamba_scheduler_strategy=strategy,
+        speculative_ddtree_budget=6,
+    )
     assert [o.token_ids for o in outs] == ar_tokens
     assert max(n for o in outs for n in o.accept_lengths) > 1
     tree = "triton" if strategy == "extra_buffer" else "chunk"
-    assert backend.ran[("tree", tree)] and not backend.ran[("tree", {"triton": "chunk", "chunk": "triton"}[tree])]
+    assert (
+        backend.ran[("tree", tree)]
+        and not backend.ran[("tree", {"triton": "chunk", "chunk": "triton"}[tree])]
+    )
     assert backend.ran[("prefill", "fla")] and "chunk" in calls
     assert not any(name == "reference" for _, name in backend.ran)
     if strategy == "no_buffer":

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-
 from inflate_fixtures import SRC_VOCAB, shape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

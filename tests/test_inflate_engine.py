@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from inflate_fixtures import PROMPTS, SRC_VOCAB, shape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -142,8 +142,14 @@ def test_logprobs_from_the_graph_buffers(algorithm, one_torch_thread):
     CPU) hands back its logits buffer: log-probs read from it equal the full forward too."""
     from ddtree.engine.cuda_graph import CudaGraphRunner
 
-    eng = LLM(None, speculative_algorithm=algorithm, device="cpu", dtype="float32",
-              max_running_requests=2, speculative_ddtree_budget=8)
+    eng = LLM(
+        None,
+        speculative_algorithm=algorithm,
+        device="cpu",
+        dtype="float32",
+        max_running_requests=2,
+        speculative_ddtree_budget=8,
+    )
     runner, spec = eng.engine.runner, eng.engine.spec
     runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=2)
     runner.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)

@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+from hybrid_fixtures import VOCAB, hf_logits, save_hf_qwen3_5, save_hf_qwen3_5_vlm
 
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
 from ddtree.engine.request import Req, SamplingParams
@@ -13,7 +14,6 @@ from ddtree.engine.state_pool import HybridStatePool, state_bytes_per_request
 from ddtree.models.loader import load_target
 from ddtree.models.qwen3_5 import Qwen3_5ForCausalLM
 from ddtree.speculative.tree import DraftTree
-from hybrid_fixtures import VOCAB, hf_logits, save_hf_qwen3_5, save_hf_qwen3_5_vlm
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 STRATEGIES = ("extra_buffer", "no_buffer")
@@ -30,13 +30,22 @@ def _seq(seed, n=24):
 
 
 def _runner(target, strategy, width=12, ssm_dtype="float32"):
-    cfg = RunnerConfig(page_size=4, num_pages=64, max_running_requests=4, max_context=96, max_verify_width=width,
-                       mamba_strategy=strategy, mamba_ssm_dtype=ssm_dtype)
+    cfg = RunnerConfig(
+        page_size=4,
+        num_pages=64,
+        max_running_requests=4,
+        max_context=96,
+        max_verify_width=width,
+        mamba_strategy=strategy,
+        mamba_ssm_dtype=ssm_dtype,
+    )
     return ModelRunner(target, None, cfg, "cpu", torch.float32)
 
 
 def _reqs(runner, seqs, lens):
-    runner.bm.allocate(Req(prompt_ids=[2], params=SamplingParams(temperature=0)), 1)  # pool rows need not start at 0
+    runner.bm.allocate(
+        Req(prompt_ids=[2], params=SamplingParams(temperature=0)), 1
+    )  # pool rows need not start at 0
     return [Req(prompt_ids=s[:n], params=SamplingParams(temperature=0)) for s, n in zip(seqs, lens)]
 
 
@@ -56,7 +65,9 @@ def test_dense_forward_matches_transformers(text_ckpt):
         ref = hf(ids, output_hidden_states=True)
         logits, taps = ours.forward_train(ids, tap_layers=(0, 2))
     torch.testing.assert_close(logits, ref.logits, **TOL)
-    torch.testing.assert_close(taps[..., :64], ref.hidden_states[1], **TOL)  # output of layer 0 (GDN)
+    torch.testing.assert_close(
+        taps[..., :64], ref.hidden_states[1], **TOL
+    )  # output of layer 0 (GDN)
     torch.testing.assert_close(taps[..., 64:], ref.hidden_states[3], **TOL)  # output of layer 2
 
 
@@ -87,7 +98,9 @@ def test_paged_prefill_and_decode_match_transformers(text_ckpt, strategy):
     runner = _runner(load_target(path, torch.float32), strategy)
     seqs, lens = [_seq(2), _seq(3)], [9, 14]
     reqs = _reqs(runner, seqs, lens)
-    last = _prefill(runner, reqs, [[4, 6], [0, 3], [5, 5]])  # ragged chunks, one request idle in a chunk
+    last = _prefill(
+        runner, reqs, [[4, 6], [0, 3], [5, 5]]
+    )  # ragged chunks, one request idle in a chunk
     ref = [hf_logits(hf, s) for s in seqs]
     for i, n in enumerate(lens):
         torch.testing.assert_close(last[i], ref[i][n - 1], **TOL)
@@ -117,9 +130,13 @@ def test_decode_matches_transformers_cache(text_ckpt):
         for step in range(4):
             tok = seq[10 + step]
             ref = hf(torch.tensor([[tok]]), use_cache=True, **{key: cache}).logits[0, -1]
-            tree = DraftTree.from_parents(torch.tensor([[tok]]), torch.full((1, 1), -1), num_depths=0)
+            tree = DraftTree.from_parents(
+                torch.tensor([[tok]]), torch.full((1, 1), -1), num_depths=0
+            )
             got, _ = runner.verify(reqs, tree)
-            runner.commit(reqs, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None)
+            runner.commit(
+                reqs, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None
+            )
             reqs[0].kv_len += 1
             torch.testing.assert_close(got[0, 0], ref, **TOL)
 
@@ -153,7 +170,9 @@ def _verify_round(path, strategy, ssm_dtype="float32"):
     pool = runner.state_pool
     before = (pool.conv.clone(), pool.ssm.clone())
     logits, _ = runner.verify(reqs, tree)
-    assert torch.equal(pool.conv, before[0]) and torch.equal(pool.ssm, before[1])  # verify never commits
+    assert torch.equal(pool.conv, before[0]) and torch.equal(
+        pool.ssm, before[1]
+    )  # verify never commits
     runner.commit(reqs, torch.tensor(PATHS), torch.tensor(ACCEPT), None)
     return runner, reqs, seqs, lens, tokens, tree, logits
 
@@ -186,11 +205,16 @@ def test_commit_copy_equals_replay_equals_sequential(text_ckpt):
         run = _verify_round(path, strategy)
         pools[strategy], runs[strategy] = run[0].state_pool, run
     _, reqs, seqs, lens, tokens, _, _ = runs["extra_buffer"]
-    accepted = [seqs[b][: lens[b]] + [int(tokens[b, i]) for i in PATHS[b][: ACCEPT[b] + 1]] for b in range(2)]
+    accepted = [
+        seqs[b][: lens[b]] + [int(tokens[b, i]) for i in PATHS[b][: ACCEPT[b] + 1]]
+        for b in range(2)
+    ]
     seq_pool = _sequential_state(path, accepted)
     rows = torch.tensor([r.slot for r in reqs])
     for name in ("conv", "ssm"):
-        copy, replay, ref = (getattr(p, name)[:, rows] for p in (pools["extra_buffer"], pools["no_buffer"], seq_pool))
+        copy, replay, ref = (
+            getattr(p, name)[:, rows] for p in (pools["extra_buffer"], pools["no_buffer"], seq_pool)
+        )
         torch.testing.assert_close(copy, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(replay, ref, rtol=1e-5, atol=1e-5)
     # after the commit both strategies keep decoding in lockstep with transformers
@@ -201,7 +225,9 @@ def test_commit_copy_equals_replay_equals_sequential(text_ckpt):
         tree = DraftTree.from_parents(nxt[:, None], torch.full((2, 1), -1), num_depths=0)
         logits, _ = runner.verify(reqs, tree)
         for b in range(2):
-            torch.testing.assert_close(logits[b, 0], hf_logits(hf, accepted[b] + [int(nxt[b])])[-1], **TOL)
+            torch.testing.assert_close(
+                logits[b, 0], hf_logits(hf, accepted[b] + [int(nxt[b])])[-1], **TOL
+            )
 
 
 def test_bf16_ssm_state_close(text_ckpt):
@@ -217,8 +243,9 @@ def test_pool_bytes_and_shapes(text_ckpt):
     _, path = text_ckpt
     target = load_target(path, torch.float32)
     for strategy in STRATEGIES:
-        pool = HybridStatePool.for_config(target.config, 3, 5, "cpu", strategy, "float32",
-                                          torch.float32)
+        pool = HybridStatePool.for_config(
+            target.config, 3, 5, "cpu", strategy, "float32", torch.float32
+        )
         assert isinstance(pool, HybridStatePool)
         state, stash = state_bytes_per_request(target.config, 5, strategy, "float32", torch.float32)
         assert pool.state_bytes == 3 * state and pool.stash_bytes == 3 * stash

@@ -3,15 +3,17 @@ and tied checkpoints, and the paged-KV inference path (chunked prefill, then one
 
 import pytest
 import torch
+from hf_fixtures import save_hf_qwen3
 
+from ddtree.engine.decoder import _root_only
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.models.loader import load_target
-from ddtree.engine.decoder import _root_only
-from hf_fixtures import save_hf_qwen3
 
 
-@pytest.mark.parametrize("tie,shard", [(False, None), (True, None), (False, "30KB"), (True, "30KB")])
+@pytest.mark.parametrize(
+    "tie,shard", [(False, None), (True, None), (False, "30KB"), (True, "30KB")]
+)
 def test_dense_logits_match_transformers(tmp_path, tie, shard):
     hf = save_hf_qwen3(tmp_path, tie_word_embeddings=tie, max_shard_size=shard)
     if shard:
@@ -22,7 +24,9 @@ def test_dense_logits_match_transformers(tmp_path, tie, shard):
         ref = hf(ids, output_hidden_states=True)
         logits, taps = ours.forward_train(ids, tap_layers=(1, 2))
     torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(taps[..., :64], ref.hidden_states[2], rtol=1e-5, atol=1e-5)  # output of layer 1
+    torch.testing.assert_close(
+        taps[..., :64], ref.hidden_states[2], rtol=1e-5, atol=1e-5
+    )  # output of layer 1
 
 
 def test_bf16_checkpoint_loads_in_its_dtype(tmp_path):
@@ -39,11 +43,24 @@ def test_bf16_checkpoint_loads_in_its_dtype(tmp_path):
 def test_paged_prefill_and_decode_match_transformers(tmp_path):
     hf = save_hf_qwen3(tmp_path, rope_theta=500.0)
     target = load_target(str(tmp_path), torch.float32)
-    runner = ModelRunner(target, None, RunnerConfig(page_size=4, num_pages=64, max_running_requests=4,
-                                                    max_context=128, max_verify_width=1), "cpu", torch.float32)
-    seqs = [torch.randint(2, 97, (21,), generator=torch.Generator().manual_seed(s)).tolist() for s in (2, 3)]
+    runner = ModelRunner(
+        target,
+        None,
+        RunnerConfig(
+            page_size=4, num_pages=64, max_running_requests=4, max_context=128, max_verify_width=1
+        ),
+        "cpu",
+        torch.float32,
+    )
+    seqs = [
+        torch.randint(2, 97, (21,), generator=torch.Generator().manual_seed(s)).tolist()
+        for s in (2, 3)
+    ]
     prompt_lens = [9, 14]
-    reqs = [Req(prompt_ids=s[:n], params=SamplingParams(temperature=0)) for s, n in zip(seqs, prompt_lens)]
+    reqs = [
+        Req(prompt_ids=s[:n], params=SamplingParams(temperature=0))
+        for s, n in zip(seqs, prompt_lens)
+    ]
     # chunked prefill: two chunks of uneven sizes in a ragged batch
     runner.prefill(reqs, [4, 6])
     last = runner.prefill(reqs, [5, 8])

@@ -4,7 +4,6 @@ import sys
 import types
 
 import pytest
-
 from config_fixtures import (
     DELETE,
     dense_pair,
@@ -14,22 +13,32 @@ from config_fixtures import (
     qwen36_27b_dflash_config,
     write_model_dir,
 )
+
 from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
 from ddtree.engine.config import spec_config
 from ddtree.server_args import ServerArgs, make_parser, prepare_server_args, resolve_server_args
 
 DDTREE_FLAGS = [
-    "--speculative-algorithm", "DDTREE",
-    "--speculative-dflash-block-size", "16",
-    "--speculative-ddtree-budget", "64",
-    "--speculative-ddtree-topk-cap", "64",
+    "--speculative-algorithm",
+    "DDTREE",
+    "--speculative-dflash-block-size",
+    "16",
+    "--speculative-ddtree-budget",
+    "64",
+    "--speculative-ddtree-topk-cap",
+    "64",
     "--speculative-ddtree-shadow-linear",
 ]
 
 
 def spec_tuple(a: ServerArgs):
-    return (a.speculative_algorithm, a.speculative_num_draft_tokens, a.speculative_ddtree_budget,
-            a.speculative_ddtree_topk_cap, a.speculative_ddtree_shadow_linear)
+    return (
+        a.speculative_algorithm,
+        a.speculative_num_draft_tokens,
+        a.speculative_ddtree_budget,
+        a.speculative_ddtree_topk_cap,
+        a.speculative_ddtree_shadow_linear,
+    )
 
 
 def problems_of(argv) -> list[str]:
@@ -57,7 +66,14 @@ def hybrid(tmp_path):
 
 def ddtree_argv(pair, *extra):
     target, drafter = pair
-    return ["--model-path", target, "--speculative-draft-model-path", drafter, *DDTREE_FLAGS, *extra]
+    return [
+        "--model-path",
+        target,
+        "--speculative-draft-model-path",
+        drafter,
+        *DDTREE_FLAGS,
+        *extra,
+    ]
 
 
 def test_acceptance_dense(dense):
@@ -66,8 +82,11 @@ def test_acceptance_dense(dense):
 
 
 def test_acceptance_hybrid(hybrid):
-    args = prepare_server_args(ddtree_argv(hybrid, "--mamba-scheduler-strategy", "extra_buffer",
-                                           "--mamba-full-memory-ratio", "0.5"))
+    args = prepare_server_args(
+        ddtree_argv(
+            hybrid, "--mamba-scheduler-strategy", "extra_buffer", "--mamba-full-memory-ratio", "0.5"
+        )
+    )
     assert spec_tuple(args) == ("DDTREE", 16, 64, 64, True)
     assert args.mamba_scheduler_strategy == "extra_buffer" and args.mamba_full_memory_ratio == 0.5
     assert args.target_config.is_hybrid and len(args.target_config.linear_layer_ids) == 48
@@ -87,7 +106,9 @@ def test_server_args_frozen_and_configs_attached(dense):
     args = prepare_server_args(ddtree_argv(dense))
     with pytest.raises(dataclasses.FrozenInstanceError):
         args.port = 1
-    assert isinstance(args.target_config, TargetConfig) and isinstance(args.drafter_config, DrafterConfig)
+    assert isinstance(args.target_config, TargetConfig) and isinstance(
+        args.drafter_config, DrafterConfig
+    )
     assert "target_config" not in repr(args)
     assert resolve_server_args(args) == args  # idempotent; configs excluded from ==
 
@@ -95,8 +116,18 @@ def test_server_args_frozen_and_configs_attached(dense):
 def test_resolved_defaults_are_logged(dense, caplog):
     caplog.set_level(logging.INFO, logger="ddtree")
     target, drafter = dense
-    args = prepare_server_args(["--model-path", target, "--speculative-algorithm", "ddtree", "--device", "cuda",
-                                "--speculative-draft-model-path", drafter])
+    args = prepare_server_args(
+        [
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "ddtree",
+            "--device",
+            "cuda",
+            "--speculative-draft-model-path",
+            drafter,
+        ]
+    )
     assert spec_tuple(args) == ("DDTREE", 16, 64, 64, False)
     assert args.speculative_dflash_block_size == 16 and args.max_running_requests == 48
     assert args.dtype == "bfloat16" and args.context_length == 40960
@@ -118,8 +149,18 @@ def test_non_speculative_defaults(dense, caplog):
 
 def test_dflash_resolution(dense, caplog):
     target, drafter = dense
-    args = prepare_server_args(["--model-path", target, "--speculative-algorithm", "dflash",
-                                "--speculative-draft-model-path", drafter, "--speculative-ddtree-budget", "32"])
+    args = prepare_server_args(
+        [
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "dflash",
+            "--speculative-draft-model-path",
+            drafter,
+            "--speculative-ddtree-budget",
+            "32",
+        ]
+    )
     assert args.speculative_algorithm == "DFLASH" and args.speculative_num_draft_tokens == 16
     assert args.speculative_ddtree_budget is None and spec_config(args).verify_width == 16
     assert any("--speculative-ddtree-budget" in m and "DDTREE only" in m for m in caplog.messages)
@@ -129,8 +170,18 @@ def test_missing_and_empty_paths(tmp_path, dense):
     assert "does not exist" in one_problem(["--model-path", str(tmp_path / "nope")], "--model-path")
     (tmp_path / "empty").mkdir()
     assert "config.json" in one_problem(["--model-path", str(tmp_path / "empty")], "--model-path")
-    one_problem(["--model-path", dense[0], "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
-                 str(tmp_path / "nope")], "--speculative-draft-model-path", "does not exist")
+    one_problem(
+        [
+            "--model-path",
+            dense[0],
+            "--speculative-algorithm",
+            "DDTREE",
+            "--speculative-draft-model-path",
+            str(tmp_path / "nope"),
+        ],
+        "--speculative-draft-model-path",
+        "does not exist",
+    )
 
 
 def test_unknown_architecture(tmp_path):
@@ -144,18 +195,34 @@ def test_drafter_passed_as_target(dense):
 
 
 def test_drafter_not_dflash(dense):
-    argv = ["--model-path", dense[0], "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", dense[0]]
+    argv = [
+        "--model-path",
+        dense[0],
+        "--speculative-algorithm",
+        "DDTREE",
+        "--speculative-draft-model-path",
+        dense[0],
+    ]
     one_problem(argv, "--speculative-draft-model-path", "DFlashDraftModel")
 
 
 def bad_drafter_argv(tmp_path, target_dir, drafter_cfg, *extra):
     drafter = write_model_dir(tmp_path, "bad-drafter", drafter_cfg)
-    return ["--model-path", target_dir, "--speculative-algorithm", "DDTREE",
-            "--speculative-draft-model-path", drafter, *extra]
+    return [
+        "--model-path",
+        target_dir,
+        "--speculative-algorithm",
+        "DDTREE",
+        "--speculative-draft-model-path",
+        drafter,
+        *extra,
+    ]
 
 
 def test_drafter_hidden_and_vocab_mismatch(tmp_path, dense):
-    argv = bad_drafter_argv(tmp_path, dense[0], qwen3_8b_dflash_config(hidden_size=2560, vocab_size=151000))
+    argv = bad_drafter_argv(
+        tmp_path, dense[0], qwen3_8b_dflash_config(hidden_size=2560, vocab_size=151000)
+    )
     problems = problems_of(argv)
     assert any("--speculative-draft-model-path" in p and "hidden_size 2560" in p for p in problems)
     assert any("--speculative-draft-model-path" in p and "vocab_size 151000" in p for p in problems)
@@ -163,21 +230,32 @@ def test_drafter_hidden_and_vocab_mismatch(tmp_path, dense):
 
 def test_mask_token_missing_or_out_of_vocab(tmp_path, dense):
     missing = qwen3_8b_dflash_config(dflash_overrides={"mask_token_id": DELETE})
-    one_problem(bad_drafter_argv(tmp_path, dense[0], missing), "--speculative-draft-model-path", "mask_token_id")
+    one_problem(
+        bad_drafter_argv(tmp_path, dense[0], missing),
+        "--speculative-draft-model-path",
+        "mask_token_id",
+    )
     big = qwen3_8b_dflash_config(dflash_overrides={"mask_token_id": 151936})
-    one_problem(bad_drafter_argv(tmp_path, dense[0], big), "--speculative-draft-model-path", "151936")
+    one_problem(
+        bad_drafter_argv(tmp_path, dense[0], big), "--speculative-draft-model-path", "151936"
+    )
 
 
 def test_target_layer_ids_out_of_range(tmp_path, dense):
-    cfg = qwen3_8b_dflash_config(dflash_overrides={"target_layer_ids": [1, 9, 17, 25, 40]},
-                                 num_target_layers=DELETE)
-    msg = one_problem(bad_drafter_argv(tmp_path, dense[0], cfg), "--speculative-draft-model-path", "[40]")
+    cfg = qwen3_8b_dflash_config(
+        dflash_overrides={"target_layer_ids": [1, 9, 17, 25, 40]}, num_target_layers=DELETE
+    )
+    msg = one_problem(
+        bad_drafter_argv(tmp_path, dense[0], cfg), "--speculative-draft-model-path", "[40]"
+    )
     assert "valid 0..35" in msg
 
 
 def test_drafter_built_for_other_target(tmp_path, dense):
     cfg = qwen3_8b_dflash_config(num_target_layers=28)
-    one_problem(bad_drafter_argv(tmp_path, dense[0], cfg), "--speculative-draft-model-path", "28-layer")
+    one_problem(
+        bad_drafter_argv(tmp_path, dense[0], cfg), "--speculative-draft-model-path", "28-layer"
+    )
 
 
 def test_hybrid_drafter_on_dense_target_reports_everything(tmp_path, dense):
@@ -187,24 +265,39 @@ def test_hybrid_drafter_on_dense_target_reports_everything(tmp_path, dense):
 
 
 def test_block_size_bounds(dense):
-    one_problem(ddtree_argv(dense, "--speculative-dflash-block-size", "32"), "--speculative-dflash-block-size", "16")
-    one_problem(ddtree_argv(dense, "--speculative-dflash-block-size", "1"), "--speculative-dflash-block-size")
+    one_problem(
+        ddtree_argv(dense, "--speculative-dflash-block-size", "32"),
+        "--speculative-dflash-block-size",
+        "16",
+    )
+    one_problem(
+        ddtree_argv(dense, "--speculative-dflash-block-size", "1"),
+        "--speculative-dflash-block-size",
+    )
 
 
 def test_budget_and_topk_cap_bounds(dense):
-    problems = problems_of(ddtree_argv(dense, "--speculative-ddtree-budget", "0", "--speculative-ddtree-topk-cap", "0"))
+    problems = problems_of(
+        ddtree_argv(dense, "--speculative-ddtree-budget", "0", "--speculative-ddtree-topk-cap", "0")
+    )
     assert any("--speculative-ddtree-budget" in p for p in problems)
     assert any("--speculative-ddtree-topk-cap" in p for p in problems)
 
 
 @pytest.mark.parametrize("algo", ["DDTREE", "DFLASH"])
 def test_speculative_requires_drafter(dense, algo):
-    one_problem(["--model-path", dense[0], "--speculative-algorithm", algo], "--speculative-draft-model-path", algo)
+    one_problem(
+        ["--model-path", dense[0], "--speculative-algorithm", algo],
+        "--speculative-draft-model-path",
+        algo,
+    )
 
 
 def test_embedded_default_pair(dense, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="ddtree")
-    monkeypatch.setitem(sys.modules, "ddtree.assets", types.SimpleNamespace(default_model_paths=lambda: dense))
+    monkeypatch.setitem(
+        sys.modules, "ddtree.assets", types.SimpleNamespace(default_model_paths=lambda: dense)
+    )
     args = prepare_server_args(["--speculative-algorithm", "DDTREE"])
     assert (args.model_path, args.speculative_draft_model_path) == dense
     assert any("embedded default model pair" in m for m in caplog.messages)
@@ -214,13 +307,23 @@ def test_embedded_default_pair_unavailable(monkeypatch):
     def broken():
         raise FileNotFoundError("assets not installed")
 
-    monkeypatch.setitem(sys.modules, "ddtree.assets", types.SimpleNamespace(default_model_paths=broken))
+    monkeypatch.setitem(
+        sys.modules, "ddtree.assets", types.SimpleNamespace(default_model_paths=broken)
+    )
     one_problem([], "--model-path", "assets not installed")
 
 
 def test_dflash_num_draft_tokens_must_equal_block(dense):
-    argv = ["--model-path", dense[0], "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", dense[1],
-            "--speculative-num-draft-tokens", "8"]
+    argv = [
+        "--model-path",
+        dense[0],
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-draft-model-path",
+        dense[1],
+        "--speculative-num-draft-tokens",
+        "8",
+    ]
     one_problem(argv, "--speculative-num-draft-tokens", "16")
 
 
@@ -228,8 +331,9 @@ def test_tp_size(dense, hybrid):
     one_problem(ddtree_argv(dense, "--tp-size", "0"), "--tp-size")
     msg = one_problem(ddtree_argv(hybrid, "--tp-size", "8"), "--tp-size", "KV heads")
     assert "[1, 2, 4]" in msg
-    one_problem(ddtree_argv(hybrid, "--tp", "4"), "--tp-size 4", "not implemented yet",
-                "--tp-size 1")
+    one_problem(
+        ddtree_argv(hybrid, "--tp", "4"), "--tp-size 4", "not implemented yet", "--tp-size 1"
+    )
     assert prepare_server_args(ddtree_argv(hybrid, "--tp", "1")).tp_size == 1
 
 
@@ -239,8 +343,15 @@ def test_context_length_warns_past_max_position(dense, caplog):
     assert any("--context-length" in m and "max_position_embeddings" in m for m in caplog.messages)
 
 
-@pytest.mark.parametrize("flag,value", [("--mem-fraction-static", "0"), ("--mem-fraction-static", "1.2"),
-                                        ("--mamba-full-memory-ratio", "0"), ("--mamba-full-memory-ratio", "1")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--mem-fraction-static", "0"),
+        ("--mem-fraction-static", "1.2"),
+        ("--mamba-full-memory-ratio", "0"),
+        ("--mamba-full-memory-ratio", "1"),
+    ],
+)
 def test_fraction_bounds(dense, flag, value):
     one_problem(["--model-path", dense[0], flag, value], flag)
 
@@ -273,21 +384,42 @@ def test_speculative_flags_without_algorithm_warn(dense, caplog):
 
 
 def test_unimplemented_attention_backend(dense):
-    one_problem(["--model-path", dense[0], "--attention-backend", "flex"], "--attention-backend", "torch")
+    one_problem(
+        ["--model-path", dense[0], "--attention-backend", "flex"], "--attention-backend", "torch"
+    )
 
 
 def test_bad_choice_on_direct_construction(dense):
     with pytest.raises(ConfigError) as info:
-        resolve_server_args(ServerArgs(model_path=dense[0], dtype="int8", speculative_algorithm="eagle"))
+        resolve_server_args(
+            ServerArgs(model_path=dense[0], dtype="int8", speculative_algorithm="eagle")
+        )
     assert any("--dtype" in p for p in info.value.problems)
     assert any("--speculative-algorithm" in p for p in info.value.problems)
 
 
 def test_many_problems_in_one_error(tmp_path, dense):
-    argv = ["--model-path", dense[0], "--speculative-algorithm", "DDTREE", "--mem-fraction-static", "2",
-            "--tp-size", "3", "--speculative-ddtree-budget", "0", "--mamba-full-memory-ratio", "1.5"]
+    argv = [
+        "--model-path",
+        dense[0],
+        "--speculative-algorithm",
+        "DDTREE",
+        "--mem-fraction-static",
+        "2",
+        "--tp-size",
+        "3",
+        "--speculative-ddtree-budget",
+        "0",
+        "--mamba-full-memory-ratio",
+        "1.5",
+    ]
     problems = problems_of(argv)
-    for needle in ("--speculative-draft-model-path", "--mem-fraction-static", "--tp-size",
-                   "--speculative-ddtree-budget", "--mamba-full-memory-ratio"):
+    for needle in (
+        "--speculative-draft-model-path",
+        "--mem-fraction-static",
+        "--tp-size",
+        "--speculative-ddtree-budget",
+        "--mamba-full-memory-ratio",
+    ):
         assert any(needle in p for p in problems), needle
     assert str(ConfigError(problems)).count("\n") == len(problems) - 1

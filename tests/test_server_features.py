@@ -9,9 +9,9 @@ import httpx
 import openai
 import pytest
 import torch
+from server_fixtures import build_tiny_pair, server_argv, thread_server, wait_idle
 
 from ddtree.models.loader import load_target
-from server_fixtures import build_tiny_pair, server_argv, thread_server, wait_idle
 
 KEY = "sk-feat"
 PROMPT = "def add(a, b):"
@@ -292,8 +292,9 @@ def test_generate_stream_interleaves_choices(http):
     events = sse_events(http.post("/generate", json=body))
     last = {e["index"]: e for e in events}
     assert set(last) == {0, 1}
-    assert all(e["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
-               for e in last.values())
+    assert all(
+        e["meta_info"]["finish_reason"] == {"type": "length", "length": 5} for e in last.values()
+    )
     whole = http.post("/generate", json=body | {"stream": False}).json()
     assert [w["text"] for w in whole] == [last[0]["text"], last[1]["text"]]
 

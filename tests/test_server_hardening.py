@@ -4,17 +4,17 @@ matters) and that the pools are clean. Bounds (server/limits.py), no 500s, non-f
 refused semantics, connection timeouts, the auth matrix, /health liveness and prefill/decode
 fairness; shutdown is in test_server_shutdown.py."""
 
-from http.client import HTTPConnection
 import json
 import socket
 import threading
 import time
+from http.client import HTTPConnection
 
 import httpx
 import pytest
+from server_fixtures import build_tiny_pair, server_argv, thread_server, wait_idle, wait_running
 
 from ddtree.server import limits
-from server_fixtures import build_tiny_pair, server_argv, thread_server, wait_idle, wait_running
 
 KEY = "sk-hard"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -638,8 +638,13 @@ def test_short_request_is_not_stuck_behind_a_long_prefill(server, http, pair, mo
     t = threading.Thread(target=long_request)
     t.start()
     wait_running(server.base_url, 1)
-    body = {"model": pair[0], "prompt": "tiny", "max_tokens": 4, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": pair[0],
+        "prompt": "tiny",
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     assert http.post("/v1/completions", json=body).status_code == 200
     done["short"] = time.monotonic()
     t.join(60)

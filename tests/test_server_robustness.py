@@ -8,8 +8,14 @@ import time
 import httpx
 import openai
 import pytest
-
-from server_fixtures import build_tiny_pair, server_argv, server_info, thread_server, wait_idle, wait_running
+from server_fixtures import (
+    build_tiny_pair,
+    server_argv,
+    server_info,
+    thread_server,
+    wait_idle,
+    wait_running,
+)
 
 MAX_BODY = 64 << 10
 
@@ -21,17 +27,24 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(pair):
-    with thread_server(server_argv(pair, "DDTREE", "--api-key", "sk-test"), max_body_bytes=MAX_BODY) as srv:
+    with thread_server(
+        server_argv(pair, "DDTREE", "--api-key", "sk-test"), max_body_bytes=MAX_BODY
+    ) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    return httpx.Client(base_url=server.base_url, timeout=60, headers={"Authorization": "Bearer sk-test"})
+    return httpx.Client(
+        base_url=server.base_url, timeout=60, headers={"Authorization": "Bearer sk-test"}
+    )
 
 
 def ok_request(http, pair):
-    r = http.post("/v1/completions", json={"model": pair[0], "prompt": "ok", "max_tokens": 3, "temperature": 0})
+    r = http.post(
+        "/v1/completions",
+        json={"model": pair[0], "prompt": "ok", "max_tokens": 3, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
 
@@ -58,9 +71,18 @@ BAD_COMPLETIONS = {  # name: (body patch, status, param, code)
     "bool as max_tokens": ({"max_tokens": True}, 400, "max_tokens", "invalid_type"),
     "fractional max_tokens": ({"max_tokens": 2.5}, 400, "max_tokens", "invalid_type"),
     "string as top_p": ({"top_p": "0.5"}, 400, "top_p", "invalid_type"),
-    "wrong type stop_token_ids": ({"stop_token_ids": ["x"]}, 400, "stop_token_ids.0", "invalid_type"),
-    "wrong type stream_options": ({"stream_options": {"include_usage": "yes"}}, 400,
-                                  "stream_options.include_usage", "invalid_type"),
+    "wrong type stop_token_ids": (
+        {"stop_token_ids": ["x"]},
+        400,
+        "stop_token_ids.0",
+        "invalid_type",
+    ),
+    "wrong type stream_options": (
+        {"stream_options": {"include_usage": "yes"}},
+        400,
+        "stream_options.include_usage",
+        "invalid_type",
+    ),
     "missing prompt": ({"prompt": None}, 400, "prompt", None),
     "empty prompt": ({"prompt": ""}, 400, "prompt", "invalid_value"),
     "empty token prompt": ({"prompt": []}, 400, "prompt", "invalid_value"),
@@ -95,31 +117,63 @@ def test_bad_completion_request(http, pair, case):
 
 BAD_CHATS = {
     "messages not a list": ({"messages": "hi"}, 400, "messages", None),
-    "message without role": ({"messages": [{"content": "hi"}]}, 400, "messages.0.role", "missing_required_parameter"),
-    "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "invalid_type"),
-    "image content part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-                           400, "messages.0.content", "invalid_type"),
+    "message without role": (
+        {"messages": [{"content": "hi"}]},
+        400,
+        "messages.0.role",
+        "missing_required_parameter",
+    ),
+    "unknown role": (
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        400,
+        "messages.0.role",
+        "invalid_type",
+    ),
+    "image content part": (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages.0.content",
+        "invalid_type",
+    ),
     "empty messages": ({"messages": []}, 400, "messages", "invalid_value"),
     "chat n above the limit": ({"n": 17}, 400, "n", "invalid_value"),
-    "chat top_logprobs above the limit": ({"logprobs": True, "top_logprobs": 21}, 400,
-                                          "top_logprobs", "invalid_value"),
-    "chat top_logprobs without logprobs": ({"top_logprobs": 2}, 400, "top_logprobs",
-                                           "invalid_value"),
+    "chat top_logprobs above the limit": (
+        {"logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
+    "chat top_logprobs without logprobs": (
+        {"top_logprobs": 2},
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
     "chat max_tokens zero": ({"max_tokens": 0}, 400, "max_tokens", "invalid_value"),
-    "chat too long": ({"messages": [{"role": "user", "content": "y" * CONTEXT}]}, 400, "messages",
-                      "context_length_exceeded"),
+    "chat too long": (
+        {"messages": [{"role": "user", "content": "y" * CONTEXT}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_CHATS))
 def test_bad_chat_request(http, pair, case):
     patch, status, param, code = BAD_CHATS[case]
-    body = {"model": pair[0], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | patch
+    body = {
+        "model": pair[0],
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+    } | patch
     assert_error(http.post("/v1/chat/completions", json=body), status, param, code)
     ok_request(http, pair)
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b'{"prompt": "x", ', b"[1, 2, 3]", b"", b"\xff\xfe", b"null"])
+@pytest.mark.parametrize(
+    "raw", [b"{not json", b'{"prompt": "x", ', b"[1, 2, 3]", b"", b"\xff\xfe", b"null"]
+)
 def test_malformed_json(http, pair, raw):
     r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400
@@ -143,18 +197,26 @@ def test_api_key_and_unknown_route(server, http, pair):
     r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x"})
     assert_error(r, 401, None, "invalid_api_key")
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+        openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key="wrong", max_retries=0
+        ).models.list()
     assert_error(http.get("/v1/nothing-here"), 404, None)
     assert httpx.get(server.base_url + "/health").status_code == 200  # health needs no key
     ok_request(http, pair)
 
 
 def generated_tokens(http) -> float:
-    return float(re.search(r"^ddtree_generation_tokens_total (\S+)$", http.get("/metrics").text, re.M).group(1))
+    return float(
+        re.search(r"^ddtree_generation_tokens_total (\S+)$", http.get("/metrics").text, re.M).group(
+            1
+        )
+    )
 
 
 def aborted(http) -> float:
-    m = re.search(r'^ddtree_requests_total\{finish_reason="abort"\} (\S+)$', http.get("/metrics").text, re.M)
+    m = re.search(
+        r'^ddtree_requests_total\{finish_reason="abort"\} (\S+)$', http.get("/metrics").text, re.M
+    )
     return float(m.group(1)) if m else 0.0
 
 
@@ -169,8 +231,14 @@ def assert_pools_idle(base_url):
 def test_client_disconnect_mid_stream_frees_kv(server, http, pair):
     idle = server_info(server.base_url)
     before_abort, before_tokens = aborted(http), generated_tokens(http)
-    body = {"model": pair[0], "prompt": "stream me", "max_tokens": 480, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": pair[0],
+        "prompt": "stream me",
+        "max_tokens": 480,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         busy = wait_running(server.base_url)
@@ -179,14 +247,22 @@ def test_client_disconnect_mid_stream_frees_kv(server, http, pair):
     assert_pools_idle(server.base_url)
     freed_after = time.monotonic() - t0
     assert aborted(http) == before_abort + 1
-    assert generated_tokens(http) - before_tokens < 480, "the request ran to completion instead of aborting"
+    assert generated_tokens(http) - before_tokens < 480, (
+        "the request ran to completion instead of aborting"
+    )
     assert freed_after < 5
     ok_request(http, pair)
 
 
 def test_client_disconnect_non_streaming_frees_kv(server, http, pair):
     before = aborted(http)
-    body = {"model": pair[0], "prompt": "wait for me", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": pair[0],
+        "prompt": "wait for me",
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body, timeout=0.3)
     assert_pools_idle(server.base_url)

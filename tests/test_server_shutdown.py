@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-
 from server_fixtures import build_tiny_pair, server_argv, subprocess_server
 
 LONG = 3000  # tokens: far longer than any drain below, on any CPU

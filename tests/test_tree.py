@@ -29,7 +29,11 @@ def brute_force(logits: torch.Tensor, budget: int, cap: int, shadow: bool, limit
             toks = tuple(top[i][r] for i, r in enumerate(ranks))
             all_pfx.append((sum(logp[i, t].item() for i, t in enumerate(toks)), toks))
     all_pfx.sort(key=lambda x: -x[0])
-    chain = [tuple(top[i][0] for i in range(d)) for d in range(1, min(budget, limit) + 1)] if shadow else []
+    chain = (
+        [tuple(top[i][0] for i in range(d)) for d in range(1, min(budget, limit) + 1)]
+        if shadow
+        else []
+    )
     rest = [t for _, t in all_pfx if t not in set(chain)]
     return set(chain) | set(rest[: budget - len(chain)])
 
@@ -40,7 +44,9 @@ def check_structure(tree: DraftTree, logits: torch.Tensor, budget: int, cap: int
     k = min(cap, budget, logits.shape[-1])
     topk_ids = logits.float().topk(k, -1).indices
     for i in range(b):
-        toks, pars, deps, ok = (x[i].tolist() for x in (tree.tokens, tree.parents, tree.depths, tree.valid))
+        toks, pars, deps, ok = (
+            x[i].tolist() for x in (tree.tokens, tree.parents, tree.depths, tree.valid)
+        )
         assert ok[0] and pars[0] == -1 and deps[0] == 0
         n_ok = sum(ok)
         assert all(ok[:n_ok]) and not any(ok[n_ok:]), "padding must come last"
@@ -87,7 +93,10 @@ def test_matches_brute_force_and_heap(V, D, budget, cap, shadow):
         assert len(got) == len(set(got))
         want = brute_force(logits[i], budget, cap, shadow, D)
         assert set(got) == want
-        assert set(build_tree_ref(int(roots[i]), logits[i], budget, cap, shadow).prefixes()[1:]) == want
+        assert (
+            set(build_tree_ref(int(roots[i]), logits[i], budget, cap, shadow).prefixes()[1:])
+            == want
+        )
         assert all(p[:-1] in set(got) | {()} for p in got), "prefix-closed"
         assert tree.tokens[i, 0] == roots[i]
 
@@ -155,7 +164,10 @@ def test_ties_stay_prefix_closed_and_optimal():
             assert all(p[:-1] in set(got) | {()} for p in got)
             if not shadow:
                 want = brute_force(logits[i], 20, 4, False, 4)
-                score = lambda ps: sorted(sum(logp[i, d, t].item() for d, t in enumerate(p)) for p in ps)
+
+                def score(ps, i=i):
+                    return sorted(sum(logp[i, d, t].item() for d, t in enumerate(p)) for p in ps)
+
                 assert score(got) == pytest.approx(score(want))
 
 
@@ -186,7 +198,9 @@ def _shadow_violations(shadow: bool, trials: int) -> int:
 
         root = torch.zeros(1, dtype=torch.long)
         tree = build_tree(root, logits, budget, V, shadow)
-        bad += _accept_len(tree, target_of) < min(_accept_len(build_chain(root, logits), target_of), budget)
+        bad += _accept_len(tree, target_of) < min(
+            _accept_len(build_chain(root, logits), target_of), budget
+        )
     return bad
 
 
@@ -216,15 +230,21 @@ def test_large_shape_smoke():
     assert tree.tokens.shape == (2, 257) and tree.valid.all()
     assert (tree.depths.max(1).values == 15).all()  # shadow chain reaches full depth
     assert elapsed < 5.0, elapsed
-    assert torch.equal(tree.positions(torch.tensor([10, 20])), torch.tensor([[10], [20]]) + tree.depths)
+    assert torch.equal(
+        tree.positions(torch.tensor([10, 20])), torch.tensor([[10], [20]]) + tree.depths
+    )
 
 
-@pytest.mark.parametrize("budget,cap,shadow", [(100, 20, False), (100, 20, True), (64, 64, False), (7, 3, True)])
+@pytest.mark.parametrize(
+    "budget,cap,shadow", [(100, 20, False), (100, 20, True), (64, 64, False), (7, 3, True)]
+)
 def test_medium_sizes_match_heap(budget, cap, shadow):
     gen = torch.Generator().manual_seed(budget + cap)
     logits = torch.randn(2, 6, 50, generator=gen) * 3
     limits = torch.tensor([6, 4])
-    tree = build_tree(torch.zeros(2, dtype=torch.long), logits, budget, cap, shadow, max_depth=limits)
+    tree = build_tree(
+        torch.zeros(2, dtype=torch.long), logits, budget, cap, shadow, max_depth=limits
+    )
     check_structure(tree, logits, budget, cap, 6)
     for i in range(2):
         ref = build_tree_ref(0, logits[i], budget, cap, shadow, max_depth=int(limits[i]))

@@ -6,7 +6,6 @@ module is imported). Skips when triton is not installed.
 
 import pytest
 import torch
-
 from triton_utils import DEV, load_kernel_module, rel
 
 kernel_module = load_kernel_module("ddtree.kernels.tree_attention.triton")
@@ -36,10 +35,12 @@ def paged_inputs(q_lens, kv_lens, page, hq, hkv, d, dtype, gen, tree=False):
     max_pages = max(pages) + 1
     total = sum(pages) + 5
     perm = torch.randperm(total, generator=gen)
-    block_table = torch.full((b, max_pages), total + 7, dtype=torch.int64)  # unused entries: out of range
+    block_table = torch.full(
+        (b, max_pages), total + 7, dtype=torch.int64
+    )  # unused entries: out of range
     o = 0
     for i, p in enumerate(pages):
-        block_table[i, :p] = perm[o: o + p]
+        block_table[i, :p] = perm[o : o + p]
         o += p
     k_pool = torch.randn(total * page, hkv, d, generator=gen).to(dtype)
     v_pool = torch.randn(total * page, hkv, d, generator=gen).to(dtype)
@@ -51,23 +52,71 @@ def paged_inputs(q_lens, kv_lens, page, hq, hkv, d, dtype, gen, tree=False):
         n = max(q_lens)
         mask = torch.stack([random_tree_mask(n, gen) for _ in range(b)])
     to = lambda t: None if t is None else t.to(DEV)  # noqa: E731
-    return (to(q), to(k_pool), to(v_pool), to(block_table), to(qo_indptr), torch.tensor(kv_lens, device=DEV),
-            to(mask))
+    return (
+        to(q),
+        to(k_pool),
+        to(v_pool),
+        to(block_table),
+        to(qo_indptr),
+        torch.tensor(kv_lens, device=DEV),
+        to(mask),
+    )
 
 
-def check(q_lens, kv_lens, page, dtype, tree, num_splits=None, hq=4, hkv=2, d=32, seed=0, config=None, **kw):
+def check(
+    q_lens,
+    kv_lens,
+    page,
+    dtype,
+    tree,
+    num_splits=None,
+    hq=4,
+    hkv=2,
+    d=32,
+    seed=0,
+    config=None,
+    **kw,
+):
     gen = torch.Generator().manual_seed(seed)
-    q, kp, vp, bt, indptr, kvl, mask = paged_inputs(q_lens, kv_lens, page, hq, hkv, d, dtype, gen, tree)
-    scale = d ** -0.5
+    q, kp, vp, bt, indptr, kvl, mask = paged_inputs(
+        q_lens, kv_lens, page, hq, hkv, d, dtype, gen, tree
+    )
+    scale = d**-0.5
     out = torch.full_like(q, float("nan"))
-    _, plan = kernel_module.paged_attention_plan(q, kp, vp, bt, indptr, kvl, page, scale, max_q_len=max(q_lens),
-                                                 max_kv_len=max(kv_lens), tree_mask=mask, num_splits=num_splits,
-                                                 config=config, out=out, **kw)
-    ref = paged_attention_reference(q.double(), kp.double(), vp.double(), bt, indptr, kvl, page, scale,
-                                    tree_mask=mask, acc_dtype=torch.float64)
+    _, plan = kernel_module.paged_attention_plan(
+        q,
+        kp,
+        vp,
+        bt,
+        indptr,
+        kvl,
+        page,
+        scale,
+        max_q_len=max(q_lens),
+        max_kv_len=max(kv_lens),
+        tree_mask=mask,
+        num_splits=num_splits,
+        config=config,
+        out=out,
+        **kw,
+    )
+    ref = paged_attention_reference(
+        q.double(),
+        kp.double(),
+        vp.double(),
+        bt,
+        indptr,
+        kvl,
+        page,
+        scale,
+        tree_mask=mask,
+        acc_dtype=torch.float64,
+    )
     assert torch.isfinite(out).all(), "unwritten or NaN output rows"
     err = rel(out, ref)
-    print(f"q_lens={q_lens} kv_lens={kv_lens} page={page} {dtype} tree={tree} splits={num_splits}: rel {err:.2e}")
+    print(
+        f"q_lens={q_lens} kv_lens={kv_lens} page={page} {dtype} tree={tree} splits={num_splits}: rel {err:.2e}"
+    )
     assert err < TOL[dtype], err
     return plan
     return err
@@ -98,7 +147,9 @@ def test_kernel_fp32(q_lens, kv_lens, page, tree, splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("q_lens,kv_lens,page,tree,splits", [CASES[2], CASES[6], CASES[8], CASES[11]])
+@pytest.mark.parametrize(
+    "q_lens,kv_lens,page,tree,splits", [CASES[2], CASES[6], CASES[8], CASES[11]]
+)
 def test_kernel_half(q_lens, kv_lens, page, tree, splits, dtype):
     check(q_lens, kv_lens, page, dtype, tree, splits)
 
@@ -109,19 +160,37 @@ def test_random_tree_sizes(seed):
     gen = torch.Generator().manual_seed(100 + seed)
     n = int(torch.randint(1, 18, (1,), generator=gen))
     kv = [n + int(torch.randint(0, 600, (1,), generator=gen)) for _ in range(2)]
-    check([n, n], kv, 16, torch.float32, True, num_splits=int(torch.randint(1, 5, (1,), generator=gen)),
-          hq=8, hkv=2, d=16, seed=seed)
+    check(
+        [n, n],
+        kv,
+        16,
+        torch.float32,
+        True,
+        num_splits=int(torch.randint(1, 5, (1,), generator=gen)),
+        hq=8,
+        hkv=2,
+        d=16,
+        seed=seed,
+    )
 
 
 def test_gqa_group_one_and_head_dim_64():
     check([3, 3], [50, 130], 16, torch.float32, True, num_splits=2, hq=2, hkv=2, d=64)
 
 
-@pytest.mark.parametrize("cfg", [KernelConfig(64, 32, 4, 3, tail_m=0), KernelConfig(32, 128, 4, 2),
-                                 KernelConfig(16, 64, 4, 3), KernelConfig(128, 64, 8, 3, tail_m=32),
-                                 KernelConfig(64, 64, 4, 3, tree_n=64, tail_split=False),
-                                 KernelConfig(256, 32, 16, 2, tree_n=32), KernelConfig(64, 64, 4, 5),
-                                 KernelConfig(16, 128, 4, 5, tail_split=False)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        KernelConfig(64, 32, 4, 3, tail_m=0),
+        KernelConfig(32, 128, 4, 2),
+        KernelConfig(16, 64, 4, 3),
+        KernelConfig(128, 64, 8, 3, tail_m=32),
+        KernelConfig(64, 64, 4, 3, tree_n=64, tail_split=False),
+        KernelConfig(256, 32, 16, 2, tree_n=32),
+        KernelConfig(64, 64, 4, 5),
+        KernelConfig(16, 128, 4, 5, tail_split=False),
+    ],
+)
 def test_tile_configs(cfg):
     """Tile shapes and the small-tail path (65 nodes x GQA 2 = 2 x 64 + 2 rows) agree with the oracle."""
     check([65, 65], [260, 65], 16, torch.float32, True, num_splits=2, config=cfg)
@@ -148,7 +217,10 @@ def test_num_splits_fill_the_gpu():
     assert choose_num_splits(5000, 16384, 64, 264) == 1
     assert ctas_per_sm(255, 98816, 4) == 2 and ctas_per_sm(162, 39424, 4) == 3
     # tail split: the count is chosen for the context tiles, plus one split for the masked tail
-    assert choose_num_splits(40, 16384, 64, 264, tail_split=True) == choose_num_splits(40, 16384, 64, 264) + 1
+    assert (
+        choose_num_splits(40, 16384, 64, 264, tail_split=True)
+        == choose_num_splits(40, 16384, 64, 264) + 1
+    )
     assert choose_num_splits(5000, 16384, 64, 264, tail_split=True) == 1
 
 
@@ -160,9 +232,14 @@ def _meta(q_lens, kv_lens, bt, page, mask):
     btc = bt.cpu()
     slots = btc[ridx, lpos // page] * page + lpos % page
     return AttentionMetadata(
-        q_lens=list(q_lens), kv_lens=list(kv_lens), qo_indptr=indptr.to(DEV),
-        kv_lens_t=torch.tensor(kv_lens, device=DEV), block_table=bt, slot_mapping=slots.to(DEV),
-        page_size=page, tree_mask=mask,
+        q_lens=list(q_lens),
+        kv_lens=list(kv_lens),
+        qo_indptr=indptr.to(DEV),
+        kv_lens_t=torch.tensor(kv_lens, device=DEV),
+        block_table=bt,
+        slot_mapping=slots.to(DEV),
+        page_size=page,
+        tree_mask=mask,
     )
 
 
@@ -171,15 +248,22 @@ def _meta(q_lens, kv_lens, bt, page, mask):
 def test_backend_extend_matches_torch(kind, dtype):
     gen = torch.Generator().manual_seed(7)
     hq, hkv, d, page = 8, 2, 32, 16
-    q_lens = {"prefill": [30, 7, 64], "decode": [1, 1, 1], "tree": [13, 13, 13], "chain": [6, 6, 6]}[kind]
+    q_lens = {
+        "prefill": [30, 7, 64],
+        "decode": [1, 1, 1],
+        "tree": [13, 13, 13],
+        "chain": [6, 6, 6],
+    }[kind]
     kv_lens = [q + c for q, c in zip(q_lens, [0, 400, 95])]
-    q, kp, vp, bt, _, _, mask = paged_inputs(q_lens, kv_lens, page, hq, hkv, d, dtype, gen, kind == "tree")
+    q, kp, vp, bt, _, _, mask = paged_inputs(
+        q_lens, kv_lens, page, hq, hkv, d, dtype, gen, kind == "tree"
+    )
     k_new = torch.randn(q.shape[0], hkv, d, generator=gen).to(dtype).to(DEV)
     v_new = torch.randn(q.shape[0], hkv, d, generator=gen).to(dtype).to(DEV)
     meta = _meta(q_lens, kv_lens, bt, page, mask)
     cache_a, cache_b = (kp.clone(), vp.clone()), (kp.clone(), vp.clone())
-    ours = get_backend("triton").extend(q, k_new, v_new, cache_a, meta, d ** -0.5)
-    ref = get_backend("torch").extend(q, k_new, v_new, cache_b, meta, d ** -0.5)
+    ours = get_backend("triton").extend(q, k_new, v_new, cache_a, meta, d**-0.5)
+    ref = get_backend("torch").extend(q, k_new, v_new, cache_b, meta, d**-0.5)
     assert torch.equal(cache_a[0], cache_b[0]) and torch.equal(cache_a[1], cache_b[1])
     err = rel(ours, ref)
     print(f"backend {kind} {dtype}: rel {err:.2e}")
@@ -205,14 +289,21 @@ def test_backend_draft_block_matches_torch(causal, window):
     gen = torch.Generator().manual_seed(11)
     b, S, hq, hkv, d, page = 3, 8, 8, 2, 32, 16
     ctx = [0, 45, 300]
-    q, kp, vp, bt, _, _, _ = paged_inputs([1] * b, [c + 1 for c in ctx], page, hq, hkv, d, torch.float32, gen)
+    q, kp, vp, bt, _, _, _ = paged_inputs(
+        [1] * b, [c + 1 for c in ctx], page, hq, hkv, d, torch.float32, gen
+    )
     q = torch.randn(b, S, hq, d, generator=gen).to(DEV)
     k, v = (torch.randn(b, S, hkv, d, generator=gen).to(DEV) for _ in range(2))
     lens = torch.tensor(ctx, device=DEV)
-    meta = DraftAttentionMetadata(ctx_lens=ctx, ctx_lens_t=lens, block_table=bt,
-                                  block_positions=lens[:, None] + torch.arange(S, device=DEV), page_size=page)
-    ours = get_backend("triton").draft_block(q, k, v, (kp, vp), meta, d ** -0.5, causal, window)
-    ref = get_backend("torch").draft_block(q, k, v, (kp, vp), meta, d ** -0.5, causal, window)
+    meta = DraftAttentionMetadata(
+        ctx_lens=ctx,
+        ctx_lens_t=lens,
+        block_table=bt,
+        block_positions=lens[:, None] + torch.arange(S, device=DEV),
+        page_size=page,
+    )
+    ours = get_backend("triton").draft_block(q, k, v, (kp, vp), meta, d**-0.5, causal, window)
+    ref = get_backend("torch").draft_block(q, k, v, (kp, vp), meta, d**-0.5, causal, window)
     err = rel(ours, ref)
     print(f"draft_block causal={causal} window={window}: rel {err:.2e}")
     assert err < TOL[torch.float32], err
@@ -226,23 +317,39 @@ def test_kernel_new_kv_full_visibility():
     k_new, v_new = (torch.randn(q.shape[0], 2, 32, generator=gen).to(DEV) for _ in range(2))
     for causal in (False, True):
         kw = dict(causal=causal, new_kv=(k_new, v_new))
-        out = paged_attention(q, kp, vp, bt, indptr, kvl, 16, 0.3, max_q_len=16, max_kv_len=200, num_splits=3, **kw)
-        ref = paged_attention_reference(q.double(), kp.double(), vp.double(), bt, indptr, kvl, 16, 0.3,
-                                        acc_dtype=torch.float64, causal=causal,
-                                        new_kv=(k_new.double(), v_new.double()))
+        out = paged_attention(
+            q, kp, vp, bt, indptr, kvl, 16, 0.3, max_q_len=16, max_kv_len=200, num_splits=3, **kw
+        )
+        ref = paged_attention_reference(
+            q.double(),
+            kp.double(),
+            vp.double(),
+            bt,
+            indptr,
+            kvl,
+            16,
+            0.3,
+            acc_dtype=torch.float64,
+            causal=causal,
+            new_kv=(k_new.double(), v_new.double()),
+        )
         assert rel(out, ref) < TOL[torch.float32]
 
 
 def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
     """DDTREE generation on the toy pair (tree verify + drafter block through the kernel) gives the torch
     backend's tokens."""
-    import ddtree.server_args as server_args
-    from ddtree import SamplingParams
     from engine_utils import run, toy_prompts
 
+    import ddtree.server_args as server_args
+    from ddtree import SamplingParams
+
     if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
-        monkeypatch.setattr(server_args, "IMPLEMENTED_ATTENTION_BACKENDS",
-                            server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",))
+        monkeypatch.setattr(
+            server_args,
+            "IMPLEMENTED_ATTENTION_BACKENDS",
+            server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",),
+        )
     prompts = toy_prompts(2)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = run(toy_pair, prompts, params, algorithm="DDTREE", attention_backend="torch")
@@ -251,16 +358,44 @@ def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
 
 
 @pytest.mark.parametrize("cfg", ["default", "triton last split", "pingpong"])
-@pytest.mark.parametrize("q_lens,kv_lens,tree,splits", [
-    ([64, 17], [3000, 300], True, 5),      # GQA 2: 128 rows (one full 128-row block) beside 34 (one mostly empty)
-    ([96, 1], [700, 90], False, 3),        # a causal chain whose second warpgroup's rows start mid-chain, decode
-    ([65, 17], [700, 300], True, 3),       # 130 + 34 rows (GQA 2): two 64-row blocks and a 2-row one
-    ([40, 33], [900, 500], False, 5),      # causal chains: each row block's full tiles end at its first token
-    ([65], [65 + 64 * 5], True, 4),        # context a whole number of tiles: no partial tile in the last split
-    ([65, 20], [100, 20], True, 2),        # a context shorter than one tile: empty context splits
-    ([1, 1, 1], [700, 5, 1], False, 3),    # decode (one swapped block per request), a context of 0
-    ([2, 1], [300, 64], False, 4),         # a 2-token chain beside decode
-])
+@pytest.mark.parametrize(
+    "q_lens,kv_lens,tree,splits",
+    [
+        (
+            [64, 17],
+            [3000, 300],
+            True,
+            5,
+        ),  # GQA 2: 128 rows (one full 128-row block) beside 34 (one mostly empty)
+        (
+            [96, 1],
+            [700, 90],
+            False,
+            3,
+        ),  # a causal chain whose second warpgroup's rows start mid-chain, decode
+        ([65, 17], [700, 300], True, 3),  # 130 + 34 rows (GQA 2): two 64-row blocks and a 2-row one
+        (
+            [40, 33],
+            [900, 500],
+            False,
+            5,
+        ),  # causal chains: each row block's full tiles end at its first token
+        (
+            [65],
+            [65 + 64 * 5],
+            True,
+            4,
+        ),  # context a whole number of tiles: no partial tile in the last split
+        ([65, 20], [100, 20], True, 2),  # a context shorter than one tile: empty context splits
+        (
+            [1, 1, 1],
+            [700, 5, 1],
+            False,
+            3,
+        ),  # decode (one swapped block per request), a context of 0
+        ([2, 1], [300, 64], False, 4),  # a 2-token chain beside decode
+    ],
+)
 def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, cfg):
     """The Gluon kernel's contract (hopper.py), without a GPU: with its PyTorch oracle standing in for it, the
     combine (and with masked_tail=False the Triton launch of the last split only) give the full attention; with
@@ -269,9 +404,14 @@ def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, cfg)
 
     hop = kernel_module.hopper
     monkeypatch.setattr(hop, "launch_splits", reference.split_partials_reference)
-    cfg = {"default": hop.DEFAULT, "triton last split": hop.HopperConfig(masked_tail=False),
-           "pingpong": hop.PINGPONG}[cfg]
-    if not cfg.masked_tail and max(q_lens) * 2 <= 32:  # decode-sized rows: no 64-row Triton blocks for the last split
+    cfg = {
+        "default": hop.DEFAULT,
+        "triton last split": hop.HopperConfig(masked_tail=False),
+        "pingpong": hop.PINGPONG,
+    }[cfg]
+    if (
+        not cfg.masked_tail and max(q_lens) * 2 <= 32
+    ):  # decode-sized rows: no 64-row Triton blocks for the last split
         with pytest.raises(ValueError, match="masked_tail=True"):
             check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
         return
@@ -280,7 +420,8 @@ def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, cfg)
 
 
 def test_default_path_takes_the_hopper_kernel_for_decode_and_trees(monkeypatch):
-    """Where dispatch.gluon_unsupported gives no reason (sm_90, bf16, head dim 128, 16-token pages), the default dispatch sends tree
+    """Where dispatch.gluon_unsupported gives no reason (sm_90, bf16, head dim 128, 16-token pages),
+    the default dispatch sends tree
     rows and decode rows to the Gluon kernel, and 4-8 token chains (16-32 rows at GQA 4) to Triton."""
     from ddtree.kernels.tree_attention import reference
 
@@ -288,11 +429,19 @@ def test_default_path_takes_the_hopper_kernel_for_decode_and_trees(monkeypatch):
     monkeypatch.setattr(hop, "launch_splits", reference.split_partials_reference)
     from ddtree.kernels.tree_attention import dispatch
 
-    monkeypatch.setattr(dispatch, "gluon_unsupported", lambda shape, device: None
-                        if dispatch.gluon_rows_supported(shape.rows, shape.group) else "rows")
+    monkeypatch.setattr(
+        dispatch,
+        "gluon_unsupported",
+        lambda shape, device: (
+            None if dispatch.gluon_rows_supported(shape.rows, shape.group) else "rows"
+        ),
+    )
     monkeypatch.setattr(hop, "sm_count", lambda device: 132)
-    for q_lens, kv_lens, tree, used in (([1, 1], [900, 40], False, True), ([17], [400], True, True),
-                                        ([6], [300], False, False)):
+    for q_lens, kv_lens, tree, used in (
+        ([1, 1], [900, 40], False, True),
+        ([17], [400], True, True),
+        ([6], [300], False, False),
+    ):
         plan = check(q_lens, kv_lens, 16, torch.float32, tree, hq=8, hkv=2)
         want = dispatch.gluon_config_for(max(q_lens) * 4) if used else None
         assert plan.hopper == want and (plan.kernel == "hopper") == used, (q_lens, plan)
@@ -310,8 +459,12 @@ def test_hopper_config_rules():
     assert HopperConfig(128, 64, 3).programs_per_sm(128) == 1
     assert HopperConfig(128, 128, 3).programs_per_sm(128) == 1  # 224 KB: Q 32 + 3 x (K 32 + V 32)
     with pytest.raises(AssertionError):
-        HopperConfig(64, 128, 3)  # 128-wide tiles only with two warpgroups: one would not fit two per SM
-    with pytest.raises(AssertionError):  # the Triton last split continues 64-row blocks of 64-wide tiles only
+        HopperConfig(
+            64, 128, 3
+        )  # 128-wide tiles only with two warpgroups: one would not fit two per SM
+    with pytest.raises(
+        AssertionError
+    ):  # the Triton last split continues 64-row blocks of 64-wide tiles only
         HopperConfig(128, 128, 3, masked_tail=False)
 
 
@@ -331,7 +484,9 @@ def test_hopper_kernel_failure_falls_back(monkeypatch, caplog):
 
     monkeypatch.setattr(hop, "launch_splits", broken)
     with caplog.at_level("WARNING", logger="ddtree"):
-        plan = check([65, 17], [700, 300], 16, torch.float32, True, num_splits=3, hopper_ctx=HopperConfig())
+        plan = check(
+            [65, 17], [700, 300], 16, torch.float32, True, num_splits=3, hopper_ctx=HopperConfig()
+        )
     assert calls == [1] and plan.kernel == "triton" and plan.hopper is None and plan.num_splits == 3
     assert "Gluon kernel failed" in plan.fallback
     assert len(hop._disabled) == 1 and "unavailable" in caplog.text
@@ -382,12 +537,16 @@ def test_dispatch_plan_is_frozen_and_names_its_fallback(monkeypatch):
     hop = kernel_module.hopper
     monkeypatch.setattr(hop, "_disabled", [])  # as where Gluon imports
     cpu = torch.device("cpu")
-    tree = dispatch.AttentionShape(2, 65, 4096, 32, 8, 128, 16, torch.bfloat16, dispatch.MODES["tree"])
+    tree = dispatch.AttentionShape(
+        2, 65, 4096, 32, 8, 128, 16, torch.bfloat16, dispatch.MODES["tree"]
+    )
     p = dispatch.plan(tree, cpu, triton_slots=lambda cfg: 264)
     assert p.kernel == "triton" and p.fallback == "not sm_90" and p.num_splits > 1 and not p.pdl
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.num_splits = 3
-    assert {p: 1}[dispatch.plan(tree, cpu, triton_slots=lambda cfg: 264)] == 1  # equal plans, one key
+    assert {p: 1}[
+        dispatch.plan(tree, cpu, triton_slots=lambda cfg: 264)
+    ] == 1  # equal plans, one key
     block = dataclasses.replace(tree, new_kv=True)
     assert "alongside" in dispatch.plan(block, cpu, triton_slots=lambda cfg: 264).fallback
     assert dispatch.plan(tree, cpu, num_splits=1).fallback == "one split asked for"
@@ -397,6 +556,12 @@ def test_dispatch_plan_is_frozen_and_names_its_fallback(monkeypatch):
     monkeypatch.setattr(dispatch, "gluon_unsupported", lambda shape, device: None)
     monkeypatch.setattr(hop, "sm_count", lambda device: 132)
     g = dispatch.plan(tree, cpu)
-    assert g.kernel == "hopper" and g.hopper == dispatch.gluon_config_for(tree.rows) and g.fallback is None
+    assert (
+        g.kernel == "hopper"
+        and g.hopper == dispatch.gluon_config_for(tree.rows)
+        and g.fallback is None
+    )
     assert g.capture_key == (g.num_splits, True) and g.num_splits >= 2
-    assert dispatch.plan(tree, cpu, num_splits=1).kernel == "triton"  # one split: no partials, no Gluon
+    assert (
+        dispatch.plan(tree, cpu, num_splits=1).kernel == "triton"
+    )  # one split: no partials, no Gluon

@@ -25,8 +25,10 @@ def needs_gluon_triton():
     from ddtree.kernels.tree_attention.dispatch import GLUON_TRITON_VERSIONS as TRITON_VERSIONS
 
     if not triton.__version__.startswith(TRITON_VERSIONS):
-        pytest.skip(f"the Gluon kernel targets Triton {' / '.join(TRITON_VERSIONS)}x, not "
-                    f"{triton.__version__} (the engine runs the Triton kernel there)")
+        pytest.skip(
+            f"the Gluon kernel targets Triton {' / '.join(TRITON_VERSIONS)}x, not "
+            f"{triton.__version__} (the engine runs the Triton kernel there)"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +36,30 @@ def reports():
     if not all(os.path.exists(os.path.join(BIN, tool)) for tool in ("ptxas", "cuobjdump")):
         pytest.skip("this Triton build carries no ptxas / cuobjdump")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "tree_attention_compile_report.py"),
-                           "--defaults", "--json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "tree_attention_compile_report.py"),
+            "--defaults",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {r["name"] for r in rows} == {"decode 16k", "decode 1k", "tree 65 nodes", "hopper ctx", "hopper pingpong",
-                                         "hopper decode", "combine"}, proc.stdout
+    assert {r["name"] for r in rows} == {
+        "decode 16k",
+        "decode 1k",
+        "tree 65 nodes",
+        "hopper ctx",
+        "hopper pingpong",
+        "hopper decode",
+        "combine",
+    }, proc.stdout
     return {r["name"]: r for r in rows}
 
 
@@ -47,10 +67,14 @@ def reports():
 def test_default_config_compiles_lean(reports, name):
     r = reports[name]
     assert "error" not in r, r
-    assert r["stack"] == 0 and r["LDL"] == 0 and r["STL"] == 0, f"{name}: {r['config']} spills registers: {r}"
+    assert r["stack"] == 0 and r["LDL"] == 0 and r["STL"] == 0, (
+        f"{name}: {r['config']} spills registers: {r}"
+    )
     assert r["per_sm"] >= 1, f"{name}: {r['config']} does not fit an SM: {r}"
-    assert r["wait_depth"] >= 2, (f"{name}: {r['config']} waits for each tile's own loads (async_wait depth "
-                                  f"{r['wait_depth']}); raise num_stages")
+    assert r["wait_depth"] >= 2, (
+        f"{name}: {r['config']} waits for each tile's own loads (async_wait depth "
+        f"{r['wait_depth']}); raise num_stages"
+    )
     if r["config"].startswith("m64"):
         assert r["HGMMA"] > 0, f"{name}: {r['config']} does not use Hopper's wgmma"
 

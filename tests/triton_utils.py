@@ -14,8 +14,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Tests that run the engine's CPU tensors through Triton's interpreter: on a CUDA machine the kernels
 # compile for the GPU instead (and the dispatcher sends CPU tensors to the reference), so they test
 # nothing there; tests/gpu covers the device paths.
-cpu_interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
-                                          reason="CPU-interpreter test; tests/gpu covers CUDA")
+cpu_interpreter_only = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU-interpreter test; tests/gpu covers CUDA"
+)
 
 
 def load_kernel_module(name: str):

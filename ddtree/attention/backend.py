@@ -44,16 +44,28 @@ class AttentionBackend(Protocol):
     name: str
 
     def extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata, scale: float,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; writes k/v into `kv_cache` at
         `meta.slot_mapping`, then attends. Returns [T, Hq, D]."""
         ...
 
     def draft_block(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: DraftAttentionMetadata, scale: float, causal: bool, window: int | None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: DraftAttentionMetadata,
+        scale: float,
+        causal: bool,
+        window: int | None,
     ) -> torch.Tensor:
         """q [b, S, Hq, D], k/v [b, S, Hkv, D] of the block; context from `ctx_cache`. Returns [b, S, Hq, D].
         A key at position pk is visible to a query at pq when (not causal or pk <= pq) and, with a window W,
@@ -107,7 +119,12 @@ def get_backend(name: str, **kwargs) -> AttentionBackend:
     return BACKENDS[name]()(**kwargs)
 
 
-def store_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def store_kv(
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+):
     """Write new K/V rows into a layer's paged cache ([num_slots, Hkv, D] each)."""
     kc, vc = kv_cache
     kc.index_copy_(0, slots, k.to(kc.dtype))

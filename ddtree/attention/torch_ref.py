@@ -14,7 +14,9 @@ from ddtree.attention.backend import (
 from ddtree.kernels.paged import gather_slots
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [Lq, Hq, D], k/v [Lk, Hkv, D], mask [Lq, Lk] bool -> [Lq, Hq, D]; fp32 softmax."""
     groups = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1).float()
@@ -29,8 +31,9 @@ class TorchReferenceBackend:
     def launch_plan(self, shape, device: torch.device, num_splits: int | None = None):
         from ddtree.kernels.tree_attention.dispatch import reference_plan
 
-        return reference_plan(f"--attention-backend {getattr(self, 'name', 'torch')} is not capturable "
-                              "(use triton)")
+        return reference_plan(
+            f"--attention-backend {getattr(self, 'name', 'torch')} is not capturable (use triton)"
+        )
 
     def with_splits(self, num_splits: int | None):
         return self
@@ -69,7 +72,9 @@ class TorchReferenceBackend:
         return out
 
 
-def draft_visibility(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+def draft_visibility(
+    qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None
+) -> torch.Tensor:
     """[Sq, Sk] bool visibility for the drafter (z-lab semantics; see AttentionBackend.draft_block)."""
     dq = qpos[:, None] - kpos[None, :]
     vis = torch.ones_like(dq, dtype=torch.bool)

@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, register_backend, store_kv
-from ddtree.attention.torch_ref import TorchReferenceBackend
 from ddtree import envs
+from ddtree.attention.backend import (
+    AttentionMetadata,
+    DraftAttentionMetadata,
+    register_backend,
+    store_kv,
+)
+from ddtree.attention.torch_ref import TorchReferenceBackend
 
 FORCE_REFERENCE_ENV = envs.FORCE_REFERENCE_ATTENTION.name
 
@@ -54,7 +59,9 @@ class TritonAttentionBackend:
         return self._reference_reason(q.shape[-1], q.device) is not None
 
     def with_splits(self, num_splits: int | None) -> TritonAttentionBackend:
-        return self if num_splits == self.num_splits else TritonAttentionBackend(num_splits=num_splits)
+        return (
+            self if num_splits == self.num_splits else TritonAttentionBackend(num_splits=num_splits)
+        )
 
     def launch_plan(self, shape, device: torch.device, num_splits: int | None = None):
         """The `dispatch.LaunchPlan` that `extend` / `draft_block` run for a call of `shape` (a
@@ -66,8 +73,12 @@ class TritonAttentionBackend:
         why = self._reference_reason(shape.head_dim, device)
         if why is not None:
             return dispatch.reference_plan(why)
-        return dispatch.plan(shape, device, num_splits=num_splits or self.num_splits,
-                             triton_slots=lambda cfg: self._kernel.triton_slots(shape, cfg, device))
+        return dispatch.plan(
+            shape,
+            device,
+            num_splits=num_splits or self.num_splits,
+            triton_slots=lambda cfg: self._kernel.triton_slots(shape, cfg, device),
+        )
 
     def extend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         if self._use_reference(q):
@@ -75,8 +86,17 @@ class TritonAttentionBackend:
         store_kv(kv_cache, meta.slot_mapping, k, v)
         kc, vc = kv_cache
         return self._kernel.paged_attention(
-            q, kc, vc, meta.block_table, meta.qo_indptr, meta.kv_lens_t, meta.page_size, scale,
-            max_q_len=max(meta.q_lens), max_kv_len=max(meta.kv_lens), tree_mask=meta.tree_mask,
+            q,
+            kc,
+            vc,
+            meta.block_table,
+            meta.qo_indptr,
+            meta.kv_lens_t,
+            meta.page_size,
+            scale,
+            max_q_len=max(meta.q_lens),
+            max_kv_len=max(meta.kv_lens),
+            tree_mask=meta.tree_mask,
             num_splits=self.num_splits,
         )
 
@@ -91,8 +111,18 @@ class TritonAttentionBackend:
         kc, vc = ctx_cache
         indptr = torch.arange(0, (b + 1) * S, S, device=q.device)
         out = self._kernel.paged_attention(
-            q.reshape(b * S, hq, d), kc, vc, meta.block_table, indptr, meta.ctx_lens_t + S, meta.page_size, scale,
-            max_q_len=S, max_kv_len=max(meta.ctx_lens) + S, causal=causal,
-            new_kv=(k.reshape(b * S, hkv, d), v.reshape(b * S, hkv, d)), num_splits=self.num_splits,
+            q.reshape(b * S, hq, d),
+            kc,
+            vc,
+            meta.block_table,
+            indptr,
+            meta.ctx_lens_t + S,
+            meta.page_size,
+            scale,
+            max_q_len=S,
+            max_kv_len=max(meta.ctx_lens) + S,
+            causal=causal,
+            new_kv=(k.reshape(b * S, hkv, d), v.reshape(b * S, hkv, d)),
+            num_splits=self.num_splits,
         )
         return out.view(b, S, hq, d)

@@ -13,7 +13,7 @@ import time
 
 DEFAULT_PROMPTS = (  # held-out code prompts: modules the embedded pair's corpus leaves out
     "import json\n\n\ndef load_config(path):\n",
-    "class LRUCache:\n    \"\"\"A least-recently-used cache.\"\"\"\n\n    def __init__(self, capacity):\n",
+    'class LRUCache:\n    """A least-recently-used cache."""\n\n    def __init__(self, capacity):\n',
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
     "    def __repr__(self):\n        return",
     "import os\nimport sys\n\n\ndef main():\n",
@@ -28,19 +28,27 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="ddtree bench acceptance", formatter_class=DefaultsFormatter)
     p.add_argument("--model-path", default=None, help="target dir; default: the embedded pair")
-    p.add_argument("--speculative-draft-model-path", default=None,
-                   help="DFlash drafter dir; default: the embedded pair's")
-    p.add_argument("--prompts-file", help='JSONL, one {"prompt": ...} per line; default: a built-in set')
+    p.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="DFlash drafter dir; default: the embedded pair's",
+    )
+    p.add_argument(
+        "--prompts-file", help='JSONL, one {"prompt": ...} per line; default: a built-in set'
+    )
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="comma list of DDTREE budgets")
     p.add_argument("--shadow-linear", default="off,on", help="comma list of off/on")
     p.add_argument("--temperature", default="0,1", help="comma list")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (EOS off)")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="drafter block size; default: the drafter's")
+    p.add_argument(
+        "--block-size", type=int, default=None, help="drafter block size; default: the drafter's"
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i: seed + i")
     p.add_argument("--dtype", default="auto", help="as ddtree serve --dtype")
     p.add_argument("--device", default="auto", help="as ddtree serve --device")
-    p.add_argument("--output", default="acceptance.json", help="JSON rows; PNGs are written beside it")
+    p.add_argument(
+        "--output", default="acceptance.json", help="JSON rows; PNGs are written beside it"
+    )
     return p
 
 
@@ -51,25 +59,41 @@ def load_prompts(path: str | None) -> list:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
-def measure(base, algorithm: str, budget: int, shadow: bool, temperature: float, prompts, max_tokens, seed):
+def measure(
+    base, algorithm: str, budget: int, shadow: bool, temperature: float, prompts, max_tokens, seed
+):
     from ddtree.engine.engine import LLMEngine
     from ddtree.engine.request import SamplingParams
     from ddtree.server_args import resolve_server_args
 
-    args = resolve_server_args(dataclasses.replace(
-        base, speculative_algorithm=algorithm, speculative_ddtree_budget=budget if algorithm == "DDTREE" else None,
-        speculative_ddtree_topk_cap=None, speculative_ddtree_shadow_linear=shadow,
-    ))
+    args = resolve_server_args(
+        dataclasses.replace(
+            base,
+            speculative_algorithm=algorithm,
+            speculative_ddtree_budget=budget if algorithm == "DDTREE" else None,
+            speculative_ddtree_topk_cap=None,
+            speculative_ddtree_shadow_linear=shadow,
+        )
+    )
     engine = LLMEngine(args)
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, seed=seed + i, ignore_eos=True
+        )
+        for i in range(len(prompts))
+    ]
     t0 = time.perf_counter()
     reqs = engine.generate(prompts, params)
     lengths = [n for r in reqs for n in r.stats.accept_lengths]
     row = {
-        "algorithm": algorithm, "budget": budget if algorithm == "DDTREE" else None, "shadow_linear": shadow,
-        "temperature": temperature, "tau": sum(lengths) / max(len(lengths), 1), "rounds": len(lengths),
-        "tokens": sum(r.num_output_tokens for r in reqs), "seconds": time.perf_counter() - t0,
+        "algorithm": algorithm,
+        "budget": budget if algorithm == "DDTREE" else None,
+        "shadow_linear": shadow,
+        "temperature": temperature,
+        "tau": sum(lengths) / max(len(lengths), 1),
+        "rounds": len(lengths),
+        "tokens": sum(r.num_output_tokens for r in reqs),
+        "seconds": time.perf_counter() - t0,
     }
     return row, lengths
 
@@ -81,11 +105,17 @@ def main(argv: list[str]) -> int:
     ns = make_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
-        base = resolve_server_args(ServerArgs(
-            model_path=ns.model_path, speculative_algorithm="DFLASH",
-            speculative_draft_model_path=ns.speculative_draft_model_path, dtype=ns.dtype, device=ns.device,
-            speculative_dflash_block_size=ns.block_size, random_seed=ns.seed,
-        ))
+        base = resolve_server_args(
+            ServerArgs(
+                model_path=ns.model_path,
+                speculative_algorithm="DFLASH",
+                speculative_draft_model_path=ns.speculative_draft_model_path,
+                dtype=ns.dtype,
+                device=ns.device,
+                speculative_dflash_block_size=ns.block_size,
+                random_seed=ns.seed,
+            )
+        )
     except ConfigError as e:
         print(f"error: invalid configuration:\n{e}", file=sys.stderr)
         return 2
@@ -96,16 +126,27 @@ def main(argv: list[str]) -> int:
     shadows = [s.strip() == "on" for s in ns.shadow_linear.split(",") if s.strip()]
     temps = [float(t) for t in ns.temperature.split(",") if t]
     rows, hists = [], {}
-    print(f"{'algorithm':>9} {'B':>4} {'shadow':>6} {'T':>4} {'tau':>6} {'rounds':>6} {'tokens':>6}")
+    print(
+        f"{'algorithm':>9} {'B':>4} {'shadow':>6} {'T':>4} {'tau':>6} {'rounds':>6} {'tokens':>6}"
+    )
     for temp in temps:
         configs = [("DFLASH", 0, False)] + [("DDTREE", b, s) for b in budgets for s in shadows]
         for algo, budget, shadow in configs:
-            row, lengths = measure(base, algo, budget, shadow, temp, prompts, ns.max_tokens, ns.seed)
+            row, lengths = measure(
+                base, algo, budget, shadow, temp, prompts, ns.max_tokens, ns.seed
+            )
             rows.append(row)
-            label = f"{algo} B={budget} {'shadow ' if shadow else ''}T={temp}" if algo == "DDTREE" else f"DFLASH T={temp}"
+            label = (
+                f"{algo} B={budget} {'shadow ' if shadow else ''}T={temp}"
+                if algo == "DDTREE"
+                else f"DFLASH T={temp}"
+            )
             hists[label] = lengths
-            print(f"{algo:>9} {budget or '-':>4} {str(shadow):>6} {temp:>4} {row['tau']:>6.2f} {row['rounds']:>6} "
-                  f"{row['tokens']:>6}", flush=True)
+            print(
+                f"{algo:>9} {budget or '-':>4} {str(shadow):>6} {temp:>4} {row['tau']:>6.2f} {row['rounds']:>6} "
+                f"{row['tokens']:>6}",
+                flush=True,
+            )
     with open(ns.output, "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1)
     from ddtree.bench.plots import accept_histograms, tau_vs_budget

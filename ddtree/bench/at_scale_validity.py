@@ -29,8 +29,8 @@ def time_pair(
     times them (contexts of random tokens below `vocab`)."""
     from ddtree.bench.round_timing import Clock
     from ddtree.bench.rounds import prefilled_requests, run_case, runner_config
-    from ddtree.engine.model_runner import ModelRunner
     from ddtree.engine.config import SpecConfig
+    from ddtree.engine.model_runner import ModelRunner
 
     ns = argparse.Namespace(
         block_size=drafter.config.block_size,

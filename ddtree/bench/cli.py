@@ -7,21 +7,34 @@ import importlib
 import sys
 
 BENCHES = {
-    "acceptance": ("ddtree.bench.acceptance", "mean accepted length over DDTree budgets, "
-                   "shadow-linear and temperatures (the engine end to end)"),
-    "rounds": ("ddtree.bench.rounds", "per-round cost of AR / DFLASH / DDTREE on a random "
-               "Qwen3-8B-shaped pair against the memory floor (--smoke: seconds on the CPU)"),
-    "serving": ("ddtree.bench.serving", "drive a running server: throughput, TTFT, TPOT, latency, "
-                "accept length"),
-    "at-scale": ("ddtree.bench.at_scale", "on the GPU: inflate the embedded pair to a production "
-                 "shape, serve NONE / DFLASH / DDTREE, sweep concurrency; one table + JSON + PNG"),
+    "acceptance": (
+        "ddtree.bench.acceptance",
+        "mean accepted length over DDTree budgets, "
+        "shadow-linear and temperatures (the engine end to end)",
+    ),
+    "rounds": (
+        "ddtree.bench.rounds",
+        "per-round cost of AR / DFLASH / DDTREE on a random "
+        "Qwen3-8B-shaped pair against the memory floor (--smoke: seconds on the CPU)",
+    ),
+    "serving": (
+        "ddtree.bench.serving",
+        "drive a running server: throughput, TTFT, TPOT, latency, accept length",
+    ),
+    "at-scale": (
+        "ddtree.bench.at_scale",
+        "on the GPU: inflate the embedded pair to a production "
+        "shape, serve NONE / DFLASH / DDTREE, sweep concurrency; one table + JSON + PNG",
+    ),
 }
 
 
 def usage() -> str:
     rows = "\n".join(f"  {name:<12} {what}" for name, (_, what) in BENCHES.items())
-    return (f"usage: ddtree bench <{' | '.join(BENCHES)}> [flags]\n\nsubcommands:\n{rows}\n\n"
-            "ddtree bench SUBCOMMAND --help lists a subcommand's flags and their defaults.")
+    return (
+        f"usage: ddtree bench <{' | '.join(BENCHES)}> [flags]\n\nsubcommands:\n{rows}\n\n"
+        "ddtree bench SUBCOMMAND --help lists a subcommand's flags and their defaults."
+    )
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

@@ -23,8 +23,12 @@ def forced_targets(tree: DraftTree, target_tokens: Tensor, lengths: Tensor) -> T
     D = tree.depth_bound
     device = tree.tokens.device
     node = torch.arange(n, device=device)
-    at_depth = tree.valid[:, :, None] & (tree.depths[:, :, None] == torch.arange(1, D + 1, device=device))
-    first = torch.where(at_depth, node[None, :, None], n).amin(1)  # [b, D]: first node of each depth, n if none
+    at_depth = tree.valid[:, :, None] & (
+        tree.depths[:, :, None] == torch.arange(1, D + 1, device=device)
+    )
+    first = torch.where(at_depth, node[None, :, None], n).amin(
+        1
+    )  # [b, D]: first node of each depth, n if none
     path = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=device), first], 1)  # [b, D+1]
     linked = (first < n) & (tree.parents.gather(1, first.clamp(max=n - 1)) == path[:, :-1])
     chain = linked.long().cumprod(1).sum(1)  # drafted nodes on the unbroken chain
@@ -32,7 +36,9 @@ def forced_targets(tree: DraftTree, target_tokens: Tensor, lengths: Tensor) -> T
     step = torch.arange(D, device=device)[None, :]
     # node path[j] (j < k) must draw the token of path[j+1]; other writes land in a spare column n
     dst = torch.where(step < k[:, None], path[:, :-1], n)
-    out = torch.cat([target_tokens.to(torch.int64), torch.zeros(b, 1, dtype=torch.int64, device=device)], 1)
+    out = torch.cat(
+        [target_tokens.to(torch.int64), torch.zeros(b, 1, dtype=torch.int64, device=device)], 1
+    )
     out = out.scatter(1, dst, tree.tokens.gather(1, first.clamp(max=n - 1)))[:, :n]
     cur = path.gather(1, k[:, None])  # [b, 1] last accepted node
     child_tok = torch.where((tree.parents == cur) & tree.valid, tree.tokens, -1)  # [b, n]

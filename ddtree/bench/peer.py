@@ -54,11 +54,15 @@ class PeerCheckoutError(RuntimeError):
 def resolve_checkout(peer_dir: str) -> str:
     """The folder holding the peer's ddtree.py, dflash.py and model/ (`peer_dir` or `peer_dir/ddtree`)."""
     for d in (peer_dir, os.path.join(peer_dir, "ddtree")):
-        if all(os.path.exists(os.path.join(d, f)) for f in ("ddtree.py", "dflash.py", "model/dflash.py")):
+        if all(
+            os.path.exists(os.path.join(d, f))
+            for f in ("ddtree.py", "dflash.py", "model/dflash.py")
+        ):
             return os.path.abspath(d)
     raise PeerCheckoutError(
         f"--peer-checkout {peer_dir!r}: no liranringel/ddtree checkout there (want ddtree.py, dflash.py and "
-        "model/dflash.py in it or in its ddtree/ folder); put the repository's files under .peer/ddtree")
+        "model/dflash.py in it or in its ddtree/ folder); put the repository's files under .peer/ddtree"
+    )
 
 
 def _stub(name: str, **attrs) -> types.ModuleType:
@@ -77,8 +81,10 @@ def load_peer(peer_dir: str) -> types.SimpleNamespace:
     if root in _LOADED:
         return _LOADED[root]
     stubs = {}
-    for name, attrs in (("loguru", {"logger": logging.getLogger("ddtree.peer")}),
-                        ("datasets", {k: _unavailable for k in ("load_dataset", "Features", "Sequence", "Value")})):
+    for name, attrs in (
+        ("loguru", {"logger": logging.getLogger("ddtree.peer")}),
+        ("datasets", {k: _unavailable for k in ("load_dataset", "Features", "Sequence", "Value")}),
+    ):
         try:
             importlib.import_module(name)
         except ImportError:
@@ -90,13 +96,21 @@ def load_peer(peer_dir: str) -> types.SimpleNamespace:
     sys.modules.update(stubs)
     sys.path.insert(0, root)
     try:
-        spec = importlib.util.spec_from_file_location("_ddtree_peer_reference", os.path.join(root, "ddtree.py"))
+        spec = importlib.util.spec_from_file_location(
+            "_ddtree_peer_reference", os.path.join(root, "ddtree.py")
+        )
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        peer = types.SimpleNamespace(ddtree=mod, dflash=sys.modules["dflash"], model=sys.modules["model"], root=root)
-    except Exception as e:  # an import error or a transformers API the peer expects and this version lacks
-        raise PeerCheckoutError(f"--peer-checkout {peer_dir!r}: importing the peer code from {root} failed: "
-                                f"{type(e).__name__}: {e}") from e
+        peer = types.SimpleNamespace(
+            ddtree=mod, dflash=sys.modules["dflash"], model=sys.modules["model"], root=root
+        )
+    except (
+        Exception
+    ) as e:  # an import error or a transformers API the peer expects and this version lacks
+        raise PeerCheckoutError(
+            f"--peer-checkout {peer_dir!r}: importing the peer code from {root} failed: "
+            f"{type(e).__name__}: {e}"
+        ) from e
     finally:
         sys.path.remove(root)
         for k in [k for k in sys.modules if k in shadowed or k.startswith("model.") or k in stubs]:
@@ -106,7 +120,9 @@ def load_peer(peer_dir: str) -> types.SimpleNamespace:
     if not _crop_takes_length():
         for m in (peer.ddtree, peer.dflash):
             m.DynamicCache = _length_crop_cache()
-        peer.adaptations.append("DynamicCache.crop(max_length) restored (this transformers takes -tokens_to_remove)")
+        peer.adaptations.append(
+            "DynamicCache.crop(max_length) restored (this transformers takes -tokens_to_remove)"
+        )
     _LOADED[root] = peer
     return peer
 
@@ -141,7 +157,9 @@ def _length_crop_cache():
 def _assign(hf: nn.Module, ours: nn.Module, device) -> nn.Module:
     """Point every parameter of the meta-built `hf` at our tensor of the same name; rebuild rotary buffers."""
     state = ours.state_dict()
-    names = [n for n, _ in hf.named_parameters(remove_duplicate=False)]  # tied heads under both names
+    names = [
+        n for n, _ in hf.named_parameters(remove_duplicate=False)
+    ]  # tied heads under both names
     missing = [n for n in names if n not in state]
     if missing:
         raise ValueError(f"peer model has parameters ours lacks: {missing[:6]}")
@@ -151,7 +169,11 @@ def _assign(hf: nn.Module, ours: nn.Module, device) -> nn.Module:
             parent = hf.get_submodule(name.rpartition(".")[0]) if "." in name else hf
             with torch.device(device):
                 setattr(parent, name.rpartition(".")[2], type(mod)(mod.config))
-    left = [n for n, t in list(hf.named_parameters(remove_duplicate=False)) + list(hf.named_buffers()) if t.is_meta]
+    left = [
+        n
+        for n, t in list(hf.named_parameters(remove_duplicate=False)) + list(hf.named_buffers())
+        if t.is_meta
+    ]
     if left:
         raise ValueError(f"peer model tensors left unassigned: {left[:6]}")
     return hf.eval()
@@ -160,12 +182,16 @@ def _assign(hf: nn.Module, ours: nn.Module, device) -> nn.Module:
 def _hf_config(raw: dict, attn: str, **extra):
     from transformers import Qwen3Config
 
-    cfg = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "auto_map")}, **extra)
+    cfg = Qwen3Config(
+        **{k: v for k, v in raw.items() if k not in ("architectures", "auto_map")}, **extra
+    )
     cfg._attn_implementation = attn
     return cfg
 
 
-def build_peer_models(peer, target: nn.Module, drafter: nn.Module, device, draft_attn: str = "sdpa"):
+def build_peer_models(
+    peer, target: nn.Module, drafter: nn.Module, device, draft_attn: str = "sdpa"
+):
     """(HF Qwen3ForCausalLM, peer DFlashDraftModel) sharing `target`'s and `drafter`'s tensors."""
     from transformers import Qwen3ForCausalLM as HFQwen3
 
@@ -173,8 +199,11 @@ def build_peer_models(peer, target: nn.Module, drafter: nn.Module, device, draft
     if getattr(tcfg, "is_hybrid", False):
         raise ValueError("the peer code runs dense Qwen3 targets only")
     draw = dict(dcfg.raw)
-    draw["dflash_config"] = {**(draw.get("dflash_config") or {}), "mask_token_id": dcfg.mask_token_id,
-                             "target_layer_ids": list(dcfg.target_layer_ids)}
+    draw["dflash_config"] = {
+        **(draw.get("dflash_config") or {}),
+        "mask_token_id": dcfg.mask_token_id,
+        "target_layer_ids": list(dcfg.target_layer_ids),
+    }
     draw["block_size"] = dcfg.block_size
     draw["num_target_layers"] = tcfg.num_hidden_layers
     with torch.device("meta"):
@@ -193,9 +222,22 @@ def _host_time() -> float:
     return time.perf_counter()
 
 
-def peer_round_ms(peer_dir: str, target_model: nn.Module, drafter_model: nn.Module, context_len: int, budget: int,
-                  rounds: int, device, *, algorithm: str = "DDTREE", warmup: int = 3, seed: int = 0,
-                  draft_attn: str = "auto", cpp_compact: bool | None = None, models=None) -> dict:
+def peer_round_ms(
+    peer_dir: str,
+    target_model: nn.Module,
+    drafter_model: nn.Module,
+    context_len: int,
+    budget: int,
+    rounds: int,
+    device,
+    *,
+    algorithm: str = "DDTREE",
+    warmup: int = 3,
+    seed: int = 0,
+    draft_attn: str = "auto",
+    cpp_compact: bool | None = None,
+    models=None,
+) -> dict:
     """Per-round time of the peer's own decode loop on our weights (see the module docstring).
 
     draft_attn "auto" is flash_attention_2 (the paper's drafter setting) where flash_attn imports on CUDA, else
@@ -206,10 +248,14 @@ def peer_round_ms(peer_dir: str, target_model: nn.Module, drafter_model: nn.Modu
     peer = load_peer(peer_dir)
     cuda = device.type == "cuda"
     if draft_attn == "auto":
-        draft_attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
+        draft_attn = (
+            "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
+        )
     if cpp_compact is None:
         cpp_compact = cuda
-    hf_target, hf_drafter = models or build_peer_models(peer, target_model, drafter_model, device, draft_attn)
+    hf_target, hf_drafter = models or build_peer_models(
+        peer, target_model, drafter_model, device, draft_attn
+    )
     dcfg = drafter_model.config
     mods = (peer.ddtree, peer.dflash)
     saved_clock = [m.cuda_time for m in mods]
@@ -218,19 +264,32 @@ def peer_round_ms(peer_dir: str, target_model: nn.Module, drafter_model: nn.Modu
             m.cuda_time = _host_time
     try:
         with torch.cuda.device(device) if cuda else contextlib.nullcontext():
-            peer.ddtree.maybe_enable_cpp_compact(cpp_compact)  # builds the extension once (or warns, falls back)
+            peer.ddtree.maybe_enable_cpp_compact(
+                cpp_compact
+            )  # builds the extension once (or warns, falls back)
             cpp_compact = cpp_compact and peer.ddtree.load_cpp_compact_module() is not None
-            ids = random_prompt(target_model.config.vocab_size, context_len, dcfg.mask_token_id, seed).to(device)
+            ids = random_prompt(
+                target_model.config.vocab_size, context_len, dcfg.mask_token_id, seed
+            ).to(device)
 
             def call(new_tokens: int):
-                kw = {"model": hf_drafter, "target": hf_target, "input_ids": ids, "mask_token_id": dcfg.mask_token_id,
-                      "max_new_tokens": new_tokens, "block_size": dcfg.block_size, "stop_token_ids": None,
-                      "temperature": 0.0}
+                kw = {
+                    "model": hf_drafter,
+                    "target": hf_target,
+                    "input_ids": ids,
+                    "mask_token_id": dcfg.mask_token_id,
+                    "max_new_tokens": new_tokens,
+                    "block_size": dcfg.block_size,
+                    "stop_token_ids": None,
+                    "temperature": 0.0,
+                }
                 if algorithm == "DFLASH":
                     return peer.dflash.dflash_generate(**kw)
                 return peer.ddtree.ddtree_generate(**kw, tree_budget=budget)
 
-            with warnings.catch_warnings():  # transformers' deprecation notes about the peer's kwargs
+            with (
+                warnings.catch_warnings()
+            ):  # transformers' deprecation notes about the peer's kwargs
                 warnings.simplefilter("ignore", FutureWarning)
                 if warmup:
                     call(warmup + 1)
@@ -245,19 +304,30 @@ def peer_round_ms(peer_dir: str, target_model: nn.Module, drafter_model: nn.Modu
     n = res.decode_rounds
     stages = {k: v * 1e3 / max(n - (k == "draft"), 1) for k, v in res.stage_times.items()}
     return {
-        "algorithm": algorithm, "budget": budget if algorithm == "DDTREE" else None, "context": context_len,
-        "rounds": len(per), "ms": statistics.median(per), "ms_mean": statistics.fmean(per),
-        "ms_p10": percentile(per, 0.1), "ms_p90": percentile(per, 0.9),
-        "emitted_mean": statistics.fmean(res.acceptance_lengths), "stages_ms": stages,
-        "output_ids": res.output_ids[0, res.num_input_tokens:].tolist(),
-        "target_attn": "sdpa", "draft_attn": draft_attn, "cpp_compact": bool(cpp_compact),
+        "algorithm": algorithm,
+        "budget": budget if algorithm == "DDTREE" else None,
+        "context": context_len,
+        "rounds": len(per),
+        "ms": statistics.median(per),
+        "ms_mean": statistics.fmean(per),
+        "ms_p10": percentile(per, 0.1),
+        "ms_p90": percentile(per, 0.9),
+        "emitted_mean": statistics.fmean(res.acceptance_lengths),
+        "stages_ms": stages,
+        "output_ids": res.output_ids[0, res.num_input_tokens :].tolist(),
+        "target_attn": "sdpa",
+        "draft_attn": draft_attn,
+        "cpp_compact": bool(cpp_compact),
         "peer": {"path": peer.root, "commit": _commit(peer.root), "adaptations": peer.adaptations},
     }
 
 
 def _commit(root: str) -> str | None:
     """The peer commit recorded in `.peer/SOURCES.txt` (written when the checkout was made), if any."""
-    for path in (os.path.join(root, "SOURCES.txt"), os.path.join(os.path.dirname(root), "SOURCES.txt")):
+    for path in (
+        os.path.join(root, "SOURCES.txt"),
+        os.path.join(os.path.dirname(root), "SOURCES.txt"),
+    ):
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 for line in f:

@@ -23,12 +23,21 @@ def tau_vs_budget(rows: list[dict], path: str) -> None:
             groups[(r["temperature"], r["shadow_linear"])].append((r["budget"], r["tau"]))
     for (temp, shadow), pts in sorted(groups.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                label=f"DDTREE T={temp}{' shadow' if shadow else ''}")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="o",
+            label=f"DDTREE T={temp}{' shadow' if shadow else ''}",
+        )
     dflash = [r for r in rows if r["algorithm"] == "DFLASH"]
     for i, r in enumerate(dflash):
-        ax.axhline(r["tau"], linestyle="--", linewidth=1, color=f"C{len(groups) + i}",
-                   label=f"DFLASH T={r['temperature']}")
+        ax.axhline(
+            r["tau"],
+            linestyle="--",
+            linewidth=1,
+            color=f"C{len(groups) + i}",
+            label=f"DFLASH T={r['temperature']}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("budget B (tree nodes, root excluded)")
     ax.set_ylabel("mean accepted length τ (tokens/round)")
@@ -58,8 +67,11 @@ def accept_histograms(hists: dict[str, list[int]], path: str) -> None:
 def round_costs(rows: list[dict], floor_ms: float, phases: tuple[str, ...], path: str) -> None:
     """Per-round time of each benchmark row as stacked stage bars (ms), with the memory floor marked."""
     plt = _plt()
-    labels = [f"{r['config']} b{r['batch']} ctx{r['context']}"
-              + (f" acc={r['forced_accept']}" if r.get("forced_accept") is not None else "") for r in rows]
+    labels = [
+        f"{r['config']} b{r['batch']} ctx{r['context']}"
+        + (f" acc={r['forced_accept']}" if r.get("forced_accept") is not None else "")
+        for r in rows
+    ]
     fig, ax = plt.subplots(figsize=(8, 0.28 * len(rows) + 1.2))
     left = [0.0] * len(rows)
     for i, p in enumerate(phases):

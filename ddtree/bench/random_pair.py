@@ -16,28 +16,64 @@ from ddtree.train.lm import qwen3_config
 
 INIT_STD = 0.02
 # Qwen3-8B: 36 layers, hidden 4096, GQA 32/8, head dim 128, MLP 12288, vocab 151936; drafter 5 layers.
-QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "num_layers": 36, "num_heads": 32, "num_kv_heads": 8,
-            "head_dim": 128, "intermediate_size": 12288, "max_position_embeddings": 40960, "rope_theta": 1e6}
-SMOKE = {"vocab_size": 512, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-         "intermediate_size": 192, "max_position_embeddings": 4096, "rope_theta": 1e6}
+QWEN3_8B = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "num_layers": 36,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1e6,
+}
+SMOKE = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 192,
+    "max_position_embeddings": 4096,
+    "rope_theta": 1e6,
+}
 
 
 # A tiny hybrid (3 Gated DeltaNet + 1 gated attention layers) for `bench rounds --smoke`.
 SMOKE_HYBRID = {
-    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 512,
-    "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "intermediate_size": 192, "full_attention_interval": 4,
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 192,
+    "full_attention_interval": 4,
     "partial_rotary_factor": 0.25,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "attn_output_gate": True,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "attn_output_gate": True,
     "max_position_embeddings": 4096,
 }
-DRAFTER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                "layer_types", "sliding_window")
+DRAFTER_KEYS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "layer_types",
+    "sliding_window",
+)
 
 
-def shape_configs(shape: str, drafter_layers: int | None, block_size: int, dtype: str,
-                  smoke: bool = False) -> tuple[TargetConfig, DrafterConfig]:
+def shape_configs(
+    shape: str, drafter_layers: int | None, block_size: int, dtype: str, smoke: bool = False
+) -> tuple[TargetConfig, DrafterConfig]:
     """Configs of a `ddtree inflate --shape` (qwen3-8b, qwen3.6-27b or a config.json), dense or
     hybrid, with that shape's drafter (layers, heads, sliding windows); `smoke` swaps a hybrid shape
     for SMOKE_HYBRID."""
@@ -57,14 +93,21 @@ def shape_configs(shape: str, drafter_layers: int | None, block_size: int, dtype
     return tcfg, DrafterConfig.from_dict(dd)
 
 
-def pair_configs(shape: dict, drafter_layers: int, block_size: int, dtype: str) -> tuple[TargetConfig, DrafterConfig]:
+def pair_configs(
+    shape: dict, drafter_layers: int, block_size: int, dtype: str
+) -> tuple[TargetConfig, DrafterConfig]:
     """Target config of `shape`; drafter with z-lab tap spacing (`default_target_layer_ids`) and a MASK that is
     a real embedding row (the last one)."""
     shape = dict(shape)
     vocab = shape.pop("vocab_size")
-    tcfg = TargetConfig.from_dict(qwen3_config(vocab, mask_token_id=vocab - 1, torch_dtype=dtype, **shape))
-    dcfg = DrafterConfig.from_dict(drafter_config_for(tcfg, num_layers=drafter_layers, block_size=block_size,
-                                                      torch_dtype=dtype))
+    tcfg = TargetConfig.from_dict(
+        qwen3_config(vocab, mask_token_id=vocab - 1, torch_dtype=dtype, **shape)
+    )
+    dcfg = DrafterConfig.from_dict(
+        drafter_config_for(
+            tcfg, num_layers=drafter_layers, block_size=block_size, torch_dtype=dtype
+        )
+    )
     return tcfg, dcfg
 
 
@@ -97,7 +140,9 @@ def read_bytes(target: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for name, p in target.named_parameters(remove_duplicate=False):
-        if id(p) in seen or (name.startswith("model.embed_tokens") and p is not target.lm_head.weight):
+        if id(p) in seen or (
+            name.startswith("model.embed_tokens") and p is not target.lm_head.weight
+        ):
             continue
         seen.add(id(p))
         total += p.numel() * p.element_size()
@@ -106,8 +151,10 @@ def read_bytes(target: nn.Module) -> int:
 
 def drafter_read_bytes(drafter: nn.Module, target: nn.Module) -> int:
     """Bytes a draft step reads: the drafter's weights plus the target LM head it borrows."""
-    return sum(p.numel() * p.element_size() for p in drafter.parameters()) + \
-        target.lm_head.weight.numel() * target.lm_head.weight.element_size()
+    return (
+        sum(p.numel() * p.element_size() for p in drafter.parameters())
+        + target.lm_head.weight.numel() * target.lm_head.weight.element_size()
+    )
 
 
 def embedding_bytes(target: nn.Module) -> int:

@@ -80,5 +80,10 @@ def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> dict:
         ts.append(clock.ms(a, b) / 1e3)
     t = statistics.median(ts)
     del src, dst
-    return {"copy_bytes": nbytes, "reps": reps, "copy_ms": t * 1e3, "bandwidth_Bps": 2 * nbytes / t,
-            "convention": "bandwidth = 2 * copied bytes / median copy time (read + write)"}
+    return {
+        "copy_bytes": nbytes,
+        "reps": reps,
+        "copy_ms": t * 1e3,
+        "bandwidth_Bps": 2 * nbytes / t,
+        "convention": "bandwidth = 2 * copied bytes / median copy time (read + write)",
+    }

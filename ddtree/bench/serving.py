@@ -19,12 +19,30 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-SYNTHETIC_TOPICS = ("a stack", "a queue", "binary search", "merge sort", "a linked list", "an LRU cache",
-                    "matrix multiplication", "a trie", "Dijkstra's algorithm", "a rate limiter", "JSON parsing",
-                    "a thread pool", "run-length encoding", "the Fibonacci numbers", "a bloom filter", "a heap")
-SYNTHETIC_TEMPLATES = ("Write a Python function that implements {t}.", "Explain how {t} works, step by step.",
-                       "def {f}():\n    \"\"\"Implementation of {t}.\"\"\"\n",
-                       "List three common bugs in code for {t}.")
+SYNTHETIC_TOPICS = (
+    "a stack",
+    "a queue",
+    "binary search",
+    "merge sort",
+    "a linked list",
+    "an LRU cache",
+    "matrix multiplication",
+    "a trie",
+    "Dijkstra's algorithm",
+    "a rate limiter",
+    "JSON parsing",
+    "a thread pool",
+    "run-length encoding",
+    "the Fibonacci numbers",
+    "a bloom filter",
+    "a heap",
+)
+SYNTHETIC_TEMPLATES = (
+    "Write a Python function that implements {t}.",
+    "Explain how {t} works, step by step.",
+    'def {f}():\n    """Implementation of {t}."""\n',
+    "List three common bugs in code for {t}.",
+)
 
 
 @dataclass
@@ -52,7 +70,9 @@ def synthetic_items(n: int, seed: int) -> list[Item]:
     for i in range(n):
         topic = SYNTHETIC_TOPICS[i % len(SYNTHETIC_TOPICS)]
         template = rng.choice(SYNTHETIC_TEMPLATES)
-        out.append(Item(prompt=template.format(t=topic, f="_".join(topic.split()[-2:]).replace("'", ""))))
+        out.append(
+            Item(prompt=template.format(t=topic, f="_".join(topic.split()[-2:]).replace("'", "")))
+        )
     return out
 
 
@@ -67,13 +87,21 @@ def jsonl_items(path: str) -> list[Item]:
             prompt = row.get("prompt", row.get("text"))
             if prompt is None and "messages" not in row:
                 raise ValueError(f"{path}:{n}: needs a 'prompt' (or 'text') or 'messages' field")
-            items.append(Item(prompt=prompt, messages=row.get("messages"), max_tokens=row.get("max_tokens")))
+            items.append(
+                Item(prompt=prompt, messages=row.get("messages"), max_tokens=row.get("max_tokens"))
+            )
     return items
 
 
 async def one_request(client, model: str, item: Item, ns) -> Result:
-    kw = dict(model=model, max_tokens=item.max_tokens or ns.max_tokens, temperature=ns.temperature, stream=True,
-              stream_options={"include_usage": True}, extra_body={"ignore_eos": True} if ns.ignore_eos else None)
+    kw = dict(
+        model=model,
+        max_tokens=item.max_tokens or ns.max_tokens,
+        temperature=ns.temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True} if ns.ignore_eos else None,
+    )
     chat = item.messages is not None or (ns.chat and isinstance(item.prompt, str))
     t0 = time.perf_counter()
     res = Result(ok=False)
@@ -86,13 +114,19 @@ async def one_request(client, model: str, item: Item, ns) -> Result:
         async for chunk in stream:
             if chunk.choices and not res.ttft:
                 c = chunk.choices[0]
-                if (c.delta.content if chat else c.text):
+                if c.delta.content if chat else c.text:
                     res.ttft = time.perf_counter() - t0
             if chunk.usage is not None:
-                res.completion_tokens, res.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+                res.completion_tokens, res.prompt_tokens = (
+                    chunk.usage.completion_tokens,
+                    chunk.usage.prompt_tokens,
+                )
             ext = (chunk.model_extra or {}).get("ddtree")
             if ext:
-                res.rounds, res.mean_accept_length = ext.get("rounds", 0), ext.get("mean_accept_length", 0.0)
+                res.rounds, res.mean_accept_length = (
+                    ext.get("rounds", 0),
+                    ext.get("mean_accept_length", 0.0),
+                )
         res.latency = time.perf_counter() - t0
         res.ttft = res.ttft or res.latency
         res.ok = True
@@ -107,8 +141,12 @@ def summary(values: list[float], scale: float = 1000.0) -> dict:
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     a = np.asarray(values) * scale
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99))}
+    return {
+        "mean": float(a.mean()),
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+    }
 
 
 async def run_level(client, model: str, items: list[Item], concurrency: int, ns) -> dict:
@@ -132,14 +170,22 @@ async def run_level(client, model: str, items: list[Item], concurrency: int, ns)
     rounds = sum(r.rounds for r in ok)
     tpot = [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
     return {
-        "concurrency": concurrency, "request_rate": ns.request_rate, "completed": len(ok),
-        "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration, "request_throughput": len(ok) / duration,
+        "concurrency": concurrency,
+        "request_rate": ns.request_rate,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
-        "total_output_tokens": out_tokens, "ttft_ms": summary([r.ttft for r in ok]), "tpot_ms": summary(tpot),
+        "total_output_tokens": out_tokens,
+        "ttft_ms": summary([r.ttft for r in ok]),
+        "tpot_ms": summary(tpot),
         "e2e_latency_ms": summary([r.latency for r in ok]),
-        "mean_accept_length": sum(r.mean_accept_length * r.rounds for r in ok) / rounds if rounds else 0.0,
+        "mean_accept_length": sum(r.mean_accept_length * r.rounds for r in ok) / rounds
+        if rounds
+        else 0.0,
         "requests": [asdict(r) for r in results] if ns.save_requests else None,
     }
 
@@ -149,8 +195,13 @@ async def run(ns, items: list[Item]) -> dict:
     from openai import AsyncOpenAI
 
     limits = httpx.Limits(max_connections=max(ns.concurrency) + 8)
-    client = AsyncOpenAI(base_url=ns.base_url.rstrip("/") + "/v1", api_key=ns.api_key or "none", max_retries=0,
-                         timeout=ns.timeout, http_client=httpx.AsyncClient(limits=limits, timeout=ns.timeout))
+    client = AsyncOpenAI(
+        base_url=ns.base_url.rstrip("/") + "/v1",
+        api_key=ns.api_key or "none",
+        max_retries=0,
+        timeout=ns.timeout,
+        http_client=httpx.AsyncClient(limits=limits, timeout=ns.timeout),
+    )
     try:
         model = ns.model or (await client.models.list()).data[0].id
         if ns.warmup:
@@ -158,8 +209,15 @@ async def run(ns, items: list[Item]) -> dict:
         levels = [await run_level(client, model, items, c, ns) for c in ns.concurrency]
     finally:
         await client.close()
-    return {"base_url": ns.base_url, "model": model, "num_prompts": len(items), "max_tokens": ns.max_tokens,
-            "temperature": ns.temperature, "dataset": ns.dataset_path or "synthetic", "results": levels}
+    return {
+        "base_url": ns.base_url,
+        "model": model,
+        "num_prompts": len(items),
+        "max_tokens": ns.max_tokens,
+        "temperature": ns.temperature,
+        "dataset": ns.dataset_path or "synthetic",
+        "results": levels,
+    }
 
 
 def plot(report: dict, path: str) -> None:
@@ -177,7 +235,9 @@ def plot(report: dict, path: str) -> None:
     axes[1].set(xlabel="concurrency", ylabel="tokens per round", title="mean accepted length")
     for key, style in (("ttft_ms", "o-"), ("tpot_ms", "s--")):
         axes[2].plot(xs, [r[key]["p50"] for r in levels], style, label=f"{key[:4].upper()} p50")
-        axes[2].plot(xs, [r[key]["p99"] for r in levels], style, alpha=0.5, label=f"{key[:4].upper()} p99")
+        axes[2].plot(
+            xs, [r[key]["p99"] for r in levels], style, alpha=0.5, label=f"{key[:4].upper()} p99"
+        )
     axes[2].set(xlabel="concurrency", ylabel="ms", title="latency", yscale="log")
     axes[2].legend()
     for ax in axes:
@@ -203,11 +263,15 @@ def finite(obj):
 
 # (header, unit, row key, percentile or None, decimals); every column is 11 wide after a space
 TABLE_COLUMNS = (
-    ("conc", "requests", "concurrency", None, 0), ("ok", "requests", "completed", None, 0),
-    ("fail", "requests", "failed", None, 0), ("req/s", "req/s", "request_throughput", None, 2),
+    ("conc", "requests", "concurrency", None, 0),
+    ("ok", "requests", "completed", None, 0),
+    ("fail", "requests", "failed", None, 0),
+    ("req/s", "req/s", "request_throughput", None, 2),
     ("out tok/s", "tok/s", "output_throughput", None, 1),
-    ("TTFT p50", "ms", "ttft_ms", "p50", 1), ("TTFT p99", "ms", "ttft_ms", "p99", 1),
-    ("TPOT p50", "ms", "tpot_ms", "p50", 2), ("TPOT p99", "ms", "tpot_ms", "p99", 2),
+    ("TTFT p50", "ms", "ttft_ms", "p50", 1),
+    ("TTFT p99", "ms", "ttft_ms", "p99", 1),
+    ("TPOT p50", "ms", "tpot_ms", "p50", 2),
+    ("TPOT p99", "ms", "tpot_ms", "p99", 2),
     ("E2E p50", "ms", "e2e_latency_ms", "p50", 1),
     ("accept", "tok/round", "mean_accept_length", None, 2),
 )
@@ -215,11 +279,14 @@ TABLE_COLUMNS = (
 
 def format_table(levels: list[dict]) -> str:
     """One row per concurrency level under a header and a line of units."""
-    lines = ["".join(f" {h:>11}" for h, *_ in TABLE_COLUMNS),
-             "".join(f" {'(' + unit + ')':>11}" for _, unit, *_ in TABLE_COLUMNS)]
+    lines = [
+        "".join(f" {h:>11}" for h, *_ in TABLE_COLUMNS),
+        "".join(f" {'(' + unit + ')':>11}" for _, unit, *_ in TABLE_COLUMNS),
+    ]
     for r in levels:
-        values = [(r[key][pct] if pct else r[key], digits)
-                  for _, _, key, pct, digits in TABLE_COLUMNS]
+        values = [
+            (r[key][pct] if pct else r[key], digits) for _, _, key, pct, digits in TABLE_COLUMNS
+        ]
         lines.append("".join(f" {'-':>11}" if v is None else f" {v:>11.{d}f}" for v, d in values))
     return "\n".join(lines)
 
@@ -227,36 +294,65 @@ def format_table(levels: list[dict]) -> str:
 def make_parser() -> argparse.ArgumentParser:
     from ddtree.bench.cli import DefaultsFormatter
 
-    p = argparse.ArgumentParser(prog="ddtree bench serving", description=__doc__.split("\n\n")[0],
-                                formatter_class=DefaultsFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root URL (without /v1)")
+    p = argparse.ArgumentParser(
+        prog="ddtree bench serving",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=DefaultsFormatter,
+    )
+    p.add_argument(
+        "--base-url", default="http://127.0.0.1:30000", help="server root URL (without /v1)"
+    )
     p.add_argument("--model", help="model name; default: the first one /v1/models lists")
     p.add_argument("--api-key", help="bearer token the server requires (default: none)")
-    p.add_argument("--dataset-path", help='JSONL prompt set ({"prompt"} or {"messages"} per line); '
-                                          "default: the built-in synthetic set")
-    p.add_argument("--num-prompts", type=int, default=64, help="prompts per level (the set is cycled)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="one or more levels")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals per second; inf = all at once")
+    p.add_argument(
+        "--dataset-path",
+        help='JSONL prompt set ({"prompt"} or {"messages"} per line); '
+        "default: the built-in synthetic set",
+    )
+    p.add_argument(
+        "--num-prompts", type=int, default=64, help="prompts per level (the set is cycled)"
+    )
+    p.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 4, 16], help="one or more levels"
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second; inf = all at once",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="max new tokens per request")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
-    p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (ddtree extension)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="generate exactly max_tokens (ddtree extension)"
+    )
     p.add_argument("--chat", action="store_true", help="send text prompts to /v1/chat/completions")
     p.add_argument("--warmup", type=int, default=1, help="requests sent once before measuring")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic set and the arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
-    p.add_argument("--output", default="bench_serving.json", help="JSON report; the PNG goes next to it")
-    p.add_argument("--save-requests", action="store_true", help="keep per-request timings in the JSON")
+    p.add_argument(
+        "--output", default="bench_serving.json", help="JSON report; the PNG goes next to it"
+    )
+    p.add_argument(
+        "--save-requests", action="store_true", help="keep per-request timings in the JSON"
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = make_parser().parse_args(argv)
     if any(c < 1 for c in ns.concurrency) or ns.num_prompts < 1 or ns.request_rate <= 0:
-        print("error: --concurrency, --num-prompts and --request-rate must be positive", file=sys.stderr)
+        print(
+            "error: --concurrency, --num-prompts and --request-rate must be positive",
+            file=sys.stderr,
+        )
         return 2
     try:
-        base = jsonl_items(ns.dataset_path) if ns.dataset_path else synthetic_items(ns.num_prompts, ns.seed)
+        base = (
+            jsonl_items(ns.dataset_path)
+            if ns.dataset_path
+            else synthetic_items(ns.num_prompts, ns.seed)
+        )
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

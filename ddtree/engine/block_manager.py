@@ -14,14 +14,18 @@ from ddtree.engine.request import Req
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, max_reqs: int, max_pages_per_req: int, device):
+    def __init__(
+        self, num_pages: int, page_size: int, max_reqs: int, max_pages_per_req: int, device
+    ):
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_pages_per_req = max_pages_per_req
         self.free_pages: deque[int] = deque(range(num_pages))
         self.free_slots: deque[int] = deque(range(max_reqs))
         self.pages: dict[int, list[int]] = {}
-        self.block_table = torch.zeros(max_reqs, max_pages_per_req, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(
+            max_reqs, max_pages_per_req, dtype=torch.int64, device=device
+        )
 
     @property
     def num_free_pages(self) -> int:
@@ -55,7 +59,9 @@ class BlockManager:
         owned = self.pages[req.slot]
         new = [self.free_pages.popleft() for _ in range(self.extra_pages(req, num_tokens))]
         if new:
-            self.block_table[req.slot, len(owned) : len(owned) + len(new)] = torch.tensor(new, dtype=torch.int64)
+            self.block_table[req.slot, len(owned) : len(owned) + len(new)] = torch.tensor(
+                new, dtype=torch.int64
+            )
             owned.extend(new)
 
     def trim(self, req: Req, num_tokens: int) -> None:

@@ -106,8 +106,10 @@ def _draft_capturable(runner) -> str | None:
     if any(d.config.layer_window(i) is not None for i in range(d.config.num_hidden_layers)):
         # sliding-window layers use the torch reference: a host loop over ctx_lens with per-request
         # gathers whose shapes are the live context lengths, baked in at capture
-        return ("the drafter has sliding-window layers (torch reference attention: data-dependent "
-                "shapes)")
+        return (
+            "the drafter has sliding-window layers (torch reference attention: data-dependent "
+            "shapes)"
+        )
     if not _kernel_head_dim(d.config.head_dim):
         return f"the drafter head dim {d.config.head_dim} runs the torch reference"
     return None

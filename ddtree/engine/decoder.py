@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.engine.config import SpecConfig
 from ddtree.engine import logprobs
+from ddtree.engine.config import SpecConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
 from ddtree.engine.sampler import sample_nodes
@@ -47,7 +47,13 @@ TargetOverride = Callable[[DraftTree, torch.Tensor], torch.Tensor]
 
 
 class SpecDecoder:
-    def __init__(self, runner: ModelRunner, cfg: SpecConfig, times=None, target_override: TargetOverride | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cfg: SpecConfig,
+        times=None,
+        target_override: TargetOverride | None = None,
+    ):
         """`times`: a phase timer with PhaseTimes' `start()` / `add(name, t0)` (default: the host clock)."""
         self.runner, self.cfg = runner, cfg
         self.times = times if times is not None else PhaseTimes()
@@ -59,14 +65,23 @@ class SpecDecoder:
         """Per-request depth limit so a tree never runs past the context length or the token budget (None when
         every request may use the full depth)."""
         depth = self.cfg.block_size - 1
-        lim = [max(0, min(depth, max_context - r.kv_len - 1, r.params.max_tokens - r.num_output_tokens - 1))
-               for r in reqs]
+        lim = [
+            max(
+                0,
+                min(
+                    depth, max_context - r.kv_len - 1, r.params.max_tokens - r.num_output_tokens - 1
+                ),
+            )
+            for r in reqs
+        ]
         return None if all(x == depth for x in lim) else lim
 
     def round(self, reqs: list[Req], max_context: int) -> list[list[int]]:
         """Run one round; returns the tokens each request emits (accepted drafts then the bonus token)."""
         runner, cfg, t = self.runner, self.cfg, self.times.start()
-        roots = runner.round_meta(reqs).roots  # one host->device copy with the round's lengths and slots
+        roots = runner.round_meta(
+            reqs
+        ).roots  # one host->device copy with the round's lengths and slots
         if cfg.algorithm == "NONE":
             return self._ar_round(reqs, roots, t)
         limits = self.depth_limits(reqs, max_context)
@@ -74,7 +89,11 @@ class SpecDecoder:
         draft_logits, tree = runner.draft_tree(reqs, roots, cfg.block_size, limits)
         t = self.times.add("draft", t)
         if tree is None or (budgets is not None and cfg.algorithm == "DDTREE"):
-            max_depth = None if limits is None else torch.tensor(limits, dtype=torch.int64, device=runner.device)
+            max_depth = (
+                None
+                if limits is None
+                else torch.tensor(limits, dtype=torch.int64, device=runner.device)
+            )
             if cfg.algorithm == "DFLASH":
                 tree = build_chain(roots, draft_logits, max_depth=max_depth)
             else:
@@ -83,10 +102,16 @@ class SpecDecoder:
         vo = runner.verify_nodes(reqs, tree)
         t = self.times.add("verify", t)
         params = [r.params for r in reqs]
-        if vo.greedy_accept is not None and self.target_override is None and all(p.greedy for p in params):
+        if (
+            vo.greedy_accept is not None
+            and self.target_override is None
+            and all(p.greedy for p in params)
+        ):
             res = vo.greedy_accept  # walked inside the verify graph
         else:
-            target_tokens = sample_nodes(vo.logits, params, [r.generator for r in reqs], vo.greedy_tokens)
+            target_tokens = sample_nodes(
+                vo.logits, params, [r.generator for r in reqs], vo.greedy_tokens
+            )
             if self.target_override is not None:
                 target_tokens = self.target_override(tree, target_tokens)
             res = accept_tree(tree, target_tokens)
@@ -97,7 +122,9 @@ class SpecDecoder:
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
         host, lp_rows = logprobs.read_back(reqs, out, lp)  # the round's one device->host copy
         self.times.add("commit", t)
-        runner.advance(reqs, [row[0] for row in host])  # root + (k - 1) accepted drafts; the bonus is pending
+        runner.advance(
+            reqs, [row[0] for row in host]
+        )  # root + (k - 1) accepted drafts; the bonus is pending
         emitted = [row[1 : 1 + row[0]] for row in host]
         for r, lp_row, toks in zip(reqs, lp_rows, emitted):
             logprobs.append(r, lp_row, toks)
@@ -109,18 +136,35 @@ class SpecDecoder:
         budgets = [min(r.params.ddtree_budget or full, full) for r in reqs]
         return None if all(b == full for b in budgets) else budgets
 
-    def _build_trees(self, reqs, roots, draft_logits, max_depth, budgets: list[int] | None) -> DraftTree:
+    def _build_trees(
+        self, reqs, roots, draft_logits, max_depth, budgets: list[int] | None
+    ) -> DraftTree:
         """One tree per request; requests asking for a smaller budget get their own build, padded with inert
         nodes to the server's width so the batch verifies in one forward."""
         cfg = self.cfg
         if budgets is None:
-            return build_tree(roots, draft_logits, cfg.budget, cfg.topk_cap, cfg.shadow_linear, max_depth=max_depth)
+            return build_tree(
+                roots,
+                draft_logits,
+                cfg.budget,
+                cfg.topk_cap,
+                cfg.shadow_linear,
+                max_depth=max_depth,
+            )
         parts = []
         for budget in sorted(set(budgets)):
-            rows = torch.tensor([i for i, b in enumerate(budgets) if b == budget], device=roots.device)
+            rows = torch.tensor(
+                [i for i, b in enumerate(budgets) if b == budget], device=roots.device
+            )
             depth = None if max_depth is None else max_depth[rows]
-            tree = build_tree(roots[rows], draft_logits[rows], budget, min(cfg.topk_cap, budget), cfg.shadow_linear,
-                              max_depth=depth)
+            tree = build_tree(
+                roots[rows],
+                draft_logits[rows],
+                budget,
+                min(cfg.topk_cap, budget),
+                cfg.shadow_linear,
+                max_depth=depth,
+            )
             parts.append((rows, pad_tree(tree, cfg.budget + 1)))
         return merge_trees(parts, len(reqs))
 
@@ -135,7 +179,9 @@ class SpecDecoder:
         t = self.times.add("accept", t)
         zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
         lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)
-        runner.commit(reqs, zeros[:, None], zeros, None)  # no KV moves; commits hybrid state of the root
+        runner.commit(
+            reqs, zeros[:, None], zeros, None
+        )  # no KV moves; commits hybrid state of the root
         host, lp_rows = logprobs.read_back(reqs, tokens, lp)
         self.times.add("commit", t)
         runner.advance(reqs, [n] * len(reqs))
@@ -157,16 +203,30 @@ def pad_tree(tree: DraftTree, n: int) -> DraftTree:
 
     mask = torch.eye(n, dtype=torch.bool, device=dev).repeat(b, 1, 1)
     mask[:, :m, :m] = tree.tree_mask
-    return DraftTree(widen(tree.tokens, 0), widen(tree.parents, -1), widen(tree.depths, 0), widen(tree.valid, False),
-                     mask, tree.num_depths)
+    return DraftTree(
+        widen(tree.tokens, 0),
+        widen(tree.parents, -1),
+        widen(tree.depths, 0),
+        widen(tree.valid, False),
+        mask,
+        tree.num_depths,
+    )
 
 
 def merge_trees(parts: list[tuple[torch.Tensor, DraftTree]], b: int) -> DraftTree:
     """Scatter same-width trees of request subsets (rows) back into one batch in request order."""
     first = parts[0][1]
-    out = DraftTree(*(torch.empty((b, *getattr(first, f).shape[1:]), dtype=getattr(first, f).dtype,
-                                  device=first.tokens.device)
-                      for f in ("tokens", "parents", "depths", "valid", "tree_mask")), first.num_depths)
+    out = DraftTree(
+        *(
+            torch.empty(
+                (b, *getattr(first, f).shape[1:]),
+                dtype=getattr(first, f).dtype,
+                device=first.tokens.device,
+            )
+            for f in ("tokens", "parents", "depths", "valid", "tree_mask")
+        ),
+        first.num_depths,
+    )
     for rows, tree in parts:
         for f in ("tokens", "parents", "depths", "valid", "tree_mask"):
             getattr(out, f)[rows] = getattr(tree, f)
@@ -177,7 +237,10 @@ def _root_only(roots: torch.Tensor) -> DraftTree:
     b = roots.shape[0]
     dev = roots.device
     return DraftTree(
-        tokens=roots[:, None], parents=torch.full((b, 1), -1, dtype=torch.int64, device=dev),
-        depths=torch.zeros(b, 1, dtype=torch.int64, device=dev), valid=torch.ones(b, 1, dtype=torch.bool, device=dev),
-        tree_mask=torch.ones(b, 1, 1, dtype=torch.bool, device=dev), num_depths=0,
+        tokens=roots[:, None],
+        parents=torch.full((b, 1), -1, dtype=torch.int64, device=dev),
+        depths=torch.zeros(b, 1, dtype=torch.int64, device=dev),
+        valid=torch.ones(b, 1, dtype=torch.bool, device=dev),
+        tree_mask=torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
+        num_depths=0,
     )

@@ -62,7 +62,8 @@ class StopMatcher:
         for k in range(min(self.max_len - 1, len(text)), 0, -1):
             tail = text[-k:]
             if hash(tail) in self.prefix_hashes and any(
-                    len(s) > k and s.startswith(tail) for s in self.stops):
+                len(s) > k and s.startswith(tail) for s in self.stops
+            ):
                 return k
         return 0
 

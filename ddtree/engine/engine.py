@@ -8,10 +8,10 @@ import time
 
 import torch
 
-from ddtree.engine.config import prefill_chunk_tokens, spec_config
-from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine import logprobs
 from ddtree.engine.batch_log import BatchLog
+from ddtree.engine.config import prefill_chunk_tokens, spec_config
+from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes
@@ -30,8 +30,13 @@ class LLMEngine:
         self.spec = spec_config(args)  # the derivation that sized the runner's pools and widths
         self.decoder = SpecDecoder(self.runner, self.spec)
         cfg = self.runner.cfg
-        self.scheduler = Scheduler(self.runner, cfg.max_running_requests, prefill_chunk_tokens(args),
-                                   cfg.max_verify_width, args.max_prefill_tokens)
+        self.scheduler = Scheduler(
+            self.runner,
+            cfg.max_running_requests,
+            prefill_chunk_tokens(args),
+            cfg.max_verify_width,
+            args.max_prefill_tokens,
+        )
         self.batch_log = BatchLog(self.scheduler, args.decode_log_interval)
         eos = set(self.runner.target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -44,16 +49,22 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer; pass prompts as token-id lists")
+                raise ValueError(
+                    "this model directory has no tokenizer; pass prompts as token-id lists"
+                )
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return [int(t) for t in prompt]
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None) -> Req:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, rid: str | None = None
+    ) -> Req:
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_context:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.max_context}")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context length is {self.max_context}"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         req = Req(prompt_ids=ids, params=params, **({"rid": rid} if rid else {}))
@@ -84,7 +95,9 @@ class LLMEngine:
             return []
         if batch.is_prefill:
             logits = self.runner.prefill(batch.reqs, batch.q_lens)
-            ready = [i for i, r in enumerate(batch.reqs) if not r.needs_prefill and not r.output_ids]
+            ready = [
+                i for i, r in enumerate(batch.reqs) if not r.needs_prefill and not r.output_ids
+            ]
             if ready:
                 reqs = [batch.reqs[i] for i in ready]
                 rows = logits[ready][:, None]
@@ -113,7 +126,10 @@ class LLMEngine:
         """Nothing could be scheduled although requests wait: the head request can never fit."""
         if self.scheduler.waiting and not self.scheduler.running:
             req = self.scheduler.waiting[0]
-            logger.warning("request %s does not fit in the KV cache; finishing it with reason 'length'", req.rid)
+            logger.warning(
+                "request %s does not fit in the KV cache; finishing it with reason 'length'",
+                req.rid,
+            )
             req.finish_reason = "length"
             self.scheduler.finish(req)
             self.requests.pop(req.rid, None)

@@ -6,7 +6,9 @@ import torch
 
 
 class KVPool:
-    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype, device):
+    def __init__(
+        self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype, device
+    ):
         shape = (num_layers, num_slots, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -23,4 +25,3 @@ class KVPool:
         ranges are safe; duplicate dst entries must carry identical values."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
-

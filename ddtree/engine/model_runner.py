@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, get_backend, store_kv
+from ddtree.attention.backend import (
+    AttentionMetadata,
+    DraftAttentionMetadata,
+    get_backend,
+    store_kv,
+)
 from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.config import RunnerConfig, pages_per_request, scratch_pages
 from ddtree.engine.kv_cache import KVPool
@@ -33,12 +38,17 @@ class RoundMeta:
     kv_lens: list[int]  # host: cached tokens per request at the round's start
     slot_ids: torch.Tensor  # [b] int64 device
     lens: torch.Tensor  # [b] int64 device (= kv_lens)
-    rows: torch.Tensor  # [b, max_pages] block-table rows; re-gathered once verify has allocated its pages
-    roots: torch.Tensor  # [b] int64 device: each request's pending token, the round's tree roots (0 if none)
+    rows: (
+        torch.Tensor
+    )  # [b, max_pages] block-table rows; re-gathered once verify has allocated its pages
+    roots: (
+        torch.Tensor
+    )  # [b] int64 device: each request's pending token, the round's tree roots (0 if none)
 
     def matches(self, reqs: list[Req]) -> bool:
         return len(reqs) == len(self.slots) and all(
-            r.slot == s and r.kv_len == n for r, s, n in zip(reqs, self.slots, self.kv_lens))
+            r.slot == s and r.kv_len == n for r, s, n in zip(reqs, self.slots, self.kv_lens)
+        )
 
 
 @dataclass
@@ -46,7 +56,9 @@ class VerifyOut:
     """What `ModelRunner.verify_nodes` returns. The CUDA-graph path also hands back the greedy tokens and the
     greedy accept walk computed inside the graph (None on the eager path)."""
 
-    logits: torch.Tensor  # [b, n, V]: fp32 on the eager path, the LM head's dtype from a graph (same values)
+    logits: (
+        torch.Tensor
+    )  # [b, n, V]: fp32 on the eager path, the LM head's dtype from a graph (same values)
     taps: torch.Tensor | None  # [b, n, K*H]
     greedy_tokens: torch.Tensor | None = None  # [b, n] argmax per node
     greedy_accept: object | None = None  # AcceptResult of the walk under greedy_tokens
@@ -65,23 +77,39 @@ class ModelRunner:
         n_scratch = scratch_pages(cfg.max_verify_width, cfg.page_size)
         self.scratch_pages = list(range(cfg.num_pages, cfg.num_pages + n_scratch))
         slots = (cfg.num_pages + len(self.scratch_pages)) * cfg.page_size
-        self.kv = KVPool(len(self.attn_layers), slots, tcfg.num_key_value_heads, tcfg.head_dim, dtype, device)
+        self.kv = KVPool(
+            len(self.attn_layers), slots, tcfg.num_key_value_heads, tcfg.head_dim, dtype, device
+        )
         self.draft_kv = None
         self.tap_layers: tuple[int, ...] = ()
         if drafter is not None:
             dcfg = drafter.config
-            self.draft_kv = KVPool(dcfg.num_hidden_layers, slots, dcfg.num_key_value_heads, dcfg.head_dim, dtype,
-                                   device)
+            self.draft_kv = KVPool(
+                dcfg.num_hidden_layers,
+                slots,
+                dcfg.num_key_value_heads,
+                dcfg.head_dim,
+                dtype,
+                device,
+            )
             self.tap_layers = dcfg.target_layer_ids
         max_pages = pages_per_request(cfg.max_context, cfg.max_verify_width, cfg.page_size)
-        self.bm = BlockManager(cfg.num_pages, cfg.page_size, cfg.max_running_requests, max_pages, device)
+        self.bm = BlockManager(
+            cfg.num_pages, cfg.page_size, cfg.max_running_requests, max_pages, device
+        )
         # Hybrid targets keep recurrent state per request in rows indexed by the request's block-table slot.
         self.state_pool = None
         if tcfg.is_hybrid:
             # conv windows and stashed inputs keep the model dtype; SSM states --mamba-ssm-dtype
             self.state_pool = HybridStatePool.for_config(
-                tcfg, cfg.max_running_requests, cfg.max_verify_width, device, cfg.mamba_strategy,
-                cfg.mamba_ssm_dtype, target.model.embed_tokens.weight.dtype)
+                tcfg,
+                cfg.max_running_requests,
+                cfg.max_verify_width,
+                device,
+                cfg.mamba_strategy,
+                cfg.mamba_ssm_dtype,
+                target.model.embed_tokens.weight.dtype,
+            )
         self._round: RoundMeta | None = None
         self.graphs = None
         if cfg.enable_cuda_graph:
@@ -102,7 +130,9 @@ class ModelRunner:
         self._round = m = RoundMeta(slots, kv_lens, host[0], host[1], rows, host[2])
         return m
 
-    def set_tree_spec(self, algorithm: str, budget: int, topk_cap: int, shadow_linear: bool) -> None:
+    def set_tree_spec(
+        self, algorithm: str, budget: int, topk_cap: int, shadow_linear: bool
+    ) -> None:
         """The decoder's tree spec: with CUDA graphs, the draft graphs then run drafter -> tree in one replay."""
         if self.graphs is not None:
             self.graphs.set_tree_spec(algorithm, budget, topk_cap, shadow_linear)
@@ -112,22 +142,36 @@ class ModelRunner:
         p = self.cfg.page_size
         return rows.gather(1, positions // p) * p + positions % p
 
-    def target_forward(self, input_ids, positions, meta: AttentionMetadata, backend=None, linear=None):
+    def target_forward(
+        self, input_ids, positions, meta: AttentionMetadata, backend=None, linear=None
+    ):
         """Target layers over flat tokens -> (final-normed hidden [T, H], taps [T, K*H] or None)."""
         backend, scale = backend or self.backend, self.target.scale
 
         def attend(layer, q, k, v):
             return backend.extend(q, k, v, self.kv.layer(self.pool_index[layer]), meta, scale)
 
-        return self.target.hidden_states(input_ids, positions, attend, self.tap_layers, linear=linear)
+        return self.target.hidden_states(
+            input_ids, positions, attend, self.tap_layers, linear=linear
+        )
 
-    def draft_forward(self, ids, positions, meta: DraftAttentionMetadata, backend=None) -> torch.Tensor:
+    def draft_forward(
+        self, ids, positions, meta: DraftAttentionMetadata, backend=None
+    ) -> torch.Tensor:
         """Drafter layers over [b, S] blocks -> final-normed hidden [b, S, H]."""
         backend, dcfg, scale = backend or self.backend, self.drafter.config, self.drafter.scale
 
         def attend(layer, q, k, v):
-            return backend.draft_block(q, k, v, self.draft_kv.layer(layer), meta, scale,
-                                       dcfg.layer_is_causal(layer), dcfg.layer_window(layer))
+            return backend.draft_block(
+                q,
+                k,
+                v,
+                self.draft_kv.layer(layer),
+                meta,
+                scale,
+                dcfg.layer_is_causal(layer),
+                dcfg.layer_window(layer),
+            )
 
         return self.drafter.block_hidden(self.target.embed_tokens(ids), positions, attend)
 
@@ -135,7 +179,9 @@ class ModelRunner:
     def _extend(self, reqs, q_lens, input_ids, positions, linear=None):
         """Ragged causal extend (prefill chunks): request i appends q_lens[i] tokens after its kv_len."""
         kv_lens = [r.kv_len + q for r, q in zip(reqs, q_lens)]
-        host = torch.tensor([[r.slot for r in reqs], q_lens, kv_lens], dtype=torch.int64).to(self.device)
+        host = torch.tensor([[r.slot for r in reqs], q_lens, kv_lens], dtype=torch.int64).to(
+            self.device
+        )
         rows = self.bm.block_table.index_select(0, host[0])
         ridx = torch.repeat_interleave(torch.arange(len(reqs), device=self.device), host[1])
         p = self.cfg.page_size
@@ -143,8 +189,13 @@ class ModelRunner:
         indptr = torch.zeros(len(reqs) + 1, dtype=torch.int64, device=self.device)
         indptr[1:] = host[1].cumsum(0)
         meta = AttentionMetadata(
-            q_lens=list(q_lens), kv_lens=kv_lens, qo_indptr=indptr, kv_lens_t=host[2], block_table=rows,
-            slot_mapping=slot_mapping, page_size=p,
+            q_lens=list(q_lens),
+            kv_lens=kv_lens,
+            qo_indptr=indptr,
+            kv_lens_t=host[2],
+            block_table=rows,
+            slot_mapping=slot_mapping,
+            page_size=p,
         )
         hidden, taps = self.target_forward(input_ids, positions, meta, linear=linear)
         return hidden, taps, slot_mapping, indptr[1:] - 1
@@ -161,24 +212,42 @@ class ModelRunner:
         positions = torch.cat(pos).to(self.device)
         linear = None
         if self.state_pool is not None:
-            linear = self.state_pool.extend_context([r.slot for r in reqs], q_lens, [r.kv_len for r in reqs])
-        hidden, taps, slot_mapping, last = self._extend(reqs, q_lens, input_ids, positions, linear=linear)
+            linear = self.state_pool.extend_context(
+                [r.slot for r in reqs], q_lens, [r.kv_len for r in reqs]
+            )
+        hidden, taps, slot_mapping, last = self._extend(
+            reqs, q_lens, input_ids, positions, linear=linear
+        )
         if self.drafter is not None:
             self.write_draft_context(taps, positions, slot_mapping)
         for r, q in zip(reqs, q_lens):
             r.kv_len += q
         return self.target.logits(hidden[last]).float()
 
-    def _draft_eager(self, b: int, roots: torch.Tensor, block_size: int, meta: RoundMeta) -> torch.Tensor:
-        ids = torch.full((b, block_size), self.drafter.config.mask_token_id, dtype=torch.int64, device=self.device)
+    def _draft_eager(
+        self, b: int, roots: torch.Tensor, block_size: int, meta: RoundMeta
+    ) -> torch.Tensor:
+        ids = torch.full(
+            (b, block_size),
+            self.drafter.config.mask_token_id,
+            dtype=torch.int64,
+            device=self.device,
+        )
         ids[:, 0] = roots
         positions = meta.lens[:, None] + torch.arange(block_size, device=self.device)
-        dmeta = DraftAttentionMetadata(ctx_lens=meta.kv_lens, ctx_lens_t=meta.lens, block_table=meta.rows,
-                                       block_positions=positions, page_size=self.cfg.page_size)
+        dmeta = DraftAttentionMetadata(
+            ctx_lens=meta.kv_lens,
+            ctx_lens_t=meta.lens,
+            block_table=meta.rows,
+            block_positions=positions,
+            page_size=self.cfg.page_size,
+        )
         return self.draft_forward(ids, positions, dmeta)
 
     @torch.inference_mode()
-    def draft(self, reqs: list[Req], roots: torch.Tensor, block_size: int, meta: RoundMeta | None = None):
+    def draft(
+        self, reqs: list[Req], roots: torch.Tensor, block_size: int, meta: RoundMeta | None = None
+    ):
         """Drafter forward on [root, MASK x (S-1)] blocks -> marginals' logits [b, S-1, V]."""
         meta = meta or self.round_meta(reqs)
         b = len(reqs)
@@ -189,13 +258,23 @@ class ModelRunner:
         return self.drafter.logits(hidden[:, 1:], self.target.lm_head)
 
     @torch.inference_mode()
-    def draft_tree(self, reqs: list[Req], roots: torch.Tensor, block_size: int, depth_limits: list[int] | None,
-                   meta: RoundMeta | None = None):
+    def draft_tree(
+        self,
+        reqs: list[Req],
+        roots: torch.Tensor,
+        block_size: int,
+        depth_limits: list[int] | None,
+        meta: RoundMeta | None = None,
+    ):
         """Drafter logits [b, S-1, V] and, when a CUDA graph built it in the same replay (the tree spec set with
         `set_tree_spec`, per-request `depth_limits` applied; None = no limit), the round's DraftTree, else None."""
         meta = meta or self.round_meta(reqs)
         g = self.graphs
-        if g is not None and g.tree_spec is not None and g.can_draft(len(reqs), block_size, max(meta.kv_lens)):
+        if (
+            g is not None
+            and g.tree_spec is not None
+            and g.can_draft(len(reqs), block_size, max(meta.kv_lens))
+        ):
             return g.draft_tree(meta, roots, depth_limits)
         return self.draft(reqs, roots, block_size, meta), None
 
@@ -213,33 +292,60 @@ class ModelRunner:
         for r in reqs:
             self.bm.allocate(r, r.kv_len + n)
         meta = meta or self.round_meta(reqs)
-        meta.rows = self.bm.block_table.index_select(0, meta.slot_ids)  # the allocation above may add pages
+        meta.rows = self.bm.block_table.index_select(
+            0, meta.slot_ids
+        )  # the allocation above may add pages
         linear = None
         if self.state_pool is not None:
             linear = self.state_pool.tree_context(meta.slots, tree)
-        if linear is None and self.graphs is not None and self.graphs.can_verify(b, n, max(meta.kv_lens) + n):
+        if (
+            linear is None
+            and self.graphs is not None
+            and self.graphs.can_verify(b, n, max(meta.kv_lens) + n)
+        ):
             logits, taps, tokens, res = self.graphs.verify(meta, tree)
-            return VerifyOut(logits.view(b, n, -1), taps.view(b, n, -1) if taps is not None else None, tokens, res)
+            return VerifyOut(
+                logits.view(b, n, -1),
+                taps.view(b, n, -1) if taps is not None else None,
+                tokens,
+                res,
+            )
         if self.graphs is not None:
             self.graphs.drop_pending_commit()  # this round's commit runs eagerly
-        hidden, taps = self.target_forward(tree.tokens.flatten(), (meta.lens[:, None] + tree.depths).flatten(),
-                                           self.verify_metadata(meta, tree.tree_mask, n), linear=linear)
+        hidden, taps = self.target_forward(
+            tree.tokens.flatten(),
+            (meta.lens[:, None] + tree.depths).flatten(),
+            self.verify_metadata(meta, tree.tree_mask, n),
+            linear=linear,
+        )
         logits = self.target.logits(hidden).float().view(b, n, -1)
         return VerifyOut(logits, taps.view(b, n, -1) if taps is not None else None)
 
-    def verify_metadata(self, meta: RoundMeta, tree_mask: torch.Tensor, n: int) -> AttentionMetadata:
+    def verify_metadata(
+        self, meta: RoundMeta, tree_mask: torch.Tensor, n: int
+    ) -> AttentionMetadata:
         b = len(meta.kv_lens)
         lpos = meta.lens[:, None] + torch.arange(n, device=self.device)
         return AttentionMetadata(
-            q_lens=[n] * b, kv_lens=[k + n for k in meta.kv_lens],
-            qo_indptr=torch.arange(0, (b + 1) * n, n, device=self.device), kv_lens_t=meta.lens + n,
-            block_table=meta.rows, slot_mapping=self.slots_of(meta.rows, lpos).flatten(), page_size=self.cfg.page_size,
+            q_lens=[n] * b,
+            kv_lens=[k + n for k in meta.kv_lens],
+            qo_indptr=torch.arange(0, (b + 1) * n, n, device=self.device),
+            kv_lens_t=meta.lens + n,
+            block_table=meta.rows,
+            slot_mapping=self.slots_of(meta.rows, lpos).flatten(),
+            page_size=self.cfg.page_size,
             tree_mask=tree_mask,
         )
 
     @torch.inference_mode()
-    def commit(self, reqs: list[Req], path: torch.Tensor, accept_length: torch.Tensor, taps,
-               meta: RoundMeta | None = None) -> None:
+    def commit(
+        self,
+        reqs: list[Req],
+        path: torch.Tensor,
+        accept_length: torch.Tensor,
+        taps,
+        meta: RoundMeta | None = None,
+    ) -> None:
         """Move the accepted nodes' KV to logical positions L..L+k (contiguous, in path order) and write
         their drafter context. path [b, D+1] node indices (root first), accept_length [b] = k. Ends the
         round: its RoundMeta is dropped (`advance` applies the accepted lengths once read back)."""
@@ -248,7 +354,9 @@ class ModelRunner:
         if self.state_pool is not None:
             self.state_pool.commit(meta.slot_ids, path, accept_length)
         elif self.graphs is not None and self.graphs.can_commit(path, taps):
-            self.graphs.commit(path, accept_length)  # the same moves and writes, replayed on the verify buffers
+            self.graphs.commit(
+                path, accept_length
+            )  # the same moves and writes, replayed on the verify buffers
             return
         self.commit_kv(meta.lens, meta.rows, path, accept_length, taps)
 
@@ -265,7 +373,9 @@ class ModelRunner:
             feats = taps.gather(1, src_node[..., None].expand(-1, -1, taps.shape[-1]))
             self.write_draft_context(feats.flatten(0, 1), dst_pos.flatten(), dst_slot)
 
-    def write_draft_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+    def write_draft_context(
+        self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
         for layer, (k, v) in enumerate(self.drafter.context_kv(features, positions)):
             store_kv(self.draft_kv.layer(layer), slots, k, v)
 

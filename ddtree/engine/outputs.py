@@ -27,9 +27,16 @@ class RequestOutput:
 
     @classmethod
     def of(cls, req: Req) -> "RequestOutput":
-        return cls(req.rid, list(req.prompt_ids), list(req.output_ids), req.text, req.finish_reason,
-                   req.stats.rounds, list(req.stats.accept_lengths),
-                   list(req.logprobs) if req.params.logprobs else None)
+        return cls(
+            req.rid,
+            list(req.prompt_ids),
+            list(req.output_ids),
+            req.text,
+            req.finish_reason,
+            req.stats.rounds,
+            list(req.stats.accept_lengths),
+            list(req.logprobs) if req.params.logprobs else None,
+        )
 
 
 class TokenEmitter:

@@ -25,7 +25,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
-    ddtree_budget: int | None = None  # per-request DDTree budget, at most the server's (its verify width)
+    ddtree_budget: int | None = (
+        None  # per-request DDTree budget, at most the server's (its verify width)
+    )
     logprobs: bool = False  # report each emitted token's target log-prob (RequestOutput.logprobs)
     top_logprobs: int = 0  # and the k most likely tokens at its position (implies logprobs)
 
@@ -44,8 +46,9 @@ class SamplingParams:
         if self.ddtree_budget is not None and self.ddtree_budget < 1:
             raise ValueError(f"ddtree_budget must be >= 1, got {self.ddtree_budget}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, "
-                             f"got {self.top_logprobs}")
+            raise ValueError(
+                f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
+            )
         if self.top_logprobs:
             object.__setattr__(self, "logprobs", True)
 
@@ -66,7 +69,9 @@ _ids = itertools.count()
 @dataclass
 class SpecStats:
     rounds: int = 0
-    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per round (accepted + bonus)
+    accept_lengths: list[int] = field(
+        default_factory=list
+    )  # tokens emitted per round (accepted + bonus)
 
     @property
     def mean_accept_length(self) -> float:

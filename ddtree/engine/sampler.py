@@ -9,7 +9,9 @@ import torch
 from ddtree.engine.request import SamplingParams
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
     """Temperature-scaled fp32 logits with top-k / top-p filtered entries set to -inf. logits [..., V]."""
     x = logits.float() / temperature
     vocab = x.shape[-1]
@@ -27,18 +29,26 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return x
 
 
-def sample_from(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def sample_from(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
     """One independent sample per row of logits [n, V] (exponential race: argmax p / E, E ~ Exp(1))."""
     if params.greedy:
         return logits.argmax(-1)
-    probs = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+    probs = torch.softmax(
+        filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1
+    )
     u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float32)
     race = -torch.log(u.clamp_min(1e-20))
     return (probs / race).argmax(-1)
 
 
-def sample_nodes(logits: torch.Tensor, params: list[SamplingParams], generators: list,
-                 greedy: torch.Tensor | None = None) -> torch.Tensor:
+def sample_nodes(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list,
+    greedy: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [b, n, V] -> tokens [b, n]. Greedy rows share one batched argmax (`greedy`, when the caller has it
     already: a CUDA graph computed it)."""
     out = logits.argmax(-1) if greedy is None else greedy.clone()

@@ -22,8 +22,14 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, max_running: int, chunk_tokens: int, verify_width: int,
-                 max_prefill_tokens: int | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_running: int,
+        chunk_tokens: int,
+        verify_width: int,
+        max_prefill_tokens: int | None = None,
+    ):
         self.runner, self.bm = runner, runner.bm
         self.max_running, self.verify_width = max_running, verify_width
         # tokens of one prefill batch: --chunked-prefill-size (<= 0: no chunking) capped by
@@ -31,8 +37,9 @@ class Scheduler:
         # either way
         caps = [c for c in (chunk_tokens, max_prefill_tokens) if c is not None and c > 0]
         if not caps:
-            raise ValueError("a prefill budget needs --chunked-prefill-size > 0 or "
-                             "--max-prefill-tokens")
+            raise ValueError(
+                "a prefill budget needs --chunked-prefill-size > 0 or --max-prefill-tokens"
+            )
         self.prefill_budget = min(caps)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -63,8 +70,11 @@ class Scheduler:
         # prompt that arrives behind a long one is admitted at the next prefill step, not after the
         # whole prompt
         head = self.waiting[0] if self.waiting else None
-        admissible = (head is not None and len(self.running) < self.max_running
-                      and self.bm.can_allocate(head, head.prefill_len + self.verify_width))
+        admissible = (
+            head is not None
+            and len(self.running) < self.max_running
+            and self.bm.can_allocate(head, head.prefill_len + self.verify_width)
+        )
         share = budget // 2 if admissible else budget
         reqs, q_lens = [], []
         for r in self.running:  # unfinished chunked prefills first

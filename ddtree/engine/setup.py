@@ -63,10 +63,12 @@ def build_runner(args, device: torch.device) -> tuple[ModelRunner, int]:
     for w in pools.warnings:
         logger.warning("%s", w)
     if pools.max_running_requests < 1:
-        raise ConfigError([
-            f"the recurrent-state pool holds no request ({pools.state_pool_bytes} bytes); raise "
-            "--mem-fraction-static or --mamba-full-memory-ratio, or lower --speculative-ddtree-budget"
-        ])
+        raise ConfigError(
+            [
+                f"the recurrent-state pool holds no request ({pools.state_pool_bytes} bytes); raise "
+                "--mem-fraction-static or --mamba-full-memory-ratio, or lower --speculative-ddtree-budget"
+            ]
+        )
     cfg = runner_config(args, pools, device.type)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

@@ -18,7 +18,12 @@ import torch
 from torch import Tensor
 
 from ddtree.engine.config import GDNGeometry
-from ddtree.kernels.gdn import causal_conv1d_step, causal_conv1d_varlen, replay_conv_path, tree_causal_conv1d
+from ddtree.kernels.gdn import (
+    causal_conv1d_step,
+    causal_conv1d_varlen,
+    replay_conv_path,
+    tree_causal_conv1d,
+)
 from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree_rule
 
 STRATEGIES = ("extra_buffer", "no_buffer")
@@ -29,21 +34,37 @@ def _dtype(d) -> torch.dtype:
     if isinstance(d, torch.dtype):
         return d
     if d not in _SSM_DTYPES:
-        raise ValueError(f"--mamba-ssm-dtype {d!r} is not supported; choose one of {sorted(_SSM_DTYPES)}")
+        raise ValueError(
+            f"--mamba-ssm-dtype {d!r} is not supported; choose one of {sorted(_SSM_DTYPES)}"
+        )
     return _SSM_DTYPES[d]
 
 
-def state_bytes_per_request(cfg, max_verify_width: int, strategy: str, ssm_dtype, dtype) -> tuple[int, int]:
+def state_bytes_per_request(
+    cfg, max_verify_width: int, strategy: str, ssm_dtype, dtype
+) -> tuple[int, int]:
     """(persistent state, tree-verify stash) bytes of one request; for memory planning from config alone."""
     geo = GDNGeometry.from_config(cfg)
-    return geo.state_bytes(ssm_dtype, dtype), geo.stash_bytes(max_verify_width, strategy, ssm_dtype, dtype)
+    return geo.state_bytes(ssm_dtype, dtype), geo.stash_bytes(
+        max_verify_width, strategy, ssm_dtype, dtype
+    )
 
 
 class HybridStatePool:
-    def __init__(self, geo: GDNGeometry, max_reqs: int, max_verify_width: int, device, strategy: str = "extra_buffer",
-                 ssm_dtype="float32", dtype=torch.bfloat16):
+    def __init__(
+        self,
+        geo: GDNGeometry,
+        max_reqs: int,
+        max_verify_width: int,
+        device,
+        strategy: str = "extra_buffer",
+        ssm_dtype="float32",
+        dtype=torch.bfloat16,
+    ):
         if strategy not in STRATEGIES:
-            raise ValueError(f"--mamba-scheduler-strategy {strategy!r} is not supported; choose one of {STRATEGIES}")
+            raise ValueError(
+                f"--mamba-scheduler-strategy {strategy!r} is not supported; choose one of {STRATEGIES}"
+            )
         self.geo, self.strategy, self.width = geo, strategy, max_verify_width
         self.ssm_dtype, self.dtype = _dtype(ssm_dtype), _dtype(dtype)
         L, R, W, C, Km1 = geo.num_layers, max_reqs, max_verify_width, geo.conv_dim, geo.kernel - 1
@@ -65,9 +86,25 @@ class HybridStatePool:
             self.stash["node_beta"] = zeros(L, R, W, geo.hv)
 
     @classmethod
-    def for_config(cls, cfg, max_reqs, max_verify_width, device, strategy="extra_buffer", ssm_dtype="float32",
-                   dtype=torch.bfloat16) -> "HybridStatePool":
-        return cls(GDNGeometry.from_config(cfg), max_reqs, max_verify_width, device, strategy, ssm_dtype, dtype)
+    def for_config(
+        cls,
+        cfg,
+        max_reqs,
+        max_verify_width,
+        device,
+        strategy="extra_buffer",
+        ssm_dtype="float32",
+        dtype=torch.bfloat16,
+    ) -> "HybridStatePool":
+        return cls(
+            GDNGeometry.from_config(cfg),
+            max_reqs,
+            max_verify_width,
+            device,
+            strategy,
+            ssm_dtype,
+            dtype,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -88,19 +125,27 @@ class HybridStatePool:
     def _slots(self, slots) -> Tensor:
         return torch.as_tensor(slots, dtype=torch.int64).to(self.device)
 
-    def extend_context(self, slots: list[int], q_lens: list[int], kv_lens_before: list[int]) -> "ExtendContext":
+    def extend_context(
+        self, slots: list[int], q_lens: list[int], kv_lens_before: list[int]
+    ) -> "ExtendContext":
         """Packed extend of q_lens[i] tokens per request; kv_lens_before[i] == 0 starts from a zero state."""
         return ExtendContext(self, self._slots(slots), q_lens, kv_lens_before)
 
     def tree_context(self, slots: list[int], tree) -> "TreeContext":
         if tree.num_nodes > self.width:
-            raise ValueError(f"tree of {tree.num_nodes} nodes exceeds max_verify_width {self.width}")
+            raise ValueError(
+                f"tree of {tree.num_nodes} nodes exceeds max_verify_width {self.width}"
+            )
         return TreeContext(self, self._slots(slots), tree)
 
     def commit(self, slots: Tensor, path: Tensor, accept_length: Tensor) -> None:
         """Set each request's state to the one after node path[i, accept_length[i]] of the last tree verify.
         path [b, P] node indices root first (entries past accept_length are ignored)."""
-        slots, path, acc = slots.to(self.device).long(), path.to(self.device).long(), accept_length.to(self.device).long()
+        slots, path, acc = (
+            slots.to(self.device).long(),
+            path.to(self.device).long(),
+            accept_length.to(self.device).long(),
+        )
         if self.strategy == "extra_buffer":
             last = path.gather(1, acc[:, None])[:, 0]
             self.conv[:, slots] = self.stash["node_conv"][:, slots, last]
@@ -137,12 +182,16 @@ class HybridStatePool:
 class ExtendContext:
     """Prefill / chunked prefill: packed sequences, state read from and written back to the pool rows."""
 
-    def __init__(self, pool: HybridStatePool, slots: Tensor, q_lens: list[int], kv_lens_before: list[int]):
+    def __init__(
+        self, pool: HybridStatePool, slots: Tensor, q_lens: list[int], kv_lens_before: list[int]
+    ):
         self.pool, self.slots = pool, slots
         dev = pool.device
         self.cu_seqlens = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0).to(dev)
         self.fresh = torch.tensor([kv == 0 for kv in kv_lens_before], dtype=torch.bool).to(dev)
-        self.decode = all(n == 1 for n in q_lens)  # one token per request: the step kernels, no varlen
+        self.decode = all(
+            n == 1 for n in q_lens
+        )  # one token per request: the step kernels, no varlen
 
     def _initial(self, t: Tensor) -> Tensor:
         return torch.where(self.fresh.view(-1, *[1] * (t.dim() - 1)), 0, t)
@@ -162,7 +211,9 @@ class ExtendContext:
             o, S = recurrent_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], S0)
             o = o[:, 0]
         else:  # [1, T, ...]: packed sequences
-            o, S = chunk_rule(q[None], k[None], v[None], g[None], beta[None], S0, cu_seqlens=self.cu_seqlens)
+            o, S = chunk_rule(
+                q[None], k[None], v[None], g[None], beta[None], S0, cu_seqlens=self.cu_seqlens
+            )
             o = o[0]
         self.pool.ssm[j, self.slots] = S.to(self.pool.ssm_dtype)
         return o
@@ -184,8 +235,15 @@ class TreeContext:
 
     def conv(self, j, x, weight, bias):
         xb = x.view(self.b, self.n, -1)
-        y, node_states = tree_causal_conv1d(xb, self.parents, self.pool.conv[j, self.slots], weight, bias,
-                                            self.valid, return_node_states=self.extra)
+        y, node_states = tree_causal_conv1d(
+            xb,
+            self.parents,
+            self.pool.conv[j, self.slots],
+            weight,
+            bias,
+            self.valid,
+            return_node_states=self.extra,
+        )
         if self.extra:
             self._stash("node_conv", j, node_states)
         else:
@@ -198,11 +256,22 @@ class TreeContext:
         # an fp32 stash takes the node states in place (the kernel re-reads parents from it); any other
         # dtype goes through an fp32 scratch, so the tree itself never runs on rounded states
         direct = self.extra and self.pool.stash["node_ssm"].dtype == torch.float32
-        o, node_states = tree_rule(qb, kb, vb, gb, bb, self.parents, self.depths, self.pool.ssm[j],
-                                   return_node_states=self.extra and not direct, valid=self.valid,
-                                   max_depth=self.max_depth, initial_rows=self.slots,
-                                   node_states=self.pool.stash["node_ssm"][j] if direct else None,
-                                   state_rows=self.slots if direct else None)
+        o, node_states = tree_rule(
+            qb,
+            kb,
+            vb,
+            gb,
+            bb,
+            self.parents,
+            self.depths,
+            self.pool.ssm[j],
+            return_node_states=self.extra and not direct,
+            valid=self.valid,
+            max_depth=self.max_depth,
+            initial_rows=self.slots,
+            node_states=self.pool.stash["node_ssm"][j] if direct else None,
+            state_rows=self.slots if direct else None,
+        )
         if self.extra and not direct:
             self._stash("node_ssm", j, node_states)
         elif not self.extra:

@@ -50,15 +50,19 @@ def fill_attention(
 
 def fill_mlp(big: nn.Module, small: nn.Module, res: Residual, real: bool) -> None:
     """Extra channels copy real ones (gate|up rows cycle); their down_proj columns are zero."""
-    i, I = small.inter, big.inter
-    rows = torch.arange(I) % i
+    i, n_inter = small.inter, big.inter
+    rows = torch.arange(n_inter) % i
     put(
         big.gate_up_proj.weight.data,
         small.gate_up_proj.weight.data,
         torch.cat([rows, rows + i]),
         res.map,
     )
-    cols = torch.where(torch.arange(I) < i, torch.arange(I), -1) if real else torch.full((I,), -1)
+    cols = (
+        torch.where(torch.arange(n_inter) < i, torch.arange(n_inter), -1)
+        if real
+        else torch.full((n_inter,), -1)
+    )
     put(big.down_proj.weight.data, small.down_proj.weight.data, res.map, cols)
 
 

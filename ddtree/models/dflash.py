@@ -29,16 +29,22 @@ class DFlashAttention(Qwen3Attention):
     rows); context rows use only the k|v rows of the fused projection (one GEMM)."""
 
     def __init__(self, cfg: DrafterConfig):
-        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                         cfg.rms_norm_eps, cfg.attention_bias)
+        super().__init__(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            cfg.attention_bias,
+        )
 
     def kv(self, x, cos, sin):
         """Normed and rotated k, and v, of context rows x."""
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        kv = F.linear(x, w[self.q_size:], None if b is None else b[self.q_size:])
+        kv = F.linear(x, w[self.q_size :], None if b is None else b[self.q_size :])
         shape = x.shape[:-1]
-        k = kv[..., :self.kv_size].view(*shape, self.kv_heads, self.head_dim)
-        v = kv[..., self.kv_size:].view(*shape, self.kv_heads, self.head_dim)
+        k = kv[..., : self.kv_size].view(*shape, self.kv_heads, self.head_dim)
+        v = kv[..., self.kv_size :].view(*shape, self.kv_heads, self.head_dim)
         _, k = qk_norm_rope(None, k, None, self.k_norm.weight, cos, sin, self.k_norm.eps)
         return k, v
 
@@ -58,7 +64,9 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = nn.Linear(
+            len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False
+        )
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -68,15 +76,23 @@ class DFlashDrafter(nn.Module):
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(self.fc(features))
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, features: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K, V) [..., T, Hkv, D] of new context rows (`features` = concatenated target taps)."""
         ctx = self.fuse(features.to(self.fc.weight.dtype))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
-    def block_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, attend: BlockAttendFn) -> torch.Tensor:
+    def block_hidden(
+        self, embeds: torch.Tensor, positions: torch.Tensor, attend: BlockAttendFn
+    ) -> torch.Tensor:
         """embeds [b, S, H] = target embedding of the block ids, positions [b, S] -> final-normed hidden [b, S, H]."""
-        x = embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
+        x = (
+            embeds * self.config.input_embedding_scale
+            if self.config.input_embedding_scale != 1.0
+            else embeds
+        )
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         h, residual = self.layers[0].input_layernorm(x), x
@@ -98,7 +114,9 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def forward_train(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def forward_train(
+        self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor
+    ) -> torch.Tensor:
         """Training forward with many blocks per sequence in one pass.
 
         features [B, T, K*H] target taps for every position; block_embeds [B, A, S, H] for blocks anchored at
@@ -135,7 +153,9 @@ class DFlashDrafter(nn.Module):
             qh = q.transpose(1, 2)
             kh = kk.transpose(1, 2).repeat_interleave(groups, 1)
             vh = vv.transpose(1, 2).repeat_interleave(groups, 1)
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=masks[layer], scale=self.scale)
+            out = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=masks[layer], scale=self.scale
+            )
             return out.transpose(1, 2)
 
         hidden = self.block_hidden(block_embeds.reshape(B, A * S, H), blk_pos, attend)

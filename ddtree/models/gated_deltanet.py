@@ -24,7 +24,9 @@ class LinearStateContext(Protocol):
     Tensors are token-major over the forward's flat tokens: x [T, C]; q/k [T, Hk, dk]; v [T, Hv, dv];
     g/beta [T, Hv]."""
 
-    def conv(self, j: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def conv(
+        self, j: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """Causal depthwise conv + SiLU of pre-conv inputs x [T, C] (weight [C, K]) -> [T, C]."""
         ...
 
@@ -49,11 +51,18 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(z.float())).to(dtype)
 
 
-def dense_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def dense_conv_silu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """Causal depthwise conv from a zero state over [B, T, C] (fp32 math like the reference kernels)."""
     K = weight.shape[-1]
-    y = F.conv1d(x.float().transpose(1, 2), weight.float()[:, None, :], None if bias is None else bias.float(),
-                 padding=K - 1, groups=x.shape[-1])[..., : x.shape[1]]
+    y = F.conv1d(
+        x.float().transpose(1, 2),
+        weight.float()[:, None, :],
+        None if bias is None else bias.float(),
+        padding=K - 1,
+        groups=x.shape[-1],
+    )[..., : x.shape[1]]
     return F.silu(y).transpose(1, 2).to(x.dtype)
 
 
@@ -70,8 +79,14 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(h, self.hv, bias=False)
         self.in_proj_a = nn.Linear(h, self.hv, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
-                                padding=self.kernel - 1, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            self.kernel,
+            groups=self.conv_dim,
+            padding=self.kernel - 1,
+            bias=False,
+        )
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
@@ -80,8 +95,11 @@ class GatedDeltaNet(nn.Module):
     def _split(self, y: torch.Tensor):
         shape = y.shape[:-1]
         q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (q.reshape(*shape, self.hk, self.dk), k.reshape(*shape, self.hk, self.dk),
-                v.reshape(*shape, self.hv, self.dv))
+        return (
+            q.reshape(*shape, self.hk, self.dk),
+            k.reshape(*shape, self.hk, self.dk),
+            v.reshape(*shape, self.hv, self.dv),
+        )
 
     def forward(self, x: torch.Tensor, j: int, linear: LinearStateContext | None) -> torch.Tensor:
         """x [T, H] flat tokens with a context, or [B, T, H] / [T, H] dense from a zero state without one."""

@@ -54,7 +54,9 @@ def _concat_fused(module, state_dict, prefix, *_):
         for suffix in ("weight", "bias"):
             keys = [f"{prefix}{name}.{suffix}" for name, _ in parts]
             if all(k in state_dict for k in keys):
-                state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(k) for k in keys], 0)
+                state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat(
+                    [state_dict.pop(k) for k in keys], 0
+                )
 
 
 class MLP(nn.Module):
@@ -73,7 +75,9 @@ class MLP(nn.Module):
 
 def _inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention scale factor for cos/sin) for the supported rope types."""
-    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim))
+    inv = 1.0 / (
+        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim)
+    )
     if scaling is None:
         return inv.float(), 1.0
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -82,17 +86,24 @@ def _inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tuple[torc
         return (inv / factor).float(), 1.0
     if kind == "yarn":
         orig = float(scaling.get("original_max_position_embeddings", 4096))
-        beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+        beta_fast, beta_slow = (
+            float(scaling.get("beta_fast", 32)),
+            float(scaling.get("beta_slow", 1)),
+        )
 
         def dim_for(rot):
             return (rotary_dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
 
         low = max(math.floor(dim_for(beta_fast)), 0)
         high = min(math.ceil(dim_for(beta_slow)), rotary_dim - 1)
-        ramp = (torch.arange(rotary_dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3)
+        ramp = (torch.arange(rotary_dim // 2, dtype=torch.float64, device="cpu") - low) / max(
+            high - low, 1e-3
+        )
         extrapolation = 1 - ramp.clamp(0, 1)
         inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
-        mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
+        mscale = float(
+            scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        )
         return inv.float(), mscale
     raise ValueError(f"unsupported rope_scaling type {kind!r}")
 
@@ -101,13 +112,17 @@ class RotaryEmbedding(nn.Module):
     """Neox-style RoPE tables: cos/sin looked up by absolute position for the first `rotary_dim` channels (the
     rotation itself runs fused with the q/k norms: `ddtree.kernels.fused.qk_norm_rope`)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None, partial: float = 1.0):
+    def __init__(
+        self, head_dim: int, theta: float, scaling: dict | None = None, partial: float = 1.0
+    ):
         super().__init__()
         self.rotary_dim = int(head_dim * partial)
         # NOTE: a plain attribute, not a buffer, so meta-device construction and dtype casts never touch it.
         self.inv_freq, self.mscale = _inv_freq(self.rotary_dim, theta, scaling)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[..., None] * self.inv_freq
@@ -116,9 +131,16 @@ class RotaryEmbedding(nn.Module):
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    table = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16,
-             "float": torch.float32}
+    table = {
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "fp32": torch.float32,
+        "half": torch.float16,
+        "float": torch.float32,
+    }
     if name not in table:
         raise ValueError(f"unsupported dtype {name!r}; use one of bfloat16, float16, float32")
     return table[name]

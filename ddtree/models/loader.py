@@ -44,13 +44,17 @@ def load_state(module: nn.Module, path: str, rename, optional: tuple[str, ...] =
                 tensor = f.get_tensor(key)
                 p = params[name]
                 if tuple(tensor.shape) != tuple(p.shape):
-                    raise ValueError(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+                    raise ValueError(
+                        f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}"
+                    )
                 with torch.no_grad():
                     p.copy_(tensor.to(p.dtype))
                 loaded.add(name)
     missing = [n for n in params if n not in loaded and not n.startswith(optional)]
     if missing:
-        raise ValueError(f"{path}: missing tensors for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"{path}: missing tensors for {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
 
 
 def _target_rename(cfg: TargetConfig):
@@ -58,7 +62,7 @@ def _target_rename(cfg: TargetConfig):
 
     def rename(key: str):
         if key.startswith(prefix):
-            return "model." + key[len(prefix):]
+            return "model." + key[len(prefix) :]
         if key == "lm_head.weight":
             return key
         return None
@@ -68,7 +72,9 @@ def _target_rename(cfg: TargetConfig):
 
 def build_target(cfg: TargetConfig) -> nn.Module:
     if cfg.is_hybrid:
-        from ddtree.models.qwen3_5 import Qwen3_5ForCausalLM  # hybrid targets live in their own module
+        from ddtree.models.qwen3_5 import (
+            Qwen3_5ForCausalLM,
+        )  # hybrid targets live in their own module
 
         return Qwen3_5ForCausalLM(cfg)
     return Qwen3ForCausalLM(cfg)
@@ -92,12 +98,18 @@ def load_drafter(path: str, dtype: torch.dtype, device: str = "cpu") -> DFlashDr
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     model = model.to_empty(device=device).to(dtype)
-    load_state(model, path, lambda k: k[len("model."):] if k.startswith("model.") else k)
+    load_state(model, path, lambda k: k[len("model.") :] if k.startswith("model.") else k)
     return model.eval()
 
 
-def save_model(module: nn.Module, path: str, config: dict, dtype: torch.dtype | None = None,
-               max_shard_bytes: int | None = None, skip: tuple[str, ...] = ()) -> None:
+def save_model(
+    module: nn.Module,
+    path: str,
+    config: dict,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+    skip: tuple[str, ...] = (),
+) -> None:
     """Write `config.json` and safetensors (sharded with an index when `max_shard_bytes` is given)."""
     os.makedirs(path, exist_ok=True)
     state = {}

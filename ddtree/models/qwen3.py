@@ -36,7 +36,9 @@ class Qwen3Attention(nn.Module):
     """q|k|v as one GEMM (`qkv_proj`; HF `q_proj`/`k_proj`/`v_proj` in checkpoints), then one fused kernel for
     the per-head q/k RMSNorms and RoPE."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool):
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool
+    ):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
@@ -44,14 +46,20 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
-        fuse_linears(self, "qkv_proj", (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)))
+        fuse_linears(
+            self,
+            "qkv_proj",
+            (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)),
+        )
 
     def split_qkv(self, qkv: torch.Tensor, cos, sin):
         """qkv [..., q_size + 2 kv_size] (the fused projection) -> normed and rotated (q, k), and v (a view)."""
         shape = qkv.shape[:-1]
-        q = qkv[..., :self.q_size].view(*shape, self.heads, self.head_dim)
-        k = qkv[..., self.q_size:self.q_size + self.kv_size].view(*shape, self.kv_heads, self.head_dim)
-        v = qkv[..., self.q_size + self.kv_size:].view(*shape, self.kv_heads, self.head_dim)
+        q = qkv[..., : self.q_size].view(*shape, self.heads, self.head_dim)
+        k = qkv[..., self.q_size : self.q_size + self.kv_size].view(
+            *shape, self.kv_heads, self.head_dim
+        )
+        v = qkv[..., self.q_size + self.kv_size :].view(*shape, self.kv_heads, self.head_dim)
         q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
         return q, k, v
 
@@ -73,8 +81,12 @@ class Qwen3DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.self_attn = Qwen3Attention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.rms_norm_eps, cfg.attention_bias,
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            cfg.attention_bias,
         )
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -107,7 +119,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor
+        )
         self.scale = cfg.head_dim**-0.5
 
     @property
@@ -115,7 +129,11 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens
 
     def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, tap_layers: tuple[int, ...] = (),
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        tap_layers: tuple[int, ...] = (),
         linear=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden [..., T, H], taps [..., T, len(tap_layers)*H] or None).
@@ -143,7 +161,9 @@ class CausalLM(nn.Module):
     def forward_train(self, input_ids: torch.Tensor, tap_layers: tuple[int, ...] = ()):
         """Dense causal forward for [B, T] ids (training, data generation and tests)."""
         positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-        hidden, taps = self.hidden_states(input_ids, positions, causal_attend(self.scale), tap_layers)
+        hidden, taps = self.hidden_states(
+            input_ids, positions, causal_attend(self.scale), tap_layers
+        )
         return self.logits(hidden), taps
 
 

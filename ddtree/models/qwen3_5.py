@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ddtree.configs import TargetConfig
-from ddtree.models.gated_deltanet import GatedDeltaNet, LinearStateContext
 from ddtree.kernels.fused import qk_norm_rope
+from ddtree.models.gated_deltanet import GatedDeltaNet, LinearStateContext
 from ddtree.models.layers import MLP, RMSNorm, fuse_linears
 from ddtree.models.qwen3 import AttendFn, CausalLM
 
@@ -33,7 +33,11 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
+        )
         self.gated = cfg.attn_output_gate
         bias = cfg.attention_bias
         self.q_size = self.heads * hd * (2 if self.gated else 1)
@@ -42,20 +46,28 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * hd, h, bias=bias)
         self.q_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
-        fuse_linears(self, "qkv_proj", (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)))
+        fuse_linears(
+            self,
+            "qkv_proj",
+            (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)),
+        )
 
     def forward(self, layer: int, x, cos, sin, attend: AttendFn):
         shape = x.shape[:-1]
         qkv = self.qkv_proj(x)
-        q = qkv[..., :self.q_size]
-        k = qkv[..., self.q_size:self.q_size + self.kv_size].view(*shape, self.kv_heads, self.head_dim)
-        v = qkv[..., self.q_size + self.kv_size:].view(*shape, self.kv_heads, self.head_dim)
+        q = qkv[..., : self.q_size]
+        k = qkv[..., self.q_size : self.q_size + self.kv_size].view(
+            *shape, self.kv_heads, self.head_dim
+        )
+        v = qkv[..., self.q_size + self.kv_size :].view(*shape, self.kv_heads, self.head_dim)
         gate = None
         if self.gated:
             q, gate = q.view(*shape, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         else:
             q = q.view(*shape, self.heads, self.head_dim)
-        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps, offset=True)
+        q, k = qk_norm_rope(
+            q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps, offset=True
+        )
         out = attend(layer, q, k, v)
         out = out.reshape(*shape, self.heads * self.head_dim)
         if gate is not None:
@@ -78,7 +90,9 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, h, residual, cos, sin, attend: AttendFn, linear: LinearStateContext | None):
+    def forward(
+        self, layer: int, h, residual, cos, sin, attend: AttendFn, linear: LinearStateContext | None
+    ):
         if self.linear_ordinal is not None:
             h = self.linear_attn(h, self.linear_ordinal, linear)
         else:
@@ -92,7 +106,9 @@ class Qwen3_5Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         ordinal = {layer: j for j, layer in enumerate(cfg.linear_layer_ids)}
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, i, ordinal.get(i)) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(cfg, i, ordinal.get(i)) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -20,8 +20,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.server import protocol
 from ddtree.server.async_engine import AsyncEngine
-from ddtree.server.http import (BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ApiKeyAuth, BodyLimit,
-                                CatchAll)
+from ddtree.server.http import (
+    BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    ApiKeyAuth,
+    BodyLimit,
+    CatchAll,
+)
 from ddtree.server.metrics import pool_snapshot
 from ddtree.server.native_api import native_router
 from ddtree.server.openai_serving import OpenAIServing
@@ -29,8 +34,17 @@ from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRe
 
 # pydantic error kinds where the type was right but the value is not (reported as code
 # invalid_value)
-VALUE_ERRORS = frozenset({"value_error", "finite_number", "too_long", "string_too_long",
-                          "too_short", "string_too_short", "string_unicode"})
+VALUE_ERRORS = frozenset(
+    {
+        "value_error",
+        "finite_number",
+        "too_long",
+        "string_too_long",
+        "too_short",
+        "string_too_short",
+        "string_unicode",
+    }
+)
 
 
 def json_error(e: APIError) -> JSONResponse:
@@ -53,14 +67,28 @@ def add_error_handlers(app: FastAPI) -> None:
     async def _validation_error(request, e: RequestValidationError):
         err = pick_error(e.errors())
         if err.get("type") == "json_invalid":
-            return json_error(APIError(400, f"request body is not valid JSON: {err.get('msg')}", code="invalid_json"))
+            return json_error(
+                APIError(
+                    400, f"request body is not valid JSON: {err.get('msg')}", code="invalid_json"
+                )
+            )
         param = protocol.error_param(err.get("loc", ()))
         if param is None:
-            return json_error(APIError(400, "the request body must be a JSON object (Content-Type: application/json)",
-                                       code="invalid_type"))
+            return json_error(
+                APIError(
+                    400,
+                    "the request body must be a JSON object (Content-Type: application/json)",
+                    code="invalid_type",
+                )
+            )
         kind = err.get("type", "")
-        code = ("missing_required_parameter" if kind == "missing"
-                else "invalid_value" if kind in VALUE_ERRORS else "invalid_type")
+        code = (
+            "missing_required_parameter"
+            if kind == "missing"
+            else "invalid_value"
+            if kind in VALUE_ERRORS
+            else "invalid_type"
+        )
         msg = str(err.get("msg")).removeprefix("Value error, ")
         return json_error(APIError(400, f"{param}: {msg}", param=param, code=code))
 
@@ -69,9 +97,13 @@ def add_error_handlers(app: FastAPI) -> None:
         return json_error(APIError(e.status_code, str(e.detail)))
 
 
-def create_app(aengine: AsyncEngine, args, metrics=None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+def create_app(
+    aengine: AsyncEngine,
+    args,
+    metrics=None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = BODY_TIMEOUT_S,
+) -> FastAPI:
     engine = aengine.engine
     serving = OpenAIServing(aengine, args)
     created = int(time.time())
@@ -103,8 +135,14 @@ def create_app(aengine: AsyncEngine, args, metrics=None,
 
     @v1.get("/models")
     async def models():
-        card = {"id": serving.model_name, "object": "model", "created": created, "owned_by": "ddtree",
-                "root": args.model_path, "max_model_len": engine.max_context}
+        card = {
+            "id": serving.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "ddtree",
+            "root": args.model_path,
+            "max_model_len": engine.max_context,
+        }
         return {"object": "list", "data": [card]}
 
     app.include_router(v1)
@@ -120,10 +158,13 @@ def create_app(aengine: AsyncEngine, args, metrics=None,
     @app.get("/get_server_info")
     async def server_info():
         pools = await aengine.call(lambda: pool_snapshot(engine))
-        return pools | {"model": serving.model_name, "speculative_algorithm": args.speculative_algorithm,
-                        "max_context": engine.max_context,
-                        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
-                        "speculative_ddtree_budget": args.speculative_ddtree_budget}
+        return pools | {
+            "model": serving.model_name,
+            "speculative_algorithm": args.speculative_algorithm,
+            "max_context": engine.max_context,
+            "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+            "speculative_ddtree_budget": args.speculative_ddtree_budget,
+        }
 
     @app.get("/metrics")
     async def prometheus():

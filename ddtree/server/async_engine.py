@@ -208,15 +208,17 @@ class AsyncEngine:
                 safe = len(req.text) - stop_holdback(req.text, req.params.stop)
             else:
                 safe = st.sent_chars
-            text = req.text[st.sent_chars:safe] if safe > st.sent_chars else ""
+            text = req.text[st.sent_chars : safe] if safe > st.sent_chars else ""
             st.sent_chars = max(st.sent_chars, safe)
             n_tok, rounds = req.num_output_tokens, req.stats.accept_lengths
-            new_ids = req.output_ids[st.seen_tokens:n_tok]
-            lps = req.logprobs[st.seen_tokens:n_tok]
+            new_ids = req.output_ids[st.seen_tokens : n_tok]
+            lps = req.logprobs[st.seen_tokens : n_tok]
             lps = decode_entries(self.engine.tokenizer, lps) if lps else []
-            if self.metrics is not None and (n_tok > st.seen_tokens or len(rounds) > st.seen_rounds):
+            if self.metrics is not None and (
+                n_tok > st.seen_tokens or len(rounds) > st.seen_rounds
+            ):
                 first = time.monotonic() - st.added if st.seen_tokens == 0 and n_tok else None
-                self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds:], first)
+                self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds :], first)
             st.seen_tokens, st.seen_rounds = n_tok, len(rounds)
             if done:
                 self._streams.pop(rid)
@@ -231,10 +233,17 @@ class AsyncEngine:
         matched = req.stop_hit
         if matched is None and req.finish_reason == "stop" and req.output_ids:
             matched = req.output_ids[-1]
-        return Delta(text=text, finish_reason=req.finish_reason, error=error,
-                     prompt_tokens=req.num_prompt_tokens,
-                     completion_tokens=req.num_output_tokens, rounds=req.stats.rounds,
-                     mean_accept_length=req.stats.mean_accept_length, matched=matched, **extra)
+        return Delta(
+            text=text,
+            finish_reason=req.finish_reason,
+            error=error,
+            prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=req.num_output_tokens,
+            rounds=req.stats.rounds,
+            mean_accept_length=req.stats.mean_accept_length,
+            matched=matched,
+            **extra,
+        )
 
     def _release(self, rid: str) -> Stream | None:
         st = self._streams.pop(rid, None)

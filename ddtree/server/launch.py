@@ -62,8 +62,11 @@ def draining_server(config, aengine, drain_timeout: float):
                 return
             self.should_exit = True
             if sig == signal.SIGTERM and self._timer is None and drain_timeout > 0:
-                logger.info("SIGTERM: draining in-flight requests for up to %g s (send SIGTERM "
-                            "again or SIGINT to end them now)", drain_timeout)
+                logger.info(
+                    "SIGTERM: draining in-flight requests for up to %g s (send SIGTERM "
+                    "again or SIGINT to end them now)",
+                    drain_timeout,
+                )
                 self._timer = threading.Timer(drain_timeout, self.end_in_flight)
                 self._timer.daemon = True
                 self._timer.start()
@@ -96,12 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.server.http import uvicorn_kwargs
 
     app, aengine = build_app(args)
-    logger.info("serving %s (%s) on http://%s:%d", args.served_model_name, args.speculative_algorithm,
-                args.host, args.port)
+    logger.info(
+        "serving %s (%s) on http://%s:%d",
+        args.served_model_name,
+        args.speculative_algorithm,
+        args.host,
+        args.port,
+    )
     # uvicorn's own graceful timeout is only a backstop: ended requests answer within a step
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, **uvicorn_kwargs(),
-                            timeout_graceful_shutdown=args.graceful_shutdown_timeout + 10)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        **uvicorn_kwargs(),
+        timeout_graceful_shutdown=args.graceful_shutdown_timeout + 10,
+    )
     try:
         draining_server(config, aengine, args.graceful_shutdown_timeout).run()
     finally:

@@ -9,7 +9,14 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 THROUGHPUT_WINDOW_S = 5.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -21,34 +28,70 @@ class ServerMetrics:
     def __init__(self, algorithm: str, max_accept_length: int):
         r = self.registry = CollectorRegistry()
         self.algorithm = algorithm
-        self.requests = Counter("ddtree_requests", "Finished requests by finish reason", ["finish_reason"],
-                                registry=r)
-        self.prompt_tokens = Counter("ddtree_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.requests = Counter(
+            "ddtree_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "ddtree_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
         self.generation_tokens = Counter("ddtree_generation_tokens", "Generated tokens", registry=r)
-        self.throughput = Gauge("ddtree_generation_throughput_tokens_per_second",
-                                f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s", registry=r)
-        self.running = Gauge("ddtree_num_running_requests", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("ddtree_num_waiting_requests", "Queue depth: requests waiting to be scheduled",
-                             registry=r)
-        self.preemptions = Gauge("ddtree_num_preemptions", "Preemptions (KV recomputed) since start", registry=r)
+        self.throughput = Gauge(
+            "ddtree_generation_throughput_tokens_per_second",
+            f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s",
+            registry=r,
+        )
+        self.running = Gauge(
+            "ddtree_num_running_requests", "Requests in the running batch", registry=r
+        )
+        self.waiting = Gauge(
+            "ddtree_num_waiting_requests",
+            "Queue depth: requests waiting to be scheduled",
+            registry=r,
+        )
+        self.preemptions = Gauge(
+            "ddtree_num_preemptions", "Preemptions (KV recomputed) since start", registry=r
+        )
         self.kv_total = Gauge("ddtree_kv_pages_total", "KV cache pages", registry=r)
         self.kv_free = Gauge("ddtree_kv_pages_free", "Free KV cache pages", registry=r)
         self.kv_used = Gauge("ddtree_kv_pages_used", "KV cache pages owned by requests", registry=r)
         self.kv_usage = Gauge("ddtree_kv_usage_ratio", "Used / total KV pages", registry=r)
-        self.slots_total = Gauge("ddtree_request_slots_total", "Request slots (block-table rows)", registry=r)
+        self.slots_total = Gauge(
+            "ddtree_request_slots_total", "Request slots (block-table rows)", registry=r
+        )
         self.slots_free = Gauge("ddtree_request_slots_free", "Free request slots", registry=r)
-        self.state_total = Gauge("ddtree_state_pool_slots_total", "Recurrent-state pool rows (0: dense target)",
-                                 registry=r)
-        self.state_used = Gauge("ddtree_state_pool_slots_used", "Recurrent-state pool rows in use", registry=r)
-        self.rounds = Counter("ddtree_spec_rounds", "Decoding rounds (one verify forward per request)",
-                              ["algorithm"], registry=r)
+        self.state_total = Gauge(
+            "ddtree_state_pool_slots_total",
+            "Recurrent-state pool rows (0: dense target)",
+            registry=r,
+        )
+        self.state_used = Gauge(
+            "ddtree_state_pool_slots_used", "Recurrent-state pool rows in use", registry=r
+        )
+        self.rounds = Counter(
+            "ddtree_spec_rounds",
+            "Decoding rounds (one verify forward per request)",
+            ["algorithm"],
+            registry=r,
+        )
         self.accept_length = Histogram(
-            "ddtree_accept_length", "Tokens emitted per round (accepted draft tokens + bonus)", ["algorithm"],
-            buckets=tuple(float(k) for k in range(1, max(2, max_accept_length) + 1)), registry=r)
-        self.ttft = Histogram("ddtree_time_to_first_token_seconds", "Admission to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("ddtree_e2e_request_latency_seconds", "Admission to finish", buckets=LATENCY_BUCKETS,
-                             registry=r)
+            "ddtree_accept_length",
+            "Tokens emitted per round (accepted draft tokens + bonus)",
+            ["algorithm"],
+            buckets=tuple(float(k) for k in range(1, max(2, max_accept_length) + 1)),
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ddtree_time_to_first_token_seconds",
+            "Admission to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ddtree_e2e_request_latency_seconds",
+            "Admission to finish",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.engine_errors = Counter("ddtree_engine_errors", "Engine steps that raised", registry=r)
         self._window: deque[tuple[float, int]] = deque()
         self._window_tokens = 0
@@ -56,7 +99,9 @@ class ServerMetrics:
     def on_admit(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 
-    def on_progress(self, new_tokens: int, new_rounds: list[int], first_token_latency: float | None) -> None:
+    def on_progress(
+        self, new_tokens: int, new_rounds: list[int], first_token_latency: float | None
+    ) -> None:
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
             now = time.monotonic()
@@ -113,10 +158,14 @@ def pool_snapshot(engine) -> dict:
         integrity = f"FAILED: {e}"
     slots = runner.cfg.max_running_requests
     return {
-        "num_running_requests": len(sched.running), "num_waiting_requests": len(sched.waiting),
+        "num_running_requests": len(sched.running),
+        "num_waiting_requests": len(sched.waiting),
         "num_preemptions": sched.num_preemptions,
-        "kv_pages_total": bm.num_pages, "kv_pages_free": bm.num_free_pages, "page_size": bm.page_size,
-        "request_slots_total": slots, "request_slots_free": bm.num_free_slots,
+        "kv_pages_total": bm.num_pages,
+        "kv_pages_free": bm.num_free_pages,
+        "page_size": bm.page_size,
+        "request_slots_total": slots,
+        "request_slots_free": bm.num_free_slots,
         "state_pool_slots_total": slots if runner.state_pool is not None else 0,
         "state_pool_slots_free": bm.num_free_slots if runner.state_pool is not None else 0,
         "kv_integrity": integrity,

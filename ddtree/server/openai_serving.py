@@ -24,7 +24,9 @@ from ddtree.server.async_engine import AsyncEngine, Delta, EngineUnavailable, St
 from ddtree.server.logprob_format import chat_logprobs, completion_logprobs
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context
+DEFAULT_COMPLETION_MAX_TOKENS = (
+    16  # OpenAI's default for /v1/completions; chat defaults to the context
+)
 DISCONNECT_POLL_S = 0.5
 
 
@@ -32,7 +34,9 @@ class SSEResponse(StreamingResponse):
     """An event stream that runs `on_close` however it ends (finished, client gone, or cancelled)."""
 
     def __init__(self, content, on_close):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send):
@@ -49,23 +53,32 @@ def sse(obj) -> str:
 def usage(ds: list[Delta]) -> dict:
     """One prompt, n choices: the prompt counts once, the completions add up (as OpenAI)."""
     prompt, completion = ds[0].prompt_tokens, sum(d.completion_tokens for d in ds)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def prompt_chars(body) -> int:
     """Characters of prompt text a request carries (token-id prompts count 0: the context check
     bounds them)."""
     if isinstance(body, ChatCompletionRequest):
-        return sum(len(m.content) if isinstance(m.content, str)
-                   else sum(len(p.text) for p in m.content or ()) for m in body.messages)
+        return sum(
+            len(m.content)
+            if isinstance(m.content, str)
+            else sum(len(p.text) for p in m.content or ())
+            for m in body.messages
+        )
     p = body.prompt
     return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
 
 
 def tokenize(engine, text: str, param: str) -> list[int]:
     if engine.tokenizer is None:
-        raise protocol.invalid(param, "this model has no tokenizer; send the prompt as a list of token ids")
+        raise protocol.invalid(
+            param, "this model has no tokenizer; send the prompt as a list of token ids"
+        )
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -87,8 +100,9 @@ class Interleaved:
                 return
 
     async def __aiter__(self):
-        self.tasks = [asyncio.ensure_future(self._forward(i, st))
-                      for i, st in enumerate(self.streams)]
+        self.tasks = [
+            asyncio.ensure_future(self._forward(i, st)) for i, st in enumerate(self.streams)
+        ]
         while len(self.done) < len(self.streams):
             i, d = await self.merged.get()
             if d.finish_reason is not None or d.error is not None:
@@ -117,8 +131,9 @@ class OpenAIServing:
         mean = sum(d.mean_accept_length * d.rounds for d in ds) / rounds if rounds else 0.0
         return {"algorithm": self.algorithm, "mean_accept_length": mean, "rounds": rounds}
 
-    async def start(self, body, prompt_of, param: str,
-                    default_max_tokens: int | None) -> list[Stream]:
+    async def start(
+        self, body, prompt_of, param: str, default_max_tokens: int | None
+    ) -> list[Stream]:
         """Validate, tokenize (on the engine thread: prompt_of(engine) -> ids) and admit body.n
         requests; failures are APIErrors. `model` picks nothing: the one served model answers any
         name, as in SGLang."""
@@ -126,10 +141,14 @@ class OpenAIServing:
         chars = prompt_chars(body)
         if chars > limits.prompt_chars_limit(self.max_context):
             per_token = limits.PROMPT_CHARS_PER_TOKEN
-            raise APIError(400, f"{param}: has {chars} characters; this model's context length is "
-                                f"{self.max_context} tokens (at most {per_token} characters per token "
-                                "are accepted before tokenizing)", param=param,
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{param}: has {chars} characters; this model's context length is "
+                f"{self.max_context} tokens (at most {per_token} characters per token "
+                "are accepted before tokenizing)",
+                param=param,
+                code="context_length_exceeded",
+            )
 
         def prepare(e):
             ids = prompt_of(e)
@@ -158,8 +177,9 @@ class OpenAIServing:
 
         try:
             streams = [await self.aengine.submit(prepare_first)]
-            results = await asyncio.gather(*(self.aengine.submit(nth(i)) for i in range(1, n)),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(self.aengine.submit(nth(i)) for i in range(1, n)), return_exceptions=True
+            )
         except EngineUnavailable as err:
             raise APIError(503, str(err), code="engine_unavailable") from err
         except ValueError as err:  # the engine's own admission checks
@@ -211,8 +231,9 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    def stream(self, streams: list[Stream], body, chunk_of,
-               first_chunks: tuple = ()) -> SSEResponse:
+    def stream(
+        self, streams: list[Stream], body, chunk_of, first_chunks: tuple = ()
+    ) -> SSEResponse:
         """chunk_of(i, d, None) builds choice i's chunk from Delta d (text, log-probs),
         chunk_of(i, None, reason) its finishing chunk, chunk_of(None, None, None) one without
         choices. The choices' deltas interleave."""
@@ -243,10 +264,18 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request):
         prompt = protocol.completion_prompt(body)
         want_logprobs, _ = protocol.logprob_fields(body)
-        ids_of = (lambda e: tokenize(e, prompt, "prompt")) if isinstance(prompt, str) else (lambda e: list(prompt))
+        ids_of = (
+            (lambda e: tokenize(e, prompt, "prompt"))
+            if isinstance(prompt, str)
+            else (lambda e: list(prompt))
+        )
         streams = await self.start(body, ids_of, "prompt", DEFAULT_COMPLETION_MAX_TOKENS)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         if body.stream:
             offsets = [0] * len(streams)
 
@@ -254,20 +283,30 @@ class OpenAIServing:
                 if i is None:
                     return head | {"choices": []}
                 if d is None:
-                    return head | {"choices": [{"index": i, "text": "", "logprobs": None,
-                                                "finish_reason": reason}]}
+                    return head | {
+                        "choices": [
+                            {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
+                        ]
+                    }
                 lp = None
                 if want_logprobs:
                     lp = completion_logprobs(d.logprobs, offsets[i])
                     offsets[i] += sum(len(e.token) for e in d.logprobs)
-                return head | {"choices": [{"index": i, "text": d.text, "logprobs": lp,
-                                            "finish_reason": None}]}
+                return head | {
+                    "choices": [{"index": i, "text": d.text, "logprobs": lp, "finish_reason": None}]
+                }
 
             return self.stream(streams, body, chunk)
         ds = await self.final_deltas(streams, request)
-        choices = [{"index": i, "text": d.text, "finish_reason": d.finish_reason,
-                    "logprobs": completion_logprobs(d.logprobs, 0) if want_logprobs else None}
-                   for i, d in enumerate(ds)]
+        choices = [
+            {
+                "index": i,
+                "text": d.text,
+                "finish_reason": d.finish_reason,
+                "logprobs": completion_logprobs(d.logprobs, 0) if want_logprobs else None,
+            }
+            for i, d in enumerate(ds)
+        ]
         return head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -276,13 +315,22 @@ class OpenAIServing:
 
         def render(e):
             if e.tokenizer is None or not getattr(e.tokenizer, "chat_template", None):
-                raise protocol.invalid("messages", "this model's tokenizer has no chat template; use /v1/completions")
-            text = e.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                raise protocol.invalid(
+                    "messages", "this model's tokenizer has no chat template; use /v1/completions"
+                )
+            text = e.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
             return tokenize(e, text, "messages")
 
         streams = await self.start(body, render, "messages", None)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "system_fingerprint": None}
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "system_fingerprint": None,
+        }
 
         def logprobs_of(d):
             return chat_logprobs(d.logprobs) if want_logprobs else None
@@ -294,19 +342,42 @@ class OpenAIServing:
                 if i is None:
                     return head | {"choices": []}
                 if d is None:
-                    return head | {"choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                "finish_reason": reason}]}
+                    return head | {
+                        "choices": [
+                            {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
+                        ]
+                    }
                 delta = {"content": d.text}
-                return head | {"choices": [{"index": i, "delta": delta, "logprobs": logprobs_of(d),
-                                            "finish_reason": None}]}
+                return head | {
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": delta,
+                            "logprobs": logprobs_of(d),
+                            "finish_reason": None,
+                        }
+                    ]
+                }
 
             role = {"role": "assistant", "content": ""}
-            first = tuple(head | {"choices": [{"index": i, "delta": role, "logprobs": None,
-                                               "finish_reason": None}]}
-                          for i in range(len(streams)))
+            first = tuple(
+                head
+                | {
+                    "choices": [
+                        {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+                    ]
+                }
+                for i in range(len(streams))
+            )
             return self.stream(streams, body, chunk, first)
         ds = await self.final_deltas(streams, request)
-        choices = [{"index": i, "message": {"role": "assistant", "content": d.text},
-                    "logprobs": logprobs_of(d), "finish_reason": d.finish_reason}
-                   for i, d in enumerate(ds)]
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": d.text},
+                "logprobs": logprobs_of(d),
+                "finish_reason": d.finish_reason,
+            }
+            for i, d in enumerate(ds)
+        ]
         return head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}

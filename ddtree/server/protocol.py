@@ -23,8 +23,16 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
 from ddtree.engine.request import SamplingParams
-from ddtree.server.limits import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRINGS,
-                                  MAX_STOP_TOKEN_IDS, Finite, Name, StopString, Text)
+from ddtree.server.limits import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    Finite,
+    Name,
+    StopString,
+    Text,
+)
 
 MAX_SEED = 2**63
 MAX_N = 16
@@ -33,8 +41,14 @@ MAX_N = 16
 class APIError(Exception):
     """A request failure with its HTTP status, rendered as {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
@@ -85,11 +99,17 @@ class _SamplingFields(BaseModel):
 
     # (field, neutral values): set to anything else, the request is rejected instead of silently ignored
     UNSUPPORTED: ClassVar[tuple] = (
-        ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
+        ("presence_penalty", (None, 0)),
+        ("frequency_penalty", (None, 0)),
         ("repetition_penalty", (None, 1)),
-        ("min_p", (None, 0)), ("min_tokens", (None, 0)), ("logit_bias", (None, {})),
-        ("response_format", (None, {"type": "text"})), ("regex", (None,)), ("json_schema", (None,)),
-        ("ebnf", (None,)))
+        ("min_p", (None, 0)),
+        ("min_tokens", (None, 0)),
+        ("logit_bias", (None, {})),
+        ("response_format", (None, {"type": "text"})),
+        ("regex", (None,)),
+        ("json_schema", (None,)),
+        ("ebnf", (None,)),
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -100,7 +120,10 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
     UNSUPPORTED: ClassVar[tuple] = _SamplingFields.UNSUPPORTED + (
-        ("echo", (None, False)), ("suffix", (None, "")), ("best_of", (None, 1)))
+        ("echo", (None, False)),
+        ("suffix", (None, "")),
+        ("best_of", (None, 1)),
+    )
 
 
 class TextPart(BaseModel):
@@ -127,8 +150,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     # tool_choice / function_call "none" and "auto" without tools both mean plain text
     UNSUPPORTED: ClassVar[tuple] = _SamplingFields.UNSUPPORTED + (
-        ("tools", (None, [])), ("tool_choice", (None, "none", "auto")), ("functions", (None, [])),
-        ("function_call", (None, "none", "auto")))
+        ("tools", (None, [])),
+        ("tool_choice", (None, "none", "auto")),
+        ("functions", (None, [])),
+        ("function_call", (None, "none", "auto")),
+    )
 
 
 def error_param(loc) -> str | None:
@@ -136,8 +162,15 @@ def error_param(loc) -> str | None:
     from ddtree.server.native_protocol import GenerateRequest, NativeSamplingParams
 
     names = set()
-    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
-                  GenerateRequest, NativeSamplingParams):
+    for model in (
+        CompletionRequest,
+        ChatCompletionRequest,
+        ChatMessage,
+        TextPart,
+        StreamOptions,
+        GenerateRequest,
+        NativeSamplingParams,
+    ):
         names.update(model.model_fields)
     parts = [str(x) for x in loc if isinstance(x, int) or x in names]
     return ".".join(parts) or None
@@ -150,7 +183,11 @@ def check_supported(req: _SamplingFields) -> None:
         raise invalid("seed", f"with n={req.n}, seeds seed..seed+{req.n - 1} must be below 2**63")
     for name, neutral in req.UNSUPPORTED:
         if getattr(req, name) not in neutral:
-            raise invalid(name, "is not supported by this server; leave it unset", code="unsupported_parameter")
+            raise invalid(
+                name,
+                "is not supported by this server; leave it unset",
+                code="unsupported_parameter",
+            )
 
 
 def logprob_fields(req: _SamplingFields) -> tuple[bool, int]:
@@ -174,8 +211,10 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
-            raise invalid("prompt", f"batched prompts are not supported (got {len(p)}); send one prompt per "
-                                    "request")
+            raise invalid(
+                "prompt",
+                f"batched prompts are not supported (got {len(p)}); send one prompt per request",
+            )
         p = p[0]
     if len(p) == 0:
         raise invalid("prompt", "is empty")
@@ -201,13 +240,18 @@ def check_prompt_ids(ids: list[int], vocab_size: int, max_context: int, param: s
     if bad:
         raise invalid(param, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     if len(ids) >= max_context:
-        raise APIError(400, f"{param}: has {len(ids)} tokens but this model's context length is {max_context} "
-                            "tokens (prompt plus at least one generated token must fit)", param=param,
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"{param}: has {len(ids)} tokens but this model's context length is {max_context} "
+            "tokens (prompt plus at least one generated token must fit)",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
-def sampling_params(req: _SamplingFields, prompt_len: int, max_context: int,
-                    default_max_tokens: int | None) -> SamplingParams:
+def sampling_params(
+    req: _SamplingFields, prompt_len: int, max_context: int, default_max_tokens: int | None
+) -> SamplingParams:
     """Validated SamplingParams; each bad value raises a 400 naming its field. default_max_tokens None means
     'up to the context length'."""
     room = max_context - prompt_len
@@ -220,9 +264,13 @@ def sampling_params(req: _SamplingFields, prompt_len: int, max_context: int,
     elif max_tokens <= 0:
         raise invalid(name, f"must be at least 1 (got {max_tokens})")
     elif max_tokens > room:
-        raise APIError(400, f"{name}: {max_tokens} is too large: the prompt has {prompt_len} tokens and this "
-                            f"model's context length is {max_context}, so at most {room} tokens can be generated",
-                       param=name, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"{name}: {max_tokens} is too large: the prompt has {prompt_len} tokens and this "
+            f"model's context length is {max_context}, so at most {room} tokens can be generated",
+            param=name,
+            code="context_length_exceeded",
+        )
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature < 0:
         raise invalid("temperature", f"must be >= 0 (got {temperature})")
@@ -243,9 +291,18 @@ def sampling_params(req: _SamplingFields, prompt_len: int, max_context: int,
         raise invalid("ddtree_budget", f"must be >= 1 (got {req.ddtree_budget})")
     want_logprobs, top_logprobs = logprob_fields(req)
     try:
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                              stop=stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                              seed=req.seed, ddtree_budget=req.ddtree_budget,
-                              logprobs=want_logprobs, top_logprobs=top_logprobs)
+        return SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            seed=req.seed,
+            ddtree_budget=req.ddtree_budget,
+            logprobs=want_logprobs,
+            top_logprobs=top_logprobs,
+        )
     except ValueError as e:
         raise APIError(400, str(e)) from e

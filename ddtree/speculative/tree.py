@@ -24,7 +24,9 @@ class DraftTree:
     parents: Tensor  # [b, n] int64; root and padding -1; parent index < node index
     depths: Tensor  # [b, n] int64; root 0, drafted nodes 1..D, padding 0
     valid: Tensor  # [b, n] bool; root True, padding False
-    tree_mask: Tensor  # [b, n, n] bool; row i = ancestors of i and i itself (padding rows: self only)
+    tree_mask: (
+        Tensor  # [b, n, n] bool; row i = ancestors of i and i itself (padding rows: self only)
+    )
     num_depths: int | None = None  # static bound D on node depth; None means n - 1
 
     @property
@@ -44,7 +46,9 @@ class DraftTree:
         return seq_lens[:, None].to(self.depths.dtype) + self.depths
 
     @classmethod
-    def from_parents(cls, tokens: Tensor, parents: Tensor, num_depths: int | None = None) -> DraftTree:
+    def from_parents(
+        cls, tokens: Tensor, parents: Tensor, num_depths: int | None = None
+    ) -> DraftTree:
         """Derive depths/valid/mask from parent links (parent < node; -1 marks root and padding)."""
         n = tokens.shape[1]
         bound = n - 1 if num_depths is None else num_depths
@@ -169,7 +173,9 @@ def build_tree(
 
     node_depth = node_flat // B + 1
     node_id = torch.arange(1, B + 1, device=device).expand(b, B)
-    flat_to_node = torch.zeros(b, D * B, dtype=torch.int64, device=device).scatter(1, node_flat, node_id)
+    flat_to_node = torch.zeros(b, D * B, dtype=torch.int64, device=device).scatter(
+        1, node_flat, node_id
+    )
     parent_flat = ((node_depth - 2) * B + pslot_all.gather(1, node_flat)).clamp(min=0)
     parent = torch.where(node_depth == 1, 0, flat_to_node.gather(1, parent_flat))
 
@@ -183,7 +189,9 @@ def build_tree(
     )
 
 
-def build_chain(root_tokens: Tensor, draft_logits: Tensor, max_depth: Tensor | None = None) -> DraftTree:
+def build_chain(
+    root_tokens: Tensor, draft_logits: Tensor, max_depth: Tensor | None = None
+) -> DraftTree:
     """The DFLASH chain of top-1 tokens (n = 1 + D); nodes beyond max_depth[b] are padding."""
     b, D, _ = draft_logits.shape
     device = draft_logits.device
@@ -200,7 +208,9 @@ def build_chain(root_tokens: Tensor, draft_logits: Tensor, max_depth: Tensor | N
     )
 
 
-def _assemble(root: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, ok: Tensor, D: int) -> DraftTree:
+def _assemble(
+    root: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, ok: Tensor, D: int
+) -> DraftTree:
     b = tokens.shape[0]
     device = tokens.device
     root = root.to(device=device, dtype=torch.int64).reshape(b, 1)

@@ -81,12 +81,18 @@ def build_tree_ref(
     return tree
 
 
-def accept_ref(tokens: list[int], parents: list[int], valid: list[bool], target: list[int]) -> list[int]:
+def accept_ref(
+    tokens: list[int], parents: list[int], valid: list[bool], target: list[int]
+) -> list[int]:
     """Walk from the root: move to the child whose token equals target[current]. Returns the path."""
     path = [0]
     while True:
         cur = path[-1]
-        nxt = [i for i in range(len(tokens)) if valid[i] and parents[i] == cur and tokens[i] == target[cur]]
+        nxt = [
+            i
+            for i in range(len(tokens))
+            if valid[i] and parents[i] == cur and tokens[i] == target[cur]
+        ]
         if not nxt:
             return path
         path.append(nxt[0])

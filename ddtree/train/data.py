@@ -30,10 +30,18 @@ def successor_table(vocab: int) -> torch.Tensor:
     return table
 
 
-def synthetic_sequences(n: int, length: int, vocab: int = 64, seed: int = 0, noise: float = 0.03,
-                        segment: tuple[int, int] = (16, 32), max_stride: int = 3) -> torch.LongTensor:
+def synthetic_sequences(
+    n: int,
+    length: int,
+    vocab: int = 64,
+    seed: int = 0,
+    noise: float = 0.03,
+    segment: tuple[int, int] = (16, 32),
+    max_stride: int = 3,
+) -> torch.LongTensor:
     """[n, length] sequences `<|bos|>` + segments of three regular kinds over tokens 4..vocab-1:
-    arithmetic progressions mod the regular range (stride +-1..max_stride, fixed per sequence), repeated motifs of 2-5 tokens,
+    arithmetic progressions mod the regular range (stride +-1..max_stride, fixed per sequence),
+    repeated motifs of 2-5 tokens,
     and walks of the fixed successor permutation. Segment boundaries are random and a fraction `noise` of
     positions is replaced by a random token (the underlying pattern carries on past it), so a model learns
     the structure quickly but cannot predict every token."""
@@ -73,12 +81,17 @@ def synthetic_sequences(n: int, length: int, vocab: int = 64, seed: int = 0, noi
 
 # ---------------------------------------------------------------- tokenizers
 
+
 def _save_fast_tokenizer(tok, out_dir: str, chat_template: str | None = None):
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=SPECIAL_TOKENS[BOS_ID], eos_token=SPECIAL_TOKENS[EOS_ID],
-        pad_token=SPECIAL_TOKENS[BOS_ID], mask_token=SPECIAL_TOKENS[MASK_ID], unk_token=SPECIAL_TOKENS[UNK_ID],
+        tokenizer_object=tok,
+        bos_token=SPECIAL_TOKENS[BOS_ID],
+        eos_token=SPECIAL_TOKENS[EOS_ID],
+        pad_token=SPECIAL_TOKENS[BOS_ID],
+        mask_token=SPECIAL_TOKENS[MASK_ID],
+        unk_token=SPECIAL_TOKENS[UNK_ID],
     )
     if chat_template:
         fast.chat_template = chat_template
@@ -88,7 +101,9 @@ def _save_fast_tokenizer(tok, out_dir: str, chat_template: str | None = None):
 
 
 # Prompts are plain text: each message's content, then nothing else (the corpora have no chat turns).
-PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+PLAIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+)
 
 
 def word_tokenizer(vocab: int, out_dir: str | None = None):
@@ -102,14 +117,17 @@ def word_tokenizer(vocab: int, out_dir: str | None = None):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{SPECIAL_TOKENS[BOS_ID]} $A", special_tokens=[(SPECIAL_TOKENS[BOS_ID], BOS_ID)])
+        single=f"{SPECIAL_TOKENS[BOS_ID]} $A", special_tokens=[(SPECIAL_TOKENS[BOS_ID], BOS_ID)]
+    )
     if out_dir is None:
         return tok
     return _save_fast_tokenizer(tok, out_dir, PLAIN_CHAT_TEMPLATE)
 
 
-def stdlib_files(holdout: tuple[str, ...] = ("json", "argparse", "textwrap", "statistics"),
-                 root: str | None = None) -> tuple[list[str], list[str]]:
+def stdlib_files(
+    holdout: tuple[str, ...] = ("json", "argparse", "textwrap", "statistics"),
+    root: str | None = None,
+) -> tuple[list[str], list[str]]:
     """(train, held-out) .py files of the Python standard library, sorted; tests, site-packages and idlelib
     are skipped. `holdout` names top-level modules or packages kept for evaluation."""
     root = root or sysconfig.get_paths()["stdlib"]
@@ -144,8 +162,11 @@ def train_bpe_tokenizer(files: list[str], vocab_size: int, out_dir: str, min_fre
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train(files, trainer)
     for i, t in enumerate(SPECIAL_TOKENS):
@@ -159,7 +180,9 @@ def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
 
-def pack_documents(docs: list[list[int]], length: int, bos: int = BOS_ID, eos: int = EOS_ID) -> torch.LongTensor:
+def pack_documents(
+    docs: list[list[int]], length: int, bos: int = BOS_ID, eos: int = EOS_ID
+) -> torch.LongTensor:
     """Concatenate `bos + doc + eos` for every doc and cut the stream into [N, length] rows (remainder dropped)."""
     stream: list[int] = []
     for d in docs:
@@ -172,9 +195,13 @@ def pack_documents(docs: list[list[int]], length: int, bos: int = BOS_ID, eos: i
 
 # ---------------------------------------------------------------- token files
 
+
 def save_tokens(path: str, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.save({"input_ids": input_ids.cpu(), "loss_mask": None if loss_mask is None else loss_mask.cpu()}, path)
+    torch.save(
+        {"input_ids": input_ids.cpu(), "loss_mask": None if loss_mask is None else loss_mask.cpu()},
+        path,
+    )
 
 
 def load_tokens(path: str, tokenizer=None, add_bos: bool = True):
@@ -203,7 +230,9 @@ def load_tokens(path: str, tokenizer=None, add_bos: bool = True):
     return obj["input_ids"].long(), obj.get("loss_mask")
 
 
-def right_pad(seqs: list[list[int]], pad: int = BOS_ID) -> tuple[torch.LongTensor, torch.BoolTensor]:
+def right_pad(
+    seqs: list[list[int]], pad: int = BOS_ID
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
     """Left-align variable-length sequences into [N, max_len]; returns (ids, real-token mask)."""
     width = max(len(p) for p in seqs)
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)

@@ -19,8 +19,15 @@ from ddtree.configs import DrafterConfig, TargetConfig, default_target_layer_ids
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.loader import save_model
 from ddtree.models.qwen3 import Qwen3ForCausalLM, causal_attend
-from ddtree.train.lm import (autocast, batches, init_weights, load_checkpoint, lr_at, progress_bar,
-                             save_checkpoint)
+from ddtree.train.lm import (
+    autocast,
+    batches,
+    init_weights,
+    load_checkpoint,
+    lr_at,
+    progress_bar,
+    save_checkpoint,
+)
 
 
 def default_gamma(block_size: int) -> float:
@@ -28,9 +35,14 @@ def default_gamma(block_size: int) -> float:
     return {16: 7.0, 8: 4.0}.get(block_size, 7.0 * block_size / 16)
 
 
-def drafter_config_for(target_cfg: TargetConfig, num_layers: int = 5, block_size: int = 16,
-                       mask_token_id: int | None = None, target_layer_ids: tuple[int, ...] | None = None,
-                       torch_dtype: str = "bfloat16") -> dict:
+def drafter_config_for(
+    target_cfg: TargetConfig,
+    num_layers: int = 5,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    target_layer_ids: tuple[int, ...] | None = None,
+    torch_dtype: str = "bfloat16",
+) -> dict:
     """A z-lab-format DFlash config.json dict with the target's geometry. Default taps are
     `default_target_layer_ids(L, num_layers)` clipped to [0, L-1] and de-duplicated (tiny targets). The mask id
     defaults to the target config's `mask_token_id` (our own targets reserve one) or else its last vocab row;
@@ -44,33 +56,56 @@ def drafter_config_for(target_cfg: TargetConfig, num_layers: int = 5, block_size
     if mask_token_id is None:
         mask_token_id = int(target_cfg.raw.get("mask_token_id", target_cfg.vocab_size - 1))
     if not 0 <= mask_token_id < target_cfg.vocab_size:
-        raise ValueError(f"mask_token_id {mask_token_id} is not a row of the {target_cfg.vocab_size}-row embedding")
+        raise ValueError(
+            f"mask_token_id {mask_token_id} is not a row of the {target_cfg.vocab_size}-row embedding"
+        )
     return {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-        "hidden_size": target_cfg.hidden_size, "intermediate_size": target_cfg.intermediate_size,
-        "num_hidden_layers": num_layers, "num_attention_heads": target_cfg.num_attention_heads,
-        "num_key_value_heads": target_cfg.num_key_value_heads, "head_dim": target_cfg.head_dim,
-        "vocab_size": target_cfg.vocab_size, "hidden_act": "silu", "attention_bias": False,
-        "rms_norm_eps": target_cfg.rms_norm_eps, "rope_theta": target_cfg.rope_theta,
-        "rope_scaling": target_cfg.rope_scaling, "max_position_embeddings": target_cfg.max_position_embeddings,
-        "layer_types": ["full_attention"] * num_layers, "use_sliding_window": False, "sliding_window": None,
-        "tie_word_embeddings": False, "torch_dtype": torch_dtype, "block_size": block_size,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": target_cfg.hidden_size,
+        "intermediate_size": target_cfg.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": target_cfg.num_attention_heads,
+        "num_key_value_heads": target_cfg.num_key_value_heads,
+        "head_dim": target_cfg.head_dim,
+        "vocab_size": target_cfg.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": target_cfg.rms_norm_eps,
+        "rope_theta": target_cfg.rope_theta,
+        "rope_scaling": target_cfg.rope_scaling,
+        "max_position_embeddings": target_cfg.max_position_embeddings,
+        "layer_types": ["full_attention"] * num_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": torch_dtype,
+        "block_size": block_size,
         "num_target_layers": L,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids),
-                          "block_size": block_size},
+        "dflash_config": {
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": list(target_layer_ids),
+            "block_size": block_size,
+        },
     }
 
 
-def block_embeds(target: nn.Module, ids: torch.Tensor, anchors: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor:
+def block_embeds(
+    target: nn.Module, ids: torch.Tensor, anchors: torch.Tensor, cfg: DrafterConfig
+) -> torch.Tensor:
     """Frozen target embedding of the blocks `[x_a, MASK x (S-1)]`: [B, A, S, H] in fp32."""
-    blk = torch.full((*anchors.shape, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=ids.device)
+    blk = torch.full(
+        (*anchors.shape, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=ids.device
+    )
     blk[..., 0] = ids.gather(1, anchors)
     embed = getattr(target, "embed_tokens", None) or target.model.embed_tokens
     with torch.no_grad():
         return embed(blk).float()
 
 
-def target_features(target: nn.Module, ids: torch.Tensor, taps: tuple[int, ...], want_logits: bool = False):
+def target_features(
+    target: nn.Module, ids: torch.Tensor, taps: tuple[int, ...], want_logits: bool = False
+):
     """(taps [B, T, K*H], final hidden or logits [B, T, *] or None, is_logits) under no_grad."""
     with torch.no_grad():
         if isinstance(target, Qwen3ForCausalLM) and not want_logits:
@@ -81,7 +116,9 @@ def target_features(target: nn.Module, ids: torch.Tensor, taps: tuple[int, ...],
         return feats, logits, True
 
 
-def sample_anchors(valid: torch.Tensor, num: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    valid: torch.Tensor, num: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num` distinct anchors per row among `valid` [B, T] positions: (anchors [B, A], keep [B, A])."""
     scores = torch.rand(valid.shape, generator=gen).to(valid.device)
     scores = scores.masked_fill(~valid, -1.0)
@@ -111,14 +148,26 @@ def _rows_loss(drafter, lm_head, h, labels, w, teacher, teacher_is_logits):
     return (nll * w).sum(), logits.argmax(-1) == labels
 
 
-def block_loss(drafter: DFlashDrafter, target: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None,
-               anchors: torch.Tensor, keep: torch.Tensor, gamma: float, kd: bool = False,
-               chunk_elems: int = 1 << 27) -> tuple[torch.Tensor, torch.Tensor]:
+def block_loss(
+    drafter: DFlashDrafter,
+    target: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    gamma: float,
+    kd: bool = False,
+    chunk_elems: int = 1 << 27,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted loss, per-block acceptance length [B, A] counted on the labels) for one batch."""
     cfg = drafter.config
-    S, (B, T) = cfg.block_size, ids.shape
-    feats, teacher_all, is_logits = target_features(target, ids, cfg.target_layer_ids, want_logits=False)
-    hidden = drafter.forward_train(feats, block_embeds(target, ids, anchors, cfg), anchors)[:, :, 1:]
+    S, T = cfg.block_size, ids.shape[1]
+    feats, teacher_all, is_logits = target_features(
+        target, ids, cfg.target_layer_ids, want_logits=False
+    )
+    hidden = drafter.forward_train(feats, block_embeds(target, ids, anchors, cfg), anchors)[
+        :, :, 1:
+    ]
     k = torch.arange(1, S, device=ids.device)
     pos = anchors[..., None] + k  # label x_{a+k} for block row k: same position, no extra shift
     inside = pos < T
@@ -131,7 +180,9 @@ def block_loss(drafter: DFlashDrafter, target: nn.Module, ids: torch.Tensor, mas
     teacher = None
     if kd:
         src = pos_c - 1  # the target's distribution for x_{a+k} lives at position a+k-1
-        teacher = teacher_all.gather(1, src.flatten(1)[..., None].expand(-1, -1, teacher_all.shape[-1]))
+        teacher = teacher_all.gather(
+            1, src.flatten(1)[..., None].expand(-1, -1, teacher_all.shape[-1])
+        )
         teacher = teacher.flatten(0, 1)
     h, lab, wf = hidden.flatten(0, 2), labels.flatten(), w.flatten()
     lm_head = target.lm_head
@@ -143,8 +194,17 @@ def block_loss(drafter: DFlashDrafter, target: nn.Module, ids: torch.Tensor, mas
         for lo in range(0, h.shape[0], rows):
             sl = slice(lo, lo + rows)
             t = None if teacher is None else teacher[sl]
-            part, m = checkpoint(_rows_loss, drafter, lm_head, h[sl], lab[sl], wf[sl], t, is_logits,
-                                 use_reentrant=False)
+            part, m = checkpoint(
+                _rows_loss,
+                drafter,
+                lm_head,
+                h[sl],
+                lab[sl],
+                wf[sl],
+                t,
+                is_logits,
+                use_reentrant=False,
+            )
             total, parts = total + part, parts + [m]
         match = torch.cat(parts)
     loss = total / w.sum().clamp_min(1e-6)
@@ -153,8 +213,14 @@ def block_loss(drafter: DFlashDrafter, target: nn.Module, ids: torch.Tensor, mas
 
 
 @torch.no_grad()
-def acceptance_lengths(drafter: DFlashDrafter, target: nn.Module, ids: torch.Tensor, labels: str = "target",
-                       anchor_chunk: int = 256, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+def acceptance_lengths(
+    drafter: DFlashDrafter,
+    target: nn.Module,
+    ids: torch.Tensor,
+    labels: str = "target",
+    anchor_chunk: int = 256,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Per-anchor DFLASH acceptance length [N, T] (1 + leading block rows whose argmax equals the label;
     0 where no full block fits). `labels="target"`: the target's argmax at a+k-1, i.e. what T=0 verification
     accepts when `ids` is the target's own greedy continuation; `"data"`: x_{a+k} itself."""
@@ -168,27 +234,44 @@ def acceptance_lengths(drafter: DFlashDrafter, target: nn.Module, ids: torch.Ten
         want = logits_t.argmax(-1) if labels == "target" else None
         for lo in range(1, T - S + 1, anchor_chunk):
             anchors = torch.arange(lo, min(T - S + 1, lo + anchor_chunk), device=dev).expand(N, -1)
-            hid = drafter.forward_train(feats, block_embeds(target, ids, anchors, cfg), anchors)[:, :, 1:]
+            hid = drafter.forward_train(feats, block_embeds(target, ids, anchors, cfg), anchors)[
+                :, :, 1:
+            ]
             guess = drafter.logits(hid, target.lm_head).argmax(-1)
             pos = anchors[..., None] + torch.arange(1, S, device=dev)
-            lab = (want.gather(1, (pos - 1).flatten(1)) if want is not None else ids.gather(1, pos.flatten(1)))
+            lab = (
+                want.gather(1, (pos - 1).flatten(1))
+                if want is not None
+                else ids.gather(1, pos.flatten(1))
+            )
             hit = (guess == lab.view_as(pos)).long().cumprod(-1).sum(-1)
-            out[:, lo:lo + anchors.shape[1]] = (1 + hit).cpu()
+            out[:, lo : lo + anchors.shape[1]] = (1 + hit).cpu()
     return out
 
 
-def block_acceptance(drafter, target, ids: torch.Tensor, start: int = 1, labels: str = "target",
-                     batch_size: int = 64, mask: torch.Tensor | None = None) -> float:
+def block_acceptance(
+    drafter,
+    target,
+    ids: torch.Tensor,
+    start: int = 1,
+    labels: str = "target",
+    batch_size: int = 64,
+    mask: torch.Tensor | None = None,
+) -> float:
     """Mean acceptance length over every full block anchored at >= `start` (the held-out tau estimate); with
     a loss `mask`, only blocks whose anchor and last label are inside it (e.g. the response) count."""
-    acc = torch.cat([acceptance_lengths(drafter, target, ids[i:i + batch_size], labels)
-                     for i in range(0, ids.shape[0], batch_size)])
+    acc = torch.cat(
+        [
+            acceptance_lengths(drafter, target, ids[i : i + batch_size], labels)
+            for i in range(0, ids.shape[0], batch_size)
+        ]
+    )
     ok = acc > 0
     ok[:, :start] = False
     if mask is not None:
         S = drafter.config.block_size
         m = mask.bool().cpu()
-        ok[:, : m.shape[1] - S + 1] &= m[:, : m.shape[1] - S + 1] & m[:, S - 1:]
+        ok[:, : m.shape[1] - S + 1] &= m[:, : m.shape[1] - S + 1] & m[:, S - 1 :]
     return float(acc[ok].float().mean()) if ok.any() else 0.0
 
 
@@ -205,14 +288,36 @@ def chain_acceptance(lengths: torch.Tensor, start: int | list[int]) -> float:
     return sum(taus) / max(1, len(taus))
 
 
-def train_drafter(target: nn.Module, drafter_cfg: dict | DrafterConfig, sequences, *, steps: int, lr: float = 6e-4,
-                  batch_size: int = 4, anchors_per_seq: int = 512, block_size: int | None = None,
-                  gamma: float | None = None, warmup_ratio: float = 0.04, min_lr_ratio: float = 0.0,
-                  weight_decay: float = 0.0, grad_clip: float = 1.0, kd: bool = False, seed: int = 0,
-                  device: str | None = None, autocast_dtype: torch.dtype | None = None, out_dir: str | None = None,
-                  save_every: int = 0, resume: bool = True, save_dtype: torch.dtype | None = None,
-                  progress: bool = True, history: list | None = None, eval_sequences=None,
-                  eval_every: int = 0, eval_start: int = 1, threads: int | None = None) -> DFlashDrafter:
+def train_drafter(
+    target: nn.Module,
+    drafter_cfg: dict | DrafterConfig,
+    sequences,
+    *,
+    steps: int,
+    lr: float = 6e-4,
+    batch_size: int = 4,
+    anchors_per_seq: int = 512,
+    block_size: int | None = None,
+    gamma: float | None = None,
+    warmup_ratio: float = 0.04,
+    min_lr_ratio: float = 0.0,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    kd: bool = False,
+    seed: int = 0,
+    device: str | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    out_dir: str | None = None,
+    save_every: int = 0,
+    resume: bool = True,
+    save_dtype: torch.dtype | None = None,
+    progress: bool = True,
+    history: list | None = None,
+    eval_sequences=None,
+    eval_every: int = 0,
+    eval_start: int = 1,
+    threads: int | None = None,
+) -> DFlashDrafter:
     """Train a DFlash drafter for the frozen `target` (its parameters get requires_grad=False).
 
     `sequences`: ids [N, T], (ids, loss_mask) or an iterable of such batches; anchors are drawn where the
@@ -241,14 +346,19 @@ def train_drafter(target: nn.Module, drafter_cfg: dict | DrafterConfig, sequence
     drafter.to(device).train()
     decay = [p for p in drafter.parameters() if p.dim() >= 2]
     rest = [p for p in drafter.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
     ckpt = os.path.join(out_dir, "checkpoint", "state.pt") if out_dir else None
     start = 0
     if ckpt and resume and os.path.exists(ckpt):
         state = load_checkpoint(ckpt, drafter, opt)
         if state.get("config") != cfg_dict:
-            raise ValueError(f"{ckpt} was written for a different drafter config; remove it or pass resume=False")
+            raise ValueError(
+                f"{ckpt} was written for a different drafter config; remove it or pass resume=False"
+            )
         start = int(state["step"])
     warm = max(1, math.ceil(warmup_ratio * steps))
     stream = batches(sequences, batch_size, seed, start)
@@ -257,7 +367,9 @@ def train_drafter(target: nn.Module, drafter_cfg: dict | DrafterConfig, sequence
         if eval_sequences is None:
             return
         drafter.eval()
-        ev_ids, ev_mask = eval_sequences if isinstance(eval_sequences, (tuple, list)) else (eval_sequences, None)
+        ev_ids, ev_mask = (
+            eval_sequences if isinstance(eval_sequences, (tuple, list)) else (eval_sequences, None)
+        )
         tau = block_acceptance(drafter, target, ev_ids, start=eval_start, mask=ev_mask)
         drafter.train()
         if history is not None:
@@ -298,4 +410,3 @@ def train_drafter(target: nn.Module, drafter_cfg: dict | DrafterConfig, sequence
     if out_dir:
         save_model(drafter, out_dir, cfg_dict, dtype=save_dtype)
     return drafter
-

@@ -15,58 +15,114 @@ from torch import nn
 
 from ddtree.configs import TargetConfig
 from ddtree.kernels.gdn import gated_delta_rule_chunked, gated_delta_rule_recurrent
-from ddtree.models.loader import build_target, save_model
 from ddtree.models.gated_deltanet import dense_conv_silu
+from ddtree.models.loader import build_target, save_model
 from ddtree.models.qwen3 import Qwen3ForCausalLM, causal_attend
 from ddtree.models.qwen3_5 import Qwen3_5ForCausalLM
 from ddtree.train.data import BOS_ID, EOS_ID, MASK_ID
 
 
-def qwen3_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4,
-                 num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int | None = None,
-                 max_position_embeddings: int = 2048, rope_theta: float = 10000.0, tie_word_embeddings: bool = False,
-                 bos_token_id: int = BOS_ID, eos_token_id: int = EOS_ID, mask_token_id: int | None = MASK_ID,
-                 torch_dtype: str = "float32") -> dict:
+def qwen3_config(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    rope_theta: float = 10000.0,
+    tie_word_embeddings: bool = False,
+    bos_token_id: int = BOS_ID,
+    eos_token_id: int = EOS_ID,
+    mask_token_id: int | None = MASK_ID,
+    torch_dtype: str = "float32",
+) -> dict:
     """An HF `Qwen3ForCausalLM` config.json dict. `mask_token_id` is an extra key (ignored by transformers)
     naming the reserved embedding row that `drafter_config_for` picks up as the drafter's MASK."""
     cfg = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
-        "hidden_size": hidden_size, "intermediate_size": intermediate_size or 3 * hidden_size,
-        "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": 1e-6, "rope_theta": rope_theta, "rope_scaling": None, "attention_bias": False,
-        "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
-        "max_window_layers": num_layers, "tie_word_embeddings": tie_word_embeddings, "initializer_range": 0.02,
-        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": bos_token_id,
-        "use_cache": True, "torch_dtype": torch_dtype,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or 3 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": num_layers,
+        "tie_word_embeddings": tie_word_embeddings,
+        "initializer_range": 0.02,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": bos_token_id,
+        "use_cache": True,
+        "torch_dtype": torch_dtype,
     }
     if mask_token_id is not None:
         cfg["mask_token_id"] = mask_token_id
     return cfg
 
 
-def qwen3_5_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 4, full_attention_interval: int = 4,
-                   linear_num_key_heads: int = 2, linear_num_value_heads: int = 4, linear_key_head_dim: int = 16,
-                   linear_value_head_dim: int = 16, linear_conv_kernel_dim: int = 4,
-                   partial_rotary_factor: float = 0.25, rope_theta: float = 10000.0, **kw) -> dict:
+def qwen3_5_config(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    full_attention_interval: int = 4,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+    linear_key_head_dim: int = 16,
+    linear_value_head_dim: int = 16,
+    linear_conv_kernel_dim: int = 4,
+    partial_rotary_factor: float = 0.25,
+    rope_theta: float = 10000.0,
+    **kw,
+) -> dict:
     """An HF text-only `Qwen3_5ForCausalLM` config.json dict: every `full_attention_interval`-th layer is gated
     full attention, the others Gated DeltaNet; `kw` as in `qwen3_config`."""
     cfg = qwen3_config(vocab_size, hidden_size, num_layers, **kw)
-    for key in ("rope_theta", "rope_scaling", "use_sliding_window", "sliding_window", "max_window_layers"):
+    for key in (
+        "rope_theta",
+        "rope_scaling",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+    ):
         cfg.pop(key)
-    kinds = ["linear_attention" if (i + 1) % full_attention_interval else "full_attention" for i in range(num_layers)]
+    kinds = [
+        "linear_attention" if (i + 1) % full_attention_interval else "full_attention"
+        for i in range(num_layers)
+    ]
     cfg.update(
-        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", layer_types=kinds,
-        full_attention_interval=full_attention_interval, linear_num_key_heads=linear_num_key_heads,
-        linear_num_value_heads=linear_num_value_heads, linear_key_head_dim=linear_key_head_dim,
-        linear_value_head_dim=linear_value_head_dim, linear_conv_kernel_dim=linear_conv_kernel_dim,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta,
-                         "partial_rotary_factor": partial_rotary_factor},
+        architectures=["Qwen3_5ForCausalLM"],
+        model_type="qwen3_5_text",
+        layer_types=kinds,
+        full_attention_interval=full_attention_interval,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
+        linear_key_head_dim=linear_key_head_dim,
+        linear_value_head_dim=linear_value_head_dim,
+        linear_conv_kernel_dim=linear_conv_kernel_dim,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": rope_theta,
+            "partial_rotary_factor": partial_rotary_factor,
+        },
     )
     return cfg
 
 
 # ---------------------------------------------------------------- loop utilities
+
 
 def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.0) -> float:
     """Linear warmup to `peak` over `warmup` steps, then cosine decay to `min_ratio * peak` at `total`."""
@@ -86,12 +142,19 @@ def autocast(device: str | torch.device, dtype: torch.dtype | None):
     return torch.autocast(kind, dtype=dtype)
 
 
-def batches(data, batch_size: int, seed: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+def batches(
+    data, batch_size: int, seed: int, start_step: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     """Yields (ids [B, T], mask or None) forever. `data` is ids [N, T], a pair (ids, mask) or an iterable of
     batches (tensors or such pairs). Tensor data is shuffled per epoch from (seed, epoch) alone, so step s
     always sees the same batch and a resumed run continues exactly; an iterable is consumed from its start."""
-    if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], torch.Tensor) and (
-            data[1] is None or isinstance(data[1], torch.Tensor)) and data[0].dim() == 2:
+    if (
+        isinstance(data, (tuple, list))
+        and len(data) == 2
+        and isinstance(data[0], torch.Tensor)
+        and (data[1] is None or isinstance(data[1], torch.Tensor))
+        and data[0].dim() == 2
+    ):
         ids, mask = data
     elif isinstance(data, torch.Tensor):
         ids, mask = data, None
@@ -105,7 +168,7 @@ def batches(data, batch_size: int, seed: int, start_step: int = 0) -> Iterator[t
     while True:
         epoch, k = divmod(step, per_epoch)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        idx = perm[k * batch_size:(k + 1) * batch_size] if n >= batch_size else perm
+        idx = perm[k * batch_size : (k + 1) * batch_size] if n >= batch_size else perm
         yield ids[idx], (None if mask is None else mask[idx])
         step += 1
 
@@ -120,11 +183,15 @@ def _cycle(data: Iterable):
             raise ValueError("empty training data")
 
 
-def save_checkpoint(path: str, model: nn.Module, opt: torch.optim.Optimizer, step: int, extra: dict) -> None:
+def save_checkpoint(
+    path: str, model: nn.Module, opt: torch.optim.Optimizer, step: int, extra: dict
+) -> None:
     """Atomic torch.save of model + optimizer + step (written to a temp file, then renamed)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, **extra}, tmp)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, **extra}, tmp
+    )
     os.replace(tmp, path)
 
 
@@ -152,6 +219,7 @@ def progress_bar(total: int, initial: int, enabled: bool, desc: str):
 
 # ---------------------------------------------------------------- causal LM
 
+
 class _DenseRecurrentState:
     """`LinearStateContext` for batched [B, T] generation with hybrid targets: per GDN layer the last K-1
     pre-conv inputs [B, K-1, C] and the delta-rule state, carried from one call to the next."""
@@ -162,14 +230,18 @@ class _DenseRecurrentState:
     def conv(self, j, x, weight, bias):
         K = weight.shape[-1]
         ext = torch.cat([self.windows.get(j, x.new_zeros(x.shape[0], K - 1, x.shape[-1])), x], 1)
-        self.windows[j] = ext[:, ext.shape[1] - (K - 1):]
-        return dense_conv_silu(ext, weight, bias)[:, K - 1:]  # outputs past the zero padding see only ext
+        self.windows[j] = ext[:, ext.shape[1] - (K - 1) :]
+        return dense_conv_silu(ext, weight, bias)[
+            :, K - 1 :
+        ]  # outputs past the zero padding see only ext
 
     def rule(self, j, q, k, v, g, beta):
         if q.shape[1] == 1:  # decode: a chunked step would pad one token to a whole chunk
             o, self.states[j] = gated_delta_rule_recurrent(q, k, v, g, beta, self.states.get(j))
         else:
-            o, self.states[j] = gated_delta_rule_chunked(q, k, v, g, beta, self.states.get(j), self.chunk_size)
+            o, self.states[j] = gated_delta_rule_chunked(
+                q, k, v, g, beta, self.states.get(j), self.chunk_size
+            )
         return o
 
 
@@ -179,7 +251,9 @@ def causal_forward(model: nn.Module, ids: torch.Tensor, tap_layers: tuple[int, .
     if not isinstance(model, Qwen3_5ForCausalLM):
         return model.forward_train(ids, tap_layers)
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    hidden, taps = model.hidden_states(ids, pos, causal_attend(model.scale), tap_layers, _DenseRecurrentState(16))
+    hidden, taps = model.hidden_states(
+        ids, pos, causal_attend(model.scale), tap_layers, _DenseRecurrentState(16)
+    )
     return model.logits(hidden), taps
 
 
@@ -188,25 +262,47 @@ def lm_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = Non
     labels = ids[:, 1:].clone()
     if mask is not None:
         labels[~mask[:, 1:]] = -100
-    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return F.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=-100
+    )
 
 
 def export_lm(model: nn.Module, cfg: dict, out_dir: str, dtype: torch.dtype | None = None) -> None:
     hybrid = isinstance(model, Qwen3_5ForCausalLM)
-    cfg = dict(cfg, architectures=["Qwen3_5ForCausalLM" if hybrid else "Qwen3ForCausalLM"],
-               model_type="qwen3_5_text" if hybrid else "qwen3")
+    cfg = dict(
+        cfg,
+        architectures=["Qwen3_5ForCausalLM" if hybrid else "Qwen3ForCausalLM"],
+        model_type="qwen3_5_text" if hybrid else "qwen3",
+    )
     if dtype is not None:
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     skip = ("lm_head.",) if cfg.get("tie_word_embeddings") else ()
     save_model(model, out_dir, cfg, dtype=dtype, skip=skip)
 
 
-def train_lm(cfg: dict, sequences, *, steps: int, lr: float = 3e-3, batch_size: int = 32,
-             warmup: float | int = 0.04, min_lr_ratio: float = 0.1, weight_decay: float = 0.1,
-             grad_clip: float = 1.0, seed: int = 0, device: str = "cpu", autocast_dtype: torch.dtype | None = None,
-             out_dir: str | None = None, save_every: int = 0, resume: bool = True, save_dtype: torch.dtype | None = None,
-             progress: bool = True, history: list | None = None, eval_sequences: torch.Tensor | None = None,
-             threads: int | None = None) -> nn.Module:
+def train_lm(
+    cfg: dict,
+    sequences,
+    *,
+    steps: int,
+    lr: float = 3e-3,
+    batch_size: int = 32,
+    warmup: float | int = 0.04,
+    min_lr_ratio: float = 0.1,
+    weight_decay: float = 0.1,
+    grad_clip: float = 1.0,
+    seed: int = 0,
+    device: str = "cpu",
+    autocast_dtype: torch.dtype | None = None,
+    out_dir: str | None = None,
+    save_every: int = 0,
+    resume: bool = True,
+    save_dtype: torch.dtype | None = None,
+    progress: bool = True,
+    history: list | None = None,
+    eval_sequences: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> nn.Module:
     """Pretrain a target (dense Qwen3, or hybrid Qwen3.5 for a `qwen3_5_config`) from scratch on `sequences`
     (see `batches` for accepted forms) with AdamW, warmup (a ratio if < 1, else steps) and cosine decay.
     With `out_dir`, checkpoints to out_dir/checkpoint/state.pt every `save_every` steps (resumed when
@@ -216,13 +312,21 @@ def train_lm(cfg: dict, sequences, *, steps: int, lr: float = 3e-3, batch_size: 
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    model = build_target(TargetConfig.from_dict(cfg))  # hybrid Qwen3.5 when layer_types has linear_attention
+    model = build_target(
+        TargetConfig.from_dict(cfg)
+    )  # hybrid Qwen3.5 when layer_types has linear_attention
     init_weights(model, float(cfg.get("initializer_range", 0.02)))
     model.to(device).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
     ckpt = os.path.join(out_dir, "checkpoint", "state.pt") if out_dir else None
     start = 0
     if ckpt and resume and os.path.exists(ckpt):
@@ -254,7 +358,9 @@ def train_lm(cfg: dict, sequences, *, steps: int, lr: float = 3e-3, batch_size: 
     model.eval()
     if eval_sequences is not None and history is not None:
         with torch.no_grad(), autocast(device, autocast_dtype):
-            history.append({"step": steps, "eval_loss": lm_loss(model, eval_sequences.to(device)).item()})
+            history.append(
+                {"step": steps, "eval_loss": lm_loss(model, eval_sequences.to(device)).item()}
+            )
     if out_dir:
         export_lm(model, cfg, out_dir, save_dtype)
     return model
@@ -273,26 +379,42 @@ def _cached_attend(scale: float, cache: dict):
         kh, vh = kh.repeat_interleave(groups, 1), vh.repeat_interleave(groups, 1)
         # a prefill chunk is causal; a single new token sees everything cached
         causal = q.shape[1] > 1
-        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale).transpose(1, 2)
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale).transpose(
+            1, 2
+        )
 
     return attend
 
 
-def _next_logits(model: nn.Module, ids: torch.Tensor, cache: dict | None, done: int) -> torch.Tensor:
+def _next_logits(
+    model: nn.Module, ids: torch.Tensor, cache: dict | None, done: int
+) -> torch.Tensor:
     """Logits of the last position. Qwen3 / Qwen3.5 targets reuse `cache` (KV per attention layer, plus the
     recurrent state under key "linear"; new tokens = ids[:, done:]); other targets re-run the whole prefix."""
     if cache is None:
         return model.forward_train(ids)[0][:, -1]
     new = ids[:, done:]
     pos = torch.arange(done, ids.shape[1], device=ids.device).expand_as(new)
-    linear = cache.setdefault("linear", _DenseRecurrentState(16)) if isinstance(model, Qwen3_5ForCausalLM) else None
+    linear = (
+        cache.setdefault("linear", _DenseRecurrentState(16))
+        if isinstance(model, Qwen3_5ForCausalLM)
+        else None
+    )
     hidden, _ = model.hidden_states(new, pos, _cached_attend(model.scale, cache), (), linear)
     return model.logits(hidden[:, -1])
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompts, new_tokens: int, temperature: float = 0.0, seed: int = 0,
-             batch_size: int = 256, device: str | None = None, autocast_dtype: torch.dtype | None = None) -> list[list[int]]:
+def generate(
+    model: nn.Module,
+    prompts,
+    new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 256,
+    device: str | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[list[int]]:
     """Plain autoregressive generation for small models (dense KV cache, plus the recurrent state of hybrid
     targets; full re-forward for others). `prompts` is ids [N, P] or a list of id lists (grouped by length,
     so no padding ever enters attention). Greedy at temperature 0, else sampled from softmax(logits / T)
@@ -306,7 +428,7 @@ def generate(model: nn.Module, prompts, new_tokens: int, temperature: float = 0.
         by_len.setdefault(len(r), []).append(i)
     for _, idx in sorted(by_len.items()):
         for lo in range(0, len(idx), batch_size):
-            part = idx[lo:lo + batch_size]
+            part = idx[lo : lo + batch_size]
             ids = torch.tensor([rows[i] for i in part], dtype=torch.long, device=device)
             cache = {} if isinstance(model, (Qwen3ForCausalLM, Qwen3_5ForCausalLM)) else None
             done = 0

@@ -23,8 +23,10 @@ def _prompts(llm, n):
 
     lengths = [17, 40, 9, 63, 28][:n]
     srcs = [inspect.getsource(m) for m in (textwrap, json.decoder, statistics, argparse, textwrap)]
-    return [llm.tokenizer.encode(s[200 * i:], add_special_tokens=False)[:k]
-            for i, (s, k) in enumerate(zip(srcs, lengths))]
+    return [
+        llm.tokenizer.encode(s[200 * i :], add_special_tokens=False)[:k]
+        for i, (s, k) in enumerate(zip(srcs, lengths))
+    ]
 
 
 def _count_replays(graphs, counts):
@@ -58,9 +60,16 @@ def test_graphs_match_eager(pair, dtype, algo, budget):
 
     pytest.importorskip("triton")
     target, drafter = pair
-    kw = dict(dtype=dtype, device="cuda", attention_backend="triton", cuda_graph_max_bs=8,
-              max_running_requests=8, context_length=2048, max_total_tokens=8 * (2048 + 80),
-              speculative_algorithm=algo)
+    kw = dict(
+        dtype=dtype,
+        device="cuda",
+        attention_backend="triton",
+        cuda_graph_max_bs=8,
+        max_running_requests=8,
+        context_length=2048,
+        max_total_tokens=8 * (2048 + 80),
+        speculative_algorithm=algo,
+    )
     if algo != "NONE":
         kw["speculative_draft_model_path"] = drafter
     if budget:

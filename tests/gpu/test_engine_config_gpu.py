@@ -10,11 +10,20 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("flags", [
-    ("--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "8",
-     "--attention-backend", "triton"),
-    ("--speculative-algorithm", "DFLASH", "--attention-backend", "triton"),
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        (
+            "--speculative-algorithm",
+            "DDTREE",
+            "--speculative-ddtree-budget",
+            "8",
+            "--attention-backend",
+            "triton",
+        ),
+        ("--speculative-algorithm", "DFLASH", "--attention-backend", "triton"),
+    ],
+)
 def test_cuda_engine_allocates_the_plan(flags):
     from ddtree.engine.config import spec_config
     from ddtree.engine.setup import build_runner, device_bytes

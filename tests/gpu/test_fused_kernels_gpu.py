@@ -13,8 +13,9 @@ MAX_REL, L2_REL = 1e-2, 3e-3  # max |diff| / max |ref|: a few bf16 ulps of the l
 
 def err(got, ref):
     g, r = got.double(), ref.double()
-    return ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item(), \
-        ((g - r).norm() / r.norm().clamp_min(1e-30)).item()
+    return ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item(), (
+        (g - r).norm() / r.norm().clamp_min(1e-30)
+    ).item()
 
 
 @pytest.mark.parametrize("m", [1, 65, 520])

@@ -30,7 +30,7 @@ def tree(b, n, kind, gen, dev):
             parents[r, c] = p
     depths = torch.zeros(b, n, dtype=torch.int64)
     for c in range(1, n):
-        depths[:, c] = depths.gather(1, parents[:, c:c + 1])[:, 0] + 1
+        depths[:, c] = depths.gather(1, parents[:, c : c + 1])[:, 0] + 1
     return parents.to(dev), depths.to(dev)
 
 
@@ -104,6 +104,10 @@ def test_chunk_and_recurrent_dispatch_match_reference(dtype):
     od, Sd = dispatch.recurrent_rule(nq, nk, nv, ng, nb, S)
     rod, rSd = reference.gated_delta_rule_recurrent(nq, nk, nv, ng, nb, rS)
     tol = 5e-3 if dtype == torch.float32 else 3e-2  # fla's chunk dots run in tf32 on fp32 inputs
-    errs = {"prefill_out": rel(o, ro), "prefill_state": rel(S, rS), "decode_out": rel(od, rod),
-            "decode_state": rel(Sd, rSd)}
+    errs = {
+        "prefill_out": rel(o, ro),
+        "prefill_state": rel(S, rS),
+        "decode_out": rel(od, rod),
+        "decode_state": rel(Sd, rSd),
+    }
     assert torch.isfinite(Sd).all() and all(e < tol for e in errs.values()), errs

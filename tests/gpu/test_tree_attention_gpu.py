@@ -47,7 +47,7 @@ def problem(q_lens, kv_lens, page, tree, seed):
     table = torch.zeros(b, max(pages) + 1, dtype=torch.int64)
     o = 0
     for i, p in enumerate(pages):
-        table[i, :p] = perm[o:o + p]
+        table[i, :p] = perm[o : o + p]
         o += p
     k_pool = torch.randn(total * page, HKV, D, generator=gen).to(dev, DT)
     v_pool = torch.randn(total * page, HKV, D, generator=gen).to(dev, DT)

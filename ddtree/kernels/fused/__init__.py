@@ -23,7 +23,14 @@ from ddtree.kernels.fused.reference import (
 FORCE_REFERENCE_ENV = envs.FORCE_REFERENCE_KERNELS.name
 INTERPRET_ENV = envs.FUSED_KERNELS_INTERPRET.name
 
-__all__ = ["FORCE_REFERENCE_ENV", "add_rmsnorm", "qk_norm_rope", "rmsnorm", "silu_mul", "use_triton"]
+__all__ = [
+    "FORCE_REFERENCE_ENV",
+    "add_rmsnorm",
+    "qk_norm_rope",
+    "rmsnorm",
+    "silu_mul",
+    "use_triton",
+]
 
 _kernels = None
 _kernels_interpreted = False
@@ -65,35 +72,64 @@ def _unit_last(*tensors) -> bool:
     return all(t is None or t.stride(-1) == 1 or t.shape[-1] == 1 for t in tensors)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual) in one kernel; residual None -> (rmsnorm(x), x)."""
-    if (use_triton(x, residual, weight) and _unit_last(x, residual) and weight.is_contiguous()
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
+    if (
+        use_triton(x, residual, weight)
+        and _unit_last(x, residual)
+        and weight.is_contiguous()
+        and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))
+    ):
         return _triton().add_rmsnorm(x, residual, weight, eps, offset)
     return add_rmsnorm_reference(x, residual, weight, eps, offset)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+) -> torch.Tensor:
     if use_triton(x, weight) and _unit_last(x) and weight.is_contiguous():
         return _triton().add_rmsnorm(x, None, weight, eps, offset)[0]
     return rmsnorm_reference(x, weight, eps, offset)
 
 
-def qk_norm_rope(q: torch.Tensor | None, k: torch.Tensor | None, q_weight: torch.Tensor | None,
-                 k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                 offset: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def qk_norm_rope(
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    offset: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Per-head RMSNorm, then rotate_half RoPE on the first cos.shape[-1] channels, for q [..., T, Hq, D] and
     k [..., T, Hkv, D] (either may be None) in one launch; returns new tensors."""
     ref = k if k is not None else q
     d, rd = ref.shape[-1], cos.shape[-1]
     ok = (
         use_triton(q, k, q_weight, k_weight, cos, sin)
-        and d >= 16 and d & (d - 1) == 0 and rd % 2 == 0 and rd <= d
-        and _unit_last(q, k, cos, sin) and cos.shape == sin.shape and cos.stride() == sin.stride()
-        and all(x is None or (x.shape[:-2] == cos.shape[:-1] and x.shape[-1] == d and x.dtype == cos.dtype)
-                for x in (q, k))
-        and all(w is None or (w.is_contiguous() and (offset or w.dtype == ref.dtype)) for w in (q_weight, k_weight))
+        and d >= 16
+        and d & (d - 1) == 0
+        and rd % 2 == 0
+        and rd <= d
+        and _unit_last(q, k, cos, sin)
+        and cos.shape == sin.shape
+        and cos.stride() == sin.stride()
+        and all(
+            x is None
+            or (x.shape[:-2] == cos.shape[:-1] and x.shape[-1] == d and x.dtype == cos.dtype)
+            for x in (q, k)
+        )
+        and all(
+            w is None or (w.is_contiguous() and (offset or w.dtype == ref.dtype))
+            for w in (q_weight, k_weight)
+        )
     )
     if ok:
         return _triton().qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, offset)

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+def rmsnorm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+) -> torch.Tensor:
     """Qwen3RMSNorm (`weight * normed.to(dtype)`), or with `offset` Qwen3.5's `(normed * (1 + weight)).to(dtype)`."""
     dtype = x.dtype
     h = x.float()
@@ -17,8 +19,13 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset:
     return weight * h.to(dtype)
 
 
-def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                          offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual); the sum is rounded to x's dtype before the norm (as HF does).
     residual None: (rmsnorm(x), x)."""
     s = x if residual is None else x + residual
@@ -35,12 +42,22 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
-def qk_norm_rope_reference(q: torch.Tensor | None, k: torch.Tensor | None, q_weight, k_weight, cos, sin, eps: float,
-                           offset: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def qk_norm_rope_reference(
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    eps: float,
+    offset: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Per-head RMSNorm then RoPE for q [..., T, Hq, D] and k [..., T, Hkv, D] (either may be None)."""
     outs = []
     for x, w in ((q, q_weight), (k, k_weight)):
-        outs.append(None if x is None else rope_reference(rmsnorm_reference(x, w, eps, offset), cos, sin))
+        outs.append(
+            None if x is None else rope_reference(rmsnorm_reference(x, w, eps, offset), cos, sin)
+        )
     return outs[0], outs[1]
 
 

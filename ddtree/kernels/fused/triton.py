@@ -21,8 +21,22 @@ _decorated_interpreted = envs.TRITON_INTERPRET.on()
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, x_rs, r_rs, out_rs, sum_rs, eps,
-                        HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    N,
+    x_rs,
+    r_rs,
+    out_rs,
+    sum_rs,
+    eps,
+    HAS_RES: tl.constexpr,
+    OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -45,8 +59,13 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, x_rs, r_rs, ou
     tl.store(out_ptr + row * out_rs + cols, out.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [..., N] with unit stride in the last dim; returns (normed, x + residual) (x itself when
     residual is None)."""
     n = x.shape[-1]
@@ -63,8 +82,21 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     if rows:
         block = triton.next_power_of_2(n)
         _add_rmsnorm_kernel[(rows,)](
-            x2, r2, weight, out, s2, n, x2.stride(0), r2.stride(0), n, n, eps,
-            HAS_RES=residual is not None, OFFSET=offset, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+            x2,
+            r2,
+            weight,
+            out,
+            s2,
+            n,
+            x2.stride(0),
+            r2.stride(0),
+            n,
+            n,
+            eps,
+            HAS_RES=residual is not None,
+            OFFSET=offset,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 512)),
         )
     return out, s
 
@@ -78,8 +110,26 @@ def _norm_scale(x, rstd, w, dt: tl.constexpr, OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_tile(x_ptr, o_ptr, w_ptr, cos_ptr, sin_ptr, t, h0, H, x_rs, x_hs, o_rs, o_hs, c_rs, eps,
-                    D: tl.constexpr, RD: tl.constexpr, HB: tl.constexpr, OFFSET: tl.constexpr):
+def _norm_rope_tile(
+    x_ptr,
+    o_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    t,
+    h0,
+    H,
+    x_rs,
+    x_hs,
+    o_rs,
+    o_hs,
+    c_rs,
+    eps,
+    D: tl.constexpr,
+    RD: tl.constexpr,
+    HB: tl.constexpr,
+    OFFSET: tl.constexpr,
+):
     dt = o_ptr.dtype.element_ty
     heads = h0 + tl.arange(0, HB)
     cols = tl.arange(0, D)
@@ -105,17 +155,75 @@ def _norm_rope_tile(x_ptr, o_ptr, w_ptr, cos_ptr, sin_ptr, t, h0, H, x_rs, x_hs,
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, HQ, HK, NQP,
-                         q_rs, q_hs, k_rs, k_hs, qo_rs, ko_rs, c_rs, eps,
-                         D: tl.constexpr, RD: tl.constexpr, HB: tl.constexpr, OFFSET: tl.constexpr):
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    qo_ptr,
+    ko_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    HQ,
+    HK,
+    NQP,
+    q_rs,
+    q_hs,
+    k_rs,
+    k_hs,
+    qo_rs,
+    ko_rs,
+    c_rs,
+    eps,
+    D: tl.constexpr,
+    RD: tl.constexpr,
+    HB: tl.constexpr,
+    OFFSET: tl.constexpr,
+):
     t = tl.program_id(0)
     pid = tl.program_id(1)
     if pid < NQP:
-        _norm_rope_tile(q_ptr, qo_ptr, qw_ptr, cos_ptr, sin_ptr, t, pid * HB, HQ, q_rs, q_hs, qo_rs, D, c_rs, eps,
-                        D, RD, HB, OFFSET)
+        _norm_rope_tile(
+            q_ptr,
+            qo_ptr,
+            qw_ptr,
+            cos_ptr,
+            sin_ptr,
+            t,
+            pid * HB,
+            HQ,
+            q_rs,
+            q_hs,
+            qo_rs,
+            D,
+            c_rs,
+            eps,
+            D,
+            RD,
+            HB,
+            OFFSET,
+        )
     else:
-        _norm_rope_tile(k_ptr, ko_ptr, kw_ptr, cos_ptr, sin_ptr, t, (pid - NQP) * HB, HK, k_rs, k_hs, ko_rs, D, c_rs,
-                        eps, D, RD, HB, OFFSET)
+        _norm_rope_tile(
+            k_ptr,
+            ko_ptr,
+            kw_ptr,
+            cos_ptr,
+            sin_ptr,
+            t,
+            (pid - NQP) * HB,
+            HK,
+            k_rs,
+            k_hs,
+            ko_rs,
+            D,
+            c_rs,
+            eps,
+            D,
+            RD,
+            HB,
+            OFFSET,
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -123,8 +231,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-def qk_norm_rope(q: torch.Tensor | None, k: torch.Tensor | None, q_weight, k_weight, cos: torch.Tensor,
-                 sin: torch.Tensor, eps: float, offset: bool = False):
+def qk_norm_rope(
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    q_weight,
+    k_weight,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    offset: bool = False,
+):
     """q [..., T, Hq, D], k [..., T, Hkv, D] (unit stride in D; may be column slices of a fused projection) ->
     new contiguous (q, k). cos/sin [..., T, rd] with unit stride; D a power of two."""
     ref = k if k is not None else q
@@ -151,9 +267,30 @@ def qk_norm_rope(q: torch.Tensor | None, k: torch.Tensor | None, q_weight, k_wei
     kw = k_weight if k is not None else q_weight
     if T and nqp + nkp:
         _qk_norm_rope_kernel[(T, nqp + nkp)](
-            qa[0], ka[0], qa[1], ka[1], qw, kw, c2, s2, qa[2], ka[2], nqp,
-            qa[0].stride(0), qa[0].stride(1), ka[0].stride(0), ka[0].stride(1), qa[2] * D, ka[2] * D, c2.stride(0),
-            eps, D=D, RD=rd, HB=hb, OFFSET=offset, num_warps=4,
+            qa[0],
+            ka[0],
+            qa[1],
+            ka[1],
+            qw,
+            kw,
+            c2,
+            s2,
+            qa[2],
+            ka[2],
+            nqp,
+            qa[0].stride(0),
+            qa[0].stride(1),
+            ka[0].stride(0),
+            ka[0].stride(1),
+            qa[2] * D,
+            ka[2] * D,
+            c2.stride(0),
+            eps,
+            D=D,
+            RD=rd,
+            HB=hb,
+            OFFSET=offset,
+            num_warps=4,
         )
     return outs[0], outs[1]
 
@@ -178,5 +315,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = x2.shape[0]
     if rows and n:
         block = min(1024, triton.next_power_of_2(n))
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x2, out, n, x2.stride(0), BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](
+            x2, out, n, x2.stride(0), BLOCK=block, num_warps=4
+        )
     return out

@@ -1,5 +1,6 @@
 """Gated DeltaNet kernels. `reference` is plain PyTorch (the oracle and the CPU path); `dispatch` runs the
 same signatures on fla / the Triton tree kernel (`triton_tree`) on CUDA; `backend` picks and records which."""
+
 from ddtree.kernels.gdn.reference import (
     causal_conv1d_prefill,
     causal_conv1d_step,

@@ -7,6 +7,7 @@ A tree verify that keeps no per-node states (no_buffer) runs the chunk form (`tr
 DDTREE_GDN_TREE_CHUNK allows it: "auto" (default) on CUDA, "1" everywhere (CPU tests), "0" never;
 DDTREE_FORCE_REFERENCE_GDN=1 still wins.
 """
+
 from __future__ import annotations
 
 import collections
@@ -30,7 +31,10 @@ def fla_ops():
     """(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule) from fla, or None when it is missing or
     does not import (wrong torch / triton); fla_error() says why."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import (
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
     except Exception as e:  # noqa: BLE001 - any import failure means "no fla", the reference still works
         _errors["fla"] = f"{type(e).__name__}: {e}"
         return None
@@ -81,6 +85,13 @@ def describe(device) -> dict[str, str]:
     """The backend each op would take on `device` now."""
     t = torch.empty(0, device=device)
     fla = "fla" if use_fla(t) else "reference"
-    return {"prefill": fla, "decode": fla, "replay": fla, "tree": "triton" if use_triton(t) else "reference",
-            "tree_no_states": "chunk" if use_tree_chunk(t) else ("triton" if use_triton(t) else "reference"),
-            "tree_conv": "torch-gather"}
+    return {
+        "prefill": fla,
+        "decode": fla,
+        "replay": fla,
+        "tree": "triton" if use_triton(t) else "reference",
+        "tree_no_states": "chunk"
+        if use_tree_chunk(t)
+        else ("triton" if use_triton(t) else "reference"),
+        "tree_conv": "torch-gather",
+    }

@@ -7,6 +7,7 @@ inside and scaled by dk**-0.5, as Qwen3.5 calls fla.
 
 fla's functions take beta after g, gk, gv: everything past v is passed by keyword.
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -25,27 +26,60 @@ def _state(initial_state: Tensor | None) -> Tensor | None:
     return None if initial_state is None else initial_state.float().contiguous()
 
 
-def chunk_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None,
-               cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def chunk_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Prefill / chunked prefill: `reference.gated_delta_rule_chunked` (o, final state fp32)."""
     if choose("prefill", use_fla(v), "fla"):
         chunk = fla_ops()[0]
-        return chunk(q, k, v, g=g.float(), beta=beta, initial_state=_state(initial_state), output_final_state=True,
-                     use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        return chunk(
+            q,
+            k,
+            v,
+            g=g.float(),
+            beta=beta,
+            initial_state=_state(initial_state),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens,
+        )
     return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens)
 
 
-def recurrent_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                   initial_state: Tensor | None = None, op: str = "decode") -> tuple[Tensor, Tensor]:
+def recurrent_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    op: str = "decode",
+) -> tuple[Tensor, Tensor]:
     """Token by token ([b, T, ...], short T: decode, replay): `reference.gated_delta_rule_recurrent`."""
     if choose(op, use_fla(v), "fla"):
         fused = fla_ops()[1]
-        return fused(q, k, v, g=g.float(), beta=beta, initial_state=_state(initial_state), output_final_state=True,
-                     use_qk_l2norm_in_kernel=True)
+        return fused(
+            q,
+            k,
+            v,
+            g=g.float(),
+            beta=beta,
+            initial_state=_state(initial_state),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
     return gated_delta_rule_recurrent(q, k, v, g, beta, initial_state)
 
 
-def replay(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, initial_state: Tensor) -> Tensor:
+def replay(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, initial_state: Tensor
+) -> Tensor:
     """Commit by replay: `reference.replay_path` (path [b, L], -1 padded; returns the state fp32). The
     accepted path is short (<= depth + 1), so fla's fused recurrent beats its chunk kernels here."""
     if use_fla(v):
@@ -54,10 +88,22 @@ def replay(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tenso
     return replay_path(q, k, v, g, beta, path, initial_state)
 
 
-def tree_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor, depths: Tensor,
-              initial_state: Tensor, return_node_states: bool = False, valid: Tensor | None = None,
-              max_depth: int | None = None, node_states: Tensor | None = None, initial_rows: Tensor | None = None,
-              state_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def tree_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parents: Tensor,
+    depths: Tensor,
+    initial_state: Tensor,
+    return_node_states: bool = False,
+    valid: Tensor | None = None,
+    max_depth: int | None = None,
+    node_states: Tensor | None = None,
+    initial_rows: Tensor | None = None,
+    state_rows: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Tree verify: `reference.tree_gated_delta_rule_rows` (the Triton wrapper's arguments). Without node
     states (no_buffer: return_node_states False, no node_states buffer) the chunk form runs where
     `backend.use_tree_chunk` allows (CUDA by default): it writes no per-node states at all."""
@@ -65,8 +111,9 @@ def tree_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents:
         choose("tree", True, "chunk")
         from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule
 
-        return tree_chunk_gated_delta_rule(q, k, v, g, beta, parents, depths, initial_state, valid, max_depth,
-                                           initial_rows)[0], None
+        return tree_chunk_gated_delta_rule(
+            q, k, v, g, beta, parents, depths, initial_state, valid, max_depth, initial_rows
+        )[0], None
     args = (q, k, v, g, beta, parents, depths, initial_state, return_node_states, valid, max_depth)
     bufs = dict(node_states=node_states, initial_rows=initial_rows, state_rows=state_rows)
     if choose("tree", use_triton(v), "triton"):

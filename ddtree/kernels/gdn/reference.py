@@ -14,6 +14,7 @@ that continues from the committed state (the root); depths [b, n] count from 0 a
 any flat order. Padding nodes: parents = -1 and depths = -1 (or valid = False); their inputs may be garbage,
 their outputs are zero and their states finite.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,8 +38,9 @@ def _conv_silu(windows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.silu(y)
 
 
-def causal_conv1d_prefill(x: Tensor, weight: Tensor, conv_state: Tensor | None = None,
-                          bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def causal_conv1d_prefill(
+    x: Tensor, weight: Tensor, conv_state: Tensor | None = None, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """One sequence. x [T, C], conv_state [C, K-1] or None (zeros: sequence start).
     Returns (y [T, C] after SiLU, new conv_state [C, K-1]); T may be shorter than K-1, or 0."""
     K = weight.shape[1]
@@ -46,25 +48,35 @@ def causal_conv1d_prefill(x: Tensor, weight: Tensor, conv_state: Tensor | None =
         conv_state = x.new_zeros(x.shape[1], K - 1)
     ext = torch.cat([conv_state.float().t(), x.float()], 0)  # [K-1+T, C]
     y = _conv_silu(ext.unfold(0, K, 1), weight, bias) if x.shape[0] else x.new_zeros(x.shape)
-    return y.to(x.dtype), ext[ext.shape[0] - (K - 1):].t().contiguous().to(conv_state.dtype)
+    return y.to(x.dtype), ext[ext.shape[0] - (K - 1) :].t().contiguous().to(conv_state.dtype)
 
 
-def causal_conv1d_varlen(x: Tensor, weight: Tensor, cu_seqlens: Tensor, conv_states: Tensor | None = None,
-                         bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def causal_conv1d_varlen(
+    x: Tensor,
+    weight: Tensor,
+    cu_seqlens: Tensor,
+    conv_states: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Packed sequences. x [T_total, C], cu_seqlens [N+1], conv_states [N, C, K-1] or None.
     Returns (y [T_total, C], new conv_states [N, C, K-1])."""
     ys, states = [], []
     bounds = cu_seqlens.tolist()
     for i in range(len(bounds) - 1):
-        y, s = causal_conv1d_prefill(x[bounds[i]:bounds[i + 1]], weight,
-                                     None if conv_states is None else conv_states[i], bias)
+        y, s = causal_conv1d_prefill(
+            x[bounds[i] : bounds[i + 1]],
+            weight,
+            None if conv_states is None else conv_states[i],
+            bias,
+        )
         ys.append(y)
         states.append(s)
     return torch.cat(ys, 0), torch.stack(states, 0)
 
 
-def causal_conv1d_step(x: Tensor, conv_state: Tensor, weight: Tensor,
-                       bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def causal_conv1d_step(
+    x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Decode: one token per request. x [b, C], conv_state [b, C, K-1].
     Returns (y [b, C], new conv_state [b, C, K-1]); conv_state is not modified."""
     win = torch.cat([conv_state.float(), x.float().unsqueeze(-1)], -1)
@@ -84,7 +96,9 @@ def _prep(q, k, v, g, beta, use_qk_l2norm: bool, scale: float | None):
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k, v, g, beta
 
 
-def _delta_step(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+def _delta_step(
+    S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
+) -> tuple[Tensor, Tensor]:
     """One token. S [..., dk, dv], q/k [..., dk], v [..., dv], g/beta [...] -> (o [..., dv], S')."""
     S = S * g.exp()[..., None, None]
     u = (v - torch.einsum("...kv,...k->...v", S, k)) * beta[..., None]
@@ -154,15 +168,23 @@ def _run_rule(core, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm, 
     outs, states = [], []
     for i in range(len(bounds) - 1):
         seg = slice(bounds[i], bounds[i + 1])
-        o, S = core(q[:, seg], k[:, seg], v[:, seg], g[:, seg], beta[:, seg], S0[i:i + 1])
+        o, S = core(q[:, seg], k[:, seg], v[:, seg], g[:, seg], beta[:, seg], S0[i : i + 1])
         outs.append(o)
         states.append(S)
     return torch.cat(outs, 1).to(out_dtype), torch.cat(states, 0)
 
 
-def gated_delta_rule_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                               initial_state: Tensor | None = None, cu_seqlens: Tensor | None = None,
-                               use_qk_l2norm: bool = True, scale: float | None = None) -> tuple[Tensor, Tensor]:
+def gated_delta_rule_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """Token-by-token gated delta rule (the oracle). q, k [b, T, Hk, dk]; v [b, T, Hv, dv]; g, beta
     [b, T, Hv]; initial_state [b, Hv, dk, dv] or None (zeros). scale defaults to dk**-0.5.
     With cu_seqlens [N+1], b must be 1 and initial_state is [N, Hv, dk, dv].
@@ -170,19 +192,35 @@ def gated_delta_rule_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     return _run_rule(_recurrent, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm, scale)
 
 
-def gated_delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                             initial_state: Tensor | None = None, chunk_size: int = 64,
-                             cu_seqlens: Tensor | None = None, use_qk_l2norm: bool = True,
-                             scale: float | None = None) -> tuple[Tensor, Tensor]:
+def gated_delta_rule_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """Chunked form of gated_delta_rule_recurrent (prefill); same arguments and returns."""
+
     def core(*args):
         return _chunked(*args, chunk_size=chunk_size)
+
     return _run_rule(core, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm, scale)
 
 
-def tree_causal_conv1d(x: Tensor, parents: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None,
-                       valid: Tensor | None = None, return_node_states: bool = False
-                       ) -> tuple[Tensor, Tensor | None]:
+def tree_causal_conv1d(
+    x: Tensor,
+    parents: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    valid: Tensor | None = None,
+    return_node_states: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Causal conv over a tree: a node's window is the K-1 inputs before it on its root->node chain, reaching
     into the committed conv_state for shallow nodes. x [b, n, C], parents [b, n], conv_state [b, C, K-1].
     Returns (y [b, n, C], node_states [b, n, C, K-1] or None): node_states[i] is the conv state to commit
@@ -209,11 +247,21 @@ def tree_causal_conv1d(x: Tensor, parents: Tensor, conv_state: Tensor, weight: T
     return y.to(x.dtype), states
 
 
-def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor,
-                          depths: Tensor, initial_state: Tensor, return_node_states: bool = False,
-                          valid: Tensor | None = None, max_depth: int | None = None,
-                          use_qk_l2norm: bool = True, scale: float | None = None
-                          ) -> tuple[Tensor, Tensor | None]:
+def tree_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parents: Tensor,
+    depths: Tensor,
+    initial_state: Tensor,
+    return_node_states: bool = False,
+    valid: Tensor | None = None,
+    max_depth: int | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Gated delta rule over a tree: node i's state is the update of its parent's post-state (initial_state
     for parent -1) by node i's inputs; its output reads its own post-state. Depth by depth, all nodes of a
     depth at once. q, k [b, n, Hk, dk]; v [b, n, Hv, dv]; g, beta [b, n, Hv]; initial_state [b, Hv, dk, dv].
@@ -236,23 +284,38 @@ def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
         bi, ni = torch.nonzero(valid & (depths == d), as_tuple=True)
         p = parents[bi, ni].long()
         pre = torch.where((p < 0)[:, None, None, None], S0[bi], states[bi, p.clamp(min=0)])
-        out[bi, ni], states[bi, ni] = _delta_step(pre, q[bi, ni], k[bi, ni], v[bi, ni], g[bi, ni], beta[bi, ni])
+        out[bi, ni], states[bi, ni] = _delta_step(
+            pre, q[bi, ni], k[bi, ni], v[bi, ni], g[bi, ni], beta[bi, ni]
+        )
     return out.to(out_dtype), states if return_node_states else None
 
 
-def tree_gated_delta_rule_rows(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor,
-                               depths: Tensor, initial_state: Tensor, return_node_states: bool = False,
-                               valid: Tensor | None = None, max_depth: int | None = None,
-                               use_qk_l2norm: bool = True, scale: float | None = None,
-                               node_states: Tensor | None = None, initial_rows: Tensor | None = None,
-                               state_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def tree_gated_delta_rule_rows(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parents: Tensor,
+    depths: Tensor,
+    initial_state: Tensor,
+    return_node_states: bool = False,
+    valid: Tensor | None = None,
+    max_depth: int | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+    node_states: Tensor | None = None,
+    initial_rows: Tensor | None = None,
+    state_rows: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """tree_gated_delta_rule with the buffer arguments of the Triton wrapper: initial_rows [b] picks each
     request's row of an initial_state pool [R, Hv, dk, dv]; node_states [b, n, ...] (or, with state_rows [b],
     a pool [R, W >= n, ...]) receives the node post-states, cast to its dtype, and is what is returned."""
     S0 = initial_state if initial_rows is None else initial_state[initial_rows.long()]
     keep = return_node_states or node_states is not None
-    o, st = tree_gated_delta_rule(q, k, v, g, beta, parents, depths, S0, keep, valid, max_depth,
-                                  use_qk_l2norm, scale)
+    o, st = tree_gated_delta_rule(
+        q, k, v, g, beta, parents, depths, S0, keep, valid, max_depth, use_qk_l2norm, scale
+    )
     if node_states is not None:
         n = st.shape[1]
         if state_rows is None:
@@ -265,7 +328,9 @@ def tree_gated_delta_rule_rows(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
 
 def gather_node_state(node_states: Tensor, node_idx: Tensor) -> Tensor:
     """Commit by copy: node_states [b, n, ...] (recurrent or conv), node_idx [b] -> node_states[i, node_idx[i]]."""
-    return node_states[torch.arange(node_states.shape[0], device=node_states.device), node_idx.long()]
+    return node_states[
+        torch.arange(node_states.shape[0], device=node_states.device), node_idx.long()
+    ]
 
 
 def _path_gather(t: Tensor, path: Tensor) -> Tensor:
@@ -273,14 +338,25 @@ def _path_gather(t: Tensor, path: Tensor) -> Tensor:
     return t[rows, path.clamp(min=0).long()]
 
 
-def replay_path(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, initial_state: Tensor,
-                chunk_size: int = 64, use_qk_l2norm: bool = True, scale: float | None = None) -> Tensor:
+def replay_path(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    path: Tensor,
+    initial_state: Tensor,
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> Tensor:
     """Commit by replay: run the accepted chain from the pre-tree state. q..beta are the per-node inputs given
     to tree_gated_delta_rule ([b, n, ...]); path [b, L] lists accepted node indices root first, padded with
     -1 at the end; initial_state [b, Hv, dk, dv]. Returns the committed state [b, Hv, dk, dv] fp32."""
     q, k, v, g, beta = path_inputs(q, k, v, g, beta, path)
-    return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, chunk_size,
-                                    use_qk_l2norm=use_qk_l2norm, scale=scale)[1]
+    return gated_delta_rule_chunked(
+        q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm=use_qk_l2norm, scale=scale
+    )[1]
 
 
 def path_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor):
@@ -298,6 +374,8 @@ def replay_conv_path(x: Tensor, path: Tensor, conv_state: Tensor) -> Tensor:
     replay_path, conv_state [b, C, K-1] pre-tree. Returns [b, C, K-1]."""
     Km1 = conv_state.shape[-1]
     ext = torch.cat([conv_state.transpose(1, 2), _path_gather(x, path).to(conv_state.dtype)], 1)
-    start = (path >= 0).sum(1, keepdim=True)  # the last K-1 real inputs sit at ext[start : start+K-1]
+    start = (path >= 0).sum(
+        1, keepdim=True
+    )  # the last K-1 real inputs sit at ext[start : start+K-1]
     idx = (start + torch.arange(Km1, device=x.device))[..., None].expand(-1, -1, x.shape[-1])
     return ext.gather(1, idx).transpose(1, 2).contiguous()

@@ -19,6 +19,7 @@ Requirement beyond the reference: parents[b, i] < i for every valid node (as the
 nodes (valid False; valid defaults to depths >= 0) are nobody's ancestors; their inputs may be garbage,
 their outputs are zero.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,11 +45,22 @@ def tree_ancestor_mask(parents: Tensor, valid: Tensor, max_depth: int | None = N
     return R > 0
 
 
-def tree_chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor,
-                                depths: Tensor, initial_state: Tensor, valid: Tensor | None = None,
-                                max_depth: int | None = None, initial_rows: Tensor | None = None,
-                                last: Tensor | None = None, use_qk_l2norm: bool = True, scale: float | None = None
-                                ) -> tuple[Tensor, Tensor | None]:
+def tree_chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parents: Tensor,
+    depths: Tensor,
+    initial_state: Tensor,
+    valid: Tensor | None = None,
+    max_depth: int | None = None,
+    initial_rows: Tensor | None = None,
+    last: Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Same inputs as `reference.tree_gated_delta_rule` (q, k [b, n, Hk, dk]; v [b, n, Hv, dv]; g, beta
     [b, n, Hv]; initial_state [b, Hv, dk, dv], or a pool [R, ...] with initial_rows [b]), topological order.
     last [b] (optional): a node per request whose post-state is returned. Returns (o [b, n, Hv, dv] in q's
@@ -63,16 +75,24 @@ def tree_chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta
     S0 = (initial_state if initial_rows is None else initial_state[initial_rows.long()]).float()
     M = tree_ancestor_mask(parents, valid, max_depth)  # ancestors-and-self
     G = torch.einsum("bij,bhj->bhi", M.float(), g)
-    decay = torch.where(M[:, None], G[..., :, None] - G[..., None, :], float("-inf")).exp()  # Γ ⊙ (A + I)
+    decay = torch.where(
+        M[:, None], G[..., :, None] - G[..., None, :], float("-inf")
+    ).exp()  # Γ ⊙ (A + I)
     eG = G.exp()[..., None]
     kS0 = k @ S0
-    L = (k @ k.transpose(-1, -2)) * decay * beta[..., None]  # the diagonal is ignored by the unitriangular solve
-    U = torch.linalg.solve_triangular(L, beta[..., None] * (v - eG * kS0), upper=False, unitriangular=True)
+    L = (
+        (k @ k.transpose(-1, -2)) * decay * beta[..., None]
+    )  # the diagonal is ignored by the unitriangular solve
+    U = torch.linalg.solve_triangular(
+        L, beta[..., None] * (v - eG * kS0), upper=False, unitriangular=True
+    )
     o = eG * (q @ S0) + ((q @ k.transpose(-1, -2)) * decay) @ U
     state = None
     if last is not None:
         rows = last.long().view(-1, 1, 1, 1).expand(-1, decay.shape[1], 1, decay.shape[-1])
-        w = decay.gather(2, rows)  # [b, H, 1, n]: e^{G_a - G_j} on a's ancestors-and-self, 0 elsewhere
+        w = decay.gather(
+            2, rows
+        )  # [b, H, 1, n]: e^{G_a - G_j} on a's ancestors-and-self, 0 elsewhere
         Ga = G.gather(2, last.long().view(-1, 1, 1).expand(-1, G.shape[1], 1))  # [b, H, 1]
         state = Ga.exp()[..., None] * S0 + (k * w.transpose(-1, -2)).transpose(-1, -2) @ U
     return o.transpose(1, 2).to(out_dtype).contiguous(), state

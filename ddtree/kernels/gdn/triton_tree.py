@@ -12,6 +12,7 @@ engine's trees are depth-sorted). Padding nodes (valid False; valid defaults to 
 their inputs, output zeros and leave a zero node state, like the reference. No host syncs: the wrapper
 can be captured in a CUDA graph. DDTREE_FORCE_REFERENCE_GDN=1 routes every call to the reference.
 """
+
 import torch
 from torch import Tensor
 
@@ -33,11 +34,46 @@ if triton is not None:
     # tl.sum / tl.zeros are @jit helpers the interpreter cannot call when triton was imported before
     # TRITON_INTERPRET was set; tl.reduce with the standard combine function is the same IR on GPU.
     @triton.jit
-    def _tree_gdn_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, par_ptr, valid_ptr, s0_ptr, s0_rows_ptr,
-                         states_ptr, st_rows_ptr, o_ptr, n, HV, DK, DV, GROUP,
-                         sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_n, so_h,
-                         s0_b, st_b, st_n, scale, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                         S0_ROWS: tl.constexpr, ST_ROWS: tl.constexpr):
+    def _tree_gdn_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        g_ptr,
+        beta_ptr,
+        par_ptr,
+        valid_ptr,
+        s0_ptr,
+        s0_rows_ptr,
+        states_ptr,
+        st_rows_ptr,
+        o_ptr,
+        n,
+        HV,
+        DK,
+        DV,
+        GROUP,
+        sq_b,
+        sq_n,
+        sq_h,
+        sk_b,
+        sk_n,
+        sk_h,
+        sv_b,
+        sv_n,
+        sv_h,
+        so_b,
+        so_n,
+        so_h,
+        s0_b,
+        st_b,
+        st_n,
+        scale,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        L2NORM: tl.constexpr,
+        S0_ROWS: tl.constexpr,
+        ST_ROWS: tl.constexpr,
+    ):
         pid_b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         pid_v = tl.program_id(2)
@@ -52,11 +88,15 @@ if triton is not None:
         s0_row = pid_b
         if S0_ROWS:
             s0_row = tl.load(s0_rows_ptr + pid_b).to(tl.int64)
-        s0 = tl.load(s0_ptr + s0_row * s0_b + h * state_sz + tile, mask=mtile, other=0.0).to(tl.float32)
+        s0 = tl.load(s0_ptr + s0_row * s0_b + h * state_sz + tile, mask=mtile, other=0.0).to(
+            tl.float32
+        )
         st_row = pid_b
         if ST_ROWS:
             st_row = tl.load(st_rows_ptr + pid_b).to(tl.int64)
-        st_base = states_ptr + st_row * st_b + h * state_sz + tile  # node i's tile at st_base + i * st_n
+        st_base = (
+            states_ptr + st_row * st_b + h * state_sz + tile
+        )  # node i's tile at st_base + i * st_n
         node_base = pid_b * n  # row of [b, n] tensors
         S_prev = s0
         for i in range(n):
@@ -67,13 +107,22 @@ if triton is not None:
             # parent's post-state: written earlier by this very program (parent < i); a parent just before
             # its child (chains) is still in registers and is not re-read
             chain = has_par & (par == i - 1)
-            S = tl.load(st_base + tl.maximum(par, 0) * st_n, mask=mtile & has_par & (par != i - 1),
-                        other=0.0).to(tl.float32)
+            S = tl.load(
+                st_base + tl.maximum(par, 0) * st_n,
+                mask=mtile & has_par & (par != i - 1),
+                other=0.0,
+            ).to(tl.float32)
             S = tl.where(chain, S_prev, tl.where(has_par, S, s0))
             mk_ok = mk & ok
-            q = tl.load(q_ptr + pid_b * sq_b + i * sq_n + hk * sq_h + rk, mask=mk_ok, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + pid_b * sk_b + i * sk_n + hk * sk_h + rk, mask=mk_ok, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + pid_b * sv_b + i * sv_n + h * sv_h + rv, mask=mv & ok, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + pid_b * sq_b + i * sq_n + hk * sq_h + rk, mask=mk_ok, other=0.0).to(
+                tl.float32
+            )
+            k = tl.load(k_ptr + pid_b * sk_b + i * sk_n + hk * sk_h + rk, mask=mk_ok, other=0.0).to(
+                tl.float32
+            )
+            v = tl.load(
+                v_ptr + pid_b * sv_b + i * sv_n + h * sv_h + rv, mask=mv & ok, other=0.0
+            ).to(tl.float32)
             gb = row * HV + h
             g = tl.load(g_ptr + gb, mask=ok, other=0.0).to(tl.float32)
             beta = tl.load(beta_ptr + gb, mask=ok, other=0.0).to(tl.float32)
@@ -90,7 +139,11 @@ if triton is not None:
             S = tl.where(ok, S, 0.0)
             S_prev = S
             tl.store(st_base + i * st_n, S.to(states_ptr.dtype.element_ty), mask=mtile)
-            tl.store(o_ptr + pid_b * so_b + i * so_n + h * so_h + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
+            tl.store(
+                o_ptr + pid_b * so_b + i * so_n + h * so_h + rv,
+                o.to(o_ptr.dtype.element_ty),
+                mask=mv,
+            )
             tl.debug_barrier()  # this node's state tile is visible to all threads before a child reads it
 
 
@@ -107,17 +160,34 @@ def _pick_bv(b: int, hv: int, dv: int) -> int:
 
 
 def _inner_contiguous(t: Tensor, name: str) -> None:
-    if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] or t.stride(-3) != t.shape[-1] * t.shape[-2]:
+    if (
+        t.stride(-1) != 1
+        or t.stride(-2) != t.shape[-1]
+        or t.stride(-3) != t.shape[-1] * t.shape[-2]
+    ):
         raise ValueError(f"{name} must be contiguous over its last three dims [Hv, dk, dv]")
 
 
-def tree_gated_delta_rule_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor,
-                                 depths: Tensor, initial_state: Tensor, return_node_states: bool = False,
-                                 valid: Tensor | None = None, max_depth: int | None = None,
-                                 use_qk_l2norm: bool = True, scale: float | None = None,
-                                 node_states: Tensor | None = None, initial_rows: Tensor | None = None,
-                                 state_rows: Tensor | None = None, block_v: int | None = None,
-                                 num_warps: int = 4) -> tuple[Tensor, Tensor | None]:
+def tree_gated_delta_rule_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parents: Tensor,
+    depths: Tensor,
+    initial_state: Tensor,
+    return_node_states: bool = False,
+    valid: Tensor | None = None,
+    max_depth: int | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+    node_states: Tensor | None = None,
+    initial_rows: Tensor | None = None,
+    state_rows: Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> tuple[Tensor, Tensor | None]:
     """Same arguments and returns as `reference.tree_gated_delta_rule` (max_depth is unused here), plus:
     node_states: optional buffer the node post-states are written to (the kernel always needs one, since
       children read their parent's state): [b, n, Hv, dk, dv], or with state_rows [b] a pool [R, W >= n,
@@ -127,9 +197,24 @@ def tree_gated_delta_rule_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, bet
     initial_rows [b]: initial_state is a pool [R, Hv, dk, dv] and request i starts from row initial_rows[i].
     block_v / num_warps: tile overrides. Requires parents[b, i] < i for valid nodes. No host syncs."""
     if triton is None or force_reference():
-        return tree_gated_delta_rule_rows(q, k, v, g, beta, parents, depths, initial_state, return_node_states,
-                                          valid, max_depth, use_qk_l2norm, scale, node_states, initial_rows,
-                                          state_rows)
+        return tree_gated_delta_rule_rows(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            parents,
+            depths,
+            initial_state,
+            return_node_states,
+            valid,
+            max_depth,
+            use_qk_l2norm,
+            scale,
+            node_states,
+            initial_rows,
+            state_rows,
+        )
     b, n, Hk, dk = k.shape
     Hv, dv = v.shape[-2], v.shape[-1]
     if Hv % Hk:
@@ -148,14 +233,49 @@ def tree_gated_delta_rule_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, bet
     if b and n:
         bv = block_v or _pick_bv(b, Hv, dv)
         grid = (b, Hv, triton.cdiv(dv, bv))
-        s0_rows = initial_rows if initial_rows is not None else parents  # a dummy pointer when unused
+        s0_rows = (
+            initial_rows if initial_rows is not None else parents
+        )  # a dummy pointer when unused
         st_rows = state_rows if state_rows is not None else parents
         _tree_gdn_kernel[grid](
-            q, k, v, g, beta, parents, valid, s0, s0_rows, node_states, st_rows, out, n, Hv, dk, dv, Hv // Hk,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            s0.stride(0), node_states.stride(0), node_states.stride(1),
-            float(dk ** -0.5 if scale is None else scale),
-            BK=triton.next_power_of_2(dk), BV=bv, L2NORM=bool(use_qk_l2norm), S0_ROWS=initial_rows is not None,
-            ST_ROWS=state_rows is not None, num_warps=num_warps)
+            q,
+            k,
+            v,
+            g,
+            beta,
+            parents,
+            valid,
+            s0,
+            s0_rows,
+            node_states,
+            st_rows,
+            out,
+            n,
+            Hv,
+            dk,
+            dv,
+            Hv // Hk,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            s0.stride(0),
+            node_states.stride(0),
+            node_states.stride(1),
+            float(dk**-0.5 if scale is None else scale),
+            BK=triton.next_power_of_2(dk),
+            BV=bv,
+            L2NORM=bool(use_qk_l2norm),
+            S0_ROWS=initial_rows is not None,
+            ST_ROWS=state_rows is not None,
+            num_warps=num_warps,
+        )
     return out, node_states if return_node_states else None

@@ -3,6 +3,7 @@
 `reference.paged_attention_reference` is the plain PyTorch oracle; `triton.paged_attention` is the kernel
 (import it only where Triton is installed). Both share one contract, documented in `triton.py`.
 """
+
 from ddtree.kernels.tree_attention.reference import paged_attention_reference
 
 __all__ = ["paged_attention_reference", "triton_available"]

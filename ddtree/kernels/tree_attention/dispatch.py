@@ -25,8 +25,12 @@ from typing import Callable
 
 import torch
 
-from ddtree.kernels.tree_attention.tuning import (KernelConfig, choose_num_splits, default_config,
-                                                  split_min_tiles)
+from ddtree.kernels.tree_attention.tuning import (
+    KernelConfig,
+    choose_num_splits,
+    default_config,
+    split_min_tiles,
+)
 
 MODES = {
     "causal": 0,
@@ -240,8 +244,11 @@ def gluon_unsupported(shape: AttentionShape, device: torch.device) -> str | None
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return "not sm_90"
     checked = GLUON_CHECKED_ON_DEVICE
-    if (shape.dtype not in checked["dtypes"] or shape.head_dim not in checked["head_dims"]
-            or shape.page_size not in checked["page_sizes"]):
+    if (
+        shape.dtype not in checked["dtypes"]
+        or shape.head_dim not in checked["head_dims"]
+        or shape.page_size not in checked["page_sizes"]
+    ):
         return (
             f"{shape.dtype}, head dim {shape.head_dim}, page {shape.page_size}: not checked on the "
             "device"

@@ -22,7 +22,8 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
   128-wide tiles, 3 stages, one program per SM) the two math warpgroups are separate partitions that share every
   K/V tile (a slot frees after both arrive) and issue their MMAs in turn through two mbarriers; Q stays in shared
   memory there (the registers go to the 64 x 128 S and P). `dispatch.gluon_config_for` picks it where the
-  rows fill their last 128-row block more than half (64 nodes: 16k 43.2-44.7 vs 45.4-46.6 us in two runs); a 4k + 1-node tree keeps
+  rows fill their last 128-row block more than half (64 nodes: 16k 43.2-44.7 vs 45.4-46.6 us in two
+  runs); a 4k + 1-node tree keeps
   the 64-row blocks and the swapped tail.
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
@@ -49,13 +50,14 @@ import torch
 from ddtree import envs
 
 logger = logging.getLogger("ddtree")
-_disabled: list[str] = []  # why the kernel cannot run here (no Gluon; failed to build or launch): Triton instead
+_disabled: list[
+    str
+] = []  # why the kernel cannot run here (no Gluon; failed to build or launch): Triton instead
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception as e:  # noqa: BLE001  (no Gluon in this Triton: the Triton kernel does everything)
     _disabled.append(f"no Gluon: {type(e).__name__}: {e}")
@@ -65,12 +67,20 @@ DISABLE_ENV = envs.NO_HOPPER_ATTENTION.name
 
 @dataclass(frozen=True)
 class HopperConfig:
-    block_m: int = 64  # rows per program: 64 per warpgroup (wgmma M); 128 = two warpgroups (see PINGPONG)
+    block_m: int = (
+        64  # rows per program: 64 per warpgroup (wgmma M); 128 = two warpgroups (see PINGPONG)
+    )
     block_n: int = 64  # KV positions per tile (a multiple of the TMA box, min(page, block_n))
     stages: int = 3  # ring slots
-    masked_tail: bool = True  # the last split (partial context tile + masked new tokens) here, not in Triton
-    tail_n: int = 8  # a last row block of <= tail_n rows runs swapped (S^T = K Q^T, N = tail_n); 0 = off
-    pdl: bool | None = None  # the split merge as a programmatic dependent; None: only for decode (dispatch.gluon_merge_pdl)
+    masked_tail: bool = (
+        True  # the last split (partial context tile + masked new tokens) here, not in Triton
+    )
+    tail_n: int = (
+        8  # a last row block of <= tail_n rows runs swapped (S^T = K Q^T, N = tail_n); 0 = off
+    )
+    pdl: bool | None = (
+        None  # the split merge as a programmatic dependent; None: only for decode (dispatch.gluon_merge_pdl)
+    )
 
     def __post_init__(self):
         # block_m 128: two consumer warpgroups (partitions) of 64 rows each sharing every K/V tile, their MMAs
@@ -112,8 +122,11 @@ def unavailable() -> str | None:
 
 def disable(err: BaseException) -> None:
     if not _disabled:
-        logger.warning("Hopper tree-attention kernel unavailable (%s: %s); using the Triton kernel",
-                       type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+        logger.warning(
+            "Hopper tree-attention kernel unavailable (%s: %s); using the Triton kernel",
+            type(err).__name__,
+            str(err).splitlines()[0][:200] if str(err) else "",
+        )
     _disabled.append(f"{type(err).__name__}: {err}")
 
 
@@ -121,15 +134,34 @@ if not _disabled:  # Gluon imported
     from ddtree.kernels.tree_attention.hopper_consume import consume
 
     @gluon.jit
-    def _load_pages(bt_row, tile, n_pages, PAGE: gl.constexpr, BOX: gl.constexpr, BN: gl.constexpr,
-                    layout: gl.constexpr):
+    def _load_pages(
+        bt_row,
+        tile,
+        n_pages,
+        PAGE: gl.constexpr,
+        BOX: gl.constexpr,
+        BN: gl.constexpr,
+        layout: gl.constexpr,
+    ):
         # the pages of tile's BN // BOX boxes (past the table: page 0, whose rows the mask then ignores)
         pos = tile * BN + gl.arange(0, BN // BOX, layout=layout) * BOX
         return gl.load(bt_row + pos // PAGE, mask=pos // PAGE < n_pages, other=0)
 
     @gluon.jit
-    def _issue_tile(k_desc, v_desc, pages, tile, k_buf, v_buf, bar, col,
-                    PAGE: gl.constexpr, BOX: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+    def _issue_tile(
+        k_desc,
+        v_desc,
+        pages,
+        tile,
+        k_buf,
+        v_buf,
+        bar,
+        col,
+        PAGE: gl.constexpr,
+        BOX: gl.constexpr,
+        BN: gl.constexpr,
+        layout: gl.constexpr,
+    ):
         # tile's K and V as BN // BOX TMA boxes of BOX rows (one page run each) into one ring slot
         mbarrier.expect(bar, 2 * k_desc.block_type.nbytes * (BN // BOX))
         box = gl.arange(0, BN // BOX, layout=layout)
@@ -140,14 +172,49 @@ if not _disabled:  # Gluon imported
             tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_buf.slice(p * BOX, BOX))
 
     @gluon.jit
-    def _split_attn(q_ptr, k_desc, v_desc, block_table, qo_indptr, kv_lens, mask_ptr, part_o, part_lse, qk_scale,
-                  num_splits, stride_qt, stride_qh, stride_bt, n_pages, stride_mb, stride_mt,
-                  HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
-                  BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, MODE: gl.constexpr,
-                  MASKED_TAIL: gl.constexpr, TN: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
-        if PDL:  # the merge may be scheduled now; it waits (griddepcontrol.wait) for this grid's writes
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+    def _split_attn(
+        q_ptr,
+        k_desc,
+        v_desc,
+        block_table,
+        qo_indptr,
+        kv_lens,
+        mask_ptr,
+        part_o,
+        part_lse,
+        qk_scale,
+        num_splits,
+        stride_qt,
+        stride_qh,
+        stride_bt,
+        n_pages,
+        stride_mb,
+        stride_mt,
+        HKV: gl.constexpr,
+        G: gl.constexpr,
+        D: gl.constexpr,
+        PAGE: gl.constexpr,
+        BOX: gl.constexpr,
+        BM: gl.constexpr,
+        BN: gl.constexpr,
+        NS: gl.constexpr,
+        MODE: gl.constexpr,
+        MASKED_TAIL: gl.constexpr,
+        TN: gl.constexpr,
+        PDL: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        if (
+            PDL
+        ):  # the merge may be scheduled now; it waits (griddepcontrol.wait) for this grid's writes
+            gl.inline_asm_elementwise(
+                "griddepcontrol.launch_dependents; // dummy $0",
+                "=r",
+                [],
+                dtype=gl.int32,
+                is_pure=False,
+                pack=1,
+            )
         qb = gl.program_id(0)
         b = gl.program_id(1) // HKV
         kvh = gl.program_id(1) % HKV
@@ -185,7 +252,9 @@ if not _disabled:  # Gluon imported
         v_bufs = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
         NC: gl.constexpr = BM // 64  # consumer warpgroups, each freeing a slot with one arrive
         full = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NS + 2 * (NC - 1), 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(
+            gl.int64, [NS + 2 * (NC - 1), 1], mbarrier.MBarrierLayout()
+        )
         for i in gl.static_range(NS):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=NC)
@@ -197,39 +266,228 @@ if not _disabled:  # Gluon imported
         # the consumer gathers Q itself, so that load overlaps the producer's first page-id load and TMA
         mask_row = mask_ptr + b * stride_mb
         if NC == 1:
-            gl.warp_specialize([
-                (consume, (q_ptr, stride_qt, stride_qh, q_smem, k_bufs, v_bufs, full, empty, empty.index(0),
-                           empty.index(0), tile_lo, n_tiles, masked, qk_scale, part_o, part_lse, row0, n_rows,
-                           q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt, HKV, G, D, BM, BN, NS,
-                           MODE, TN, False, 0, num_warps)),
-                (_produce, (k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, kvh * D, n_pages,
-                            PAGE, BOX, BN, NS)),
-            ], [1], [24])
+            gl.warp_specialize(
+                [
+                    (
+                        consume,
+                        (
+                            q_ptr,
+                            stride_qt,
+                            stride_qh,
+                            q_smem,
+                            k_bufs,
+                            v_bufs,
+                            full,
+                            empty,
+                            empty.index(0),
+                            empty.index(0),
+                            tile_lo,
+                            n_tiles,
+                            masked,
+                            qk_scale,
+                            part_o,
+                            part_lse,
+                            row0,
+                            n_rows,
+                            q_start,
+                            kvh,
+                            split,
+                            num_splits,
+                            ctx,
+                            kv_len,
+                            mask_row,
+                            stride_mt,
+                            HKV,
+                            G,
+                            D,
+                            BM,
+                            BN,
+                            NS,
+                            MODE,
+                            TN,
+                            False,
+                            0,
+                            num_warps,
+                        ),
+                    ),
+                    (
+                        _produce,
+                        (
+                            k_desc,
+                            v_desc,
+                            bt_row,
+                            k_bufs,
+                            v_bufs,
+                            full,
+                            empty,
+                            tile_lo,
+                            n_tiles,
+                            kvh * D,
+                            n_pages,
+                            PAGE,
+                            BOX,
+                            BN,
+                            NS,
+                        ),
+                    ),
+                ],
+                [1],
+                [24],
+            )
         else:  # ping-pong: the first warpgroup issues its MMAs first, then they alternate tile by tile
-            gl.warp_specialize([
-                (consume, (q_ptr, stride_qt, stride_qh, q_smem.slice(0, 64), k_bufs, v_bufs, full, empty,
-                           empty.index(NS), empty.index(NS + 1), tile_lo, n_tiles, masked, qk_scale, part_o, part_lse,
-                           row0, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row, stride_mt, HKV, G,
-                           D, 64, BN, NS, MODE, 0, True, 1, 4)),
-                (consume, (q_ptr, stride_qt, stride_qh, q_smem.slice(64, 64), k_bufs, v_bufs, full, empty,
-                           empty.index(NS + 1), empty.index(NS), tile_lo, n_tiles, masked, qk_scale, part_o,
-                           part_lse, row0 + 64, n_rows, q_start, kvh, split, num_splits, ctx, kv_len, mask_row,
-                           stride_mt, HKV, G, D, 64, BN, NS, MODE, 0, True, 0, 4)),
-                (_produce, (k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, kvh * D, n_pages,
-                            PAGE, BOX, BN, NS)),
-            ], [4, 1], [232, 24])
+            gl.warp_specialize(
+                [
+                    (
+                        consume,
+                        (
+                            q_ptr,
+                            stride_qt,
+                            stride_qh,
+                            q_smem.slice(0, 64),
+                            k_bufs,
+                            v_bufs,
+                            full,
+                            empty,
+                            empty.index(NS),
+                            empty.index(NS + 1),
+                            tile_lo,
+                            n_tiles,
+                            masked,
+                            qk_scale,
+                            part_o,
+                            part_lse,
+                            row0,
+                            n_rows,
+                            q_start,
+                            kvh,
+                            split,
+                            num_splits,
+                            ctx,
+                            kv_len,
+                            mask_row,
+                            stride_mt,
+                            HKV,
+                            G,
+                            D,
+                            64,
+                            BN,
+                            NS,
+                            MODE,
+                            0,
+                            True,
+                            1,
+                            4,
+                        ),
+                    ),
+                    (
+                        consume,
+                        (
+                            q_ptr,
+                            stride_qt,
+                            stride_qh,
+                            q_smem.slice(64, 64),
+                            k_bufs,
+                            v_bufs,
+                            full,
+                            empty,
+                            empty.index(NS + 1),
+                            empty.index(NS),
+                            tile_lo,
+                            n_tiles,
+                            masked,
+                            qk_scale,
+                            part_o,
+                            part_lse,
+                            row0 + 64,
+                            n_rows,
+                            q_start,
+                            kvh,
+                            split,
+                            num_splits,
+                            ctx,
+                            kv_len,
+                            mask_row,
+                            stride_mt,
+                            HKV,
+                            G,
+                            D,
+                            64,
+                            BN,
+                            NS,
+                            MODE,
+                            0,
+                            True,
+                            0,
+                            4,
+                        ),
+                    ),
+                    (
+                        _produce,
+                        (
+                            k_desc,
+                            v_desc,
+                            bt_row,
+                            k_bufs,
+                            v_bufs,
+                            full,
+                            empty,
+                            tile_lo,
+                            n_tiles,
+                            kvh * D,
+                            n_pages,
+                            PAGE,
+                            BOX,
+                            BN,
+                            NS,
+                        ),
+                    ),
+                ],
+                [4, 1],
+                [232, 24],
+            )
 
     @gluon.jit
-    def _produce(k_desc, v_desc, bt_row, k_bufs, v_bufs, full, empty, tile_lo, n_tiles, col, n_pages,
-                 PAGE: gl.constexpr, BOX: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr):
+    def _produce(
+        k_desc,
+        v_desc,
+        bt_row,
+        k_bufs,
+        v_bufs,
+        full,
+        empty,
+        tile_lo,
+        n_tiles,
+        col,
+        n_pages,
+        PAGE: gl.constexpr,
+        BOX: gl.constexpr,
+        BN: gl.constexpr,
+        NS: gl.constexpr,
+    ):
         # one warp: page ids and TMA issues for every tile, a slot as soon as the consumer frees it
-        pg_layout: gl.constexpr = gl.BlockedLayout([BN // BOX], [32], [1], [0])  # whole in every thread
+        pg_layout: gl.constexpr = gl.BlockedLayout(
+            [BN // BOX], [32], [1], [0]
+        )  # whole in every thread
         for j in range(n_tiles):
             slot = j % NS
-            pages = _load_pages(bt_row, tile_lo + j, n_pages, PAGE, BOX, BN, pg_layout)  # overlaps the wait
+            pages = _load_pages(
+                bt_row, tile_lo + j, n_pages, PAGE, BOX, BN, pg_layout
+            )  # overlaps the wait
             mbarrier.wait(empty.index(slot), ((j // NS) & 1) ^ 1)  # a fresh barrier passes parity 1
-            _issue_tile(k_desc, v_desc, pages, tile_lo + j, k_bufs.index(slot), v_bufs.index(slot),
-                        full.index(slot), col, PAGE, BOX, BN, pg_layout)
+            _issue_tile(
+                k_desc,
+                v_desc,
+                pages,
+                tile_lo + j,
+                k_bufs.index(slot),
+                v_bufs.index(slot),
+                full.index(slot),
+                col,
+                PAGE,
+                BOX,
+                BN,
+                pg_layout,
+            )
 
 
 def tail_n(cfg: HopperConfig, group: int) -> int:
@@ -248,9 +506,26 @@ def _descriptor(pool: torch.Tensor, box: int):
     return TensorDescriptor(pool.view(s, hkv * d), [s, hkv * d], [hkv * d, 1], [box, d], layout)
 
 
-def launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, part_o, part_lse,
-                   num_splits: int, max_q_len: int, mode: int, mask: torch.Tensor, stride_mb: int, stride_mt: int,
-                   cfg: HopperConfig = DEFAULT, pdl: bool = False) -> None:
+def launch_splits(
+    q,
+    k_pool,
+    v_pool,
+    block_table,
+    qo_indptr,
+    kv_lens,
+    page_size,
+    scale,
+    part_o,
+    part_lse,
+    num_splits: int,
+    max_q_len: int,
+    mode: int,
+    mask: torch.Tensor,
+    stride_mb: int,
+    stride_mt: int,
+    cfg: HopperConfig = DEFAULT,
+    pdl: bool = False,
+) -> None:
     """Splits 0 .. num_splits - 2 of every row, and the last (masked) one too with cfg.masked_tail (see the
     module docstring). mode: 0 causal, 1 tree mask (uint8 [b, n, n] `mask`), 2 all new tokens visible. pdl: the
     merge that follows is launched as a programmatic dependent, so trigger it."""
@@ -261,8 +536,35 @@ def launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size,
     box = min(page_size, cfg.block_n)
     b = qo_indptr.shape[0] - 1
     _split_attn[(q_blocks, b * hkv, num_splits - 1 + cfg.masked_tail)](
-        q, _descriptor(k_pool, box), _descriptor(v_pool, box), block_table, qo_indptr, kv_lens, mask, part_o,
-        part_lse, scale * _LOG2E, num_splits, q.stride(0), q.stride(1), block_table.stride(0), block_table.shape[1],
-        stride_mb, stride_mt, HKV=hkv, G=group, D=d, PAGE=page_size, BOX=box, BM=cfg.block_m, BN=cfg.block_n,
-        NS=cfg.stages, MODE=mode, MASKED_TAIL=cfg.masked_tail, TN=tail_n(cfg, group),
-        PDL=pdl, num_warps=4, maxnreg=cfg.maxnreg)
+        q,
+        _descriptor(k_pool, box),
+        _descriptor(v_pool, box),
+        block_table,
+        qo_indptr,
+        kv_lens,
+        mask,
+        part_o,
+        part_lse,
+        scale * _LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        block_table.stride(0),
+        block_table.shape[1],
+        stride_mb,
+        stride_mt,
+        HKV=hkv,
+        G=group,
+        D=d,
+        PAGE=page_size,
+        BOX=box,
+        BM=cfg.block_m,
+        BN=cfg.block_n,
+        NS=cfg.stages,
+        MODE=mode,
+        MASKED_TAIL=cfg.masked_tail,
+        TN=tail_n(cfg, group),
+        PDL=pdl,
+        num_warps=4,
+        maxnreg=cfg.maxnreg,
+    )

@@ -25,8 +25,11 @@ PDL_DISABLE_ENV = envs.NO_PDL.name
 
 try:  # grid dependency control, Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
     HAVE_GDC = True
-except ImportError:  # no PDL with this Triton: kernels still reference the names under a constexpr False
+except (
+    ImportError
+):  # no PDL with this Triton: kernels still reference the names under a constexpr False
     HAVE_GDC = False
 
     @triton.jit
@@ -40,13 +43,28 @@ except ImportError:  # no PDL with this Triton: kernels still reference the name
 
 def pdl_ok(device: torch.device) -> bool:
     """Whether the merge may launch as a programmatic dependent: sm_90+, not the interpreter, not DDTREE_NO_PDL."""
-    return (HAVE_GDC and device.type == "cuda" and not triton.knobs.runtime.interpret
-            and not envs.NO_PDL.on() and torch.cuda.get_device_capability(device) >= (9, 0))
+    return (
+        HAVE_GDC
+        and device.type == "cuda"
+        and not triton.knobs.runtime.interpret
+        and not envs.NO_PDL.on()
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
 
 
 @triton.jit
-def combine(part_o, part_lse, out_ptr, num_splits, stride_ot, stride_oh,
-            HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+def combine(
+    part_o,
+    part_lse,
+    out_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program per (token, query head). With PDL it may start before the split grid ends (see above)."""
     if PDL:
         gdc_wait()  # before the first read of a partial: the split grid has finished and its writes are visible
@@ -60,5 +78,7 @@ def combine(part_o, part_lse, out_ptr, num_splits, stride_ot, stride_oh,
     w = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
     d = tl.arange(0, D)
     o = tl.load(part_o + (base + s)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
-    res = tl.reduce(o * w[:, None], 0, tl.standard._sum_combine) / tl.reduce(w, 0, tl.standard._sum_combine)
+    res = tl.reduce(o * w[:, None], 0, tl.standard._sum_combine) / tl.reduce(
+        w, 0, tl.standard._sum_combine
+    )
     tl.store(out_ptr + tok * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty))

@@ -9,22 +9,34 @@ import torch
 from ddtree.kernels.paged import gather_slots
 
 
-def visibility(n: int, kv_len: int, tree_mask: torch.Tensor | None, causal: bool, device) -> torch.Tensor:
+def visibility(
+    n: int, kv_len: int, tree_mask: torch.Tensor | None, causal: bool, device
+) -> torch.Tensor:
     """[n, kv_len] bool: which positions each of a request's n new tokens (at kv_len - n ..) sees: every cached
     position, and among the new tokens the tree mask's ancestors-and-self ([n, n]), or causally, or all."""
     vis = torch.ones(n, kv_len, dtype=torch.bool, device=device)
     if tree_mask is not None:
-        vis[:, kv_len - n:] = tree_mask.bool()
+        vis[:, kv_len - n :] = tree_mask.bool()
     elif causal:
-        vis[:, kv_len - n:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        vis[:, kv_len - n :] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     return vis
 
 
 def paged_attention_reference(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-    qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float, *,
-    tree_mask: torch.Tensor | None = None, causal: bool = True,
-    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, acc_dtype: torch.dtype = torch.float32, **_unused,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    *,
+    tree_mask: torch.Tensor | None = None,
+    causal: bool = True,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    acc_dtype: torch.dtype = torch.float32,
+    **_unused,
 ) -> torch.Tensor:
     """Same contract as `ddtree.kernels.tree_attention.triton.paged_attention` (extra kwargs such as
     max_q_len / num_splits are accepted and ignored). Syncs with the device: for tests and the CPU."""
@@ -38,14 +50,18 @@ def paged_attention_reference(
         if n == 0:
             continue
         ctx = kv_len - n
-        stored = ctx if new_kv is not None else kv_len  # new_kv: the new tokens' K/V are not in the pools
+        stored = (
+            ctx if new_kv is not None else kv_len
+        )  # new_kv: the new tokens' K/V are not in the pools
         slots = gather_slots(block_table[i], stored, page_size)
         k, v = k_pool[slots].to(acc_dtype), v_pool[slots].to(acc_dtype)  # [L, Hkv, D]
         if new_kv is not None:
             k = torch.cat([k, new_kv[0][s:e].to(acc_dtype)])
             v = torch.cat([v, new_kv[1][s:e].to(acc_dtype)])
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        vis = visibility(n, kv_len, None if tree_mask is None else tree_mask[i, :n, :n], causal, q.device)
+        vis = visibility(
+            n, kv_len, None if tree_mask is None else tree_mask[i, :n, :n], causal, q.device
+        )
         scores = torch.einsum("thd,lhd->htl", q[s:e].to(acc_dtype), k) * scale
         scores = scores.masked_fill(~vis[None], float("-inf"))
         out[s:e] = torch.einsum("htl,lhd->thd", scores.softmax(-1), v).to(q.dtype)
@@ -53,10 +69,24 @@ def paged_attention_reference(
 
 
 def split_partials_reference(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-    qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float, part_o: torch.Tensor,
-    part_lse: torch.Tensor, num_splits: int, max_q_len: int, mode: int, mask: torch.Tensor, stride_mb: int,
-    stride_mt: int, cfg, pdl: bool = False,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    num_splits: int,
+    max_q_len: int,
+    mode: int,
+    mask: torch.Tensor,
+    stride_mb: int,
+    stride_mt: int,
+    cfg,
+    pdl: bool = False,
 ) -> None:
     """Oracle for `hopper.launch_splits` (same signature; `pdl` is a launch detail, ignored here). A row block
     of cfg.block_m rows (token r // G, query head r % G of its KV head) splits [0, free_end) into block_n tiles,
@@ -74,7 +104,11 @@ def split_partials_reference(
         ctx = kv_len - n
         slots = gather_slots(block_table[i], kv_len, page_size)
         t = torch.arange(n, device=q.device)
-        tree = mask.view(-1)[i * stride_mb + t[:, None] * stride_mt + t[None, :]] if mode == 1 else None
+        tree = (
+            mask.view(-1)[i * stride_mb + t[:, None] * stride_mt + t[None, :]]
+            if mode == 1
+            else None
+        )
         vis_req = visibility(n, kv_len, tree, mode == 0, q.device)
         for row0 in range(0, n * group, bm):
             free_end = ctx + (row0 // group if mode == 0 else 0)
@@ -90,7 +124,9 @@ def split_partials_reference(
                 for kvh in range(hkv):
                     heads = kvh * group + rows % group
                     k, v = k_pool[slots[lo:hi], kvh].double(), v_pool[slots[lo:hi], kvh].double()
-                    s = (q[s0 + tok, heads].double() @ k.T * scale).masked_fill(~vis[:, lo:hi], float("-inf"))
+                    s = (q[s0 + tok, heads].double() @ k.T * scale).masked_fill(
+                        ~vis[:, lo:hi], float("-inf")
+                    )
                     none = torch.full((len(rows),), float("-inf"), device=q.device)
                     lse = torch.logsumexp(s, -1) if hi > lo else none
                     o = torch.nan_to_num((s - lse[:, None]).exp()) @ v if hi > lo else 0.0

@@ -33,8 +33,11 @@ import triton.language as tl
 from ddtree.kernels.tree_attention import dispatch, hopper
 from ddtree.kernels.tree_attention.dispatch import AttentionShape, LaunchPlan
 from ddtree.kernels.tree_attention.merge import combine, gdc_launch_dependents, pdl_ok
-from ddtree.kernels.tree_attention.tuning import KernelConfig, patch_interpreter_index, resident_slots
-
+from ddtree.kernels.tree_attention.tuning import (
+    KernelConfig,
+    patch_interpreter_index,
+    resident_slots,
+)
 
 if triton.knobs.runtime.interpret:
     patch_interpreter_index()
@@ -42,7 +45,9 @@ if triton.knobs.runtime.interpret:
 # Reductions use tl.reduce with the standard combine functions, and tl.full instead of tl.zeros: tl.max,
 # tl.sum and tl.zeros are @jit functions that the interpreter cannot call when triton was imported before
 # TRITON_INTERPRET was set (it recognises these combine functions and reduces with numpy); same IR on GPU.
-_NEG_INIT = tl.constexpr(-1.0e30)  # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
+_NEG_INIT = tl.constexpr(
+    -1.0e30
+)  # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
 _LOG2E = 1.4426950408889634
 
 
@@ -59,8 +64,23 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(k_pool, v_pool, bt_row, kv_off, d, j, hi, ctx, stride_s, k_ext, v_ext, stride_es,
-             PAGE: tl.constexpr, MASKED: tl.constexpr, EXTRA: tl.constexpr):
+def _load_kv(
+    k_pool,
+    v_pool,
+    bt_row,
+    kv_off,
+    d,
+    j,
+    hi,
+    ctx,
+    stride_s,
+    k_ext,
+    v_ext,
+    stride_es,
+    PAGE: tl.constexpr,
+    MASKED: tl.constexpr,
+    EXTRA: tl.constexpr,
+):
     # MASKED 0: a full context tile, every position visible (no masks: pipelined); 1: the partial context tile
     # j < hi (hi <= ctx: pool only, visible to every row); 2: a tile of the new tokens, j < hi = kv_len.
     if MASKED == 0:
@@ -73,7 +93,9 @@ def _load_kv(k_pool, v_pool, bt_row, kv_off, d, j, hi, ctx, stride_s, k_ext, v_e
             in_pool = j_ok & (j < ctx)  # positions ctx.. come from the dense k_ext / v_ext rows
         page = tl.load(bt_row + j // PAGE, mask=in_pool, other=0)
     slot = page * PAGE + j % PAGE
-    off = slot[:, None] * stride_s + kv_off + d[None, :]  # K and V pools share strides (host-checked)
+    off = (
+        slot[:, None] * stride_s + kv_off + d[None, :]
+    )  # K and V pools share strides (host-checked)
     if MASKED == 0:
         k = tl.load(k_pool + off)
         v = tl.load(v_pool + off)
@@ -89,8 +111,23 @@ def _load_kv(k_pool, v_pool, bt_row, kv_off, d, j, hi, ctx, stride_s, k_ext, v_e
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k, v, j_ok, c, row_t, mask_ptr, mask_row, qk_scale,
-                 MASKED: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr):
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    j_ok,
+    c,
+    row_t,
+    mask_ptr,
+    mask_row,
+    qk_scale,
+    MASKED: tl.constexpr,
+    MODE: tl.constexpr,
+    DOT: tl.constexpr,
+):
     # One online-softmax step of a row block over a loaded K/V tile; masked tiles apply the MODE's visibility
     # among the new tokens (tree mask / causal / all). c = j - ctx: the new token's index, so the mask columns
     # stay aligned.
@@ -104,7 +141,9 @@ def _attend_tile(acc, m_i, l_i, q, k, v, j_ok, c, row_t, mask_ptr, mask_row, qk_
         elif MODE == 0:
             vis = (c[None, :] <= row_t[:, None]) & j_ok[None, :]
         else:
-            vis = j_ok[None, :] & (row_t >= 0)[:, None]  # (always-true row term: broadcast to the tile)
+            vis = (
+                j_ok[None, :] & (row_t >= 0)[:, None]
+            )  # (always-true row term: broadcast to the tile)
         s = tl.where(vis, s, float("-inf"))
     # qk_scale > 0 commutes with max: scale the row max, then one fused multiply-add per score
     m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * qk_scale)
@@ -120,14 +159,36 @@ def _load_q(q_ptr, q_start, rows, n_rows, kvh, d, stride_qt, stride_qh, G: tl.co
     row_ok = rows < n_rows
     row_t = rows // G
     head = kvh * G + rows % G
-    q = tl.load(q_ptr + (q_start + row_t)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + (q_start + row_t)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     return q, row_ok, row_t, head
 
 
 @triton.jit
-def _store_rows(acc, m_i, l_i, row_ok, row_t, head, out_ptr, part_o, part_lse, num_splits, split, q_start, d,
-                stride_ot, stride_oh, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+def _store_rows(
+    acc,
+    m_i,
+    l_i,
+    row_ok,
+    row_t,
+    head,
+    out_ptr,
+    part_o,
+    part_lse,
+    num_splits,
+    split,
+    q_start,
+    d,
+    stride_ot,
+    stride_oh,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     tok = q_start + row_t
@@ -137,25 +198,63 @@ def _store_rows(acc, m_i, l_i, row_ok, row_t, head, out_ptr, part_o, part_lse, n
         tl.store(part_lse + base, lse, mask=row_ok)
         tl.store(part_o + base[:, None] * D + d[None, :], o, mask=row_ok[:, None])
     else:
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
 
 
 @triton.jit
 def _attend_rows(
-    row0, q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext, qk_scale,
-    num_splits, split, b, kvh, q_start, q_len, kv_len,
-    stride_qt, stride_qh, stride_s, stride_h, stride_ot, stride_oh, stride_mb, stride_mt,
-    stride_eh, stride_es,
-    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
-    BLOCK_N: tl.constexpr, TREE_N: tl.constexpr, MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr,
-    TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
+    row0,
+    q_ptr,
+    k_pool,
+    v_pool,
+    bt_row,
+    mask_ptr,
+    out_ptr,
+    part_o,
+    part_lse,
+    k_ext,
+    v_ext,
+    qk_scale,
+    num_splits,
+    split,
+    b,
+    kvh,
+    q_start,
+    q_len,
+    kv_len,
+    stride_qt,
+    stride_qh,
+    stride_s,
+    stride_h,
+    stride_ot,
+    stride_oh,
+    stride_mb,
+    stride_mt,
+    stride_eh,
+    stride_es,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TREE_N: tl.constexpr,
+    MODE: tl.constexpr,
+    EXTRA: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TAIL_SPLIT: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     n_rows = q_len * G
     ctx = kv_len - q_len
     d = tl.arange(0, D)
-    q, row_ok, row_t, head = _load_q(q_ptr, q_start, row0 + tl.arange(0, BM), n_rows, kvh, d, stride_qt,
-                                     stride_qh, G)
+    q, row_ok, row_t, head = _load_q(
+        q_ptr, q_start, row0 + tl.arange(0, BM), n_rows, kvh, d, stride_qt, stride_qh, G
+    )
 
     t_lo = row0 // G
     t_hi = (tl.minimum(row0 + BM, n_rows) - 1) // G
@@ -188,49 +287,152 @@ def _attend_rows(
 
     kv_off = kvh * stride_h
     mask_ptr += b * stride_mb
-    mask_row = row_t * stride_mt  # int32 offsets: a [BM, TREE_N] tensor of 64-bit pointers costs registers
+    mask_row = (
+        row_t * stride_mt
+    )  # int32 offsets: a [BM, TREE_N] tensor of 64-bit pointers costs registers
     acc = tl.full([BM, D], 0.0, dtype=tl.float32)
     m_i = tl.full([BM], _NEG_INIT, dtype=tl.float32)
     l_i = tl.full([BM], 0.0, dtype=tl.float32)
     cols = tl.arange(0, BLOCK_N)
     tcols = tl.arange(0, TREE_N)
-    ext_off = (q_start - ctx) * stride_es + kvh * stride_eh  # k_ext + ext_off + j * stride_es: position j
+    ext_off = (
+        q_start - ctx
+    ) * stride_es + kvh * stride_eh  # k_ext + ext_off + j * stride_es: position j
     k_ext += ext_off
     v_ext += ext_off
 
     for tile in range(tile_lo, tile_hi):
         j = tile * BLOCK_N + cols
-        k, v, j_ok = _load_kv(k_pool, v_pool, bt_row, kv_off, d, j, kv_len, ctx, stride_s, k_ext, v_ext,
-                              stride_es, PAGE, 0, EXTRA)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, j_ok, j, row_t, mask_ptr, mask_row, qk_scale,
-                                     0, MODE, DOT)
+        k, v, j_ok = _load_kv(
+            k_pool,
+            v_pool,
+            bt_row,
+            kv_off,
+            d,
+            j,
+            kv_len,
+            ctx,
+            stride_s,
+            k_ext,
+            v_ext,
+            stride_es,
+            PAGE,
+            0,
+            EXTRA,
+        )
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k, v, j_ok, j, row_t, mask_ptr, mask_row, qk_scale, 0, MODE, DOT
+        )
     for tile in tl.range(n_full, n_full + n_rem, num_stages=1):
         j = tile * BLOCK_N + cols
-        k, v, j_ok = _load_kv(k_pool, v_pool, bt_row, kv_off, d, j, free_end, ctx, stride_s, k_ext, v_ext,
-                              stride_es, PAGE, 1, EXTRA)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, j_ok, j, row_t, mask_ptr, mask_row, qk_scale,
-                                     1, MODE, DOT)
+        k, v, j_ok = _load_kv(
+            k_pool,
+            v_pool,
+            bt_row,
+            kv_off,
+            d,
+            j,
+            free_end,
+            ctx,
+            stride_s,
+            k_ext,
+            v_ext,
+            stride_es,
+            PAGE,
+            1,
+            EXTRA,
+        )
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k, v, j_ok, j, row_t, mask_ptr, mask_row, qk_scale, 1, MODE, DOT
+        )
     for kk in tl.range(0, n_masked, num_stages=1):
         c = (free_end - ctx) + kk * TREE_N + tcols
-        k, v, j_ok = _load_kv(k_pool, v_pool, bt_row, kv_off, d, ctx + c, kv_len, ctx, stride_s, k_ext, v_ext,
-                              stride_es, PAGE, 2, EXTRA)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, j_ok, c, row_t, mask_ptr, mask_row, qk_scale,
-                                     2, MODE, DOT)
+        k, v, j_ok = _load_kv(
+            k_pool,
+            v_pool,
+            bt_row,
+            kv_off,
+            d,
+            ctx + c,
+            kv_len,
+            ctx,
+            stride_s,
+            k_ext,
+            v_ext,
+            stride_es,
+            PAGE,
+            2,
+            EXTRA,
+        )
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k, v, j_ok, c, row_t, mask_ptr, mask_row, qk_scale, 2, MODE, DOT
+        )
 
-    _store_rows(acc, m_i, l_i, row_ok, row_t, head, out_ptr, part_o, part_lse, num_splits, split, q_start, d,
-                stride_ot, stride_oh, HKV, G, D, SPLIT)
+    _store_rows(
+        acc,
+        m_i,
+        l_i,
+        row_ok,
+        row_t,
+        head,
+        out_ptr,
+        part_o,
+        part_lse,
+        num_splits,
+        split,
+        q_start,
+        d,
+        stride_ot,
+        stride_oh,
+        HKV,
+        G,
+        D,
+        SPLIT,
+    )
 
 
 @triton.jit
 def _split_kv_attn(
-    q_ptr, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext,
-    qk_scale, num_splits,
-    stride_qt, stride_qh, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
-    stride_mb, stride_mt, stride_eh, stride_es,
-    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-    TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_N: tl.constexpr,
-    MODE: tl.constexpr, EXTRA: tl.constexpr, SPLIT: tl.constexpr, TAIL_SPLIT: tl.constexpr, DOT: tl.constexpr,
-    CTX_DONE: tl.constexpr, PDL: tl.constexpr,
+    q_ptr,
+    k_pool,
+    v_pool,
+    block_table,
+    qo_indptr,
+    kv_lens,
+    mask_ptr,
+    out_ptr,
+    part_o,
+    part_lse,
+    k_ext,
+    v_ext,
+    qk_scale,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_s,
+    stride_h,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_mb,
+    stride_mt,
+    stride_eh,
+    stride_es,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TAIL_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TREE_N: tl.constexpr,
+    MODE: tl.constexpr,
+    EXTRA: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TAIL_SPLIT: tl.constexpr,
+    DOT: tl.constexpr,
+    CTX_DONE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()  # the merge's programs may start; they wait for this grid in gdc_wait
@@ -239,24 +441,83 @@ def _split_kv_attn(
     kvh = tl.program_id(1) % HKV
     split = tl.program_id(2)
     if CTX_DONE:
-        split += num_splits - 1  # hopper.launch_splits wrote the context splits: this grid is the last one
+        split += (
+            num_splits - 1
+        )  # hopper.launch_splits wrote the context splits: this grid is the last one
     q_start = tl.load(qo_indptr + b)
     q_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
     n_rows = q_len * G
     row0 = qb * BLOCK_M
     kv_len = tl.load(kv_lens + b).to(tl.int32)
     bt_row = block_table + b * stride_bt
-    args = (q_ptr, k_pool, v_pool, bt_row, mask_ptr, out_ptr, part_o, part_lse, k_ext, v_ext, qk_scale,
-            num_splits, split, b, kvh, q_start, q_len, kv_len, stride_qt, stride_qh, stride_s, stride_h, stride_ot,
-            stride_oh, stride_mb, stride_mt, stride_eh, stride_es)
+    args = (
+        q_ptr,
+        k_pool,
+        v_pool,
+        bt_row,
+        mask_ptr,
+        out_ptr,
+        part_o,
+        part_lse,
+        k_ext,
+        v_ext,
+        qk_scale,
+        num_splits,
+        split,
+        b,
+        kvh,
+        q_start,
+        q_len,
+        kv_len,
+        stride_qt,
+        stride_qh,
+        stride_s,
+        stride_h,
+        stride_ot,
+        stride_oh,
+        stride_mb,
+        stride_mt,
+        stride_eh,
+        stride_es,
+    )
     if row0 >= n_rows:
         return
     # A last block with few rows (65 tree nodes x 4 heads = 4 x 64 + 4) runs at TAIL_M rows instead of
     # BLOCK_M: the same KV stream for a fraction of the MMA work.
     if TAIL_M > 0 and n_rows - row0 <= TAIL_M:
-        _attend_rows(row0, *args, HKV, G, D, PAGE, TAIL_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT, DOT)
+        _attend_rows(
+            row0,
+            *args,
+            HKV,
+            G,
+            D,
+            PAGE,
+            TAIL_M,
+            BLOCK_N,
+            TREE_N,
+            MODE,
+            EXTRA,
+            SPLIT,
+            TAIL_SPLIT,
+            DOT,
+        )
     else:
-        _attend_rows(row0, *args, HKV, G, D, PAGE, BLOCK_M, BLOCK_N, TREE_N, MODE, EXTRA, SPLIT, TAIL_SPLIT, DOT)
+        _attend_rows(
+            row0,
+            *args,
+            HKV,
+            G,
+            D,
+            PAGE,
+            BLOCK_M,
+            BLOCK_N,
+            TREE_N,
+            MODE,
+            EXTRA,
+            SPLIT,
+            TAIL_SPLIT,
+            DOT,
+        )
 
 
 def _dot_mode(dtype: torch.dtype) -> int:
@@ -265,19 +526,43 @@ def _dot_mode(dtype: torch.dtype) -> int:
     return 1 if dtype == torch.float32 else 0
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                    qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float, **kw) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    **kw,
+) -> torch.Tensor:
     """`paged_attention_plan` without the plan: [T, Hq, D]."""
-    return paged_attention_plan(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, **kw)[0]
+    return paged_attention_plan(
+        q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, **kw
+    )[0]
 
 
 def paged_attention_plan(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-    qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float, *,
-    max_q_len: int, max_kv_len: int, tree_mask: torch.Tensor | None = None, causal: bool = True,
-    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, num_splits: int | None = None,
-    config: KernelConfig | None = None, out: torch.Tensor | None = None,
-    hopper_ctx: bool | hopper.HopperConfig | None = None, plan: LaunchPlan | None = None,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    *,
+    max_q_len: int,
+    max_kv_len: int,
+    tree_mask: torch.Tensor | None = None,
+    causal: bool = True,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_splits: int | None = None,
+    config: KernelConfig | None = None,
+    out: torch.Tensor | None = None,
+    hopper_ctx: bool | hopper.HopperConfig | None = None,
+    plan: LaunchPlan | None = None,
 ) -> tuple[torch.Tensor, LaunchPlan | None]:
     """See the module docstring. `max_q_len` and `max_kv_len` are host ints bounding the batch (they size the
     grid and the split count only; pass the captured maxima under a CUDA graph). Without a tree mask the new
@@ -311,15 +596,46 @@ def paged_attention_plan(
         k_ext = v_ext = k_pool
 
     def args(split_count, part_o, part_lse):
-        return (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, mask, out, part_o, part_lse, k_ext, v_ext,
-                scale * _LOG2E, split_count,
-                q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_table.stride(0),
-                out.stride(0), out.stride(1), smb, smt, k_ext.stride(1), k_ext.stride(0))
+        return (
+            q,
+            k_pool,
+            v_pool,
+            block_table,
+            qo_indptr,
+            kv_lens,
+            mask,
+            out,
+            part_o,
+            part_lse,
+            k_ext,
+            v_ext,
+            scale * _LOG2E,
+            split_count,
+            q.stride(0),
+            q.stride(1),
+            k_pool.stride(0),
+            k_pool.stride(1),
+            block_table.stride(0),
+            out.stride(0),
+            out.stride(1),
+            smb,
+            smt,
+            k_ext.stride(1),
+            k_ext.stride(0),
+        )
 
-    shape = AttentionShape.of(q, k_pool, qo_indptr, page_size, max_q_len, max_kv_len, mode, new_kv is not None)
+    shape = AttentionShape.of(
+        q, k_pool, qo_indptr, page_size, max_q_len, max_kv_len, mode, new_kv is not None
+    )
     if plan is None:
-        plan = dispatch.plan(shape, q.device, num_splits=num_splits, config=config, hopper_ctx=hopper_ctx,
-                             triton_slots=lambda cfg: triton_slots(shape, cfg, q.device, args))
+        plan = dispatch.plan(
+            shape,
+            q.device,
+            num_splits=num_splits,
+            config=config,
+            hopper_ctx=hopper_ctx,
+            triton_slots=lambda cfg: triton_slots(shape, cfg, q.device, args),
+        )
     gluon_args = (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, scale, mask, smb, smt)
     if plan.kernel == "hopper":
         try:
@@ -327,18 +643,38 @@ def paged_attention_plan(
             return out, plan
         except Exception as e:  # noqa: BLE001 - e.g. another Triton's Gluon: fall back, once and for all
             hopper.disable(e)
-            plan = dispatch.plan(shape, q.device, num_splits=num_splits, config=config, hopper_ctx=False,
-                                 triton_slots=lambda cfg: triton_slots(shape, cfg, q.device, args))
-            plan = dataclasses.replace(plan, fallback=f"the Gluon kernel failed: {type(e).__name__}")
+            plan = dispatch.plan(
+                shape,
+                q.device,
+                num_splits=num_splits,
+                config=config,
+                hopper_ctx=False,
+                triton_slots=lambda cfg: triton_slots(shape, cfg, q.device, args),
+            )
+            plan = dataclasses.replace(
+                plan, fallback=f"the Gluon kernel failed: {type(e).__name__}"
+            )
     launch(plan, shape, args, out, gluon_args)
     return out, plan
 
 
 def _consts(shape: AttentionShape, cfg: KernelConfig) -> dict:
-    return dict(HKV=shape.num_kv_heads, G=shape.group, D=shape.head_dim, PAGE=shape.page_size,
-                BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n, TREE_N=cfg.tree_n,
-                TAIL_SPLIT=cfg.tail_split, MODE=shape.mode, EXTRA=shape.new_kv, DOT=_dot_mode(shape.dtype),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dict(
+        HKV=shape.num_kv_heads,
+        G=shape.group,
+        D=shape.head_dim,
+        PAGE=shape.page_size,
+        BLOCK_M=cfg.block_m,
+        TAIL_M=cfg.tail_m,
+        BLOCK_N=cfg.block_n,
+        TREE_N=cfg.tree_n,
+        TAIL_SPLIT=cfg.tail_split,
+        MODE=shape.mode,
+        EXTRA=shape.new_kv,
+        DOT=_dot_mode(shape.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 def triton_slots(shape: AttentionShape, cfg: KernelConfig, device: torch.device, args=None) -> int:
@@ -350,8 +686,13 @@ def triton_slots(shape: AttentionShape, cfg: KernelConfig, device: torch.device,
         args = _stand_in_args(shape, device)
     f32 = torch.empty(1, dtype=torch.float32, device=device)
     # the variant a split launch uses (PDL as there), so that launch reuses this compile
-    return resident_slots(device, key, lambda: _split_kv_attn.warmup(
-        *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, PDL=pdl_ok(device), **consts))
+    return resident_slots(
+        device,
+        key,
+        lambda: _split_kv_attn.warmup(
+            *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, PDL=pdl_ok(device), **consts
+        ),
+    )
 
 
 def _stand_in_args(shape: AttentionShape, device: torch.device):
@@ -364,14 +705,40 @@ def _stand_in_args(shape: AttentionShape, device: torch.device):
     smb, smt = (1, 1) if shape.mode == 1 else (0, 0)
 
     def args(split_count, part_o, part_lse):
-        return (q, pool, pool, table, ints, ints, mask, q, part_o, part_lse, pool, pool, 1.0, split_count,
-                q.stride(0), q.stride(1), pool.stride(0), pool.stride(1), table.stride(0), q.stride(0),
-                q.stride(1), smb, smt, pool.stride(1), pool.stride(0))
+        return (
+            q,
+            pool,
+            pool,
+            table,
+            ints,
+            ints,
+            mask,
+            q,
+            part_o,
+            part_lse,
+            pool,
+            pool,
+            1.0,
+            split_count,
+            q.stride(0),
+            q.stride(1),
+            pool.stride(0),
+            pool.stride(1),
+            table.stride(0),
+            q.stride(0),
+            q.stride(1),
+            smb,
+            smt,
+            pool.stride(1),
+            pool.stride(0),
+        )
 
     return args
 
 
-def launch(plan: LaunchPlan, shape: AttentionShape, args, out: torch.Tensor, gluon_args: tuple) -> None:
+def launch(
+    plan: LaunchPlan, shape: AttentionShape, args, out: torch.Tensor, gluon_args: tuple
+) -> None:
     """Launch `plan` ("hopper" or "triton"): the split kernels, then the merge. args(splits, part_o,
     part_lse): the Triton kernel's arguments; gluon_args: (q, k_pool, v_pool, block_table, qo_indptr, kv_lens,
     scale, mask, stride_mb, stride_mt) for `hopper.launch_splits`."""
@@ -385,16 +752,52 @@ def launch(plan: LaunchPlan, shape: AttentionShape, args, out: torch.Tensor, glu
         part_o = part_lse = out
     if hop:
         q, k_pool, v_pool, block_table, qo_indptr, kv_lens, scale, mask, smb, smt = gluon_args
-        hopper.launch_splits(q, k_pool, v_pool, block_table, qo_indptr, kv_lens, shape.page_size, scale, part_o,
-                             part_lse, num_splits, shape.max_q_len, shape.mode, mask, smb, smt, hop, pdl)
+        hopper.launch_splits(
+            q,
+            k_pool,
+            v_pool,
+            block_table,
+            qo_indptr,
+            kv_lens,
+            shape.page_size,
+            scale,
+            part_o,
+            part_lse,
+            num_splits,
+            shape.max_q_len,
+            shape.mode,
+            mask,
+            smb,
+            smt,
+            hop,
+            pdl,
+        )
     if not (hop and hop.masked_tail):
         q_blocks = -(-shape.rows // cfg.block_m)
-        grid = (q_blocks, shape.batch * shape.num_kv_heads, 1 if hop else num_splits)  # hopper: last split only
-        _split_kv_attn[grid](*args(num_splits, part_o, part_lse), SPLIT=split, CTX_DONE=bool(hop), PDL=pdl,
-                             **_consts(shape, cfg))
+        grid = (
+            q_blocks,
+            shape.batch * shape.num_kv_heads,
+            1 if hop else num_splits,
+        )  # hopper: last split only
+        _split_kv_attn[grid](
+            *args(num_splits, part_o, part_lse),
+            SPLIT=split,
+            CTX_DONE=bool(hop),
+            PDL=pdl,
+            **_consts(shape, cfg),
+        )
     if split:
         combine[(T, hq)](
-            part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HQ=hq, D=dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PDL=pdl,
-            num_warps=cfg.combine_warps, launch_pdl=pdl,
+            part_o,
+            part_lse,
+            out,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HQ=hq,
+            D=dim,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            PDL=pdl,
+            num_warps=cfg.combine_warps,
+            launch_pdl=pdl,
         )

@@ -21,8 +21,12 @@ class KernelConfig:
     num_stages: int = 3
     tail_m: int = 16  # a last row block with <= tail_m rows runs at this size; 0 = off
     tree_n: int = 16  # KV positions per tile over the new tokens (masked tiles); 16, 32 or 64
-    tail_split: bool = True  # with > 1 split, the last split does only the masked tiles (the new tokens)
-    combine_warps: int = 1  # warps per program of the split-merging kernel (1 beat 2, 4, 8 on the H200)
+    tail_split: bool = (
+        True  # with > 1 split, the last split does only the masked tiles (the new tokens)
+    )
+    combine_warps: int = (
+        1  # warps per program of the split-merging kernel (1 beat 2, 4, 8 on the H200)
+    )
 
     def __post_init__(self):
         if self.tail_m >= self.block_m:
@@ -52,8 +56,13 @@ def split_min_tiles(rows_per_request: int) -> int:
     return 4 if rows_per_request <= 16 else 6
 
 
-def ctas_per_sm(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int = 65536,
-                shared_per_sm: int = 233472) -> int:
+def ctas_per_sm(
+    n_regs: int,
+    shared_bytes: int,
+    num_warps: int,
+    regs_per_sm: int = 65536,
+    shared_per_sm: int = 233472,
+) -> int:
     """Resident programs per SM from the compiled kernel's registers and shared memory (Hopper limits)."""
     regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
     by_regs = regs_per_sm // (regs_per_warp * num_warps)
@@ -62,9 +71,16 @@ def ctas_per_sm(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int
     return max(1, min(by_regs, by_smem, by_threads, 32))
 
 
-def choose_num_splits(programs_per_split: int, max_kv_len: int, block_n: int, slots: int,
-                      min_tiles: int = 4, max_splits: int = 64, target: float = 0.85,
-                      tail_split: bool = False) -> int:
+def choose_num_splits(
+    programs_per_split: int,
+    max_kv_len: int,
+    block_n: int,
+    slots: int,
+    min_tiles: int = 4,
+    max_splits: int = 64,
+    target: float = 0.85,
+    tail_split: bool = False,
+) -> int:
     """Fewest splits whose grid fills the GPU's resident slots (SMs x programs per SM) to >= `target` of its
     last wave, with no split shorter than `min_tiles` tiles; otherwise the best-filling count. With
     `tail_split` (the kernel's last split then does only the new tokens' masked tiles) the count is chosen for
@@ -93,9 +109,13 @@ def resident_slots(device: torch.device, key: tuple, compile_fn: Callable) -> in
         props = torch.cuda.get_device_properties(device)
         kernel = compile_fn()
         kernel._init_handles()
-        ctas = ctas_per_sm(kernel.n_regs, kernel.metadata.shared, kernel.metadata.num_warps,
-                           getattr(props, "regs_per_multiprocessor", 65536),
-                           getattr(props, "shared_memory_per_multiprocessor", 233472))
+        ctas = ctas_per_sm(
+            kernel.n_regs,
+            kernel.metadata.shared,
+            kernel.metadata.num_warps,
+            getattr(props, "regs_per_multiprocessor", 65536),
+            getattr(props, "shared_memory_per_multiprocessor", 233472),
+        )
         _SLOTS[key] = props.multi_processor_count * ctas
     return _SLOTS[key]
 
