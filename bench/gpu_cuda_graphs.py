@@ -41,9 +41,8 @@ T0 = time.time()
 
 def toy_subprocess(out: str) -> subprocess.Popen:
     code = f"from ddtree.train.toy import build_toy_pair; build_toy_pair({out!r})"
-    env = dict(
-        os.environ, CUDA_VISIBLE_DEVICES=""
-    )  # CPU only: never touches the GPU while graphs capture
+    # CPU only: never touches the GPU while graphs capture
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     return subprocess.Popen(
         [sys.executable, "-c", code],
         env=env,
@@ -93,9 +92,8 @@ class Probe:
             def counted(*a, _fn=fn, _key=key):
                 self.replays[_key] += 1
                 out = _fn(*a)
-                if (
-                    _key == "verify" and out[3] is not None
-                ):  # the greedy accept walk ran inside the verify graph
+                # the greedy accept walk ran inside the verify graph
+                if _key == "verify" and out[3] is not None:
                     self.replays["accept"] += 1
                 return out
 

@@ -144,9 +144,8 @@ def section_b(gen):
             f"{ref:8.1f} us",
             f"kernel best {best:.1f} us" if best else "kernel: none ran",
         )
-        f32 = [
-            t.float() for t in (q, k, v, g, beta)
-        ]  # errors on fp32 outputs (bf16 rounding would hide them)
+        # errors on fp32 outputs (bf16 rounding would hide them)
+        f32 = [t.float() for t in (q, k, v, g, beta)]
         ro, rst = reference.tree_gated_delta_rule(
             *f32, parents, depths, s0, return_node_states=True
         )
@@ -212,9 +211,8 @@ def section_c(gen):
             for (
                 name,
                 t,
-            ) in (
-                pool.stash.items()
-            ):  # replay inputs finite and non-trivial (g <= 0); copies move zeros
+                # replay inputs finite and non-trivial (g <= 0); copies move zeros
+            ) in pool.stash.items():
                 if strategy == "no_buffer":
                     t.copy_(
                         torch.rand(t.shape, device=DEV, dtype=t.dtype)
@@ -328,9 +326,8 @@ def section_d(gen):
         cu = torch.tensor([0, *lens], device=DEV).cumsum(0)
         o, S = dispatch.chunk_rule(q, k, v, g, beta, s0, cu_seqlens=cu)
         ro, rS = reference.gated_delta_rule_chunked(q, k, v, g, beta, s0, cu_seqlens=cu)
-        nq, nk, nv, ng, nb, _ = rule_inputs(
-            len(lens), 1, dtype, gen
-        )  # decode continues from the chunk state
+        # decode continues from the chunk state
+        nq, nk, nv, ng, nb, _ = rule_inputs(len(lens), 1, dtype, gen)
         od, Sd = dispatch.recurrent_rule(nq, nk, nv, ng, nb, S)
         rod, rSd = reference.gated_delta_rule_recurrent(nq, nk, nv, ng, nb, rS)
         errs = {
@@ -340,9 +337,8 @@ def section_d(gen):
             "decode_state": rel(Sd, rSd),
         }
         out[key] = errs
-        tol = (
-            5e-3 if dtype == torch.float32 else 3e-2
-        )  # fla's chunk dots run in tf32 on fp32 inputs
+        # fla's chunk dots run in tf32 on fp32 inputs
+        tol = 5e-3 if dtype == torch.float32 else 3e-2
         if not all(e < tol for e in errs.values()) or not torch.isfinite(Sd).all():
             FAILED.append(f"d:{key}")
         row(f"{key:8s} varlen {lens}", *(f"{n} {e:.1e}" for n, e in errs.items()))

@@ -55,9 +55,8 @@ def main() -> int:
     t0 = time.perf_counter()
     dev = torch.device("cpu" if ns.smoke else "cuda")
     cuda = dev.type == "cuda"
-    peer = load_peer(
-        ns.peer_checkout
-    )  # fails fast, naming --peer-checkout, before 18 GB are allocated
+    # fails fast, naming --peer-checkout, before 18 GB are allocated
+    peer = load_peer(ns.peer_checkout)
     import transformers
 
     dtype = torch.float32 if ns.smoke else torch.bfloat16

@@ -40,9 +40,8 @@ T0 = time.time()
 # seconds since start after which the sweep / Flex are skipped
 SWEEP_BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", 190))
 FLEX_BUDGET_S = float(os.environ.get("FLEX_BUDGET_S", 150))
-FLEX_POINTS = os.environ.get("FLEX_POINTS", "b1 n65 16k").split(
-    ","
-)  # Flex compiles slowly: few points
+# Flex compiles slowly: few points
+FLEX_POINTS = os.environ.get("FLEX_POINTS", "b1 n65 16k").split(",")
 
 
 def rel(a, b):

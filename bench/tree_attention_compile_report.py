@@ -98,9 +98,8 @@ def report(
         else:
             sig[a] = PTRS.get(a, "fp32" if a == "qk_scale" else "i32")
             if a in PTRS or a.startswith("stride"):
-                attrs[(i,)] = [
-                    ["tt.divisibility", 16]
-                ]  # as Triton specialises 16-aligned pointers / strides
+                # as Triton specialises 16-aligned pointers / strides
+                attrs[(i,)] = [["tt.divisibility", 16]]
     ck = triton.compile(
         ASTSource(fn=fn, signature=sig, constexprs=cvals, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
@@ -219,9 +218,8 @@ def hopper_report(
         k: len(re.findall(k, sass))
         for k in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "UTMALDG", "USETMAXREG")
     }
-    n["HGMMA_N8"] = len(
-        re.findall(r"HGMMA\.64x8x16", sass)
-    )  # the swapped one-node tail block (tail_n = 8)
+    # the swapped one-node tail block (tail_n = 8)
+    n["HGMMA_N8"] = len(re.findall(r"HGMMA\.64x8x16", sass))
     # the 64-row block's S = Q K^T (m64n64) with Q read from shared memory (its A operand a descriptor) or registers
     n["QK_A_SMEM"] = len(re.findall(r"HGMMA\.64x64x16\.\S+ R\d+, gdesc", sass))
     n["QK_A_REGS"] = len(re.findall(r"HGMMA\.64x64x16\.\S+ R\d+, R\d+, gdesc", sass))

@@ -30,9 +30,8 @@ def test_from_parents():
 
 
 def test_whole_tree_rejected():
-    r = run(
-        [0, 1, 2, 3, 4, 5, 6]
-    )  # target at root draws 0: no child has token 0 (padding must not match)
+    # target at root draws 0: no child has token 0 (padding must not match)
+    r = run([0, 1, 2, 3, 4, 5, 6])
     assert r.accept_length.tolist() == [0] and r.num_out.tolist() == [1]
     assert r.path.tolist() == [[0, 0, 0, 0]] and r.last_node.tolist() == [0]
     assert r.out_tokens.tolist() == [[0, -1, -1, -1]]

@@ -121,9 +121,8 @@ def _watch_kv(runner, log):
     last = []
     commit = graphs.commit
 
-    def watched_commit(
-        path, accept_length
-    ):  # target KV moves and drafter-context writes stay in rows + scratch
+    # target KV moves and drafter-context writes stay in rows + scratch
+    def watched_commit(path, accept_length):
         pools = [p for p in (runner.kv, runner.draft_kv) if p is not None]
         before = [torch.stack([p.k, p.v]).clone() for p in pools]
         commit(path, accept_length)
@@ -146,9 +145,8 @@ def test_padding_rows_write_only_scratch_pages(toy_pair, one_torch_thread, algor
     runner.graphs.build()
     log = []
     _watch_kv(runner, log)
-    llm.generate(
-        [list(p) for p in toy_prompts(5)], PARAMS
-    )  # 4 -> 3 live rows inside bucket 4: stale rows
+    # 4 -> 3 live rows inside bucket 4: stale rows
+    llm.generate([list(p) for p in toy_prompts(5)], PARAMS)
     assert log and all(not bad for bad, _, _ in log)
     assert any(wrote for _, wrote, b in log if b == 3), "padding rows never wrote (to scratch)"
 

@@ -61,9 +61,8 @@ def reference_draft_logits(W, cfg, embed, lm_head, features, block_ids, start):
         kind = (cfg.get("layer_types") or ["full_attention"] * 99)[i]
         diff = qpos[:, None] - kpos[None, :]
         vis = torch.ones_like(diff, dtype=torch.bool)
-        if (
-            kind == "sliding_attention"
-        ):  # z-lab: sliding layers are causal in-block, window on both sides
+        # z-lab: sliding layers are causal in-block, window on both sides
+        if kind == "sliding_attention":
             vis = (diff >= 0) & (diff < cfg["sliding_window"])
         scores = scores.masked_fill(~vis[None], float("-inf"))
         out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(S, nh * hd)

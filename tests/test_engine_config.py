@@ -188,9 +188,8 @@ def test_unchunked_prefill_acts():
 
     prompt = list(range(3, 40))
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    one_chunk = LLM(device="cpu").generate(prompt, params)[
-        0
-    ]  # 37 tokens: one chunk of the default 2048
+    # 37 tokens: one chunk of the default 2048
+    one_chunk = LLM(device="cpu").generate(prompt, params)[0]
     whole = LLM(device="cpu", chunked_prefill_size=-1)
     engine = whole.engine
     # -1: no chunking, so one prefill batch is capped by --max-prefill-tokens alone

@@ -42,9 +42,8 @@ def env_names_in(path: str) -> set[str]:
 def test_every_ddtree_name_is_in_the_table():
     missing = {}
     for path in _files((".py", ".md")):
-        if os.path.exists(path) and path != os.path.abspath(
-            __file__
-        ):  # its control uses made-up names
+        # its control uses made-up names
+        if os.path.exists(path) and path != os.path.abspath(__file__):
             for name in env_names_in(path) - set(envs.TABLE):
                 missing.setdefault(name, []).append(os.path.relpath(path, ROOT))
     assert not missing, f"DDTREE_* names not in ddtree/envs.py TABLE: {missing}"

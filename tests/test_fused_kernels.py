@@ -17,9 +17,8 @@ from ddtree.kernels.fused import reference as R  # noqa: E402
 from ddtree.models.layers import RotaryEmbedding  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
-BF16_REL = (
-    2.5e-2 if DEV == "cpu" else 5e-3
-)  # the interpreter's truncation biases each rounding toward zero
+# the interpreter's truncation biases each rounding toward zero
+BF16_REL = 2.5e-2 if DEV == "cpu" else 5e-3
 
 
 def close(got, ref, dtype):

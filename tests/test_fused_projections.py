@@ -46,9 +46,8 @@ def test_state_dict_has_hf_names_as_views_of_the_fused_weights():
 def test_load_state_dict_round_trip_and_strictness():
     model, cfg = tiny_target()
     other = Qwen3ForCausalLM(TargetConfig.from_dict(cfg))
-    other.load_state_dict(
-        model.state_dict()
-    )  # strict: HF part names concatenate into the fused weights
+    # strict: HF part names concatenate into the fused weights
+    other.load_state_dict(model.state_dict())
     for (n, a), (_, b) in zip(model.named_parameters(), other.named_parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
     sd = model.state_dict()

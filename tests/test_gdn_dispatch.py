@@ -131,9 +131,8 @@ def test_decode_extend_uses_step_kernels(strategy):
     w = torch.randn(geo.conv_dim, 4, generator=gen)
     q, k, v, g, beta, _ = rule_inputs(2, 1, 2, 4, dk=8, dv=8, seed=6)
     outs = []
-    for p, lens in zip(
-        pools, ([1, 1], [1, 2])
-    ):  # [1, 2] forces the packed path; only 2 tokens are used
+    # [1, 2] forces the packed path; only 2 tokens are used
+    for p, lens in zip(pools, ([1, 1], [1, 2])):
         ctx = p.extend_context([2, 0], lens, [5, 7])
         assert ctx.decode == (lens == [1, 1])
         ctx.cu_seqlens = torch.tensor([0, 1, 2])

@@ -81,9 +81,8 @@ def test_conv_matches_transformers():
     y_hf = hf.causal_conv1d_update(xs[..., None], hf_state, w, None, "silu")[..., 0]
     y, new = causal_conv1d_step(xs, conv, w)
     assert rel(y, y_hf) < TOL and rel(new, hf_state[..., 1:]) < TOL
-    assert torch.equal(
-        conv[:, :, 1:], new[:, :, :-1]
-    )  # input state untouched, shifted copy returned
+    # input state untouched, shifted copy returned
+    assert torch.equal(conv[:, :, 1:], new[:, :, :-1])
 
 
 @pytest.mark.parametrize("split", [0, 1, 2, 7])

@@ -98,9 +98,8 @@ def test_paged_prefill_and_decode_match_transformers(text_ckpt, strategy):
     runner = _runner(load_target(path, torch.float32), strategy)
     seqs, lens = [_seq(2), _seq(3)], [9, 14]
     reqs = _reqs(runner, seqs, lens)
-    last = _prefill(
-        runner, reqs, [[4, 6], [0, 3], [5, 5]]
-    )  # ragged chunks, one request idle in a chunk
+    # ragged chunks, one request idle in a chunk
+    last = _prefill(runner, reqs, [[4, 6], [0, 3], [5, 5]])
     ref = [hf_logits(hf, s) for s in seqs]
     for i, n in enumerate(lens):
         torch.testing.assert_close(last[i], ref[i][n - 1], **TOL)
@@ -170,9 +169,8 @@ def _verify_round(path, strategy, ssm_dtype="float32"):
     pool = runner.state_pool
     before = (pool.conv.clone(), pool.ssm.clone())
     logits, _ = runner.verify(reqs, tree)
-    assert torch.equal(pool.conv, before[0]) and torch.equal(
-        pool.ssm, before[1]
-    )  # verify never commits
+    # verify never commits
+    assert torch.equal(pool.conv, before[0]) and torch.equal(pool.ssm, before[1])
     runner.commit(reqs, torch.tensor(PATHS), torch.tensor(ACCEPT), None)
     return runner, reqs, seqs, lens, tokens, tree, logits
 

@@ -213,9 +213,8 @@ def test_stop_strings_and_token_ids(client, pair):
                 extra_body={"ignore_eos": True},
             )
         )
-        assert text == full[:cut] and finish == [
-            "stop"
-        ]  # held-back prefixes of the stop never leak
+        # held-back prefixes of the stop never leak
+        assert text == full[:cut] and finish == ["stop"]
     j = 7
     tok = CHARS.index(full[j])
     first = full.index(full[j])
@@ -227,9 +226,8 @@ def test_stop_strings_and_token_ids(client, pair):
         extra_body={"ignore_eos": True, "stop_token_ids": [tok]},
     )
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
-    assert (
-        r.choices[0].text == full[: first + 1]
-    )  # like vLLM, a non-special stop token's text is kept
+    # like vLLM, a non-special stop token's text is kept
+    assert r.choices[0].text == full[: first + 1]
 
 
 def test_sampling_parameters(client, pair):
@@ -305,9 +303,8 @@ def in_block_stop(llm, prompt, out):
 
     inside, pos = [], 1  # output token 0 comes from prefill, rounds start at 1
     for n in out.accept_lengths:
-        inside += list(
-            range(pos + 1, pos + n - 1)
-        )  # neither the first nor the last token of the round
+        # neither the first nor the last token of the round
+        inside += list(range(pos + 1, pos + n - 1))
         pos += n
     detok, ends, pieces = IncrementalDetokenizer(llm.tokenizer, prompt), [], []
     for tok in out.token_ids:  # the engine's own incremental text, token by token

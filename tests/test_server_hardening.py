@@ -233,9 +233,8 @@ def request_body(pair, route: str, patch) -> tuple[str, str]:
     base = {"model": pair[0], "max_tokens": 2} | (
         {"prompt": "hi"} if route == "c" else {"messages": MSG}
     )
-    if isinstance(
-        patch, str
-    ):  # raw JSON: NaN, Infinity and lone surrogate escapes as a client sends them
+    # raw JSON: NaN, Infinity and lone surrogate escapes as a client sends them
+    if isinstance(patch, str):
         return path, json.dumps(base)[:-1] + ", " + patch + "}"
     return path, json.dumps(base | patch)
 

@@ -71,9 +71,8 @@ def test_shutdown_ends_in_flight_requests_with_errors_and_exits_0(pair, signals,
     assert status == 503 and body["error"]["code"] == "server_shutting_down", body
     ended = answered - t0
     if len(signals) == 1 and signals[0] == signal.SIGTERM:
-        assert drain - 0.2 <= ended < drain + 10, (
-            ended
-        )  # it waited for the deadline, then ended them
+        # it waited for the deadline, then ended them
+        assert drain - 0.2 <= ended < drain + 10, ended
     else:
         assert ended < 10, ended  # ended at once, not after the 60 s drain
     events = got["events"]

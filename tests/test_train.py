@@ -368,9 +368,8 @@ def test_block_loss_uses_same_position_labels_and_chunks(tiny):
     for b in range(3):
         for j in range(anchors.shape[1]):
             a = int(anchors[b, j])
-            for k in range(
-                1, 8
-            ):  # block row k is trained on x_{a+k}: same position, no extra shift
+            # block row k is trained on x_{a+k}: same position, no extra shift
+            for k in range(1, 8):
                 if a + k < ids.shape[1] and mask[b, a + k]:
                     w = float(torch.exp(torch.tensor(-(k - 1) / 4.0)))
                     num += w * float(

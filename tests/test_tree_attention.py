@@ -459,12 +459,10 @@ def test_hopper_config_rules():
     assert HopperConfig(128, 64, 3).programs_per_sm(128) == 1
     assert HopperConfig(128, 128, 3).programs_per_sm(128) == 1  # 224 KB: Q 32 + 3 x (K 32 + V 32)
     with pytest.raises(AssertionError):
-        HopperConfig(
-            64, 128, 3
-        )  # 128-wide tiles only with two warpgroups: one would not fit two per SM
-    with pytest.raises(
-        AssertionError
-    ):  # the Triton last split continues 64-row blocks of 64-wide tiles only
+        # 128-wide tiles only with two warpgroups: one would not fit two per SM
+        HopperConfig(64, 128, 3)
+    # the Triton last split continues 64-row blocks of 64-wide tiles only
+    with pytest.raises(AssertionError):
         HopperConfig(128, 128, 3, masked_tail=False)
 
 

@@ -26,9 +26,8 @@ def forced_targets(tree: DraftTree, target_tokens: Tensor, lengths: Tensor) -> T
     at_depth = tree.valid[:, :, None] & (
         tree.depths[:, :, None] == torch.arange(1, D + 1, device=device)
     )
-    first = torch.where(at_depth, node[None, :, None], n).amin(
-        1
-    )  # [b, D]: first node of each depth, n if none
+    # [b, D]: first node of each depth, n if none
+    first = torch.where(at_depth, node[None, :, None], n).amin(1)
     path = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=device), first], 1)  # [b, D+1]
     linked = (first < n) & (tree.parents.gather(1, first.clamp(max=n - 1)) == path[:, :-1])
     chain = linked.long().cumprod(1).sum(1)  # drafted nodes on the unbroken chain

@@ -104,9 +104,8 @@ def load_peer(peer_dir: str) -> types.SimpleNamespace:
         peer = types.SimpleNamespace(
             ddtree=mod, dflash=sys.modules["dflash"], model=sys.modules["model"], root=root
         )
-    except (
-        Exception
-    ) as e:  # an import error or a transformers API the peer expects and this version lacks
+    # an import error or a transformers API the peer expects and this version lacks
+    except Exception as e:
         raise PeerCheckoutError(
             f"--peer-checkout {peer_dir!r}: importing the peer code from {root} failed: "
             f"{type(e).__name__}: {e}"
@@ -264,9 +263,8 @@ def peer_round_ms(
             m.cuda_time = _host_time
     try:
         with torch.cuda.device(device) if cuda else contextlib.nullcontext():
-            peer.ddtree.maybe_enable_cpp_compact(
-                cpp_compact
-            )  # builds the extension once (or warns, falls back)
+            # builds the extension once (or warns, falls back)
+            peer.ddtree.maybe_enable_cpp_compact(cpp_compact)
             cpp_compact = cpp_compact and peer.ddtree.load_cpp_compact_module() is not None
             ids = random_prompt(
                 target_model.config.vocab_size, context_len, dcfg.mask_token_id, seed
@@ -287,9 +285,8 @@ def peer_round_ms(
                     return peer.dflash.dflash_generate(**kw)
                 return peer.ddtree.ddtree_generate(**kw, tree_budget=budget)
 
-            with (
-                warnings.catch_warnings()
-            ):  # transformers' deprecation notes about the peer's kwargs
+            # transformers' deprecation notes about the peer's kwargs
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 if warmup:
                     call(warmup + 1)

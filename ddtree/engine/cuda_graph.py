@@ -125,9 +125,8 @@ class GraphSet:
         self.owner, self.forward, self.shape, self.pad_len = owner, forward, shape, pad_len
         self.bounds = ctx_bounds(top)
         self.plans: dict[tuple[int, int], tuple] = {}  # (bs, bound) -> LaunchPlan.capture_key
-        self.graphs: dict[
-            tuple[int, tuple], tuple
-        ] = {}  # (bs, key) -> (graph or None, outputs, backend)
+        # (bs, key) -> (graph or None, outputs, backend)
+        self.graphs: dict[tuple[int, tuple], tuple] = {}
 
     def build(self, buckets: list[int]) -> None:
         for bs in sorted(buckets, reverse=True):
@@ -161,9 +160,8 @@ class GraphSet:
         bs = self.owner.bucket(b)
         bound = self.bounds[bisect.bisect_left(self.bounds, max(host_kv_lens))]
         graph, out, backend = self.graphs[(bs, self.plans[(bs, bound)])]
-        if (
-            graph is None
-        ):  # the same padded static-shape path; the reference reads the live host lengths
+        # the same padded static-shape path; the reference reads the live host lengths
+        if graph is None:
             return self.forward(bs, backend, host_kv_lens + [self.pad_len] * (bs - b))
         graph.replay()
         return out
@@ -192,9 +190,8 @@ class CudaGraphRunner:
 
         self.draft_graph: DraftGraph | None = None
         self.draft_set: GraphSet | None = None
-        self.draft_sets: dict[
-            tuple, GraphSet
-        ] = {}  # tree spec -> fused drafter block + LM head + tree build
+        # tree spec -> fused drafter block + LM head + tree build
+        self.draft_sets: dict[tuple, GraphSet] = {}
         self.tree_spec: tuple | None = None
         self._built = False
         why_eager = _draft_capturable(runner)

@@ -79,9 +79,8 @@ class SpecDecoder:
     def round(self, reqs: list[Req], max_context: int) -> list[list[int]]:
         """Run one round; returns the tokens each request emits (accepted drafts then the bonus token)."""
         runner, cfg, t = self.runner, self.cfg, self.times.start()
-        roots = runner.round_meta(
-            reqs
-        ).roots  # one host->device copy with the round's lengths and slots
+        # one host->device copy with the round's lengths and slots
+        roots = runner.round_meta(reqs).roots
         if cfg.algorithm == "NONE":
             return self._ar_round(reqs, roots, t)
         limits = self.depth_limits(reqs, max_context)
@@ -122,9 +121,8 @@ class SpecDecoder:
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
         host, lp_rows = logprobs.read_back(reqs, out, lp)  # the round's one device->host copy
         self.times.add("commit", t)
-        runner.advance(
-            reqs, [row[0] for row in host]
-        )  # root + (k - 1) accepted drafts; the bonus is pending
+        # root + (k - 1) accepted drafts; the bonus is pending
+        runner.advance(reqs, [row[0] for row in host])
         emitted = [row[1 : 1 + row[0]] for row in host]
         for r, lp_row, toks in zip(reqs, lp_rows, emitted):
             logprobs.append(r, lp_row, toks)
@@ -179,9 +177,8 @@ class SpecDecoder:
         t = self.times.add("accept", t)
         zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
         lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)
-        runner.commit(
-            reqs, zeros[:, None], zeros, None
-        )  # no KV moves; commits hybrid state of the root
+        # no KV moves; commits hybrid state of the root
+        runner.commit(reqs, zeros[:, None], zeros, None)
         host, lp_rows = logprobs.read_back(reqs, tokens, lp)
         self.times.add("commit", t)
         runner.advance(reqs, [n] * len(reqs))

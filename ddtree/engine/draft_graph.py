@@ -33,9 +33,8 @@ class DraftGraph:
             (M, S), runner.drafter.config.mask_token_id, dtype=torch.int64, device=dev
         )
         self.arange = torch.arange(S, device=dev)
-        self.pos = self.arange.expand(M, S).clone(
-            memory_format=torch.contiguous_format
-        )  # own memory at M = 1
+        # own memory at M = 1
+        self.pos = self.arange.expand(M, S).clone(memory_format=torch.contiguous_format)
         self.rows = self.pad_rows.clone()
         self.ctx = torch.zeros(M, dtype=torch.int64, device=dev)
         self.depth = torch.full(

@@ -38,12 +38,10 @@ class RoundMeta:
     kv_lens: list[int]  # host: cached tokens per request at the round's start
     slot_ids: torch.Tensor  # [b] int64 device
     lens: torch.Tensor  # [b] int64 device (= kv_lens)
-    rows: (
-        torch.Tensor
-    )  # [b, max_pages] block-table rows; re-gathered once verify has allocated its pages
-    roots: (
-        torch.Tensor
-    )  # [b] int64 device: each request's pending token, the round's tree roots (0 if none)
+    # [b, max_pages] block-table rows; re-gathered once verify has allocated its pages
+    rows: torch.Tensor
+    # [b] int64 device: each request's pending token, the round's tree roots (0 if none)
+    roots: torch.Tensor
 
     def matches(self, reqs: list[Req]) -> bool:
         return len(reqs) == len(self.slots) and all(
@@ -56,9 +54,8 @@ class VerifyOut:
     """What `ModelRunner.verify_nodes` returns. The CUDA-graph path also hands back the greedy tokens and the
     greedy accept walk computed inside the graph (None on the eager path)."""
 
-    logits: (
-        torch.Tensor
-    )  # [b, n, V]: fp32 on the eager path, the LM head's dtype from a graph (same values)
+    # [b, n, V]: fp32 on the eager path, the LM head's dtype from a graph (same values)
+    logits: torch.Tensor
     taps: torch.Tensor | None  # [b, n, K*H]
     greedy_tokens: torch.Tensor | None = None  # [b, n] argmax per node
     greedy_accept: object | None = None  # AcceptResult of the walk under greedy_tokens
@@ -292,9 +289,8 @@ class ModelRunner:
         for r in reqs:
             self.bm.allocate(r, r.kv_len + n)
         meta = meta or self.round_meta(reqs)
-        meta.rows = self.bm.block_table.index_select(
-            0, meta.slot_ids
-        )  # the allocation above may add pages
+        # the allocation above may add pages
+        meta.rows = self.bm.block_table.index_select(0, meta.slot_ids)
         linear = None
         if self.state_pool is not None:
             linear = self.state_pool.tree_context(meta.slots, tree)
@@ -354,9 +350,8 @@ class ModelRunner:
         if self.state_pool is not None:
             self.state_pool.commit(meta.slot_ids, path, accept_length)
         elif self.graphs is not None and self.graphs.can_commit(path, taps):
-            self.graphs.commit(
-                path, accept_length
-            )  # the same moves and writes, replayed on the verify buffers
+            # the same moves and writes, replayed on the verify buffers
+            self.graphs.commit(path, accept_length)
             return
         self.commit_kv(meta.lens, meta.rows, path, accept_length, taps)
 

@@ -69,9 +69,8 @@ _ids = itertools.count()
 @dataclass
 class SpecStats:
     rounds: int = 0
-    accept_lengths: list[int] = field(
-        default_factory=list
-    )  # tokens emitted per round (accepted + bonus)
+    # tokens emitted per round (accepted + bonus)
+    accept_lengths: list[int] = field(default_factory=list)
 
     @property
     def mean_accept_length(self) -> float:

@@ -189,9 +189,8 @@ class ExtendContext:
         dev = pool.device
         self.cu_seqlens = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0).to(dev)
         self.fresh = torch.tensor([kv == 0 for kv in kv_lens_before], dtype=torch.bool).to(dev)
-        self.decode = all(
-            n == 1 for n in q_lens
-        )  # one token per request: the step kernels, no varlen
+        # one token per request: the step kernels, no varlen
+        self.decode = all(n == 1 for n in q_lens)
 
     def _initial(self, t: Tensor) -> Tensor:
         return torch.where(self.fresh.view(-1, *[1] * (t.dim() - 1)), 0, t)

@@ -121,9 +121,8 @@ def inflate_drafter(
         t = big_pos[carriers[layer]]
         cols[t * H : t * H + h] = torch.arange(h) + t_small * h
     put(big.fc.weight.data, small.fc.weight.data, res.map, cols)
-    if (
-        res.const is not None
-    ):  # the fused context carries the constant too, so hidden_norm's RMS is exact
+    # the fused context carries the constant too, so hidden_norm's RMS is exact
+    if res.const is not None:
         big.fc.weight.data[res.const, res.const] = 1.0
     fill_residual_norm(big.hidden_norm.weight, small.hidden_norm.weight, res, False, False)
     maps = head_maps(

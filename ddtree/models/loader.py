@@ -72,9 +72,10 @@ def _target_rename(cfg: TargetConfig):
 
 def build_target(cfg: TargetConfig) -> nn.Module:
     if cfg.is_hybrid:
+        # hybrid targets live in their own module
         from ddtree.models.qwen3_5 import (
             Qwen3_5ForCausalLM,
-        )  # hybrid targets live in their own module
+        )
 
         return Qwen3_5ForCausalLM(cfg)
     return Qwen3ForCausalLM(cfg)

@@ -54,9 +54,8 @@ class ApiKeyAuth:
         if self.expected is None or scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(
-            given, self.expected
-        ):  # constant time: the key does not leak by timing
+        # constant time: the key does not leak by timing
+        if not hmac.compare_digest(given, self.expected):
             return await send_error(
                 APIError(401, "invalid or missing API key", code="invalid_api_key"), send
             )
@@ -146,13 +145,11 @@ class TimedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if (
-            self.conn.their_state is not h11.IDLE
-        ):  # the head is complete: the body has BodyLimit's deadline
+        # the head is complete: the body has BodyLimit's deadline
+        if self.conn.their_state is not h11.IDLE:
             self._cancel_head_timer()
-        elif (
-            self._head_timer is None
-        ):  # the first bytes of the next head on a keep-alive connection
+        # the first bytes of the next head on a keep-alive connection
+        elif self._head_timer is None:
             self._arm_head_timer()
 
     def connection_lost(self, exc) -> None:

@@ -144,9 +144,8 @@ def _target_corpus(args):
     else:
         n = max(1, train.shape[0] // 50)
         train, held = train[:-n], train[-n:]
-    vocab = (
-        -(-len(tok) // 64) * 64
-    )  # pad the embedding like Qwen does; extra rows are never targets
+    # pad the embedding like Qwen does; extra rows are never targets
+    vocab = -(-len(tok) // 64) * 64
     return vocab, train, held
 
 

@@ -231,9 +231,8 @@ class _DenseRecurrentState:
         K = weight.shape[-1]
         ext = torch.cat([self.windows.get(j, x.new_zeros(x.shape[0], K - 1, x.shape[-1])), x], 1)
         self.windows[j] = ext[:, ext.shape[1] - (K - 1) :]
-        return dense_conv_silu(ext, weight, bias)[
-            :, K - 1 :
-        ]  # outputs past the zero padding see only ext
+        # outputs past the zero padding see only ext
+        return dense_conv_silu(ext, weight, bias)[:, K - 1 :]
 
     def rule(self, j, q, k, v, g, beta):
         if q.shape[1] == 1:  # decode: a chunked step would pad one token to a whole chunk
@@ -312,9 +311,8 @@ def train_lm(
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    model = build_target(
-        TargetConfig.from_dict(cfg)
-    )  # hybrid Qwen3.5 when layer_types has linear_attention
+    # hybrid Qwen3.5 when layer_types has linear_attention
+    model = build_target(TargetConfig.from_dict(cfg))
     init_weights(model, float(cfg.get("initializer_range", 0.02)))
     model.to(device).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]

@@ -374,8 +374,7 @@ def replay_conv_path(x: Tensor, path: Tensor, conv_state: Tensor) -> Tensor:
     replay_path, conv_state [b, C, K-1] pre-tree. Returns [b, C, K-1]."""
     Km1 = conv_state.shape[-1]
     ext = torch.cat([conv_state.transpose(1, 2), _path_gather(x, path).to(conv_state.dtype)], 1)
-    start = (path >= 0).sum(
-        1, keepdim=True
-    )  # the last K-1 real inputs sit at ext[start : start+K-1]
+    # the last K-1 real inputs sit at ext[start : start+K-1]
+    start = (path >= 0).sum(1, keepdim=True)
     idx = (start + torch.arange(Km1, device=x.device))[..., None].expand(-1, -1, x.shape[-1])
     return ext.gather(1, idx).transpose(1, 2).contiguous()

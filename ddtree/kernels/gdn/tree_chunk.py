@@ -90,9 +90,8 @@ def tree_chunk_gated_delta_rule(
     state = None
     if last is not None:
         rows = last.long().view(-1, 1, 1, 1).expand(-1, decay.shape[1], 1, decay.shape[-1])
-        w = decay.gather(
-            2, rows
-        )  # [b, H, 1, n]: e^{G_a - G_j} on a's ancestors-and-self, 0 elsewhere
+        # [b, H, 1, n]: e^{G_a - G_j} on a's ancestors-and-self, 0 elsewhere
+        w = decay.gather(2, rows)
         Ga = G.gather(2, last.long().view(-1, 1, 1).expand(-1, G.shape[1], 1))  # [b, H, 1]
         state = Ga.exp()[..., None] * S0 + (k * w.transpose(-1, -2)).transpose(-1, -2) @ U
     return o.transpose(1, 2).to(out_dtype).contiguous(), state

@@ -50,9 +50,8 @@ import torch
 from ddtree import envs
 
 logger = logging.getLogger("ddtree")
-_disabled: list[
-    str
-] = []  # why the kernel cannot run here (no Gluon; failed to build or launch): Triton instead
+# why the kernel cannot run here (no Gluon; failed to build or launch): Triton instead
+_disabled: list[str] = []
 
 try:
     from triton.experimental import gluon
@@ -204,9 +203,8 @@ if not _disabled:  # Gluon imported
         PDL: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        if (
-            PDL
-        ):  # the merge may be scheduled now; it waits (griddepcontrol.wait) for this grid's writes
+        # the merge may be scheduled now; it waits (griddepcontrol.wait) for this grid's writes
+        if PDL:
             gl.inline_asm_elementwise(
                 "griddepcontrol.launch_dependents; // dummy $0",
                 "=r",
@@ -465,9 +463,8 @@ if not _disabled:  # Gluon imported
         NS: gl.constexpr,
     ):
         # one warp: page ids and TMA issues for every tile, a slot as soon as the consumer frees it
-        pg_layout: gl.constexpr = gl.BlockedLayout(
-            [BN // BOX], [32], [1], [0]
-        )  # whole in every thread
+        # whole in every thread
+        pg_layout: gl.constexpr = gl.BlockedLayout([BN // BOX], [32], [1], [0])
         for j in range(n_tiles):
             slot = j % NS
             pages = _load_pages(

@@ -329,9 +329,8 @@ if HAVE_GLUON:
             q_smem.slice(2 * TN, TN).slice(0, BN, dim=1),
         )
         m_i = gl.full([TN], -1.0e30, gl.float32, gl.SliceLayout(0, st_layout))
-        l_acc = gl.zeros(
-            [BN, TN], gl.float32, st_layout
-        )  # column sums deferred to the end: no reduction per tile
+        # column sums deferred to the end: no reduction per tile
+        l_acc = gl.zeros([BN, TN], gl.float32, st_layout)
         o_acc = gl.zeros([D, TN], gl.float32, st_layout)
         if n_tiles > 0:
             mbarrier.wait(full.index(0), 0)
@@ -405,9 +404,8 @@ if HAVE_GLUON:
                     MODE,
                     st_layout,
                 )
-                if (
-                    j % 2 == 0
-                ):  # the other buffer: P V(j - 1), its last reader, was waited for last iteration
+                # the other buffer: P V(j - 1), its last reader, was waited for last iteration
+                if j % 2 == 0:
                     p_bufs[1].store(gl.permute(p_t.to(q_smem.dtype), (1, 0)))
                 else:
                     p_bufs[0].store(gl.permute(p_t.to(q_smem.dtype), (1, 0)))
@@ -528,9 +526,8 @@ if HAVE_GLUON:
                 nxt = (j + 1) % NS
                 mbarrier.wait(full.index(nxt), ((j + 1) // NS) & 1)
                 if PP:
-                    mbarrier.wait(
-                        turn_mine, (j & 1) ^ FIRST
-                    )  # a fresh barrier passes parity 1: FIRST goes first
+                    # a fresh barrier passes parity 1: FIRST goes first
+                    mbarrier.wait(turn_mine, (j & 1) ^ FIRST)
                 s_tok = warpgroup_mma(
                     q_op,
                     k_bufs.index(nxt).permute((1, 0)),
@@ -566,12 +563,10 @@ if HAVE_GLUON:
                 p = gl.exp2(s * qk_scale - m_new[:, None])
                 l_i = l_i * alpha + gl.sum(p, axis=1)
                 m_i = m_new
-                o_acc, p_op = warpgroup_mma_wait(
-                    0, deps=(o_tok, p_op)
-                )  # ptxas hoists this above the softmax
-                mbarrier.arrive(
-                    empty.index(slot)
-                )  # after a partition barrier: every warp is past tile j
+                # ptxas hoists this above the softmax
+                o_acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                # after a partition barrier: every warp is past tile j
+                mbarrier.arrive(empty.index(slot))
                 p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
                 o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             last = (n_tiles - 1) % NS

@@ -27,9 +27,8 @@ try:  # grid dependency control, Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAVE_GDC = True
-except (
-    ImportError
-):  # no PDL with this Triton: kernels still reference the names under a constexpr False
+# no PDL with this Triton: kernels still reference the names under a constexpr False
+except ImportError:
     HAVE_GDC = False
 
     @triton.jit

@@ -50,9 +50,8 @@ def paged_attention_reference(
         if n == 0:
             continue
         ctx = kv_len - n
-        stored = (
-            ctx if new_kv is not None else kv_len
-        )  # new_kv: the new tokens' K/V are not in the pools
+        # new_kv: the new tokens' K/V are not in the pools
+        stored = ctx if new_kv is not None else kv_len
         slots = gather_slots(block_table[i], stored, page_size)
         k, v = k_pool[slots].to(acc_dtype), v_pool[slots].to(acc_dtype)  # [L, Hkv, D]
         if new_kv is not None:

@@ -45,9 +45,8 @@ if triton.knobs.runtime.interpret:
 # Reductions use tl.reduce with the standard combine functions, and tl.full instead of tl.zeros: tl.max,
 # tl.sum and tl.zeros are @jit functions that the interpreter cannot call when triton was imported before
 # TRITON_INTERPRET was set (it recognises these combine functions and reduces with numpy); same IR on GPU.
-_NEG_INIT = tl.constexpr(
-    -1.0e30
-)  # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
+# finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
+_NEG_INIT = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
 
 
@@ -141,9 +140,8 @@ def _attend_tile(
         elif MODE == 0:
             vis = (c[None, :] <= row_t[:, None]) & j_ok[None, :]
         else:
-            vis = (
-                j_ok[None, :] & (row_t >= 0)[:, None]
-            )  # (always-true row term: broadcast to the tile)
+            # (always-true row term: broadcast to the tile)
+            vis = j_ok[None, :] & (row_t >= 0)[:, None]
         s = tl.where(vis, s, float("-inf"))
     # qk_scale > 0 commutes with max: scale the row max, then one fused multiply-add per score
     m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * qk_scale)
@@ -287,17 +285,15 @@ def _attend_rows(
 
     kv_off = kvh * stride_h
     mask_ptr += b * stride_mb
-    mask_row = (
-        row_t * stride_mt
-    )  # int32 offsets: a [BM, TREE_N] tensor of 64-bit pointers costs registers
+    # int32 offsets: a [BM, TREE_N] tensor of 64-bit pointers costs registers
+    mask_row = row_t * stride_mt
     acc = tl.full([BM, D], 0.0, dtype=tl.float32)
     m_i = tl.full([BM], _NEG_INIT, dtype=tl.float32)
     l_i = tl.full([BM], 0.0, dtype=tl.float32)
     cols = tl.arange(0, BLOCK_N)
     tcols = tl.arange(0, TREE_N)
-    ext_off = (
-        q_start - ctx
-    ) * stride_es + kvh * stride_eh  # k_ext + ext_off + j * stride_es: position j
+    # k_ext + ext_off + j * stride_es: position j
+    ext_off = (q_start - ctx) * stride_es + kvh * stride_eh
     k_ext += ext_off
     v_ext += ext_off
 
@@ -441,9 +437,8 @@ def _split_kv_attn(
     kvh = tl.program_id(1) % HKV
     split = tl.program_id(2)
     if CTX_DONE:
-        split += (
-            num_splits - 1
-        )  # hopper.launch_splits wrote the context splits: this grid is the last one
+        # hopper.launch_splits wrote the context splits: this grid is the last one
+        split += num_splits - 1
     q_start = tl.load(qo_indptr + b)
     q_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
     n_rows = q_len * G
