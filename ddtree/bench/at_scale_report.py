@@ -80,17 +80,18 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for cfg in dict.fromkeys(r["config"] for r in rows):
+    for k, cfg in enumerate(dict.fromkeys(r["config"] for r in rows)):
         rs = [r for r in rows if r["config"] == cfg]
         xs = [r["concurrency"] for r in rs]
-        axes[0].plot(xs, [r["output_tok_s"] for r in rs], "o-", label=cfg)
-        axes[2].plot(xs, [r["tpot_p50"] for r in rs], "o-", label=cfg)
+        style = dict(marker="o", color=f"C{k % 10}")  # one colour per config in every panel
+        axes[0].plot(xs, [r["output_tok_s"] for r in rs], label=cfg, **style)
+        axes[2].plot(xs, [r["tpot_p50"] for r in rs], label=cfg, **style)
         if any(r["ratio"] is not None for r in rs):
             axes[1].plot(
                 [r["concurrency"] for r in rs if r["ratio"] is not None],
                 [r["ratio"] for r in rs if r["ratio"] is not None],
-                "o-",
                 label=f"{cfg} / {ratio_base(cfg)}",
+                **style,
             )
     axes[0].set(ylabel="output tokens / s", title="throughput")
     axes[1].axhline(1.0, color="gray", lw=0.8)
