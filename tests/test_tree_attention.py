@@ -534,6 +534,8 @@ def test_dispatch_plan_is_frozen_and_names_its_fallback(monkeypatch):
 
     hop = kernel_module.hopper
     monkeypatch.setattr(hop, "_disabled", [])  # as where Gluon imports
+    # as on the Triton the Gluon kernel is gated for, so the device is the reason checked here
+    monkeypatch.setattr(dispatch, "GLUON_TRITON_VERSIONS", (kernel_module.triton.__version__,))
     cpu = torch.device("cpu")
     tree = dispatch.AttentionShape(
         2, 65, 4096, 32, 8, 128, 16, torch.bfloat16, dispatch.MODES["tree"]
