@@ -112,8 +112,7 @@ class Scheduler:
 
     def preempt(self, req: Req) -> None:
         self.running.remove(req)
-        self.runner.release(req)
-        req.kv_len = 0
+        self.runner.release(req)  # frees the pages and sets kv_len to 0
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1

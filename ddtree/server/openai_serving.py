@@ -161,8 +161,6 @@ class OpenAIServing:
         """n independent requests for one prompt. The first admission validates and tokenizes; the
         other n - 1 reuse its ids and params (seed + i when a seed is given) and are admitted
         together, in one engine-thread hop."""
-        if not self.aengine.alive:
-            raise APIError(503, "the engine is not running", code="engine_unavailable")
         first = {}
 
         def prepare_first(e):
