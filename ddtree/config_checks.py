@@ -9,6 +9,7 @@ import os
 
 from ddtree import configs
 from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.inflate.source import is_inflate_path, resolve_config
 
 logger = logging.getLogger("ddtree")
 
@@ -29,6 +30,8 @@ def hf_cache_dir(path: str) -> str | None:
 
 def load_model_config(path: str, is_target: bool, p: list[str]):
     """(resolved dir, parsed config or None); every problem found is appended to p."""
+    if is_inflate_path(path):  # built in memory by the engine: configs from the inflation's plan
+        return resolve_config(path, is_target, p)
     name = "--model-path" if is_target else "--speculative-draft-model-path"
     cached = hf_cache_dir(path)
     if cached:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ddtree.config_checks import check_pair, check_tp, load_model_config
 from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
+from ddtree.inflate.source import drafter_path_for, tokenizer_dir
 
 logger = logging.getLogger("ddtree")
 
@@ -38,7 +39,9 @@ def _opt(default, help: str, choices=None, aliases=()):
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = _opt(
-        None, "target model dir (or cached HF repo id); default: the embedded model pair"
+        None,
+        "target model dir (or cached HF repo id), or inflate:<shape>[:<src_target>:<src_drafter>] "
+        "(an inflated pair built in memory); default: the embedded model pair",
     )
     tokenizer_path: str | None = _opt(None, "tokenizer dir; default: --model-path")
     trust_remote_code: bool = _opt(
@@ -420,6 +423,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
             )
             if args.is_speculative and drafter_path is None:
                 drafter_path = default_drafter
+    drafter_path = drafter_path_for(target_path, drafter_path, args.is_speculative, p)
     if args.is_speculative and drafter_path is None:
         p.append(
             f"--speculative-draft-model-path is required for --speculative-algorithm "
@@ -453,7 +457,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     _resolve_attention_backend(args, upd, device, p)
     _resolve_cuda_graph(args, upd, device)
     upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
-    upd["tokenizer_path"] = args.tokenizer_path or upd.get("model_path")
+    upd["tokenizer_path"] = args.tokenizer_path or tokenizer_dir(upd.get("model_path"))
     if p:
         raise ConfigError(p)
     return dataclasses.replace(args, target_config=t, drafter_config=d, **upd)

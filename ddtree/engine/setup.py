@@ -11,6 +11,7 @@ import torch
 from ddtree.configs import ConfigError
 from ddtree.engine.config import device_memory_bytes, plan_pools, runner_config
 from ddtree.engine.model_runner import ModelRunner
+from ddtree.inflate.source import is_inflate_path
 from ddtree.models.layers import torch_dtype
 from ddtree.models.loader import load_drafter, load_target
 
@@ -47,6 +48,17 @@ def module_bytes(*modules) -> int:
     return sum(p.numel() * p.element_size() for p in seen.values())
 
 
+def inflated_models(args, dtype: torch.dtype, device: torch.device):
+    """(target, drafter) of an `inflate:` model path, built in memory on the device in the serving
+    dtype (no files: the 27B pair does not fit the device's disk); (None, None) otherwise."""
+    if not is_inflate_path(args.model_path):
+        return None, None
+    from ddtree.inflate.source import build_pair
+
+    logger.info("Building the inflated pair %s on %s in %s.", args.model_path, device, dtype)
+    return build_pair(args.model_path, args.is_speculative, dtype, device)
+
+
 def build_runner(args, device: torch.device) -> tuple[ModelRunner, int]:
     """Load the weights, size the pools for them, build the runner; returns it and the context
     length."""
@@ -55,9 +67,10 @@ def build_runner(args, device: torch.device) -> tuple[ModelRunner, int]:
             "build_runner needs resolved ServerArgs (resolve_server_args / prepare_server_args)"
         )
     dtype = torch_dtype(args.dtype)
-    target = load_target(args.model_path, dtype, str(device))
-    drafter = None
-    if args.is_speculative:
+    target, drafter = inflated_models(args, dtype, device)
+    if target is None:
+        target = load_target(args.model_path, dtype, str(device))
+    if args.is_speculative and drafter is None:
         drafter = load_drafter(args.speculative_draft_model_path, dtype, str(device))
     pools = plan_pools(args, device_bytes(device), module_bytes(target, drafter), device.type)
     for w in pools.warnings:

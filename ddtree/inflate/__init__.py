@@ -45,85 +45,17 @@ Why it is exact (fp32 agrees to rounding; the tests hold it to 1e-5):
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
-import torch
-from torch import nn
-
-from ddtree.configs import DrafterConfig, TargetConfig
-from ddtree.inflate.drafter import drafter_config, drafter_taps, inflate_drafter
-from ddtree.inflate.layout import InflateError, residual_for
-from ddtree.inflate.shapes import resolve_shape
-from ddtree.inflate.target import inflate_target, target_config
-from ddtree.inflate.writer import copy_tokenizer, write_model
+from ddtree.inflate.shapes import InflateError
 
 __all__ = ["InflateError", "InflatedPair", "inflate_pair", "write_pair"]
+_PAIR = ("InflatedPair", "inflate_pair", "write_pair")
 
 
-@dataclass
-class InflatedPair:
-    target: nn.Module
-    drafter: nn.Module
-    target_config: dict  # config.json dicts
-    drafter_config: dict
-    carriers: list[int]  # big target layer of each source layer
-    source_target_dir: str
+def __getattr__(name: str):
+    # the weights half needs torch; the config half (plan, shapes, source) must not import it, and
+    # importing any submodule runs this file first
+    if name in _PAIR:
+        from ddtree.inflate import pair
 
-
-def _load_source(path: str, device) -> nn.Module:
-    from ddtree.models.loader import load_target
-
-    return load_target(path, torch.float32, str(device))
-
-
-@torch.no_grad()
-def inflate_pair(
-    src_target: str,
-    src_drafter: str,
-    shape: str | dict,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
-) -> InflatedPair:
-    """Build the widened pair in memory on `device` (nothing written): the 27B pair is built this
-    way on the GPU. `shape`: "qwen3-8b", "qwen3.6-27b", a config.json path or dict (see
-    `ddtree.inflate.shapes`)."""
-    from ddtree.models.loader import load_drafter
-
-    device = torch.device(device)
-    tshape, dshape = resolve_shape(shape)
-    src_t = _load_source(src_target, device)
-    src_d = load_drafter(src_drafter, torch.float32, str(device))
-    s, sd = src_t.config, src_d.config
-    for key, small in (("hidden_size", s.hidden_size), ("vocab_size", s.vocab_size)):
-        if int(tshape[key]) < small:
-            raise InflateError(f"--shape {key} {tshape[key]} is smaller than the source's {small}")
-    res = residual_for(
-        s.hidden_size,
-        int(tshape["hidden_size"]),
-        int(tshape["vocab_size"]) > s.vocab_size,
-        min(s.rms_norm_eps, sd.rms_norm_eps),
-    )
-    name = str(dtype).removeprefix("torch.")
-    tdict = target_config(s, tshape, res, name)
-    tcfg = TargetConfig.from_dict(tdict)
-    target, carriers = inflate_target(src_t, tcfg, res, device, dtype, seed)
-    taps = drafter_taps(
-        sd, carriers, int(dshape.get("num_taps", len(sd.target_layer_ids))), tcfg.num_hidden_layers
-    )
-    ddict = drafter_config(sd, dshape, tdict, taps, res, name)
-    drafter = inflate_drafter(
-        src_d, DrafterConfig.from_dict(ddict), tcfg, res, device, dtype, carriers
-    )
-    return InflatedPair(target, drafter, tdict, ddict, carriers, src_target)
-
-
-def write_pair(pair: InflatedPair, out_dir: str, shard_bytes: int | None = None) -> tuple[str, str]:
-    """OUT/target (weights, config, tokenizer, chat template) and OUT/drafter; their paths."""
-    tdir, ddir = os.path.join(out_dir, "target"), os.path.join(out_dir, "drafter")
-    kw = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
-    write_model(pair.target, tdir, pair.target_config, **kw)
-    copy_tokenizer(pair.source_target_dir, tdir)
-    write_model(pair.drafter, ddir, pair.drafter_config, **kw)
-    return tdir, ddir
+        return getattr(pair, name)
+    raise AttributeError(f"module 'ddtree.inflate' has no attribute {name!r}")

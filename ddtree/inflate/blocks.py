@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddtree.inflate.layout import HeadMaps, Residual, norm_weight, put
+from ddtree.inflate.layout import HeadMaps, norm_weight, put
+from ddtree.inflate.plan import Residual
 
 
 def fill_attention(

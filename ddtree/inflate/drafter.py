@@ -8,80 +8,8 @@ from torch import nn
 
 from ddtree.configs import DrafterConfig, TargetConfig
 from ddtree.inflate.blocks import fill_layer, fill_residual_norm
-from ddtree.inflate.layout import InflateError, Residual, head_maps, put, spread
-
-
-def drafter_taps(
-    src: DrafterConfig, carriers: list[int], num_taps: int, num_layers: int
-) -> list[int]:
-    """Sorted big tap ids: the carriers of the source taps plus evenly spread other layers."""
-    real = [carriers[i] for i in src.target_layer_ids]
-    if num_taps < len(real) or num_taps > num_layers:
-        raise InflateError(
-            f"drafter num_taps {num_taps} must be in [{len(real)} (the source's), {num_layers}]"
-        )
-    others = [j for j in range(num_layers) if j not in real]
-    extra = spread(num_taps - len(real), others) if num_taps > len(real) else []
-    return sorted(real + extra)
-
-
-def _causal(src: DrafterConfig) -> bool:
-    kinds = {src.layer_is_causal(i) for i in range(src.num_hidden_layers)}
-    if len(kinds) != 1:
-        raise InflateError(
-            "SRC_DRAFTER mixes causal and bidirectional layers; inflate needs one kind"
-        )
-    return kinds.pop()
-
-
-def drafter_config(
-    src: DrafterConfig, shape: dict, target: dict, taps: list[int], res: Residual, dtype: str
-) -> dict:
-    """Sliding-window layers of the shape keep their window but take the source layers' in-block
-    causality (explicit `is_causal`): within the window they compute what the source's full layers
-    did."""
-    n = int(shape["num_hidden_layers"])
-    types = list(shape.get("layer_types") or ["full_attention"] * n)
-    if len(types) != n:
-        raise InflateError(f"drafter layer_types has {len(types)} entries for {n} layers")
-    window = shape.get("sliding_window") if "sliding_attention" in types else None
-    dflash = {
-        "mask_token_id": src.mask_token_id,
-        "target_layer_ids": taps,
-        "block_size": src.block_size,
-    }
-    if window is not None or src.is_causal is not None:
-        dflash["is_causal"] = _causal(src)
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": target["hidden_size"],
-        "vocab_size": target["vocab_size"],
-        **{
-            k: int(shape[k])
-            for k in (
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "head_dim",
-            )
-        },
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "rms_norm_eps": res.eps(src.rms_norm_eps),
-        "rope_theta": src.rope_theta,
-        "rope_scaling": None,
-        "max_position_embeddings": src.max_position_embeddings,
-        "layer_types": types,
-        "use_sliding_window": window is not None,
-        "sliding_window": window,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
-        "block_size": src.block_size,
-        "num_target_layers": target["num_hidden_layers"],
-        "dflash_config": dflash,
-    }
+from ddtree.inflate.layout import head_maps, put
+from ddtree.inflate.plan import InflateError, Residual, spread
 
 
 @torch.no_grad()

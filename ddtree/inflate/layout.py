@@ -9,14 +9,11 @@ are the zeros that make extras contribute nothing).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-
-class InflateError(ValueError):
-    """A shape the source pair cannot be widened into; the message names the key and the fix."""
+from ddtree.inflate.plan import InflateError
 
 
 def put(
@@ -48,15 +45,6 @@ def pad_map(small: int, big: int) -> torch.Tensor:
 def cycle_map(small: int, big: int) -> torch.Tensor:
     """Real rows first, then copies of them (extras computing on real data)."""
     return torch.arange(big) % small
-
-
-def spread(n: int, slots: list[int]) -> list[int]:
-    """n of `slots`, evenly spaced, first and last included (strictly increasing)."""
-    if n > len(slots):
-        raise InflateError(f"{n} source layers do not fit {len(slots)} slots")
-    if n == 1:
-        return [slots[0]]
-    return [slots[round(j * (len(slots) - 1) / (n - 1))] for j in range(n)]
 
 
 def head_dim_map(d: int, rd: int, D: int, rd_big: int) -> torch.Tensor:
@@ -120,41 +108,6 @@ def head_maps(
         return torch.cat(out)
 
     return HeadMaps(rows(src_q), rows(src_kv), rows(src_q, real), dims)
-
-
-@dataclass(frozen=True)
-class Residual:
-    """The residual stream h -> H: real dims first; with a padded vocabulary, dim `const` holds
-    `gamma` in every embedding row and nothing writes it. RMS over H of (x, gamma, 0...) with
-    eps_big = (eps h - gamma^2) / H is sqrt(h/H) times the small model's RMS with eps, exactly; real
-    norm scales times sqrt(h/H) undo it."""
-
-    small: int
-    big: int
-    const: int | None
-    gamma: float
-
-    @property
-    def map(self) -> torch.Tensor:
-        return pad_map(self.small, self.big)
-
-    @property
-    def scale(self) -> float:
-        return math.sqrt(self.small / self.big)
-
-    def eps(self, eps: float) -> float:
-        return (eps * self.small - self.gamma**2) / self.big
-
-
-def residual_for(h: int, H: int, pad_vocab: bool, eps: float) -> Residual:
-    if not pad_vocab:
-        return Residual(h, H, None, 0.0)
-    if H <= h:
-        raise InflateError(
-            f"hidden_size {H} must exceed the source's {h} to pad the vocabulary (one constant dim)"
-        )
-    gamma = 2.0 ** math.floor(math.log2(math.sqrt(eps * h / 2)))  # a power of two: exact in bf16
-    return Residual(h, H, h, gamma)
 
 
 def norm_weight(

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 
-from ddtree.inflate.layout import InflateError
+
+class InflateError(ValueError):
+    """A shape the source pair cannot be widened into; the message names the key and the fix."""
+
 
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"],
