@@ -57,13 +57,53 @@ def test_bad_config_is_refused(capsys):
     assert "--configs" in capsys.readouterr().err
 
 
+def test_configs_are_data(tmp_path):
+    """Named configs, a JSON list of more, and every server's argv from them: an inflate: spec brings
+    its own drafter, --server-flags go last."""
+    import argparse
+
+    from ddtree.bench.at_scale_serve import load_configs, server_argv
+
+    extra = tmp_path / "more.json"
+    flags = ["--speculative-ddtree-budget", "32", "--speculative-ddtree-shadow-linear"]
+    extra.write_text(json.dumps([{"name": "DDTREE shadow", "algorithm": "ddtree", "flags": flags}]))
+    cfgs = load_configs("NONE,DFLASH,DDTREE16,DDTREEauto", str(extra))
+    assert [c.name for c in cfgs] == [
+        "NONE",
+        "DFLASH",
+        "DDTREE B=16",
+        "DDTREE B=auto",
+        "DDTREE shadow",
+    ]
+    assert [c.budget for c in cfgs] == [None, None, "16", "auto", "32"]
+    ns = argparse.Namespace(
+        port=1,
+        device="cuda",
+        attention_backend="triton",
+        levels=[1, 64],
+        max_total_tokens=None,
+        disable_cuda_graph=False,
+        server_flags="--mamba-scheduler-strategy no_buffer",
+    )
+    argv = server_argv(ns, "inflate:qwen3.6-27b", None, cfgs[4])
+    assert "--speculative-draft-model-path" not in argv
+    assert argv[argv.index("--model-path") + 1] == "inflate:qwen3.6-27b"
+    assert argv[-2:] == ["--mamba-scheduler-strategy", "no_buffer"]
+    assert argv[-5:-2] == flags
+    for bad in ([{"name": "x"}], [{"name": "x", "algorithm": "EAGLE"}]):
+        extra.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="--config-json"):
+            load_configs("", str(extra))
+
+
 def test_smoke_end_to_end(tmp_path):
-    """Inflate to a tiny shape, serve it (one config, one level) through launch_server and the
-    serving client, and compare τ with the small pair: the same machinery as the H200 run."""
+    """The tiny hybrid shape served from memory (each server gets --model-path inflate:SHAPE and
+    builds the pair itself, nothing written), one config, one level, through launch_server and the
+    serving client, τ compared with the small pair: the machinery of the H200 27B run."""
     from ddtree.bench.at_scale import main
 
     spec = tmp_path / "tiny.json"
-    spec.write_text(json.dumps({k: v for k, v in shape("dense").items() if k != "drafter"}))
+    spec.write_text(json.dumps({k: v for k, v in shape("hybrid").items() if k != "drafter"}))
     out = tmp_path / "out"
     rc = main(
         [
@@ -88,6 +128,8 @@ def test_smoke_end_to_end(tmp_path):
     report = json.loads((out / "at_scale.json").read_text())
     (row,) = report["table"]
     assert row["config"] == "DFLASH" and row["failed"] == 0 and row["output_tok_s"] > 0
+    assert report["meta"]["model_store"] == "memory"  # auto, for a hybrid shape
+    assert not (tmp_path / "work").exists()  # nothing written
     # greedy, fp32: the inflated pair accepts exactly what the small pair does
     assert report["tau"]["DFLASH"]["inflated"] == pytest.approx(report["tau"]["DFLASH"]["small"])
     assert os.path.exists(out / "at_scale.png")

@@ -3,12 +3,13 @@ one device run, with the validity of the method measured in the same run.
 
 1. Inflate the embedded pair to `--shape` (default Qwen3-8B) on the device (`ddtree.inflate`: the
    small pair's function at full size) and write it under --work-dir (local disk there; rewritten
-   each run).
+   each run); or, with --model-store memory (the default for hybrid shapes: the 27B pair), write
+   nothing: each server gets `--model-path inflate:SHAPE` and builds the pair on its GPU.
 2. `rounds`: per-round time of the inflated target vs a random-weight target of the same shape
    (NONE, DFLASH, DDTREE B=64 at batch 1 and 8; `bench rounds`' runner and clock) - the inflated
    pair must cost what a trained pair of the shape costs.
 3. `serving`: for each config (default DFLASH, DDTREE B=64, NONE, B=16, B=32: the order is the
-   priority under --time-budget-s) start `python3 -m ddtree.launch_server`, drive every concurrency
+   priority under --time-budget-s; configs are data, `ddtree.bench.at_scale_serve`) start `python3 -m ddtree.launch_server`, drive every concurrency
    with `bench serving`'s client on held-out prompts (`bench acceptance`'s set, not the training
    corpus), the prompt count scaled per level (--waves x concurrency, at least --min-prompts), stop
    the server.
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
+
+from ddtree.bench.at_scale_serve import Server, level_items, load_configs, server_argv
 
 PARTS = ("rounds", "serving", "tau")
 
@@ -41,12 +44,33 @@ def make_parser() -> argparse.ArgumentParser:
         "--work-dir", default="/tmp/ddtree_at_scale", help="where the inflated pair is written"
     )
     p.add_argument(
+        "--model-store",
+        default="auto",
+        choices=("auto", "disk", "memory"),
+        help="memory: each server builds the pair itself (--model-path inflate:SHAPE), nothing "
+        "written; auto = memory for hybrid shapes (the 27B pair, ~55 GB, does not fit the "
+        "H200 machine's 64 GiB disk once written), disk otherwise",
+    )
+    p.add_argument("--in-memory", action="store_true", help="= --model-store memory")
+    p.add_argument(
         "--out", default="at_scale_out", help="directory for at_scale.json, .png and server logs"
     )
     p.add_argument(
         "--configs",
         default="DFLASH,DDTREE64,NONE,DDTREE16,DDTREE32",
-        help="serving configs in order",
+        help="serving configs in order (the priority under --time-budget-s): NONE, DFLASH, "
+        "DDTREE<budget>",
+    )
+    p.add_argument(
+        "--config-json",
+        default=None,
+        help='more configs: a JSON list of {"name", "algorithm", "flags": [serve flags]}',
+    )
+    p.add_argument(
+        "--server-flags",
+        default=None,
+        help="extra `ddtree serve` flags for every server; default for hybrid shapes: "
+        "--mamba-scheduler-strategy no_buffer (extra_buffer holds 3 requests at B=64 on the 27B)",
     )
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     p.add_argument(
@@ -86,87 +110,6 @@ def make_parser() -> argparse.ArgumentParser:
         "--server-timeout-s", type=float, default=300, help="wait this long for a server to be up"
     )
     return p
-
-
-def parse_config(name: str) -> tuple[str, int]:
-    name = name.strip().upper()
-    if name.startswith("DDTREE"):
-        return "DDTREE", int(name[6:] or 64)
-    if name not in ("NONE", "DFLASH"):
-        raise ValueError(f"--configs: unknown config {name!r}; use NONE, DFLASH or DDTREE<budget>")
-    return name, 0
-
-
-def level_items(base: list, concurrency: int, ns) -> list:
-    n = max(ns.min_prompts, ns.waves * concurrency)
-    return [base[i % len(base)] for i in range(n)]
-
-
-class Server:
-    """`python3 -m ddtree.launch_server` for one config, log in --out; `with` waits for /health."""
-
-    def __init__(self, ns, target: str, drafter: str, algo: str, budget: int, log: str):
-        argv = [
-            sys.executable,
-            "-m",
-            "ddtree.launch_server",
-            "--model-path",
-            target,
-            "--port",
-            str(ns.port),
-            "--speculative-algorithm",
-            algo,
-            "--device",
-            ns.device,
-            "--attention-backend",
-            ns.attention_backend,
-            "--max-running-requests",
-            str(max(ns.levels)),
-            "--log-level",
-            "warning",
-        ]
-        if ns.max_total_tokens:
-            argv += ["--max-total-tokens", str(ns.max_total_tokens)]
-        if algo != "NONE":
-            argv += ["--speculative-draft-model-path", drafter]
-        if algo == "DDTREE":
-            argv += ["--speculative-ddtree-budget", str(budget)]
-        if ns.disable_cuda_graph or ns.device == "cpu":
-            argv += ["--disable-cuda-graph"]
-        else:
-            argv += ["--cuda-graph-max-bs", str(max(ns.levels))]
-        self.argv, self.log_path, self.ns = argv, log, ns
-        self.url = f"http://127.0.0.1:{ns.port}"
-
-    def __enter__(self):
-        import httpx
-
-        self.log = open(self.log_path, "w", encoding="utf-8")
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < self.ns.server_timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.proc.returncode}; see {self.log_path}"
-                )
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.startup_s = time.perf_counter() - t0
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.__exit__()
-        raise RuntimeError(f"server not up after {self.ns.server_timeout_s} s; see {self.log_path}")
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 def serve_levels(ns, url: str, base: list) -> list[dict]:
@@ -217,34 +160,56 @@ def save(report: dict, ns) -> str:
     return path
 
 
-def build(ns, report: dict):
-    """The inflated pair in device memory, written to --work-dir/<shape> (kept for later runs)."""
+def build(ns, report: dict, need_pair: bool):
+    """The inflated pair in device memory (for the rounds check, or to write), and the paths the
+    servers get: --work-dir/<shape>/{target,drafter}, or the `inflate:` spec and no drafter path
+    (each server builds the pair on its device)."""
     import torch
 
     from ddtree.assets import default_model_paths
     from ddtree.inflate import inflate_pair, write_pair
 
+    memory = ns.model_store == "memory"
+    if memory and not need_pair:
+        return None, f"inflate:{ns.shape}", None
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if ns.device == "cuda" else torch.float32
     pair = inflate_pair(*default_model_paths(), ns.shape, ns.device, dtype)
     t1 = time.perf_counter()
-    name = os.path.splitext(os.path.basename(ns.shape))[0]
-    tdir, ddir = write_pair(pair, os.path.join(ns.work_dir, name))
+    if memory:
+        tdir, ddir = f"inflate:{ns.shape}", None
+    else:
+        name = os.path.splitext(os.path.basename(ns.shape))[0]
+        tdir, ddir = write_pair(pair, os.path.join(ns.work_dir, name))
     report["build"] = {
         "build_s": t1 - t0,
-        "write_s": time.perf_counter() - t1,
+        "write_s": None if memory else time.perf_counter() - t1,
         "target": tdir,
         "drafter": ddir,
         "target_params": sum(p.numel() for p in pair.target.parameters()),
         "drafter_params": sum(p.numel() for p in pair.drafter.parameters()),
     }
+    b = report["build"]
     print(
-        f"# inflated {ns.shape}: built {t1 - t0:.1f} s, written {report['build']['write_s']:.1f} s "
-        f"({report['build']['target_params'] / 1e9:.2f}B + "
-        f"{report['build']['drafter_params'] / 1e9:.2f}B)",
+        f"# inflated {ns.shape}: built {b['build_s']:.1f} s, "
+        + ("in memory" if memory else f"written {b['write_s']:.1f} s")
+        + f" ({b['target_params'] / 1e9:.2f}B + {b['drafter_params'] / 1e9:.2f}B)",
         flush=True,
     )
     return pair, tdir, ddir
+
+
+def resolve_store(ns) -> None:
+    """--model-store auto and the hybrid default of --server-flags, from the shape."""
+    from ddtree.inflate.shapes import is_hybrid, resolve_shape
+
+    hybrid = is_hybrid(resolve_shape(ns.shape)[0])
+    if ns.in_memory:
+        ns.model_store = "memory"
+    if ns.model_store == "auto":
+        ns.model_store = "memory" if hybrid else "disk"
+    if ns.server_flags is None:
+        ns.server_flags = "--mamba-scheduler-strategy no_buffer" if hybrid else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,12 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         apply_smoke(ns)
         torch.set_num_threads(1)
     try:
-        configs = [parse_config(c) for c in ns.configs.split(",") if c.strip()]
+        configs = load_configs(ns.configs, ns.config_json)
+        resolve_store(ns)
         ns.levels = [int(c) for c in ns.concurrency.split(",") if c.strip()]
         parts = [p.strip() for p in ns.parts.split(",") if p.strip()]
         if set(parts) - set(PARTS) or not ns.levels or min(ns.levels) < 1:
             raise ValueError(f"--parts must be from {PARTS} and --concurrency positive")
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # InflateError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     ns.device = (
@@ -276,11 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(ns.out, exist_ok=True)
     report = {
         "meta": {k: v for k, v in vars(ns).items() if k != "t_start"},
+        "configs": [dataclasses.asdict(c) for c in configs],
         "serving": {},
         "rounds": [],
         "tau": {},
     }
-    pair, tdir, ddir = build(ns, report)
+    pair, tdir, ddir = build(ns, report, "rounds" in parts)
     if "rounds" in parts:
         kw = dict(
             batches=[int(b) for b in ns.rounds_batches.split(",")],
@@ -294,35 +261,39 @@ def main(argv: list[str] | None = None) -> int:
         )
         src_vocab = _source_vocab()  # contexts of real tokens
         report["rounds"] += val.time_pair("inflated", pair.target, pair.drafter, src_vocab, **kw)
-    del pair
+        drafter_dict = pair.drafter_config
+    del pair  # the servers need the device memory
     gc.collect()
     if ns.device == "cuda":
         torch.cuda.empty_cache()
     if "rounds" in parts:
-        report["rounds"] += val.random_rounds(ns.shape, report_drafter(ddir), kw)
+        report["rounds"] += val.random_rounds(ns.shape, drafter_dict, kw)
         report["rounds_ratios"] = val.rounds_ratios(report["rounds"])
         save(report, ns)
     base = [Item(prompt=p) for p in DEFAULT_PROMPTS]
     if "serving" in parts:
         last_s = 0.0  # the previous config's wall time: the next one is expected to take as long
-        for algo, budget in configs:
-            name = val.config_name(algo, budget)
+        for cfg in configs:
             if over(ns, last_s):
-                print(f"# {name}: skipped (time budget)", flush=True)
+                print(f"# {cfg.name}: skipped (time budget)", flush=True)
                 continue
             t0 = time.perf_counter()
-            log = os.path.join(ns.out, f"server_{name.replace(' ', '_').replace('=', '')}.log")
-            with Server(ns, tdir, ddir, algo, budget, log) as srv:
-                print(f"# {name}: server up in {srv.startup_s:.1f} s", flush=True)
-                report["serving"][name] = serve_levels(ns, srv.url, base)
+            slug = "".join(ch if ch.isalnum() else "_" for ch in cfg.name)
+            log = os.path.join(ns.out, f"server_{slug}.log")
+            try:
+                with Server(ns, server_argv(ns, tdir, ddir, cfg), log) as srv:
+                    print(f"# {cfg.name}: server up in {srv.startup_s:.1f} s", flush=True)
+                    report.setdefault("startup_s", {})[cfg.name] = srv.startup_s
+                    report["serving"][cfg.name] = serve_levels(ns, srv.url, base)
+            except RuntimeError as e:  # one config's server failing leaves the others' rows
+                print(f"# {cfg.name}: {e}", flush=True)
+                report.setdefault("errors", {})[cfg.name] = str(e)
             last_s = time.perf_counter() - t0
             save(report, ns)
     if "tau" in parts and not over(ns, 20):
         if ns.tau_level not in ns.levels:
             ns.tau_level = ns.levels[0]
-        spec = [
-            (a, b) for a, b in configs if a != "NONE" and val.config_name(a, b) in report["serving"]
-        ]
+        spec = [c for c in configs if c.algorithm != "NONE" and c.name in report["serving"]]
         prompts = [it.prompt for it in level_items(base, ns.tau_level, ns)]
         small = val.small_pair_tau(prompts, ns.max_tokens, spec, ns.device)
         for name, t in small.items():
@@ -369,11 +340,6 @@ def _source_vocab() -> int:
     from ddtree.configs import TargetConfig
 
     return TargetConfig.from_path(default_model_paths()[0]).vocab_size
-
-
-def report_drafter(ddir: str) -> dict:
-    with open(os.path.join(ddir, "config.json"), encoding="utf-8") as f:
-        return json.load(f)
 
 
 if __name__ == "__main__":

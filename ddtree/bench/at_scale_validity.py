@@ -122,10 +122,9 @@ def rounds_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def small_pair_tau(
-    prompts: list, max_tokens: int, configs: list[tuple[str, int]], device: str
-) -> dict:
-    """τ (tokens per round, weighted by rounds) of the embedded pair, offline, T=0, bf16 on GPU."""
+def small_pair_tau(prompts: list, max_tokens: int, configs: list, device: str) -> dict:
+    """τ (tokens per round, weighted by rounds) of the embedded pair, offline, T=0, bf16 on GPU, for
+    each served `ServeConfig` (its algorithm and budget)."""
     from ddtree import LLM, SamplingParams
     from ddtree.assets import default_model_paths
 
@@ -133,11 +132,14 @@ def small_pair_tau(
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     dtype = "bfloat16" if device == "cuda" else "float32"
     out = {}
-    for algo, budget in configs:
-        kw = {"speculative_ddtree_budget": budget} if algo == "DDTREE" else {}
+    for cfg in configs:
+        budget = cfg.budget
+        kw = {}
+        if budget is not None:
+            kw["speculative_ddtree_budget"] = int(budget) if budget.isdigit() else budget
         llm = LLM(
             t,
-            speculative_algorithm=algo,
+            speculative_algorithm=cfg.algorithm,
             speculative_draft_model_path=d,
             device=device,
             dtype=dtype,
@@ -147,11 +149,7 @@ def small_pair_tau(
         )
         outs = llm.generate(list(prompts), params)
         lengths = [n for o in outs for n in o.accept_lengths]
-        out[config_name(algo, budget)] = sum(lengths) / max(len(lengths), 1)
+        out[cfg.name] = sum(lengths) / max(len(lengths), 1)
         del llm
         gc.collect()
     return out
-
-
-def config_name(algo: str, budget: int) -> str:
-    return f"DDTREE B={budget}" if algo == "DDTREE" else algo
