@@ -133,3 +133,22 @@ def test_smoke_end_to_end(tmp_path):
     # greedy, fp32: the inflated pair accepts exactly what the small pair does
     assert report["tau"]["DFLASH"]["inflated"] == pytest.approx(report["tau"]["DFLASH"]["small"])
     assert os.path.exists(out / "at_scale.png")
+
+
+def test_store_resolves_from_the_shape(tmp_path):
+    """auto: disk for a dense shape, memory for a hybrid one (the inflate: spec, and nothing built or
+    written without the rounds part)."""
+    from ddtree.bench.at_scale import build, make_parser, resolve_store
+
+    for kind, store, flags in (("dense", "disk", ""), ("hybrid", "memory", "no_buffer")):
+        spec = tmp_path / f"{kind}.json"
+        spec.write_text(json.dumps(shape(kind)))
+        work = tmp_path / f"work_{kind}"
+        ns = make_parser().parse_args(["--shape", str(spec), "--work-dir", str(work)])
+        resolve_store(ns)
+        assert ns.model_store == store and flags in ns.server_flags
+    assert build(ns, {}, need_pair=False) == (None, f"inflate:{spec}", None)
+    assert not work.exists()
+    ns = make_parser().parse_args(["--shape", str(spec), "--model-store", "disk"])
+    resolve_store(ns)
+    assert ns.model_store == "disk"  # explicit wins over auto

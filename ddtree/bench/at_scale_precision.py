@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -41,7 +42,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=96, help="reference continuation length")
     p.add_argument("--variants", default="small-bf16,big-bf16,bigT-smallD-bf16,smallT-bigD-bf16")
     p.add_argument("--fp32-lm-head", action="store_true", help="also each bf16 variant so")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (a busy box: keep 1)")
+    p.add_argument(
+        "--cache", default=None, help="reference sequences: read if present, else written"
+    )
     p.add_argument("--json", default=None, help="write the result rows here")
     return p
 
@@ -141,7 +145,14 @@ def run(ns) -> list[dict]:
     )
     prompts = [tok.encode(p, add_special_tokens=False)[-96:] for p in DEFAULT_PROMPTS[: ns.prompts]]
     t0 = time.perf_counter()
-    seqs = reference(small_t, prompts, ns.tokens)
+    if ns.cache and os.path.exists(ns.cache):
+        with open(ns.cache, encoding="utf-8") as f:
+            seqs = json.load(f)
+    else:
+        seqs = reference(small_t, prompts, ns.tokens)
+        if ns.cache:
+            with open(ns.cache, "w", encoding="utf-8") as f:
+                json.dump(seqs, f)
     print(
         f"# reference: {len(seqs)} x {ns.tokens} tokens in {time.perf_counter() - t0:.1f} s",
         flush=True,
