@@ -9,10 +9,10 @@ one device run, with the validity of the method measured in the same run.
    (NONE, DFLASH, DDTREE B=64 at batch 1 and 8; `bench rounds`' runner and clock) - the inflated
    pair must cost what a trained pair of the shape costs.
 3. `serving`: for each config (default DFLASH, DDTREE B=64, NONE, B=16, B=32: the order is the
-   priority under --time-budget-s; configs are data, `ddtree.bench.at_scale_serve`) start `python3 -m ddtree.launch_server`, drive every concurrency
-   with `bench serving`'s client on held-out prompts (`bench acceptance`'s set, not the training
-   corpus), the prompt count scaled per level (--waves x concurrency, at least --min-prompts), stop
-   the server.
+   priority under --time-budget-s; configs are data, `ddtree.bench.at_scale_serve`) start
+   `python3 -m ddtree.launch_server`, drive every concurrency with `bench serving`'s client on
+   held-out prompts (`bench acceptance`'s set, not the training corpus), the prompt count scaled
+   per level (--waves x concurrency, at least --min-prompts), stop the server.
 4. `tau`: τ of the small pair on the same prompts (offline, T=0) beside the served τ of the inflated
    pair. Prints one table and writes --out/at_scale.json and --out/at_scale.png.
 """

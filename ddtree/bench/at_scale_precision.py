@@ -128,6 +128,16 @@ def accept_lengths(logits, seq, anchors) -> torch.Tensor:
     return ok.cumprod(-1).sum(-1)
 
 
+def walk_tau(acc: torch.Tensor) -> float:
+    """τ of DFLASH rounds along the text: a round at anchor i accepts acc[i] and emits acc[i] + 1
+    tokens, the next round is anchored where they end (the engine's rounds, text held fixed)."""
+    i = rounds = tokens = 0
+    acc = acc.tolist()
+    while i < len(acc):
+        rounds, tokens, i = rounds + 1, tokens + acc[i] + 1, i + acc[i] + 1
+    return tokens / max(rounds, 1)
+
+
 def run(ns) -> list[dict]:
     from ddtree.assets import default_model_paths
     from ddtree.bench.acceptance import DEFAULT_PROMPTS
@@ -211,12 +221,14 @@ def run(ns) -> list[dict]:
                     chosen = int(dlog[j, pos].argmax())
                     top = rlog[j, pos]
                     gaps.append(float(top.max() - top[chosen]))
+            walks = [walk_tau(a) for a in acc]
             acc = torch.cat(acc).float()
             g = torch.tensor(gaps) if gaps else torch.zeros(1)
             row = {
                 "variant": name + ("+fp32head" if fp32_head else ""),
                 "target_top1_agree": agree / total,
                 "tau_tf": 1 + float(acc.mean()),
+                "tau_rounds": sum(walks) / len(walks),
                 "anchors": len(acc),
                 "chains_shorter": broke,
                 "chains_longer": extended,
