@@ -16,6 +16,7 @@ between the two tokens: gaps of a few bf16 steps are near-ties that any rounding
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -43,6 +44,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default="small-bf16,big-bf16,bigT-smallD-bf16,smallT-bigD-bf16")
     p.add_argument("--fp32-lm-head", action="store_true", help="also each bf16 variant so")
     p.add_argument("--threads", type=int, default=1, help="torch threads (a busy box: keep 1)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the full 8B shape fits an H200)")
     p.add_argument(
         "--cache", default=None, help="reference sequences: read if present, else written"
     )
@@ -57,7 +59,9 @@ def reference(target, prompts: list[list[int]], n: int) -> list[list[int]]:
     for ids in prompts:
         seq = list(ids)
         for _ in range(n):
-            logits, _ = target.forward_train(torch.tensor([seq]))
+            logits, _ = target.forward_train(
+                torch.tensor([seq], device=target.lm_head.weight.device)
+            )
             seq.append(int(logits[0, -1].argmax()))
         out.append(seq)
     return out
@@ -83,7 +87,7 @@ class Side:
         t = self.target
         hidden, taps = t.hidden_states(
             seq[None],
-            torch.arange(len(seq))[None],
+            torch.arange(len(seq), device=seq.device)[None],
             causal_attend(t.scale),
             tuple(self.drafter.config.target_layer_ids),
         )
@@ -114,7 +118,7 @@ def blocks(side: Side, taps, seq, anchors, mask_id: int):
     """Drafter logits [A, S-1, V] of the blocks anchored at `anchors` (bonus token = seq[anchor])."""
     d = side.drafter
     S = d.config.block_size
-    ids = torch.full((len(anchors), S), mask_id)
+    ids = torch.full((len(anchors), S), mask_id, device=seq.device)
     ids[:, 0] = seq[anchors]
     emb = side.target.model.embed_tokens(ids)[None]
     hidden = d.forward_train(taps[None].to(side.dtype), emb, anchors[None])[0]
@@ -150,8 +154,8 @@ def run(ns) -> list[dict]:
     t_dir, d_dir = default_model_paths()
     tok = load_tokenizer(t_dir)
     small_t, small_d = (
-        load_target(t_dir, torch.float32, "cpu"),
-        load_drafter(d_dir, torch.float32, "cpu"),
+        load_target(t_dir, torch.float32, ns.device),
+        load_drafter(d_dir, torch.float32, ns.device),
     )
     prompts = [tok.encode(p, add_special_tokens=False)[-96:] for p in DEFAULT_PROMPTS[: ns.prompts]]
     t0 = time.perf_counter()
@@ -167,13 +171,12 @@ def run(ns) -> list[dict]:
         f"# reference: {len(seqs)} x {ns.tokens} tokens in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
-    pair = inflate_pair(t_dir, d_dir, ns.shape, "cpu", torch.float32)
+    pair = inflate_pair(t_dir, d_dir, ns.shape, ns.device, torch.float32)
     plan = plan_pair(small_t.config, small_d.config, ns.shape)
     big_t, big_d = pair.target, pair.drafter
     h, H = small_t.config.hidden_size, big_t.config.hidden_size
     s_ids, b_ids = list(small_d.config.target_layer_ids), list(big_d.config.target_layer_ids)
     mask_id = small_d.config.mask_token_id
-    import copy
 
     def side(which_t, which_d, dtype, fp32_head):
         return Side(copy.deepcopy(which_t), copy.deepcopy(which_d), dtype, fp32_head)
@@ -192,7 +195,7 @@ def run(ns) -> list[dict]:
             agree = total = 0
             acc, gaps, broke, extended = [], [], 0, 0
             for k, ids in enumerate(seqs):
-                seq = torch.tensor(ids)
+                seq = torch.tensor(ids, device=ns.device)
                 n0 = len(prompts[k])
                 tlog, taps = t_side.taps(seq)
                 pred = tlog[n0 - 1 : -1].argmax(-1)
@@ -205,7 +208,8 @@ def run(ns) -> list[dict]:
                         else to_big_taps(taps, b_ids, s_ids, pair.carriers, h, H, plan.residual)
                     )
                 S = d_side.drafter.config.block_size
-                anchors = torch.arange(n0, len(seq) - S + 1)  # bonus at n0: the first round
+                # bonus at n0: the first round
+                anchors = torch.arange(n0, len(seq) - S + 1, device=ns.device)
                 dlog = blocks(d_side, taps, seq, anchors, mask_id)[..., : small_t.config.vocab_size]
                 a = accept_lengths(dlog, seq, anchors)
                 acc.append(a)

@@ -24,6 +24,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--algorithms", default="DFLASH,DDTREE16")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (served with the default backend)")
     p.add_argument("--dtype", default="bfloat16", help="served dtype (float32: the check that the")
     p.add_argument("--pairs", default="small,big", help="...served τ equals the walk's)")
     p.add_argument("--cache", default=None, help="at_scale_precision's reference sequences")
@@ -31,7 +32,7 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def served(target: str, algo: str, prompts, n: int, dtype: str):
+def served(target: str, algo: str, prompts, n: int, dtype: str, device: str = "cpu"):
     from ddtree import LLM, SamplingParams
 
     budget = {}
@@ -46,7 +47,7 @@ def served(target: str, algo: str, prompts, n: int, dtype: str):
     llm = LLM(
         target,
         speculative_algorithm=algo,
-        device="cpu",
+        device=device,
         dtype=dtype,
         max_running_requests=len(prompts),
         max_total_tokens=len(prompts) * (max(map(len, prompts)) + n + 64),
@@ -69,20 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     t_dir, d_dir = default_model_paths()
     tok = load_tokenizer(t_dir)
     prompts = [tok.encode(p, add_special_tokens=False)[-96:] for p in DEFAULT_PROMPTS[: ns.prompts]]
-    small_t = load_target(t_dir, torch.float32, "cpu")
+    small_t = load_target(t_dir, torch.float32, ns.device)
     ref = None
     if ns.cache:
         with open(ns.cache, encoding="utf-8") as f:
             ref = json.load(f)
     if ref is None or len(ref) < len(prompts):
         ref = reference(small_t, prompts, ns.tokens)
-    oracle = Side(small_t, load_drafter(d_dir, torch.float32, "cpu"), torch.float32, False)
+    oracle = Side(small_t, load_drafter(d_dir, torch.float32, ns.device), torch.float32, False)
     mask_id = oracle.drafter.config.mask_token_id
 
     def tf_tau(seq: list[int], n0: int) -> float:
-        s = torch.tensor(seq)
+        s = torch.tensor(seq, device=ns.device)
         _, taps = oracle.taps(s)
-        anchors = torch.arange(n0, len(s) - oracle.drafter.config.block_size + 1)
+        anchors = torch.arange(n0, len(s) - oracle.drafter.config.block_size + 1, device=s.device)
         return walk_tau(accept_lengths(blocks(oracle, taps, s, anchors, mask_id), s, anchors))
 
     rows = []
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         for pair in ns.pairs.split(","):
             target = targets[pair]
             t0 = time.perf_counter()
-            outs = served(target, algo, prompts, ns.tokens, ns.dtype)
+            outs = served(target, algo, prompts, ns.tokens, ns.dtype, ns.device)
             per = []
             for o, p, r in zip(outs, prompts, ref):
                 seq = list(p) + list(o.token_ids)
