@@ -1,6 +1,7 @@
 """The production shapes on the GPU: the inflated Qwen3-8B pair (fp32, ~33 GB) computes the embedded
 pair's logits and drafter proposals; the Qwen3.6-27B hybrid target (bf16, built in memory) agrees
-with it to bf16 rounding. Run: python3 -m pytest -q tests/gpu/test_inflate_production.py"""
+with it to bf16 rounding, and is served from memory (`inflate:qwen3.6-27b`). Run:
+python3 -m pytest -q tests/gpu/test_inflate_production.py"""
 
 from __future__ import annotations
 
@@ -68,5 +69,32 @@ def test_qwen36_27b_bf16_builds_and_tracks_small():
     assert agree >= 0.9, agree  # bf16 near-ties only
     assert float(big[..., v:].max()) < float(ref.min())
     del pair
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_qwen36_27b_served_from_memory():
+    """`--model-path inflate:qwen3.6-27b`: the engine builds the 27B pair on the GPU (nothing on
+    disk), its weights are the bytes the plan counted, and DDTREE drafts are accepted."""
+    from ddtree import LLM, SamplingParams
+    from ddtree.engine.setup import module_bytes
+    from ddtree.memory_plan import memory_plan
+
+    llm = LLM(
+        "inflate:qwen3.6-27b",
+        speculative_algorithm="DDTREE",
+        speculative_ddtree_budget=16,
+        mamba_scheduler_strategy="no_buffer",
+        max_running_requests=2,
+    )
+    runner = llm.engine.runner
+    plan = memory_plan(llm.args, torch.cuda.get_device_properties(0).total_memory)
+    assert module_bytes(runner.target) == plan.target_weight_bytes
+    assert module_bytes(runner.drafter) == plan.drafter_weight_bytes
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = llm.generate(["def fibonacci(n):\n    ", "The history of the printing press"], params)
+    assert all(len(o.token_ids) == 32 for o in outs)
+    assert max(o.mean_accept_length for o in outs) > 2.0, [o.accept_lengths for o in outs]
+    del llm, runner
     gc.collect()
     torch.cuda.empty_cache()
