@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         rep.plot(rows, os.path.splitext(path)[0] + ".png", f"{ns.shape} (inflated embedded pair)")
     print(f"done in {report['seconds']:.0f} s; wrote {path}")
-    return 1 if any(r["failed"] for r in rows) else 0
+    return 1 if any(r["failed"] for r in rows) or report.get("errors") else 0
 
 
 SMOKE = {
