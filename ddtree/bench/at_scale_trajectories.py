@@ -10,6 +10,7 @@ request), not drafter quality.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -55,7 +56,12 @@ def served(target: str, algo: str, prompts, n: int, dtype: str, device: str = "c
         **budget,
     )
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    return llm.generate([list(p) for p in prompts], params)
+    outs = llm.generate([list(p) for p in prompts], params)
+    del llm  # the next engine needs the device memory (an 8B pair and its pools)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return outs
 
 
 def main(argv: list[str] | None = None) -> int:
