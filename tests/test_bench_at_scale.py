@@ -152,3 +152,6 @@ def test_store_resolves_from_the_shape(tmp_path):
     ns = make_parser().parse_args(["--shape", str(spec), "--model-store", "disk"])
     resolve_store(ns)
     assert ns.model_store == "disk"  # explicit wins over auto
+    ns = make_parser().parse_args(["--shape", str(spec), "--model-store", "disk", "--in-memory"])
+    with pytest.raises(ValueError, match="--in-memory contradicts --model-store disk"):
+        resolve_store(ns)

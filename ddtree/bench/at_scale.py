@@ -204,6 +204,8 @@ def resolve_store(ns) -> None:
     from ddtree.inflate.shapes import is_hybrid, resolve_shape
 
     hybrid = is_hybrid(resolve_shape(ns.shape)[0])
+    if ns.in_memory and ns.model_store == "disk":
+        raise ValueError("--in-memory contradicts --model-store disk; pass one of them")
     if ns.in_memory:
         ns.model_store = "memory"
     if ns.model_store == "auto":

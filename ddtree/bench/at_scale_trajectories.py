@@ -51,7 +51,7 @@ def served(target: str, algo: str, prompts, n: int, dtype: str, device: str = "c
         device=device,
         dtype=dtype,
         max_running_requests=len(prompts),
-        max_total_tokens=len(prompts) * (max(map(len, prompts)) + n + 64),
+        max_total_tokens=len(prompts) * (max(map(len, prompts)) + n + 160),
         **drafter,
         **budget,
     )
