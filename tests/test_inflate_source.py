@@ -80,6 +80,10 @@ def test_resolves_from_the_plan(spec, written):
         (dict(model_path="inflate:a:b"), "is not inflate:<shape>[:<src_target>:<src_drafter>]"),
         (dict(model_path="inflate:qwen3-9b"), "--model-path inflate:qwen3-9b: --shape"),
         (
+            dict(model_path="inflate:qwen3-8b:/no/t:/no/d"),
+            "--model-path inflate:qwen3-8b:/no/t:/no/d: ",
+        ),
+        (
             dict(model_path="inflate:qwen3-8b", speculative_draft_model_path="/x"),
             "--speculative-draft-model-path /x: an inflated pair is served with its own drafter",
         ),
