@@ -132,6 +132,8 @@ def test_smoke_end_to_end(tmp_path):
     assert not (tmp_path / "work").exists()  # nothing written
     # greedy, fp32: the inflated pair accepts exactly what the small pair does
     assert report["tau"]["DFLASH"]["inflated"] == pytest.approx(report["tau"]["DFLASH"]["small"])
+    assert len(report["tau"]["DFLASH"]["small_per_prompt"]) == 2  # the sampling error's inputs
+    assert report["tau"]["DFLASH"]["small_se"] >= 0
     assert os.path.exists(out / "at_scale.png")
 
 

@@ -300,7 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         small = val.small_pair_tau(prompts, ns.max_tokens, spec, ns.device)
         for name, t in small.items():
             served = {lv["concurrency"]: lv for lv in report["serving"][name]}.get(ns.tau_level)
-            report["tau"][name] = {"small": t, "inflated": served and served["mean_accept_length"]}
+            report["tau"][name] = {
+                "small": t["tau"],
+                "small_se": t["se"],
+                "small_per_prompt": t["per_prompt"],
+                "inflated": served and served["mean_accept_length"],
+            }
     rows = rep.table_rows(report["serving"])
     report["table"], report["rounds_ratios"] = rows, val.rounds_ratios(report["rounds"])
     path = save(report, ns)

@@ -67,9 +67,11 @@ def print_validity(rounds: list[dict], tau: dict) -> None:
         )
     for cfg, t in tau.items():
         if t.get("inflated") is not None and t.get("small"):
+            se = t.get("small_se")
+            noise = f"; one SE of the small τ over these prompts: {100 * se / t['small']:.1f}%"
             print(
                 f"tau {cfg:>12}: inflated {t['inflated']:.3f} vs small {t['small']:.3f} "
-                f"({100 * (t['inflated'] / t['small'] - 1):+.1f}%)"
+                f"({100 * (t['inflated'] / t['small'] - 1):+.1f}%{noise if se else ''})"
             )
 
 

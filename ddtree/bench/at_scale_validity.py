@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 
 import torch
 
@@ -124,7 +125,8 @@ def rounds_ratios(rows: list[dict]) -> list[dict]:
 
 def small_pair_tau(prompts: list, max_tokens: int, configs: list, device: str) -> dict:
     """τ (tokens per round, weighted by rounds) of the embedded pair, offline, T=0, bf16 on GPU, for
-    each served `ServeConfig` (its algorithm and budget)."""
+    each served `ServeConfig` (its algorithm and budget): {"tau", "se" (standard error of the mean
+    per-prompt τ), "per_prompt"}."""
     from ddtree import LLM, SamplingParams
     from ddtree.assets import default_model_paths
 
@@ -149,7 +151,12 @@ def small_pair_tau(prompts: list, max_tokens: int, configs: list, device: str) -
         )
         outs = llm.generate(list(prompts), params)
         lengths = [n for o in outs for n in o.accept_lengths]
-        out[cfg.name] = sum(lengths) / max(len(lengths), 1)
+        # per distinct prompt (the level cycles the held-out set): the sampling error of a τ over
+        # this few texts, against which an inflated-vs-small difference is judged
+        per = {p: o.mean_accept_length for p, o in zip(prompts, outs)}
+        vals = list(per.values())
+        se = statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else None
+        out[cfg.name] = {"tau": sum(lengths) / max(len(lengths), 1), "se": se, "per_prompt": vals}
         del llm
         gc.collect()
     return out
