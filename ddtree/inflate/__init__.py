@@ -41,6 +41,15 @@ Why it is exact (fp32 agrees to rounding; the tests hold it to 1e-5):
   other) add eps_H instead of eps d/D to the mean square, a relative change of about eps / (2
   mean(q^2)), ~1e-7 for trained weights. The tree / accept math is untouched, so acceptance is the
   small pair's and the cost is the shape's.
+
+In bf16 the two pairs round differently (the norm scales sqrt(h/H) are not powers of two, and wide
+GEMMs accumulate in another order), so near-ties flip: on fixed text the inflated pair's DFLASH
+acceptance is within 0.3% of the small pair's bf16 (`bench.at_scale_precision`), but each pair
+decodes its own text and a served τ follows the text (`bench.at_scale_trajectories`;
+docs/results/dflash_bf16_*_2026-12-01.json).
+
+`--model-path inflate:<shape>[:<src_target>:<src_drafter>]` (`source.py`) serves a pair built in
+memory: `plan.py` gives its configs without torch, `pair.py` builds it on the serving device.
 """
 
 from __future__ import annotations
