@@ -67,6 +67,23 @@ def reference(target, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
+def reference_sequences(target, prompts: list[list[int]], n: int, cache: str | None):
+    """`reference`, read from `cache` when it holds these prompts' n-token continuations (else
+    computed and written there)."""
+    if cache and os.path.exists(cache):
+        with open(cache, encoding="utf-8") as f:
+            seqs = json.load(f)
+        if len(seqs) == len(prompts) and all(
+            s[: len(p)] == list(p) and len(s) == len(p) + n for s, p in zip(seqs, prompts)
+        ):
+            return seqs
+    seqs = reference(target, prompts, n)
+    if cache:
+        with open(cache, "w", encoding="utf-8") as f:
+            json.dump(seqs, f)
+    return seqs
+
+
 class Side:
     """One model pair at one dtype: target, drafter, and how its taps map to the other width."""
 
@@ -159,14 +176,7 @@ def run(ns) -> list[dict]:
     )
     prompts = [tok.encode(p, add_special_tokens=False)[-96:] for p in DEFAULT_PROMPTS[: ns.prompts]]
     t0 = time.perf_counter()
-    if ns.cache and os.path.exists(ns.cache):
-        with open(ns.cache, encoding="utf-8") as f:
-            seqs = json.load(f)
-    else:
-        seqs = reference(small_t, prompts, ns.tokens)
-        if ns.cache:
-            with open(ns.cache, "w", encoding="utf-8") as f:
-                json.dump(seqs, f)
+    seqs = reference_sequences(small_t, prompts, ns.tokens, ns.cache)
     print(
         f"# reference: {len(seqs)} x {ns.tokens} tokens in {time.perf_counter() - t0:.1f} s",
         flush=True,

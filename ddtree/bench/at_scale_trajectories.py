@@ -67,7 +67,13 @@ def served(target: str, algo: str, prompts, n: int, dtype: str, device: str = "c
 def main(argv: list[str] | None = None) -> int:
     from ddtree.assets import default_model_paths
     from ddtree.bench.acceptance import DEFAULT_PROMPTS
-    from ddtree.bench.at_scale_precision import Side, accept_lengths, blocks, reference, walk_tau
+    from ddtree.bench.at_scale_precision import (
+        Side,
+        accept_lengths,
+        blocks,
+        reference_sequences,
+        walk_tau,
+    )
     from ddtree.engine.setup import load_tokenizer
     from ddtree.models.loader import load_drafter, load_target
 
@@ -77,12 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(t_dir)
     prompts = [tok.encode(p, add_special_tokens=False)[-96:] for p in DEFAULT_PROMPTS[: ns.prompts]]
     small_t = load_target(t_dir, torch.float32, ns.device)
-    ref = None
-    if ns.cache:
-        with open(ns.cache, encoding="utf-8") as f:
-            ref = json.load(f)
-    if ref is None or len(ref) < len(prompts):
-        ref = reference(small_t, prompts, ns.tokens)
+    ref = reference_sequences(small_t, prompts, ns.tokens, ns.cache)
     oracle = Side(small_t, load_drafter(d_dir, torch.float32, ns.device), torch.float32, False)
     mask_id = oracle.drafter.config.mask_token_id
 
