@@ -34,7 +34,7 @@ class BatchLog:
 
     def _usage(self) -> float:
         bm = self.scheduler.bm
-        return 1.0 - bm.num_free_pages / bm.num_pages if bm.num_pages else 0.0
+        return 1.0 - bm.num_available_pages / bm.num_pages if bm.num_pages else 0.0
 
     def prefill(self, q_lens: list[int]) -> None:
         """After one prefill batch (its chunks' lengths); #running-req: the requests outside it."""
