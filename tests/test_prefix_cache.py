@@ -1,0 +1,125 @@
+"""The prefix cache's bookkeeping without a model: radix matching (full pages, then a copy-on-write
+page), reference counts, LRU eviction of unreferenced leaves only, the shared-page write check, hybrid
+hits truncated to a checkpoint, and the memory plan's checkpoint rows; meta-tests show the integrity
+and write checks can fail."""
+
+import pytest
+import torch
+
+from ddtree.engine.block_manager import NO_HIT, BlockManager
+from ddtree.engine.request import Req, SamplingParams
+
+P = 4  # page size
+
+
+def bm(num_pages=8, max_reqs=4):
+    return BlockManager(num_pages, P, max_reqs, 8, "cpu", prefix_cache=True)
+
+
+def req(tokens):
+    return Req(prompt_ids=list(tokens), params=SamplingParams())
+
+
+def prefill(b, r, n, copies=None):
+    """Admit `r` with its hit, allocate n tokens and cache its full pages (as the runner does)."""
+    hit = b.match(r.prompt_ids, n - 1)
+    b.attach(r, hit, lambda s, d, k: copies.append((s, d, k)) if copies is not None else None)
+    b.allocate(r, n)
+    b.cache_prefix(r, r.prompt_ids, n)
+    return hit
+
+
+def test_match_full_pages_then_a_copy_on_write_page():
+    b = bm()
+    a = req(range(10))
+    prefill(b, a, 10)
+    assert b.num_cached_pages == 2  # tokens 0..7; the partial third page stays private
+    hit = b.match(list(range(6)) + [99, 98], 7)
+    assert hit.length == 6 and len(hit.nodes) == 1 and hit.cow[1] == 2
+    assert hit.cow[0].page == b.pages[a.slot][1]
+    copies = []
+    r = req(list(range(6)) + [99, 98])
+    prefill(b, r, 8, copies)
+    # the branch mid-page copied page 1's first two slots into a private page instead of sharing it
+    assert copies == [(b.pages[a.slot][1], b.pages[r.slot][1], 2)]
+    assert b.shared[r.slot] == 2 and b.pages[r.slot][0] == b.pages[a.slot][0]
+    assert b.pages[r.slot][1] != b.pages[a.slot][1]  # its own page 1 was inserted as a sibling
+    b.check_integrity()
+
+
+def test_a_full_hit_keeps_the_last_prompt_token_uncached():
+    b = bm()
+    prefill(b, req(range(8)), 8)
+    hit = b.match(list(range(8)), 7)
+    assert hit.length == 7 and len(hit.nodes) == 1 and hit.cow[1] == 3
+
+
+def test_ref_counts_and_lru_eviction_of_unreferenced_leaves_only():
+    b = bm(num_pages=8)
+    old, new, live = req(range(100, 108)), req(range(200, 208)), req(range(300, 308))
+    for r in (old, new, live):
+        prefill(b, r, 8)
+    b.free(old, old.prompt_ids, 8)
+    b.free(new, new.prompt_ids, 8)
+    # 6 cached pages; `live` references its 2, the other 4 are evictable
+    assert b.num_cached_pages == 6 and b.num_free_pages == 2 and b.num_available_pages == 6
+    b.check_integrity()
+    x = req(range(500, 520))
+    assert b.can_allocate(x, 24) and not b.can_allocate(x, 28)
+    b.allocate(x, 16)  # 2 free + 2 evicted: old's leaf first, then old's root page
+    assert b.match(list(range(100, 108)), 8) is NO_HIT
+    assert len(b.match(list(range(200, 208)), 8).nodes) == 2
+    assert len(b.match(list(range(300, 308)), 8).nodes) == 2  # locked: never evicted
+    assert b.cache.stats.evicted_pages == 2
+    b.check_integrity()
+    for r in (live, x):
+        b.free(r, r.prompt_ids, 8 if r is live else 0)
+    b.check_integrity()
+    assert b.num_available_pages == b.num_pages
+    assert all(n.lock == 0 for n in b.cache.nodes())
+
+
+def test_duplicate_pages_are_replaced_by_the_cached_copy():
+    b = bm()
+    a, c = req(range(8)), req(range(8))
+    for r in (a, c):  # admitted together: neither hits
+        b.attach(r, NO_HIT, None)
+        b.allocate(r, 8)
+    b.cache_prefix(a, a.prompt_ids, 8)
+    mine = list(b.pages[c.slot])
+    b.cache_prefix(c, c.prompt_ids, 8)
+    assert b.pages[c.slot] == b.pages[a.slot] and set(mine) <= set(b.free_pages)
+    assert b.cache.nodes()[0].lock == 2
+    b.check_integrity()
+
+
+def test_integrity_and_write_checks_can_fail():
+    b = bm()
+    r = req(range(10))
+    prefill(b, r, 10)
+    shared_slot = b.pages[r.slot][0] * P + 1
+    private_slot = b.pages[r.slot][2] * P
+    b.check_writes(torch.tensor([private_slot]))
+    with pytest.raises(AssertionError, match="shared cached pages"):
+        b.check_writes(torch.tensor([private_slot, shared_slot]))
+    node = b.node[r.slot]
+    node.lock += 1
+    with pytest.raises(AssertionError, match="ref count"):
+        b.check_integrity()
+    node.lock -= 1
+    b.free_pages.append(b.pages[r.slot][0])
+    with pytest.raises(AssertionError, match="owned twice"):
+        b.check_integrity()
+
+
+def test_hybrid_hits_stop_at_the_deepest_checkpoint():
+    b = bm()
+    prefill(b, req(range(13)), 13)
+    nodes = b.cache.nodes()
+    assert len(nodes) == 3
+    assert b.match(list(range(13)), 12, checkpointed=True) is NO_HIT
+    first = b.match(list(range(4)), 4).nodes[0]
+    b.cache.set_checkpoint(first, 0)
+    hit = b.match(list(range(13)), 12, checkpointed=True)
+    assert hit.length == 4 and hit.cow is None and hit.nodes == (first,)
+    assert b.cache.take_lru_checkpoint() == 0 and first.checkpoint is None
