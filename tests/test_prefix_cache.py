@@ -123,3 +123,42 @@ def test_hybrid_hits_stop_at_the_deepest_checkpoint():
     hit = b.match(list(range(13)), 12, checkpointed=True)
     assert hit.length == 4 and hit.cow is None and hit.nodes == (first,)
     assert b.cache.take_lru_checkpoint() == 0 and first.checkpoint is None
+
+
+def _level(ttft, tput, hit=0.0, failed=0):
+    return {
+        "ttft_ms": {"p50": ttft, "p99": 2 * ttft},
+        "output_throughput": tput,
+        "cache_hit_rate": hit,
+        "failed": failed,
+    }
+
+
+def test_bench_prefix_cache_checks_the_targets():
+    from ddtree.bench.prefix_cache import format_report, make_parser, verdict
+
+    ns = make_parser().parse_args(["--model-path", "m"])
+    res = {
+        "cache": {"shared": _level(20, 1010, 0.9), "distinct": _level(100, 990)},
+        "no cache": {"shared": _level(120, 1000), "distinct": _level(100, 1000)},
+    }
+    rows = verdict(res, ns)
+    assert [ok for *_, ok in rows] == [True, True, True, True]
+    assert "PASS  shared TTFT p50" in format_report(res, rows)
+    res["cache"]["shared"] = _level(30, 990, 0.9)  # 4x, and slower
+    res["cache"]["distinct"] = _level(100, 970, failed=1)  # 3% down, a failure
+    assert [ok for *_, ok in verdict(res, ns)] == [False, False, False, False]
+
+
+def test_multiturn_conversations_share_one_system_prompt_unless_distinct():
+    from ddtree.bench import multiturn
+    from ddtree.bench.serving import make_parser
+
+    ns = make_parser().parse_args(["--workload", "multiturn", "--num-prompts", "3"])
+    convs = multiturn.conversations(ns)
+    assert len(convs) == 3 and len(convs[0][0]) == 2048 and len(convs[0][1]) == 4
+    assert convs[0][0] == convs[2][0] and convs[0][1] != convs[1][1]
+    ns.distinct_system_prompts = True
+    assert multiturn.conversations(ns)[0][0] != multiturn.conversations(ns)[1][0]
+    ns.token_id_max = ns.token_id_min
+    assert multiturn.check(ns) is not None
