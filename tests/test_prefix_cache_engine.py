@@ -5,6 +5,9 @@ cache (a copy-on-write page included); small pools force eviction and preemption
 no KV write of a round reaches a shared page (checked on every write); pools and ref counts drain
 clean."""
 
+import logging
+import re
+
 import pytest
 from engine_utils import make_llm, toy_prompts
 
@@ -12,6 +15,7 @@ from ddtree import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PAGE = 4
+LOGGED = re.compile(r"^Prefill batch\..*#cached-token: (\d+),")
 SYSTEM = list(toy_prompts(6)[5][:10])  # 10 tokens: the branches start mid-page
 
 
@@ -65,14 +69,17 @@ def test_dense_cache_is_lossless_and_hits(toy_pair, dense_reference, algorithm):
     assert_drained(llm)
 
 
-def test_system_prompt_branches_mid_page_within_one_turn(toy_pair, dense_reference):
+def test_system_prompt_branches_mid_page_within_one_turn(toy_pair, dense_reference, caplog):
     # one request at a time: the second and third find the first's system prompt (2 full pages,
     # then the tokens they share of the cached page they branch off, copied)
+    caplog.set_level(logging.INFO, logger="ddtree")
     llm, outs = conversation(toy_pair, "DDTREE", True, max_running_requests=1)
     assert [o.token_ids for o in outs] == dense_reference
     cached = [o.cached_tokens for o in outs[:3]]
     assert cached[0] == 0 and all(c >= len(SYSTEM) for c in cached[1:])
     assert any(c % PAGE for c in cached[1:])  # a copy-on-write page
+    logged = [int(m[1]) for r in caplog.records if (m := LOGGED.search(r.getMessage()))]
+    assert sum(logged) == sum(o.cached_tokens for o in outs)  # the Prefill batch lines
     assert_drained(llm)
 
 

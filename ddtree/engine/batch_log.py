@@ -42,10 +42,11 @@ class BatchLog:
             return
         s = self.scheduler
         logger.info(
-            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d",
             len(q_lens),
             sum(q_lens),
+            s.last_cached_tokens,
             self._usage(),
             len(s.running) - len(q_lens),
             len(s.waiting),

@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
+        self.last_cached_tokens = 0  # prefix-cache hits admitted by the last prefill batch
         self.last_was_prefill = False
 
     def add(self, req: Req) -> None:
@@ -83,6 +84,7 @@ class Scheduler:
             )
         )
         share = budget // 2 if admissible else budget
+        self.last_cached_tokens = 0
         reqs, q_lens = [], []
         for r in self.running:  # unfinished chunked prefills first
             if r.needs_prefill and share > 0:
@@ -100,6 +102,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.runner.admit(r, hit)  # kv_len = the cached prefix
+            self.last_cached_tokens += r.kv_len
             q = self._chunk(r, budget)
             self.bm.allocate(r, r.kv_len + q)
             r.status = ReqStatus.RUNNING
