@@ -162,3 +162,15 @@ def test_multiturn_conversations_share_one_system_prompt_unless_distinct():
     assert multiturn.conversations(ns)[0][0] != multiturn.conversations(ns)[1][0]
     ns.token_id_max = ns.token_id_min
     assert multiturn.check(ns) is not None
+
+
+def test_the_lru_heap_stays_bounded_without_evictions():
+    b = bm(num_pages=8)
+    for _ in range(200):  # the same prompt again and again: each release pushes its leaf
+        r = req(range(8))
+        prefill(b, r, 8)
+        b.free(r, r.prompt_ids, 8)
+    assert len(b.cache._heap) <= 2 * b.num_cached_pages + 64
+    b.allocate(req(range(50, 82)), 32)  # all 8 pages: both cached ones evicted, newest last
+    assert b.num_cached_pages == 0 and b.cache.stats.evicted_pages == 2
+    b.check_integrity()

@@ -126,3 +126,18 @@ def test_a_skipped_copy_on_write_is_detected(toy_pair, dense_reference, monkeypa
     monkeypatch.setattr(ModelRunner, "_copy_page", lambda self, src, dst, n: None)
     llm, outs = conversation(toy_pair, "DDTREE", True, max_running_requests=1)
     assert [o.token_ids for o in outs] != dense_reference
+
+
+def test_the_write_check_catches_a_round_writing_into_a_shared_page(toy_pair, monkeypatch):
+    """Meta: cache one page too many (the one the next rounds write into) and the write check,
+    wired into extend / verify / commit, fires."""
+    from ddtree.engine.block_manager import BlockManager
+
+    real = BlockManager.cache_prefix
+
+    def greedy(self, req, tokens, num_tokens):
+        return real(self, req, list(tokens) + [0] * PAGE, num_tokens + PAGE)
+
+    monkeypatch.setattr(BlockManager, "cache_prefix", greedy)
+    with pytest.raises(AssertionError, match="shared cached pages"):
+        conversation(toy_pair, "DDTREE", True)

@@ -153,6 +153,13 @@ class RadixCache:
     def _push_if_leaf(self, node: Node) -> None:
         if node.parent is not None and node.lock == 0 and not node.children:
             heapq.heappush(self._heap, (node.last_used, next(self._seq), node))
+            if len(self._heap) > 2 * len(self.page_owner) + 64:  # mostly stale: rebuild
+                self._heap = [
+                    (n.last_used, next(self._seq), n)
+                    for n in self.page_owner.values()
+                    if n.lock == 0 and not n.children
+                ]
+                heapq.heapify(self._heap)
 
     def evict(self, num_pages: int, drop_checkpoint: Callable[[int], None]) -> list[int]:
         """Free up to `num_pages` unlocked pages, least recently used leaves first."""
