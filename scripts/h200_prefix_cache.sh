@@ -18,9 +18,12 @@ else
 fi
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-PAIR=/tmp/ddtree_prefix_cache/pair
+# SHAPE=qwen3.6-27b (hybrid; pass --server-flag=--mamba-scheduler-strategy=no_buffer) needs
+# about 60 GB of local disk for the inflated pair
+SHAPE=${SHAPE:-qwen3-8b}
+PAIR=/tmp/ddtree_prefix_cache/$SHAPE
 if [ ! -f "$PAIR/drafter/config.json" ]; then
-  python3 -m ddtree inflate --shape qwen3-8b --device cuda "$PAIR" 2>&1 | tail -3
+  python3 -m ddtree inflate --shape "$SHAPE" --device cuda "$PAIR" 2>&1 | tail -3
 fi
 python3 -m ddtree bench prefix-cache --model-path "$PAIR/target" \
   --speculative-draft-model-path "$PAIR/drafter" --conversations 16 --concurrency 8 \

@@ -48,6 +48,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-ttft-ratio", type=float, default=5.0)
     p.add_argument("--max-distinct-loss", type=float, default=0.02)
     p.add_argument("--out", default="prefix_cache_out", help="directory of the JSON and logs")
+    p.add_argument(
+        "--server-flag",
+        action="append",
+        default=[],
+        help="extra launch_server flag for both servers, repeatable "
+        "(e.g. --server-flag=--mamba-scheduler-strategy=no_buffer)",
+    )
     multiturn.add_flags(p)
     return p
 
@@ -69,7 +76,7 @@ def serve(ns, name: str, extra: tuple[str, ...]) -> dict:
     sns.levels = [ns.concurrency]
     log = os.path.join(ns.out, f"server_{name.replace(' ', '_')}.log")
     srv = Server(sns, ns.model_path, ns.speculative_draft_model_path, ns.algorithm, ns.budget, log)
-    srv.argv += list(extra)
+    srv.argv += list(ns.server_flag) + list(extra)
     out = {}
     with srv:
         print(f"# {name}: server up in {srv.startup_s:.1f} s", flush=True)
