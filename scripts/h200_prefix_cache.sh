@@ -4,7 +4,7 @@
 #   scripts/h200_prefix_cache.sh [OUT_DIR] [extra `ddtree bench prefix-cache` flags]
 # Inflates the embedded pair to the Qwen3-8B shape on the GPU into /tmp, then serves it twice
 # (cache on, --disable-radix-cache) with DDTREE B=16 and runs the multi-turn workload (2048-token
-# shared system prompt, 4 turns of 64 tokens, 128 output tokens per turn, 16 conversations, 8 at
+# shared system prompt, 4 turns of 64 tokens, 128 output tokens per turn, 32 conversations, 8 at
 # once) and the no-sharing one; prints the table and PASS / FAIL per target (exit 1 on a FAIL).
 set -euo pipefail
 OUT=${1:-${OUT:-prefix_cache_out}}
@@ -26,5 +26,5 @@ if [ ! -f "$PAIR/drafter/config.json" ]; then
   python3 -m ddtree inflate --shape "$SHAPE" --device cuda "$PAIR" 2>&1 | tail -3
 fi
 python3 -m ddtree bench prefix-cache --model-path "$PAIR/target" \
-  --speculative-draft-model-path "$PAIR/drafter" --conversations 16 --concurrency 8 \
+  --speculative-draft-model-path "$PAIR/drafter" --conversations 32 --concurrency 8 \
   --out "$OUT" "$@" 2>&1 | tee "$OUT/prefix_cache.log"

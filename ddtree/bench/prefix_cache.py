@@ -3,7 +3,7 @@
 For each of the two settings it starts `python3 -m ddtree.launch_server` on the given pair and runs
 two `bench serving --workload multiturn` workloads against it: `shared` (--conversations
 conversations over one --system-prompt-tokens system prompt, --turns turns each) and `distinct`
-(the same sizes, one turn, every conversation its own system prompt: nothing to reuse). Then it
+(as many one-turn requests, every one its own system prompt: nothing to reuse). Then it
 checks issue 22's targets: shared TTFT p50 at least --min-ttft-ratio x lower with the cache, shared
 output throughput not lower, distinct output throughput within --max-distinct-loss. One table, a
 JSON report, exit 1 when a target is missed.
@@ -61,7 +61,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 def workload(ns, distinct: bool) -> argparse.Namespace:
     w = argparse.Namespace(**vars(ns))
-    w.num_prompts, w.concurrency = ns.conversations, [ns.concurrency]
+    # distinct: as many requests as the shared workload's turns, each a one-turn conversation
+    w.num_prompts = ns.conversations * (ns.turns if distinct else 1)
+    w.concurrency = [ns.concurrency]
     w.distinct_system_prompts, w.turns = distinct, 1 if distinct else ns.turns
     w.temperature, w.ignore_eos, w.api_key, w.model, w.save_requests = 0.0, True, None, None, False
     w.warmup = 1
