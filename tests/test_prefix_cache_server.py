@@ -50,6 +50,7 @@ def test_cached_tokens_metrics_and_multiturn_hit_rate(pair, tmp_path):
         assert meta["cached_tokens"] >= 36
         level = multiturn(url, tmp_path / "on.json")
         assert level["cache_hit_rate"] > 0.3 and level["cached_tokens"] > 0
+        assert level["cache_evicted_pages"] == 0  # read from /metrics around the level
         info = wait_idle(url)
         assert info["kv_integrity"] == "ok" and info["kv_pages_cached"] > 0
         text = httpx.get(url + "/metrics", timeout=10).text

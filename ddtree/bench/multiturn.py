@@ -157,10 +157,45 @@ async def run_level(url: str, convs, concurrency: int, ns) -> dict:
     }
 
 
+CACHE_COUNTERS = ("ddtree_prefix_cache_evicted_pages_total", "ddtree_prefix_cache_hit_tokens_total")
+
+
+async def cache_counters(url: str, api_key: str | None) -> dict[str, float] | None:
+    """The server's prefix-cache counters from /metrics, or None (metrics off, or not ddtree)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=10, headers=headers) as http:
+            r = await http.get(url.rstrip("/") + "/metrics")
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    found = {}
+    for line in r.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in CACHE_COUNTERS:
+            found[name] = float(value)
+    return found if len(found) == len(CACHE_COUNTERS) else None
+
+
+async def with_evictions(level_coro, url: str, api_key: str | None) -> dict:
+    """Run a level; add the pages the server's cache evicted meanwhile (None without /metrics)."""
+    before = await cache_counters(url, api_key)
+    level = await level_coro
+    after = await cache_counters(url, api_key) if before is not None else None
+    key = CACHE_COUNTERS[0]
+    level["cache_evicted_pages"] = after[key] - before[key] if after is not None else None
+    return level
+
+
 async def run(ns) -> dict:
     url = ns.base_url.rstrip("/")
     convs = conversations(ns)
-    levels = [await run_level(url, convs, c, ns) for c in ns.concurrency]
+    levels = [
+        await with_evictions(run_level(url, convs, c, ns), url, ns.api_key) for c in ns.concurrency
+    ]
     return {
         "base_url": ns.base_url,
         "model": ns.model or url,

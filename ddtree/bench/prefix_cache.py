@@ -78,7 +78,7 @@ def serve(ns, name: str, extra: tuple[str, ...]) -> dict:
     sns.levels = [ns.concurrency]
     log = os.path.join(ns.out, f"server_{name.replace(' ', '_')}.log")
     srv = Server(sns, ns.model_path, ns.speculative_draft_model_path, ns.algorithm, ns.budget, log)
-    srv.argv += list(ns.server_flag) + list(extra)
+    srv.argv += ["--enable-metrics", *ns.server_flag, *extra]
     out = {}
     with srv:
         print(f"# {name}: server up in {srv.startup_s:.1f} s", flush=True)
@@ -119,14 +119,16 @@ def verdict(res: dict, ns) -> list[tuple[str, float, str, bool]]:
 def format_report(res: dict, rows) -> str:
     lines = [
         f"{'setting':<10} {'workload':<9} {'TTFT p50':>10} {'TTFT p99':>10} {'tok/s':>9}"
-        f" {'hit rate':>9}",
-        f"{'':<10} {'':<9} {'(ms)':>10} {'(ms)':>10} {'(out)':>9} {'(ratio)':>9}",
+        f" {'hit rate':>9} {'evicted':>9}",
+        f"{'':<10} {'':<9} {'(ms)':>10} {'(ms)':>10} {'(out)':>9} {'(ratio)':>9} {'(pages)':>9}",
     ]
     for setting, levels in res.items():
         for kind, r in levels.items():
+            evicted = r.get("cache_evicted_pages")
             lines.append(
                 f"{setting:<10} {kind:<9} {r['ttft_ms']['p50']:>10.1f} {r['ttft_ms']['p99']:>10.1f}"
                 f" {r['output_throughput']:>9.1f} {r['cache_hit_rate']:>9.2f}"
+                f" {'-' if evicted is None else f'{evicted:.0f}':>9}"
             )
     lines += [""] + [
         f"{'PASS' if ok else 'FAIL'}  {name:<30} {value:>8.2f}  (target {want})"

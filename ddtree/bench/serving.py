@@ -219,7 +219,12 @@ async def run(ns, items: list[Item]) -> dict:
         model = ns.model or (await client.models.list()).data[0].id
         if ns.warmup:
             await asyncio.gather(*(one_request(client, model, it, ns) for it in items[: ns.warmup]))
-        levels = [await run_level(client, model, items, c, ns) for c in ns.concurrency]
+        levels = [
+            await multiturn.with_evictions(
+                run_level(client, model, items, c, ns), ns.base_url, ns.api_key
+            )
+            for c in ns.concurrency
+        ]
     finally:
         await client.close()
     return {
