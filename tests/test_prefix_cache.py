@@ -174,3 +174,28 @@ def test_the_lru_heap_stays_bounded_without_evictions():
     b.allocate(req(range(50, 82)), 32)  # all 8 pages: both cached ones evicted, newest last
     assert b.num_cached_pages == 0 and b.cache.stats.evicted_pages == 2
     b.check_integrity()
+
+
+def test_checkpoints_reuse_the_least_recently_used_row_when_full():
+    import types
+
+    from ddtree.engine.state_checkpoints import StateCheckpoints
+
+    pool = types.SimpleNamespace(
+        conv=torch.zeros(2, 3, 4, 1), ssm=torch.zeros(2, 3, 2, 2, 2), device=torch.device("cpu")
+    )
+    ck = StateCheckpoints(pool, 1)
+    b = bm()
+    old, new = req(range(4)), req(range(10, 14))
+    for r, value in ((old, 1.0), (new, 2.0)):
+        prefill(b, r, 4)
+        pool.ssm[:, r.slot] = value
+        ck.keep(b.cache, b.node[r.slot], r.slot)
+    assert b.node[old.slot].checkpoint is None and b.node[new.slot].checkpoint == 0
+    ck.restore(0, 2)
+    assert (pool.ssm[:, 2] == 2.0).all()
+    b.free(new, new.prompt_ids, 4)
+    b.drop_checkpoint = ck.give_back  # as the runner wires it
+    b.allocate(req(range(20, 48)), 28)  # evicts new's page: its checkpoint row comes back
+    assert list(ck.free_rows) == [0] and not b.cache.checkpoints
+    b.check_integrity()

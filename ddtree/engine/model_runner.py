@@ -228,16 +228,9 @@ class ModelRunner:
         p = self.cfg.page_size
         for r in reqs:
             node = self.bm.cache_prefix(r, r.token_slice(0, r.kv_len), r.kv_len)
-            ck = self.checkpoints
-            if ck is None or node is None or r.kv_len % p or node.depth != r.kv_len // p:
-                continue
-            if node.checkpoint is None:
-                row = ck.take()
-                if row is None:
-                    row = self.bm.cache.take_lru_checkpoint()
-                if row is not None:
-                    ck.save(r.slot, row)
-                    self.bm.cache.set_checkpoint(node, row)
+            at_node = node is not None and r.kv_len == node.depth * p
+            if self.checkpoints is not None and at_node:
+                self.checkpoints.keep(self.bm.cache, node, r.slot)
 
     # ---- forwards ------------------------------------------------------------------------------------
     def _extend(self, reqs, q_lens, input_ids, positions, linear=None):

@@ -45,8 +45,15 @@ class StateCheckpoints:
         self.pool.conv[:, slot] = self.conv[:, row]
         self.pool.ssm[:, slot] = self.ssm[:, row]
 
-    def take(self) -> int | None:
-        return self.free_rows.popleft() if self.free_rows else None
+    def keep(self, cache, node, slot: int) -> None:
+        """Checkpoint request `slot`'s committed state at cache `node` (its tokens are exactly the
+        request's cached ones), in a free row or else the least recently used checkpoint's."""
+        if node.checkpoint is not None:
+            return
+        row = self.free_rows.popleft() if self.free_rows else cache.take_lru_checkpoint()
+        if row is not None:
+            self.save(slot, row)
+            cache.set_checkpoint(node, row)
 
     def give_back(self, row: int) -> None:
         self.free_rows.append(row)
