@@ -199,3 +199,29 @@ def test_checkpoints_reuse_the_least_recently_used_row_when_full():
     b.allocate(req(range(20, 48)), 28)  # evicts new's page: its checkpoint row comes back
     assert list(ck.free_rows) == [0] and not b.cache.checkpoints
     b.check_integrity()
+
+
+def test_decode_evicts_cached_pages_before_preempting():
+    import types
+
+    from ddtree.engine.scheduler import Scheduler
+
+    b = bm(num_pages=8)
+    cold = req(range(100, 116))  # 4 pages, then cached and unreferenced
+    prefill(b, cold, 16)
+    b.free(cold, cold.prompt_ids, 16)
+    hot = req(range(8))
+    hot.output_ids = [1]
+    prefill(b, hot, 8)
+    hot.kv_len = 8
+    runner = types.SimpleNamespace(
+        bm=b, release=lambda r: b.free(r), checkpoint_align=0, match_prefix=None, admit=None
+    )
+    s = Scheduler(runner, max_running=4, chunk_tokens=64, verify_width=16)
+    s.running.append(hot)
+    assert b.num_free_pages == 2 and b.num_available_pages == 6
+    batch = s._schedule_decode()  # needs 4 more pages: 2 free + 2 evicted, nobody preempted
+    assert batch.reqs == [hot] and s.num_preemptions == 0
+    b.allocate(hot, 8 + 16)
+    assert b.cache.stats.evicted_pages == 2 and b.num_free_pages == 0
+    b.check_integrity()
