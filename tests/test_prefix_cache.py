@@ -225,3 +225,10 @@ def test_decode_evicts_cached_pages_before_preempting():
     b.allocate(hot, 8 + 16)
     assert b.cache.stats.evicted_pages == 2 and b.num_free_pages == 0
     b.check_integrity()
+
+
+def test_multiturn_refuses_single_workload_flags():
+    from ddtree.bench.serving import main
+
+    assert main(["--workload", "multiturn", "--chat"]) == 2
+    assert main(["--workload", "multiturn", "--request-rate", "4"]) == 2

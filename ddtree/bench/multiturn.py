@@ -117,7 +117,7 @@ async def run_level(url: str, convs, concurrency: int, ns) -> dict:
             async with gate:
                 return await run_conversation(http, url, system, turns, ns)
 
-        if ns.warmup:
+        for _ in range(ns.warmup):
             await one_turn(http, url, [ns.token_id_min] * 8, ns, 0)
         t0 = time.perf_counter()
         runs = await asyncio.gather(*(gated(s, t) for s, t in convs))
@@ -212,16 +212,19 @@ async def run(ns) -> dict:
     }
 
 
-def add_flags(p) -> None:
+def add_flags(p, distinct: bool = True) -> None:
+    """The workload's flags (`distinct=False`: without --distinct-system-prompts, for a caller that
+    runs both kinds itself)."""
     g = p.add_argument_group("multi-turn workload (--workload multiturn)")
     g.add_argument(
         "--system-prompt-tokens", type=int, default=2048, help="system prompt length (tokens)"
     )
-    g.add_argument(
-        "--distinct-system-prompts",
-        action="store_true",
-        help="each conversation its own system prompt (nothing shared)",
-    )
+    if distinct:
+        g.add_argument(
+            "--distinct-system-prompts",
+            action="store_true",
+            help="each conversation its own system prompt (nothing shared)",
+        )
     g.add_argument("--turns", type=int, default=4, help="user turns per conversation")
     g.add_argument("--turn-tokens", type=int, default=64, help="tokens per user turn")
     g.add_argument("--token-id-min", type=int, default=100, help="smallest prompt token id")
@@ -234,4 +237,16 @@ def check(ns) -> str | None:
         return "--system-prompt-tokens must be >= 0, --turns and --turn-tokens >= 1"
     if not 0 <= ns.token_id_min < ns.token_id_max:
         return "--token-id-min must be >= 0 and below --token-id-max"
+    # bench serving's flags that only the single-request workload reads
+    unused = [
+        flag
+        for flag, given in (
+            ("--dataset-path", getattr(ns, "dataset_path", None)),
+            ("--chat", getattr(ns, "chat", False)),
+            ("--request-rate", getattr(ns, "request_rate", float("inf")) != float("inf")),
+        )
+        if given
+    ]
+    if unused:
+        return f"{', '.join(unused)}: not used by --workload multiturn; drop them"
     return None

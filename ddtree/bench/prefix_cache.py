@@ -55,7 +55,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="extra launch_server flag for both servers, repeatable "
         "(e.g. --server-flag=--mamba-scheduler-strategy=no_buffer)",
     )
-    multiturn.add_flags(p)
+    multiturn.add_flags(p, distinct=False)
     return p
 
 
