@@ -53,7 +53,10 @@ def conversation(pair, algorithm, cache, **kw):
 
 @pytest.fixture(scope="module")
 def dense_reference(toy_pair):
-    return [o.token_ids for o in conversation(toy_pair, "NONE", False)[1]]
+    llm, outs = conversation(toy_pair, "NONE", False)
+    # --disable-radix-cache: no cache, nothing reported cached
+    assert llm.engine.runner.bm.cache is None and not any(o.cached_tokens for o in outs)
+    return [o.token_ids for o in outs]
 
 
 @pytest.mark.parametrize("algorithm", ["NONE", "DFLASH", "DDTREE"])

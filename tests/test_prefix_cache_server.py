@@ -1,6 +1,6 @@
 """The prefix cache seen from outside: `cached_tokens` in OpenAI usage (prompt_tokens_details) and
 SGLang's meta_info, the cache metrics in /metrics, and `bench serving --workload multiturn`'s hit
-rate; with --disable-radix-cache all of them stay 0."""
+rate (--disable-radix-cache: tests/test_prefix_cache_engine.py)."""
 
 import json
 
@@ -57,14 +57,3 @@ def test_cached_tokens_metrics_and_multiturn_hit_rate(pair, tmp_path):
         assert metric(text, "ddtree_prefix_cache_hit_tokens") >= 72 + level["cached_tokens"]
         assert 0 < metric(text, "ddtree_prefix_cache_hit_rate") < 1
         assert metric(text, "ddtree_kv_pages_cached") == info["kv_pages_cached"]
-
-
-def test_disable_radix_cache_caches_nothing(pair, tmp_path):
-    argv = server_argv(pair, "NONE", "--page-size", "4", "--disable-radix-cache")
-    with thread_server(argv) as srv:
-        level = multiturn(srv.base_url, tmp_path / "off.json")
-        assert level["cached_tokens"] == 0 and level["cache_hit_rate"] == 0
-        info = wait_idle(srv.base_url)
-        assert info["prefix_cache"] is False and info["kv_pages_cached"] == 0
-        text = httpx.get(srv.base_url + "/metrics", timeout=10).text
-        assert metric(text, "ddtree_prefix_cache_hit_tokens") == 0
