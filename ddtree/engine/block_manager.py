@@ -34,10 +34,6 @@ class PrefixHit:
     nodes: tuple[Node, ...] = ()  # full shared pages
     cow: tuple[Node, int] | None = None  # a cached page whose first n tokens are copied
 
-    @property
-    def num_pages(self) -> int:
-        return len(self.nodes) + (1 if self.cow else 0)
-
 
 NO_HIT = PrefixHit()
 
