@@ -83,3 +83,43 @@ def test_cache_matches_no_cache_under_graphs(pair, algo, budget):
         del llm, graphs
         torch.cuda.empty_cache()
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "no_buffer"])
+def test_hybrid_cache_matches_no_cache_on_the_device(toy_hybrid_pair, strategy):
+    """The toy hybrid pair on CUDA (fp32, the device GDN kernels): state checkpoints restore the
+    exact recurrent state, so cache on == cache off, and the second turn hits."""
+    from ddtree import LLM, SamplingParams
+    from ddtree.train.data import synthetic_sequences
+
+    target, drafter = toy_hybrid_pair
+    seqs = synthetic_sequences(4, 48, 64, 7)
+    system = [int(t) for t in seqs[0][:21]]
+    users = [[int(t) for t in s[30:36]] for s in seqs]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for cache in (False, True):
+        llm = LLM(
+            target,
+            dtype="float32",
+            device="cuda",
+            page_size=4,
+            speculative_algorithm="DDTREE",
+            speculative_draft_model_path=drafter,
+            speculative_ddtree_budget=8,
+            mamba_scheduler_strategy=strategy,
+            disable_radix_cache=not cache,
+        )
+        convs = [system + u for u in users]
+        outs = []
+        for _ in range(2):
+            got = llm.generate([list(c) for c in convs], params)
+            outs += got
+            convs = [c + o.token_ids + u[:3] for c, o, u in zip(convs, got, users)]
+        tokens[cache] = [o.token_ids for o in outs]
+        if cache:
+            assert all(o.cached_tokens > 0 for o in outs[4:]), [o.cached_tokens for o in outs]
+            llm.engine.runner.bm.check_integrity()
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[True] == tokens[False]
