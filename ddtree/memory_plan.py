@@ -145,6 +145,9 @@ class MemoryPlan:
     context_length: int
     requests_at_context: int
     warnings: tuple[str, ...] = ()
+    state_checkpoints: int = 0  # hybrid prefix cache: recurrent-state checkpoint rows
+    checkpoint_bytes: int = 0
+    prefix_cache: bool = True
 
     @property
     def fits(self) -> bool:
@@ -187,6 +190,12 @@ class MemoryPlan:
                 (
                     "state pool",
                     f"{_gib(self.state_pool_bytes)} -> {self.state_pool_requests} requests",
+                ),
+                (
+                    "state checkpoints",
+                    f"{self.state_checkpoints} (prefix cache) = {_gib(self.checkpoint_bytes)}"
+                    if self.prefix_cache
+                    else "none (--disable-radix-cache)",
                 ),
             ]
         rows += [
@@ -259,4 +268,7 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         context_length=ctx,
         requests_at_context=at_ctx,
         warnings=tuple(warnings),
+        state_checkpoints=pools.checkpoint_rows,
+        checkpoint_bytes=pools.checkpoint_bytes,
+        prefix_cache=not args.disable_radix_cache,
     )

@@ -70,6 +70,9 @@ class ServerArgs:
     max_prefill_tokens: int = _opt(16384, "max tokens in one prefill batch")
     chunked_prefill_size: int = _opt(2048, "prefill chunk size in tokens; -1 disables chunking")
     page_size: int = _opt(16, "KV cache page size in tokens")
+    disable_radix_cache: bool = _opt(
+        False, "turn the prefix (radix) cache off: every prompt is prefilled from its first token"
+    )
     tp_size: int = _opt(
         1,
         "tensor parallel degree (1 until tensor parallelism lands)",

@@ -16,7 +16,7 @@ DECODE = re.compile(
     r"(\d+\.\d\d), gen throughput \(token/s\): (\d+\.\d\d), #queue-req: (\d+)$"
 )
 PREFILL = re.compile(
-    r"^Prefill batch\. #new-seq: (\d+), #new-token: (\d+), #cached-token: 0, token usage: "
+    r"^Prefill batch\. #new-seq: (\d+), #new-token: (\d+), #cached-token: \d+, token usage: "
     r"(\d\.\d\d), #running-req: (\d+), #queue-req: (\d+)$"
 )
 

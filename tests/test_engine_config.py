@@ -217,3 +217,26 @@ def test_kv_len_has_one_owner():
                 writers.add(path.relative_to(root).as_posix())
     assert writers - {"bench/rounds.py"} == {"engine/model_runner.py"}
     assert "engine/model_runner.py" in writers
+
+
+def test_plan_reserves_checkpoint_rows_unless_the_cache_is_off(random_hybrid_pair):
+    """Hybrid prefix cache: state checkpoints take the state pool's rows the running requests leave
+    (so --mamba-full-memory-ratio governs them); none with --disable-radix-cache."""
+    target, drafter = random_hybrid_pair
+    base = ["--model-path", target, "--device", "cpu", "--max-running-requests", "4"]
+    gib = 2**30
+    on = plan_pools(prepare_server_args(base), 10 * gib, gib, "cuda")
+    off = plan_pools(prepare_server_args(base + ["--disable-radix-cache"]), 10 * gib, gib, "cuda")
+    assert on.checkpoint_rows > 0 and on.checkpoint_bytes == on.checkpoint_rows * (
+        on.state_bytes_per_request
+    )
+    assert off.checkpoint_rows == 0
+    per = on.state_bytes_per_request + on.spec_state_bytes_per_request
+    spare = on.state_pool_bytes - 4 * per
+    assert on.checkpoint_rows == min(spare // on.state_bytes_per_request, on.num_pages)
+    # a pinned state pool: the rows 4 running requests leave of 6
+    pinned = prepare_server_args(base + ["--max-mamba-cache-size", "6"])
+    rows = plan_pools(pinned, 10 * gib, gib, "cuda").checkpoint_rows
+    assert rows == min(2 * per // on.state_bytes_per_request, on.num_pages) > 0
+    text = memory_plan(prepare_server_args(base), 10 * gib).format()
+    assert "state checkpoints" in text

@@ -11,9 +11,12 @@ from ddtree.engine.scheduler import Scheduler
 
 
 class RoomyBlocks:
-    num_free_pages = 10**6
+    num_free_pages = num_available_pages = 10**6
 
     def can_allocate(self, req, n):
+        return True
+
+    def can_admit(self, req, n, hit):
         return True
 
     def allocate(self, req, n):
@@ -24,7 +27,13 @@ class RoomyBlocks:
 
 
 def scheduler(chunk: int, max_prefill: int | None = None) -> Scheduler:
-    runner = types.SimpleNamespace(bm=RoomyBlocks(), release=lambda req: None)
+    runner = types.SimpleNamespace(
+        bm=RoomyBlocks(),
+        release=lambda req: None,
+        match_prefix=lambda req: None,
+        admit=lambda req, hit: None,
+        checkpoint_align=0,
+    )
     return Scheduler(
         runner, max_running=8, chunk_tokens=chunk, verify_width=4, max_prefill_tokens=max_prefill
     )

@@ -124,7 +124,10 @@ def test_chat_logprobs_streaming_and_not(client):
         if ch.choices and ch.choices[0].logprobs
         for c in ch.choices[0].logprobs.content
     ]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    # the streamed request reuses the first one's prompt KV from the prefix cache: the same tokens,
+    # log-probs equal up to float rounding (its last prompt row is computed in a shorter prefill)
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     plain = client.chat.completions.create(**(kw | {"logprobs": None, "top_logprobs": None}))
     assert plain.choices[0].logprobs is None
 
@@ -200,7 +203,8 @@ def test_generate_text_and_meta_info(http):
     out = r.json()
     meta = out["meta_info"]
     assert len(out["output_ids"]) == 7 and meta["completion_tokens"] == 7
-    assert meta["prompt_tokens"] == len(PROMPT) and meta["cached_tokens"] == 0
+    # earlier tests sent the same prompt: part of it may come from the prefix cache
+    assert meta["prompt_tokens"] == len(PROMPT) and 0 <= meta["cached_tokens"] < len(PROMPT)
     assert meta["finish_reason"] == {"type": "length", "length": 7}
     assert (
         meta["spec_verify_ct"] >= 1 and meta["spec_accept_length"] >= 1 and meta["e2e_latency"] > 0

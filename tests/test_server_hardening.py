@@ -634,7 +634,8 @@ def test_short_request_is_not_stuck_behind_a_long_prefill(server, http, pair, mo
     monkeypatch.setattr(runner, "prefill", slow_prefill)
 
     def long_request():
-        body = {"model": pair[0], "prompt": "L" * (CONTEXT - 40), "max_tokens": 1, "temperature": 0}
+        # not the prompt an earlier test sent: a prefix-cache hit would skip its prefill
+        body = {"model": pair[0], "prompt": "N" * (CONTEXT - 40), "max_tokens": 1, "temperature": 0}
         assert http.post("/v1/completions", json=body).status_code == 200
         done["long"] = time.monotonic()
 

@@ -1,4 +1,4 @@
-"""`ddtree bench <acceptance | rounds | serving>`."""
+"""`ddtree bench <acceptance | rounds | serving | prefix-cache | at-scale>`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ BENCHES = {
     "serving": (
         "ddtree.bench.serving",
         "drive a running server: throughput, TTFT, TPOT, latency, accept length",
+    ),
+    "prefix-cache": (
+        "ddtree.bench.prefix_cache",
+        "the prefix cache on vs --disable-radix-cache: multi-turn (shared system prompt) and "
+        "no-sharing workloads against two servers; TTFT / throughput targets checked",
     ),
     "at-scale": (
         "ddtree.bench.at_scale",

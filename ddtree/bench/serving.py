@@ -3,8 +3,10 @@
 For each concurrency level (one run may sweep several) it sends the prompt set with at most that many requests
 in flight, optionally paced by Poisson arrivals at --request-rate, all streamed with usage. It reports request
 and token throughput, TTFT, TPOT (per output token after the first) and end-to-end latency (mean, p50, p90,
-p99), and the mean accepted length read from the server's `ddtree` response extension (weighted by rounds).
-Results go to a JSON file and PNG plots next to it.
+p99), the mean accepted length read from the server's `ddtree` response extension (weighted by rounds) and
+the prefix-cache hit rate (usage.prompt_tokens_details.cached_tokens / prompt tokens). `--workload multiturn`
+runs multi-turn conversations over a shared system prompt instead (`ddtree/bench/multiturn.py`). Results go
+to a JSON file and PNG plots next to it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass
+
+from ddtree.bench import multiturn
 
 SYNTHETIC_TOPICS = (
     "a stack",
@@ -59,6 +63,7 @@ class Result:
     latency: float = 0.0
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     rounds: int = 0
     mean_accept_length: float = 0.0
     error: str = ""
@@ -121,6 +126,8 @@ async def one_request(client, model: str, item: Item, ns) -> Result:
                     chunk.usage.completion_tokens,
                     chunk.usage.prompt_tokens,
                 )
+                details = chunk.usage.prompt_tokens_details
+                res.cached_tokens = (details and details.cached_tokens) or 0
             ext = (chunk.model_extra or {}).get("ddtree")
             if ext:
                 res.rounds, res.mean_accept_length = (
@@ -168,6 +175,7 @@ async def run_level(client, model: str, items: list[Item], concurrency: int, ns)
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.completion_tokens for r in ok)
     rounds = sum(r.rounds for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
     tpot = [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
     return {
         "concurrency": concurrency,
@@ -178,13 +186,18 @@ async def run_level(client, model: str, items: list[Item], concurrency: int, ns)
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
+        "total_token_throughput": (out_tokens + prompt_tokens) / duration,
         "total_output_tokens": out_tokens,
         "ttft_ms": summary([r.ttft for r in ok]),
         "tpot_ms": summary(tpot),
         "e2e_latency_ms": summary([r.latency for r in ok]),
         "mean_accept_length": sum(r.mean_accept_length * r.rounds for r in ok) / rounds
         if rounds
+        else 0.0,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "cache_hit_rate": sum(r.cached_tokens for r in ok) / prompt_tokens
+        if prompt_tokens
         else 0.0,
         "requests": [asdict(r) for r in results] if ns.save_requests else None,
     }
@@ -206,7 +219,12 @@ async def run(ns, items: list[Item]) -> dict:
         model = ns.model or (await client.models.list()).data[0].id
         if ns.warmup:
             await asyncio.gather(*(one_request(client, model, it, ns) for it in items[: ns.warmup]))
-        levels = [await run_level(client, model, items, c, ns) for c in ns.concurrency]
+        levels = [
+            await multiturn.with_evictions(
+                run_level(client, model, items, c, ns), ns.base_url, ns.api_key
+            )
+            for c in ns.concurrency
+        ]
     finally:
         await client.close()
     return {
@@ -273,6 +291,7 @@ TABLE_COLUMNS = (
     ("TPOT p50", "ms", "tpot_ms", "p50", 2),
     ("TPOT p99", "ms", "tpot_ms", "p99", 2),
     ("E2E p50", "ms", "e2e_latency_ms", "p50", 1),
+    ("cache hit", "ratio", "cache_hit_rate", None, 2),
     ("accept", "tok/round", "mean_accept_length", None, 2),
 )
 
@@ -285,7 +304,7 @@ def format_table(levels: list[dict]) -> str:
     ]
     for r in levels:
         values = [
-            (r[key][pct] if pct else r[key], digits) for _, _, key, pct, digits in TABLE_COLUMNS
+            (r[key][pct] if pct else r.get(key), digits) for _, _, key, pct, digits in TABLE_COLUMNS
         ]
         lines.append("".join(f" {'-':>11}" if v is None else f" {v:>11.{d}f}" for v, d in values))
     return "\n".join(lines)
@@ -336,6 +355,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--save-requests", action="store_true", help="keep per-request timings in the JSON"
     )
+    p.add_argument(
+        "--workload",
+        choices=("single", "multiturn"),
+        default="single",
+        help="single: one request per prompt; multiturn: conversations over a shared system prompt",
+    )
+    multiturn.add_flags(p)
     return p
 
 
@@ -347,17 +373,24 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        base = (
-            jsonl_items(ns.dataset_path)
-            if ns.dataset_path
-            else synthetic_items(ns.num_prompts, ns.seed)
-        )
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    items = [base[i % len(base)] for i in range(ns.num_prompts)] if base else []
-    report = finite(asyncio.run(run(ns, items)))
+    if ns.workload == "multiturn":
+        problem = multiturn.check(ns)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        report = finite(asyncio.run(multiturn.run(ns)))
+    else:
+        try:
+            base = (
+                jsonl_items(ns.dataset_path)
+                if ns.dataset_path
+                else synthetic_items(ns.num_prompts, ns.seed)
+            )
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        items = [base[i % len(base)] for i in range(ns.num_prompts)] if base else []
+        report = finite(asyncio.run(run(ns, items)))
     os.makedirs(os.path.dirname(os.path.abspath(ns.output)), exist_ok=True)
     with open(ns.output, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, allow_nan=False)  # strict JSON: no Infinity / NaN

@@ -34,7 +34,7 @@ class BatchLog:
 
     def _usage(self) -> float:
         bm = self.scheduler.bm
-        return 1.0 - bm.num_free_pages / bm.num_pages if bm.num_pages else 0.0
+        return 1.0 - bm.num_available_pages / bm.num_pages if bm.num_pages else 0.0
 
     def prefill(self, q_lens: list[int]) -> None:
         """After one prefill batch (its chunks' lengths); #running-req: the requests outside it."""
@@ -42,10 +42,11 @@ class BatchLog:
             return
         s = self.scheduler
         logger.info(
-            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d",
             len(q_lens),
             sum(q_lens),
+            s.last_cached_tokens,
             self._usage(),
             len(s.running) - len(q_lens),
             len(s.waiting),

@@ -2,20 +2,51 @@
 
 Slot of logical position p of request r = block_table[r.slot, p // page_size] * page_size + p % page_size.
 The target KV pool and the drafter context pool are indexed by the same slots.
+
+With a prefix cache (`ddtree/engine/prefix_cache.py`) a request's pages are `shared` cached pages
+(the node path of `node[slot]`, read-only) followed by private ones. Every KV write of a request
+lands at logical positions >= its kv_len (prefill extends, tree verify, the commit move), and
+`shared * page_size <= kv_len` always holds, so no write can reach a shared page; `check_writes`
+asserts it for a batch of slots. A page is in exactly one of: the free list, a request's private
+pages, the cache.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ddtree.engine.prefix_cache import Node, PrefixMatch, RadixCache
 from ddtree.engine.request import Req
+
+# copy_page(src_page, dst_page, num_tokens): the first num_tokens slots of src into dst (all pools)
+CopyPage = Callable[[int, int, int], None]
+
+
+@dataclass
+class PrefixHit:
+    """What admission found in the cache for a request: `length` tokens whose KV it reuses."""
+
+    length: int = 0
+    nodes: tuple[Node, ...] = ()  # full shared pages
+    cow: tuple[Node, int] | None = None  # a cached page whose first n tokens are copied
+
+
+NO_HIT = PrefixHit()
 
 
 class BlockManager:
     def __init__(
-        self, num_pages: int, page_size: int, max_reqs: int, max_pages_per_req: int, device
+        self,
+        num_pages: int,
+        page_size: int,
+        max_reqs: int,
+        max_pages_per_req: int,
+        device,
+        prefix_cache: bool = False,
     ):
         self.page_size = page_size
         self.num_pages = num_pages
@@ -23,13 +54,27 @@ class BlockManager:
         self.free_pages: deque[int] = deque(range(num_pages))
         self.free_slots: deque[int] = deque(range(max_reqs))
         self.pages: dict[int, list[int]] = {}
+        self.shared: dict[int, int] = {}  # slot -> leading pages owned by the cache
+        self.node: dict[int, Node] = {}  # slot -> the deepest cached node the request locks
         self.block_table = torch.zeros(
             max_reqs, max_pages_per_req, dtype=torch.int64, device=device
         )
+        self.cache = RadixCache(page_size) if prefix_cache else None
+        # called with a checkpoint row when its node is evicted (set by the runner, hybrid only)
+        self.drop_checkpoint: Callable[[int], None] = lambda row: None
 
     @property
     def num_free_pages(self) -> int:
         return len(self.free_pages)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.cache.num_pages if self.cache is not None else 0
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages plus cached pages no running request uses (evicted on demand)."""
+        return len(self.free_pages) + (self.cache.num_evictable if self.cache is not None else 0)
 
     @property
     def num_free_slots(self) -> int:
@@ -42,44 +87,162 @@ class BlockManager:
         have = len(self.pages.get(req.slot, ())) if req.slot >= 0 else 0
         return max(0, self.pages_for(num_tokens) - have)
 
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int], max_len: int, checkpointed: bool = False) -> PrefixHit:
+        """The cached prefix of `tokens` a new request may reuse: at most `max_len` tokens (the
+        last prompt token is always recomputed: its logits give the first output token). With
+        `checkpointed` (hybrid targets) only a page-aligned length whose node has a recurrent-state
+        checkpoint counts, and nothing is copied."""
+        if self.cache is None or max_len <= 0:
+            return NO_HIT
+        m: PrefixMatch = self.cache.match(tokens[:max_len])
+        p = self.page_size
+        if checkpointed:
+            nodes = list(m.nodes)
+            while nodes and nodes[-1].checkpoint is None:
+                nodes.pop()
+            return PrefixHit(len(nodes) * p, tuple(nodes)) if nodes else NO_HIT
+        length = m.length(p)
+        return PrefixHit(length, tuple(m.nodes), m.cow) if length else NO_HIT
+
+    def can_admit(self, req: Req, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Room for positions [0, num_tokens) of a waiting request that reuses `hit`."""
+        if self.pages_for(num_tokens) > self.max_pages_per_req or not self.free_slots:
+            return False
+        need = self.pages_for(num_tokens) - len(hit.nodes)
+        # the hit's unlocked pages stop being evictable once it is locked (the copied one too,
+        # conservatively: it is locked while it is copied)
+        reused = list(hit.nodes) + ([hit.cow[0]] if hit.cow else [])
+        taken = self.cache.unlocked_among(reused) if self.cache is not None else 0
+        return need <= self.num_available_pages - taken
+
+    def attach(self, req: Req, hit: PrefixHit, copy_page: CopyPage) -> None:
+        """Give a waiting request a slot whose block-table row starts with the hit's pages (locked);
+        a copy-on-write page is copied from the cached one into a private page."""
+        assert req.slot < 0
+        req.slot = self.free_slots.popleft()
+        pages = [n.page for n in hit.nodes]
+        self.pages[req.slot], self.shared[req.slot] = pages, len(pages)
+        self.node[req.slot] = hit.nodes[-1] if hit.nodes else None
+        if hit.nodes:
+            self.cache.lock(hit.nodes[-1])
+            self.block_table[req.slot, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        if hit.cow is not None:
+            src, n = hit.cow
+            self.cache.lock(src)  # not evicted by the allocation below
+            self._grow(req.slot, 1)
+            copy_page(src.page, pages[-1], n)
+            self.cache.unlock(src)
+
+    def cache_prefix(self, req: Req, tokens: Sequence[int], num_tokens: int) -> Node | None:
+        """Insert the request's full pages below `num_tokens` (cached tokens, `tokens` their ids)
+        into the cache; a page already cached under the same prefix replaces the request's copy
+        (same tokens, same positions: the same KV). Returns the deepest cached node."""
+        if self.cache is None or req.slot < 0:
+            return None
+        slot, p = req.slot, self.page_size
+        pages, done, node = self.pages[slot], self.shared[slot], self.node[slot]
+        full = min(num_tokens // p, len(pages))
+        if full <= done:
+            return node
+        parent = node or self.cache.root
+        for i in range(done, full):
+            key = tuple(tokens[i * p : (i + 1) * p])
+            child = parent.children.get(key)
+            if child is None:
+                child = self.cache.insert(parent, key, pages[i])
+            else:
+                self.free_pages.append(pages[i])
+                pages[i] = child.page
+                self.block_table[slot, i] = child.page
+            parent = child
+        self.cache.lock(parent)
+        if node is not None:
+            self.cache.unlock(node)
+        self.node[slot], self.shared[slot] = parent, full
+        return parent
+
+    def _evict_for(self, n: int) -> None:
+        short = n - len(self.free_pages)
+        if short > 0 and self.cache is not None:
+            self.free_pages.extend(self.cache.evict(short, self.drop_checkpoint))
+
+    # ---- allocation ------------------------------------------------------------------------------
     def can_allocate(self, req: Req, num_tokens: int) -> bool:
         """Room for logical positions [0, num_tokens) of `req` (a request slot too, if it has none)."""
         if self.pages_for(num_tokens) > self.max_pages_per_req:
             return False
         if req.slot < 0 and not self.free_slots:
             return False
-        return self.extra_pages(req, num_tokens) <= len(self.free_pages)
+        return self.extra_pages(req, num_tokens) <= self.num_available_pages
 
     def allocate(self, req: Req, num_tokens: int) -> None:
         if not self.can_allocate(req, num_tokens):
             raise RuntimeError(f"out of KV pages for {req.rid} ({num_tokens} tokens)")
         if req.slot < 0:
             req.slot = self.free_slots.popleft()
-            self.pages[req.slot] = []
-        owned = self.pages[req.slot]
-        new = [self.free_pages.popleft() for _ in range(self.extra_pages(req, num_tokens))]
-        if new:
-            self.block_table[req.slot, len(owned) : len(owned) + len(new)] = torch.tensor(
-                new, dtype=torch.int64
-            )
-            owned.extend(new)
+            self.pages[req.slot], self.shared[req.slot], self.node[req.slot] = [], 0, None
+        self._grow(req.slot, self.extra_pages(req, num_tokens))
+
+    def _grow(self, slot: int, n: int) -> None:
+        if n <= 0:
+            return
+        self._evict_for(n)
+        owned = self.pages[slot]
+        new = [self.free_pages.popleft() for _ in range(n)]
+        self.block_table[slot, len(owned) : len(owned) + n] = torch.tensor(new, dtype=torch.int64)
+        owned.extend(new)
 
     def trim(self, req: Req, num_tokens: int) -> None:
         """Free the pages past logical length `num_tokens` (rejected tree slots)."""
         owned = self.pages[req.slot]
         keep = self.pages_for(num_tokens)
+        assert keep >= self.shared[req.slot], "trim into the shared prefix"
         while len(owned) > keep:
             self.free_pages.append(owned.pop())
 
-    def free(self, req: Req) -> None:
+    def free(self, req: Req, tokens: Sequence[int] | None = None, num_tokens: int = 0) -> None:
+        """Release the request's pages; with the cache on, its full pages below `num_tokens` cached
+        tokens (ids `tokens`) stay cached, unreferenced, for later requests."""
         if req.slot < 0:
             return
-        self.free_pages.extend(self.pages.pop(req.slot))
-        self.free_slots.append(req.slot)
+        slot = req.slot
+        if self.cache is not None and tokens is not None:
+            self.cache_prefix(req, tokens, num_tokens)
+        node, shared = self.node.pop(slot), self.shared.pop(slot)
+        if node is not None:
+            self.cache.unlock(node)
+        self.free_pages.extend(self.pages.pop(slot)[shared:])
+        self.free_slots.append(slot)
         req.slot = -1
 
+    # ---- checks ----------------------------------------------------------------------------------
+    def check_writes(self, slots: torch.Tensor) -> None:
+        """Debug: no slot of this write batch lies in a cached (shared) page (a host read)."""
+        if self.cache is None or not self.cache.page_owner:
+            return
+        pages = set((slots.flatten() // self.page_size).unique().tolist())
+        bad = pages & self.cache.page_owner.keys()
+        assert not bad, f"a KV write reaches shared cached pages {sorted(bad)[:8]}"
+
     def check_integrity(self) -> None:
-        owned = [p for ps in self.pages.values() for p in ps]
-        assert len(owned) == len(set(owned)), "a page is owned twice"
-        assert len(owned) + len(self.free_pages) == self.num_pages, "pages leaked"
-        assert len(set(self.free_pages)) == len(self.free_pages)
+        private = [p for s, ps in self.pages.items() for p in ps[self.shared[s] :]]
+        cached = list(self.cache.page_owner) if self.cache is not None else []
+        every = private + cached + list(self.free_pages)
+        assert len(every) == len(set(every)), "a page is owned twice"
+        assert len(every) == self.num_pages, "pages leaked"
+        if self.cache is None:
+            return
+        locks: dict[int, int] = {}
+        for s, ps in self.pages.items():
+            node = self.node[s]
+            path = node.path() if node is not None else []
+            assert ps[: self.shared[s]] == [n.page for n in path], "shared pages != cached path"
+            for n in path:
+                locks[id(n)] = locks.get(id(n), 0) + 1
+        nodes = self.cache.nodes()
+        assert len(nodes) == len(cached), "cache index out of step with its tree"
+        for n in nodes:
+            assert self.cache.page_owner[n.page] is n
+            assert n.lock == locks.get(id(n), 0), "a cached page's ref count is wrong"
+        assert self.cache.num_evictable == sum(1 for n in nodes if n.lock == 0)

@@ -70,6 +70,10 @@ class RunnerConfig:
     cuda_graph_max_bs: int = (
         DEFAULT_CUDA_GRAPH_MAX_BS  # largest padded batch captured; bigger ones run eagerly
     )
+    prefix_cache: bool = (
+        False  # radix cache over full KV pages (--disable-radix-cache turns it off)
+    )
+    state_checkpoints: int = 0  # hybrid: recurrent-state checkpoint rows for cached prefixes
 
 
 def spec_config(args) -> SpecConfig:
@@ -195,6 +199,10 @@ class PoolPlan:
     num_pages: int
     max_running_requests: int  # --max-running-requests, capped at state_rows
     warnings: tuple[str, ...] = ()
+    # hybrid + prefix cache: recurrent-state checkpoints in the state pool's rows the running
+    # requests leave (at most one per KV page)
+    checkpoint_rows: int = 0
+    checkpoint_bytes: int = 0
 
 
 def device_memory_bytes(device: str = "auto") -> tuple[int, str]:
@@ -261,6 +269,9 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     if args.max_total_tokens is not None:  # the user's cap, rounded up to whole pages
         pages = min(pages, -(-args.max_total_tokens // args.page_size))
     pages = max(pages, MIN_PAGES)
+    ck_rows = 0
+    if rows is not None and not args.disable_radix_cache and state > 0:
+        ck_rows = max(min((state_pool - running * (state + spec_state)) // state, pages), 0)
     return PoolPlan(
         static_bytes=static,
         weight_bytes=weight_bytes,
@@ -276,6 +287,8 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         num_pages=pages,
         max_running_requests=running,
         warnings=tuple(warnings),
+        checkpoint_rows=ck_rows,
+        checkpoint_bytes=ck_rows * state,
     )
 
 
@@ -293,4 +306,6 @@ def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:
         mamba_ssm_dtype=args.mamba_ssm_dtype,
         enable_cuda_graph=device == "cuda" and not args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS,
+        prefix_cache=not args.disable_radix_cache,
+        state_checkpoints=pools.checkpoint_rows,
     )

@@ -22,10 +22,11 @@ from ddtree.attention.backend import (
     get_backend,
     store_kv,
 )
-from ddtree.engine.block_manager import BlockManager
+from ddtree.engine.block_manager import NO_HIT, BlockManager, PrefixHit
 from ddtree.engine.config import RunnerConfig, pages_per_request, scratch_pages
 from ddtree.engine.kv_cache import KVPool
 from ddtree.engine.request import Req
+from ddtree.engine.state_checkpoints import StateCheckpoints
 from ddtree.engine.state_pool import HybridStatePool
 
 
@@ -92,8 +93,14 @@ class ModelRunner:
             self.tap_layers = dcfg.target_layer_ids
         max_pages = pages_per_request(cfg.max_context, cfg.max_verify_width, cfg.page_size)
         self.bm = BlockManager(
-            cfg.num_pages, cfg.page_size, cfg.max_running_requests, max_pages, device
+            cfg.num_pages,
+            cfg.page_size,
+            cfg.max_running_requests,
+            max_pages,
+            device,
+            prefix_cache=cfg.prefix_cache,
         )
+        self.check_writes = False  # debug: assert no KV write reaches a shared cached page
         # Hybrid targets keep recurrent state per request in rows indexed by the request's block-table slot.
         self.state_pool = None
         if tcfg.is_hybrid:
@@ -107,6 +114,13 @@ class ModelRunner:
                 cfg.mamba_ssm_dtype,
                 target.model.embed_tokens.weight.dtype,
             )
+        # hybrid prefix hits restore a recurrent-state checkpoint taken at a page boundary
+        self.checkpoints = None
+        if self.state_pool is not None and cfg.prefix_cache and cfg.state_checkpoints > 0:
+            self.checkpoints = StateCheckpoints(self.state_pool, cfg.state_checkpoints)
+            self.bm.drop_checkpoint = self.checkpoints.give_back
+        # prefill chunks of a hybrid request end on its prompt's last page boundary (a checkpoint)
+        self.checkpoint_align = cfg.page_size if self.checkpoints is not None else 0
         self._round: RoundMeta | None = None
         self.graphs = None
         if cfg.enable_cuda_graph:
@@ -172,6 +186,52 @@ class ModelRunner:
 
         return self.drafter.block_hidden(self.target.embed_tokens(ids), positions, attend)
 
+    # ---- prefix cache --------------------------------------------------------------------------------
+    def match_prefix(self, req: Req) -> PrefixHit:
+        """The cached prefix a waiting request may reuse (nothing locked yet). Hybrid targets need a
+        state checkpoint at exactly the hit length."""
+        if self.bm.cache is None or (self.state_pool is not None and self.checkpoints is None):
+            return NO_HIT
+        n = req.prefill_len
+        return self.bm.match(req.token_slice(0, n), n - 1, self.state_pool is not None)
+
+    def admit(self, req: Req, hit: PrefixHit) -> None:
+        """A slot for a waiting request, its cached prefix attached: prefill starts at hit.length."""
+        self.bm.attach(req, hit, self._copy_page)
+        if hit.length and self.checkpoints is not None:
+            self.checkpoints.restore(hit.nodes[-1].checkpoint, req.slot)
+        req.kv_len = hit.length
+        if not req.output_ids:
+            req.cached_tokens = hit.length
+        if self.bm.cache is not None:
+            stats = self.bm.cache.stats
+            stats.queried_tokens += req.prefill_len
+            stats.hit_tokens += hit.length
+
+    def _copy_page(self, src: int, dst: int, n: int) -> None:
+        """Copy-on-write: the first n slots of cached page src into private page dst (target KV and
+        drafter context)."""
+        p = self.cfg.page_size
+        offs = torch.arange(n, device=self.device)
+        src_slots, dst_slots = src * p + offs, dst * p + offs
+        if self.check_writes:
+            self.bm.check_writes(dst_slots)
+        self.kv.move(src_slots, dst_slots)
+        if self.draft_kv is not None:
+            self.draft_kv.move(src_slots, dst_slots)
+
+    def _cache_prefilled(self, reqs: list[Req]) -> None:
+        """After a prefill: cache each request's full pages; hybrid targets checkpoint the state of a
+        chunk that ended on a page boundary."""
+        if self.bm.cache is None:
+            return
+        p = self.cfg.page_size
+        for r in reqs:
+            node = self.bm.cache_prefix(r, r.token_slice(0, r.kv_len), r.kv_len)
+            at_node = node is not None and r.kv_len == node.depth * p
+            if self.checkpoints is not None and at_node:
+                self.checkpoints.keep(self.bm.cache, node, r.slot)
+
     # ---- forwards ------------------------------------------------------------------------------------
     def _extend(self, reqs, q_lens, input_ids, positions, linear=None):
         """Ragged causal extend (prefill chunks): request i appends q_lens[i] tokens after its kv_len."""
@@ -183,6 +243,8 @@ class ModelRunner:
         ridx = torch.repeat_interleave(torch.arange(len(reqs), device=self.device), host[1])
         p = self.cfg.page_size
         slot_mapping = rows[ridx, positions // p] * p + positions % p
+        if self.check_writes:
+            self.bm.check_writes(slot_mapping)
         indptr = torch.zeros(len(reqs) + 1, dtype=torch.int64, device=self.device)
         indptr[1:] = host[1].cumsum(0)
         meta = AttentionMetadata(
@@ -219,6 +281,7 @@ class ModelRunner:
             self.write_draft_context(taps, positions, slot_mapping)
         for r, q in zip(reqs, q_lens):
             r.kv_len += q
+        self._cache_prefilled(reqs)
         return self.target.logits(hidden[last]).float()
 
     def _draft_eager(
@@ -322,13 +385,16 @@ class ModelRunner:
     ) -> AttentionMetadata:
         b = len(meta.kv_lens)
         lpos = meta.lens[:, None] + torch.arange(n, device=self.device)
+        slot_mapping = self.slots_of(meta.rows, lpos).flatten()
+        if self.check_writes:
+            self.bm.check_writes(slot_mapping)
         return AttentionMetadata(
             q_lens=[n] * b,
             kv_lens=[k + n for k in meta.kv_lens],
             qo_indptr=torch.arange(0, (b + 1) * n, n, device=self.device),
             kv_lens_t=meta.lens + n,
             block_table=meta.rows,
-            slot_mapping=self.slots_of(meta.rows, lpos).flatten(),
+            slot_mapping=slot_mapping,
             page_size=self.cfg.page_size,
             tree_mask=tree_mask,
         )
@@ -363,6 +429,8 @@ class ModelRunner:
         dst_pos = lens[:, None] + jj
         src_slot = self.slots_of(rows, lens[:, None] + src_node).flatten()
         dst_slot = self.slots_of(rows, dst_pos).flatten()
+        if self.check_writes:
+            self.bm.check_writes(dst_slot)
         self.kv.move(src_slot, dst_slot)
         if self.drafter is not None and taps is not None:
             feats = taps.gather(1, src_node[..., None].expand(-1, -1, taps.shape[-1]))
@@ -382,9 +450,11 @@ class ModelRunner:
             self.bm.trim(r, r.kv_len)
 
     def release(self, req: Req, keep_tokens: int | None = None) -> None:
-        """Trim to `keep_tokens` cached tokens, or free everything (then it caches nothing)."""
+        """Trim to `keep_tokens` cached tokens, or free everything (then it caches nothing; with the
+        prefix cache its full pages stay cached for later requests)."""
         if keep_tokens is None:
-            self.bm.free(req)
+            tokens = req.token_slice(0, req.kv_len) if self.bm.cache is not None else None
+            self.bm.free(req, tokens, req.kv_len)
             req.kv_len = 0
         else:
             self.bm.trim(req, keep_tokens)

@@ -20,6 +20,7 @@ class RequestOutput:
     rounds: int
     accept_lengths: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # per token_ids entry, when SamplingParams.logprobs
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     @property
     def mean_accept_length(self) -> float:
@@ -36,6 +37,7 @@ class RequestOutput:
             req.stats.rounds,
             list(req.stats.accept_lengths),
             list(req.logprobs) if req.params.logprobs else None,
+            req.cached_tokens,
         )
 
 

@@ -86,6 +86,7 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: str | None = None
     kv_len: int = 0  # tokens whose target KV (and drafter context) is cached
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     slot: int = -1  # row in the block table while running
     generator: torch.Generator | None = None
     stats: SpecStats = field(default_factory=SpecStats)

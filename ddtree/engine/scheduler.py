@@ -2,8 +2,10 @@
 prefill batch (new prompts and chunks of long ones, at most `prefill_budget` tokens) or one decoding
 round of every running request. While both kinds have work they alternate, so a long prompt prefills
 one chunk per step and the running requests decode in between: their time per output token grows by
-one chunk, not by the whole prompt. When KV pages run out, the newest running request is preempted
-(its KV freed) and recomputed later."""
+one chunk, not by the whole prompt. When KV pages run out, unreferenced cached pages are evicted
+first (least recently used), then the newest running request is preempted (its KV freed, its full
+pages left in the prefix cache) and recomputed later. A request is admitted with its cached prefix
+attached (`ModelRunner.match_prefix` / `admit`) and prefills from there."""
 
 from __future__ import annotations
 
@@ -41,9 +43,13 @@ class Scheduler:
                 "a prefill budget needs --chunked-prefill-size > 0 or --max-prefill-tokens"
             )
         self.prefill_budget = min(caps)
+        # hybrid + prefix cache: a prompt's prefill stops once at its last page boundary, where the
+        # runner checkpoints the recurrent state (0: no alignment)
+        self.align = runner.checkpoint_align
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
+        self.last_cached_tokens = 0  # prefix-cache hits admitted by the last prefill batch
         self.last_was_prefill = False
 
     def add(self, req: Req) -> None:
@@ -73,26 +79,32 @@ class Scheduler:
         admissible = (
             head is not None
             and len(self.running) < self.max_running
-            and self.bm.can_allocate(head, head.prefill_len + self.verify_width)
+            and self.bm.can_admit(
+                head, head.prefill_len + self.verify_width, self.runner.match_prefix(head)
+            )
         )
         share = budget // 2 if admissible else budget
+        self.last_cached_tokens = 0
         reqs, q_lens = [], []
         for r in self.running:  # unfinished chunked prefills first
             if r.needs_prefill and share > 0:
-                q = min(share, r.prefill_len - r.kv_len)
+                q = self._chunk(r, share)
                 reqs.append(r)
                 q_lens.append(q)
                 budget -= q
                 share -= q
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             r = self.waiting[0]
-            q = min(budget, r.prefill_len)
+            hit = self.runner.match_prefix(r)
             # admit only when the whole prompt plus one verify width fits, so admission never
             # thrashes
-            if not self.bm.can_allocate(r, r.prefill_len + self.verify_width):
+            if not self.bm.can_admit(r, r.prefill_len + self.verify_width, hit):
                 break
             self.waiting.popleft()
-            self.bm.allocate(r, q)
+            self.runner.admit(r, hit)  # kv_len = the cached prefix
+            self.last_cached_tokens += r.kv_len
+            q = self._chunk(r, budget)
+            self.bm.allocate(r, r.kv_len + q)
             r.status = ReqStatus.RUNNING
             self.running.append(r)
             reqs.append(r)
@@ -100,11 +112,19 @@ class Scheduler:
             budget -= q
         return Batch(True, reqs, q_lens) if reqs else None
 
+    def _chunk(self, r: Req, budget: int) -> int:
+        q = min(budget, r.prefill_len - r.kv_len)
+        if self.align:
+            edge = r.prefill_len // self.align * self.align
+            if r.kv_len < edge < r.kv_len + q:
+                q = edge - r.kv_len
+        return q
+
     def _schedule_decode(self) -> Batch | None:
         ready = [r for r in self.running if not r.needs_prefill]
         while ready:
             need = sum(self.bm.extra_pages(r, r.kv_len + self.verify_width) for r in ready)
-            if need <= self.bm.num_free_pages:
+            if need <= self.bm.num_available_pages:
                 break
             victim = ready.pop()  # newest running request
             self.preempt(victim)

@@ -49,6 +49,7 @@ class Delta:
     error_status: int = 500
     error_code: str = "engine_error"
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
     completion_tokens: int = 0
     rounds: int = 0
     mean_accept_length: float = 0.0
@@ -238,6 +239,7 @@ class AsyncEngine:
             finish_reason=req.finish_reason,
             error=error,
             prompt_tokens=req.num_prompt_tokens,
+            cached_tokens=req.cached_tokens,
             completion_tokens=req.num_output_tokens,
             rounds=req.stats.rounds,
             mean_accept_length=req.stats.mean_accept_length,

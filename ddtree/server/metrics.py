@@ -93,6 +93,24 @@ class ServerMetrics:
             registry=r,
         )
         self.engine_errors = Counter("ddtree_engine_errors", "Engine steps that raised", registry=r)
+        self.kv_cached = Gauge(
+            "ddtree_kv_pages_cached", "KV pages held by the prefix cache", registry=r
+        )
+        self.cache_queried = Counter(
+            "ddtree_prefix_cache_queried_tokens",
+            "Prefill tokens looked up in the prefix cache at admission",
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            "ddtree_prefix_cache_hit_tokens", "Of those, tokens found cached", registry=r
+        )
+        self.cache_hit_rate = Gauge(
+            "ddtree_prefix_cache_hit_rate", "Hit tokens / queried tokens since start", registry=r
+        )
+        self.cache_evictions = Counter(
+            "ddtree_prefix_cache_evicted_pages", "Cached KV pages evicted (LRU)", registry=r
+        )
+        self._cache_seen = (0, 0, 0)
         self._window: deque[tuple[float, int]] = deque()
         self._window_tokens = 0
 
@@ -125,10 +143,12 @@ class ServerMetrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.preemptions.set(sched.num_preemptions)
+        # unreferenced cached pages count as free: they are evicted on demand
         self.kv_total.set(bm.num_pages)
-        self.kv_free.set(bm.num_free_pages)
-        self.kv_used.set(bm.num_pages - bm.num_free_pages)
-        self.kv_usage.set((bm.num_pages - bm.num_free_pages) / max(bm.num_pages, 1))
+        self.kv_free.set(bm.num_available_pages)
+        self.kv_used.set(bm.num_pages - bm.num_available_pages)
+        self.kv_usage.set((bm.num_pages - bm.num_available_pages) / max(bm.num_pages, 1))
+        self._on_cache(bm)
         slots = runner.cfg.max_running_requests
         self.slots_total.set(slots)
         self.slots_free.set(bm.num_free_slots)
@@ -137,6 +157,20 @@ class ServerMetrics:
         self.state_total.set(slots if has_state else 0)
         self.state_used.set(slots - bm.num_free_slots if has_state else 0)
         self._update_throughput()
+
+    def _on_cache(self, bm) -> None:
+        self.kv_cached.set(bm.num_cached_pages)
+        if bm.cache is None:
+            return
+        st = bm.cache.stats
+        now = (st.queried_tokens, st.hit_tokens, st.evicted_pages)
+        for counter, new, old in zip(
+            (self.cache_queried, self.cache_hits, self.cache_evictions), now, self._cache_seen
+        ):
+            if new > old:
+                counter.inc(new - old)
+        self._cache_seen = now
+        self.cache_hit_rate.set(st.hit_rate)
 
     def _update_throughput(self) -> None:
         now = time.monotonic()
@@ -162,7 +196,9 @@ def pool_snapshot(engine) -> dict:
         "num_waiting_requests": len(sched.waiting),
         "num_preemptions": sched.num_preemptions,
         "kv_pages_total": bm.num_pages,
-        "kv_pages_free": bm.num_free_pages,
+        "kv_pages_free": bm.num_available_pages,  # unreferenced cached pages included
+        "kv_pages_cached": bm.num_cached_pages,
+        "prefix_cache": bm.cache is not None,
         "page_size": bm.page_size,
         "request_slots_total": slots,
         "request_slots_free": bm.num_free_slots,

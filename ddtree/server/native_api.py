@@ -3,7 +3,7 @@
 `/generate` answers one prompt with `{"text", "output_ids", "meta_info"}` and a batch (or n > 1)
 with a list of them, prompt-major. meta_info: id, finish_reason ({"type": "stop", "matched": string
 or token id} | {"type": "length", "length": n} | {"type": "abort"}), prompt_tokens,
-completion_tokens, cached_tokens (0: no prefix cache), e2e_latency, and for DFLASH / DDTREE
+completion_tokens, cached_tokens (prompt tokens found in the prefix cache), e2e_latency, and for DFLASH / DDTREE
 spec_verify_ct (decoding rounds) and spec_accept_length (mean tokens per round); with
 `return_logprob`, output_token_logprobs / output_top_logprobs. Streaming sends SSE `data:` objects
 whose text and output_ids are cumulative (SGLang's default), with "index" when several choices
@@ -53,7 +53,7 @@ class NativeServing:
             "finish_reason": finish_reason(d),
             "prompt_tokens": d.prompt_tokens,
             "completion_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": d.cached_tokens,
             "e2e_latency": time.monotonic() - started,
         }
         if self.speculative:

@@ -57,6 +57,7 @@ def usage(ds: list[Delta]) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": ds[0].cached_tokens},
     }
 
 

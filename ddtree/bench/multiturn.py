@@ -1,0 +1,252 @@
+"""`bench serving --workload multiturn`: multi-turn chat over the native `/generate` route.
+
+A conversation is a system prompt of --system-prompt-tokens (shared by every conversation, or with
+--distinct-system-prompts one of its own: the no-sharing workload) and --turns user turns of
+--turn-tokens each. Turn t's prompt is the conversation so far as token ids: system + user_1 +
+output_1 + ... + user_t, so a prefix cache can reuse everything but the new user turn. --concurrency
+conversations run at once (--num-prompts conversations in all), each turn after the previous one
+finished. Token ids are drawn from [--token-id-min, --token-id-max) with --seed. Per turn the
+server's `meta_info.cached_tokens` is read back: the level reports the cache hit rate (cached /
+prompt tokens) beside the usual throughput and latency numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TurnResult:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    rounds: int = 0
+    mean_accept_length: float = 0.0
+    error: str = ""
+    turn: int = 0
+    output_ids: list[int] = field(default_factory=list, repr=False)
+
+
+def conversations(ns) -> list[tuple[list[int], list[list[int]]]]:
+    """(system prompt, user turns) per conversation, token ids, seeded."""
+    rng = random.Random(ns.seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(ns.token_id_min, ns.token_id_max) for _ in range(n)]
+
+    shared = ids(ns.system_prompt_tokens)
+    out = []
+    for _ in range(ns.num_prompts):
+        system = ids(ns.system_prompt_tokens) if ns.distinct_system_prompts else shared
+        out.append((system, [ids(ns.turn_tokens) for _ in range(ns.turns)]))
+    return out
+
+
+async def one_turn(http, url: str, ids: list[int], ns, turn: int) -> TurnResult:
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": ns.max_tokens,
+            "temperature": ns.temperature,
+            "ignore_eos": ns.ignore_eos,
+        },
+    }
+    res = TurnResult(ok=False, turn=turn)
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with http.stream("POST", url + "/generate", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                last = json.loads(line[6:])
+                if "error" in last:
+                    raise RuntimeError(str(last["error"])[:200])
+                if not res.ttft and last.get("output_ids"):
+                    res.ttft = time.perf_counter() - t0
+        res.latency = time.perf_counter() - t0
+        meta = last["meta_info"]
+        res.output_ids = list(last["output_ids"])
+        res.completion_tokens = meta["completion_tokens"]
+        res.prompt_tokens = meta["prompt_tokens"]
+        res.cached_tokens = meta.get("cached_tokens", 0)
+        res.rounds = meta.get("spec_verify_ct", 0)
+        res.mean_accept_length = meta.get("spec_accept_length", 0.0)
+        res.ttft = res.ttft or res.latency
+        res.ok = True
+    except Exception as e:  # noqa: BLE001 - a failed turn is counted, not fatal to the benchmark
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_conversation(http, url, system, turns, ns) -> list[TurnResult]:
+    history, out = list(system), []
+    for t, user in enumerate(turns):
+        history += user
+        res = await one_turn(http, url, list(history), ns, t)
+        out.append(res)
+        if not res.ok:
+            break
+        history += res.output_ids
+    return out
+
+
+async def run_level(url: str, convs, concurrency: int, ns) -> dict:
+    """One level: `concurrency` conversations at a time; the same keys as `serving.run_level` plus
+    the cache's."""
+    import httpx
+
+    from ddtree.bench.serving import summary
+
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=ns.timeout, limits=limits, headers=headers) as http:
+
+        async def gated(system, turns):
+            async with gate:
+                return await run_conversation(http, url, system, turns, ns)
+
+        for _ in range(ns.warmup):
+            await one_turn(http, url, [ns.token_id_min] * 8, ns, 0)
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(gated(s, t) for s, t in convs))
+        duration = time.perf_counter() - t0
+    results = [r for run in runs for r in run]
+    ok = [r for r in results if r.ok]
+    later = [r for r in ok if r.turn > 0]
+    out_tokens = sum(r.completion_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    rounds = sum(r.rounds for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
+    return {
+        "concurrency": concurrency,
+        "request_rate": None,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + prompt_tokens) / duration,
+        "total_output_tokens": out_tokens,
+        "ttft_ms": summary([r.ttft for r in ok]),
+        "ttft_later_turns_ms": summary([r.ttft for r in later]),
+        "tpot_ms": summary(tpot),
+        "e2e_latency_ms": summary([r.latency for r in ok]),
+        "mean_accept_length": sum(r.mean_accept_length * r.rounds for r in ok) / rounds
+        if rounds
+        else 0.0,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "requests": [{k: v for k, v in asdict(r).items() if k != "output_ids"} for r in results]
+        if ns.save_requests
+        else None,
+    }
+
+
+CACHE_COUNTERS = ("ddtree_prefix_cache_evicted_pages_total", "ddtree_prefix_cache_hit_tokens_total")
+
+
+async def cache_counters(url: str, api_key: str | None) -> dict[str, float] | None:
+    """The server's prefix-cache counters from /metrics, or None (metrics off, or not ddtree)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=10, headers=headers) as http:
+            r = await http.get(url.rstrip("/") + "/metrics")
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    found = {}
+    for line in r.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in CACHE_COUNTERS:
+            found[name] = float(value)
+    return found if len(found) == len(CACHE_COUNTERS) else None
+
+
+async def with_evictions(level_coro, url: str, api_key: str | None) -> dict:
+    """Run a level; add the pages the server's cache evicted meanwhile (None without /metrics)."""
+    before = await cache_counters(url, api_key)
+    level = await level_coro
+    after = await cache_counters(url, api_key) if before is not None else None
+    key = CACHE_COUNTERS[0]
+    level["cache_evicted_pages"] = after[key] - before[key] if after is not None else None
+    return level
+
+
+async def run(ns) -> dict:
+    url = ns.base_url.rstrip("/")
+    convs = conversations(ns)
+    levels = [
+        await with_evictions(run_level(url, convs, c, ns), url, ns.api_key) for c in ns.concurrency
+    ]
+    return {
+        "base_url": ns.base_url,
+        "model": ns.model or url,
+        "workload": "multiturn",
+        "num_prompts": ns.num_prompts,
+        "system_prompt_tokens": ns.system_prompt_tokens,
+        "distinct_system_prompts": ns.distinct_system_prompts,
+        "turns": ns.turns,
+        "turn_tokens": ns.turn_tokens,
+        "max_tokens": ns.max_tokens,
+        "temperature": ns.temperature,
+        "dataset": "multiturn",
+        "results": levels,
+    }
+
+
+def add_flags(p, distinct: bool = True) -> None:
+    """The workload's flags (`distinct=False`: without --distinct-system-prompts, for a caller that
+    runs both kinds itself)."""
+    g = p.add_argument_group("multi-turn workload (--workload multiturn)")
+    g.add_argument(
+        "--system-prompt-tokens", type=int, default=2048, help="system prompt length (tokens)"
+    )
+    if distinct:
+        g.add_argument(
+            "--distinct-system-prompts",
+            action="store_true",
+            help="each conversation its own system prompt (nothing shared)",
+        )
+    g.add_argument("--turns", type=int, default=4, help="user turns per conversation")
+    g.add_argument("--turn-tokens", type=int, default=64, help="tokens per user turn")
+    g.add_argument("--token-id-min", type=int, default=100, help="smallest prompt token id")
+    g.add_argument("--token-id-max", type=int, default=1000, help="prompt token ids stay below")
+
+
+def check(ns) -> str | None:
+    """The problem with the multi-turn flags, or None."""
+    if ns.system_prompt_tokens < 0 or ns.turns < 1 or ns.turn_tokens < 1:
+        return "--system-prompt-tokens must be >= 0, --turns and --turn-tokens >= 1"
+    if not 0 <= ns.token_id_min < ns.token_id_max:
+        return "--token-id-min must be >= 0 and below --token-id-max"
+    # bench serving's flags that only the single-request workload reads
+    unused = [
+        flag
+        for flag, given in (
+            ("--dataset-path", getattr(ns, "dataset_path", None)),
+            ("--chat", getattr(ns, "chat", False)),
+            ("--request-rate", getattr(ns, "request_rate", float("inf")) != float("inf")),
+        )
+        if given
+    ]
+    if unused:
+        return f"{', '.join(unused)}: not used by --workload multiturn; drop them"
+    return None
