@@ -72,12 +72,16 @@ def workload(ns, distinct: bool) -> argparse.Namespace:
 
 def serve(ns, name: str, extra: tuple[str, ...]) -> dict:
     from ddtree.bench import multiturn
-    from ddtree.bench.at_scale import Server
+    from ddtree.bench.at_scale_serve import ServeConfig, Server, server_argv
 
     sns = argparse.Namespace(**vars(ns))
     sns.levels = [ns.concurrency]
+    sns.server_flags = getattr(ns, "server_flags", None) or ""
+    flags = ("--speculative-ddtree-budget", str(ns.budget)) if ns.algorithm == "DDTREE" else ()
+    cfg = ServeConfig(ns.algorithm, ns.algorithm, flags)
     log = os.path.join(ns.out, f"server_{name.replace(' ', '_')}.log")
-    srv = Server(sns, ns.model_path, ns.speculative_draft_model_path, ns.algorithm, ns.budget, log)
+    argv = server_argv(sns, ns.model_path, ns.speculative_draft_model_path, cfg)
+    srv = Server(sns, argv, log)
     srv.argv += ["--enable-metrics", *ns.server_flag, *extra]
     out = {}
     with srv:
