@@ -129,6 +129,8 @@ def runner_config(algo: str, budget: int, batch: int, context: int, ns, device):
         attention_backend=ns.attention_backend,
         enable_cuda_graph=device.type == "cuda" and not ns.disable_cuda_graph,
         cuda_graph_max_bs=batch,
+        # hybrid targets: the state commit strategy (bench/gpu_profile_round.py sets it per case)
+        mamba_strategy=getattr(ns, "mamba_strategy", "extra_buffer"),
     )
 
 
