@@ -111,3 +111,32 @@ def test_chunk_and_recurrent_dispatch_match_reference(dtype):
         "decode_state": rel(Sd, rSd),
     }
     assert torch.isfinite(Sd).all() and all(e < tol for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("b,acc", [(1, 1), (1, 16), (8, 8)])
+def test_no_buffer_commit_rule_matches_reference(b, acc):
+    """The no_buffer commit's rule part on 48 layers' accepted chains (what HybridStatePool._replay
+    hands the dispatch): the dispatch replay (fla fused recurrent where installed) and the
+    chunk-form state of the chain's last node vs reference.replay_path. Formerly section (c') of
+    bench/gpu_gdn_tree.py."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn import dispatch, reference
+    from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule
+
+    dev, P = torch.device("cuda"), 17
+    N = 48 * b
+    torch.manual_seed(b)
+    q, k = (torch.randn(N, P, HK, DK, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(N, P, HV, DV, device=dev, dtype=torch.bfloat16)
+    g = -torch.rand(N, P, HV, device=dev) * 2
+    beta = torch.rand(N, P, HV, device=dev, dtype=torch.bfloat16)
+    s0 = torch.randn(N, HV, DK, DV, device=dev) * 0.1
+    step = torch.arange(P, device=dev)
+    path = torch.where(step <= acc, step, -1).repeat(N, 1)
+    par = torch.where(path > 0, step - 1, -1)
+    dep = torch.where(path >= 0, step, -1)
+    want = reference.replay_path(q, k, v, g, beta, path, s0)
+    assert rel(dispatch.replay(q, k, v, g, beta, path, s0), want) < 5e-3
+    last = torch.full((N,), acc, device=dev)
+    got = tree_chunk_gated_delta_rule(q, k, v, g, beta, par, dep, s0, max_depth=16, last=last)[1]
+    assert rel(got, want) < 1e-4
