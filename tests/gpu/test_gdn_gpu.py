@@ -140,3 +140,37 @@ def test_no_buffer_commit_rule_matches_reference(b, acc):
     last = torch.full((N,), acc, device=dev)
     got = tree_chunk_gated_delta_rule(q, k, v, g, beta, par, dep, s0, max_depth=16, last=last)[1]
     assert rel(got, want) < 1e-4
+
+
+def test_root_conv_equals_the_one_node_tree_conv_on_the_device():
+    """AR rounds' `root_causal_conv1d` == the one-node `tree_causal_conv1d`, bit for bit on CUDA."""
+    from ddtree.kernels.gdn import root_causal_conv1d, tree_causal_conv1d
+
+    dev = torch.device("cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(5, 10240, device=dev, dtype=dtype), torch.randn(10240, 4, device=dev)
+        st = torch.randn(5, 10240, 3, device=dev, dtype=dtype)
+        y, s = root_causal_conv1d(x, st, w.to(dtype))
+        parents = torch.full((5, 1), -1, device=dev)
+        valid = torch.ones(5, 1, dtype=torch.bool, device=dev)
+        ty, ts = tree_causal_conv1d(x[:, None], parents, st, w.to(dtype), None, valid, True)
+        assert torch.equal(y, ty[:, 0]) and torch.equal(s, ts[:, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gating_and_gated_norm_match_reference(dtype):
+    """kernels/gdn/fused.py on the device (the 27B shape: Hv 48, dv 128, 65 tree nodes) vs the
+    references."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn import fused, reference
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(4)
+    a, b = ((torch.randn(65, HV, generator=gen) * 8).to(dev, dtype) for _ in range(2))
+    A_log, dt = (torch.randn(HV, generator=gen).to(dev, dtype) for _ in range(2))
+    g, beta = fused.gdn_gating(a, b, A_log, dt)
+    rg, rbeta = reference.gdn_gating(a, b, A_log, dt)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert rel(g, rg) < 1e-5 and rel(beta, rbeta) < tol
+    x, z = (torch.randn(65, HV, DV, generator=gen).to(dev, dtype) for _ in range(2))
+    w = (1 + 0.2 * torch.randn(DV, generator=gen)).to(dev, dtype)
+    assert rel(fused.gated_rmsnorm(x, z, w, 1e-6), reference.gated_rmsnorm(x, z, w, 1e-6)) < tol
