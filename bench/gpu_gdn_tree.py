@@ -108,11 +108,24 @@ def section_b(gen):
         q, k, v, g, beta, s0 = rule_inputs(b, 65, torch.bfloat16, gen)
         buf = torch.empty(b, 65, HV, DK, DV, device=DEV)
         best = None
-        for bv, nw in ((None, 4), (8, 2), (16, 4), (32, 4), (32, 8), (64, 8)):
+        sweep = ((None, 4), (8, 2), (16, 4), (32, 4), (32, 8), (64, 8))
+        # prefetch: node i + 1's loads issued before node i's math (the walk is latency-bound)
+        for (bv, nw), pf in [(c, False) for c in sweep] + [(c, True) for c in sweep[:4]]:
 
-            def fn(bv=bv, nw=nw):
+            def fn(bv=bv, nw=nw, pf=pf):
                 tree_gated_delta_rule_triton(
-                    q, k, v, g, beta, parents, depths, s0, node_states=buf, block_v=bv, num_warps=nw
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    parents,
+                    depths,
+                    s0,
+                    node_states=buf,
+                    block_v=bv,
+                    num_warps=nw,
+                    prefetch=pf,
                 )
 
             try:
@@ -125,6 +138,7 @@ def section_b(gen):
                 f"b={b}",
                 f"block_v={bv or 'auto'}",
                 f"warps={nw}",
+                f"prefetch={int(pf)}",
                 f"{t:8.1f} us",
                 f"node-state write {buf.numel() * 4 / t / 1e6:.2f} TB/s",
             )
