@@ -24,10 +24,9 @@ from ddtree.kernels.gdn import (
     causal_conv1d_step,
     causal_conv1d_varlen,
     replay_conv_path,
-    root_causal_conv1d,
-    tree_causal_conv1d,
 )
 from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree_rule
+from ddtree.kernels.gdn.tree_conv import conv as tree_conv
 
 STRATEGIES = ("extra_buffer", "no_buffer")
 _SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -248,17 +247,9 @@ class TreeContext:
 
     def conv(self, j, x, weight, bias):
         xb = x.view(self.b, self.n, -1)
-        if self.n == 1:
-            # one-node trees (AR rounds): the same window (committed inputs, then the root) and fp32
-            # math as tree_causal_conv1d, in a few kernels instead of the ancestor gathers
-            y, state = root_causal_conv1d(xb[:, 0], self.pool.conv[j, self.slots], weight, bias)
-            if self.extra:
-                self._stash("node_conv", j, state[:, None])
-            else:
-                self._stash("node_x", j, xb)
-                self._stash("node_y", j, y[:, None])
-            return y
-        y, node_states = tree_causal_conv1d(
+        # the conv along ancestor chains: one Triton launch on CUDA (AR's one-node trees too, so
+        # every round shares its numerics), the reference elsewhere (kernels/gdn/tree_conv.py)
+        y, node_states = tree_conv(
             xb,
             self.parents,
             self.pool.conv[j, self.slots],
