@@ -174,3 +174,23 @@ def test_fused_gating_and_gated_norm_match_reference(dtype):
     x, z = (torch.randn(65, HV, DV, generator=gen).to(dev, dtype) for _ in range(2))
     w = (1 + 0.2 * torch.randn(DV, generator=gen)).to(dev, dtype)
     assert rel(fused.gated_rmsnorm(x, z, w, 1e-6), reference.gated_rmsnorm(x, z, w, 1e-6)) < tol
+
+
+@pytest.mark.parametrize("b,n", [(1, 1), (1, 65), (8, 65)])
+def test_tree_conv_kernel_matches_reference(b, n):
+    """kernels/gdn/tree_conv.py at the 27B shape (C = 10240 conv channels, bf16) vs
+    reference.tree_causal_conv1d: outputs, and the node states bit for bit."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn import reference
+    from ddtree.kernels.gdn.tree_conv import tree_causal_conv1d_triton
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(n)
+    parents, _ = tree(b, n, "bushy", gen, dev)
+    C = 2 * HK * DK + HV * DV
+    x = torch.randn(b, n, C, generator=gen).to(dev, torch.bfloat16)
+    st = torch.randn(b, C, 3, generator=gen).to(dev, torch.bfloat16)
+    w = torch.randn(C, 4, generator=gen).to(dev, torch.bfloat16)
+    valid = torch.ones(b, n, dtype=torch.bool, device=dev)
+    y, s = tree_causal_conv1d_triton(x, parents, st, w, None, valid, True)
+    ry, rs = reference.tree_causal_conv1d(x, parents, st, w, None, valid, True)
+    assert rel(y, ry) < 1e-2 and torch.equal(s, rs)
