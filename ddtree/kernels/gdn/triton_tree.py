@@ -154,44 +154,44 @@ if triton is not None:
         )  # node i's tile at st_base + i * st_n
         node_base = pid_b * n  # row of [b, n] tensors
         S_prev = s0
-        if PREFETCH:
-            # node i + 1's loads (its parent's state included, unless the parent is node i) are
-            # issued before node i's math, so their latency hides behind it: the walk is a chain of
-            # dependent steps, latency-bound at small batch
-            nxt = _node_inputs(
-                0,
-                n,
-                node_base,
-                valid_ptr,
-                par_ptr,
-                st_base,
-                st_n,
-                mk,
-                mv,
-                mtile,
-                q_ptr,
-                k_ptr,
-                v_ptr,
-                g_ptr,
-                beta_ptr,
-                pid_b,
-                h,
-                hk,
-                rk,
-                rv,
-                sq_b,
-                sq_n,
-                sq_h,
-                sk_b,
-                sk_n,
-                sk_h,
-                sv_b,
-                sv_n,
-                sv_h,
-                HV,
-            )
-            for i in range(n):
-                ok, par, has_par, S, q, k, v, g, beta = nxt
+        # with PREFETCH, node i + 1's loads (its parent's state included, unless the parent is node
+        # i) are issued before node i's math, so their latency hides behind it: the walk is a chain
+        # of dependent steps, latency-bound at small batch. Same arithmetic either way.
+        nxt = _node_inputs(
+            0,
+            n,
+            node_base,
+            valid_ptr,
+            par_ptr,
+            st_base,
+            st_n,
+            mk,
+            mv,
+            mtile,
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            g_ptr,
+            beta_ptr,
+            pid_b,
+            h,
+            hk,
+            rk,
+            rv,
+            sq_b,
+            sq_n,
+            sq_h,
+            sk_b,
+            sk_n,
+            sk_h,
+            sv_b,
+            sv_n,
+            sv_h,
+            HV,
+        )
+        for i in range(n):
+            if PREFETCH:
+                cur = nxt
                 nxt = _node_inputs(
                     i + 1,
                     n,
@@ -224,53 +224,44 @@ if triton is not None:
                     sv_h,
                     HV,
                 )
-                chain = has_par & (par == i - 1)
-                S = tl.where(chain, S_prev, tl.where(has_par, S, s0))
-                if L2NORM:
-                    q = q * (1.0 / tl.sqrt(tl.reduce(q * q, 0, tl.standard._sum_combine) + 1e-6))
-                    k = k * (1.0 / tl.sqrt(tl.reduce(k * k, 0, tl.standard._sum_combine) + 1e-6))
-                q = q * scale
-                S = S * tl.exp(g)
-                u = (v - tl.reduce(S * k[:, None], 0, tl.standard._sum_combine)) * beta
-                S = S + k[:, None] * u[None, :]
-                o = tl.reduce(S * q[:, None], 0, tl.standard._sum_combine)
-                o = tl.where(ok, o, 0.0)
-                S = tl.where(ok, S, 0.0)
-                S_prev = S
-                tl.store(st_base + i * st_n, S.to(states_ptr.dtype.element_ty), mask=mtile)
-                tl.store(
-                    o_ptr + pid_b * so_b + i * so_n + h * so_h + rv,
-                    o.to(o_ptr.dtype.element_ty),
-                    mask=mv,
+            else:
+                cur = _node_inputs(
+                    i,
+                    n,
+                    node_base,
+                    valid_ptr,
+                    par_ptr,
+                    st_base,
+                    st_n,
+                    mk,
+                    mv,
+                    mtile,
+                    q_ptr,
+                    k_ptr,
+                    v_ptr,
+                    g_ptr,
+                    beta_ptr,
+                    pid_b,
+                    h,
+                    hk,
+                    rk,
+                    rv,
+                    sq_b,
+                    sq_n,
+                    sq_h,
+                    sk_b,
+                    sk_n,
+                    sk_h,
+                    sv_b,
+                    sv_n,
+                    sv_h,
+                    HV,
                 )
-                tl.debug_barrier()
-        for i in range(0 if PREFETCH else n):
-            row = node_base + i
-            ok = tl.load(valid_ptr + row) != 0
-            par = tl.load(par_ptr + row).to(tl.int64)
-            has_par = ok & (par >= 0)
-            # parent's post-state: written earlier by this very program (parent < i); a parent just before
-            # its child (chains) is still in registers and is not re-read
+            ok, par, has_par, S, q, k, v, g, beta = cur
+            # parent's post-state: written earlier by this very program (parent < i); a parent
+            # just before its child (chains) is still in registers and is not re-read
             chain = has_par & (par == i - 1)
-            S = tl.load(
-                st_base + tl.maximum(par, 0) * st_n,
-                mask=mtile & has_par & (par != i - 1),
-                other=0.0,
-            ).to(tl.float32)
             S = tl.where(chain, S_prev, tl.where(has_par, S, s0))
-            mk_ok = mk & ok
-            q = tl.load(q_ptr + pid_b * sq_b + i * sq_n + hk * sq_h + rk, mask=mk_ok, other=0.0).to(
-                tl.float32
-            )
-            k = tl.load(k_ptr + pid_b * sk_b + i * sk_n + hk * sk_h + rk, mask=mk_ok, other=0.0).to(
-                tl.float32
-            )
-            v = tl.load(
-                v_ptr + pid_b * sv_b + i * sv_n + h * sv_h + rv, mask=mv & ok, other=0.0
-            ).to(tl.float32)
-            gb = row * HV + h
-            g = tl.load(g_ptr + gb, mask=ok, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + gb, mask=ok, other=0.0).to(tl.float32)
             if L2NORM:
                 q = q * (1.0 / tl.sqrt(tl.reduce(q * q, 0, tl.standard._sum_combine) + 1e-6))
                 k = k * (1.0 / tl.sqrt(tl.reduce(k * k, 0, tl.standard._sum_combine) + 1e-6))
@@ -289,7 +280,7 @@ if triton is not None:
                 o.to(o_ptr.dtype.element_ty),
                 mask=mv,
             )
-            tl.debug_barrier()  # this node's state tile is visible to all threads before a child reads it
+            tl.debug_barrier()  # this node's state is visible to all threads before a child reads it
 
 
 def _last_unit(t: Tensor) -> Tensor:
