@@ -175,9 +175,13 @@ def main(argv=None):
     for case in ns.cases.split(","):
         algo, budget, batch, strategy, context = (case.split(":") + ["", ""])[:5]
         ctx = int(context or ns.context)
-        profile_case(
-            target, drafter, algo, int(budget), int(batch), ctx, ns.rounds, ns.top, strategy
-        )
+        try:
+            profile_case(
+                target, drafter, algo, int(budget), int(batch), ctx, ns.rounds, ns.top, strategy
+            )
+        except torch.OutOfMemoryError as e:  # e.g. extra_buffer's fp32 stash at batch 8, 27B
+            print(f"\n== {case}: out of memory ({str(e)[:120]}); next case", flush=True)
+            torch.cuda.empty_cache()
     return 0
 
 
