@@ -14,6 +14,7 @@ Prints, per case: wall ms/round, GPU kernel ms/round (busy), the top kernels, an
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from types import SimpleNamespace
@@ -181,7 +182,8 @@ def main(argv=None):
             )
         except torch.OutOfMemoryError as e:  # e.g. extra_buffer's fp32 stash at batch 8, 27B
             print(f"\n== {case}: out of memory ({str(e)[:120]}); next case", flush=True)
-            torch.cuda.empty_cache()
+        gc.collect()  # the failed case's runner goes with its traceback
+        torch.cuda.empty_cache()
     return 0
 
 
