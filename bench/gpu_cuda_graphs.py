@@ -7,14 +7,13 @@ Pairs: the embedded default pair (ddtree/assets/default_pair) and the toy pair (
 the CPU in a subprocess while the default pair runs; cached under $DDTREE_CACHE or ~/.cache/ddtree). For each
 pair, dtype (bf16, fp32) and algorithm (NONE, DFLASH, DDTREE B=16, DDTREE B=64) one engine is built with
 --attention-backend triton and graphs on (captured up to batch 8), then batch 1 and batch 5 (ragged prompts,
-greedy, 48 tokens) run twice on it: graphs on, and with the runner's graphs detached (eager). Checks:
-  - token-identical outputs, graphs vs eager: asserted in fp32; in bf16 the mismatching requests are counted
-    (batch-shape-dependent bf16 rounding can flip a near-tie);
-  - the graph path really ran (verify replays; for DFLASH/DDTREE draft replays, which now end in the finished
-    tree, and verify replays whose greedy accept walk ran inside the graph);
-  - ms per round (median over the rounds that ran the full batch), eager vs graphs.
-Exit code 1 if an fp32 mismatch, a missing replay or a crash happened. The pass / fail check of the same
-comparison is tests/gpu/test_cuda_graphs_gpu.py (python3 -m pytest -m gpu tests/gpu); this script times it.
+greedy, 48 tokens) run twice on it: graphs on, and with the runner's graphs detached (eager). Printed:
+  - ms per round (median over the rounds that ran the full batch), eager vs graphs;
+  - for reading, the requests whose tokens differ (bf16 rounding can flip a near-tie) and the replays
+    (verify / draft / in-graph accept walk).
+Timing only: the pass / fail of graphs vs eager (fp32 token-identical, the graph path really replayed) is
+tests/gpu/test_cuda_graphs_gpu.py and, for hybrid targets, tests/gpu/test_hybrid_graphs_gpu.py
+(python3 -m pytest -m gpu tests/gpu). Exit code 1 only if a config crashed.
 """
 
 import argparse
@@ -146,19 +145,16 @@ def run_config(pair_name, target, drafter, dtype, algo, budget, rows, failures):
             generate(llm, probe, prompts[:b], graphs)
         eager, ms_e, _, acc = generate(llm, probe, prompts, False)
         graph, ms_g, replays, _ = generate(llm, probe, prompts, True)
+        # for reading only: the pass / fail of both is tests/gpu/test_cuda_graphs_gpu.py
         bad = sum(x != y for x, y in zip(eager, graph))
         notes = []
-        if bad and dtype == "float32":
-            failures.append(f"{pair_name} {dtype} {name} b={b}: {bad} requests differ")
+        if bad:
             first = next(i for i, (x, y) in enumerate(zip(eager, graph)) if x != y)
             pos = next(
                 (j for j, (u, v) in enumerate(zip(eager[first], graph[first])) if u != v), None
             )
             notes.append(f"req {first} diverges at token {pos}")
-        if replays["verify"] == 0 or (
-            algo != "NONE" and (replays["draft"] == 0 or replays["accept"] == 0)
-        ):
-            failures.append(f"{pair_name} {dtype} {name} b={b}: no graph replay {replays}")
+        if replays["verify"] == 0:
             notes.append("NO REPLAY")
         rows.append(
             (

@@ -1,23 +1,22 @@
 #!/usr/bin/env python3
-"""H200 check of the GPU path of hybrid (Gated DeltaNet) targets: one run, < 3 minutes, a short table.
+"""H200 timing of the GPU path of hybrid (Gated DeltaNet) targets: one run, < 3 minutes, a short table.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site python3 bench/gpu_gdn_tree.py [--only b,d,e]   # $OUT/gpu_gdn_tree.json when $OUT is set
+    PYTHONPATH=/tmp/site python3 bench/gpu_gdn_tree.py [--only b,d]   # $OUT/gpu_gdn_tree.json when $OUT is set
 
 Qwen3.6-27B-shaped GDN layer (config: Hk=16, Hv=48, dk=dv=128, conv kernel 4; 48 of its 64 layers are GDN).
-(a) moved: the Triton tree kernel vs the reference is tests/gpu/test_gdn_gpu.py (python3 -m pytest -m gpu).
 (b) tree verify at B=64 (65 nodes), batch 1 and 8: kernel (CUDA graph, tile sweep) vs reference (eager), and
     the chunk-form tree rule (tree_chunk: no per-node states; the no_buffer verify) eager and CUDA graph, alone
-    and with the post-state of one node; rel err vs the reference (outputs, that node's state).
+    and with the post-state of one node; rel err vs the reference (outputs, that node's state), for reading.
 (c) commit through HybridStatePool.commit on 48 layers: copy one node's state (extra_buffer) vs replay of the
     accepted path (no_buffer), accept lengths 1/4/8/16, batch 1 and 8; per layer = total / 48. Then the
     no_buffer commit's rule part alone on the 48 layers' accepted chains: fla replay vs the chunk-form path
     state, and the full verify + commit per layer for both strategies (with (b)'s verify times).
 (d) fla chunk (prefill: varlen, initial states) and fused recurrent (decode, continuing from the chunk's final
     state) vs the reference: rel err and time.
-    (The pass / fail checks of (b) and (d) are also tests/gpu/test_gdn_gpu.py.)
-(e) the toy hybrid pair on the GPU in fp32: DFLASH and DDTREE (B=16, both strategies) token-identical to AR.
-Each section catches its own failure; the exit code is 1 if any check failed or crashed.
+Timing only: the pass / fail checks are tests/gpu (python3 -m pytest -m gpu tests/gpu): test_gdn_gpu.py for
+(a)-(d), test_hybrid_graphs_gpu.py for the former (e) (the toy hybrid pair end to end, graphs vs eager and
+vs AR). The exit code is 1 only if a section crashed or was skipped.
 """
 
 import argparse
@@ -31,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from ddtree import envs  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.gdn import backend, reference  # noqa: E402
 from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule  # noqa: E402
@@ -110,11 +108,24 @@ def section_b(gen):
         q, k, v, g, beta, s0 = rule_inputs(b, 65, torch.bfloat16, gen)
         buf = torch.empty(b, 65, HV, DK, DV, device=DEV)
         best = None
-        for bv, nw in ((None, 4), (8, 2), (16, 4), (32, 4), (32, 8), (64, 8)):
+        sweep = ((None, 4), (8, 2), (16, 4), (32, 4), (32, 8), (64, 8))
+        # prefetch: node i + 1's loads issued before node i's math (the walk is latency-bound)
+        for (bv, nw), pf in [(c, False) for c in sweep] + [(c, True) for c in sweep[:4]]:
 
-            def fn(bv=bv, nw=nw):
+            def fn(bv=bv, nw=nw, pf=pf):
                 tree_gated_delta_rule_triton(
-                    q, k, v, g, beta, parents, depths, s0, node_states=buf, block_v=bv, num_warps=nw
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    parents,
+                    depths,
+                    s0,
+                    node_states=buf,
+                    block_v=bv,
+                    num_warps=nw,
+                    prefetch=pf,
                 )
 
             try:
@@ -127,6 +138,7 @@ def section_b(gen):
                 f"b={b}",
                 f"block_v={bv or 'auto'}",
                 f"warps={nw}",
+                f"prefetch={int(pf)}",
                 f"{t:8.1f} us",
                 f"node-state write {buf.numel() * 4 / t / 1e6:.2f} TB/s",
             )
@@ -192,8 +204,6 @@ def section_b(gen):
             )
             rec[f"{name}_eager_us"], rec[f"{name}_graph_us"] = eager, graph
             rec[f"{name}_err"] = (eo, es)
-            if not (torch.isfinite(o).all() and eo < 1e-4 and es < 1e-4):
-                FAILED.append(f"b:{name}:b={b}")
         out.append(rec)
     RESULT["b"] = out
 
@@ -282,8 +292,6 @@ def section_c_rule(gen):
                 f"chunk path state {t_form} us ({per[1]:.2f}/layer, err {e_form:.1e})",
             )
             rule[(b, acc)] = per
-            if not (e_rep < 5e-3 and e_form < 1e-4):
-                FAILED.append(f"c:rule:b={b}:acc={acc}")
         del q, k, v, g, beta, s0
     RESULT["c_rule"] = {f"b={b},acc={a}": p for (b, a), p in rule.items()}
     verify = {r["b"]: r for r in RESULT.get("b", [])}
@@ -337,10 +345,6 @@ def section_d(gen):
             "decode_state": rel(Sd, rSd),
         }
         out[key] = errs
-        # fla's chunk dots run in tf32 on fp32 inputs
-        tol = 5e-3 if dtype == torch.float32 else 3e-2
-        if not all(e < tol for e in errs.values()) or not torch.isfinite(Sd).all():
-            FAILED.append(f"d:{key}")
         row(f"{key:8s} varlen {lens}", *(f"{n} {e:.1e}" for n, e in errs.items()))
     q, k, v, g, beta, _ = rule_inputs(1, 4096, torch.bfloat16, gen)
     row(
@@ -358,72 +362,11 @@ def section_d(gen):
     RESULT["d"] = out
 
 
-def section_e(toy_dir):
-    from ddtree import LLM, SamplingParams
-    from ddtree.train.toy import build_toy_hybrid_pair, toy_prompts
-
-    t0 = time.perf_counter()
-    target, drafter = build_toy_hybrid_pair(toy_dir)
-    print(
-        f"(e) toy hybrid pair on the GPU, fp32 (pair ready in {time.perf_counter() - t0:.0f} s)",
-        flush=True,
-    )
-    prompts = toy_prompts(8, 123)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    runs = [
-        ("NONE", "extra_buffer", {}),
-        ("DFLASH", "extra_buffer", {}),
-        ("DFLASH", "no_buffer", {}),
-        ("DDTREE", "extra_buffer", {"speculative_ddtree_budget": 16}),
-        ("DDTREE", "no_buffer", {"speculative_ddtree_budget": 16}),
-    ]
-    ar, out = None, []
-    for algo, strategy, kw in runs:
-        if algo != "NONE":
-            kw = {**kw, "speculative_draft_model_path": drafter}
-        backend.ran.clear()
-        llm = LLM(
-            target,
-            speculative_algorithm=algo,
-            dtype="float32",
-            device=DEV.type,
-            mamba_scheduler_strategy=strategy,
-            max_running_requests=8,
-            max_total_tokens=8192,
-            disable_cuda_graph=True,
-            **kw,
-        )
-        outs = llm.generate([list(p) for p in prompts], params)
-        toks = [o.token_ids for o in outs]
-        lengths = [n for o in outs for n in o.accept_lengths]
-        ar = toks if ar is None else ar
-        same = toks == ar
-        if not same:
-            FAILED.append(f"e:{algo}:{strategy}")
-        paths = ", ".join(f"{op}={name} x{n}" for (op, name), n in sorted(backend.ran.items()))
-        accept = sum(lengths) / max(len(lengths), 1)
-        row(
-            f"{algo:6s} {strategy:12s}",
-            "== AR" if same else "DIFFERS from AR",
-            f"mean accept {accept:.2f}",
-            paths,
-        )
-        out.append({"algorithm": algo, "strategy": strategy, "same_as_ar": same, "paths": paths})
-        del llm
-        torch.cuda.empty_cache()
-    RESULT["e"] = out
-
-
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="b,c,d,e", help="sections to run, e.g. b,d,e")
+    ap.add_argument("--only", default="b,c,d", help="sections to run, e.g. b,d")
     ap.add_argument(
         "--deadline-s", type=float, default=170, help="skip the sections not started by then"
-    )
-    ap.add_argument(
-        "--toy-dir",
-        default=envs.TOY_HYBRID.get(),
-        help="toy hybrid pair (built here, ~1 min on one CPU thread, when missing)",
     )
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -448,11 +391,10 @@ def main():
         device=torch.cuda.get_device_name(), fla_error=err, backends=backend.describe(DEV)
     )
     gen = torch.Generator().manual_seed(0)
-    # fla's chunk kernels autotune on first use per (shape, dtype): (e) and (d) pay it, so they come last
+    # fla's chunk kernels autotune on first use per (shape, dtype): (d) pays it, so it comes last
     sections = {
         "b": section_b,
         "c": section_c,
-        "e": lambda _: section_e(args.toy_dir),
         "d": section_d,
     }
     start = time.perf_counter()

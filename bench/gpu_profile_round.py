@@ -3,12 +3,18 @@ pair, plus the GEMM chain alone (separate vs fused q|k|v and gate|up projections
 
     python3 bench/gpu_profile_round.py            # H200, about 2 minutes
     python3 bench/gpu_profile_round.py --context 16384 --cases DDTREE:64:1 --skip-gemm-chain --rounds 5
+    python3 bench/gpu_profile_round.py --shape qwen3.6-27b --skip-gemm-chain \
+        --cases NONE:0:1,DDTREE:64:1:extra_buffer,DDTREE:64:1:no_buffer,DDTREE:64:8,DDTREE:64:1::16384
+A case is ALGO:budget:batch[:strategy[:context]] (strategy: the hybrid state commit, default
+extra_buffer; context: default --context). --shape as `ddtree bench rounds` (the hybrid shape builds
+its random pair on the GPU; its GEMM chain is not modelled here: pass --skip-gemm-chain).
 Prints, per case: wall ms/round, GPU kernel ms/round (busy), the top kernels, and the GEMM-only floor ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from types import SimpleNamespace
@@ -17,15 +23,25 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ddtree.bench.cuda_timing import time_graph
-from ddtree.bench.random_pair import QWEN3_8B, build_pair, pair_configs, read_bytes
+from ddtree.bench.random_pair import (
+    QWEN3_8B,
+    build_pair,
+    pair_configs,
+    read_bytes,
+    shape_configs,
+)
 from ddtree.bench.rounds import measure_floor, prefilled_requests, runner_config
 from ddtree.engine.decoder import SpecConfig, SpecDecoder
 from ddtree.engine.model_runner import ModelRunner
 
 
-def profile_case(target, drafter, algo, budget, batch, context, rounds, top):
+def profile_case(target, drafter, algo, budget, batch, context, rounds, top, strategy):
     ns = SimpleNamespace(
-        block_size=16, page_size=16, attention_backend="triton", disable_cuda_graph=False
+        block_size=16,
+        page_size=16,
+        attention_backend="triton",
+        disable_cuda_graph=False,
+        mamba_strategy=strategy or "extra_buffer",
     )
     cfg = runner_config(algo, budget, batch, context, ns, torch.device("cuda"))
     runner = ModelRunner(target, drafter if algo != "NONE" else None, cfg, "cuda", torch.bfloat16)
@@ -70,6 +86,8 @@ def profile_case(target, drafter, algo, budget, batch, context, rounds, top):
     )
     busy = sum(k[1] for k in kern)
     name = f"{algo}{'' if algo == 'NONE' else ' B=' + str(budget)} b{batch} ctx{context}"
+    if target.config.is_hybrid:
+        name += f" {ns.mamba_strategy}"
     print(
         f"\n== {name}: wall {wall:.3f} ms/round, GPU kernels {busy:.3f} ms/round ({100 * busy / wall:.0f}% busy), "
         f"{sum(k[2] for k in kern):.0f} kernel launches/round"
@@ -133,8 +151,14 @@ def main(argv=None):
         help="comma-separated ALGO:budget:batch",
     )
     p.add_argument("--skip-gemm-chain", action="store_true")
+    p.add_argument(
+        "--shape", default=None, help="as `ddtree bench rounds --shape` (default qwen3-8b)"
+    )
     ns = p.parse_args(argv)
-    tcfg, dcfg = pair_configs(QWEN3_8B, 5, 16, "bfloat16")
+    if ns.shape and ns.shape != "qwen3-8b":
+        tcfg, dcfg = shape_configs(ns.shape, 5, 16, "bfloat16", False)
+    else:
+        tcfg, dcfg = pair_configs(QWEN3_8B, 5, 16, "bfloat16")
     target, drafter = build_pair(tcfg, dcfg, torch.device("cuda"), torch.bfloat16, 0)
     floor = measure_floor(target, drafter, torch.device("cuda"), 2048 << 20)
     bw = floor["bandwidth_Bps"]
@@ -150,8 +174,16 @@ def main(argv=None):
                 f"= {ms / (nbytes / bw * 1e3):.2f}x its weight-read floor"
             )
     for case in ns.cases.split(","):
-        algo, budget, batch = case.split(":")
-        profile_case(target, drafter, algo, int(budget), int(batch), ns.context, ns.rounds, ns.top)
+        algo, budget, batch, strategy, context = (case.split(":") + ["", ""])[:5]
+        ctx = int(context or ns.context)
+        try:
+            profile_case(
+                target, drafter, algo, int(budget), int(batch), ctx, ns.rounds, ns.top, strategy
+            )
+        except torch.OutOfMemoryError as e:  # e.g. extra_buffer's fp32 stash at batch 8, 27B
+            print(f"\n== {case}: out of memory ({str(e)[:120]}); next case", flush=True)
+        gc.collect()  # the failed case's runner goes with its traceback
+        torch.cuda.empty_cache()
     return 0
 
 

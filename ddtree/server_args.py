@@ -93,6 +93,11 @@ class ServerArgs:
         "largest (padded) batch size captured in CUDA graphs; default "
         f"min({DEFAULT_CUDA_GRAPH_MAX_BS}, --max-running-requests)",
     )
+    skip_server_warmup: bool = _opt(
+        False,
+        "serve at once: no start-up warm-up (on cuda the server otherwise compiles every kernel "
+        "first, /health 503 'warming up' until done)",
+    )
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
     api_key: str | None = _opt(

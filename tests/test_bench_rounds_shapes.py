@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 
 def test_production_shape_configs():
     from ddtree.bench.random_pair import shape_configs
@@ -21,9 +23,20 @@ def test_production_shape_configs():
     )
 
 
-def test_hybrid_smoke_run(tmp_path):
+@pytest.mark.parametrize("strategy", ["extra_buffer", "no_buffer"])
+def test_hybrid_smoke_run(tmp_path, monkeypatch, strategy):
+    """--mamba-strategy acts: every hybrid runner of the run has that commit strategy."""
     from ddtree.bench.rounds import main
+    from ddtree.engine import model_runner
 
+    seen = []
+    init = model_runner.ModelRunner.__init__
+
+    def spy(self, target, drafter, cfg, *a):
+        seen.append(cfg.mamba_strategy)
+        init(self, target, drafter, cfg, *a)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", spy)
     out = tmp_path / "r.json"
     assert (
         main(
@@ -42,6 +55,8 @@ def test_hybrid_smoke_run(tmp_path):
                 "--output",
                 str(out),
                 "--no-plot",
+                "--mamba-strategy",
+                strategy,
             ]
         )
         == 0
@@ -49,3 +64,11 @@ def test_hybrid_smoke_run(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["config"] for r in rows} == {"AR", "DFLASH", "DDTREE B=8"}
     assert all(r["ms"] > 0 for r in rows)
+    assert seen and set(seen) == {strategy}
+
+
+def test_mamba_strategy_is_refused_for_dense_shapes():
+    from ddtree.bench.rounds import main
+
+    with pytest.raises(SystemExit, match="hybrid targets only"):
+        main(["--smoke", "--mamba-strategy", "no_buffer"])

@@ -479,3 +479,39 @@ def test_graph_path_with_sampling_or_override_gives_plain_tokens(toy_pair, one_t
         outs.append([(o.token_ids, o.accept_lengths) for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
     assert any(e[0] == "draft" for e in log)
+
+
+def _slide(llm, window: int):
+    """The toy drafter's layers made sliding-window layers (causal in-block, z-lab semantics)."""
+    import dataclasses
+
+    d = llm.engine.runner.drafter
+    n = d.config.num_hidden_layers
+    d.config = dataclasses.replace(
+        d.config, layer_types=("sliding_attention",) * n, sliding_window=window
+    )
+
+
+def test_sliding_window_drafter_runs_the_draft_graph(toy_pair, one_torch_thread):
+    """A drafter with sliding-window layers is graph-capturable (the window is masked in the kernel):
+    the padded draft-graph path gives the eager path's tokens and accept lengths, and the window acts
+    (accept lengths differ from the full-attention drafter's)."""
+    from ddtree.engine.cuda_graph import _draft_capturable
+
+    prompts, params = [list(p) for p in toy_prompts(3)], PARAMS[:3]
+    outs = {}
+    for name, window, graphs in (("full", None, False), ("eager", 3, False), ("graph", 3, True)):
+        llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=8, max_running_requests=8)
+        if window:
+            _slide(llm, window)
+            assert _draft_capturable(llm.engine.runner) is None
+        if graphs:
+            g = attach_graphs(llm, 4)
+            calls = []
+            for gs in g.draft_sets.values():
+                gs.run = _recording(gs.run, calls, "draft")
+        outs[name] = [(o.token_ids, o.accept_lengths) for o in llm.generate(prompts, params)]
+    assert calls, "the draft graph never ran"
+    assert outs["graph"] == outs["eager"]
+    assert [t for t, _ in outs["eager"]] == [t for t, _ in outs["full"]]  # lossless either way
+    assert [a for _, a in outs["eager"]] != [a for _, a in outs["full"]], "the window did not act"

@@ -250,3 +250,19 @@ def test_replay_equals_gathered_node_state(seed):
     by_replay = replay_path(*ins, path, S0)
     assert by_copy.shape == S0.shape and rel(by_replay, by_copy) < TOL
     assert torch.equal(replay_conv_path(x, path, conv), gather_node_state(conv_states, accepted))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_root_conv_equals_the_one_node_tree_conv(dtype):
+    """AR rounds run `root_causal_conv1d`: bit-identical to `tree_causal_conv1d` on one-node trees
+    (outputs and node states), so AR and speculative rounds keep sharing one conv numerics."""
+    from ddtree.kernels.gdn import root_causal_conv1d, tree_causal_conv1d
+
+    gen = torch.Generator().manual_seed(3)
+    b, C = 3, 96
+    x, w = (torch.randn(*s, generator=gen).to(dtype) for s in ((b, C), (C, 4)))
+    st, bias = torch.randn(b, C, 3, generator=gen).to(dtype), torch.randn(C).to(dtype)
+    y, s = root_causal_conv1d(x, st, w, bias)
+    parents, valid = torch.full((b, 1), -1), torch.ones(b, 1, dtype=torch.bool)
+    ty, ts = tree_causal_conv1d(x[:, None], parents, st, w, bias, valid, True)
+    assert torch.equal(y, ty[:, 0]) and torch.equal(s, ts[:, 0])

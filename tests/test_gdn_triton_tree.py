@@ -228,3 +228,18 @@ def test_tree_context_on_the_kernel(monkeypatch, strategy, ssm_dtype):
     assert rel(o, ro) < TOL
     for name in stash:
         assert rel(stash[name], rstash[name]) < TOL, name
+
+
+def test_prefetch_variant_matches():
+    """prefetch=True (node i + 1's loads before node i's math) == the reference, with padding, a
+    one-node tree and chains (a parent just before its child stays in registers), and == the plain
+    walk bit for bit."""
+    sizes, n = [8, 1], 8
+    check(sizes, n, 16, seed=8, first_branch_is_path=False, kernel_kw={"prefetch": True})
+    gen = torch.Generator().manual_seed(8)
+    parents, depths = make_batch(sizes, n, gen)
+    q, k, v, g, beta, s0 = (t.to(DEV) for t in inputs(2, n, 2, 4, 16, gen, depths < 0))
+    to = (q, k, v, g, beta, parents.to(DEV), depths.to(DEV), s0)
+    a = kernel_module.tree_gated_delta_rule_triton(*to, return_node_states=True, prefetch=True)
+    b = kernel_module.tree_gated_delta_rule_triton(*to, return_node_states=True, prefetch=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -1,5 +1,6 @@
 """The hybrid engine end to end on the GPU code paths, run on the CPU: the Triton tree kernel (interpreter) for
-verify with node states (extra_buffer), the chunk-form tree rule for verify without them (no_buffer), and
+verify with node states (extra_buffer), the tree conv kernel, the chunk-form tree rule for verify
+without them (no_buffer), and
 fla's call signatures (a stand-in built from the reference) for prefill and replay. DFLASH and
 DDTREE stay token-identical to AR (all-reference) under both commit strategies."""
 
@@ -11,6 +12,7 @@ from triton_utils import cpu_interpreter_only, load_kernel_module
 from ddtree import SamplingParams
 
 load_kernel_module("ddtree.kernels.gdn.triton_tree")
+tree_conv = load_kernel_module("ddtree.kernels.gdn.tree_conv")
 
 from ddtree.kernels.gdn import backend, dispatch  # noqa: E402
 
@@ -34,6 +36,7 @@ def test_gpu_paths_are_lossless(monkeypatch, toy_hybrid_pair, ar_tokens, strateg
     monkeypatch.setattr(dispatch, "use_tree_chunk", lambda t: True)
     monkeypatch.setattr(dispatch, "use_fla", lambda t: True)
     monkeypatch.setattr(dispatch, "fla_ops", lambda: _fake_fla(calls))
+    monkeypatch.setattr(tree_conv, "use_triton", lambda t: True)
     backend.ran.clear()
     outs = run(
         toy_hybrid_pair,
@@ -51,6 +54,7 @@ def test_gpu_paths_are_lossless(monkeypatch, toy_hybrid_pair, ar_tokens, strateg
         and not backend.ran[("tree", {"triton": "chunk", "chunk": "triton"}[tree])]
     )
     assert backend.ran[("prefill", "fla")] and "chunk" in calls
+    assert backend.ran[("tree_conv", "triton")] and not backend.ran[("tree_conv", "reference")]
     assert not any(name == "reference" for _, name in backend.ran)
     if strategy == "no_buffer":
         assert backend.ran[("replay", "fla")] and "fused" in calls

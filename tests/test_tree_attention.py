@@ -283,7 +283,9 @@ def test_force_reference_switch(monkeypatch):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5)])
+@pytest.mark.parametrize(
+    "causal,window", [(False, None), (True, None), (True, 5), (True, 40), (False, 3)]
+)
 def test_backend_draft_block_matches_torch(causal, window):
     """Drafter block attention: cached context (paged) + the block's own K/V, ragged context lengths."""
     gen = torch.Generator().manual_seed(11)
@@ -334,6 +336,37 @@ def test_kernel_new_kv_full_visibility():
             new_kv=(k_new.double(), v_new.double()),
         )
         assert rel(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize(
+    "causal,new_kv,splits", [(True, False, 3), (True, True, 1), (False, True, 4)]
+)
+def test_kernel_sliding_window(causal, new_kv, splits):
+    """A sliding window applied in the kernel == the reference's window mask: decode, causal extend and
+    drafter-style blocks (new_kv), windows of one token, shorter than a tile, and wider than the context
+    (== no window); a short window changes the result, so the comparison can fail."""
+    gen = torch.Generator().manual_seed(21)
+    q_lens, kv_lens = [1, 6, 16], [300, 90, 200]
+    q, kp, vp, bt, indptr, kvl, _ = paged_inputs(q_lens, kv_lens, 16, 4, 2, 32, torch.float32, gen)
+    ext = tuple(torch.randn(q.shape[0], 2, 32, generator=gen).to(DEV) for _ in range(2))
+    pos = (bt, indptr, kvl, 16, 0.3)
+
+    def ref(window):
+        kv = tuple(t.double() for t in ext) if new_kv else None
+        qkv = (q.double(), kp.double(), vp.double())
+        return paged_attention_reference(
+            *qkv, *pos, causal=causal, new_kv=kv, window=window, acc_dtype=torch.float64
+        )
+
+    for window in (1, 3, 37, 1000):
+        kw = dict(causal=causal, new_kv=ext if new_kv else None, num_splits=splits)
+        out = paged_attention(q, kp, vp, *pos, max_q_len=16, max_kv_len=300, window=window, **kw)
+        assert torch.isfinite(out).all()
+        assert rel(out, ref(window)) < TOL[torch.float32], (window, rel(out, ref(window)))
+    assert rel(ref(1000), ref(None)) < 1e-12 and rel(ref(37), ref(None)) > 0.05
+    with pytest.raises(ValueError, match="tree mask"):
+        mask = torch.ones(3, 16, 16, dtype=torch.bool, device=DEV)
+        paged_attention_reference(q, kp, vp, *pos, window=4, tree_mask=mask)
 
 
 def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):

@@ -4,7 +4,7 @@ Dispatch: every extend shape (q = 1 decode, verify with a tree mask, causal chai
 through one kernel, `ddtree.kernels.tree_attention.triton.paged_attention`; its launch plan (kernel, tiles,
 splits, PDL) comes from `kernels/tree_attention/dispatch.py`, and `launch_plan` gives the graph runner the
 plan of a shape (what a captured graph replays). `draft_block` runs the same kernel with the block's K/V passed
-alongside (never stored), except for sliding-window layers, which use the torch reference.
+alongside (never stored); sliding-window layers pass their window to the kernel, which masks it per row.
 
 Falls back to the torch reference when DDTREE_FORCE_REFERENCE_ATTENTION=1, or when the tensors are on the CPU
 and Triton's interpreter (TRITON_INTERPRET=1) is off, or for head dims the kernel does not take
@@ -65,7 +65,7 @@ class TritonAttentionBackend:
 
     def launch_plan(self, shape, device: torch.device, num_splits: int | None = None):
         """The `dispatch.LaunchPlan` that `extend` / `draft_block` run for a call of `shape` (a
-        dispatch.AttentionShape; sliding-window drafter layers aside) with `num_splits` or this backend's split
+        dispatch.AttentionShape) with `num_splits` or this backend's split
         count: what a CUDA graph captured on this backend replays. Choosing the splits, ask after one call of
         the shape (it compiles the kernel variant whose resident-program count picks them)."""
         from ddtree.kernels.tree_attention import dispatch
@@ -102,9 +102,9 @@ class TritonAttentionBackend:
 
     def draft_block(self, q, k, v, ctx_cache, meta: DraftAttentionMetadata, scale, causal, window):
         """The same kernel with the block's K/V read from k/v (never stored). Assumes the block sits right
-        after the context (block_positions[i] = ctx_lens[i] + arange(S), as ModelRunner.draft builds it);
-        sliding-window layers go to the reference."""
-        if window is not None or self._use_reference(q):
+        after the context (block_positions[i] = ctx_lens[i] + arange(S), as ModelRunner.draft builds it),
+        so the kernel's index positions are the block's positions and a sliding window applies as is."""
+        if self._use_reference(q):
             return self._ref.draft_block(q, k, v, ctx_cache, meta, scale, causal, window)
         b, S, hq, d = q.shape
         hkv = k.shape[2]
@@ -124,5 +124,6 @@ class TritonAttentionBackend:
             causal=causal,
             new_kv=(k.reshape(b * S, hkv, d), v.reshape(b * S, hkv, d)),
             num_splits=self.num_splits,
+            window=window,
         )
         return out.view(b, S, hq, d)

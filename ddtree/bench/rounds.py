@@ -82,6 +82,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=None, help="default triton on GPU, torch on CPU")
     p.add_argument("--disable-cuda-graph", action="store_true", help="time eager rounds")
     p.add_argument(
+        "--mamba-strategy",
+        default="extra_buffer",
+        choices=("extra_buffer", "no_buffer"),
+        help="hybrid targets: the state commit (extra_buffer keeps a fp32 state per tree node: "
+        "~10 GB per request at the 27B shape, B=64)",
+    )
+    p.add_argument(
         "--copy-mib",
         type=int,
         default=None,
@@ -129,6 +136,8 @@ def runner_config(algo: str, budget: int, batch: int, context: int, ns, device):
         attention_backend=ns.attention_backend,
         enable_cuda_graph=device.type == "cuda" and not ns.disable_cuda_graph,
         cuda_graph_max_bs=batch,
+        # hybrid targets: the state commit (--mamba-strategy; gpu_profile_round.py sets it per case)
+        mamba_strategy=getattr(ns, "mamba_strategy", "extra_buffer"),
     )
 
 
@@ -272,6 +281,11 @@ def run(ns) -> int:
             ns.drafter_layers or (2 if smoke else 5),
             ns.block_size,
             str(dtype).removeprefix("torch."),
+        )
+    if not tcfg.is_hybrid and ns.mamba_strategy != "extra_buffer":
+        raise SystemExit(
+            f"--mamba-strategy {ns.mamba_strategy} applies to hybrid targets only (e.g. --shape "
+            "qwen3.6-27b); drop it for this shape"
         )
     target, drafter = build_pair(tcfg, dcfg, device, dtype, ns.seed)
     floor = measure_floor(target, drafter, device, (ns.copy_mib or (16 if smoke else 2048)) << 20)

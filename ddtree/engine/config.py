@@ -193,7 +193,7 @@ class PoolPlan:
     state_bytes_per_request: int  # persistent conv + SSM state (0 for dense targets)
     spec_state_bytes_per_request: int  # tree-verify stash
     state_pool_bytes: int
-    state_rows: int | None  # requests the state pool holds (None for dense targets)
+    state_rows: int | None  # requests the state pool holds, its scratch row aside (None: dense)
     kv_pool_bytes: int
     kv_tokens: int  # KV slots handed out (= num_pages x page_size)
     num_pages: int
@@ -247,12 +247,13 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         spec_state = geo.stash_bytes(width, strategy, args.mamba_ssm_dtype, args.dtype) // tp
         per_request = state + spec_state
         r = args.mamba_full_memory_ratio
+        # one row more than the requests': the scratch row padded CUDA-graph rows write
         state_pool = (
-            min(args.max_mamba_cache_size * per_request, rest)
+            min((args.max_mamba_cache_size + 1) * per_request, rest)
             if args.max_mamba_cache_size
             else int(rest * r / (1 + r))
         )
-        rows = state_pool // per_request
+        rows = max(state_pool // per_request - 1, 0)
         if rows < n_req:
             warnings.append(
                 f"the state pool holds {rows} requests < --max-running-requests {n_req}; "

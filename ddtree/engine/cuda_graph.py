@@ -64,8 +64,6 @@ def make_graph_runner(runner) -> CudaGraphRunner | None:
     why = None
     if runner.device.type != "cuda":
         why = f"the device is {runner.device.type}"
-    elif runner.state_pool is not None:
-        why = "hybrid (Gated DeltaNet) targets are not captured yet"
     else:  # the backend says whether a kernel (capturable) or the reference runs the verify shape
         shape = VerifyGraph.shape_of(runner, 1, runner.cfg.max_verify_width, runner.cfg.max_context)
         plan = runner.backend.launch_plan(shape, runner.device, num_splits=1)
@@ -103,13 +101,7 @@ def _draft_capturable(runner) -> str | None:
     d = runner.drafter
     if d is None:
         return "no drafter"
-    if any(d.config.layer_window(i) is not None for i in range(d.config.num_hidden_layers)):
-        # sliding-window layers use the torch reference: a host loop over ctx_lens with per-request
-        # gathers whose shapes are the live context lengths, baked in at capture
-        return (
-            "the drafter has sliding-window layers (torch reference attention: data-dependent "
-            "shapes)"
-        )
+    # sliding-window layers run the kernel too (the window is masked in it): no refusal for them
     if not _kernel_head_dim(d.config.head_dim):
         return f"the drafter head dim {d.config.head_dim} runs the torch reference"
     return None
@@ -184,7 +176,8 @@ class CudaGraphRunner:
         self.verify_set = GraphSet(self, v.forward, v.attention_shape, cfg.max_context + v.n, v.n)
         # commit (KV move + drafter context write) on the verify buffers: graphs keyed by padded
         # batch only
-        self.commit_graph = CommitGraph(v) if v.accept_depth is not None else None
+        # (hybrid targets: the AR round's state commit too)
+        self.commit_graph = CommitGraph(v) if v.accept_depth is not None or v.hybrid else None
         self.commit_graphs: dict[int, object] = {}
         self._verified = 0  # live rows of the verify replay whose commit is pending (0: none)
 
@@ -304,7 +297,7 @@ class CudaGraphRunner:
         ok = (
             self.commit_graph is not None
             and self._verified == path.shape[0]
-            and path.shape[1] == v.accept_depth + 1
+            and path.shape[1] == self.commit_graph.width
             and (taps is None or (v.taps is not None and taps.data_ptr() == v.taps.data_ptr()))
         )
         if not ok:

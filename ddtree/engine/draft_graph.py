@@ -48,7 +48,8 @@ class DraftGraph:
     def attention_shape(self, bs: int, bound: int) -> AttentionShape:
         """The shape of the drafter's last attention call in `forward(bs, ., [bound] * bs)`."""
         d, k_pool = self.runner.drafter.config, self.runner.draft_kv.layer(0)[0]
-        causal = d.layer_is_causal(d.num_hidden_layers - 1)
+        last = d.num_hidden_layers - 1
+        causal = d.layer_is_causal(last)
         return AttentionShape(
             bs,
             self.S,
@@ -61,6 +62,7 @@ class DraftGraph:
             MODES["causal" if causal else "all"],
             True,
             k_pool.is_contiguous() and k_pool.data_ptr() % 16 == 0,
+            d.layer_window(last) or 0,
         )
 
     def add_tree(self, spec: tuple) -> None:

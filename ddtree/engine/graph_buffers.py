@@ -19,6 +19,13 @@ What a replay covers (nothing in between needs the host):
     on the verify graph's static rows / lengths / taps, graphs keyed by padded batch (padded rows:
     path 0, length 0, their moves and writes stay in the scratch pages). Used whenever the round's
     verify replayed.
+
+Hybrid (Gated DeltaNet) targets: the state pool's rows are addressed through a static index tensor
+(`VerifyGraph.state_rows`, filled by `load`; padded rows: the pool's scratch row), so the verify's tree
+recurrence, node-state stash and conv windows along ancestor chains, and the commit's state copy
+(extra_buffer) or replay (no_buffer) run inside the graphs; padded rows read and write only the scratch
+row (several padded rows share it: its contents are garbage, never read by a live row). The AR round
+(one-node trees) verifies and commits its root the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ class Padding:
     def __init__(self, runner, max_bs: int):
         dev, P = runner.device, runner.bm.max_pages_per_req
         self.page_size = runner.cfg.page_size
+        pool = runner.state_pool
+        # the hybrid state pool's row of padded requests (None: dense target)
+        self.state_row = None if pool is None else pool.scratch_row
         self.scratch = torch.tensor(runner.scratch_pages, dtype=torch.int64, device=dev)
         self.rows = (
             self.scratch[torch.arange(P, device=dev) % len(self.scratch)]
@@ -93,6 +103,13 @@ class VerifyGraph:
         # depth bound of the trees the decoder verifies (drafted block minus its root); the walk
         # needs n > 1
         self.accept_depth = cfg.block_size - 1 if n > 1 and cfg.block_size > 1 else None
+        # hybrid: state-pool rows of the live requests (padded: the scratch row); the GDN layers
+        # read the tree fields too
+        self.hybrid = padding.state_row is not None
+        self.pad_state_row = padding.state_row
+        if self.hybrid:
+            self.state_rows = torch.full((M,), padding.state_row, dtype=torch.int64, device=dev)
+        self.tree_fields = self.accept_depth is not None or self.hybrid
         self.live = 0  # leading rows that may hold live data (the rest are in the padding state)
 
     @staticmethod
@@ -129,6 +146,8 @@ class VerifyGraph:
         self.parents[lo:hi].fill_(-1)
         self.depths[lo:hi].zero_()
         self.valid[lo:hi].zero_()
+        if self.hybrid:
+            self.state_rows[lo:hi].fill_(self.pad_state_row)
 
     def load(self, meta, tree: DraftTree) -> int:
         """The round's rows (meta: RoundMeta after allocation) and tree; returns the live
@@ -145,11 +164,25 @@ class VerifyGraph:
         self.slots[:T].copy_(self.runner.slots_of(meta.rows, lens + self.arange).flatten())
         torch.add(meta.lens, n, out=self.kv_lens[:b])
         self.mask[:b].copy_(tree.tree_mask)
-        if self.accept_depth is not None:
+        if self.tree_fields:
             self.parents[:b].copy_(tree.parents)
             self.depths[:b].copy_(tree.depths)
             self.valid[:b].copy_(tree.valid)
+        if self.hybrid:
+            self.state_rows[:b].copy_(meta.slot_ids)
         return b
+
+    def _tree(self, bs: int) -> DraftTree:
+        """The static tree of rows [0, bs) (depth bound: the decoder's, 0 for one-node trees)."""
+        n = self.n
+        return DraftTree(
+            self.ids[: bs * n].view(bs, n),
+            self.parents[:bs],
+            self.depths[:bs],
+            self.valid[:bs],
+            self.mask[:bs],
+            self.accept_depth or 0,
+        )
 
     def forward(self, bs: int, backend, host_kv_lens: list[int]) -> tuple:
         n, T = self.n, bs * self.n
@@ -163,7 +196,12 @@ class VerifyGraph:
             page_size=self.runner.cfg.page_size,
             tree_mask=self.mask[:bs],
         )
-        hidden, taps = self.runner.target_forward(self.ids[:T], self.pos[:T], meta, backend)
+        linear = None
+        if self.hybrid:  # GDN layers: the tree rule over the static tree and state rows
+            linear = self.runner.state_pool.tree_context(self.state_rows[:bs], self._tree(bs))
+        hidden, taps = self.runner.target_forward(
+            self.ids[:T], self.pos[:T], meta, backend, linear=linear
+        )
         if taps is not None:
             self.taps[:T].copy_(taps)
         logits = self.runner.target.logits(hidden)
@@ -173,15 +211,7 @@ class VerifyGraph:
         # memory per graph)
         if self.accept_depth is None:
             return (tokens,)
-        tree = DraftTree(
-            self.ids[:T].view(bs, n),
-            self.parents[:bs],
-            self.depths[:bs],
-            self.valid[:bs],
-            self.mask[:bs],
-            self.accept_depth,
-        )
-        res = accept_tree(tree, tokens)
+        res = accept_tree(self._tree(bs), tokens)
         return tokens, res.accept_length, res.path, res.out_tokens, res.num_out, res.last_node
 
     def outputs(self, out: tuple, b: int, depth_bound: int):
@@ -197,12 +227,14 @@ class VerifyGraph:
 
 class CommitGraph:
     """`ModelRunner.commit_kv` on the verify graph's rows, lengths and taps: the accepted path and
-    length."""
+    length; for hybrid targets first the state commit on the verify's state rows (padded rows:
+    path 0, length 0 on the scratch row)."""
 
     def __init__(self, verify: VerifyGraph):
         self.verify, self.runner = verify, verify.runner
         M, dev = verify.pad_rows.shape[0], verify.runner.device
-        self.path = torch.zeros(M, verify.accept_depth + 1, dtype=torch.int64, device=dev)
+        self.width = (verify.accept_depth or 0) + 1  # path columns: root + the depth bound
+        self.path = torch.zeros(M, self.width, dtype=torch.int64, device=dev)
         self.length = torch.zeros(M, dtype=torch.int64, device=dev)
         self.live = 0
 
@@ -221,6 +253,8 @@ class CommitGraph:
 
     def forward(self, bs: int) -> None:
         v, n = self.verify, self.verify.n
+        if v.hybrid:
+            self.runner.state_pool.commit(v.state_rows[:bs], self.path[:bs], self.length[:bs])
         taps = v.taps[: bs * n].view(bs, n, -1) if v.taps is not None else None
         self.runner.commit_kv(
             v.kv_lens[:bs] - n, v.rows[:bs], self.path[:bs], self.length[:bs], taps

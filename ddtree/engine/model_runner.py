@@ -113,6 +113,7 @@ class ModelRunner:
                 cfg.mamba_strategy,
                 cfg.mamba_ssm_dtype,
                 target.model.embed_tokens.weight.dtype,
+                scratch_row=True,  # what padded CUDA-graph rows read and write
             )
         # hybrid prefix hits restore a recurrent-state checkpoint taken at a page boundary
         self.checkpoints = None
@@ -354,14 +355,7 @@ class ModelRunner:
         meta = meta or self.round_meta(reqs)
         # the allocation above may add pages
         meta.rows = self.bm.block_table.index_select(0, meta.slot_ids)
-        linear = None
-        if self.state_pool is not None:
-            linear = self.state_pool.tree_context(meta.slots, tree)
-        if (
-            linear is None
-            and self.graphs is not None
-            and self.graphs.can_verify(b, n, max(meta.kv_lens) + n)
-        ):
+        if self.graphs is not None and self.graphs.can_verify(b, n, max(meta.kv_lens) + n):
             logits, taps, tokens, res = self.graphs.verify(meta, tree)
             return VerifyOut(
                 logits.view(b, n, -1),
@@ -371,6 +365,9 @@ class ModelRunner:
             )
         if self.graphs is not None:
             self.graphs.drop_pending_commit()  # this round's commit runs eagerly
+        linear = None
+        if self.state_pool is not None:
+            linear = self.state_pool.tree_context(meta.slot_ids, tree)
         hidden, taps = self.target_forward(
             tree.tokens.flatten(),
             (meta.lens[:, None] + tree.depths).flatten(),
@@ -413,12 +410,12 @@ class ModelRunner:
         round: its RoundMeta is dropped (`advance` applies the accepted lengths once read back)."""
         meta = meta or self.round_meta(reqs)
         self._round = None
-        if self.state_pool is not None:
-            self.state_pool.commit(meta.slot_ids, path, accept_length)
-        elif self.graphs is not None and self.graphs.can_commit(path, taps):
-            # the same moves and writes, replayed on the verify buffers
+        if self.graphs is not None and self.graphs.can_commit(path, taps):
+            # the same state commit, moves and writes, replayed on the verify buffers
             self.graphs.commit(path, accept_length)
             return
+        if self.state_pool is not None:
+            self.state_pool.commit(meta.slot_ids, path, accept_length)
         self.commit_kv(meta.lens, meta.rows, path, accept_length, taps)
 
     def commit_kv(self, lens, rows, path, accept_length, taps) -> None:

@@ -86,7 +86,7 @@ def build_runner(args, device: torch.device) -> tuple[ModelRunner, int]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         state = pools.spec_state_bytes_per_request + pools.state_bytes_per_request
-        need = pools.kv_tokens * pools.kv_bytes_per_token + cfg.max_running_requests * state
+        need = pools.kv_tokens * pools.kv_bytes_per_token + (cfg.max_running_requests + 1) * state
         if need > free:  # the plan assumes the device holds only this engine
             logger.warning(
                 "the KV and state pools (%.1f GiB) exceed the free device memory (%.1f GiB): "

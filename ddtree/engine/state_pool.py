@@ -8,7 +8,9 @@ the last accepted node:
   extra_buffer: node_conv [L, R, W, C, K-1], node_ssm [L, R, W, Hv, dk, dv]  -> commit copies one node
   no_buffer:    node_x [L, R, W, C] (pre-conv), node_y [L, R, W, C] (post-conv q|k|v), node_g [L, R, W, Hv]
                 fp32, node_beta [L, R, W, Hv]                                  -> commit replays the path
-W = max_verify_width (root included). Under no_buffer the verify itself keeps no per-node states either: on
+W = max_verify_width (root included). With `scratch_row` the pool has one row past the requests'
+(index max_reqs) that no request owns: the padded rows of a CUDA graph read and write only it.
+Under no_buffer the verify itself keeps no per-node states either: on
 CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk.py), extra_buffer the Triton tree kernel.
 """
 
@@ -22,9 +24,9 @@ from ddtree.kernels.gdn import (
     causal_conv1d_step,
     causal_conv1d_varlen,
     replay_conv_path,
-    tree_causal_conv1d,
 )
 from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree_rule
+from ddtree.kernels.gdn.tree_conv import conv as tree_conv
 
 STRATEGIES = ("extra_buffer", "no_buffer")
 _SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,6 +62,7 @@ class HybridStatePool:
         strategy: str = "extra_buffer",
         ssm_dtype="float32",
         dtype=torch.bfloat16,
+        scratch_row: bool = False,
     ):
         if strategy not in STRATEGIES:
             raise ValueError(
@@ -67,7 +70,15 @@ class HybridStatePool:
             )
         self.geo, self.strategy, self.width = geo, strategy, max_verify_width
         self.ssm_dtype, self.dtype = _dtype(ssm_dtype), _dtype(dtype)
-        L, R, W, C, Km1 = geo.num_layers, max_reqs, max_verify_width, geo.conv_dim, geo.kernel - 1
+        # the scratch row (padded graph rows) sits past the requests' rows
+        self.scratch_row = max_reqs if scratch_row else None
+        L, R, W, C, Km1 = (
+            geo.num_layers,
+            max_reqs + scratch_row,
+            max_verify_width,
+            geo.conv_dim,
+            geo.kernel - 1,
+        )
         S = (geo.hv, geo.dk, geo.dv)
 
         def zeros(*shape, dt=self.dtype):
@@ -95,6 +106,7 @@ class HybridStatePool:
         strategy="extra_buffer",
         ssm_dtype="float32",
         dtype=torch.bfloat16,
+        scratch_row: bool = False,
     ) -> "HybridStatePool":
         return cls(
             GDNGeometry.from_config(cfg),
@@ -104,6 +116,7 @@ class HybridStatePool:
             strategy,
             ssm_dtype,
             dtype,
+            scratch_row,
         )
 
     @property
@@ -234,7 +247,9 @@ class TreeContext:
 
     def conv(self, j, x, weight, bias):
         xb = x.view(self.b, self.n, -1)
-        y, node_states = tree_causal_conv1d(
+        # the conv along ancestor chains: one Triton launch on CUDA (AR's one-node trees too, so
+        # every round shares its numerics), the reference elsewhere (kernels/gdn/tree_conv.py)
+        y, node_states = tree_conv(
             xb,
             self.parents,
             self.pool.conv[j, self.slots],

@@ -7,7 +7,8 @@ text that can no longer be taken back by a stop string into that request's async
 
 Liveness: the loop stamps `_tick` every iteration; `health_problem()` reports a dead thread, or a
 loop that has not come round for STALL_TIMEOUT_S (a step that hangs), so /health turns 503 instead
-of staying green.
+of staying green. A start-up warm-up (engine/warmup.py) runs on the engine thread before the loop;
+until it ends /health answers 503 "warming up" (requests sent meanwhile wait in the queue).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ IDLE_POLL_S = 0.05
 # SGLang's health-check timeout; a real step takes milliseconds to a few seconds
 STALL_TIMEOUT_S = 20.0
 SHUTTING_DOWN = "server is shutting down"
+WARMING_UP = "warming up"  # /health's 503 while the start-up warm-up runs (engine/warmup.py)
 
 
 class EngineUnavailable(Exception):
@@ -79,8 +81,11 @@ class Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine, metrics=None):
+    def __init__(self, engine, metrics=None, warmup: Callable[[], object] | None = None):
         self.engine, self.metrics = engine, metrics
+        # run on the engine thread before the loop; /health says "warming up" (503) until it ends
+        self._warmup = warmup
+        self._warming = warmup is not None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
         self._stop = threading.Event()
@@ -109,6 +114,8 @@ class AsyncEngine:
         """Why the engine cannot serve (for /health), or None."""
         if not self.alive:
             return "the engine is not running"
+        if self._warming:
+            return WARMING_UP
         stalled = time.monotonic() - self._tick
         if stalled > self.stall_timeout_s:
             return f"the engine loop has not completed a step for {stalled:.0f} s"
@@ -156,6 +163,13 @@ class AsyncEngine:
 
     # ---- engine thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self._warmup is not None:
+            try:
+                self._warmup()
+            except Exception:  # noqa: BLE001 - a failed warm-up costs the first requests, no more
+                logger.exception("warm-up failed; serving without it")
+            self._tick = time.monotonic()
+            self._warming = False
         while not self._stop.is_set():
             self._tick = time.monotonic()
             self._run_commands(block=not self.engine.has_unfinished())

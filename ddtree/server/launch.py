@@ -40,8 +40,18 @@ def build_app(args: ServerArgs, **app_kw):
     if args.enable_metrics:
         longest_round = engine.spec.block_size if args.is_speculative else 1
         metrics = ServerMetrics(args.speculative_algorithm, longest_round)
-    aengine = AsyncEngine(engine, metrics)
+    aengine = AsyncEngine(engine, metrics, warmup=warmup_of(engine, args))
     return create_app(aengine, args, metrics, **app_kw), aengine
+
+
+def warmup_of(engine, args):
+    """The start-up warm-up (engine/warmup.py) the engine thread runs before serving, or None: with
+    --skip-server-warmup, and on the CPU (nothing compiles there: no Triton, no graphs)."""
+    if args.skip_server_warmup or engine.device.type != "cuda":
+        return None
+    from ddtree.engine.warmup import warm_up
+
+    return lambda: warm_up(engine)
 
 
 def draining_server(config, aengine, drain_timeout: float):

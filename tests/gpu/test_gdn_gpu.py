@@ -111,3 +111,86 @@ def test_chunk_and_recurrent_dispatch_match_reference(dtype):
         "decode_state": rel(Sd, rSd),
     }
     assert torch.isfinite(Sd).all() and all(e < tol for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("b,acc", [(1, 1), (1, 16), (8, 8)])
+def test_no_buffer_commit_rule_matches_reference(b, acc):
+    """The no_buffer commit's rule part on 48 layers' accepted chains (what HybridStatePool._replay
+    hands the dispatch): the dispatch replay (fla fused recurrent where installed) and the
+    chunk-form state of the chain's last node vs reference.replay_path. Formerly section (c') of
+    bench/gpu_gdn_tree.py."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn import dispatch, reference
+    from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule
+
+    dev, P = torch.device("cuda"), 17
+    N = 48 * b
+    torch.manual_seed(b)
+    q, k = (torch.randn(N, P, HK, DK, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(N, P, HV, DV, device=dev, dtype=torch.bfloat16)
+    g = -torch.rand(N, P, HV, device=dev) * 2
+    beta = torch.rand(N, P, HV, device=dev, dtype=torch.bfloat16)
+    s0 = torch.randn(N, HV, DK, DV, device=dev) * 0.1
+    step = torch.arange(P, device=dev)
+    path = torch.where(step <= acc, step, -1).repeat(N, 1)
+    par = torch.where(path > 0, step - 1, -1)
+    dep = torch.where(path >= 0, step, -1)
+    want = reference.replay_path(q, k, v, g, beta, path, s0)
+    assert rel(dispatch.replay(q, k, v, g, beta, path, s0), want) < 5e-3
+    last = torch.full((N,), acc, device=dev)
+    got = tree_chunk_gated_delta_rule(q, k, v, g, beta, par, dep, s0, max_depth=16, last=last)[1]
+    assert rel(got, want) < 1e-4
+
+
+def test_root_conv_equals_the_one_node_tree_conv_on_the_device():
+    """AR rounds' `root_causal_conv1d` == the one-node `tree_causal_conv1d`, bit for bit on CUDA."""
+    from ddtree.kernels.gdn import root_causal_conv1d, tree_causal_conv1d
+
+    dev = torch.device("cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(5, 10240, device=dev, dtype=dtype), torch.randn(10240, 4, device=dev)
+        st = torch.randn(5, 10240, 3, device=dev, dtype=dtype)
+        y, s = root_causal_conv1d(x, st, w.to(dtype))
+        parents = torch.full((5, 1), -1, device=dev)
+        valid = torch.ones(5, 1, dtype=torch.bool, device=dev)
+        ty, ts = tree_causal_conv1d(x[:, None], parents, st, w.to(dtype), None, valid, True)
+        assert torch.equal(y, ty[:, 0]) and torch.equal(s, ts[:, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gating_and_gated_norm_match_reference(dtype):
+    """kernels/gdn/fused.py on the device (the 27B shape: Hv 48, dv 128, 65 tree nodes) vs the
+    references."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn import fused, reference
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(4)
+    a, b = ((torch.randn(65, HV, generator=gen) * 8).to(dev, dtype) for _ in range(2))
+    A_log, dt = (torch.randn(HV, generator=gen).to(dev, dtype) for _ in range(2))
+    g, beta = fused.gdn_gating(a, b, A_log, dt)
+    rg, rbeta = reference.gdn_gating(a, b, A_log, dt)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert rel(g, rg) < 1e-5 and rel(beta, rbeta) < tol
+    x, z = (torch.randn(65, HV, DV, generator=gen).to(dev, dtype) for _ in range(2))
+    w = (1 + 0.2 * torch.randn(DV, generator=gen)).to(dev, dtype)
+    assert rel(fused.gated_rmsnorm(x, z, w, 1e-6), reference.gated_rmsnorm(x, z, w, 1e-6)) < tol
+
+
+@pytest.mark.parametrize("b,n", [(1, 1), (1, 65), (8, 65)])
+def test_tree_conv_kernel_matches_reference(b, n):
+    """kernels/gdn/tree_conv.py at the 27B shape (C = 10240 conv channels, bf16) vs
+    reference.tree_causal_conv1d: outputs, and the node states bit for bit."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn import reference
+    from ddtree.kernels.gdn.tree_conv import tree_causal_conv1d_triton
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(n)
+    parents, _ = tree(b, n, "bushy", gen, dev)
+    C = 2 * HK * DK + HV * DV
+    x = torch.randn(b, n, C, generator=gen).to(dev, torch.bfloat16)
+    st = torch.randn(b, C, 3, generator=gen).to(dev, torch.bfloat16)
+    w = torch.randn(C, 4, generator=gen).to(dev, torch.bfloat16)
+    valid = torch.ones(b, n, dtype=torch.bool, device=dev)
+    y, s = tree_causal_conv1d_triton(x, parents, st, w, None, valid, True)
+    ry, rs = reference.tree_causal_conv1d(x, parents, st, w, None, valid, True)
+    assert rel(y, ry) < 1e-2 and torch.equal(s, rs)

@@ -93,5 +93,5 @@ def describe(device) -> dict[str, str]:
         "tree_no_states": "chunk"
         if use_tree_chunk(t)
         else ("triton" if use_triton(t) else "reference"),
-        "tree_conv": "torch-gather",
+        "tree_conv": "triton" if use_triton(t) else "reference",
     }

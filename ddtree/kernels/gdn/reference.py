@@ -26,6 +26,16 @@ def gdn_gating(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Te
     return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
+def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x [..., D] over D (plain weight, not 1 + w), then times silu(z) (Qwen3.5's gated norm;
+    HF's rounding: the normalised x in x's dtype, times the weight, times silu(z) in fp32)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * F.silu(z.float())).to(dtype)
+
+
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -245,6 +255,17 @@ def tree_causal_conv1d(
         y = torch.where(valid[..., None], y, 0)
     states = win[..., 1:].to(conv_state.dtype) if return_node_states else None
     return y.to(x.dtype), states
+
+
+def root_causal_conv1d(
+    x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """`tree_causal_conv1d` of one-node trees (AR rounds), without the ancestor gathers: x [b, C] roots,
+    conv_state [b, C, K-1]. The window is laid out as there ([K, C] rows, viewed [C, K]) so the fp32
+    sum runs over the same strides. Returns (y [b, C], node state [b, C, K-1])."""
+    ext = torch.cat([conv_state.float().transpose(1, 2), x.float()[:, None]], 1)  # [b, K, C]
+    win = ext.transpose(1, 2)  # [b, C, K]
+    return _conv_silu(win, weight, bias).to(x.dtype), win[..., 1:].to(conv_state.dtype)
 
 
 def tree_gated_delta_rule(

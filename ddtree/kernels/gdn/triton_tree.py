@@ -34,6 +34,60 @@ if triton is not None:
     # tl.sum / tl.zeros are @jit helpers the interpreter cannot call when triton was imported before
     # TRITON_INTERPRET was set; tl.reduce with the standard combine function is the same IR on GPU.
     @triton.jit
+    def _node_inputs(
+        j,
+        n,
+        node_base,
+        valid_ptr,
+        par_ptr,
+        st_base,
+        st_n,
+        mk,
+        mv,
+        mtile,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        g_ptr,
+        beta_ptr,
+        pid_b,
+        h,
+        hk,
+        rk,
+        rv,
+        sq_b,
+        sq_n,
+        sq_h,
+        sk_b,
+        sk_n,
+        sk_h,
+        sv_b,
+        sv_n,
+        sv_h,
+        HV,
+    ):
+        # node j's inputs and its parent's post-state (not when the parent is node j - 1: that one
+        # is still in registers, or not yet computed when prefetching); j >= n: nothing (ok False)
+        row = node_base + j
+        inb = j < n
+        ok = (tl.load(valid_ptr + row, mask=inb, other=0) != 0) & inb
+        par = tl.load(par_ptr + row, mask=inb, other=-1).to(tl.int64)
+        has_par = ok & (par >= 0)
+        S = tl.load(
+            st_base + tl.maximum(par, 0) * st_n,
+            mask=mtile & has_par & (par != j - 1),
+            other=0.0,
+        ).to(tl.float32)
+        mk_ok = mk & ok
+        q = tl.load(q_ptr + pid_b * sq_b + j * sq_n + hk * sq_h + rk, mask=mk_ok, other=0.0)
+        k = tl.load(k_ptr + pid_b * sk_b + j * sk_n + hk * sk_h + rk, mask=mk_ok, other=0.0)
+        v = tl.load(v_ptr + pid_b * sv_b + j * sv_n + h * sv_h + rv, mask=mv & ok, other=0.0)
+        gb = row * HV + h
+        g = tl.load(g_ptr + gb, mask=ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + gb, mask=ok, other=0.0).to(tl.float32)
+        return ok, par, has_par, S, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), g, beta
+
+    @triton.jit
     def _tree_gdn_kernel(
         q_ptr,
         k_ptr,
@@ -73,6 +127,7 @@ if triton is not None:
         L2NORM: tl.constexpr,
         S0_ROWS: tl.constexpr,
         ST_ROWS: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         pid_b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -99,33 +154,114 @@ if triton is not None:
         )  # node i's tile at st_base + i * st_n
         node_base = pid_b * n  # row of [b, n] tensors
         S_prev = s0
+        # with PREFETCH, node i + 1's loads (its parent's state included, unless the parent is node
+        # i) are issued before node i's math, so their latency hides behind it: the walk is a chain
+        # of dependent steps, latency-bound at small batch. Same arithmetic either way.
+        nxt = _node_inputs(
+            0,
+            n,
+            node_base,
+            valid_ptr,
+            par_ptr,
+            st_base,
+            st_n,
+            mk,
+            mv,
+            mtile,
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            g_ptr,
+            beta_ptr,
+            pid_b,
+            h,
+            hk,
+            rk,
+            rv,
+            sq_b,
+            sq_n,
+            sq_h,
+            sk_b,
+            sk_n,
+            sk_h,
+            sv_b,
+            sv_n,
+            sv_h,
+            HV,
+        )
         for i in range(n):
-            row = node_base + i
-            ok = tl.load(valid_ptr + row) != 0
-            par = tl.load(par_ptr + row).to(tl.int64)
-            has_par = ok & (par >= 0)
-            # parent's post-state: written earlier by this very program (parent < i); a parent just before
-            # its child (chains) is still in registers and is not re-read
+            if PREFETCH:
+                cur = nxt
+                nxt = _node_inputs(
+                    i + 1,
+                    n,
+                    node_base,
+                    valid_ptr,
+                    par_ptr,
+                    st_base,
+                    st_n,
+                    mk,
+                    mv,
+                    mtile,
+                    q_ptr,
+                    k_ptr,
+                    v_ptr,
+                    g_ptr,
+                    beta_ptr,
+                    pid_b,
+                    h,
+                    hk,
+                    rk,
+                    rv,
+                    sq_b,
+                    sq_n,
+                    sq_h,
+                    sk_b,
+                    sk_n,
+                    sk_h,
+                    sv_b,
+                    sv_n,
+                    sv_h,
+                    HV,
+                )
+            else:
+                cur = _node_inputs(
+                    i,
+                    n,
+                    node_base,
+                    valid_ptr,
+                    par_ptr,
+                    st_base,
+                    st_n,
+                    mk,
+                    mv,
+                    mtile,
+                    q_ptr,
+                    k_ptr,
+                    v_ptr,
+                    g_ptr,
+                    beta_ptr,
+                    pid_b,
+                    h,
+                    hk,
+                    rk,
+                    rv,
+                    sq_b,
+                    sq_n,
+                    sq_h,
+                    sk_b,
+                    sk_n,
+                    sk_h,
+                    sv_b,
+                    sv_n,
+                    sv_h,
+                    HV,
+                )
+            ok, par, has_par, S, q, k, v, g, beta = cur
+            # parent's post-state: written earlier by this very program (parent < i); a parent
+            # just before its child (chains) is still in registers and is not re-read
             chain = has_par & (par == i - 1)
-            S = tl.load(
-                st_base + tl.maximum(par, 0) * st_n,
-                mask=mtile & has_par & (par != i - 1),
-                other=0.0,
-            ).to(tl.float32)
             S = tl.where(chain, S_prev, tl.where(has_par, S, s0))
-            mk_ok = mk & ok
-            q = tl.load(q_ptr + pid_b * sq_b + i * sq_n + hk * sq_h + rk, mask=mk_ok, other=0.0).to(
-                tl.float32
-            )
-            k = tl.load(k_ptr + pid_b * sk_b + i * sk_n + hk * sk_h + rk, mask=mk_ok, other=0.0).to(
-                tl.float32
-            )
-            v = tl.load(
-                v_ptr + pid_b * sv_b + i * sv_n + h * sv_h + rv, mask=mv & ok, other=0.0
-            ).to(tl.float32)
-            gb = row * HV + h
-            g = tl.load(g_ptr + gb, mask=ok, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + gb, mask=ok, other=0.0).to(tl.float32)
             if L2NORM:
                 q = q * (1.0 / tl.sqrt(tl.reduce(q * q, 0, tl.standard._sum_combine) + 1e-6))
                 k = k * (1.0 / tl.sqrt(tl.reduce(k * k, 0, tl.standard._sum_combine) + 1e-6))
@@ -144,7 +280,7 @@ if triton is not None:
                 o.to(o_ptr.dtype.element_ty),
                 mask=mv,
             )
-            tl.debug_barrier()  # this node's state tile is visible to all threads before a child reads it
+            tl.debug_barrier()  # this node's state is visible to all threads before a child reads it
 
 
 def _last_unit(t: Tensor) -> Tensor:
@@ -187,6 +323,7 @@ def tree_gated_delta_rule_triton(
     state_rows: Tensor | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
+    prefetch: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Same arguments and returns as `reference.tree_gated_delta_rule` (max_depth is unused here), plus:
     node_states: optional buffer the node post-states are written to (the kernel always needs one, since
@@ -195,7 +332,9 @@ def tree_gated_delta_rule_triton(
       re-read their parent's state from it (unless it is the node just before), so anything but fp32
       rounds along the tree. Returned as is.
     initial_rows [b]: initial_state is a pool [R, Hv, dk, dv] and request i starts from row initial_rows[i].
-    block_v / num_warps: tile overrides. Requires parents[b, i] < i for valid nodes. No host syncs."""
+    block_v / num_warps: tile overrides. prefetch: issue node i + 1's loads before node i's math (same
+    arithmetic, so the same results; whether it is faster is bench/gpu_gdn_tree.py (b)'s to say).
+    Requires parents[b, i] < i for valid nodes. No host syncs."""
     if triton is None or force_reference():
         return tree_gated_delta_rule_rows(
             q,
@@ -276,6 +415,7 @@ def tree_gated_delta_rule_triton(
             L2NORM=bool(use_qk_l2norm),
             S0_ROWS=initial_rows is not None,
             ST_ROWS=state_rows is not None,
+            PREFETCH=bool(prefetch),
             num_warps=num_warps,
         )
     return out, node_states if return_node_states else None

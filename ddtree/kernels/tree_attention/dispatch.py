@@ -7,7 +7,8 @@ The rules (the H200 measurements behind them are in BENCHMARKS.md):
 - tiles: `tuning.default_config` from rows per request (q tokens x GQA group), head dim and context;
 - the Gluon kernel (`gluon_unsupported` says where not) does the context splits of tree / chain
   rows (> 32 rows) and decode rows, `gluon_config_for` picks its config; never with `new_kv` (the
-  drafter's block), never with one split asked for, and with a Triton config only when the Triton
+  drafter's block) or a sliding window (the Triton kernel masks it per row), never with one split
+  asked for, and with a Triton config only when the Triton
   last split can follow it;
 - splits: the fewest that fill the GPU's resident slots (`tuning.choose_num_splits`), unless fixed
   by the caller (a CUDA graph fixes them per bucket); the Gluon kernel always has >= 2 (its last
@@ -54,6 +55,7 @@ class AttentionShape:
     mode: int = 0  # MODES
     new_kv: bool = False  # the new tokens' K/V come alongside (drafter block), not from the pools
     pools_ok: bool = True  # the pools are contiguous and 16-byte aligned (TMA descriptors)
+    window: int = 0  # sliding window (0: none); the Triton kernel applies it, never the Gluon one
 
     @property
     def group(self) -> int:
@@ -66,7 +68,7 @@ class AttentionShape:
 
     @classmethod
     def of(
-        cls, q, k_pool, qo_indptr, page_size, max_q_len, max_kv_len, mode, new_kv
+        cls, q, k_pool, qo_indptr, page_size, max_q_len, max_kv_len, mode, new_kv, window=0
     ) -> AttentionShape:
         return cls(
             qo_indptr.shape[0] - 1,
@@ -80,6 +82,7 @@ class AttentionShape:
             mode,
             new_kv,
             k_pool.is_contiguous() and k_pool.data_ptr() % 16 == 0,
+            window,
         )
 
 
@@ -134,6 +137,8 @@ def plan(
         why = (
             "the drafter block's K/V come alongside"
             if shape.new_kv
+            else "a sliding window (the Triton kernel applies it)"
+            if shape.window
             else "one split asked for"
             if num_splits == 1
             else "a Triton config that cannot run the last split"
@@ -143,6 +148,8 @@ def plan(
         hop = gluon_config_for(rows) if why is None else None
     elif hop is False:
         why, hop = "hopper_ctx=False", None
+    if hop is not None and shape.window:
+        raise ValueError(f"hopper_ctx={hop}: the Gluon kernel has no sliding window")
     if hop is not None:
         if not hop.masked_tail and not triton_last_split_ok:
             raise ValueError(

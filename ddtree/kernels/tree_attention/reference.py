@@ -10,15 +10,29 @@ from ddtree.kernels.paged import gather_slots
 
 
 def visibility(
-    n: int, kv_len: int, tree_mask: torch.Tensor | None, causal: bool, device
+    n: int,
+    kv_len: int,
+    tree_mask: torch.Tensor | None,
+    causal: bool,
+    device,
+    window: int | None = None,
 ) -> torch.Tensor:
     """[n, kv_len] bool: which positions each of a request's n new tokens (at kv_len - n ..) sees: every cached
-    position, and among the new tokens the tree mask's ancestors-and-self ([n, n]), or causally, or all."""
+    position, and among the new tokens the tree mask's ancestors-and-self ([n, n]), or causally, or all.
+    A sliding `window` W keeps only keys with |query position - key position| < W (positions by index:
+    chains, blocks and decode; never with a tree mask, whose node positions are depths)."""
     vis = torch.ones(n, kv_len, dtype=torch.bool, device=device)
     if tree_mask is not None:
         vis[:, kv_len - n :] = tree_mask.bool()
     elif causal:
         vis[:, kv_len - n :] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    if window:
+        if tree_mask is not None:
+            raise ValueError("a sliding window with a tree mask: node positions are depths")
+        dq = torch.arange(kv_len - n, kv_len, device=device)[:, None] - torch.arange(
+            kv_len, device=device
+        )
+        vis &= (dq < window) & (-dq < window)
     return vis
 
 
@@ -35,6 +49,7 @@ def paged_attention_reference(
     tree_mask: torch.Tensor | None = None,
     causal: bool = True,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
     acc_dtype: torch.dtype = torch.float32,
     **_unused,
 ) -> torch.Tensor:
@@ -58,9 +73,8 @@ def paged_attention_reference(
             k = torch.cat([k, new_kv[0][s:e].to(acc_dtype)])
             v = torch.cat([v, new_kv[1][s:e].to(acc_dtype)])
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        vis = visibility(
-            n, kv_len, None if tree_mask is None else tree_mask[i, :n, :n], causal, q.device
-        )
+        tree = None if tree_mask is None else tree_mask[i, :n, :n]
+        vis = visibility(n, kv_len, tree, causal, q.device, window)
         scores = torch.einsum("thd,lhd->htl", q[s:e].to(acc_dtype), k) * scale
         scores = scores.masked_fill(~vis[None], float("-inf"))
         out[s:e] = torch.einsum("htl,lhd->thd", scores.softmax(-1), v).to(q.dtype)

@@ -123,9 +123,13 @@ def _attend_tile(
     mask_ptr,
     mask_row,
     qk_scale,
+    j_abs,
+    win_lo,
+    win_hi,
     MASKED: tl.constexpr,
     MODE: tl.constexpr,
     DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     # One online-softmax step of a row block over a loaded K/V tile; masked tiles apply the MODE's visibility
     # among the new tokens (tree mask / causal / all). c = j - ctx: the new token's index, so the mask columns
@@ -143,6 +147,11 @@ def _attend_tile(
             # (always-true row term: broadcast to the tile)
             vis = j_ok[None, :] & (row_t >= 0)[:, None]
         s = tl.where(vis, s, float("-inf"))
+    if WINDOW:
+        # sliding window: key positions j_abs in [win_lo, win_hi] per row (an all-masked tile adds
+        # p = 0: the running max stays finite)
+        in_win = (j_abs[None, :] >= win_lo[:, None]) & (j_abs[None, :] <= win_hi[:, None])
+        s = tl.where(in_win, s, float("-inf"))
     # qk_scale > 0 commutes with max: scale the row max, then one fused multiply-add per score
     m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
@@ -234,6 +243,7 @@ def _attend_rows(
     stride_mt,
     stride_eh,
     stride_es,
+    window,
     HKV: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -246,6 +256,7 @@ def _attend_rows(
     SPLIT: tl.constexpr,
     TAIL_SPLIT: tl.constexpr,
     DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     n_rows = q_len * G
     ctx = kv_len - q_len
@@ -269,6 +280,14 @@ def _attend_rows(
     # new tokens in TREE_N tiles that start at free_end (so tree-mask columns start at 0, 16-aligned).
     n_full = free_end // BLOCK_N
     n_rem = (free_end % BLOCK_N != 0).to(tl.int32)
+    # sliding window (positions by index): row t sees keys [ctx + t - window + 1, ctx + t + window - 1];
+    # full tiles wholly before the block's first row's window are skipped, the rest masked per row
+    first_tile = 0
+    qpos = ctx + row_t
+    win_lo = qpos - window + 1
+    win_hi = qpos + window - 1
+    if WINDOW:
+        first_tile = tl.minimum(tl.maximum(ctx + t_lo - window + 1, 0) // BLOCK_N, n_full)
     n_new = (kv_end - free_end + TREE_N - 1) // TREE_N
     # Splits: with TAIL_SPLIT (and num_splits > 1) the last split does only the masked tiles and the others
     # share the full tiles, so the unpipelined tail runs beside the context instead of after it; otherwise the
@@ -276,8 +295,8 @@ def _attend_rows(
     ctx_splits = num_splits
     if TAIL_SPLIT:
         ctx_splits = tl.maximum(num_splits - 1, 1)
-    per_split = (n_full + ctx_splits - 1) // ctx_splits
-    tile_lo = split * per_split
+    per_split = (n_full - first_tile + ctx_splits - 1) // ctx_splits
+    tile_lo = first_tile + split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, n_full)
     last = split == num_splits - 1
     n_masked = tl.where(last, n_new, 0)
@@ -317,7 +336,25 @@ def _attend_rows(
             EXTRA,
         )
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k, v, j_ok, j, row_t, mask_ptr, mask_row, qk_scale, 0, MODE, DOT
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            j_ok,
+            j,
+            row_t,
+            mask_ptr,
+            mask_row,
+            qk_scale,
+            j,
+            win_lo,
+            win_hi,
+            0,
+            MODE,
+            DOT,
+            WINDOW,
         )
     for tile in tl.range(n_full, n_full + n_rem, num_stages=1):
         j = tile * BLOCK_N + cols
@@ -339,7 +376,25 @@ def _attend_rows(
             EXTRA,
         )
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k, v, j_ok, j, row_t, mask_ptr, mask_row, qk_scale, 1, MODE, DOT
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            j_ok,
+            j,
+            row_t,
+            mask_ptr,
+            mask_row,
+            qk_scale,
+            j,
+            win_lo,
+            win_hi,
+            1,
+            MODE,
+            DOT,
+            WINDOW,
         )
     for kk in tl.range(0, n_masked, num_stages=1):
         c = (free_end - ctx) + kk * TREE_N + tcols
@@ -361,7 +416,25 @@ def _attend_rows(
             EXTRA,
         )
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k, v, j_ok, c, row_t, mask_ptr, mask_row, qk_scale, 2, MODE, DOT
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            j_ok,
+            c,
+            row_t,
+            mask_ptr,
+            mask_row,
+            qk_scale,
+            ctx + c,
+            win_lo,
+            win_hi,
+            2,
+            MODE,
+            DOT,
+            WINDOW,
         )
 
     _store_rows(
@@ -414,6 +487,7 @@ def _split_kv_attn(
     stride_mt,
     stride_eh,
     stride_es,
+    window,
     HKV: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -429,6 +503,7 @@ def _split_kv_attn(
     DOT: tl.constexpr,
     CTX_DONE: tl.constexpr,
     PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()  # the merge's programs may start; they wait for this grid in gdc_wait
@@ -474,6 +549,7 @@ def _split_kv_attn(
         stride_mt,
         stride_eh,
         stride_es,
+        window,
     )
     if row0 >= n_rows:
         return
@@ -495,6 +571,7 @@ def _split_kv_attn(
             SPLIT,
             TAIL_SPLIT,
             DOT,
+            WINDOW,
         )
     else:
         _attend_rows(
@@ -512,6 +589,7 @@ def _split_kv_attn(
             SPLIT,
             TAIL_SPLIT,
             DOT,
+            WINDOW,
         )
 
 
@@ -558,12 +636,14 @@ def paged_attention_plan(
     out: torch.Tensor | None = None,
     hopper_ctx: bool | hopper.HopperConfig | None = None,
     plan: LaunchPlan | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, LaunchPlan | None]:
     """See the module docstring. `max_q_len` and `max_kv_len` are host ints bounding the batch (they size the
     grid and the split count only; pass the captured maxima under a CUDA graph). Without a tree mask the new
     tokens see each other causally, or all of them when `causal` is False. `new_kv` = (k, v) [T, Hkv, D] rows
     aligned with q: the new tokens' K/V are read from there instead of the pools (the drafter's block K/V,
-    which is never stored). num_splits / config / hopper_ctx: passed to `dispatch.plan` (hopper_ctx True /
+    which is never stored). `window` W: a sliding window, keys with |query pos - key pos| < W (not with a
+    tree mask). num_splits / config / hopper_ctx: passed to `dispatch.plan` (hopper_ctx True /
     None: the Gluon kernel of `hopper.py` wherever it is supported), unless `plan` is given. Returns
     ([T, Hq, D], the plan that ran; None for an empty batch)."""
     T, hq, dim = q.shape
@@ -578,6 +658,11 @@ def paged_attention_plan(
     if q.dtype != k_pool.dtype or q.stride(-1) != 1:
         q = q.to(k_pool.dtype).contiguous()
     mode = 1 if tree_mask is not None else 0 if causal else 2
+    window = int(window or 0)
+    if window and tree_mask is not None:
+        raise ValueError(
+            "a sliding window with a tree mask: node positions are depths, not indices"
+        )
     if tree_mask is not None:
         mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
         assert mask.stride(-1) == 1
@@ -617,10 +702,11 @@ def paged_attention_plan(
             smt,
             k_ext.stride(1),
             k_ext.stride(0),
+            window,
         )
 
     shape = AttentionShape.of(
-        q, k_pool, qo_indptr, page_size, max_q_len, max_kv_len, mode, new_kv is not None
+        q, k_pool, qo_indptr, page_size, max_q_len, max_kv_len, mode, new_kv is not None, window
     )
     if plan is None:
         plan = dispatch.plan(
@@ -666,6 +752,7 @@ def _consts(shape: AttentionShape, cfg: KernelConfig) -> dict:
         TAIL_SPLIT=cfg.tail_split,
         MODE=shape.mode,
         EXTRA=shape.new_kv,
+        WINDOW=shape.window > 0,
         DOT=_dot_mode(shape.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -726,6 +813,7 @@ def _stand_in_args(shape: AttentionShape, device: torch.device):
             smt,
             pool.stride(1),
             pool.stride(0),
+            shape.window,
         )
 
     return args

@@ -1,0 +1,78 @@
+"""Start-up warm-up: run the engine's own paths once on throwaway requests, so every kernel variant
+is compiled (Triton, fla's autotuned GDN chunk kernels, cuBLAS heuristics) before the server
+reports healthy, and the first real request costs what the thousandth does.
+
+The CUDA graphs are captured when the runner is built; what remains lazy is the eager work around
+them: prefill (one extend per shape bucket: Triton specialises and fla autotunes per shape, a first
+27B hybrid prefill took ~1 minute) and the round's eager steps (sampling, the accept walk, the
+draft LM head where no graph covers it). So: one prefill per bucket of `prefill_buckets`, then a
+few decode rounds at batch 1 and at the largest captured batch. Warm-up requests go through
+`LLMEngine.add_request` / `step` like any other and leave nothing behind (their pages, slots and
+state rows are freed when they finish; `check_clean` says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ddtree.engine.request import SamplingParams
+
+logger = logging.getLogger("ddtree")
+
+# prefill shape buckets (tokens): the kernels' tile choices change with the rows per request
+PREFILL_BUCKETS = (16, 128, 512, 2048)
+DECODE_TOKENS = 4  # tokens per warm-up request: a few rounds after the first token
+
+
+def prefill_buckets(chunk: int, max_prompt: int) -> list[int]:
+    """Prompt lengths to prefill once: each bucket below the prefill chunk and the chunk itself,
+    none past the longest prompt the engine takes."""
+    top = min(chunk, max_prompt)
+    return sorted({b for b in PREFILL_BUCKETS if b < top} | {top})
+
+
+def warm_up(engine, progress: bool = True) -> dict:
+    """Run the warm-up on `engine` (an LLMEngine); returns what ran ({"prefill": [lengths],
+    "decode_batches": [b, ...], "seconds": s}). progress: a tqdm bar (stderr)."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    cfg = engine.runner.cfg
+    max_prompt = max(engine.max_context - DECODE_TOKENS - cfg.max_verify_width, 1)
+    lengths = prefill_buckets(engine.scheduler.prefill_budget, max_prompt)
+    graphs = engine.runner.graphs
+    top_bs = graphs.buckets[-1] if graphs is not None else 1
+    batches = sorted({1, min(top_bs, cfg.max_running_requests)})
+    vocab = engine.runner.target.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    bar = tqdm(
+        total=len(lengths) + len(batches),
+        desc="warm-up",
+        unit="step",
+        disable=not progress,
+        leave=False,
+    )
+    # prefill buckets: one request each, run alone so each extend has the bucket's shape
+    for n in lengths:
+        _drain(engine, [[(7 * i + 1) % vocab for i in range(n)]], params)
+        bar.update()
+    # decode rounds at batch 1 and the largest captured batch (short prompts)
+    for b in batches:
+        _drain(engine, [[(3 * i + j) % vocab for i in range(8)] for j in range(b)], params)
+        bar.update()
+    bar.close()
+    out = {"prefill": lengths, "decode_batches": batches, "seconds": time.perf_counter() - t0}
+    logger.info(
+        "Warm-up done in %.1f s: prefill %s tokens, decode batches %s.",
+        out["seconds"],
+        lengths,
+        batches,
+    )
+    return out
+
+
+def _drain(engine, prompts: list[list[int]], params: SamplingParams) -> None:
+    rids = [engine.add_request(p, params).rid for p in prompts]
+    while any(r in engine.requests for r in rids):
+        engine.step()

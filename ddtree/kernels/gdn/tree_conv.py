@@ -1,0 +1,164 @@
+"""Causal depthwise conv along each tree node's ancestor chain, as one Triton launch: the GPU twin of
+`reference.tree_causal_conv1d` (which builds the windows with K-1 rounds of gathers, ~20 PyTorch
+kernels per GDN layer).
+
+Grid (b * n, cdiv(C, BLOCK)). A program walks node i's chain K-1 hops up (parent, then the committed
+conv_state's columns, newest first), multiplies each input by its tap and sums in fp32, adds the bias
+and applies SiLU; with `return_node_states` it also writes the node's window minus its oldest input
+(the conv state to commit if node i is the last accepted one). Padding nodes (valid False) output
+zeros and see their own input as zero, as the reference. No host syncs: capturable.
+
+Every tree verify and every AR round on CUDA goes through here (`conv`), so AR and speculative rounds
+share one conv numerics; the CPU keeps the reference (`root_causal_conv1d` for one-node trees).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ddtree.kernels.gdn import reference
+from ddtree.kernels.gdn.backend import choose, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+
+if triton is not None:
+    from ddtree.kernels.tree_attention.tuning import patch_interpreter_index
+
+    if triton.knobs.runtime.interpret:
+        patch_interpreter_index()
+
+    @triton.jit
+    def _tree_conv_kernel(
+        x_ptr,
+        par_ptr,
+        valid_ptr,
+        cs_ptr,
+        w_ptr,
+        bias_ptr,
+        y_ptr,
+        st_ptr,
+        n,
+        C,
+        sx_b,
+        sx_n,
+        scs_b,
+        scs_c,
+        K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        STATES: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        bi = (pid // n).to(tl.int64)
+        i = pid % n
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mc = c < C
+        ok = tl.load(valid_ptr + bi * n + i) != 0
+        # slot s of the chain: s >= K-1 is node s-(K-1); s < K-1 is the committed column s
+        s = i + (K - 1)
+        v = tl.load(x_ptr + bi * sx_b + i * sx_n + c, mask=mc & ok, other=0.0)
+        st_base = st_ptr + ((bi * n + i) * C + c) * (K - 1)  # node states [b, n, C, K-1]
+        acc = v.to(tl.float32) * tl.load(w_ptr + c * K + (K - 1), mask=mc, other=0.0).to(tl.float32)
+        if STATES:
+            tl.store(st_base + (K - 2), v.to(st_ptr.dtype.element_ty), mask=mc)
+        for t in tl.static_range(1, K):
+            node = s - (K - 1)
+            is_node = node >= 0
+            par = tl.load(par_ptr + bi * n + tl.maximum(node, 0), mask=is_node, other=-1)
+            s = tl.where(is_node, tl.where(par >= 0, par + (K - 1), K - 2), s - 1)
+            node = s - (K - 1)
+            is_node = node >= 0
+            vx = tl.load(
+                x_ptr + bi * sx_b + tl.maximum(node, 0) * sx_n + c, mask=mc & is_node, other=0.0
+            )
+            vs = tl.load(
+                cs_ptr + bi * scs_b + c * scs_c + tl.maximum(s, 0),
+                mask=mc & (node < 0) & (s >= 0),
+                other=0.0,
+            )
+            v = tl.where(is_node, vx.to(tl.float32), vs.to(tl.float32))
+            pos = K - 1 - t  # window position (0: oldest)
+            acc += v * tl.load(w_ptr + c * K + pos, mask=mc, other=0.0).to(tl.float32)
+            if STATES and pos >= 1:
+                tl.store(st_base + (pos - 1), v.to(st_ptr.dtype.element_ty), mask=mc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + c, mask=mc, other=0.0).to(tl.float32)
+        y = acc / (1.0 + tl.exp(-acc))
+        y = tl.where(ok, y, 0.0)
+        tl.store(y_ptr + (bi * n + i) * C + c, y.to(y_ptr.dtype.element_ty), mask=mc)
+
+
+def tree_causal_conv1d_triton(
+    x: Tensor,
+    parents: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    valid: Tensor | None = None,
+    return_node_states: bool = False,
+    block: int = 512,
+) -> tuple[Tensor, Tensor | None]:
+    """Same arguments and returns as `reference.tree_causal_conv1d`. Requires parents[b, i] < i for
+    valid nodes' chains (depth-sorted trees)."""
+    b, n, C = x.shape
+    K = weight.shape[1]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    cs = conv_state if conv_state.stride(-1) == 1 else conv_state.contiguous()
+    valid = torch.ones(b, n, dtype=torch.bool, device=x.device) if valid is None else valid
+    valid = (
+        valid.contiguous().view(torch.int8) if valid.dtype == torch.bool else valid.to(torch.int8)
+    )
+    y = torch.empty(b, n, C, dtype=x.dtype, device=x.device)
+    states = torch.empty(b, n, C, K - 1, dtype=conv_state.dtype, device=x.device)
+    if b and n:
+        _tree_conv_kernel[(b * n, triton.cdiv(C, block))](
+            x,
+            parents.contiguous(),
+            valid,
+            cs,
+            weight.contiguous(),
+            bias if bias is not None else weight,
+            y,
+            states,
+            n,
+            C,
+            x.stride(0),
+            x.stride(1),
+            cs.stride(0),
+            cs.stride(1),
+            K=K,
+            HAS_BIAS=bias is not None,
+            STATES=bool(return_node_states),
+            BLOCK=block,
+        )
+    return y, states if return_node_states else None
+
+
+def conv(
+    x: Tensor,
+    parents: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    valid: Tensor | None = None,
+    return_node_states: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The tree conv the engine runs: this kernel on CUDA (every width, one-node trees too), the
+    reference elsewhere (`root_causal_conv1d` for one node: the same numbers without the gathers)."""
+    if triton is not None and choose("tree_conv", use_triton(x), "triton"):
+        return tree_causal_conv1d_triton(
+            x, parents, conv_state, weight, bias, valid, return_node_states
+        )
+    if x.shape[1] == 1:
+        y, st = reference.root_causal_conv1d(x[:, 0], conv_state, weight, bias)
+        if valid is not None:
+            y = torch.where(valid[:, :1], y, 0)
+        return y[:, None], st[:, None] if return_node_states else None
+    return reference.tree_causal_conv1d(
+        x, parents, conv_state, weight, bias, valid, return_node_states
+    )

@@ -1,0 +1,96 @@
+"""Start-up warm-up (engine/warmup.py): it runs a prefill per shape bucket and decode rounds through
+the engine's own paths, leaves the engine clean (no request, every page and slot free) and the
+tokens of later requests unchanged; the server's /health answers 503 "warming up" until it ends,
+and `--skip-server-warmup` / the CPU turn it off."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from engine_utils import make_llm, toy_prompts
+
+from ddtree import SamplingParams
+from ddtree.engine.warmup import prefill_buckets, warm_up
+from ddtree.server.async_engine import WARMING_UP, AsyncEngine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def test_prefill_buckets():
+    assert prefill_buckets(2048, 10_000) == [16, 128, 512, 2048]
+    assert prefill_buckets(8192, 10_000) == [16, 128, 512, 2048, 8192]
+    assert prefill_buckets(2048, 300) == [16, 128, 300]
+
+
+def test_warm_up_runs_every_shape_and_leaves_the_engine_clean(toy_hybrid_pair):
+    prompts = [list(p) for p in toy_prompts(2)]
+    ref = [o.token_ids for o in make_llm(toy_hybrid_pair, "DDTREE").generate(prompts, PARAMS)]
+    llm = make_llm(toy_hybrid_pair, "DDTREE", max_running_requests=2, chunked_prefill_size=64)
+    engine = llm.engine
+    bm = engine.runner.bm
+    free = (bm.num_free_pages, bm.num_free_slots)
+    prefills = []
+    prefill = engine.runner.prefill
+    engine.runner.prefill = lambda reqs, q: (prefills.append(list(q)), prefill(reqs, q))[1]
+    rounds = []
+    decode = engine.decoder.round
+    engine.decoder.round = lambda reqs, m: (rounds.append(len(reqs)), decode(reqs, m))[1]
+    out = warm_up(engine, progress=False)
+    assert out["prefill"] == [16, 64] and [q for q in prefills if len(q) == 1][:2] == [[16], [64]]
+    assert rounds and set(rounds) == {1}  # no graphs on the CPU: the largest "bucket" is 1
+    assert not engine.requests and not engine.has_unfinished()
+    assert (bm.num_free_pages, bm.num_free_slots) == free
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == ref
+
+
+class _IdleEngine:
+    def has_unfinished(self):
+        return False
+
+
+def test_health_says_warming_up_until_the_warm_up_ends():
+    release = threading.Event()
+    ae = AsyncEngine(_IdleEngine(), warmup=release.wait)
+    ae.start()
+    try:
+        time.sleep(0.05)
+        assert ae.health_problem() == WARMING_UP
+        release.set()
+        for _ in range(100):
+            if ae.health_problem() is None:
+                break
+            time.sleep(0.01)
+        assert ae.health_problem() is None
+    finally:
+        release.set()
+        ae.shutdown()
+
+
+def test_a_failing_warm_up_still_serves():
+    def boom():
+        raise RuntimeError("compile failed")
+
+    ae = AsyncEngine(_IdleEngine(), warmup=boom)
+    ae.start()
+    try:
+        for _ in range(100):
+            if ae.health_problem() is None:
+                break
+            time.sleep(0.01)
+        assert ae.health_problem() is None and ae.alive
+    finally:
+        ae.shutdown()
+
+
+@pytest.mark.parametrize(
+    "device,skip,on", [("cuda", False, True), ("cuda", True, False), ("cpu", False, False)]
+)
+def test_warm_up_runs_on_cuda_unless_skipped(device, skip, on):
+    from ddtree.server.launch import warmup_of
+
+    engine = SimpleNamespace(device=torch.device(device))
+    args = SimpleNamespace(skip_server_warmup=skip)
+    assert (warmup_of(engine, args) is not None) == on
