@@ -232,9 +232,9 @@ def test_plan_reserves_checkpoint_rows_unless_the_cache_is_off(random_hybrid_pai
     )
     assert off.checkpoint_rows == 0
     per = on.state_bytes_per_request + on.spec_state_bytes_per_request
-    spare = on.state_pool_bytes - 4 * per
+    spare = on.state_pool_bytes - (4 + 1) * per  # 4 running requests and the scratch row
     assert on.checkpoint_rows == min(spare // on.state_bytes_per_request, on.num_pages)
-    # a pinned state pool: the rows 4 running requests leave of 6
+    # a pinned state pool: the rows 4 running requests leave of 6 (+ the scratch row)
     pinned = prepare_server_args(base + ["--max-mamba-cache-size", "6"])
     rows = plan_pools(pinned, 10 * gib, gib, "cuda").checkpoint_rows
     assert rows == min(2 * per // on.state_bytes_per_request, on.num_pages) > 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.engine.prefix_cache import Node, PrefixMatch, RadixCache
+from ddtree.engine.prefix_cache import CacheStats, Node, PrefixMatch, RadixCache
 from ddtree.engine.request import Req
 
 # copy_page(src_page, dst_page, num_tokens): the first num_tokens slots of src into dst (all pools)
@@ -161,6 +161,13 @@ class BlockManager:
             self.cache.unlock(node)
         self.node[slot], self.shared[slot] = parent, full
         return parent
+
+    def clear_cache(self) -> None:
+        """Evict every unreferenced cached page and zero the cache's counters (after the warm-up,
+        whose synthetic prompts are no one's prefix)."""
+        if self.cache is not None:
+            self.free_pages.extend(self.cache.evict(self.cache.num_pages, self.drop_checkpoint))
+            self.cache.stats = CacheStats()
 
     def _evict_for(self, n: int) -> None:
         short = n - len(self.free_pages)

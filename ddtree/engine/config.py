@@ -272,7 +272,8 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     pages = max(pages, MIN_PAGES)
     ck_rows = 0
     if rows is not None and not args.disable_radix_cache and state > 0:
-        ck_rows = max(min((state_pool - running * (state + spec_state)) // state, pages), 0)
+        # the rows left after the running requests' and the scratch row's
+        ck_rows = max(min((state_pool - (running + 1) * (state + spec_state)) // state, pages), 0)
     return PoolPlan(
         static_bytes=static,
         weight_bytes=weight_bytes,

@@ -53,15 +53,23 @@ def warm_up(engine, progress: bool = True) -> dict:
         disable=not progress,
         leave=False,
     )
-    # prefill buckets: one request each, run alone so each extend has the bucket's shape
-    for n in lengths:
-        _drain(engine, [[(7 * i + 1) % vocab for i in range(n)]], params)
+    # prefill buckets: one request each, run alone so each extend has the bucket's shape; every
+    # prompt starts with its own token, so none is a prefix-cache hit on an earlier one
+    for k, n in enumerate(lengths):
+        _drain(engine, [[(7 * i + 1 + k) % vocab for i in range(n)]], params)
         bar.update()
+    if engine.runner.bm.cache is not None and lengths[-1] > cfg.page_size:
+        # a prefill that extends a cached prefix (attention over shared pages, the copy-on-write
+        # of the last page): the shape every multi-turn request takes
+        k = len(lengths) - 1
+        prompt = [(7 * i + 1 + k) % vocab for i in range(lengths[-1])]
+        _drain(engine, [prompt[: lengths[-1] - cfg.page_size // 2] + prompt[:8]], params)
     # decode rounds at batch 1 and the largest captured batch (short prompts)
     for b in batches:
         _drain(engine, [[(3 * i + j) % vocab for i in range(8)] for j in range(b)], params)
         bar.update()
     bar.close()
+    engine.runner.bm.clear_cache()  # the synthetic prompts leave no cached pages behind
     out = {"prefill": lengths, "decode_batches": batches, "seconds": time.perf_counter() - t0}
     logger.info(
         "Warm-up done in %.1f s: prefill %s tokens, decode batches %s.",
