@@ -25,20 +25,12 @@ from typing import Protocol
 
 import numpy as np
 
+from ddtree.engine.config import budget_ladder
+
+__all__ = ["AnalyticCost", "BudgetPolicy", "CostTable", "Decision", "budget_ladder"]
+
 EMA = 0.25  # weight of the newest round in the per-request calibration
 PRIOR_EMA = 0.05  # weight of one request's curve in the server-wide prior for new requests
-
-
-def budget_ladder(cap: int) -> tuple[int, ...]:
-    """Budgets the policy picks from: 0 (AR), powers of two from 8 below the cap, and the cap. The
-    DFLASH chain is not a rung: a B=16 tree accepts more than the 15-node chain at the same
-    width (its top-1 spine is in the tree whenever it scores best)."""
-    out = {0, cap}
-    b = 8
-    while b < cap:
-        out.add(b)
-        b *= 2
-    return tuple(sorted(out))
 
 
 class RoundCost(Protocol):
