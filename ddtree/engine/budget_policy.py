@@ -71,17 +71,20 @@ class AnalyticCost:
 @dataclass(frozen=True)
 class CostTable:
     """Measured seconds per round on the device: [batch bucket, context bound, ladder width]. A
-    batch or context between two measured points takes the next one up (what the graphs run)."""
+    batch or context between two measured points takes the next one up (what the graphs run).
+    `kv_s_per_token` adds the context's KV read (bs x ctx tokens) to every width, for tables
+    measured at one short context."""
 
     ladder: tuple[int, ...]
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
     table: np.ndarray
+    kv_s_per_token: float = 0.0
 
     def seconds(self, bs: int, ctx: int) -> np.ndarray:
         i = min(int(np.searchsorted(self.batches, bs)), len(self.batches) - 1)
         j = min(int(np.searchsorted(self.contexts, ctx)), len(self.contexts) - 1)
-        return self.table[i, j]
+        return self.table[i, j] + bs * ctx * self.kv_s_per_token
 
     def to_json(self) -> dict:
         return {
@@ -89,6 +92,7 @@ class CostTable:
             "batches": list(self.batches),
             "contexts": list(self.contexts),
             "seconds": self.table.tolist(),
+            "kv_s_per_token": self.kv_s_per_token,
         }
 
     @classmethod
@@ -97,7 +101,8 @@ class CostTable:
         shape = (len(d["batches"]), len(d["contexts"]), len(d["ladder"]))
         if t.shape != shape:
             raise ValueError(f"cost table of shape {t.shape}, expected {shape}")
-        return cls(tuple(d["ladder"]), tuple(d["batches"]), tuple(d["contexts"]), t)
+        ladder, batches, ctx = tuple(d["ladder"]), tuple(d["batches"]), tuple(d["contexts"])
+        return cls(ladder, batches, ctx, t, float(d.get("kv_s_per_token", 0.0)))
 
 
 @dataclass(frozen=True)
