@@ -40,7 +40,9 @@ class RoundRecord:
     budgets: list[int]
     predicted: list[float]  # expected accepted drafts (policy, calibrated); [] when fixed
     accepted: list[int]  # accepted drafts per request (emitted - 1)
-    host_s: float = 0.0  # the engine step's host time outside the round's device work
+    round_s: float = 0.0  # wall time of SpecDecoder.round (launches + the wait for the device)
+    host_s: float = 0.0  # the engine step's time outside the round (schedule, emit, stops)
+    server_s: float = 0.0  # the server loop's time outside the step (publish, commands, metrics)
 
 
 class BudgetPlanner:
@@ -67,7 +69,7 @@ class BudgetPlanner:
     def plan(self, reqs: list[Req], max_ctx: int) -> RoundPlan:
         cfg = self.cfg
         if cfg.algorithm != "DDTREE":
-            return RoundPlan(cfg.verify_width, None)
+            return RoundPlan(cfg.verify_width if cfg.algorithm == "DFLASH" else 1, None)
         caps = [min(r.params.ddtree_budget or cfg.budget, cfg.budget) for r in reqs]
         if self.policy is None:
             if all(c == cfg.budget for c in caps):

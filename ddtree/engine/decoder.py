@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.engine import logprobs
-from ddtree.engine.budget import CURVE_SCALE, BudgetPlanner
+from ddtree.engine.budget import CURVE_SCALE, BudgetPlanner, RoundPlan
 from ddtree.engine.config import SpecConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
@@ -62,6 +62,8 @@ class SpecDecoder:
         self.times = times if times is not None else PhaseTimes()
         self.target_override = target_override
         self.budgets = BudgetPlanner(cfg, runner.cfg.max_running_requests)
+        # set by the server: host work to overlap with each round's device work
+        self.while_device_runs: Callable[[], None] | None = None
         if cfg.algorithm != "NONE":
             runner.set_tree_spec(cfg.algorithm, cfg.budget, cfg.topk_cap, cfg.shadow_linear)
         if cfg.adaptive:  # after the draft graphs of the spec exist: the profile replays them
@@ -91,7 +93,9 @@ class SpecDecoder:
         meta = runner.round_meta(reqs)
         roots = meta.roots
         if cfg.algorithm == "NONE":
-            return self._ar_round(reqs, roots, t)
+            emitted = self._ar_round(reqs, roots, t)
+            self.budgets.observe(RoundPlan(1, None), len(reqs), [1] * len(reqs), None)
+            return emitted
         plan = self.budgets.plan(reqs, max(meta.kv_lens))
         if plan.width == 1:  # the policy chose AR for the batch: no draft
             tree = _root_only(roots)
@@ -130,6 +134,7 @@ class SpecDecoder:
         if curves:  # the gain curves ride the same read-back, in fixed point
             gain = (tree.path_probs.double().cumsum(1) * CURVE_SCALE).round().to(torch.int64)
             out = torch.cat([out, gain], 1)
+        self._while_device_runs()
         host, lp_rows = logprobs.read_back(reqs, out, lp)  # the round's one device->host copy
         self.times.add("commit", t)
         w = res.out_tokens.shape[1] + 1
@@ -142,6 +147,13 @@ class SpecDecoder:
             plan, len(reqs), [row[0] for row in host], [row[w:] for row in host] if curves else None
         )
         return emitted
+
+    def _while_device_runs(self) -> None:
+        """The round's device work is launched and the read-back has not waited for it yet: host
+        work that needs nothing of this round (the server publishing the previous round's
+        outputs) runs here, hidden under the device's work."""
+        if self.while_device_runs is not None:
+            self.while_device_runs()
 
     def _build(self, roots, draft_logits, limits, budgets: list[int] | None) -> DraftTree:
         """The eager tree (no draft graph): what the draft graph builds."""
@@ -172,6 +184,7 @@ class SpecDecoder:
         lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)
         # no KV moves; commits hybrid state of the root
         runner.commit(reqs, zeros[:, None], zeros, None)
+        self._while_device_runs()
         host, lp_rows = logprobs.read_back(reqs, tokens, lp)
         self.times.add("commit", t)
         runner.advance(reqs, [n] * len(reqs))
