@@ -91,3 +91,12 @@ def test_smoke_end_to_end(tmp_path):
     # greedy, fp32: the inflated pair accepts exactly what the small pair does
     assert report["tau"]["DFLASH"]["inflated"] == pytest.approx(report["tau"]["DFLASH"]["small"])
     assert os.path.exists(out / "at_scale.png")
+
+
+def test_auto_budget_config():
+    from ddtree.bench.at_scale import parse_config
+    from ddtree.bench.at_scale_validity import config_name
+
+    assert parse_config("ddtreeauto") == ("DDTREE", "auto") == parse_config("DDTREE-AUTO")
+    assert config_name(*parse_config("DDTREEAUTO")) == "DDTREE B=auto"
+    assert parse_config("DDTREE16") == ("DDTREE", 16)

@@ -88,12 +88,16 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(name: str) -> tuple[str, int]:
+def parse_config(name: str) -> tuple[str, int | str]:
     name = name.strip().upper()
+    if name in ("DDTREEAUTO", "DDTREE-AUTO"):  # --speculative-ddtree-budget auto (cap 64)
+        return "DDTREE", "auto"
     if name.startswith("DDTREE"):
         return "DDTREE", int(name[6:] or 64)
     if name not in ("NONE", "DFLASH"):
-        raise ValueError(f"--configs: unknown config {name!r}; use NONE, DFLASH or DDTREE<budget>")
+        raise ValueError(
+            f"--configs: unknown config {name!r}; use NONE, DFLASH, DDTREE<budget> or DDTREEAUTO"
+        )
     return name, 0
 
 
@@ -124,6 +128,7 @@ class Server:
             str(max(ns.levels)),
             "--log-level",
             "warning",
+            "--enable-metrics",  # bench serving reads budgets and host time per level from it
         ]
         if ns.max_total_tokens:
             argv += ["--max-total-tokens", str(ns.max_total_tokens)]
