@@ -131,3 +131,28 @@ def test_changing_budgets_keep_the_sampling_distribution(toy_pair):
     llm.engine.decoder.budgets.policy = CyclingPolicy()
     dd = first_tokens(llm, seed0=100_000, n=800)
     assert same_distribution(ar, dd) > 1e-3
+
+
+def test_cost_profile_measures_every_width_and_caches(toy_pair, tmp_path, monkeypatch):
+    """The startup profile replays (here: runs) draft + verify + commit per batch bucket and width;
+    with a profile directory the second start reads the file instead of measuring."""
+    from test_cuda_graph import attach_graphs
+
+    from ddtree import envs
+    from ddtree.engine import budget_profile
+    from ddtree.engine.budget_policy import AnalyticCost, CostTable
+
+    llm = make_llm(toy_pair, "DDTREE", max_running_requests=4, **AUTO)
+    runner, spec = llm.engine.runner, llm.engine.spec
+    assert isinstance(budget_profile.round_cost(runner, spec), AnalyticCost)  # no graphs: roofline
+    g = attach_graphs(llm, 2)
+    table = budget_profile.measure(runner, spec, replays=1)
+    assert table.table.shape == (len(g.buckets), 1, 3) and (table.table > 0).all()
+    g.capture = True  # round_cost measures only captured graphs; the runs stand in for replays
+    monkeypatch.setenv(envs.BUDGET_PROFILE_DIR.name, str(tmp_path))
+    monkeypatch.setattr(budget_profile, "measure", lambda r, s: table)
+    first = budget_profile.round_cost(runner, spec)
+    assert len(list(tmp_path.iterdir())) == 1
+    monkeypatch.setattr(budget_profile, "measure", lambda r, s: pytest.fail("re-measured"))
+    again = budget_profile.round_cost(runner, spec)
+    assert isinstance(again, CostTable) and np.array_equal(again.table, first.table)
