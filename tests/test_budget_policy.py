@@ -47,9 +47,16 @@ def test_width_follows_the_load(bs, want):
 
 
 def test_speculation_off_when_it_does_not_pay():
+    from ddtree.engine.budget_policy import EXPLORE_AFTER
+
     pol, owners = seeded(64, curve=np.full(64, 0.05))  # the drafter is almost never right
+    widths = [
+        pol.choose(range(64), owners, [64] * 64, 1000).width for _ in range(2 * EXPLORE_AFTER)
+    ]
     d = pol.choose(range(64), owners, [64] * 64, 1000)
     assert d.width == 1 and (d.budgets == 0).all()
+    # AR rounds learn nothing: one speculative round every EXPLORE_AFTER + 1 refreshes the curves
+    assert [w for w in widths if w > 1] == [9] and widths.index(9) == EXPLORE_AFTER
 
 
 def test_calibration_scales_an_optimistic_drafter():

@@ -15,7 +15,8 @@ width (`RoundCost`: measured at startup on the device, or `AnalyticCost`). The w
 decision: at a given W every request takes min(W - 1, its own cap), since a smaller budget would
 save nothing. W = 1 (budget 0) is plain AR: no draft runs.
 
-Decision: argmax over the ladder of (bs + sum_i gain_i(W)) / seconds(W).
+Decision: argmax over the ladder of (bs + sum_i gain_i(W)) / seconds(W) (the ladder starts at
+budget 0); after EXPLORE_AFTER AR rounds in a row one speculative round refreshes the curves.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from ddtree.engine.config import budget_ladder
 __all__ = ["AnalyticCost", "BudgetPolicy", "CostTable", "Decision", "budget_ladder"]
 
 EMA = 0.25  # weight of the newest round in the per-request calibration
+# AR rounds draft nothing, so they neither refresh the curves nor the calibration that chose them:
+# after this many AR rounds in a row the policy runs one round at its best speculative width
+EXPLORE_AFTER = 32
 PRIOR_EMA = 0.05  # weight of one request's curve in the server-wide prior for new requests
 
 
@@ -127,6 +131,7 @@ class BudgetPolicy:
         self.real = np.zeros(slots)  # EMA of realised accepted drafts
         self.pred = np.zeros(slots)  # EMA of the drafter's prediction for the same rounds
         self.prior: np.ndarray | None = None  # server-wide curve for requests not yet seen
+        self.ar_streak = 0  # AR rounds chosen in a row
 
     def _claim(self, slots: np.ndarray, owners: list[object]) -> None:
         for s, o in zip(slots.tolist(), owners):
@@ -162,6 +167,9 @@ class BudgetPolicy:
         tokens = len(slots) + gain.sum(0)
         rate = tokens / self.cost.seconds(len(slots), ctx)
         best = int(np.argmax(rate))
+        self.ar_streak = self.ar_streak + 1 if best == 0 else 0
+        if best == 0 and self.ar_streak > EXPLORE_AFTER and len(rate) > 1:
+            best, self.ar_streak = 1 + int(np.argmax(rate[1:])), 0
         budgets = per[:, best]
         return Decision(1 + int(budgets.max(initial=0)), budgets, gain[:, best], float(rate[best]))
 
