@@ -144,7 +144,9 @@ def test_cost_profile_measures_every_width_and_caches(toy_pair, tmp_path, monkey
 
     llm = make_llm(toy_pair, "DDTREE", max_running_requests=4, **AUTO)
     runner, spec = llm.engine.runner, llm.engine.spec
-    assert isinstance(budget_profile.round_cost(runner, spec), AnalyticCost)  # no graphs: roofline
+    fitted = budget_profile.round_cost(runner, spec)  # no graphs: the fitted roofline
+    assert isinstance(fitted, AnalyticCost) and fitted.bandwidth == float("inf")
+    assert (np.diff(fitted.seconds(4, 100)[1:]) > 0).all()
     g = attach_graphs(llm, 2)
     table = budget_profile.measure(runner, spec, replays=1)
     assert table.table.shape == (len(g.buckets), 1, 3) and (table.table > 0).all()

@@ -102,3 +102,15 @@ def test_analytic_cost_is_flat_then_compute_bound():
     one, many = c.seconds(1, 1024), c.seconds(64, 1024)
     assert one[0] < one[1] and one[-1] / one[1] < 1.1  # weight-bound at batch 1
     assert many[-1] / many[1] > 3  # compute-bound at 64 x 65 rows
+
+
+def test_one_bad_first_round_does_not_switch_speculation_off():
+    """A new request's calibration starts from the server-wide ratio: a first round with nothing
+    accepted (e.g. right after the prompt) lowers its gain by the EMA weight, not to zero."""
+    pol, _ = seeded(1)
+    new = [object()]
+    pol.choose([1], new, [64], 1000)
+    pol.observe([1], [64], CURVE[None, :], [0])
+    g = pol.gains(np.array([1]))
+    assert g[0, 64] == pytest.approx(0.75 * CURVE[-1], rel=0.01)
+    assert pol.choose([1], new, [64], 1000).width == 65

@@ -7,7 +7,8 @@ probabilities is the drafter's own expected accepted length (DDTree Prop. 1), an
 order gives it for every smaller budget at once: `curve[b - 1]` = the prefix sum over the first b
 nodes (`DraftTree.path_probs`). The host reads each request's curve back with the round's tokens,
 so round k + 1 decides on round k's curve. The drafter is optimistic or pessimistic per request:
-its realised accepted drafts over its predicted ones (EMAs of both) scale the curve.
+its realised accepted drafts over its predicted ones (EMAs of both, started from the server-wide
+ratio) scale the curve; a request not seen yet takes the server-wide curve and ratio.
 
 Cost. With CUDA graphs every row of a round is padded to the round's width W (1 + the largest
 budget) and the batch to its bucket, so a round costs `cost.seconds(bs, ctx)[w]` for each ladder
@@ -46,7 +47,8 @@ class RoundCost(Protocol):
 @dataclass(frozen=True)
 class AnalyticCost:
     """Roofline estimate: draft (skipped at W = 1) + verify, each max(weight read, GEMM flops) plus
-    the KV read. Used on the CPU and when no measured profile exists."""
+    the KV read and a per-forward overhead. Without captured graphs its per-row time and overhead
+    are fitted to timed eager forwards (`budget_profile.fitted_cost`)."""
 
     ladder: tuple[int, ...]
     target_bytes: float  # weight bytes read per forward
@@ -58,6 +60,7 @@ class AnalyticCost:
     bandwidth: float = 4.0e12  # bytes / s (H200 HBM3e, achieved)
     flops: float = 5.0e14  # dense bf16 GEMM throughput achieved at these shapes
     overhead: float = 1.5e-3  # per-forward launch / small-kernel time
+    draft_overhead: float | None = None  # the drafter forward's (None: `overhead`)
 
     def seconds(self, bs: int, ctx: int) -> np.ndarray:
         w = 1 + np.asarray(self.ladder, dtype=np.float64)
@@ -69,7 +72,8 @@ class AnalyticCost:
             self.drafter_bytes / self.bandwidth,
             bs * self.draft_rows * self.drafter_flops_per_row / self.flops,
         )
-        return verify + kv + self.overhead + np.where(w > 1, draft + self.overhead, 0.0)
+        d_over = self.overhead if self.draft_overhead is None else self.draft_overhead
+        return verify + kv + self.overhead + np.where(w > 1, draft + d_over, 0.0)
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ class BudgetPolicy:
         self.pred = np.zeros(slots)  # EMA of the drafter's prediction for the same rounds
         self.prior: np.ndarray | None = None  # server-wide curve for requests not yet seen
         self.ar_streak = 0  # AR rounds chosen in a row
+        self.g_real = self.g_pred = 0.0  # server-wide EMAs: the calibration of new requests
 
     def _claim(self, slots: np.ndarray, owners: list[object]) -> None:
         for s, o in zip(slots.tolist(), owners):
@@ -149,8 +154,9 @@ class BudgetPolicy:
         else:  # nothing seen yet: assume every node is accepted (explore the largest width)
             unseen = np.arange(1, B + 1, dtype=np.float64)[None, :]
             curve = np.where(self.known[slots, None], curve, unseen)
+        g = self.g_real / self.g_pred if self.g_pred > 0 else 1.0
         ratio = np.where(
-            self.pred[slots] > 0, self.real[slots] / np.maximum(self.pred[slots], 1e-9), 1.0
+            self.pred[slots] > 0, self.real[slots] / np.maximum(self.pred[slots], 1e-9), g
         )
         return np.concatenate([np.zeros((b, 1)), curve * ratio[:, None]], 1)
 
@@ -184,9 +190,17 @@ class BudgetPolicy:
         s, c = slots[ran], np.asarray(curves, dtype=np.float64)[ran]
         predicted = np.take_along_axis(c, (budgets[ran] - 1)[:, None], 1)[:, 0]
         real = np.asarray(accepted, dtype=np.float64)[ran]
+        # a request's first round starts its EMAs from the server-wide ratio (one round with
+        # nothing accepted must not switch its speculation off for good)
         first = ~self.known[s]
-        self.real[s] = np.where(first, real, (1 - EMA) * self.real[s] + EMA * real)
-        self.pred[s] = np.where(first, predicted, (1 - EMA) * self.pred[s] + EMA * predicted)
+        g = self.g_real / self.g_pred if self.g_pred > 0 else 1.0
+        real0 = np.where(first, g * predicted, self.real[s])
+        pred0 = np.where(first, predicted, self.pred[s])
+        self.real[s] = (1 - EMA) * real0 + EMA * real
+        self.pred[s] = (1 - EMA) * pred0 + EMA * predicted
+        w = PRIOR_EMA if self.g_pred > 0 else 1.0
+        self.g_real = (1 - w) * self.g_real + w * float(real.mean())
+        self.g_pred = (1 - w) * self.g_pred + w * float(predicted.mean())
         self.curve[s] = c
         self.known[s] = True
         mean = c.mean(0)

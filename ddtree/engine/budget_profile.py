@@ -8,11 +8,13 @@ so the table is the device's own; the context's KV read is added analytically
 (`kv_s_per_token`, at the device's measured-copy bandwidth estimate). The table is cached in a
 JSON file keyed by the device, torch, the model shapes, the buckets and the widths
 (`DDTREE_BUDGET_PROFILE_DIR`), so a restart costs nothing. Without graphs (the CPU, hybrid
-targets today) the roofline `AnalyticCost` from the loaded weights stands in.
+targets today) the roofline `AnalyticCost` stands in, fitted to a few timed eager forwards of the
+target (`fitted_cost`), or from the weights and nominal device numbers when that fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -56,6 +58,38 @@ def analytic_cost(runner, spec: SpecConfig) -> AnalyticCost:
         HBM_BYTES_PER_S[kind],
         FLOPS[kind],
         1.5e-3 if kind == "cuda" else 1e-3,
+    )
+
+
+@torch.inference_mode()
+def fitted_cost(runner, spec: SpecConfig, rows: int = 64) -> AnalyticCost:
+    """The roofline with the eager device's own numbers (no graphs: launches and Python dominate
+    small forwards): the target forward timed at 1 and `rows` rows gives a fixed time per
+    forward and a time per row; the drafter scales them by its layer and parameter counts."""
+    base = analytic_cost(runner, spec)
+    now, model = _clock(runner.device), runner.target
+
+    def timed(n: int) -> float:
+        ids = torch.zeros(1, n, dtype=torch.int64, device=runner.device)
+        best = float("inf")
+        for _ in range(3):
+            t0 = now()
+            model.forward_train(ids)
+            best = min(best, now() - t0)
+        return best
+
+    t1, tn = timed(1), timed(rows)
+    per_row = max((tn - t1) / (rows - 1), 1e-9)
+    fixed = max(t1 - per_row, 1e-6)
+    t_cfg = runner.target.config
+    d_layers = runner.drafter.config.num_hidden_layers if runner.drafter is not None else 0
+    flops = base.target_flops_per_row / per_row  # the rate that gives the measured time per row
+    return dataclasses.replace(
+        base,
+        bandwidth=float("inf"),  # the weight read is in the fixed time
+        flops=flops,
+        overhead=fixed,
+        draft_overhead=fixed * d_layers / max(t_cfg.num_hidden_layers, 1),
     )
 
 
@@ -139,8 +173,18 @@ def round_cost(runner, spec: SpecConfig) -> RoundCost:
     captured, else the analytic estimate."""
     g = runner.graphs
     if g is None or not g.capture:
-        logger.info("Budget policy: analytic round costs (no captured CUDA graphs to time).")
-        return analytic_cost(runner, spec)
+        try:
+            cost = fitted_cost(runner, spec)
+        except Exception as e:  # noqa: BLE001 - the estimate must not stop the server
+            logger.warning("Budget policy: eager timing failed (%s); roofline round costs.", e)
+            return analytic_cost(runner, spec)
+        logger.info(
+            "Budget policy: eager round costs fitted (no captured CUDA graphs): %.2f ms per "
+            "forward + %.3f ms per row.",
+            1e3 * cost.overhead,
+            1e3 * cost.target_flops_per_row / cost.flops,
+        )
+        return cost
     folder = profile_dir()
     path = None if folder is None else os.path.join(folder, profile_key(runner, spec) + ".json")
     if path is not None and os.path.exists(path):
