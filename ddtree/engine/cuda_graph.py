@@ -372,6 +372,6 @@ class CudaGraphRunner:
         (None: all of it), cut inside the graph from the spec's best-first build. Returns
         (drafter logits [b, D, V], the tree at the spec's width)."""
         gs = self._draft_set(self.tree_spec)
-        b = self.draft_graph.load(meta, roots, depth_limits, budgets)
+        b = self.draft_graph.load(meta, roots, depth_limits, budgets, self.tree_spec)
         gs.run(b, list(meta.kv_lens))
         return self.draft_graph.tree(self.tree_spec, b)

@@ -46,9 +46,11 @@ class DraftGraph:
             (M,), self.D, dtype=torch.int64, device=dev
         )  # per-request depth limits
         self.limited = 0  # leading rows whose depth limit may be < D
-        self.budgets: torch.Tensor | None = None  # [M] per-request budgets, with a DDTREE spec
-        self.budgeted = 0  # leading rows whose budget may be below the spec's
-        self.path_probs: torch.Tensor | None = None  # [M, B] static, with a DDTREE spec
+        # per DDTREE spec: [M] per-request budgets and [M, B] best-first path probabilities
+        # (each spec's graphs read and write their own)
+        self.budgets: dict[tuple, torch.Tensor] = {}
+        self.path_probs: dict[tuple, torch.Tensor] = {}
+        self.budgeted: dict[tuple, int] = {}  # leading rows whose budget may be below the spec's
         self.logits = None  # [M, D, V] static drafter logits, made with the first tree spec
         self.trees: dict[tuple, tuple] = {}  # tree spec -> static DraftTree fields [M, ...]
         self.live = 0
@@ -81,8 +83,8 @@ class DraftGraph:
             self.logits = torch.empty(M, self.D, head.shape[0], dtype=head.dtype, device=dev)
         N = 1 + (self.D if spec[0] == "DFLASH" else spec[1])
         if spec[0] == "DDTREE":
-            self.budgets = torch.full((M,), spec[1], dtype=torch.int64, device=dev)
-            self.path_probs = torch.zeros(M, spec[1], dtype=torch.float32, device=dev)
+            self.budgets[spec] = torch.full((M,), spec[1], dtype=torch.int64, device=dev)
+            self.path_probs[spec] = torch.zeros(M, spec[1], dtype=torch.float32, device=dev)
         self.trees[spec] = (
             torch.zeros(M, N, dtype=torch.int64, device=dev),
             torch.full((M, N), -1, dtype=torch.int64, device=dev),
@@ -102,9 +104,11 @@ class DraftGraph:
         roots: torch.Tensor,
         depth_limits: list[int] | None = None,
         budgets: list[int] | None = None,
+        spec: tuple | None = None,
     ) -> int:
         """The round's roots, rows and context lengths (meta: RoundMeta), per-request depth
-        limits (None: all D) and budgets (None: the spec's); returns the live batch b."""
+        limits (None: all D) and budgets of the DDTREE `spec` (None: the spec's); returns the
+        live batch b."""
         b = roots.shape[0]
         if b < self.live:
             self.pad(b, self.live)
@@ -120,15 +124,17 @@ class DraftGraph:
         elif self.limited:
             self.depth[: self.limited].fill_(self.D)
             self.limited = 0
-        if self.budgets is not None:
-            full = self.path_probs.shape[1]
+        if spec in self.budgets:
+            buf, low = self.budgets[spec], self.budgeted.get(spec, 0)
             if budgets is not None:
-                self.budgets[:b].copy_(torch.tensor(budgets, dtype=torch.int64))
-                self.budgets[b : self.budgeted].fill_(full)
-                self.budgeted = b
-            elif self.budgeted:
-                self.budgets[: self.budgeted].fill_(full)
-                self.budgeted = 0
+                buf[:b].copy_(torch.tensor(budgets, dtype=torch.int64))
+                buf[b:low].fill_(spec[1])
+                self.budgeted[spec] = b
+            elif low:
+                buf[:low].fill_(spec[1])
+                self.budgeted[spec] = 0
+        elif budgets is not None:
+            raise ValueError(f"per-request budgets need a DDTREE tree spec, not {spec}")
         return b
 
     def _meta(self, bs: int, host_ctx_lens: list[int]) -> DraftAttentionMetadata:
@@ -165,9 +171,9 @@ class DraftGraph:
                 topk_cap,
                 shadow_linear,
                 max_depth=depth,
-                budgets=self.budgets[:bs],
+                budgets=self.budgets[spec][:bs],
             )
-            self.path_probs[:bs].copy_(tree.path_probs)
+            self.path_probs[spec][:bs].copy_(tree.path_probs)
         for buf, x in zip(
             self.trees[spec], (tree.tokens, tree.parents, tree.depths, tree.valid, tree.tree_mask)
         ):
@@ -177,5 +183,5 @@ class DraftGraph:
     def tree(self, spec: tuple, b: int) -> tuple[torch.Tensor, DraftTree]:
         """(drafter logits [b, D, V], the tree) of the latest `tree_forward(spec)` replay."""
         tokens, parents, depths, valid, mask = (x[:b] for x in self.trees[spec])
-        probs = self.path_probs[:b] if spec[0] == "DDTREE" else None
+        probs = self.path_probs[spec][:b] if spec in self.path_probs else None
         return self.logits[:b], DraftTree(tokens, parents, depths, valid, mask, self.D, probs)
