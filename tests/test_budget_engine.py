@@ -22,7 +22,7 @@ class CyclingPolicy:
     def __init__(self):
         self.k, self.widths = 0, []
 
-    def choose(self, slots, owners, caps, ctx):
+    def choose(self, slots, owners, caps, ctx, extra_s=0.0):
         self.k += 1
         n = len(slots)
         if self.k % 4 == 0:

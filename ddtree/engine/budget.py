@@ -53,6 +53,7 @@ class BudgetPlanner:
         if cfg.adaptive:
             self.policy = BudgetPolicy(budget_ladder(cfg.budget), cost, slots)
         self.last: RoundRecord | None = None
+        self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
 
     @property
     def observes(self) -> bool:
@@ -75,8 +76,10 @@ class BudgetPlanner:
             if all(c == cfg.budget for c in caps):
                 return RoundPlan(cfg.verify_width, None)
             return RoundPlan(self.width_for(max(caps)), caps)
+        if self.last is not None:  # its host / server times are filled in after the round
+            self.host_s = 0.9 * self.host_s + 0.1 * (self.last.host_s + self.last.server_s)
         slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
-        d = self.policy.choose(slots, reqs, caps, max_ctx)
+        d = self.policy.choose(slots, reqs, caps, max_ctx, self.host_s)
         budgets = d.budgets.tolist()
         return RoundPlan(self.width_for(max(budgets)), budgets, d.predicted, slots)
 

@@ -160,10 +160,11 @@ class BudgetPolicy:
         )
         return np.concatenate([np.zeros((b, 1)), curve * ratio[:, None]], 1)
 
-    def choose(self, slots, owners: list[object], caps, ctx: int) -> Decision:
+    def choose(self, slots, owners: list[object], caps, ctx: int, extra_s: float = 0.0) -> Decision:
         """slots [b] block-table rows, owners [b] the request objects (identity marks a new
         request in a slot), caps [b] each request's largest allowed budget, ctx the longest
-        context. Vectorised over requests and ladder rungs."""
+        context, extra_s the round's host time outside the device work (every width pays it, so
+        it favours the widths that emit more). Vectorised over requests and ladder rungs."""
         slots, caps = np.asarray(slots, dtype=np.int64), np.asarray(caps, dtype=np.int64)
         self._claim(slots, owners)
         g = self.gains(slots)
@@ -171,7 +172,7 @@ class BudgetPolicy:
         per = np.minimum(self.ladder[None, :], caps[:, None])
         gain = np.take_along_axis(g, per, 1)
         tokens = len(slots) + gain.sum(0)
-        rate = tokens / self.cost.seconds(len(slots), ctx)
+        rate = tokens / (self.cost.seconds(len(slots), ctx) + extra_s)
         best = int(np.argmax(rate))
         self.ar_streak = self.ar_streak + 1 if best == 0 else 0
         if best == 0 and self.ar_streak > EXPLORE_AFTER and len(rate) > 1:

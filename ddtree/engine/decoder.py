@@ -2,7 +2,8 @@
 draft -> build tree -> verify -> sample at every node -> accept walk -> commit.
 
 NONE (plain AR) is the one-node tree; DFLASH is the drafter's top-1 chain; DDTREE the best-first tree.
-The host reads back only the emitted tokens and their count, once per round.
+The host reads back only the emitted tokens and their count (with `--speculative-ddtree-budget auto` also the
+trees' gain curves), once per round.
 
 With CUDA graphs the draft replay goes from the roots to the finished tree (drafter, LM head, tree build, each
 request cut to its budget) and the verify replay from the tree to the greedy accept walk (target, LM head, argmax,

@@ -195,7 +195,7 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.on_pools(self.engine)
             if rec is not None:
-                server_s = time.monotonic() - t0 - step_s
+                server_s = rec.server_s = time.monotonic() - t0 - step_s
                 self.engine.batch_log.server_time(server_s)
                 if self.metrics is not None:
                     self.metrics.on_round(rec, server_s, self._hidden_s)

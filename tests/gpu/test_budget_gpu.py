@@ -30,7 +30,7 @@ class Cycling:
     def __init__(self):
         self.k = 0
 
-    def choose(self, slots, owners, caps, ctx):
+    def choose(self, slots, owners, caps, ctx, extra_s=0.0):
         from ddtree.engine.budget_policy import Decision
 
         self.k += 1
