@@ -88,6 +88,11 @@ class ServerArgs:
         "largest (padded) batch size captured in CUDA graphs; default "
         f"min({DEFAULT_CUDA_GRAPH_MAX_BS}, --max-running-requests)",
     )
+    disable_overlap_schedule: bool = _opt(
+        False,
+        "server: publish each decode round's outputs at once instead of under the next round's "
+        "device work",
+    )
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
     api_key: str | None = _opt(

@@ -63,3 +63,16 @@ def test_stop_string_ends_where_it_ends_without_overlap(server, pair):
     cut = full[: full.index(stop)]
     chunks = client.completions.create(stop=[stop], stream=True, **kw)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+
+
+def test_disable_overlap_schedule_publishes_at_once(pair):
+    argv = server_argv(pair, "DDTREE", "--disable-overlap-schedule")
+    with thread_server(argv) as srv:
+        assert not srv.async_engine.overlap and srv.engine.decoder.while_device_runs is None
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+        kw = dict(model=pair[0], prompt=PROMPT, max_tokens=12, temperature=0)
+        chunks = client.completions.create(stream=True, **kw)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == client.completions.create(**kw).choices[0].text
+        metrics = httpx.get(srv.base_url + "/metrics").text
+        assert metric(metrics, 'ddtree_round_seconds_sum{part="hidden"}') == 0
