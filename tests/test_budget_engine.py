@@ -158,3 +158,24 @@ def test_cost_profile_measures_every_width_and_caches(toy_pair, tmp_path, monkey
     monkeypatch.setattr(budget_profile, "measure", lambda r, s: pytest.fail("re-measured"))
     again = budget_profile.round_cost(runner, spec)
     assert isinstance(again, CostTable) and np.array_equal(again.table, first.table)
+
+
+def test_detokenisation_is_deferred_without_stop_strings():
+    """Requests without stop strings append ids only; `flush` (the server's publish, or the
+    finish) brings the text up to date, equal to decoding the ids; stop strings still detokenise
+    in the step."""
+    from ddtree import LLM, SamplingParams
+
+    llm = LLM(None, max_running_requests=2)
+    eng = llm.engine
+    plain = eng.add_request("def f(x):", SamplingParams(temperature=0, max_tokens=12))
+    stops = eng.add_request("def f(x):", SamplingParams(temperature=0, max_tokens=12, stop=["@@"]))
+    for _ in range(3):
+        eng.step()
+    assert eng.emitter.lag.get(plain.rid, 0) > 0 and plain.text == ""
+    assert stops.rid not in eng.emitter.lag and stops.text
+    eng.emitter.flush(plain)
+    assert plain.text == stops.text[: len(plain.text)] and plain.rid not in eng.emitter.lag
+    while eng.has_unfinished():
+        eng.step()
+    assert plain.text == stops.text == eng.tokenizer.decode(plain.output_ids)

@@ -81,7 +81,7 @@ class LLMEngine:
         req = self.requests.pop(rid, None)
         if req is not None and not req.is_finished:
             req.finish_reason = "abort"
-            self.emitter.detok.pop(rid, None)
+            self.emitter.drop(rid)
             self.scheduler.finish(req)
 
     def has_unfinished(self) -> bool:
@@ -141,6 +141,7 @@ class LLMEngine:
                 "request %s does not fit in the KV cache; finishing it with reason 'length'",
                 req.rid,
             )
+            self.emitter.flush(req)
             req.finish_reason = "length"
             self.scheduler.finish(req)
             self.requests.pop(req.rid, None)

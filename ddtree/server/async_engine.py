@@ -242,8 +242,11 @@ class AsyncEngine:
                 return
 
     def _publish(self) -> None:
+        flush = getattr(getattr(self.engine, "emitter", None), "flush", None)
         for rid, st in list(self._streams.items()):
             req = st.req
+            if flush is not None:  # deferred detokenisation: under the next round with overlap
+                flush(req)
             done = req.finish_reason is not None
             if done:
                 safe = len(req.text)
@@ -293,7 +296,7 @@ class AsyncEngine:
         st = self._streams.pop(rid, None)
         self.engine.abort(rid)
         # NOTE: LLMEngine.abort leaves the request's incremental detokenizer behind; drop it here
-        self.engine.emitter.detok.pop(rid, None)
+        self.engine.emitter.drop(rid)
         return st
 
     def _abort(self, rid: str) -> None:
