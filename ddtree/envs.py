@@ -76,6 +76,12 @@ GDN_TREE_CHUNK = EnvVar(
 CACHE = EnvVar(
     "DDTREE_CACHE", "", "directory for the embedded / toy model pairs (unset: ~/.cache/ddtree)"
 )
+BUDGET_PROFILE_DIR = EnvVar(
+    "DDTREE_BUDGET_PROFILE_DIR",
+    "",
+    "--speculative-ddtree-budget auto: directory of the cached per-device round-cost profiles "
+    "(unset: ~/.cache/ddtree/budget; 'off': always re-measure, write nothing)",
+)
 PEER_CHECKOUT = EnvVar(
     "DDTREE_PEER_CHECKOUT",
     "",
@@ -103,6 +109,7 @@ TABLE: dict[str, EnvVar] = {
         FORCE_REFERENCE_GDN,
         GDN_TREE_CHUNK,
         CACHE,
+        BUDGET_PROFILE_DIR,
         PEER_CHECKOUT,
         TOY_HYBRID,
         TRITON_INTERPRET,

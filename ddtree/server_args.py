@@ -29,6 +29,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 DEFAULT_DDTREE_BUDGET = 64
+AUTO_BUDGET = "auto"  # --speculative-ddtree-budget auto: the load-aware policy picks per round
 DEFAULT_CUDA_GRAPH_MAX_BS = 16
 
 
@@ -98,6 +99,11 @@ class ServerArgs:
         "serve at once: no start-up warm-up (on cuda the server otherwise compiles every kernel "
         "first, /health 503 'warming up' until done)",
     )
+    disable_overlap_schedule: bool = _opt(
+        False,
+        "server: publish each decode round's outputs at once instead of under the next round's "
+        "device work",
+    )
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
     api_key: str | None = _opt(
@@ -127,8 +133,15 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = _opt(
         None, "draft tokens per round; equals the block size"
     )
-    speculative_ddtree_budget: int | None = _opt(
-        None, "DDTree nodes drafted per round, root excluded (default 64)"
+    speculative_ddtree_budget: int | str | None = _opt(
+        None,
+        "DDTree nodes drafted per round, root excluded (default 64), or auto: per round and "
+        "request, the budget that maximises expected tokens per second under the load, up to "
+        "--speculative-ddtree-max-budget",
+    )
+    speculative_ddtree_max_budget: int | None = _opt(
+        None,
+        f"the largest budget --speculative-ddtree-budget auto picks (default {DEFAULT_DDTREE_BUDGET})",
     )
     speculative_ddtree_topk_cap: int | None = _opt(
         None, "max DDTree candidates per depth; default min(budget, vocab)"
@@ -199,7 +212,7 @@ def make_parser(prog: str = "ddtree serve") -> argparse.ArgumentParser:
                 action=argparse.BooleanOptionalAction if f.default else "store_true",
             )
             continue
-        convert = str.upper if f.name == "speculative_algorithm" else kind
+        convert = CONVERTERS.get(f.name, kind)
         parser.add_argument(
             *names,
             dest=f.name,
@@ -209,6 +222,21 @@ def make_parser(prog: str = "ddtree serve") -> argparse.ArgumentParser:
             help=f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else ""),
         )
     return parser
+
+
+def budget_value(text: str) -> int | str:
+    """--speculative-ddtree-budget: an integer or `auto`."""
+    if str(text).strip().lower() == AUTO_BUDGET:
+        return AUTO_BUDGET
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an integer nor auto; pass e.g. 64, or auto"
+        ) from None
+
+
+CONVERTERS = {"speculative_algorithm": str.upper, "speculative_ddtree_budget": budget_value}
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:
@@ -252,9 +280,14 @@ def _check_scalars(a: ServerArgs, p: list[str]) -> None:
         p.append(
             f"--mamba-full-memory-ratio {a.mamba_full_memory_ratio}: must be in (0, 1), e.g. 0.9"
         )
+    budget = a.speculative_ddtree_budget
+    if isinstance(budget, str) and budget != AUTO_BUDGET:
+        p.append(
+            f"--speculative-ddtree-budget {budget!r}: pass an integer (e.g. {DEFAULT_DDTREE_BUDGET}) or auto"
+        )
     for name, low in _MINIMUMS.items():
         value = getattr(a, name)
-        if value is not None and value < low:
+        if isinstance(value, int) and value < low:
             p.append(f"{flag(name)} {value}: must be at least {low}{_MINIMUM_HINTS.get(name, '')}")
     if a.chunked_prefill_size == 0 or a.chunked_prefill_size < -1:
         p.append(
@@ -285,6 +318,7 @@ _MINIMUMS = {
     "max_mamba_cache_size": 1,
     "speculative_dflash_block_size": 2,
     "speculative_ddtree_budget": 1,
+    "speculative_ddtree_max_budget": 1,
     "speculative_ddtree_topk_cap": 1,
     "decode_log_interval": 1,
 }
@@ -364,7 +398,26 @@ def _resolve_speculative(a: ServerArgs, t, d, upd: dict, p: list[str]) -> None:
             budget = DEFAULT_DDTREE_BUDGET
             logger.info("Speculative DDTree budget is set to %d.", budget)
         upd["speculative_ddtree_budget"] = budget
-        if a.speculative_ddtree_topk_cap is None and t is not None and budget >= 1:
+        if budget == AUTO_BUDGET:
+            budget = a.speculative_ddtree_max_budget or DEFAULT_DDTREE_BUDGET
+            upd["speculative_ddtree_max_budget"] = budget
+            logger.info(
+                "Speculative DDTree budget is auto: chosen per round up to %d "
+                "(--speculative-ddtree-max-budget).",
+                budget,
+            )
+        elif a.speculative_ddtree_max_budget is not None:
+            p.append(
+                f"--speculative-ddtree-max-budget {a.speculative_ddtree_max_budget} caps "
+                f"--speculative-ddtree-budget auto only; drop it, or pass "
+                f"--speculative-ddtree-budget auto"
+            )
+        if (
+            a.speculative_ddtree_topk_cap is None
+            and t is not None
+            and isinstance(budget, int)
+            and budget >= 1
+        ):
             upd["speculative_ddtree_topk_cap"] = min(budget, t.vocab_size)
             logger.info(
                 "Speculative DDTree top-k cap is set to %d.", upd["speculative_ddtree_topk_cap"]

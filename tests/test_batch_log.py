@@ -13,7 +13,9 @@ from ddtree.server_args import ServerArgs, resolve_server_args
 
 DECODE = re.compile(
     r"^Decode batch\. #running-req: (\d+), #token: (\d+), token usage: (\d\.\d\d), accept len: "
-    r"(\d+\.\d\d), gen throughput \(token/s\): (\d+\.\d\d), #queue-req: (\d+)$"
+    r"(\d+\.\d\d), gen throughput \(token/s\): (\d+\.\d\d), #queue-req: (\d+), budget: "
+    r"(\d+\.\d), predicted accept: (-|\d+\.\d\d), round: (\d+\.\d\d) ms, host: (\d+\.\d\d) ms, "
+    r"server: (\d+\.\d\d) ms$"
 )
 PREFILL = re.compile(
     r"^Prefill batch\. #new-seq: (\d+), #new-token: (\d+), #cached-token: \d+, token usage: "
@@ -64,9 +66,30 @@ def test_decode_and_prefill_lines_every_interval(pair, caplog, algorithm, interv
     assert int(first[1]) == 2 and int(first[2]) > 7 and float(first[3]) > 0 and int(first[6]) == 0
     assert float(first[5]) > 0
     if algorithm == "NONE":
-        assert float(first[4]) == 1.0
+        assert float(first[4]) == 1.0 and float(first[7]) == 0.0
     else:
         assert float(first[4]) >= 1.0
+    if algorithm == "DDTREE":
+        assert float(first[7]) == 6.0  # the fixed budget per request-round
+    assert first[8] == "-"  # no predictions without --speculative-ddtree-budget auto
+    assert float(first[9]) > 0 and float(first[10]) > 0 and float(first[11]) == 0.0  # offline
+
+
+def test_decode_line_reports_auto_budgets_and_predictions(pair, caplog):
+    llm = LLM(
+        pair[0],
+        device="cpu",
+        dtype="float32",
+        speculative_algorithm="DDTREE",
+        speculative_draft_model_path=pair[1],
+        speculative_ddtree_budget="auto",
+        speculative_ddtree_max_budget=8,
+        decode_log_interval=2,
+    )
+    caplog.set_level(logging.INFO, logger="ddtree")
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    first = lines(caplog, DECODE)[0]
+    assert 0.0 <= float(first[7]) <= 8.0 and float(first[8]) >= 1.0
 
 
 def test_decode_log_interval_is_checked():

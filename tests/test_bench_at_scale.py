@@ -157,3 +157,11 @@ def test_store_resolves_from_the_shape(tmp_path):
     ns = make_parser().parse_args(["--shape", str(spec), "--model-store", "disk", "--in-memory"])
     with pytest.raises(ValueError, match="--in-memory contradicts --model-store disk"):
         resolve_store(ns)
+
+
+def test_auto_budget_config():
+    from ddtree.bench.at_scale_serve import parse_config
+
+    cfg = parse_config("ddtreeauto")
+    assert cfg.name == "DDTREE B=auto" and cfg.algorithm == "DDTREE" and cfg.budget == "auto"
+    assert parse_config("DDTREE16").budget == "16"

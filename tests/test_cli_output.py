@@ -90,7 +90,30 @@ def test_serving_table_has_units():
         "TTFT p50" in header and "(ms)" in units and "(tok/s)" in units and "(tok/round)" in units
     )
     assert len(header) == len(units) == len(row)
-    assert row.split()[-1] == "5.50" and "512.0" in row
+    assert row.split()[10] == "5.50" and "512.0" in row
+    assert row.split()[-4:] == ["-"] * 4  # no server metrics in this level
+    full = format_table([_level(mean_budget=12.5, predicted_accept_length=3.25, host_ms=0.4)])
+    assert full.splitlines()[2].split()[-4:] == ["12.5", "3.25", "-", "0.40"]
+
+
+def test_serving_level_reads_budgets_from_metrics():
+    """bench serving's server-side columns: the /metrics delta of one level."""
+    from ddtree.bench.serving_metrics import delta, parse
+    from ddtree.engine.budget import RoundRecord
+    from ddtree.server.metrics import ServerMetrics
+
+    m = ServerMetrics("DDTREE", 16)
+    m.on_round(RoundRecord(17, [16, 16], [3.0, 5.0], [2, 4], 0.008, 0.001), 0.0005, 0.0002)
+    before = parse(m.render().decode())
+    m.on_round(RoundRecord(9, [8, 8, 8], [2.0, 2.0, 2.0], [1, 3, 2], 0.006, 0.002), 0.001, 0.0)
+    m.on_round(RoundRecord(1, [0, 0, 0], [0.0, 0.0, 0.0], [0, 0, 0], 0.004, 0.002), 0.001, 0.0)
+    d = delta(before, parse(m.render().decode()))
+    assert d["budget_histogram"] == {"0": 3, "8": 3}
+    assert d["verify_width_rounds"] == {"9": 1, "1": 1}
+    assert d["mean_budget"] == 4.0
+    assert d["predicted_accept_length"] == 2.0 and d["realised_accept_length"] == 2.0
+    assert abs(d["round_ms"] - 5.0) < 1e-9 and abs(d["host_ms"] - 3.0) < 1e-9
+    assert delta(None, before) is None
 
 
 def test_serving_json_is_strict(tmp_path, monkeypatch, capsys):

@@ -354,7 +354,8 @@ def test_cuda_graph_flags_resolve(tmp_path, caplog):
 
 
 # ---- the fused draft -> tree replay and the in-graph greedy accept walk ---------------------------------------
-# small max_tokens: late rounds limit the tree depth per request; mixed budgets: some rounds build per-budget trees
+# small max_tokens: late rounds limit the tree depth per request; mixed budgets: the draft graph cuts each
+# request's tree to its budget (checked against the eager cut)
 FUSED_PARAMS = [
     SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, ddtree_budget=bud)
     for m, bud in ((30, None), (12, 3), (22, None), (6, 5), (17, None))
@@ -372,22 +373,29 @@ def _check_rounds(llm, log, drop_limits=False):
     draft_tree, verify_nodes, graph_draft = runner.draft_tree, runner.verify_nodes, g.draft_tree
 
     if drop_limits:  # sabotage: the graph never sees the per-request depth limits
-        g.draft_tree = lambda meta, roots, limits: graph_draft(meta, roots, None)
+        g.draft_tree = lambda meta, roots, limits, budgets=None: graph_draft(
+            meta, roots, None, budgets
+        )
 
-    def checked_draft(reqs, roots, block_size, limits, meta=None):
-        logits, tree = draft_tree(reqs, roots, block_size, limits, meta)
+    def checked_draft(reqs, roots, block_size, limits, meta=None, budgets=None):
+        logits, tree = draft_tree(reqs, roots, block_size, limits, meta, budgets)
         if tree is not None:
             depth = None if limits is None else torch.tensor(limits)
             if spec.algorithm == "DFLASH":
                 ref = build_chain(roots, logits, max_depth=depth)
             else:
                 ref = build_tree(
-                    roots, logits, spec.budget, spec.topk_cap, spec.shadow_linear, max_depth=depth
+                    roots,
+                    logits,
+                    spec.budget,
+                    spec.topk_cap,
+                    spec.shadow_linear,
+                    max_depth=depth,
+                    budgets=None if budgets is None else torch.tensor(budgets),
                 )
             for f in ("tokens", "parents", "depths", "valid", "tree_mask"):
                 assert torch.equal(getattr(tree, f), getattr(ref, f)), f
             assert tree.num_depths == ref.num_depths
-            budgets = llm.engine.decoder._budgets(reqs)
             log.append(
                 (
                     "draft",

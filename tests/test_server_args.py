@@ -423,3 +423,49 @@ def test_many_problems_in_one_error(tmp_path, dense):
     ):
         assert any(needle in p for p in problems), needle
     assert str(ConfigError(problems)).count("\n") == len(problems) - 1
+
+
+def test_budget_auto_resolves_to_the_ladder_under_a_cap(dense, caplog):
+    caplog.set_level(logging.INFO, "ddtree")
+    args = prepare_server_args(ddtree_argv(dense, "--speculative-ddtree-budget", "AUTO"))
+    spec = spec_config(args)
+    assert args.speculative_ddtree_budget == "auto" and args.speculative_ddtree_max_budget == 64
+    assert spec.adaptive and spec.budget == 64 and spec.verify_width == 65
+    assert spec.verify_widths == (1, 9, 17, 33, 65)
+    assert any("budget is auto" in m for m in caplog.messages)
+    capped = prepare_server_args(
+        ddtree_argv(
+            dense, "--speculative-ddtree-budget", "auto", "--speculative-ddtree-max-budget", "20"
+        )
+    )
+    assert spec_config(capped).verify_widths == (1, 9, 17, 21)
+    fixed = spec_config(prepare_server_args(ddtree_argv(dense, "--speculative-ddtree-budget", "8")))
+    assert not fixed.adaptive and fixed.verify_widths == (9,)
+
+
+def test_budget_auto_nonsense_is_refused_before_weights(dense, capsys):
+    with pytest.raises(SystemExit):
+        prepare_server_args(ddtree_argv(dense, "--speculative-ddtree-budget", "big"))
+    assert "neither an integer nor auto" in capsys.readouterr().err
+    one_problem(
+        ddtree_argv(
+            dense, "--speculative-ddtree-budget", "8", "--speculative-ddtree-max-budget", "4"
+        ),
+        "--speculative-ddtree-max-budget",
+        "auto",
+    )
+    one_problem(
+        ddtree_argv(
+            dense, "--speculative-ddtree-budget", "auto", "--speculative-ddtree-max-budget", "0"
+        ),
+        "--speculative-ddtree-max-budget 0",
+    )
+    with pytest.raises(ConfigError, match="integer"):
+        resolve_server_args(
+            ServerArgs(
+                model_path=dense[0],
+                speculative_algorithm="DDTREE",
+                speculative_draft_model_path=dense[1],
+                speculative_ddtree_budget="most",
+            )
+        )

@@ -249,3 +249,48 @@ def test_medium_sizes_match_heap(budget, cap, shadow):
     for i in range(2):
         ref = build_tree_ref(0, logits[i], budget, cap, shadow, max_depth=int(limits[i]))
         assert set(prefixes(tree, i)) == set(ref.prefixes()[1:])
+
+
+@pytest.mark.parametrize("shadow", [False, True])
+def test_per_request_budgets_are_the_smaller_trees_packed(shadow):
+    """One build at the largest budget, cut per request by the best-first order, equals each
+    request's own smaller build (same prefixes, packed first, prefix-closed), and narrowing to the
+    largest kept budget + 1 loses no node."""
+    gen = torch.Generator().manual_seed(7)
+    b, D, V, B = 6, 5, 6, 24
+    logits = torch.randn(b, D, V, generator=gen) * 2
+    roots = torch.randint(0, V, (b,), generator=gen)
+    budgets = torch.tensor([0, 1, 3, 8, 17, 24])
+    limits = torch.tensor([5, 5, 2, 5, 3, 5])
+    tree = build_tree(roots, logits, B, 4, shadow, max_depth=limits, budgets=budgets)
+    check_structure(tree, logits, B, 4, D)
+    narrow = tree.narrow(1 + int(budgets.max()))
+    for i, bi in enumerate(budgets.tolist()):
+        got = prefixes(tree, i)
+        assert prefixes(narrow, i) == got
+        if bi == 0:
+            assert got == [] and tree.valid[i].sum() == 1
+            continue
+        own = build_tree(roots[i : i + 1], logits[i : i + 1], bi, 4, shadow, limits[i : i + 1])
+        assert set(got) == set(prefixes(own, 0)), i
+        assert all(p[:-1] in set(got) | {()} for p in got), "prefix-closed"
+    assert not torch.equal(tree.valid, build_tree(roots, logits, B, 4, shadow, limits).valid)
+
+
+def test_path_probs_give_expected_accept_of_every_budget():
+    """cumsum(path_probs)[b - 1] = sum of the drafter's path probabilities of the budget-b tree."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(3, 4, 5, generator=gen)
+    roots = torch.zeros(3, dtype=torch.long)
+    logp = torch.log_softmax(logits.double(), -1)
+    full = build_tree(roots, logits, 20, 5, False)
+    assert full.path_probs.shape == (3, 20)
+    expect = full.path_probs.double().cumsum(1)
+    for bi in (1, 2, 7, 20):
+        small = build_tree(roots, logits, bi, 5, False)
+        for i in range(3):
+            q = sum(
+                torch.exp(sum(logp[i, d, t] for d, t in enumerate(p))) for p in prefixes(small, i)
+            )
+            assert abs(float(q) - float(expect[i, bi - 1])) < 1e-5
+    assert (full.path_probs[:, :-1] >= full.path_probs[:, 1:] - 1e-7).all(), "best-first"

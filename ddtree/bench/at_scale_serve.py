@@ -79,6 +79,7 @@ def server_argv(ns, target: str, drafter: str | None, cfg: ServeConfig) -> list[
     argv += ["--port", str(ns.port), "--speculative-algorithm", cfg.algorithm]
     argv += ["--device", ns.device, "--attention-backend", ns.attention_backend]
     argv += ["--max-running-requests", str(max(ns.levels)), "--log-level", "warning"]
+    argv += ["--enable-metrics"]  # bench serving reads budgets and host time per level from it
     if ns.max_total_tokens:
         argv += ["--max-total-tokens", str(ns.max_total_tokens)]
     if cfg.algorithm != "NONE" and drafter is not None:

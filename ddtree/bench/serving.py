@@ -3,10 +3,12 @@
 For each concurrency level (one run may sweep several) it sends the prompt set with at most that many requests
 in flight, optionally paced by Poisson arrivals at --request-rate, all streamed with usage. It reports request
 and token throughput, TTFT, TPOT (per output token after the first) and end-to-end latency (mean, p50, p90,
-p99), the mean accepted length read from the server's `ddtree` response extension (weighted by rounds) and
-the prefix-cache hit rate (usage.prompt_tokens_details.cached_tokens / prompt tokens). `--workload multiturn`
-runs multi-turn conversations over a shared system prompt instead (`ddtree/bench/multiturn.py`). Results go
-to a JSON file and PNG plots next to it.
+p99), the mean accepted length read from the server's `ddtree` response extension (weighted by rounds),
+the prefix-cache hit rate (usage.prompt_tokens_details.cached_tokens / prompt tokens) and, from the server's
+/metrics (when it runs with --enable-metrics), the chosen-budget histogram, rounds per verify width,
+predicted vs realised accept length and the per-round host time (`serving_metrics.py`). `--workload
+multiturn` runs multi-turn conversations over a shared system prompt instead (`ddtree/bench/multiturn.py`).
+Results go to a JSON file and PNG plots next to it.
 """
 
 from __future__ import annotations
@@ -157,6 +159,18 @@ def summary(values: list[float], scale: float = 1000.0) -> dict:
 
 
 async def run_level(client, model: str, items: list[Item], concurrency: int, ns) -> dict:
+    from ddtree.bench import serving_metrics
+
+    before = await serving_metrics.scrape(ns.base_url, ns.api_key)
+    row = await _run_level(client, model, items, concurrency, ns)
+    server = serving_metrics.delta(before, await serving_metrics.scrape(ns.base_url, ns.api_key))
+    row["server"] = server  # None without --enable-metrics on the server
+    for key in ("mean_budget", "predicted_accept_length", "round_ms", "host_ms"):
+        row[key] = None if server is None else server[key]
+    return row
+
+
+async def _run_level(client, model: str, items: list[Item], concurrency: int, ns) -> dict:
     gate = asyncio.Semaphore(concurrency)
     rng = random.Random(ns.seed)
 
@@ -293,6 +307,13 @@ TABLE_COLUMNS = (
     ("E2E p50", "ms", "e2e_latency_ms", "p50", 1),
     ("cache hit", "ratio", "cache_hit_rate", None, 2),
     ("accept", "tok/round", "mean_accept_length", None, 2),
+    # from the server's /metrics (- without --enable-metrics): budget per request-round, the
+    # policy's predicted accept length, and per decode round its wall time and the host time
+    # outside it
+    ("budget", "nodes", "mean_budget", None, 1),
+    ("pred acc", "tok/round", "predicted_accept_length", None, 2),
+    ("round", "ms", "round_ms", None, 2),
+    ("host", "ms/round", "host_ms", None, 2),
 )
 
 

@@ -40,6 +40,19 @@ def verify_width(algorithm: str, block_size: int, budget: int) -> int:
     return block_size if algorithm == "DFLASH" else 1
 
 
+def budget_ladder(cap: int) -> tuple[int, ...]:
+    """Budgets `--speculative-ddtree-budget auto` picks from: 0 (AR), powers of two from 8 below
+    the cap, and the cap; each is one verify width (1 + budget) with its own CUDA graphs. The
+    DFLASH chain is not a rung: a B=16 tree accepts more than the 15-node chain at about the same
+    width (its top-1 spine is in the tree wherever it scores best)."""
+    out = {0, cap}
+    b = 8
+    while b < cap:
+        out.add(b)
+        b *= 2
+    return tuple(sorted(out))
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     algorithm: str = "NONE"  # NONE | DFLASH | DDTREE
@@ -47,10 +60,20 @@ class SpecConfig:
     budget: int = 64  # DDTREE nodes per round, root excluded (0 unless DDTREE)
     topk_cap: int = 64
     shadow_linear: bool = False
+    # --speculative-ddtree-budget auto: `budget` is the cap, the policy picks each round's width
+    adaptive: bool = False
 
     @property
     def verify_width(self) -> int:
         return verify_width(self.algorithm, self.block_size, self.budget)
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """The widths a round may verify at (graphs are captured for each): the ladder's with
+        auto, else the one width."""
+        if not self.adaptive:
+            return (self.verify_width,)
+        return tuple(1 + b for b in budget_ladder(self.budget))
 
 
 @dataclass(frozen=True)
@@ -61,6 +84,7 @@ class RunnerConfig:
     max_context: int = 4096
     block_size: int = 16  # drafted block incl. the root; depth limit = block_size - 1
     max_verify_width: int = 65  # most tree nodes (root included) one request verifies at once
+    verify_widths: tuple[int, ...] = ()  # widths with verify graphs (empty: max_verify_width)
     attention_backend: str = "torch"
     mamba_strategy: str = "extra_buffer"
     mamba_ssm_dtype: str = "float32"
@@ -83,10 +107,13 @@ def spec_config(args) -> SpecConfig:
     if algo == "NONE":
         return SpecConfig(algorithm="NONE", block_size=1, budget=0, topk_cap=0)
     ddtree = algo == "DDTREE"
+    adaptive = ddtree and args.speculative_ddtree_budget == "auto"
+    budget = args.speculative_ddtree_max_budget if adaptive else args.speculative_ddtree_budget
     return SpecConfig(
         algorithm=algo,
         block_size=args.speculative_dflash_block_size,
-        budget=args.speculative_ddtree_budget if ddtree else 0,
+        budget=budget if ddtree else 0,
+        adaptive=adaptive,
         topk_cap=args.speculative_ddtree_topk_cap if ddtree else 0,
         shadow_linear=ddtree and args.speculative_ddtree_shadow_linear,
     )
@@ -303,6 +330,7 @@ def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:
         max_context=args.context_length,
         block_size=spec.block_size,
         max_verify_width=spec.verify_width,
+        verify_widths=spec.verify_widths,
         attention_backend=args.attention_backend,
         mamba_strategy=args.mamba_scheduler_strategy or RunnerConfig.mamba_strategy,
         mamba_ssm_dtype=args.mamba_ssm_dtype,

@@ -172,14 +172,28 @@ class CudaGraphRunner:
         self.buckets = batch_buckets(max_bs)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         padding = Padding(runner, max_bs)
+        # one verify family per width (widest first: the narrower ones share its logits / taps)
+        self.widths = sorted(set(cfg.verify_widths or (cfg.max_verify_width,)), reverse=True)
         self.verify_graph = v = VerifyGraph(runner, padding)
-        self.verify_set = GraphSet(self, v.forward, v.attention_shape, cfg.max_context + v.n, v.n)
-        # commit (KV move + drafter context write) on the verify buffers: graphs keyed by padded
-        # batch only
-        # (hybrid targets: the AR round's state commit too)
-        self.commit_graph = CommitGraph(v) if v.accept_depth is not None or v.hybrid else None
-        self.commit_graphs: dict[int, object] = {}
+        self.verify_graphs = {
+            w: v if w == v.n else VerifyGraph(runner, padding, w, share=v) for w in self.widths
+        }
+        self.verify_sets = {
+            w: GraphSet(self, g.forward, g.attention_shape, cfg.max_context + g.n, g.n)
+            for w, g in self.verify_graphs.items()
+        }
+        self.verify_set = self.verify_sets[v.n]
+        # commit (KV move + drafter context write) on each width's verify buffers: graphs keyed
+        # by padded batch only (hybrid targets: the AR round's state commit too)
+        self.commit_families = {
+            w: CommitGraph(g)
+            for w, g in self.verify_graphs.items()
+            if g.accept_depth is not None or g.hybrid
+        }
+        self.commit_graph = self.commit_families.get(v.n)
+        self.commit_graphs: dict[tuple[int, int], object] = {}  # (width, bs) -> graph
         self._verified = 0  # live rows of the verify replay whose commit is pending (0: none)
+        self._verified_width = v.n
 
         self.draft_graph: DraftGraph | None = None
         self.draft_set: GraphSet | None = None
@@ -199,22 +213,24 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def build(self) -> None:
-        self.verify_set.build(self.buckets)
-        if self.commit_graph is not None:
+        for w in self.widths:
+            self.verify_sets[w].build(self.buckets)
+        for w, cg in self.commit_families.items():
             for bs in sorted(self.buckets, reverse=True):
-                fn = lambda bs=bs: self.commit_graph.forward(bs)  # noqa: E731
-                self.commit_graphs[bs] = capture_graph(fn, self.pool)[0] if self.capture else None
+                fn = lambda bs=bs, cg=cg: cg.forward(bs)  # noqa: E731
+                graph = capture_graph(fn, self.pool)[0] if self.capture else None
+                self.commit_graphs[(w, bs)] = graph
         self._built = True
         if self.tree_spec is not None:
             self._draft_set(self.tree_spec)
         if self.capture:
             torch.cuda.synchronize()
             logger.info(
-                "CUDA graphs captured: %d verify (batch sizes %s; verify width %d, "
+                "CUDA graphs captured: %d verify (batch sizes %s; verify widths %s, "
                 "LM head + argmax%s inside).",
-                len(self.verify_set.graphs),
+                sum(len(gs.graphs) for gs in self.verify_sets.values()),
                 self.buckets,
-                self.verify_graph.n,
+                "/".join(str(w) for w in sorted(self.widths)),
                 " + accept walk" if self.commit_graph else "",
             )
 
@@ -272,16 +288,19 @@ class CudaGraphRunner:
     def can_verify(self, b: int, n: int, max_kv_len: int) -> bool:
         """max_kv_len: the longest live request after this verify's write (= its cached
         tokens + n)."""
-        return n == self.verify_graph.n and self.verify_set.fits(b, max_kv_len)
+        gs = self.verify_sets.get(n)
+        return gs is not None and gs.fits(b, max_kv_len)
 
     def verify(self, meta, tree):
-        """meta: the round's RoundMeta (rows gathered after allocation). Returns (logits
-        [b*n, V] in the LM head's dtype, taps [b*n, K*H] or None, greedy tokens [b, n], the greedy
-        accept walk or None when the tree's depth bound is not the captured one)."""
-        v = self.verify_graph
+        """meta: the round's RoundMeta (rows gathered after allocation); tree: n nodes, one of
+        the captured widths. Returns (logits [b*n, V] in the LM head's dtype, taps [b*n, K*H] or
+        None, greedy tokens [b, n], the greedy accept walk or None when the tree's depth bound is
+        not the captured one)."""
+        n = tree.num_nodes
+        v = self.verify_graphs[n]
         b = v.load(meta, tree)
-        out = self.verify_set.run(b, [k + v.n for k in meta.kv_lens])
-        self._verified = b
+        out = self.verify_sets[n].run(b, [k + v.n for k in meta.kv_lens])
+        self._verified, self._verified_width = b, n
         return v.outputs(out, b, tree.depth_bound)
 
     # ---- commit
@@ -293,9 +312,9 @@ class CudaGraphRunner:
     def can_commit(self, path: torch.Tensor, taps) -> bool:
         """This round's verify replayed here (its rows, lengths and taps are still in the static
         buffers)."""
-        v = self.verify_graph
+        v = self.verify_graphs[self._verified_width]
         ok = (
-            self.commit_graph is not None
+            self._verified_width in self.commit_families
             and self._verified == path.shape[0]
             and path.shape[1] == self.commit_graph.width
             and (taps is None or (v.taps is not None and taps.data_ptr() == v.taps.data_ptr()))
@@ -308,10 +327,12 @@ class CudaGraphRunner:
         """`ModelRunner.commit_kv` for the rows of this round's verify replay; padded rows commit
         nothing (their moves stay in the scratch pages)."""
         self.drop_pending_commit()
-        bs = self.bucket(self.commit_graph.load(path, accept_length))
-        graph = self.commit_graphs.get(bs)
+        w = self._verified_width
+        cg = self.commit_families[w]
+        bs = self.bucket(cg.load(path, accept_length))
+        graph = self.commit_graphs.get((w, bs))
         if graph is None:
-            self.commit_graph.forward(bs)
+            cg.forward(bs)
         else:
             graph.replay()
 
@@ -334,11 +355,17 @@ class CudaGraphRunner:
         return hidden[:b]
 
     def draft_tree(
-        self, meta, roots: torch.Tensor, depth_limits: list[int] | None
+        self,
+        meta,
+        roots: torch.Tensor,
+        depth_limits: list[int] | None,
+        budgets: list[int] | None = None,
     ) -> tuple[torch.Tensor, DraftTree]:
         """One replay from the roots to the round's tree (the decoder's spec). depth_limits:
-        per-request depth limits (None: all D). Returns (drafter logits [b, D, V], the tree)."""
+        per-request depth limits (None: all D); budgets: per-request DDTree budgets <= the spec's
+        (None: all of it), cut inside the graph from the spec's best-first build. Returns
+        (drafter logits [b, D, V], the tree at the spec's width)."""
         gs = self._draft_set(self.tree_spec)
-        b = self.draft_graph.load(meta, roots, depth_limits)
+        b = self.draft_graph.load(meta, roots, depth_limits, budgets, self.tree_spec)
         gs.run(b, list(meta.kv_lens))
         return self.draft_graph.tree(self.tree_spec, b)

@@ -2,12 +2,15 @@
 draft -> build tree -> verify -> sample at every node -> accept walk -> commit.
 
 NONE (plain AR) is the one-node tree; DFLASH is the drafter's top-1 chain; DDTREE the best-first tree.
-The host reads back only the emitted tokens and their count, once per round.
+The host reads back only the emitted tokens and their count (with `--speculative-ddtree-budget auto` also the
+trees' gain curves), once per round.
 
-With CUDA graphs the draft replay goes from the roots to the finished tree (drafter, LM head, tree build) and the
-verify replay from the tree to the greedy accept walk (target, LM head, argmax, walk); the decoder falls back to
-the eager tree build for rounds with per-request budgets, and to eager sampling + walk when a request samples
-(temperature > 0) or a `target_override` is set.
+With CUDA graphs the draft replay goes from the roots to the finished tree (drafter, LM head, tree build, each
+request cut to its budget) and the verify replay from the tree to the greedy accept walk (target, LM head, argmax,
+walk); the decoder falls back to eager sampling + walk when a request samples (temperature > 0) or a
+`target_override` is set. Each round's width and per-request budgets come from the `BudgetPlanner`
+(engine/budget.py): the fixed budget (with per-request caps) or the load-aware policy; width 1 is a plain AR
+round that still writes the drafter's context.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.engine import logprobs
+from ddtree.engine.budget import CURVE_SCALE, BudgetPlanner, RoundPlan
 from ddtree.engine.config import SpecConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
@@ -58,8 +62,15 @@ class SpecDecoder:
         self.runner, self.cfg = runner, cfg
         self.times = times if times is not None else PhaseTimes()
         self.target_override = target_override
+        self.budgets = BudgetPlanner(cfg, runner.cfg.max_running_requests)
+        # set by the server: host work to overlap with each round's device work
+        self.while_device_runs: Callable[[], None] | None = None
         if cfg.algorithm != "NONE":
             runner.set_tree_spec(cfg.algorithm, cfg.budget, cfg.topk_cap, cfg.shadow_linear)
+        if cfg.adaptive:  # after the draft graphs of the spec exist: the profile replays them
+            from ddtree.engine.budget_profile import round_cost
+
+            self.budgets.set_cost(round_cost(runner, cfg))
 
     def depth_limits(self, reqs: list[Req], max_context: int) -> list[int] | None:
         """Per-request depth limit so a tree never runs past the context length or the token budget (None when
@@ -80,24 +91,25 @@ class SpecDecoder:
         """Run one round; returns the tokens each request emits (accepted drafts then the bonus token)."""
         runner, cfg, t = self.runner, self.cfg, self.times.start()
         # one host->device copy with the round's lengths and slots
-        roots = runner.round_meta(reqs).roots
+        meta = runner.round_meta(reqs)
+        roots = meta.roots
         if cfg.algorithm == "NONE":
-            return self._ar_round(reqs, roots, t)
-        limits = self.depth_limits(reqs, max_context)
-        budgets = self._budgets(reqs)
-        draft_logits, tree = runner.draft_tree(reqs, roots, cfg.block_size, limits)
-        t = self.times.add("draft", t)
-        if tree is None or (budgets is not None and cfg.algorithm == "DDTREE"):
-            max_depth = (
-                None
-                if limits is None
-                else torch.tensor(limits, dtype=torch.int64, device=runner.device)
+            emitted = self._ar_round(reqs, roots, t)
+            self.budgets.observe(RoundPlan(1, None), len(reqs), [1] * len(reqs), None)
+            return emitted
+        plan = self.budgets.plan(reqs, max(meta.kv_lens))
+        if plan.width == 1:  # the policy chose AR for the batch: no draft
+            tree = _root_only(roots)
+        else:
+            limits = self.depth_limits(reqs, max_context)
+            draft_logits, tree = runner.draft_tree(
+                reqs, roots, cfg.block_size, limits, budgets=plan.budgets
             )
-            if cfg.algorithm == "DFLASH":
-                tree = build_chain(roots, draft_logits, max_depth=max_depth)
-            else:
-                tree = self._build_trees(reqs, roots, draft_logits, max_depth, budgets)
-        t = self.times.add("tree", t)
+            t = self.times.add("draft", t)
+            if tree is None:  # eager: the same build
+                tree = self._build(roots, draft_logits, limits, plan.budgets)
+            tree = tree.narrow(plan.width)
+            t = self.times.add("tree", t)
         vo = runner.verify_nodes(reqs, tree)
         t = self.times.add("verify", t)
         params = [r.params for r in reqs]
@@ -119,52 +131,46 @@ class SpecDecoder:
         lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
         runner.commit(reqs, res.path, res.accept_length, vo.taps)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
+        curves = self.budgets.observes and tree.path_probs is not None
+        if curves:  # the gain curves ride the same read-back, in fixed point
+            gain = (tree.path_probs.double().cumsum(1) * CURVE_SCALE).round().to(torch.int64)
+            out = torch.cat([out, gain], 1)
+        self._while_device_runs()
         host, lp_rows = logprobs.read_back(reqs, out, lp)  # the round's one device->host copy
         self.times.add("commit", t)
+        w = res.out_tokens.shape[1] + 1
         # root + (k - 1) accepted drafts; the bonus is pending
         runner.advance(reqs, [row[0] for row in host])
         emitted = [row[1 : 1 + row[0]] for row in host]
         for r, lp_row, toks in zip(reqs, lp_rows, emitted):
             logprobs.append(r, lp_row, toks)
+        self.budgets.observe(
+            plan, len(reqs), [row[0] for row in host], [row[w:] for row in host] if curves else None
+        )
         return emitted
 
-    def _budgets(self, reqs: list[Req]) -> list[int] | None:
-        """Per-request DDTree budgets, or None when every request uses the server's."""
-        full = self.cfg.budget
-        budgets = [min(r.params.ddtree_budget or full, full) for r in reqs]
-        return None if all(b == full for b in budgets) else budgets
+    def _while_device_runs(self) -> None:
+        """The round's device work is launched and the read-back has not waited for it yet: host
+        work that needs nothing of this round (the server publishing the previous round's
+        outputs) runs here, hidden under the device's work."""
+        if self.while_device_runs is not None:
+            self.while_device_runs()
 
-    def _build_trees(
-        self, reqs, roots, draft_logits, max_depth, budgets: list[int] | None
-    ) -> DraftTree:
-        """One tree per request; requests asking for a smaller budget get their own build, padded with inert
-        nodes to the server's width so the batch verifies in one forward."""
-        cfg = self.cfg
-        if budgets is None:
-            return build_tree(
-                roots,
-                draft_logits,
-                cfg.budget,
-                cfg.topk_cap,
-                cfg.shadow_linear,
-                max_depth=max_depth,
-            )
-        parts = []
-        for budget in sorted(set(budgets)):
-            rows = torch.tensor(
-                [i for i, b in enumerate(budgets) if b == budget], device=roots.device
-            )
-            depth = None if max_depth is None else max_depth[rows]
-            tree = build_tree(
-                roots[rows],
-                draft_logits[rows],
-                budget,
-                min(cfg.topk_cap, budget),
-                cfg.shadow_linear,
-                max_depth=depth,
-            )
-            parts.append((rows, pad_tree(tree, cfg.budget + 1)))
-        return merge_trees(parts, len(reqs))
+    def _build(self, roots, draft_logits, limits, budgets: list[int] | None) -> DraftTree:
+        """The eager tree (no draft graph): what the draft graph builds."""
+        cfg, dev = self.cfg, self.runner.device
+        max_depth = None if limits is None else torch.tensor(limits, device=dev)
+        if cfg.algorithm == "DFLASH":
+            return build_chain(roots, draft_logits, max_depth=max_depth)
+        return build_tree(
+            roots,
+            draft_logits,
+            cfg.budget,
+            cfg.topk_cap,
+            cfg.shadow_linear,
+            max_depth=max_depth,
+            budgets=None if budgets is None else torch.tensor(budgets, device=dev),
+        )
 
     def _ar_round(self, reqs: list[Req], roots: torch.Tensor, t: float) -> list[list[int]]:
         runner = self.runner
@@ -179,55 +185,13 @@ class SpecDecoder:
         lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)
         # no KV moves; commits hybrid state of the root
         runner.commit(reqs, zeros[:, None], zeros, None)
+        self._while_device_runs()
         host, lp_rows = logprobs.read_back(reqs, tokens, lp)
         self.times.add("commit", t)
         runner.advance(reqs, [n] * len(reqs))
         for r, lp_row, toks in zip(reqs, lp_rows, host):
             logprobs.append(r, lp_row, toks)
         return host
-
-
-def pad_tree(tree: DraftTree, n: int) -> DraftTree:
-    """Append inert padding nodes (invalid, parent -1, depth 0, self-only mask) up to n nodes."""
-    b, m = tree.tokens.shape
-    extra = n - m
-    if extra == 0:
-        return tree
-    dev = tree.tokens.device
-
-    def widen(x, value):
-        return torch.cat([x, torch.full((b, extra), value, dtype=x.dtype, device=dev)], 1)
-
-    mask = torch.eye(n, dtype=torch.bool, device=dev).repeat(b, 1, 1)
-    mask[:, :m, :m] = tree.tree_mask
-    return DraftTree(
-        widen(tree.tokens, 0),
-        widen(tree.parents, -1),
-        widen(tree.depths, 0),
-        widen(tree.valid, False),
-        mask,
-        tree.num_depths,
-    )
-
-
-def merge_trees(parts: list[tuple[torch.Tensor, DraftTree]], b: int) -> DraftTree:
-    """Scatter same-width trees of request subsets (rows) back into one batch in request order."""
-    first = parts[0][1]
-    out = DraftTree(
-        *(
-            torch.empty(
-                (b, *getattr(first, f).shape[1:]),
-                dtype=getattr(first, f).dtype,
-                device=first.tokens.device,
-            )
-            for f in ("tokens", "parents", "depths", "valid", "tree_mask")
-        ),
-        first.num_depths,
-    )
-    for rows, tree in parts:
-        for f in ("tokens", "parents", "depths", "valid", "tree_mask"):
-            getattr(out, f)[rows] = getattr(tree, f)
-    return out
 
 
 def _root_only(roots: torch.Tensor) -> DraftTree:

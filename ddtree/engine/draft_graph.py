@@ -1,7 +1,12 @@
 """The draft graph family: the drafter block (width S = block_size) on static buffers, and per tree
 spec the fused drafter block -> drafter LM head -> the round's draft tree (`build_tree` with the
 decoder's budget / top-k cap / shadow-linear, or `build_chain` for DFLASH) with per-request depth
-limits read from a static tensor (block_size - 1 where unlimited, so one graph serves every round).
+limits read from a static tensor (block_size - 1 where unlimited, so one graph serves every round),
+and per-request budgets likewise (the spec's budget where unlimited): the tree is built once at the
+spec's budget and each request keeps the first `budget` nodes of its best-first order, packed
+first, so mixed budgets need no eager build; the decoder then verifies the tree narrowed to the
+round's width. The build's best-first path probabilities (`DraftTree.path_probs`, the budget
+policy's gain curve) land in a static buffer too.
 The draft graphs of one tree spec are captured when the decoder announces its spec
 (`CudaGraphRunner.set_tree_spec`); without one the plain block graph (hidden states out, LM head
 eager) is captured on first use. Padding rows: an empty drafter context in the scratch pages (see
@@ -41,6 +46,11 @@ class DraftGraph:
             (M,), self.D, dtype=torch.int64, device=dev
         )  # per-request depth limits
         self.limited = 0  # leading rows whose depth limit may be < D
+        # per DDTREE spec: [M] per-request budgets and [M, B] best-first path probabilities
+        # (each spec's graphs read and write their own)
+        self.budgets: dict[tuple, torch.Tensor] = {}
+        self.path_probs: dict[tuple, torch.Tensor] = {}
+        self.budgeted: dict[tuple, int] = {}  # leading rows whose budget may be below the spec's
         self.logits = None  # [M, D, V] static drafter logits, made with the first tree spec
         self.trees: dict[tuple, tuple] = {}  # tree spec -> static DraftTree fields [M, ...]
         self.live = 0
@@ -74,6 +84,9 @@ class DraftGraph:
             head = self.runner.target.lm_head.weight
             self.logits = torch.empty(M, self.D, head.shape[0], dtype=head.dtype, device=dev)
         N = 1 + (self.D if spec[0] == "DFLASH" else spec[1])
+        if spec[0] == "DDTREE":
+            self.budgets[spec] = torch.full((M,), spec[1], dtype=torch.int64, device=dev)
+            self.path_probs[spec] = torch.zeros(M, spec[1], dtype=torch.float32, device=dev)
         self.trees[spec] = (
             torch.zeros(M, N, dtype=torch.int64, device=dev),
             torch.full((M, N), -1, dtype=torch.int64, device=dev),
@@ -87,9 +100,17 @@ class DraftGraph:
         self.ctx[lo:hi].zero_()
         self.pos[lo:hi].copy_(self.arange.expand(hi - lo, self.S))
 
-    def load(self, meta, roots: torch.Tensor, depth_limits: list[int] | None = None) -> int:
-        """The round's roots, rows and context lengths (meta: RoundMeta), and per-request depth
-        limits (None: all D); returns the live batch b."""
+    def load(
+        self,
+        meta,
+        roots: torch.Tensor,
+        depth_limits: list[int] | None = None,
+        budgets: list[int] | None = None,
+        spec: tuple | None = None,
+    ) -> int:
+        """The round's roots, rows and context lengths (meta: RoundMeta), per-request depth
+        limits (None: all D) and budgets of the DDTREE `spec` (None: the spec's); returns the
+        live batch b."""
         b = roots.shape[0]
         if b < self.live:
             self.pad(b, self.live)
@@ -105,6 +126,17 @@ class DraftGraph:
         elif self.limited:
             self.depth[: self.limited].fill_(self.D)
             self.limited = 0
+        if spec in self.budgets:
+            buf, low = self.budgets[spec], self.budgeted.get(spec, 0)
+            if budgets is not None:
+                buf[:b].copy_(torch.tensor(budgets, dtype=torch.int64))
+                buf[b:low].fill_(spec[1])
+                self.budgeted[spec] = b
+            elif low:
+                buf[:low].fill_(spec[1])
+                self.budgeted[spec] = 0
+        elif budgets is not None:
+            raise ValueError(f"per-request budgets need a DDTREE tree spec, not {spec}")
         return b
 
     def _meta(self, bs: int, host_ctx_lens: list[int]) -> DraftAttentionMetadata:
@@ -134,7 +166,16 @@ class DraftGraph:
         if algorithm == "DFLASH":
             tree = build_chain(roots, logits, max_depth=depth)
         else:
-            tree = build_tree(roots, logits, budget, topk_cap, shadow_linear, max_depth=depth)
+            tree = build_tree(
+                roots,
+                logits,
+                budget,
+                topk_cap,
+                shadow_linear,
+                max_depth=depth,
+                budgets=self.budgets[spec][:bs],
+            )
+            self.path_probs[spec][:bs].copy_(tree.path_probs)
         for buf, x in zip(
             self.trees[spec], (tree.tokens, tree.parents, tree.depths, tree.valid, tree.tree_mask)
         ):
@@ -144,4 +185,5 @@ class DraftGraph:
     def tree(self, spec: tuple, b: int) -> tuple[torch.Tensor, DraftTree]:
         """(drafter logits [b, D, V], the tree) of the latest `tree_forward(spec)` replay."""
         tokens, parents, depths, valid, mask = (x[:b] for x in self.trees[spec])
-        return self.logits[:b], DraftTree(tokens, parents, depths, valid, mask, self.D)
+        probs = self.path_probs[spec][:b] if spec in self.path_probs else None
+        return self.logits[:b], DraftTree(tokens, parents, depths, valid, mask, self.D, probs)

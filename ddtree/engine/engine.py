@@ -44,6 +44,7 @@ class LLMEngine:
         self.emitter = TokenEmitter(self.tokenizer, tuple(sorted(eos)), self.max_context)
         self._seeds = random.Random(args.random_seed)
         self.requests: dict[str, Req] = {}
+        self.last_round = None  # RoundRecord of the latest decode step (None after a prefill)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -80,7 +81,7 @@ class LLMEngine:
         req = self.requests.pop(rid, None)
         if req is not None and not req.is_finished:
             req.finish_reason = "abort"
-            self.emitter.detok.pop(rid, None)
+            self.emitter.drop(rid)
             self.scheduler.finish(req)
 
     def has_unfinished(self) -> bool:
@@ -88,7 +89,11 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """One scheduling step; returns the requests that advanced (finished ones included)."""
+        """One scheduling step; returns the requests that advanced (finished ones included). A
+        decode step leaves its timing in `last_round` (host = the step's time outside
+        `SpecDecoder.round`: scheduling, emission, detokenisation, stop checks)."""
+        t0 = time.perf_counter()
+        self.last_round = None
         batch = self.scheduler.schedule()
         if batch is None:
             self._starved()
@@ -109,17 +114,23 @@ class LLMEngine:
                     self.emitter.emit(r, toks)
             self.batch_log.prefill(batch.q_lens)
         else:
+            t1 = time.perf_counter()
             emitted = self.decoder.round(batch.reqs, self.max_context)
+            t2 = time.perf_counter()
             for r, toks in zip(batch.reqs, emitted):
                 r.stats.rounds += 1
                 r.stats.accept_lengths.append(len(toks))
                 self.emitter.emit(r, toks)
-            self.batch_log.decode(emitted)
         for r in batch.reqs:
             if r.finish_reason is not None and not r.is_finished:
                 logprobs.trim(r)
                 self.scheduler.finish(r)
                 self.requests.pop(r.rid, None)
+        if not batch.is_prefill:
+            rec = self.last_round = self.decoder.budgets.last
+            rec.round_s = t2 - t1
+            rec.host_s = time.perf_counter() - t0 - rec.round_s
+            self.batch_log.decode(emitted, rec)
         return batch.reqs
 
     def _starved(self) -> None:
@@ -130,6 +141,7 @@ class LLMEngine:
                 "request %s does not fit in the KV cache; finishing it with reason 'length'",
                 req.rid,
             )
+            self.emitter.flush(req)
             req.finish_reason = "length"
             self.scheduler.finish(req)
             self.requests.pop(req.rid, None)

@@ -67,11 +67,13 @@ class VerifyGraph:
     """Tree verify at width n = max_verify_width (+ the greedy accept walk when the tree has
     depth)."""
 
-    def __init__(self, runner, padding: Padding):
+    def __init__(self, runner, padding: Padding, n: int | None = None, share=None):
+        """n: the width (default max_verify_width); share: a wider VerifyGraph whose logits and
+        taps buffers this one reuses (a round reads only its own width's)."""
         self.runner = runner
         cfg, dev, M = runner.cfg, runner.device, padding.max_bs
         head = runner.target.lm_head.weight
-        n = self.n = cfg.max_verify_width
+        n = self.n = n or cfg.max_verify_width
         self.pad_rows, self.pad_slots = padding.rows, padding.slots(n)
         self.pad_mask = (
             torch.eye(n, dtype=torch.bool, device=dev)
@@ -91,15 +93,20 @@ class VerifyGraph:
         self.parents = torch.full((M, n), -1, dtype=torch.int64, device=dev)
         self.depths = torch.zeros(M, n, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(M, n, dtype=torch.bool, device=dev)
-        self.logits = torch.empty(
-            M * n, head.shape[0], dtype=head.dtype, device=dev
-        )  # one for every graph
         K = len(runner.tap_layers)
-        self.taps = (
-            torch.zeros(M * n, K * runner.target.config.hidden_size, dtype=head.dtype, device=dev)
-            if K
-            else None
-        )
+        if share is not None:
+            self.logits = share.logits[: M * n]
+            self.taps = share.taps[: M * n] if share.taps is not None else None
+        else:
+            # one for every graph
+            self.logits = torch.empty(M * n, head.shape[0], dtype=head.dtype, device=dev)
+            self.taps = (
+                torch.zeros(
+                    M * n, K * runner.target.config.hidden_size, dtype=head.dtype, device=dev
+                )
+                if K
+                else None
+            )
         # depth bound of the trees the decoder verifies (drafted block minus its root); the walk
         # needs n > 1
         self.accept_depth = cfg.block_size - 1 if n > 1 and cfg.block_size > 1 else None

@@ -326,9 +326,11 @@ class ModelRunner:
         block_size: int,
         depth_limits: list[int] | None,
         meta: RoundMeta | None = None,
+        budgets: list[int] | None = None,
     ):
         """Drafter logits [b, S-1, V] and, when a CUDA graph built it in the same replay (the tree spec set with
-        `set_tree_spec`, per-request `depth_limits` applied; None = no limit), the round's DraftTree, else None."""
+        `set_tree_spec`, per-request `depth_limits` and DDTree `budgets` applied; None = no limit), the round's
+        DraftTree, else None."""
         meta = meta or self.round_meta(reqs)
         g = self.graphs
         if (
@@ -336,7 +338,7 @@ class ModelRunner:
             and g.tree_spec is not None
             and g.can_draft(len(reqs), block_size, max(meta.kv_lens))
         ):
-            return g.draft_tree(meta, roots, depth_limits)
+            return g.draft_tree(meta, roots, depth_limits, budgets)
         return self.draft(reqs, roots, block_size, meta), None
 
     @torch.inference_mode()

@@ -1,5 +1,10 @@
 """Appending a round's tokens to a request: EOS, stop tokens, stop strings and max_tokens are checked token
-by token, so a stop that falls inside an accepted block cuts the output exactly there."""
+by token, so a stop that falls inside an accepted block cuts the output exactly there.
+
+Detokenisation is deferred for requests without stop strings (their text decides nothing): `emit`
+only appends the ids, and `flush` brings `req.text` up to date when something reads it (the server's
+publishing, which runs under the next round's device work, or the finish). A request with stop strings
+is detokenised token by token in `emit`, as the stop check needs."""
 
 from __future__ import annotations
 
@@ -45,18 +50,28 @@ class TokenEmitter:
     def __init__(self, tokenizer, eos_ids: tuple[int, ...], max_context: int):
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, eos_ids, max_context
         self.detok: dict[str, IncrementalDetokenizer] = {}
+        self.lag: dict[str, int] = {}  # rid -> trailing output tokens not in req.text yet
 
     def start(self, req: Req) -> None:
         if self.tokenizer is not None:
             self.detok[req.rid] = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
 
+    def flush(self, req: Req) -> None:
+        """Detokenise the request's deferred tokens into `req.text`."""
+        n, detok = self.lag.pop(req.rid, 0), self.detok.get(req.rid)
+        if n and detok is not None:
+            req.text += "".join(detok.append(t) for t in req.output_ids[-n:])
+
     def emit(self, req: Req, tokens: list[int]) -> None:
         """Append tokens until one finishes the request; the rest of the round's tokens are dropped."""
         p = req.params
         detok = self.detok.get(req.rid)
+        defer = detok is not None and not p.stop
         for tok in tokens:
             req.output_ids.append(tok)
-            if detok is not None:
+            if defer:
+                self.lag[req.rid] = self.lag.get(req.rid, 0) + 1
+            elif detok is not None:
                 new = detok.append(tok)
                 req.text += new
                 if p.stop and new:
@@ -74,5 +89,11 @@ class TokenEmitter:
                 return
 
     def _finish(self, req: Req, reason: str) -> None:
+        self.flush(req)
         req.finish_reason = reason
         self.detok.pop(req.rid, None)
+
+    def drop(self, rid: str) -> None:
+        """Forget an aborted request's detokenizer state."""
+        self.detok.pop(rid, None)
+        self.lag.pop(rid, None)

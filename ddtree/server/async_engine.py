@@ -5,6 +5,13 @@ through a command queue (`call`, `submit`, `abort`); between two steps the threa
 so requests join and leave the running batch at every step. After each step it publishes, per request, the
 text that can no longer be taken back by a stop string into that request's asyncio queue.
 
+Host time hidden (`overlap`, on by default): after a decode step whose requests all go on, the
+loop does not publish at once; the next round publishes while its device work runs (the decoder's
+`while_device_runs` hook, between its launches and its one read-back), so streaming costs the
+round nothing. A step where a request finished, a prefill step, an idle engine or a failed step
+publish at once, so no final output waits a round. The engine thread alone touches the requests
+either way, and stops / max_tokens / aborts are decided in the step exactly as before.
+
 Liveness: the loop stamps `_tick` every iteration; `health_problem()` reports a dead thread, or a
 loop that has not come round for STALL_TIMEOUT_S (a step that hangs), so /health turns 503 instead
 of staying green. A start-up warm-up (engine/warmup.py) runs on the engine thread before the loop;
@@ -81,11 +88,23 @@ class Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine, metrics=None, warmup: Callable[[], object] | None = None):
+    def __init__(
+        self,
+        engine,
+        metrics=None,
+        warmup: Callable[[], object] | None = None,
+        overlap: bool = True,
+    ):
         self.engine, self.metrics = engine, metrics
         # run on the engine thread before the loop; /health says "warming up" (503) until it ends
         self._warmup = warmup
         self._warming = warmup is not None
+        self.overlap = overlap
+        self._unpublished = False  # outputs of the latest decode step wait for the next round
+        self._hidden_s = 0.0  # publishing time spent inside the latest round
+        decoder = getattr(engine, "decoder", None)
+        if overlap and decoder is not None:
+            decoder.while_device_runs = self._publish_under_round
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
         self._stop = threading.Event()
@@ -171,24 +190,55 @@ class AsyncEngine:
             self._tick = time.monotonic()
             self._warming = False
         while not self._stop.is_set():
-            self._tick = time.monotonic()
+            t0 = self._tick = time.monotonic()
             self._run_commands(block=not self.engine.has_unfinished())
+            advanced, step_s, self._hidden_s, rec = [], 0.0, 0.0, None
             if self.engine.has_unfinished():
+                t1 = time.monotonic()
                 try:
-                    self.engine.step()
+                    advanced = self.engine.step()
                 except Exception as e:  # noqa: BLE001 - the loop must survive; the batch is failed instead
                     logger.exception("engine step failed; failing the running requests")
+                    self.engine.last_round = None
                     self._fail_running(e)
-            try:
-                self._publish()
-            except Exception as e:  # noqa: BLE001 - a publishing bug fails the requests, not the server
-                logger.exception("publishing outputs failed; failing every request")
-                for rid in list(self._streams):
-                    self._fail(rid, f"internal server error: {type(e).__name__}: {e}")
+                step_s = time.monotonic() - t1
+                rec = getattr(self.engine, "last_round", None)
+            defer = (
+                self.overlap
+                and rec is not None
+                and self.engine.has_unfinished()
+                and not any(r.finish_reason is not None for r in advanced)
+            )
+            if defer:
+                self._unpublished = True
+            else:
+                self._publish_guarded()
             if self.metrics is not None:
                 self.metrics.on_pools(self.engine)
+            if rec is not None:
+                server_s = rec.server_s = time.monotonic() - t0 - step_s
+                self.engine.batch_log.server_time(server_s)
+                if self.metrics is not None:
+                    self.metrics.on_round(rec, server_s, self._hidden_s)
         self._run_commands(block=False)
         self._fail_all(SHUTTING_DOWN)
+
+    def _publish_under_round(self) -> None:
+        """The decoder's hook: the previous decode step's outputs, published while this round's
+        device work runs."""
+        if self._unpublished:
+            t0 = time.monotonic()
+            self._publish_guarded()
+            self._hidden_s += time.monotonic() - t0
+
+    def _publish_guarded(self) -> None:
+        self._unpublished = False
+        try:
+            self._publish()
+        except Exception as e:  # noqa: BLE001 - a publishing bug fails the requests, not the server
+            logger.exception("publishing outputs failed; failing every request")
+            for rid in list(self._streams):
+                self._fail(rid, f"internal server error: {type(e).__name__}: {e}")
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -213,8 +263,11 @@ class AsyncEngine:
                 return
 
     def _publish(self) -> None:
+        flush = getattr(getattr(self.engine, "emitter", None), "flush", None)
         for rid, st in list(self._streams.items()):
             req = st.req
+            if flush is not None:  # deferred detokenisation: under the next round with overlap
+                flush(req)
             done = req.finish_reason is not None
             if done:
                 safe = len(req.text)
@@ -265,7 +318,7 @@ class AsyncEngine:
         st = self._streams.pop(rid, None)
         self.engine.abort(rid)
         # NOTE: LLMEngine.abort leaves the request's incremental detokenizer behind; drop it here
-        self.engine.emitter.detok.pop(rid, None)
+        self.engine.emitter.drop(rid)
         return st
 
     def _abort(self, rid: str) -> None:

@@ -40,7 +40,12 @@ def build_app(args: ServerArgs, **app_kw):
     if args.enable_metrics:
         longest_round = engine.spec.block_size if args.is_speculative else 1
         metrics = ServerMetrics(args.speculative_algorithm, longest_round)
-    aengine = AsyncEngine(engine, metrics, warmup=warmup_of(engine, args))
+    aengine = AsyncEngine(
+        engine,
+        metrics,
+        warmup=warmup_of(engine, args),
+        overlap=not args.disable_overlap_schedule,
+    )
     return create_app(aengine, args, metrics, **app_kw), aengine
 
 

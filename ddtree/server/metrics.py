@@ -20,6 +20,24 @@ from prometheus_client import (
 
 THROUGHPUT_WINDOW_S = 5.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BUDGET_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ROUND_BUCKETS = (
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2e-3,
+    4e-3,
+    6e-3,
+    8e-3,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.1,
+)
+ROUND_PARTS = ("round", "host", "server", "hidden")
 
 
 class ServerMetrics:
@@ -111,6 +129,44 @@ class ServerMetrics:
             "ddtree_prefix_cache_evicted_pages", "Cached KV pages evicted (LRU)", registry=r
         )
         self._cache_seen = (0, 0, 0)
+        # ---- budgets and per-round host time (one observation per decode round / request-round)
+        self.budget = Histogram(
+            "ddtree_spec_budget",
+            "DDTree budget per request-round (drafted nodes verified; DFLASH: the chain; 0: AR)",
+            buckets=BUDGET_BUCKETS,
+            registry=r,
+        )
+        self.verify_width = Counter(
+            "ddtree_spec_verify_width_rounds",
+            "Decode rounds by verify width (1 + the round's largest budget)",
+            ["width"],
+            registry=r,
+        )
+        self.predicted = Counter(
+            "ddtree_spec_predicted_accepted_drafts",
+            "Accepted drafts the budget policy predicted (calibrated), request-rounds with a prediction",
+            registry=r,
+        )
+        self.realised = Counter(
+            "ddtree_spec_realised_accepted_drafts",
+            "Accepted drafts realised in the same request-rounds as ddtree_spec_predicted_accepted_drafts",
+            registry=r,
+        )
+        self.predicted_rounds = Counter(
+            "ddtree_spec_predicted_request_rounds",
+            "Request-rounds with a budget-policy prediction",
+            registry=r,
+        )
+        self.round_time = Histogram(
+            "ddtree_round_seconds",
+            "Per decode round: round = the decoder round's wall time (launches + device wait); host "
+            "= the engine step outside it (schedule, emit, detokenise, stops); server = the loop "
+            "outside the step (publish, commands, metrics); hidden = publishing run under the "
+            "device's work",
+            ["part"],
+            buckets=ROUND_BUCKETS,
+            registry=r,
+        )
         self._window: deque[tuple[float, int]] = deque()
         self._window_tokens = 0
 
@@ -132,6 +188,19 @@ class ServerMetrics:
                 hist.observe(n)
         if first_token_latency is not None:
             self.ttft.observe(first_token_latency)
+
+    def on_round(self, rec, server_s: float, hidden_s: float) -> None:
+        """One decode round's RoundRecord (engine/budget.py) and the server's own times."""
+        for b in rec.budgets:
+            self.budget.observe(b)
+        self.verify_width.labels(str(rec.width)).inc()
+        if rec.predicted:
+            self.predicted.inc(sum(rec.predicted))
+            self.realised.inc(sum(rec.accepted))
+            self.predicted_rounds.inc(len(rec.predicted))
+        parts = (rec.round_s, rec.host_s, server_s, hidden_s)
+        for name, value in zip(ROUND_PARTS, parts):
+            self.round_time.labels(name).observe(value)
 
     def on_finish(self, reason: str, latency: float) -> None:
         self.requests.labels(reason).inc()

@@ -28,6 +28,10 @@ class DraftTree:
         Tensor  # [b, n, n] bool; row i = ancestors of i and i itself (padding rows: self only)
     )
     num_depths: int | None = None  # static bound D on node depth; None means n - 1
+    # [b, B] fp32 drafter path probability of the build's candidates in best-first order, before
+    # any per-request budget cut (0 past the candidates): its prefix sum at b - 1 is the drafter's
+    # expected accepted drafts of the budget-b tree (DDTree Prop. 1), for every b <= B at once
+    path_probs: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -40,6 +44,21 @@ class DraftTree:
     @property
     def depth_bound(self) -> int:
         return self.num_nodes - 1 if self.num_depths is None else self.num_depths
+
+    def narrow(self, n: int) -> DraftTree:
+        """The first n nodes (views). Exact when no request has more than n valid nodes: valid nodes
+        come first and their ancestors precede them, so nothing cut is referenced."""
+        if n == self.num_nodes:
+            return self
+        return DraftTree(
+            self.tokens[:, :n],
+            self.parents[:, :n],
+            self.depths[:, :n],
+            self.valid[:, :n],
+            self.tree_mask[:, :n, :n],
+            self.num_depths,
+            self.path_probs,
+        )
 
     def positions(self, seq_lens: Tensor) -> Tensor:
         """[b, n] position ids: seq_lens[:, None] + depths (siblings share a position)."""
@@ -126,8 +145,13 @@ def build_tree(
     topk_cap: int,
     shadow_linear: bool,
     max_depth: Tensor | None = None,
+    budgets: Tensor | None = None,
 ) -> DraftTree:
-    """Best `budget` prefixes (score = sum of per-depth fp32 log-probs, tokens within each depth's top-K)."""
+    """Best `budget` prefixes (score = sum of per-depth fp32 log-probs, tokens within each depth's top-K).
+
+    budgets [b] (<= budget): request i keeps only the first budgets[i] nodes of the best-first
+    order, i.e. the budgets[i]-node tree (the order is prefix-closed: a parent ranks before its
+    child), packed first; the other nodes become padding. One build serves mixed budgets."""
     b, D, V = draft_logits.shape
     assert budget >= 1 and topk_cap >= 1 and D >= 1
     device = draft_logits.device
@@ -166,6 +190,10 @@ def build_tree(
     # (equal-score) child, so the selection stays prefix-closed.
     sel = _best_first(key, B)
     sel_ok = ok.gather(1, sel)
+    path_probs = torch.where(sel_ok, score_all.gather(1, sel).exp(), 0.0)
+    if budgets is not None:
+        rank = torch.arange(B, device=device)
+        sel_ok = sel_ok & (rank[None, :] < budgets.to(device=device)[:, None])
     # Node order = depth-major flat order (depth, then beam slot = score order); padding last.
     order = torch.where(sel_ok, sel, sel + D * B).sort(dim=1).values
     node_ok = order < D * B
@@ -179,7 +207,7 @@ def build_tree(
     parent_flat = ((node_depth - 2) * B + pslot_all.gather(1, node_flat)).clamp(min=0)
     parent = torch.where(node_depth == 1, 0, flat_to_node.gather(1, parent_flat))
 
-    return _assemble(
+    tree = _assemble(
         root_tokens,
         torch.where(node_ok, tok_all.gather(1, node_flat), 0),
         torch.where(node_ok, parent, -1),
@@ -187,6 +215,8 @@ def build_tree(
         node_ok,
         D,
     )
+    tree.path_probs = path_probs
+    return tree
 
 
 def build_chain(

@@ -1,0 +1,81 @@
+"""What a `bench serving` level did on the server side, from its /metrics before and after the
+level (servers started with --enable-metrics; None otherwise): the chosen-budget histogram, the
+rounds per verify width, the budget policy's predicted vs the realised accept length, and the
+per-round host time (engine step and server loop outside the round; publishing hidden under it).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def parse(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus text -> {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def scrape(base_url: str, api_key: str | None) -> dict | None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            r = await c.get(base_url.rstrip("/") + "/metrics", headers=headers)
+    except httpx.HTTPError:
+        return None
+    return parse(r.text) if r.status_code == 200 else None
+
+
+def delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    d = defaultdict(float)
+    for k, v in after.items():
+        d[k] = v - before.get(k, 0.0)
+
+    def one(name: str, **labels) -> float:
+        return d.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    # cumulative le-buckets -> per-bucket counts
+    les = sorted(
+        (float(dict(lab)["le"]), v)
+        for (n, lab), v in d.items()
+        if n == "ddtree_spec_budget_bucket" and dict(lab)["le"] != "+Inf"
+    )
+    hist, prev = {}, 0.0
+    for le, cum in les:
+        if cum - prev:
+            hist[str(int(le))] = int(cum - prev)
+        prev = cum
+    widths = {
+        dict(lab)["width"]: int(v)
+        for (n, lab), v in d.items()
+        if n == "ddtree_spec_verify_width_rounds_total" and v
+    }
+    count = one("ddtree_spec_budget_count")
+    pred_n = one("ddtree_spec_predicted_request_rounds_total")
+    parts = {}
+    for part in ("round", "host", "server", "hidden"):
+        n = one("ddtree_round_seconds_count", part=part)
+        parts[part] = 1e3 * one("ddtree_round_seconds_sum", part=part) / n if n else None
+    host = parts["host"]
+    return {
+        "budget_histogram": hist,  # budget bucket upper bound -> request-rounds
+        "verify_width_rounds": widths,
+        "mean_budget": one("ddtree_spec_budget_sum") / count if count else None,
+        "predicted_accept_length": 1 + one("ddtree_spec_predicted_accepted_drafts_total") / pred_n
+        if pred_n
+        else None,
+        "realised_accept_length": 1 + one("ddtree_spec_realised_accepted_drafts_total") / pred_n
+        if pred_n
+        else None,
+        "round_ms": parts["round"],
+        "host_ms": None if host is None else host + (parts["server"] or 0.0),
+        "hidden_ms": parts["hidden"],
+    }

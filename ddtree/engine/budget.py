@@ -1,0 +1,97 @@
+"""The decoder's per-round budget plan: which verify width the round runs at and each request's
+DDTree budget, from the load-aware policy (`--speculative-ddtree-budget auto`,
+engine/budget_policy.py) or the fixed budget with per-request caps (`SamplingParams.ddtree_budget`).
+
+A round's width is always one with verify graphs (`SpecConfig.verify_widths`): the smallest that
+holds 1 + the largest budget. The draft graph builds the tree at the cap and cuts each request to
+its budget (`build_tree(budgets=...)`), and the decoder narrows the tree to the width, so a
+smaller budget verifies fewer rows. After the round `observe` feeds the trees' gain curves (read
+back with the round's tokens) and the realised accept lengths to the policy, and keeps the
+round's `RoundRecord` for the metrics and the log.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddtree.engine.budget_policy import BudgetPolicy, RoundCost
+from ddtree.engine.config import SpecConfig, budget_ladder
+from ddtree.engine.request import Req
+
+CURVE_SCALE = 1 << 20  # gain curves ride the round's int64 read-back in fixed point
+
+
+@dataclass
+class RoundPlan:
+    width: int  # verify width (1 = AR: no draft)
+    budgets: list[int] | None  # per-request DDTree budgets (None: the spec's for every request)
+    predicted: np.ndarray | None = None  # policy's calibrated expected accepted drafts per request
+    slots: np.ndarray | None = None
+
+
+@dataclass
+class RoundRecord:
+    """One decode round as the budget side saw it (read by metrics and the batch log)."""
+
+    width: int
+    budgets: list[int]
+    predicted: list[float]  # expected accepted drafts (policy, calibrated); [] when fixed
+    accepted: list[int]  # accepted drafts per request (emitted - 1)
+    round_s: float = 0.0  # wall time of SpecDecoder.round (launches + the wait for the device)
+    host_s: float = 0.0  # the engine step's time outside the round (schedule, emit, stops)
+    server_s: float = 0.0  # the server loop's time outside the step (publish, commands, metrics)
+
+
+class BudgetPlanner:
+    def __init__(self, cfg: SpecConfig, slots: int, cost: RoundCost | None = None):
+        self.cfg = cfg
+        self.widths = sorted(cfg.verify_widths)
+        self.policy: BudgetPolicy | None = None
+        if cfg.adaptive:
+            self.policy = BudgetPolicy(budget_ladder(cfg.budget), cost, slots)
+        self.last: RoundRecord | None = None
+        self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
+
+    @property
+    def observes(self) -> bool:
+        """Whether the round reads its trees' gain curves back (the policy learns from them)."""
+        return self.policy is not None
+
+    def set_cost(self, cost: RoundCost) -> None:
+        if self.policy is not None:
+            self.policy.cost = cost
+
+    def width_for(self, budget: int) -> int:
+        return self.widths[bisect.bisect_left(self.widths, 1 + budget)]
+
+    def plan(self, reqs: list[Req], max_ctx: int) -> RoundPlan:
+        cfg = self.cfg
+        if cfg.algorithm != "DDTREE":
+            return RoundPlan(cfg.verify_width if cfg.algorithm == "DFLASH" else 1, None)
+        caps = [min(r.params.ddtree_budget or cfg.budget, cfg.budget) for r in reqs]
+        if self.policy is None:
+            if all(c == cfg.budget for c in caps):
+                return RoundPlan(cfg.verify_width, None)
+            return RoundPlan(self.width_for(max(caps)), caps)
+        if self.last is not None:  # its host / server times are filled in after the round
+            self.host_s = 0.9 * self.host_s + 0.1 * (self.last.host_s + self.last.server_s)
+        slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
+        d = self.policy.choose(slots, reqs, caps, max_ctx, self.host_s)
+        budgets = d.budgets.tolist()
+        return RoundPlan(self.width_for(max(budgets)), budgets, d.predicted, slots)
+
+    def observe(
+        self, plan: RoundPlan, n_reqs: int, emitted: list[int], curves: list[list[int]] | None
+    ) -> None:
+        """emitted: tokens per request this round (accepted drafts + the bonus); curves: the
+        round's fixed-point gain curves (host rows) when `observes`."""
+        budgets = plan.budgets or [max(plan.width - 1, 0)] * n_reqs
+        accepted = [max(k - 1, 0) for k in emitted]
+        predicted = [] if plan.predicted is None else plan.predicted.tolist()
+        if self.policy is not None and curves is not None and plan.width > 1:
+            c = np.asarray(curves, dtype=np.float64) / CURVE_SCALE
+            self.policy.observe(plan.slots, budgets, c, accepted)
+        self.last = RoundRecord(plan.width, budgets, predicted, accepted)

@@ -1,0 +1,214 @@
+"""The round-cost side of the budget policy, measured once at startup on the device.
+
+With CUDA graphs a round is three replays whose cost depends on the padded batch and the width
+only (the split count follows the context bucket; the KV read grows with the context): the draft
+graph (skipped at width 1), the verify graph of the width, the commit graph. `measure` replays
+each (batch bucket, width) a few times with every row in the padding state and takes the median,
+so the table is the device's own; the context's KV read is added analytically
+(`kv_s_per_token`, at the device's measured-copy bandwidth estimate). The table is cached in a
+JSON file keyed by the device, torch, the model shapes, the buckets and the widths
+(`DDTREE_BUDGET_PROFILE_DIR`), so a restart costs nothing. Without graphs (the CPU, hybrid
+targets today) the roofline `AnalyticCost` stands in, fitted to a few timed eager forwards of the
+target (`fitted_cost`), or from the weights and nominal device numbers when that fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ddtree import envs
+from ddtree.engine.budget_policy import AnalyticCost, CostTable, RoundCost
+from ddtree.engine.config import SpecConfig, budget_ladder
+
+logger = logging.getLogger("ddtree")
+
+REPLAYS = 7
+HBM_BYTES_PER_S = {"cuda": 4.0e12, "cpu": 2.0e10}
+FLOPS = {"cuda": 5.0e14, "cpu": 1.0e11}
+
+
+def _bytes(module) -> tuple[int, int]:
+    """(weight bytes, parameters) of a module."""
+    ps = list(module.parameters())
+    return sum(p.numel() * p.element_size() for p in ps), sum(p.numel() for p in ps)
+
+
+def analytic_cost(runner, spec: SpecConfig) -> AnalyticCost:
+    kind = runner.device.type if runner.device.type in HBM_BYTES_PER_S else "cpu"
+    t_bytes, t_params = _bytes(runner.target)
+    d_bytes, d_params = _bytes(runner.drafter) if runner.drafter is not None else (0, 0)
+    head = runner.target.lm_head.weight.numel()
+    return AnalyticCost(
+        budget_ladder(spec.budget),
+        t_bytes,
+        2.0 * t_params,
+        d_bytes + head * runner.target.lm_head.weight.element_size(),
+        2.0 * (d_params + head),
+        spec.block_size,
+        _kv_bytes_per_token(runner),
+        HBM_BYTES_PER_S[kind],
+        FLOPS[kind],
+        1.5e-3 if kind == "cuda" else 1e-3,
+    )
+
+
+@torch.inference_mode()
+def fitted_cost(runner, spec: SpecConfig, rows: int = 64) -> AnalyticCost:
+    """The roofline with the eager device's own numbers (no graphs: launches and Python dominate
+    small forwards): the target forward timed at 1 and `rows` rows gives a fixed time per
+    forward and a time per row; the drafter scales them by its layer and parameter counts."""
+    base = analytic_cost(runner, spec)
+    now, model = _clock(runner.device), runner.target
+
+    def timed(n: int) -> float:
+        ids = torch.zeros(1, n, dtype=torch.int64, device=runner.device)
+        best = float("inf")
+        for _ in range(3):
+            t0 = now()
+            model.forward_train(ids)
+            best = min(best, now() - t0)
+        return best
+
+    t1, tn = timed(1), timed(rows)
+    per_row = max((tn - t1) / (rows - 1), 1e-9)
+    fixed = max(t1 - per_row, 1e-6)
+    t_cfg = runner.target.config
+    d_layers = runner.drafter.config.num_hidden_layers if runner.drafter is not None else 0
+    flops = base.target_flops_per_row / per_row  # the rate that gives the measured time per row
+    return dataclasses.replace(
+        base,
+        bandwidth=float("inf"),  # the weight read is in the fixed time
+        flops=flops,
+        overhead=fixed,
+        draft_overhead=fixed * d_layers / max(t_cfg.num_hidden_layers, 1),
+    )
+
+
+def _kv_bytes_per_token(runner) -> float:
+    n = runner.kv.bytes / runner.kv.k.shape[1]
+    if runner.draft_kv is not None:
+        n += runner.draft_kv.bytes / runner.draft_kv.k.shape[1]
+    return n
+
+
+def _clock(device):
+    if device.type == "cuda":
+
+        def now() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return now
+    return time.perf_counter
+
+
+@torch.inference_mode()
+def measure(runner, spec: SpecConfig, replays: int = REPLAYS) -> CostTable:
+    """Median seconds of draft + verify + commit per (batch bucket, width), every row padded."""
+    g = runner.graphs
+    ladder = budget_ladder(spec.budget)
+    now = _clock(runner.device)
+    draft = g._draft_set(g.tree_spec) if g.draft_graph is not None else None
+    table = np.zeros((len(g.buckets), 1, len(ladder)))
+    for i, bs in enumerate(g.buckets):
+        for j, b in enumerate(ladder):
+            w = 1 + b
+            gs, v = g.verify_sets[w], g.verify_graphs[w]
+            commit = g.commit_graphs.get((w, bs))
+            times = []
+            for _ in range(replays + 1):
+                t0 = now()
+                if w > 1 and draft is not None:
+                    draft.run(bs, [0] * bs)
+                gs.run(bs, [v.n] * bs)
+                if commit is not None:
+                    commit.replay()
+                elif w in g.commit_families:
+                    g.commit_families[w].forward(bs)
+                times.append(now() - t0)
+            table[i, 0, j] = statistics.median(times[1:])  # the first may compile
+    kind = runner.device.type if runner.device.type in HBM_BYTES_PER_S else "cpu"
+    kv = _kv_bytes_per_token(runner) / HBM_BYTES_PER_S[kind]
+    return CostTable(ladder, tuple(g.buckets), (runner.cfg.max_context,), table, kv)
+
+
+def profile_key(runner, spec: SpecConfig) -> str:
+    dev = runner.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    t, d = runner.target.config, runner.drafter.config if runner.drafter is not None else None
+    shape = [
+        t.hidden_size,
+        t.num_hidden_layers,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.vocab_size,
+        getattr(t, "intermediate_size", 0),
+    ]
+    if d is not None:
+        shape += [d.hidden_size, d.num_hidden_layers, d.num_attention_heads]
+    g = runner.graphs
+    parts = [name, torch.__version__, str(runner.dtype), shape, g.buckets, g.widths]
+    parts += [spec.block_size, spec.budget, spec.topk_cap, spec.shadow_linear]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+
+
+def profile_dir() -> str | None:
+    d = envs.BUDGET_PROFILE_DIR.get()
+    if d.strip().lower() == "off":
+        return None
+    return d or os.path.join(os.path.expanduser("~"), ".cache", "ddtree", "budget")
+
+
+def round_cost(runner, spec: SpecConfig) -> RoundCost:
+    """The measured table (from the cache file, else measured now and cached) when graphs are
+    captured, else the analytic estimate."""
+    g = runner.graphs
+    if g is None or not g.capture:
+        try:
+            cost = fitted_cost(runner, spec)
+        except Exception as e:  # noqa: BLE001 - the estimate must not stop the server
+            logger.warning("Budget policy: eager timing failed (%s); roofline round costs.", e)
+            return analytic_cost(runner, spec)
+        logger.info(
+            "Budget policy: eager round costs fitted (no captured CUDA graphs): %.2f ms per "
+            "forward + %.3f ms per row.",
+            1e3 * cost.overhead,
+            1e3 * cost.target_flops_per_row / cost.flops,
+        )
+        return cost
+    folder = profile_dir()
+    path = None if folder is None else os.path.join(folder, profile_key(runner, spec) + ".json")
+    if path is not None and os.path.exists(path):
+        try:
+            with open(path) as f:
+                table = CostTable.from_json(json.load(f))
+            logger.info("Budget policy: round costs from %s.", path)
+            return table
+        except (OSError, ValueError, KeyError) as e:
+            logger.warning("Budget policy: ignoring the cost profile %s (%s).", path, e)
+    t0 = time.perf_counter()
+    table = measure(runner, spec)
+    logger.info(
+        "Budget policy: round costs measured in %.1f s (batch %s x width %s; ms at batch 1: %s).",
+        time.perf_counter() - t0,
+        list(table.batches),
+        [1 + b for b in table.ladder],
+        ", ".join(f"{1e3 * x:.2f}" for x in table.table[0, 0]),
+    )
+    if path is not None:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(table.to_json(), f)
+        except OSError as e:
+            logger.warning("Budget policy: could not cache the cost profile at %s (%s).", path, e)
+    return table

@@ -1,0 +1,108 @@
+"""--speculative-ddtree-budget auto on the device, on the embedded pair: verify graphs captured per
+ladder width, the startup cost profile measured from real replays (and read back from its cache),
+and T=0 output token-identical to eager (fp32) and to AR under budgets that change every round
+(a cycling policy stub: AR rounds, every width, mixed budgets in one batch), with the graphs
+replayed at several widths."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+MAX_TOKENS = 32
+CYCLE = (0, 64, 3, 16, 1, 0, 33, 8, 2)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from ddtree.assets import PACKAGE_PAIR
+
+    target, drafter = os.path.join(PACKAGE_PAIR, "target"), os.path.join(PACKAGE_PAIR, "drafter")
+    if not os.path.isdir(target):
+        pytest.skip("no embedded pair in this checkout")
+    return target, drafter
+
+
+class Cycling:
+    def __init__(self):
+        self.k = 0
+
+    def choose(self, slots, owners, caps, ctx, extra_s=0.0):
+        from ddtree.engine.budget_policy import Decision
+
+        self.k += 1
+        n = len(slots)
+        b = np.array([CYCLE[(self.k + 2 * i) % len(CYCLE)] for i in range(n)], dtype=np.int64)
+        b = np.minimum(b, np.asarray(caps)) if self.k % 5 else np.zeros(n, dtype=np.int64)
+        return Decision(1 + int(b.max()), b, np.zeros(n), 0.0)
+
+    def observe(self, *a):
+        pass
+
+
+def _llm(pair, graphs: bool, **kw):
+    from ddtree import LLM
+
+    target, drafter = pair
+    return LLM(
+        target,
+        dtype="float32",
+        device="cuda",
+        attention_backend="triton",
+        disable_cuda_graph=not graphs,
+        cuda_graph_max_bs=8,
+        max_running_requests=8,
+        context_length=2048,
+        max_total_tokens=8 * (2048 + 80),
+        speculative_algorithm="DDTREE",
+        speculative_draft_model_path=drafter,
+        speculative_ddtree_budget="auto",
+        **kw,
+    )
+
+
+def _prompts(llm, n=5):
+    import inspect
+    import textwrap
+
+    src = inspect.getsource(textwrap)
+    return [
+        llm.tokenizer.encode(src[300 * i :], add_special_tokens=False)[: 9 + 11 * i]
+        for i in range(n)
+    ]
+
+
+def test_auto_graphs_profile_and_lossless(pair, tmp_path, monkeypatch):
+    from ddtree import SamplingParams, envs
+    from ddtree.engine.budget_policy import CostTable
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv(envs.BUDGET_PROFILE_DIR.name, str(tmp_path))
+    llm = _llm(pair, True)
+    g = llm.engine.runner.graphs
+    assert g is not None and g.capture and sorted(g.widths) == [1, 9, 17, 33, 65]
+    cost = llm.engine.decoder.budgets.policy.cost
+    assert isinstance(cost, CostTable) and (cost.table > 0).all()
+    assert len(list(tmp_path.iterdir())) == 1  # cached for the next start
+    print("cost table ms (batch x width):", np.round(1e3 * cost.table[:, 0], 3).tolist())
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = _prompts(llm)
+    auto = [o.token_ids for o in llm.generate(prompts, sp)]
+    eager = _llm(pair, False)
+    assert [o.token_ids for o in eager.generate(prompts, sp)] == auto
+
+    # changing budgets every round, through the graphs, vs AR
+    widths = []
+    verify = g.verify
+    g.verify = lambda meta, tree: widths.append(tree.num_nodes) or verify(meta, tree)
+    llm.engine.decoder.budgets.policy = Cycling()
+    cycled = [o.token_ids for o in llm.generate(prompts, sp)]
+    from ddtree import LLM
+
+    ar = LLM(pair[0], dtype="float32", device="cuda", attention_backend="triton")
+    assert [o.token_ids for o in ar.generate(prompts, sp)] == cycled == auto
+    assert {1, 9, 17, 33, 65} <= set(widths), sorted(set(widths))
+    torch.cuda.synchronize()

@@ -1,0 +1,181 @@
+"""Load-aware budgets through the real engine (toy pairs, CPU): T=0 token-identical to AR with the
+policy on and with budgets that change every round and per request (a cycling policy stub, widths
+1 = AR .. the cap), eager and on the padded static graph path, dense and hybrid, batch 1 and many;
+T>0 keeps the target's distribution."""
+
+import numpy as np
+import pytest
+from engine_utils import GREEDY, make_llm, toy_prompts
+from test_engine_sampling import first_tokens, same_distribution
+
+from ddtree.engine.budget_policy import Decision
+
+AUTO = dict(speculative_ddtree_budget="auto", speculative_ddtree_max_budget=16)
+CYCLE = (0, 16, 3, 8, 1, 0, 5, 16, 2)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class CyclingPolicy:
+    """Budgets that change every round and differ between requests; every fourth round is all-AR."""
+
+    def __init__(self):
+        self.k, self.widths = 0, []
+
+    def choose(self, slots, owners, caps, ctx, extra_s=0.0):
+        self.k += 1
+        n = len(slots)
+        if self.k % 4 == 0:
+            b = np.zeros(n, dtype=np.int64)
+        else:
+            b = np.array([CYCLE[(self.k + 3 * i) % len(CYCLE)] for i in range(n)], dtype=np.int64)
+        b = np.minimum(b, np.asarray(caps))
+        self.widths.append(1 + int(b.max()))
+        return Decision(1 + int(b.max()), b, np.zeros(n), 0.0)
+
+    def observe(self, slots, budgets, curves, accepted):
+        assert curves.shape == (len(slots), 16) and (np.diff(curves, axis=1) >= -1e-6).all()
+
+
+def generate(pair, prompts, params=GREEDY, stub=True, graphs=False, **kw):
+    llm = make_llm(pair, "DDTREE", max_running_requests=8, **AUTO, **kw)
+    planner = llm.engine.decoder.budgets
+    if stub:
+        planner.policy = CyclingPolicy()
+    if graphs:
+        from test_cuda_graph import attach_graphs
+
+        attach_graphs(llm, 4)
+    outs = llm.generate([list(p) for p in prompts], params)
+    return [o.token_ids for o in outs], planner
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(toy_pair):
+    llm = make_llm(toy_pair, "NONE")
+    return [o.token_ids for o in llm.generate([list(p) for p in toy_prompts()], GREEDY)]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_changing_budgets_are_lossless(toy_pair, ar_tokens, graphs):
+    tokens, planner = generate(toy_pair, toy_prompts(), graphs=graphs)
+    assert tokens == ar_tokens
+    assert {1, 4, 9, 17} <= set(planner.policy.widths)  # AR rounds and every other width ran
+
+
+def test_changing_budgets_batch_of_one(toy_pair, ar_tokens):
+    for i in (0, 3):
+        tokens, _ = generate(toy_pair, toy_prompts()[i : i + 1])
+        assert tokens == ar_tokens[i : i + 1]
+
+
+def test_changing_budgets_check_can_fail(toy_pair, ar_tokens, monkeypatch):
+    """A narrowed tree whose nodes no longer see their ancestors (identity mask) must change the
+    tokens under the same schedule: the comparison above can fail."""
+    import torch
+
+    from ddtree.speculative.tree import DraftTree
+
+    narrow = DraftTree.narrow
+
+    def blind(self, n):
+        t = narrow(self, n)
+        eye = torch.eye(n, dtype=torch.bool).expand_as(t.tree_mask)
+        return DraftTree(t.tokens, t.parents, t.depths, t.valid, eye, t.num_depths, t.path_probs)
+
+    monkeypatch.setattr(DraftTree, "narrow", blind)
+    tokens, _ = generate(toy_pair, toy_prompts())
+    assert tokens != ar_tokens
+
+
+def test_auto_policy_is_lossless_and_learns(toy_pair, ar_tokens):
+    tokens, planner = generate(toy_pair, toy_prompts(), stub=False)
+    assert tokens == ar_tokens
+    pol = planner.policy
+    assert pol.prior is not None and pol.prior[-1] > 1  # the toy drafter's drafts are accepted
+    rec = planner.last
+    assert rec.width in (1, 9, 17) and len(rec.predicted) == len(rec.budgets)
+
+
+def test_per_request_caps_verify_narrow_without_padding(toy_pair, ar_tokens):
+    """Fixed budget 16, every request asking 4: the round verifies 1 + 4 rows, not 17."""
+    from ddtree import SamplingParams
+
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16)
+    widths = []
+    verify = llm.engine.runner.verify_nodes
+    llm.engine.runner.verify_nodes = lambda reqs, tree: (
+        widths.append(tree.num_nodes) or verify(reqs, tree)
+    )
+    sp = SamplingParams(
+        temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, ddtree_budget=4
+    )
+    outs = llm.generate([list(p) for p in toy_prompts()], sp)
+    assert [o.token_ids for o in outs] == ar_tokens
+    assert set(widths) == {17}  # fixed mode keeps its one captured width ...
+    assert max(max(o.accept_lengths) for o in outs) <= 5  # ... with 4 drafted nodes per request
+
+
+def test_hybrid_changing_budgets_are_lossless(toy_hybrid_pair):
+    prompts = toy_prompts(4)
+    ar = make_llm(toy_hybrid_pair, "NONE").generate([list(p) for p in prompts], GREEDY)
+    for strategy in ("extra_buffer", "no_buffer"):
+        tokens, planner = generate(toy_hybrid_pair, prompts, mamba_scheduler_strategy=strategy)
+        assert tokens == [o.token_ids for o in ar], strategy
+        assert 1 in planner.policy.widths
+
+
+def test_changing_budgets_keep_the_sampling_distribution(toy_pair):
+    ar = first_tokens(make_llm(toy_pair, "NONE", max_running_requests=256), seed0=1000, n=800)
+    llm = make_llm(toy_pair, "DDTREE", max_running_requests=256, **AUTO)
+    llm.engine.decoder.budgets.policy = CyclingPolicy()
+    dd = first_tokens(llm, seed0=100_000, n=800)
+    assert same_distribution(ar, dd) > 1e-3
+
+
+def test_cost_profile_measures_every_width_and_caches(toy_pair, tmp_path, monkeypatch):
+    """The startup profile replays (here: runs) draft + verify + commit per batch bucket and width;
+    with a profile directory the second start reads the file instead of measuring."""
+    from test_cuda_graph import attach_graphs
+
+    from ddtree import envs
+    from ddtree.engine import budget_profile
+    from ddtree.engine.budget_policy import AnalyticCost, CostTable
+
+    llm = make_llm(toy_pair, "DDTREE", max_running_requests=4, **AUTO)
+    runner, spec = llm.engine.runner, llm.engine.spec
+    fitted = budget_profile.round_cost(runner, spec)  # no graphs: the fitted roofline
+    assert isinstance(fitted, AnalyticCost) and fitted.bandwidth == float("inf")
+    assert (np.diff(fitted.seconds(4, 100)[1:]) > 0).all()
+    g = attach_graphs(llm, 2)
+    table = budget_profile.measure(runner, spec, replays=1)
+    assert table.table.shape == (len(g.buckets), 1, 3) and (table.table > 0).all()
+    g.capture = True  # round_cost measures only captured graphs; the runs stand in for replays
+    monkeypatch.setenv(envs.BUDGET_PROFILE_DIR.name, str(tmp_path))
+    monkeypatch.setattr(budget_profile, "measure", lambda r, s: table)
+    first = budget_profile.round_cost(runner, spec)
+    assert len(list(tmp_path.iterdir())) == 1
+    monkeypatch.setattr(budget_profile, "measure", lambda r, s: pytest.fail("re-measured"))
+    again = budget_profile.round_cost(runner, spec)
+    assert isinstance(again, CostTable) and np.array_equal(again.table, first.table)
+
+
+def test_detokenisation_is_deferred_without_stop_strings():
+    """Requests without stop strings append ids only; `flush` (the server's publish, or the
+    finish) brings the text up to date, equal to decoding the ids; stop strings still detokenise
+    in the step."""
+    from ddtree import LLM, SamplingParams
+
+    llm = LLM(None, max_running_requests=2)
+    eng = llm.engine
+    plain = eng.add_request("def f(x):", SamplingParams(temperature=0, max_tokens=12))
+    stops = eng.add_request("def f(x):", SamplingParams(temperature=0, max_tokens=12, stop=["@@"]))
+    for _ in range(3):
+        eng.step()
+    assert eng.emitter.lag.get(plain.rid, 0) > 0 and plain.text == ""
+    assert stops.rid not in eng.emitter.lag and stops.text
+    eng.emitter.flush(plain)
+    assert plain.text == stops.text[: len(plain.text)] and plain.rid not in eng.emitter.lag
+    while eng.has_unfinished():
+        eng.step()
+    assert plain.text == stops.text == eng.tokenizer.decode(plain.output_ids)

@@ -1,0 +1,78 @@
+"""The server with --speculative-ddtree-budget auto: streamed text equals the non-streamed text with
+publishing overlapped under the next round, and /metrics carries the chosen budgets, predicted vs
+realised accepted drafts and the per-round host time (published partly under the device work)."""
+
+import concurrent.futures
+
+import httpx
+import openai
+import pytest
+from server_fixtures import build_tiny_pair, server_argv, thread_server
+
+PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build_tiny_pair(str(tmp_path_factory.mktemp("budget_pair")))
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    argv = server_argv(pair, "DDTREE", "--speculative-ddtree-budget", "auto")
+    argv += ["--speculative-ddtree-max-budget", "8", "--decode-log-interval", "4"]
+    with thread_server(argv) as srv:
+        yield srv
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_streams_match_and_metrics_report_budgets(server, pair):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    assert server.engine.spec.adaptive and server.async_engine.overlap
+    kw = dict(model=pair[0], max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    prompts = [PROMPT, "x = [1, 2", "class A:", "import os\n"]
+    plain = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+
+    def streamed(p):
+        chunks = client.completions.create(prompt=p, stream=True, **kw)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # concurrent: rounds defer publishing
+        assert list(pool.map(streamed, prompts)) == plain
+    text = httpx.get(server.base_url + "/metrics").text
+    assert metric(text, "ddtree_spec_budget_count") > 0
+    assert metric(text, "ddtree_spec_predicted_request_rounds_total") > 0
+    assert metric(text, "ddtree_spec_predicted_accepted_drafts_total") > 0
+    assert "ddtree_spec_realised_accepted_drafts_total" in text
+    assert "ddtree_spec_verify_width_rounds_total{width=" in text
+    for part in ("round", "host", "server", "hidden"):
+        assert metric(text, f'ddtree_round_seconds_count{{part="{part}"}}') > 0, part
+    assert metric(text, 'ddtree_round_seconds_sum{part="hidden"}') > 0, (
+        "nothing published under a round"
+    )
+
+
+def test_stop_string_ends_where_it_ends_without_overlap(server, pair):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    kw = dict(model=pair[0], prompt=PROMPT, max_tokens=30, temperature=0)
+    full = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].text
+    stop = full[7:9]
+    cut = full[: full.index(stop)]
+    chunks = client.completions.create(stop=[stop], stream=True, **kw)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+
+
+def test_disable_overlap_schedule_publishes_at_once(pair):
+    argv = server_argv(pair, "DDTREE", "--disable-overlap-schedule")
+    with thread_server(argv) as srv:
+        assert not srv.async_engine.overlap and srv.engine.decoder.while_device_runs is None
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+        kw = dict(model=pair[0], prompt=PROMPT, max_tokens=12, temperature=0)
+        chunks = client.completions.create(stream=True, **kw)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == client.completions.create(**kw).choices[0].text
+        metrics = httpx.get(srv.base_url + "/metrics").text
+        assert metric(metrics, 'ddtree_round_seconds_sum{part="hidden"}') == 0
