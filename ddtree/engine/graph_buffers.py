@@ -82,7 +82,7 @@ class VerifyGraph:
         self.depths = torch.zeros(M, n, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(M, n, dtype=torch.bool, device=dev)
         self.logits = torch.empty(
-            M * n, head.shape[0], dtype=head.dtype, device=dev
+            M * n, runner.target.config.vocab_size, dtype=head.dtype, device=dev
         )  # one for every graph
         K = len(runner.tap_layers)
         self.taps = (
