@@ -1,0 +1,83 @@
+"""Tensor parallelism end to end on the CPU: ranks are spawned processes joined over gloo on localhost.
+
+TP=2 (and 4 where the heads allow: the dense toy pair's 2 KV heads are replicated at tp 4) emits the
+same tokens as TP=1 at T=0 for AR, DFLASH and DDTREE, dense and hybrid, through `LLM`; the server at
+TP=2 answers the same tokens, and a killed rank turns /health 503 (naming the rank) and fails the next
+request instead of hanging. The references are TP=1 AR outputs (speculation is lossless: the
+lossless tests show DFLASH / DDTREE == AR at TP=1). fp32 all-reduces sum in another order than one
+rank's GEMM; these pairs' top-2 logit margins are wide enough that no token flips (a flip would show
+here as a mismatch, with the tokens printed)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from engine_utils import make_llm, toy_prompts
+
+from ddtree import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [list(p) for p in toy_prompts(3)]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(pair: tuple[str, str]) -> tuple[tuple[int, ...], ...]:
+    outs = make_llm(pair, "NONE").generate(PROMPTS, GREEDY)
+    return tuple(tuple(o.token_ids) for o in outs)
+
+
+@pytest.fixture(params=["dense", "hybrid"])
+def pair(request, toy_pair, toy_hybrid_pair):
+    return toy_pair if request.param == "dense" else toy_hybrid_pair
+
+
+def _generate(pair, algorithm: str, tp: int, params):
+    kw = {"speculative_ddtree_budget": 6} if algorithm == "DDTREE" else {}
+    llm = make_llm(pair, algorithm, tp_size=tp, random_seed=7, **kw)
+    try:
+        return llm.generate(PROMPTS, params)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("algorithm", ["NONE", "DFLASH", "DDTREE"])
+def test_tp2_matches_tp1(pair, algorithm, one_torch_thread):
+    got = [tuple(o.token_ids) for o in _generate(pair, algorithm, 2, GREEDY)]
+    assert tuple(got) == _reference(pair), (got, _reference(pair))
+
+
+def test_tp4_replicated_kv_heads_and_sampling_agree(toy_pair, one_torch_thread):
+    """tp 4 over 2 KV heads (each replicated on 2 ranks). The sampled request draws on every rank:
+    a rank whose draw differed would fail the lockstep digest and end the run."""
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3)
+    outs = _generate(toy_pair, "DDTREE", 4, [GREEDY, GREEDY, sampled])
+    assert [tuple(o.token_ids) for o in outs[:2]] == list(_reference(toy_pair)[:2])
+    assert len(outs[2].token_ids) == 12
+
+
+def test_server_tp2_and_a_killed_rank_fails_loudly(toy_pair, one_torch_thread):
+    from server_fixtures import server_argv, thread_server
+
+    argv = server_argv(toy_pair, "DFLASH", "--tp-size", "2")
+    with thread_server(argv) as srv:
+        sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+        body = {"input_ids": PROMPTS[0], "sampling_params": sp}
+        r = httpx.post(srv.base_url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert tuple(r.json()["output_ids"]) == _reference(toy_pair)[0]
+        rank1 = srv.engine.tp.watch.procs[1]
+        os.kill(rank1.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            health = httpx.get(srv.base_url + "/health", timeout=5)
+            if health.status_code == 503:
+                break
+            time.sleep(0.2)
+        assert health.status_code == 503 and "rank 1" in health.text, health.text
+        r = httpx.post(srv.base_url + "/generate", json=body, timeout=30)
+        assert r.status_code >= 500 and "rank 1" in r.text, r.text
