@@ -90,13 +90,14 @@ class RankWatch:
                 return
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Wait `timeout` for the ranks to leave, then end the ones still running."""
         self.closing = True
         self._stop.set()
         for p in self.procs.values():
             p.join(timeout)
             if p.exitcode is None:
                 p.terminate()
-                p.join(timeout)
+                p.join(max(timeout, 5.0))
 
 
 def start_ranks(args, device: torch.device) -> TPRank:

@@ -72,6 +72,9 @@ class TPRank:
         self.pending: list = []
         self.steps = 0
         self.closed = False
+        # set once every rank built its engine (`setup.build_runner`): from then on all of them wait
+        # at `sync`, so a stop message reaches them; before, rank 0 can only end their processes
+        self.ready = False
 
     @property
     def rank(self) -> int:
@@ -135,7 +138,12 @@ class TPRank:
         self.closed = True
         if self.watch is not None:
             self.watch.closing = True
-        if self.is_driver and self.problem() is None:
+        if self.is_driver and not self.ready:
+            logger.warning(
+                "tensor-parallel: startup failed; ending ranks 1..%d", self.group.size - 1
+            )
+            self.watch.stop(timeout=0.0)
+        elif self.is_driver and self.problem() is None:
             try:
                 self._broadcast(Message(stop=True))
             except RankFailure:
