@@ -458,21 +458,10 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
 
 
 def _check_tp_devices(tp: int, device: str, p: list[str]) -> None:
-    """One GPU per rank (rank r on cuda:r), known before any weight loads."""
-    if tp > 1 and device.startswith("cuda"):
-        if device != "cuda":
-            p.append(
-                f"--device {device}: with --tp-size {tp} pass --device cuda (rank r uses cuda:r)"
-            )
-        elif cuda_available():
-            import torch
-
-            n = torch.cuda.device_count()
-            if n < tp:
-                p.append(
-                    f"--tp-size {tp} needs {tp} GPUs, {n} visible; lower --tp-size or set "
-                    "CUDA_VISIBLE_DEVICES"
-                )
+    """Rank r runs on cuda:r (the GPU count is checked when the ranks start, so check-config can
+    plan --tp-size 8 from any machine)."""
+    if tp > 1 and device.startswith("cuda") and device != "cuda":
+        p.append(f"--device {device}: with --tp-size {tp} pass --device cuda (rank r uses cuda:r)")
 
 
 def _resolve_attention_backend(a: ServerArgs, upd: dict, device: str, p: list[str]) -> None:

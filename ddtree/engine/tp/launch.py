@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ddtree.configs import ConfigError
 from ddtree.engine.tp.rank import CONTROL_TIMEOUT, TPRank, collective_timeout
 
 logger = logging.getLogger("ddtree")
@@ -107,6 +108,11 @@ def start_ranks(args, device: torch.device) -> TPRank:
     from ddtree.engine.tp.worker import run_rank
 
     size, port = args.tp_size, free_port()
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ConfigError(
+            f"--tp-size {size} needs {size} GPUs, {torch.cuda.device_count()} visible; lower "
+            "--tp-size or set CUDA_VISIBLE_DEVICES"
+        )
     ctx = mp.get_context("spawn")
     procs = {}
     for rank in range(1, size):
