@@ -51,13 +51,29 @@ def test_tp2_matches_tp1(pair, algorithm, one_torch_thread):
     assert tuple(got) == _reference(pair), (got, _reference(pair))
 
 
-def test_tp4_replicated_kv_heads_and_sampling_agree(toy_pair, one_torch_thread):
+def test_tp4_replicated_kv_heads_sampling_and_a_rank_dying_mid_run(toy_pair, one_torch_thread):
     """tp 4 over 2 KV heads (each replicated on 2 ranks). The sampled request draws on every rank:
-    a rank whose draw differed would fail the lockstep digest and end the run."""
+    a rank whose draw differed would fail the lockstep digest and end the run. Then a rank is
+    killed between two steps of a running request: the next step raises, naming it, at once."""
     sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3)
-    outs = _generate(toy_pair, "DDTREE", 4, [GREEDY, GREEDY, sampled])
-    assert [tuple(o.token_ids) for o in outs[:2]] == list(_reference(toy_pair)[:2])
-    assert len(outs[2].token_ids) == 12
+    llm = make_llm(toy_pair, "DDTREE", tp_size=4, random_seed=7, speculative_ddtree_budget=6)
+    try:
+        outs = llm.generate(PROMPTS, [GREEDY, GREEDY, sampled])
+        assert [tuple(o.token_ids) for o in outs[:2]] == list(_reference(toy_pair)[:2])
+        assert len(outs[2].token_ids) == 12
+        engine = llm.engine
+        engine.add_request(PROMPTS[0], GREEDY)
+        engine.step()  # the prefill
+        os.kill(engine.tp.watch.procs[2].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError):
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - t0 < 20
+        engine.tp.watch.poll(wait_s=5.0)
+        assert "tensor-parallel rank 2" in (engine.tp_problem() or "")
+    finally:
+        llm.engine.shutdown()
 
 
 def test_server_tp2_and_a_killed_rank_fails_loudly(toy_pair, one_torch_thread):

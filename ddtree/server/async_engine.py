@@ -106,11 +106,11 @@ class AsyncEngine:
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (for /health), or None."""
-        if not self.alive:
-            return "the engine is not running"
         tp_problem = getattr(self.engine, "tp_problem", None)  # a dead tensor-parallel rank
         if tp_problem is not None and tp_problem():
             return tp_problem()
+        if not self.alive:
+            return "the engine is not running"
         stalled = time.monotonic() - self._tick
         if stalled > self.stall_timeout_s:
             return f"the engine loop has not completed a step for {stalled:.0f} s"

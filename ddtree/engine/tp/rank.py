@@ -93,9 +93,11 @@ class TPRank:
             raise RankFailure(self.problem())
 
     def publish(self, command: tuple) -> None:
-        """Rank 0: a command for the other ranks, sent with the next step (followers: nothing)."""
+        """Rank 0: a command for the other ranks, sent with the next step (followers: nothing). A new
+        request is refused once a rank is gone; an abort never raises (it runs while failing)."""
         if self.is_driver:
-            self.check()
+            if command[0] == "add":
+                self.check()
             self.pending.append(command)
 
     def sync(self, engine) -> None:
