@@ -97,3 +97,29 @@ def test_server_tp2_and_a_killed_rank_fails_loudly(toy_pair, one_torch_thread):
         assert health.status_code == 503 and "rank 1" in health.text, health.text
         r = httpx.post(srv.base_url + "/generate", json=body, timeout=30)
         assert r.status_code >= 500 and "rank 1" in r.text, r.text
+
+
+def test_a_failed_startup_ends_the_ranks_it_started(toy_pair, monkeypatch):
+    """Rank 0 fails to load after spawning: it ends its ranks (they may be anywhere in their own
+    startup, so no collective is attempted) instead of waiting on them."""
+    from ddtree.engine import engine as engine_mod
+    from ddtree.engine import setup
+
+    started = []
+
+    def spy(*a):
+        tp = real(*a)
+        started.append(tp)
+        return tp
+
+    def boom(*a, **k):
+        raise OSError("boom: unreadable weights")
+
+    real = engine_mod.start_ranks
+    monkeypatch.setattr(engine_mod, "start_ranks", spy)
+    monkeypatch.setattr(setup, "load_target", boom)
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="boom"):
+        make_llm(toy_pair, "NONE", tp_size=2)
+    (proc,) = started[0].watch.procs.values()
+    assert proc.exitcode is not None and time.monotonic() - t0 < 30

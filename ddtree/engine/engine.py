@@ -36,7 +36,12 @@ class LLMEngine:
         if self.tp is not None:
             self.device = rank_device(self.device, self.tp.rank)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-        self.runner, self.max_context = build_runner(args, self.device, self.tp)
+        try:
+            self.runner, self.max_context = build_runner(args, self.device, self.tp)
+        except BaseException:
+            if self.tp is not None and tp_rank is None:
+                self.tp.close()  # not ready yet: ends the ranks it started, no collective
+            raise
         self.spec = spec_config(args)  # the derivation that sized the runner's pools and widths
         self.decoder = SpecDecoder(self.runner, self.spec)
         cfg = self.runner.cfg
@@ -54,6 +59,8 @@ class LLMEngine:
         self.emitter = TokenEmitter(self.tokenizer, tuple(sorted(eos)), self.max_context)
         self._seeds = random.Random(args.random_seed)
         self.requests: dict[str, Req] = {}
+        if self.tp is not None:
+            self.tp.started()  # every rank built its engine
 
     # ---- requests ---------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

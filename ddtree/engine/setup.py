@@ -53,7 +53,6 @@ def _same_plan_on_every_rank(cfg, tp) -> None:
     plans = [None] * tp.group.size
     # on the model group: it times out (DDTREE_TP_TIMEOUT_S) where a rank never gets here
     torch.distributed.all_gather_object(plans, cfg, group=tp.group.group)
-    tp.ready = True
     bad = [r for r, c in enumerate(plans) if c != plans[0]]
     if bad:
         raise ConfigError(

@@ -72,8 +72,8 @@ class TPRank:
         self.pending: list = []
         self.steps = 0
         self.closed = False
-        # set once every rank built its engine (`setup.build_runner`): from then on all of them wait
-        # at `sync`, so a stop message reaches them; before, rank 0 can only end their processes
+        # set once every rank built its engine (`started`): from then on all of them wait at `sync`,
+        # so a stop message reaches them; before, rank 0 can only end their processes
         self.ready = False
 
     @property
@@ -83,6 +83,11 @@ class TPRank:
     @property
     def is_driver(self) -> bool:
         return self.group.rank == 0
+
+    def started(self) -> None:
+        """End of every rank's engine construction: a barrier that names a rank that never comes."""
+        dist.monitored_barrier(group=self.control, timeout=collective_timeout())
+        self.ready = True
 
     def problem(self) -> str | None:
         """Why the group cannot serve (a rank died), or None."""
