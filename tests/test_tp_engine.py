@@ -81,22 +81,25 @@ def test_server_tp2_and_a_killed_rank_fails_loudly(toy_pair, one_torch_thread):
 
     argv = server_argv(toy_pair, "DFLASH", "--tp-size", "2")
     with thread_server(argv) as srv:
-        sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-        body = {"input_ids": PROMPTS[0], "sampling_params": sp}
-        r = httpx.post(srv.base_url + "/generate", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        assert tuple(r.json()["output_ids"]) == _reference(toy_pair)[0]
-        rank1 = srv.engine.tp.watch.procs[1]
-        os.kill(rank1.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            health = httpx.get(srv.base_url + "/health", timeout=5)
-            if health.status_code == 503:
-                break
-            time.sleep(0.2)
-        assert health.status_code == 503 and "rank 1" in health.text, health.text
-        r = httpx.post(srv.base_url + "/generate", json=body, timeout=30)
-        assert r.status_code >= 500 and "rank 1" in r.text, r.text
+        try:
+            sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+            body = {"input_ids": PROMPTS[0], "sampling_params": sp}
+            r = httpx.post(srv.base_url + "/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert tuple(r.json()["output_ids"]) == _reference(toy_pair)[0]
+            rank1 = srv.engine.tp.watch.procs[1]
+            os.kill(rank1.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                health = httpx.get(srv.base_url + "/health", timeout=5)
+                if health.status_code == 503:
+                    break
+                time.sleep(0.2)
+            assert health.status_code == 503 and "rank 1" in health.text, health.text
+            r = httpx.post(srv.base_url + "/generate", json=body, timeout=30)
+            assert r.status_code >= 500 and "rank 1" in r.text, r.text
+        finally:
+            srv.engine.shutdown()
 
 
 def test_a_failed_startup_ends_the_ranks_it_started(toy_pair, monkeypatch):

@@ -108,6 +108,11 @@ def start_ranks(args, device: torch.device) -> TPRank:
     from ddtree.engine.tp.worker import run_rank
 
     size, port = args.tp_size, free_port()
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a tensor-parallel engine is already running in this process (one per process); "
+            "call its LLMEngine.shutdown() first"
+        )
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ConfigError(
             f"--tp-size {size} needs {size} GPUs, {torch.cuda.device_count()} visible; lower "
