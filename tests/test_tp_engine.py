@@ -45,6 +45,38 @@ def _generate(pair, algorithm: str, tp: int, params):
         llm.engine.shutdown()
 
 
+class _Engine:
+    """What `TPRank.sync` touches of an engine: its requests, add and abort."""
+
+    def __init__(self):
+        self.requests = {}
+
+    def add_request(self, ids, params, rid):
+        from ddtree.engine.request import Req
+
+        self.requests[rid] = Req(prompt_ids=list(ids), params=params, rid=rid)
+
+    def abort(self, rid):
+        self.requests.pop(rid, None)
+
+
+def test_lockstep_digest_catches_a_rank_that_diverged(monkeypatch):
+    """A follower applies rank 0's commands, then checks rank 0's digest against its own state."""
+    from ddtree.engine.tp.rank import Message, RankFailure, TPRank, state_digest
+
+    leader, follower = _Engine(), _Engine()
+    leader.add_request([5, 6], GREEDY, "a")
+    rank = TPRank(1, 2, control=None)
+    sent = Message([("add", [5, 6], GREEDY, "a")], state_digest(leader))
+    monkeypatch.setattr(rank, "_broadcast", lambda msg: sent)
+    rank.sync(follower)
+    assert list(follower.requests) == ["a"]
+    leader.requests["a"].output_ids.append(9)  # rank 0 emitted a token this rank did not
+    sent = Message([], state_digest(leader))
+    with pytest.raises(RankFailure, match="rank 1 diverged from rank 0 before step 2"):
+        rank.sync(follower)
+
+
 @pytest.mark.parametrize("algorithm", ["NONE", "DFLASH", "DDTREE"])
 def test_tp2_matches_tp1(pair, algorithm, one_torch_thread):
     got = [tuple(o.token_ids) for o in _generate(pair, algorithm, 2, GREEDY)]
