@@ -29,6 +29,7 @@ from ddtree.engine.tp.rank import CONTROL_TIMEOUT, TPRank, collective_timeout
 logger = logging.getLogger("ddtree")
 
 POLL_S = 0.2
+CASCADE_S = 0.5
 
 
 def free_port() -> int:
@@ -71,13 +72,18 @@ class RankWatch:
     def poll(self, wait_s: float = 0.0) -> None:
         deadline = time.monotonic() + wait_s
         while self.failure is None and not self.closing:
-            for rank, p in self.procs.items():
-                if p.exitcode is not None:
-                    self.failure = (
-                        f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                    )
-                    logger.error("%s; the engine cannot continue", self.failure)
-                    break
+            if any(p.exitcode is not None for p in self.procs.values()):
+                # the others follow within moments (their collectives fail): name all of them,
+                # ranks ended by a signal first (a kill is the cause, an exit code 1 its echo)
+                time.sleep(CASCADE_S)
+                dead = [(r, p) for r, p in self.procs.items() if p.exitcode is not None]
+                dead.sort(key=lambda rp: (rp[1].exitcode >= 0, rp[0]))
+                self.failure = "; ".join(
+                    f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                    for r, p in dead
+                )
+                logger.error("%s; the engine cannot continue", self.failure)
+                break
             if time.monotonic() >= deadline:
                 break
             time.sleep(min(POLL_S, wait_s))
