@@ -139,23 +139,23 @@ class TPRank:
         return box[0]
 
     def close(self) -> None:
-        """Rank 0: stop the other ranks and wait for them; every rank: leave the process group."""
+        """Rank 0: stop the other ranks and wait for them (end them where they cannot hear: before
+        `started`, or once a rank is gone); every rank: leave the process group."""
         if self.closed:
             return
         self.closed = True
         if self.watch is not None:
             self.watch.closing = True
-        if self.is_driver and not self.ready:
-            logger.warning(
-                "tensor-parallel: startup failed; ending ranks 1..%d", self.group.size - 1
-            )
-            self.watch.stop(timeout=0.0)
-        elif self.is_driver and self.problem() is None:
+        orderly = self.is_driver and self.ready and self.problem() is None
+        if orderly:
             try:
                 self._broadcast(Message(stop=True))
             except RankFailure:
+                orderly = False
                 logger.warning("tensor-parallel: a rank was already gone at shutdown")
+        elif self.is_driver:
+            logger.warning("tensor-parallel: ending ranks 1..%d", self.group.size - 1)
         if self.watch is not None:
-            self.watch.stop()
+            self.watch.stop(timeout=10.0 if orderly else 0.0)
         if dist.is_initialized():
             dist.destroy_process_group()
