@@ -4,12 +4,12 @@ to a list as one line that names the flag and the fix; `resolve_server_args` rai
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 from ddtree import configs
 from ddtree.configs import DrafterConfig, TargetConfig
 from ddtree.inflate.source import is_inflate_path, resolve_config
+from ddtree.models.tp_layout import tp_problems
 
 logger = logging.getLogger("ddtree")
 
@@ -126,32 +126,6 @@ def check_pair(t: TargetConfig, d: DrafterConfig, p: list[str]) -> None:
 
 
 def check_tp(tp: int, t: TargetConfig | None, d: DrafterConfig | None, p: list[str]) -> None:
-    counts = {}
-    if t is not None:
-        counts.update(
-            {
-                "target attention heads": t.num_attention_heads,
-                "target KV heads": t.num_key_value_heads,
-            }
-        )
-        if t.is_hybrid:
-            counts.update(
-                {
-                    "target linear key heads": t.linear_num_key_heads,
-                    "target linear value heads": t.linear_num_value_heads,
-                }
-            )
-    if d is not None:
-        counts.update(
-            {
-                "drafter attention heads": d.num_attention_heads,
-                "drafter KV heads": d.num_key_value_heads,
-            }
-        )
-    bad = [f"{name} ({n})" for name, n in counts.items() if tp >= 1 and n % tp]
-    if bad:
-        g = math.gcd(*counts.values())
-        valid = [k for k in range(1, g + 1) if g % k == 0]
-        p.append(
-            f"--tp-size {tp} does not divide the {', '.join(bad)}; valid --tp-size values: {valid}"
-        )
+    """The split the engine really makes (`ddtree.models.tp_layout`): heads and widths divide by tp,
+    KV-style heads divide or are replicated (a divisor of tp)."""
+    p.extend(tp_problems(tp, t, d))

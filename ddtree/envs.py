@@ -92,6 +92,12 @@ TOY_HYBRID = EnvVar(
     "out/toy_hybrid_pair",
     "bench/gpu_gdn_tree.py: directory of the toy hybrid pair",
 )
+TP_TIMEOUT_S = EnvVar(
+    "DDTREE_TP_TIMEOUT_S",
+    "300",
+    "--tp-size > 1: seconds a model collective waits for the other ranks before it fails (and a "
+    "rank starting up for the others)",
+)
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",
     "",
@@ -112,6 +118,7 @@ TABLE: dict[str, EnvVar] = {
         BUDGET_PROFILE_DIR,
         PEER_CHECKOUT,
         TOY_HYBRID,
+        TP_TIMEOUT_S,
         TRITON_INTERPRET,
     )
 }

@@ -2,11 +2,14 @@
 
 The pools come from `ddtree.engine.config.plan_pools`, the function the engine sizes itself with.
 Parameter counts follow transformers' Qwen3 / Qwen3.5 modeling code exactly (text model only: vision tower and
-MTP weights are never loaded by the engine). Per-device numbers divide sharded tensors by --tp-size.
+MTP weights are never loaded by the engine). Per-device numbers are one tensor-parallel rank's: the
+geometry `ddtree.models.tp_layout` gives a rank (the one the loader builds), so replicated KV heads,
+norms, the padded vocab shard and the drafter's fc count in full on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ddtree.configs import DrafterConfig, TargetConfig
@@ -18,6 +21,7 @@ from ddtree.engine.config import (
     kv_bytes_per_token,
     plan_pools,
 )
+from ddtree.models.tp_layout import shard_drafter, shard_target, vocab_rows
 from ddtree.server_args import ServerArgs, resolve_server_args
 
 __all__ = [
@@ -117,6 +121,14 @@ def weight_bytes(t: TargetConfig, d: DrafterConfig | None, dtype) -> tuple[int, 
     return target_param_count(t) * n, drafter_param_count(d) * n if d is not None else 0
 
 
+def rank_weight_bytes(t: TargetConfig, d: DrafterConfig | None, tp: int, dtype) -> int:
+    """Weight bytes one tensor-parallel rank loads (target + drafter shards)."""
+    if tp == 1:
+        return sum(weight_bytes(t, d, dtype))
+    local = dataclasses.replace(shard_target(t, tp), vocab_size=vocab_rows(t.vocab_size, tp))
+    return sum(weight_bytes(local, None if d is None else shard_drafter(d, tp), dtype))
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     device_name: str
@@ -128,7 +140,7 @@ class MemoryPlan:
     target_weight_bytes: int  # whole model, all ranks
     drafter_weight_bytes: int
     weight_bytes_per_device: int
-    target_kv_bytes_per_token: int  # whole model; per device divide by tp_size
+    target_kv_bytes_per_token: int  # whole model (per device: kv_bytes_per_token_per_device)
     drafter_kv_bytes_per_token: int
     kv_bytes_per_token_per_device: int
     verify_width: int
@@ -226,7 +238,7 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
     else:
         name = "given"
     tw, dw = weight_bytes(t, d, args.dtype)
-    weights = -(-(tw + dw) // tp)
+    weights = rank_weight_bytes(t, d, tp, args.dtype)
     pools = plan_pools(args, device_bytes, weights, args.device)
     tkv, dkv = kv_bytes_per_token(t, d, args.kv_cache_dtype)
     ctx = args.context_length

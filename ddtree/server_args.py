@@ -76,7 +76,8 @@ class ServerArgs:
     )
     tp_size: int = _opt(
         1,
-        "tensor parallel degree (1 until tensor parallelism lands)",
+        "tensor parallel degree: one process per rank started by ddtree (rank r on cuda:r; "
+        "gloo ranks on the CPU); KV heads are replicated where there are fewer than ranks",
         aliases=("--tp", "--tensor-parallel-size"),
     )
     random_seed: int | None = _opt(None, "random seed")
@@ -500,10 +501,6 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     if t is not None and d is not None:
         check_pair(t, d, p)
     check_tp(args.tp_size, t, d, p)
-    if args.tp_size > 1:
-        p.append(
-            f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; pass --tp-size 1"
-        )
     _resolve_speculative(args, t, d, upd, p)
     if not args.is_speculative and args.max_running_requests is None:
         upd["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS
@@ -515,6 +512,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         _resolve_mamba(args, t, upd, p)
         _resolve_target_defaults(args, t, d, upd, upd.get("device", args.device), p)
     device = upd.get("device", args.device)
+    _check_tp_devices(args.tp_size, device, p)
     _resolve_attention_backend(args, upd, device, p)
     _resolve_cuda_graph(args, upd, device)
     upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
@@ -522,6 +520,13 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     if p:
         raise ConfigError(p)
     return dataclasses.replace(args, target_config=t, drafter_config=d, **upd)
+
+
+def _check_tp_devices(tp: int, device: str, p: list[str]) -> None:
+    """Rank r runs on cuda:r (the GPU count is checked when the ranks start, so check-config can
+    plan --tp-size 8 from any machine)."""
+    if tp > 1 and device.startswith("cuda") and device != "cuda":
+        p.append(f"--device {device}: with --tp-size {tp} pass --device cuda (rank r uses cuda:r)")
 
 
 def _resolve_attention_backend(a: ServerArgs, upd: dict, device: str, p: list[str]) -> None:

@@ -68,10 +68,24 @@ def test_qwen3_8b_plan(tmp_path):
 def test_tp_halves_per_device_numbers(tmp_path):
     pair = dense_pair(tmp_path)
     one = memory_plan(ddtree_args(pair), device_bytes=80 * GIB)
-    # --tp-size > 1 is refused until tensor parallelism lands; the plan's arithmetic is ready for it
     two = memory_plan(dataclasses.replace(ddtree_args(pair), tp_size=2), device_bytes=80 * GIB)
-    assert two.weight_bytes_per_device == pytest.approx(one.weight_bytes_per_device / 2, abs=1)
+    # norms and the drafter's fc stay whole on every rank
+    assert two.weight_bytes_per_device == pytest.approx(one.weight_bytes_per_device / 2, rel=0.01)
+    assert two.weight_bytes_per_device > one.weight_bytes_per_device / 2
     assert two.kv_bytes_per_token_per_device * 2 == one.kv_bytes_per_token_per_device
+
+
+def test_tp8_replicates_the_27b_kv_heads(tmp_path):
+    """Qwen3.6-27B at tp 8 (issue 23's deployment): 4 KV heads, one per rank (each on 2 ranks), so
+    per-rank target KV is a quarter of the model's, while GDN state splits 8 ways."""
+    args = ddtree_args(hybrid_pair(tmp_path), "--max-running-requests", "4")
+    one = memory_plan(args, device_bytes=140 * GIB)
+    eight = memory_plan(dataclasses.replace(args, tp_size=8), device_bytes=140 * GIB)
+    assert eight.tp_size == 8 and eight.fits
+    d_kv = one.drafter_kv_bytes_per_token
+    assert eight.kv_bytes_per_token_per_device == one.target_kv_bytes_per_token // 4 + d_kv // 8
+    assert eight.state_bytes_per_request * 8 == one.state_bytes_per_request
+    assert eight.weight_bytes_per_device < one.weight_bytes_per_device / 7
 
 
 def test_hybrid_plan_state_split(tmp_path):

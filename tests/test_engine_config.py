@@ -160,8 +160,9 @@ def test_plan_pools_splits_the_static_pool(random_hybrid_pair):
     "kwargs, needles",
     [
         (
-            {"tp_size": 2},
-            ("--tp-size 2", "tensor parallelism is not implemented yet", "--tp-size 1"),
+            # the embedded pair's 6 heads do not split 4 ways (tp 2 acts: tests/test_tp_engine.py)
+            {"tp_size": 4},
+            ("--tp-size 4", "target attention heads (6)", "valid --tp-size values: [1, 2]"),
         ),
         (
             {"kv_cache_dtype": "bfloat16"},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ddtree.models.tp_layout import shard_drafter, shard_target
 from ddtree.server_args import DEFAULT_CUDA_GRAPH_MAX_BS, cuda_available
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -247,10 +248,13 @@ def _gib(n: int) -> str:
 
 def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolPlan:
     """The pools of resolved ServerArgs on a device of `device_bytes` holding `weight_bytes` of
-    weights (both per device: sharded sizes divide by --tp-size). The KV pool gets what the state
+    weights (both per device: under --tp-size one rank's shard). The KV pool gets what the state
     pool leaves, at most what max_running_requests requests at full context use (and
-    CPU_KV_BUDGET_BYTES on the CPU); --max-total-tokens caps it."""
+    CPU_KV_BUDGET_BYTES on the CPU); --max-total-tokens caps it. KV and state are those of one
+    rank's local heads (`tp_layout.shard_target`: replicated KV heads count on every rank)."""
     t, d, tp = args.target_config, args.drafter_config, args.tp_size
+    t_rank = shard_target(t, tp)
+    d_rank = None if d is None else shard_drafter(d, tp)
     spec = spec_config(args)
     width, n_req = spec.verify_width, args.max_running_requests
     static = int(device_bytes * args.mem_fraction_static)
@@ -267,11 +271,11 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     state = spec_state = state_pool = 0
     rows = None
     if t.is_hybrid:
-        geo = GDNGeometry.from_config(t)
-        state = geo.state_bytes(args.mamba_ssm_dtype, args.dtype) // tp
+        geo = GDNGeometry.from_config(t_rank)
+        state = geo.state_bytes(args.mamba_ssm_dtype, args.dtype)
         # the runner keeps a stash of `width` nodes (1 without speculation: the AR round's root)
         strategy = args.mamba_scheduler_strategy
-        spec_state = geo.stash_bytes(width, strategy, args.mamba_ssm_dtype, args.dtype) // tp
+        spec_state = geo.stash_bytes(width, strategy, args.mamba_ssm_dtype, args.dtype)
         per_request = state + spec_state
         r = args.mamba_full_memory_ratio
         # one row more than the requests': the scratch row padded CUDA-graph rows write
@@ -290,7 +294,7 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
             )
     running = n_req if rows is None else max(min(n_req, rows), 0)
     kv_pool = rest - state_pool
-    per_token = sum(kv_bytes_per_token(t, d, args.kv_cache_dtype)) // tp
+    per_token = sum(kv_bytes_per_token(t_rank, d_rank, args.kv_cache_dtype))
     budget = min(kv_pool, CPU_KV_BUDGET_BYTES) if device == "cpu" else kv_pool
     want = running * (args.context_length + width)
     pages = min(budget // per_token, want) // args.page_size

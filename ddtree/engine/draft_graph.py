@@ -82,7 +82,8 @@ class DraftGraph:
         M, dev = self.max_bs, self.runner.device
         if self.logits is None:
             head = self.runner.target.lm_head.weight
-            self.logits = torch.empty(M, self.D, head.shape[0], dtype=head.dtype, device=dev)
+            vocab = self.runner.target.config.vocab_size  # the LM head may hold one TP shard
+            self.logits = torch.empty(M, self.D, vocab, dtype=head.dtype, device=dev)
         N = 1 + (self.D if spec[0] == "DFLASH" else spec[1])
         if spec[0] == "DDTREE":
             self.budgets[spec] = torch.full((M,), spec[1], dtype=torch.int64, device=dev)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 
 import torch
 
@@ -17,16 +18,30 @@ from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.setup import build_runner, load_tokenizer, resolve_device
+from ddtree.engine.tp.launch import rank_device, start_ranks
 
 logger = logging.getLogger("ddtree")
 
 
 class LLMEngine:
-    def __init__(self, args):
+    def __init__(self, args, tp_rank=None):
+        """`--tp-size` N > 1: this process becomes rank 0 and starts ranks 1..N-1, each an
+        LLMEngine built with its `tp_rank` (`ddtree.engine.tp`)."""
         self.args = args
         self.device = resolve_device(args.device)
+        self.tp = tp_rank
+        if self.tp is None and args.tp_size > 1:
+            self.tp = start_ranks(args, self.device)
+            weakref.finalize(self, self.tp.close)
+        if self.tp is not None:
+            self.device = rank_device(self.device, self.tp.rank)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-        self.runner, self.max_context = build_runner(args, self.device)
+        try:
+            self.runner, self.max_context = build_runner(args, self.device, self.tp)
+        except BaseException:
+            if self.tp is not None and tp_rank is None:
+                self.tp.close()  # not ready yet: ends the ranks it started, no collective
+            raise
         self.spec = spec_config(args)  # the derivation that sized the runner's pools and widths
         self.decoder = SpecDecoder(self.runner, self.spec)
         cfg = self.runner.cfg
@@ -45,6 +60,8 @@ class LLMEngine:
         self._seeds = random.Random(args.random_seed)
         self.requests: dict[str, Req] = {}
         self.last_round = None  # RoundRecord of the latest decode step (None after a prefill)
+        if self.tp is not None:
+            self.tp.started()  # every rank built its engine
 
     # ---- requests ---------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -73,11 +90,15 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
             req.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.emitter.start(req)
+        if self.tp is not None:
+            self.tp.publish(("add", ids, params, req.rid))
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req
 
     def abort(self, rid: str) -> None:
+        if self.tp is not None:
+            self.tp.publish(("abort", rid))
         req = self.requests.pop(rid, None)
         if req is not None and not req.is_finished:
             req.finish_reason = "abort"
@@ -92,6 +113,8 @@ class LLMEngine:
         """One scheduling step; returns the requests that advanced (finished ones included). A
         decode step leaves its timing in `last_round` (host = the step's time outside
         `SpecDecoder.round`: scheduling, emission, detokenisation, stop checks)."""
+        if self.tp is not None:  # every rank runs this step on rank 0's inputs
+            self.tp.sync(self)
         t0 = time.perf_counter()
         self.last_round = None
         batch = self.scheduler.schedule()
@@ -145,6 +168,15 @@ class LLMEngine:
             req.finish_reason = "length"
             self.scheduler.finish(req)
             self.requests.pop(req.rid, None)
+
+    def tp_problem(self) -> str | None:
+        """Why tensor parallelism cannot go on (a rank died), or None."""
+        return None if self.tp is None else self.tp.problem()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (also run when the engine is collected)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def generate(self, prompts, params, use_tqdm: bool = False) -> list[Req]:
         plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -99,7 +99,8 @@ class VerifyGraph:
             self.taps = share.taps[: M * n] if share.taps is not None else None
         else:
             # one for every graph
-            self.logits = torch.empty(M * n, head.shape[0], dtype=head.dtype, device=dev)
+            vocab = runner.target.config.vocab_size  # the LM head may hold one TP shard
+            self.logits = torch.empty(M * n, vocab, dtype=head.dtype, device=dev)
             self.taps = (
                 torch.zeros(
                     M * n, K * runner.target.config.hidden_size, dtype=head.dtype, device=dev

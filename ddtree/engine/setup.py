@@ -1,5 +1,7 @@
 """Engine construction from resolved ServerArgs: device, tokenizer, weights, then pools sized by
-`ddtree.engine.config.plan_pools` (the memory plan's function) for the weights actually loaded."""
+`ddtree.engine.config.plan_pools` (the memory plan's function) for the weights actually loaded.
+Under tensor parallelism each rank loads its shard and sizes its pools for it; the ranks' plans must
+agree (every rank schedules the same batches), which `build_runner` checks."""
 
 from __future__ import annotations
 
@@ -48,30 +50,48 @@ def module_bytes(*modules) -> int:
     return sum(p.numel() * p.element_size() for p in seen.values())
 
 
-def inflated_models(args, dtype: torch.dtype, device: torch.device):
+def inflated_models(args, dtype: torch.dtype, device: torch.device, tp=None):
     """(target, drafter) of an `inflate:` model path, built in memory on the device in the serving
     dtype (no files: the 27B pair does not fit the device's disk); (None, None) otherwise."""
     if not is_inflate_path(args.model_path):
         return None, None
+    if tp is not None and tp.group.size > 1:
+        raise ConfigError(
+            f"--model-path {args.model_path}: an inflate: pair is built whole on one device; "
+            "use --tp-size 1, or write it with `ddtree inflate` and load the directory"
+        )
     from ddtree.inflate.source import build_pair
 
     logger.info("Building the inflated pair %s on %s in %s.", args.model_path, device, dtype)
     return build_pair(args.model_path, args.is_speculative, dtype, device)
 
 
-def build_runner(args, device: torch.device) -> tuple[ModelRunner, int]:
-    """Load the weights, size the pools for them, build the runner; returns it and the context
-    length."""
+def _same_plan_on_every_rank(cfg, tp) -> None:
+    plans = [None] * tp.group.size
+    # on the model group: it times out (DDTREE_TP_TIMEOUT_S) where a rank never gets here
+    torch.distributed.all_gather_object(plans, cfg, group=tp.group.group)
+    bad = [r for r, c in enumerate(plans) if c != plans[0]]
+    if bad:
+        raise ConfigError(
+            f"tensor-parallel ranks {bad} planned other pools than rank 0 ({plans[bad[0]]} vs "
+            f"{plans[0]}): the ranks need identical devices; set --max-total-tokens"
+        )
+
+
+def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]:
+    """Load the weights (this rank's shard under `tp`, a `TPRank`), size the pools for them, build
+    the runner; returns it and the context length."""
     if args.target_config is None:
         raise ValueError(
             "build_runner needs resolved ServerArgs (resolve_server_args / prepare_server_args)"
         )
     dtype = torch_dtype(args.dtype)
-    target, drafter = inflated_models(args, dtype, device)
+    group = None if tp is None else tp.group
+    target, drafter = inflated_models(args, dtype, device, tp)
     if target is None:
-        target = load_target(args.model_path, dtype, str(device))
+        target = load_target(args.model_path, dtype, str(device), group)
     if args.is_speculative and drafter is None:
-        drafter = load_drafter(args.speculative_draft_model_path, dtype, str(device))
+        drafter = load_drafter(args.speculative_draft_model_path, dtype, str(device), group)
     pools = plan_pools(args, device_bytes(device), module_bytes(target, drafter), device.type)
     for w in pools.warnings:
         logger.warning("%s", w)
@@ -83,6 +103,8 @@ def build_runner(args, device: torch.device) -> tuple[ModelRunner, int]:
             ]
         )
     cfg = runner_config(args, pools, device.type)
+    if tp is not None:
+        _same_plan_on_every_rank(cfg, tp)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         state = pools.spec_state_bytes_per_request + pools.state_bytes_per_request

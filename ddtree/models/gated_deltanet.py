@@ -17,6 +17,7 @@ from torch import nn
 from ddtree.configs import TargetConfig
 from ddtree.kernels.gdn.dispatch import chunk_rule
 from ddtree.kernels.gdn.fused import gated_rmsnorm, gdn_gating
+from ddtree.models.parallel import RowParallelLinear, TPGroup
 
 
 class LinearStateContext(Protocol):
@@ -64,7 +65,10 @@ def dense_conv_silu(
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    """Under TP, `cfg` holds this rank's key / value heads: in_proj_qkv and the conv hold their
+    channels, z / a / b / A_log / dt_bias their rows, out_proj their columns (all-reduce after)."""
+
+    def __init__(self, cfg: TargetConfig, tp: TPGroup | None = None):
         super().__init__()
         self.hk, self.dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         self.hv, self.dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -87,7 +91,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = RowParallelLinear(self.value_dim, h, tp=tp)
 
     def _split(self, y: torch.Tensor):
         shape = y.shape[:-1]

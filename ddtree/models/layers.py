@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ddtree.kernels.fused import add_rmsnorm, silu_mul
+from ddtree.models.parallel import RowParallelLinear, TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -62,11 +63,11 @@ def _concat_fused(module, state_dict, prefix, *_):
 class MLP(nn.Module):
     """SwiGLU MLP with gate|up as one GEMM (`gate_up_proj`; HF `gate_proj`/`up_proj` in checkpoints)."""
 
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, tp: TPGroup | None = None):
         super().__init__()
-        self.inter = inter
+        self.inter = inter  # this rank's rows of gate and of up (all of them without TP)
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.down_proj = RowParallelLinear(inter, hidden, tp=tp)
         fuse_linears(self, "gate_up_proj", (("gate_proj", inter), ("up_proj", inter)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

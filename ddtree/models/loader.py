@@ -1,4 +1,7 @@
-"""Load HF-format model directories: single or sharded safetensors, key prefixes, tied embeddings."""
+"""Load HF-format model directories: single or sharded safetensors, key prefixes, tied embeddings.
+
+With tensor parallelism each rank builds its local shapes (`tp_layout.shard_target` / `shard_drafter`)
+and reads only its slices of each tensor (safetensors `get_slice`: no rank reads whole weights)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from torch import nn
 from ddtree.configs import DrafterConfig, TargetConfig
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.layers import torch_dtype
+from ddtree.models.parallel import TPGroup
 from ddtree.models.qwen3 import Qwen3ForCausalLM
+from ddtree.models.tp_layout import ShardMap, shard_drafter, shard_target
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -28,11 +33,36 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def load_state(module: nn.Module, path: str, rename, optional: tuple[str, ...] = ()) -> None:
+def _read(f, key: str, name: str, shards: ShardMap | None) -> torch.Tensor:
+    """The whole tensor, or this rank's pieces of it (concatenated, the vocab shard zero-padded)."""
+    pieces = None if shards is None else shards.pieces(name)
+    if pieces is None:
+        return f.get_tensor(key)
+    view = f.get_slice(key)
+    rank = len(view.get_shape())
+    parts = []
+    for dim, start, stop in pieces:
+        index = [slice(None)] * rank
+        index[dim] = slice(start, stop)
+        parts.append(view[tuple(index)])
+    t = torch.cat(parts, pieces[0][0]) if len(parts) > 1 else parts[0]
+    pad = shards.vocab_pad(name)
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])], 0)
+    return t
+
+
+def load_state(
+    module: nn.Module,
+    path: str,
+    rename,
+    optional: tuple[str, ...] = (),
+    shards: ShardMap | None = None,
+) -> None:
     """Copy tensors into `module`'s parameters. `rename(key) -> name | None` maps checkpoint keys to
     state-dict names (None skips the tensor, e.g. a vision tower or MTP head). State-dict names are HF's: a fused
     projection (`qkv_proj`, `gate_up_proj`) shows up as row views named after its HF parts, so the parts are
-    copied straight into their rows of the fused weight."""
+    copied straight into their rows of the fused weight. `shards` picks one TP rank's slices."""
     params = module.state_dict(keep_vars=True)
     loaded: set[str] = set()
     for file in safetensors_files(path):
@@ -41,7 +71,7 @@ def load_state(module: nn.Module, path: str, rename, optional: tuple[str, ...] =
                 name = rename(key)
                 if name is None or name not in params:
                     continue
-                tensor = f.get_tensor(key)
+                tensor = _read(f, key, name, shards)
                 p = params[name]
                 if tuple(tensor.shape) != tuple(p.shape):
                     raise ValueError(
@@ -70,36 +100,56 @@ def _target_rename(cfg: TargetConfig):
     return rename
 
 
-def build_target(cfg: TargetConfig) -> nn.Module:
+def build_target(cfg: TargetConfig, tp: TPGroup | None = None) -> nn.Module:
     if cfg.is_hybrid:
         # hybrid targets live in their own module
         from ddtree.models.qwen3_5 import (
             Qwen3_5ForCausalLM,
         )
 
-        return Qwen3_5ForCausalLM(cfg)
-    return Qwen3ForCausalLM(cfg)
+        return Qwen3_5ForCausalLM(cfg, tp)
+    return Qwen3ForCausalLM(cfg, tp)
 
 
-def load_target(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu") -> nn.Module:
-    cfg = TargetConfig.from_path(path)
+def _shards(cfg, tp: TPGroup | None) -> ShardMap | None:
+    return None if tp is None or tp.size == 1 else ShardMap(cfg, tp.size, tp.rank)
+
+
+def load_target(
+    path: str,
+    dtype: str | torch.dtype = "auto",
+    device: str = "cpu",
+    tp: TPGroup | None = None,
+) -> nn.Module:
+    """The target, or with `tp` of size > 1 this rank's shard of it (its `config` the local one)."""
+    full = TargetConfig.from_path(path)
+    cfg = shard_target(full, tp.size) if tp is not None else full
     dt = torch_dtype(cfg.dtype if dtype == "auto" else dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
-        model = build_target(cfg)
+        model = build_target(cfg, tp)
     model = model.to_empty(device=device).to(dt)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     optional = ("lm_head.",) if cfg.tie_word_embeddings else ()
-    load_state(model, path, _target_rename(cfg), optional)
+    load_state(model, path, _target_rename(cfg), optional, _shards(full, tp))
     return model.eval()
 
 
-def load_drafter(path: str, dtype: torch.dtype, device: str = "cpu") -> DFlashDrafter:
-    cfg = DrafterConfig.from_path(path)
+def load_drafter(
+    path: str, dtype: torch.dtype, device: str = "cpu", tp: TPGroup | None = None
+) -> DFlashDrafter:
+    """The drafter, sharded like the target under `tp` (why: `DFlashDrafter`)."""
+    full = DrafterConfig.from_path(path)
+    cfg = shard_drafter(full, tp.size) if tp is not None else full
     with torch.device("meta"):
-        model = DFlashDrafter(cfg)
+        model = DFlashDrafter(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
-    load_state(model, path, lambda k: k[len("model.") :] if k.startswith("model.") else k)
+    load_state(
+        model,
+        path,
+        lambda k: k[len("model.") :] if k.startswith("model.") else k,
+        shards=_shards(full, tp),
+    )
     return model.eval()
 
 

@@ -15,6 +15,12 @@ from torch import nn
 from ddtree.configs import TargetConfig
 from ddtree.kernels.fused import qk_norm_rope
 from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears
+from ddtree.models.parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -34,16 +40,24 @@ def causal_attend(scale: float) -> AttendFn:
 
 class Qwen3Attention(nn.Module):
     """q|k|v as one GEMM (`qkv_proj`; HF `q_proj`/`k_proj`/`v_proj` in checkpoints), then one fused kernel for
-    the per-head q/k RMSNorms and RoPE."""
+    the per-head q/k RMSNorms and RoPE. Under TP, `heads` / `kv_heads` are this rank's (q|k|v holds
+    their rows, o_proj their columns: `ddtree.models.tp_layout`)."""
 
     def __init__(
-        self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        bias: bool,
+        tp: TPGroup | None = None,
     ):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=bias, tp=tp)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
         fuse_linears(
@@ -78,7 +92,7 @@ class Qwen3DecoderLayer(nn.Module):
     (`CausalLM.hidden_states`). Kernels: qkv GEMM, q/k norm + RoPE, attention, o GEMM, add + norm, gate|up GEMM,
     SiLU-mul, down GEMM (+ the next layer's add + norm)."""
 
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, tp: TPGroup | None = None):
         super().__init__()
         self.self_attn = Qwen3Attention(
             cfg.hidden_size,
@@ -87,8 +101,9 @@ class Qwen3DecoderLayer(nn.Module):
             cfg.head_dim,
             cfg.rms_norm_eps,
             cfg.attention_bias,
+            tp,
         )
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -99,24 +114,28 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Body(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, tp: TPGroup | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """The shell shared by our targets: a `model` body (embed_tokens, layers, norm), an LM head (tied or not),
-    RoPE, tapping of layer outputs for the drafter. Parameter names match HF checkpoints."""
+    RoPE, tapping of layer outputs for the drafter. Parameter names match HF checkpoints.
+    Under tensor parallelism `cfg` is one rank's geometry (`tp_layout.shard_target`) and `tp` the
+    group its row-parallel layers, embedding and LM head combine over; logits are full-vocab."""
 
     body_cls: type[nn.Module]
 
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, tp: TPGroup | None = None):
         super().__init__()
         self.config = cfg
-        self.model = self.body_cls(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = self.body_cls(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(

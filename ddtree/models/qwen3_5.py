@@ -15,6 +15,7 @@ from ddtree.configs import TargetConfig
 from ddtree.kernels.fused import qk_norm_rope
 from ddtree.models.gated_deltanet import GatedDeltaNet, LinearStateContext
 from ddtree.models.layers import MLP, RMSNorm, fuse_linears
+from ddtree.models.parallel import RowParallelLinear, TPGroup, VocabParallelEmbedding
 from ddtree.models.qwen3 import AttendFn, CausalLM
 
 
@@ -30,7 +31,7 @@ class GatedAttention(nn.Module):
     head, [query | gate] (head_dim each) when attn_output_gate; the attention output is multiplied by
     sigmoid(gate) before o_proj."""
 
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, tp: TPGroup | None = None):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = (
@@ -43,7 +44,7 @@ class GatedAttention(nn.Module):
         self.q_size = self.heads * hd * (2 if self.gated else 1)
         self.kv_size = self.kv_heads * hd
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.heads * hd, h, bias=bias)
+        self.o_proj = RowParallelLinear(self.heads * hd, h, bias=bias, tp=tp)
         self.q_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
         fuse_linears(
@@ -79,14 +80,16 @@ class Qwen3_5DecoderLayer(nn.Module):
     """Same calling convention as `Qwen3DecoderLayer`: input already normed by `input_layernorm`, plus the
     residual stream; returns (mlp output, residual)."""
 
-    def __init__(self, cfg: TargetConfig, layer: int, linear_ordinal: int | None):
+    def __init__(
+        self, cfg: TargetConfig, layer: int, linear_ordinal: int | None, tp: TPGroup | None = None
+    ):
         super().__init__()
         self.linear_ordinal = linear_ordinal
         if linear_ordinal is not None:
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, tp)
         else:
-            self.self_attn = GatedAttention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.self_attn = GatedAttention(cfg, tp)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -102,12 +105,12 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Body(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, tp: TPGroup | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         ordinal = {layer: j for j, layer in enumerate(cfg.linear_layer_ids)}
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(cfg, i, ordinal.get(i)) for i in range(cfg.num_hidden_layers)
+            Qwen3_5DecoderLayer(cfg, i, ordinal.get(i), tp) for i in range(cfg.num_hidden_layers)
         )
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

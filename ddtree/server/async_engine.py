@@ -131,6 +131,9 @@ class AsyncEngine:
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (for /health), or None."""
+        tp_problem = getattr(self.engine, "tp_problem", None)  # a dead tensor-parallel rank
+        if tp_problem is not None and tp_problem():
+            return tp_problem()
         if not self.alive:
             return "the engine is not running"
         if self._warming:

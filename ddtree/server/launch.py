@@ -135,4 +135,5 @@ def main(argv: list[str] | None = None) -> int:
         draining_server(config, aengine, args.graceful_shutdown_timeout).run()
     finally:
         aengine.shutdown()  # after a forced exit the lifespan shutdown did not run
+        aengine.engine.shutdown()  # the other tensor-parallel ranks, if any
     return 0
