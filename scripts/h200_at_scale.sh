@@ -42,6 +42,10 @@ run() {  # run SHAPE BUDGET_S FLAGS...
   echo "## $shape: --time-budget-s $budget"
   python3 -m ddtree bench at-scale --shape "$shape" --out "$OUT/$shape" --time-budget-s "$budget" \
     "$@" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | tee "$OUT/$shape/at_scale.log" || true
+  # the device tool returns at most 8 files: per shape the JSON, the log and one archive of the
+  # plot and server logs
+  (cd "$OUT/$shape" && shopt -s nullglob && f=(*.png server_*.log) && [ ${#f[@]} -gt 0 ] &&
+    tar czf extras.tgz "${f[@]}" && rm -f "${f[@]}") || true
 }
 if [ "$ONLY" != 8b ]; then
   B27=$BUDGET
