@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ddtree.config_checks import check_pair, check_tp, load_model_config
 from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
-from ddtree.inflate.source import drafter_path_for, tokenizer_dir
+from ddtree.inflate.source import drafter_path_for, is_inflate_path, tokenizer_dir
 
 logger = logging.getLogger("ddtree")
 
@@ -501,6 +501,11 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     if t is not None and d is not None:
         check_pair(t, d, p)
     check_tp(args.tp_size, t, d, p)
+    if args.tp_size > 1 and is_inflate_path(args.model_path):
+        p.append(
+            f"--model-path {args.model_path}: an inflate: pair is built whole on one device; use "
+            "--tp-size 1, or write it with `ddtree inflate` and load the directory"
+        )
     _resolve_speculative(args, t, d, upd, p)
     if not args.is_speculative and args.max_running_requests is None:
         upd["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS

@@ -91,6 +91,10 @@ def test_resolves_from_the_plan(spec, written):
             dict(speculative_draft_model_path="inflate:qwen3-8b"),
             "--speculative-draft-model-path inflate:qwen3-8b: an inflated pair",
         ),
+        (
+            dict(model_path="inflate:qwen3-8b", tp_size=2),
+            "--model-path inflate:qwen3-8b: an inflate: pair is built whole on one device",
+        ),
     ],
 )
 def test_bad_specs_are_refused_before_weights(kw, needle):
