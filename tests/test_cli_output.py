@@ -90,7 +90,7 @@ def test_serving_table_has_units():
         "TTFT p50" in header and "(ms)" in units and "(tok/s)" in units and "(tok/round)" in units
     )
     assert len(header) == len(units) == len(row)
-    assert row.split()[10] == "5.50" and "512.0" in row
+    assert row.split()[11] == "5.50" and "512.0" in row  # after "cache hit" (-: not reported)
     assert row.split()[-4:] == ["-"] * 4  # no server metrics in this level
     full = format_table([_level(mean_budget=12.5, predicted_accept_length=3.25, host_ms=0.4)])
     assert full.splitlines()[2].split()[-4:] == ["12.5", "3.25", "-", "0.40"]
