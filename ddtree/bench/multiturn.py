@@ -102,11 +102,11 @@ async def run_conversation(http, url, system, turns, ns) -> list[TurnResult]:
 
 
 async def run_level(url: str, convs, concurrency: int, ns) -> dict:
-    """One level: `concurrency` conversations at a time; the same keys as `serving.run_level` plus
-    the cache's."""
+    """One level: `concurrency` conversations at a time; `serving.level_summary`'s keys plus
+    `ttft_later_turns_ms` (turns after the first: the ones a conversation's own history can hit)."""
     import httpx
 
-    from ddtree.bench.serving import summary
+    from ddtree.bench.serving import level_summary, summary
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 8)
@@ -123,38 +123,14 @@ async def run_level(url: str, convs, concurrency: int, ns) -> dict:
         runs = await asyncio.gather(*(gated(s, t) for s, t in convs))
         duration = time.perf_counter() - t0
     results = [r for run in runs for r in run]
-    ok = [r for r in results if r.ok]
-    later = [r for r in ok if r.turn > 0]
-    out_tokens = sum(r.completion_tokens for r in ok)
-    prompt_tokens = sum(r.prompt_tokens for r in ok)
-    cached = sum(r.cached_tokens for r in ok)
-    rounds = sum(r.rounds for r in ok)
-    tpot = [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
-    return {
-        "concurrency": concurrency,
-        "request_rate": None,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + prompt_tokens) / duration,
-        "total_output_tokens": out_tokens,
-        "ttft_ms": summary([r.ttft for r in ok]),
-        "ttft_later_turns_ms": summary([r.ttft for r in later]),
-        "tpot_ms": summary(tpot),
-        "e2e_latency_ms": summary([r.latency for r in ok]),
-        "mean_accept_length": sum(r.mean_accept_length * r.rounds for r in ok) / rounds
-        if rounds
-        else 0.0,
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached,
-        "cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
-        "requests": [{k: v for k, v in asdict(r).items() if k != "output_ids"} for r in results]
+    requests = (
+        [{k: v for k, v in asdict(r).items() if k != "output_ids"} for r in results]
         if ns.save_requests
-        else None,
-    }
+        else None
+    )
+    out = level_summary(concurrency, None, results, duration, requests)
+    out["ttft_later_turns_ms"] = summary([r.ttft for r in results if r.ok and r.turn > 0])
+    return out
 
 
 CACHE_COUNTERS = ("ddtree_prefix_cache_evicted_pages_total", "ddtree_prefix_cache_hit_tokens_total")

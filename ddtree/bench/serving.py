@@ -186,14 +186,24 @@ async def _run_level(client, model: str, items: list[Item], concurrency: int, ns
             await asyncio.sleep(rng.expovariate(ns.request_rate))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
+    requests = [asdict(r) for r in results] if ns.save_requests else None
+    return level_summary(concurrency, ns.request_rate, results, duration, requests)
+
+
+def level_summary(
+    concurrency: int, request_rate, results: list, duration: float, requests: list | None
+) -> dict:
+    """One level's report from its per-request results (this module's `Result`, or the multi-turn
+    workload's turns: the same fields)."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.completion_tokens for r in ok)
     rounds = sum(r.rounds for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     tpot = [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
     return {
         "concurrency": concurrency,
-        "request_rate": ns.request_rate,
+        "request_rate": request_rate,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
@@ -209,11 +219,9 @@ async def _run_level(client, model: str, items: list[Item], concurrency: int, ns
         if rounds
         else 0.0,
         "prompt_tokens": prompt_tokens,
-        "cached_tokens": sum(r.cached_tokens for r in ok),
-        "cache_hit_rate": sum(r.cached_tokens for r in ok) / prompt_tokens
-        if prompt_tokens
-        else 0.0,
-        "requests": [asdict(r) for r in results] if ns.save_requests else None,
+        "cached_tokens": cached,
+        "cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "requests": requests,
     }
 
 
