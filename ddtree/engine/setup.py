@@ -50,16 +50,12 @@ def module_bytes(*modules) -> int:
     return sum(p.numel() * p.element_size() for p in seen.values())
 
 
-def inflated_models(args, dtype: torch.dtype, device: torch.device, tp=None):
+def inflated_models(args, dtype: torch.dtype, device: torch.device):
     """(target, drafter) of an `inflate:` model path, built in memory on the device in the serving
     dtype (no files: the 27B pair does not fit the device's disk); (None, None) otherwise."""
     if not is_inflate_path(args.model_path):
         return None, None
-    if tp is not None and tp.group.size > 1:
-        raise ConfigError(
-            f"--model-path {args.model_path}: an inflate: pair is built whole on one device; "
-            "use --tp-size 1, or write it with `ddtree inflate` and load the directory"
-        )
+    # --tp-size > 1 with an inflate: path is refused by resolve_server_args, before any rank starts
     from ddtree.inflate.source import build_pair
 
     logger.info("Building the inflated pair %s on %s in %s.", args.model_path, device, dtype)
@@ -87,7 +83,7 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
         )
     dtype = torch_dtype(args.dtype)
     group = None if tp is None else tp.group
-    target, drafter = inflated_models(args, dtype, device, tp)
+    target, drafter = inflated_models(args, dtype, device)
     if target is None:
         target = load_target(args.model_path, dtype, str(device), group)
     if args.is_speculative and drafter is None:
