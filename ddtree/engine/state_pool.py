@@ -29,6 +29,8 @@ from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree
 from ddtree.kernels.gdn.tree_conv import conv as tree_conv
 
 STRATEGIES = ("extra_buffer", "no_buffer")
+# no_buffer commit: the most fp32 state one group of layers gathers at a time
+REPLAY_GROUP_BYTES = 512 << 20
 _SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -167,7 +169,15 @@ class HybridStatePool:
             self._replay(slots, path, acc)
 
     def _replay(self, slots: Tensor, path: Tensor, acc: Tensor) -> None:
-        geo, L = self.geo, self.geo.num_layers
+        # layers in groups whose fp32 states stay under REPLAY_GROUP_BYTES: all 48 layers of a 27B-shape
+        # batch-64 commit at once gathered ~10 GB per copy (and a captured graph keeps its peak)
+        per_layer = path.shape[0] * self.ssm[0, 0].numel() * 4
+        group = max(1, min(self.geo.num_layers, REPLAY_GROUP_BYTES // max(per_layer, 1)))
+        for l0 in range(0, self.geo.num_layers, group):
+            self._replay_layers(slice(l0, min(l0 + group, self.geo.num_layers)), slots, path, acc)
+
+    def _replay_layers(self, layers: slice, slots: Tensor, path: Tensor, acc: Tensor) -> None:
+        geo, L = self.geo, layers.stop - layers.start
         b, P = path.shape
         step = torch.arange(P, device=self.device)
         keep = step[None, :] <= acc[:, None]
@@ -176,7 +186,7 @@ class HybridStatePool:
         chain = torch.where(keep, step[None, :], -1).repeat(L, 1)
 
         def rows(name):
-            t = self.stash[name][:, slots[:, None], nodes]
+            t = self.stash[name][layers][:, slots[:, None], nodes]
             return t.flatten(0, 1)
 
         y = rows("node_y")
@@ -185,11 +195,11 @@ class HybridStatePool:
         q = q.unflatten(-1, (geo.hk, geo.dk))
         k = k.unflatten(-1, (geo.hk, geo.dk))
         v = v.unflatten(-1, (geo.hv, geo.dv))
-        S0 = self.ssm[:, slots].flatten(0, 1)
+        S0 = self.ssm[layers][:, slots].flatten(0, 1)
         S = replay(q, k, v, rows("node_g"), rows("node_beta"), chain, S0)
-        conv = replay_conv_path(rows("node_x"), chain, self.conv[:, slots].flatten(0, 1))
-        self.ssm[:, slots] = S.unflatten(0, (L, b)).to(self.ssm_dtype)
-        self.conv[:, slots] = conv.unflatten(0, (L, b))
+        conv = replay_conv_path(rows("node_x"), chain, self.conv[layers][:, slots].flatten(0, 1))
+        self.ssm[layers, slots] = S.unflatten(0, (L, b)).to(self.ssm_dtype)
+        self.conv[layers, slots] = conv.unflatten(0, (L, b))
 
 
 class ExtendContext:
