@@ -31,6 +31,7 @@ class TurnResult:
     mean_accept_length: float = 0.0
     error: str = ""
     turn: int = 0
+    timing: dict | None = None  # the server's TTFT by phase (meta_info.timing)
     output_ids: list[int] = field(default_factory=list, repr=False)
 
 
@@ -82,6 +83,7 @@ async def one_turn(http, url: str, ids: list[int], ns, turn: int) -> TurnResult:
         res.cached_tokens = meta.get("cached_tokens", 0)
         res.rounds = meta.get("spec_verify_ct", 0)
         res.mean_accept_length = meta.get("spec_accept_length", 0.0)
+        res.timing = meta.get("timing")
         res.ttft = res.ttft or res.latency
         res.ok = True
     except Exception as e:  # noqa: BLE001 - a failed turn is counted, not fatal to the benchmark
@@ -106,7 +108,7 @@ async def run_level(url: str, convs, concurrency: int, ns) -> dict:
     `ttft_later_turns_ms` (turns after the first: the ones a conversation's own history can hit)."""
     import httpx
 
-    from ddtree.bench.serving import level_summary, summary
+    from ddtree.bench.serving import level_summary, summary, ttft_breakdown
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 8)
@@ -129,7 +131,9 @@ async def run_level(url: str, convs, concurrency: int, ns) -> dict:
         else None
     )
     out = level_summary(concurrency, None, results, duration, requests)
-    out["ttft_later_turns_ms"] = summary([r.ttft for r in results if r.ok and r.turn > 0])
+    later = [r for r in results if r.ok and r.turn > 0]
+    out["ttft_later_turns_ms"] = summary([r.ttft for r in later])
+    out["ttft_breakdown_later_turns_ms"] = ttft_breakdown(later)
     return out
 
 
