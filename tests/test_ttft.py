@@ -100,10 +100,35 @@ def test_timing_in_meta_info_metrics_and_the_bench_breakdown(pair, tmp_path):
         argv = ["--base-url", url, "--workload", "multiturn", "--num-prompts", "2"]
         argv += ["--concurrency", "2", "--max-tokens", "3", "--ignore-eos", "--turns", "2"]
         argv += ["--system-prompt-tokens", "30", "--turn-tokens", "5", "--warmup", "0"]
-        argv += ["--token-id-min", "3", "--token-id-max", "90", "--output", str(out)]
+        argv += ["--prompt-source", "random", "--token-id-min", "3", "--token-id-max", "90"]
+        argv += ["--output", str(out)]
         assert main(argv) == 0
     (level,) = json.loads(out.read_text())["results"]
     b = level["ttft_breakdown_ms"]
     assert b["requests"] == 4 and level["ttft_breakdown_later_turns_ms"]["requests"] == 2
     assert 0 < b["prefill"]["p50"] <= b["ttft"]["p99"] and b["client"]["p50"] > 0
     assert "prefill p50/p99" in format_breakdown([level])
+
+
+def test_multiturn_heldout_prompts_are_in_distribution_text():
+    """The default workload is held-out stdlib text through the embedded tokenizer: the shared
+    system prompt is the text's start, distinct ones start at distinct offsets, turns are windows
+    of it; random ids stay an option."""
+    from ddtree.bench import multiturn
+    from ddtree.bench.serving import make_parser
+
+    argv = ["--workload", "multiturn", "--num-prompts", "6", "--system-prompt-tokens", "256"]
+    ns = make_parser().parse_args(argv)
+    assert ns.prompt_source == "heldout"
+    text = multiturn.heldout_tokens(None)
+    convs = multiturn.conversations(ns)
+    assert all(c[0] == text[:256] for c in convs) and len(convs[0][1]) == ns.turns
+    turn = convs[0][1][0]
+    assert len(turn) == ns.turn_tokens and any(
+        text[i : i + len(turn)] == turn for i in range(len(text))
+    )
+    ns.distinct_system_prompts = True
+    firsts = {tuple(c[0][:16]) for c in multiturn.conversations(ns)}
+    assert len(firsts) == 6  # no two share a first page
+    ns.prompt_source = "random"
+    assert max(max(c[0]) for c in multiturn.conversations(ns)) < ns.token_id_max

@@ -454,7 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
-        report = finite(asyncio.run(multiturn.run(ns)))
+        try:
+            convs = multiturn.conversations(ns)
+        except (OSError, ValueError) as e:  # the tokenizer or the held-out text
+            print(f"error: --workload multiturn: {e}", file=sys.stderr)
+            return 2
+        report = finite(asyncio.run(multiturn.run(ns, convs)))
     else:
         try:
             base = (
