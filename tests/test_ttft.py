@@ -132,3 +132,23 @@ def test_multiturn_heldout_prompts_are_in_distribution_text():
     assert len(firsts) == 6  # no two share a first page
     ns.prompt_source = "random"
     assert max(max(c[0]) for c in multiturn.conversations(ns)) < ns.token_id_max
+
+
+def test_prefix_bench_takes_an_inflate_spec_without_a_drafter(monkeypatch, tmp_path):
+    """The 27B hybrid run: `--model-path inflate:qwen3.6-27b` brings its own drafter; a plain dir
+    still needs one."""
+    from ddtree.bench import prefix_cache
+
+    seen = []
+
+    def fake_serve(ns, name, extra):
+        seen.append((name, prefix_cache.workload(ns, False).tokenizer))
+        level = {"ttft_ms": {"p50": 10.0, "p99": 20.0}, "output_throughput": 1.0}
+        level |= {"cache_hit_rate": 0.5, "failed": 0, "mean_accept_length": 3.0}
+        return {"shared": level, "distinct": dict(level)}
+
+    monkeypatch.setattr(prefix_cache, "serve", fake_serve)
+    argv = ["--model-path", "inflate:qwen3.6-27b", "--out", str(tmp_path)]
+    assert prefix_cache.main(argv) == 1  # the fake levels miss the 5x target
+    assert [n for n, _ in seen] == ["cache", "no cache"] and seen[0][1] is None
+    assert prefix_cache.main(["--model-path", str(tmp_path)]) == 2
