@@ -152,3 +152,18 @@ def test_prefix_bench_takes_an_inflate_spec_without_a_drafter(monkeypatch, tmp_p
     assert prefix_cache.main(argv) == 1  # the fake levels miss the 5x target
     assert [n for n, _ in seen] == ["cache", "no cache"] and seen[0][1] is None
     assert prefix_cache.main(["--model-path", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize("group, head_dim", [(4, 128), (6, 256), (1, 64), (8, 128)])
+def test_warm_up_prefills_reach_every_extend_tile_config(group, head_dim):
+    """Every prompt length up to the chunk takes a tile config some warm-up prefill compiled, and
+    lengths that are not a multiple of 16 are warmed beside the buckets (a first request of 5
+    tokens at group 4 compiled a new kernel variant inside its TTFT)."""
+    from ddtree.engine.warmup import extra_prefill_lengths, prefill_buckets
+    from ddtree.kernels.tree_attention.tuning import default_config
+
+    buckets = prefill_buckets(2048, 10_000)
+    extra = extra_prefill_lengths(buckets, group, head_dim)
+    warmed = {default_config(n * group, head_dim) for n in buckets + extra}
+    assert all(default_config(n * group, head_dim) in warmed for n in range(1, 2049))
+    assert any(n % 16 for n in extra) and not set(extra) & set(buckets)
