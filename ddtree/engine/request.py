@@ -87,7 +87,8 @@ class ReqTimes:
     arrival: float = 0.0  # the request reached the server (HTTP handler) or add_request
     queued: float = 0.0  # it joined the scheduler's waiting queue (engine thread)
     scheduled: float = 0.0  # its first admission into a prefill batch
-    prefill_chunks: list[float] = field(default_factory=list)  # each prompt chunk's end
+    # each prompt chunk's end on the host (on a GPU: its launches queued; the next sync waits)
+    prefill_chunks: list[float] = field(default_factory=list)
     first_token: float = 0.0  # the first token sampled and read back
     published: float = 0.0  # the first token handed to the client's stream (server only)
 
