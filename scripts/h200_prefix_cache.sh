@@ -9,7 +9,9 @@
 # 1. qwen3-8b: the embedded pair inflated on the GPU into /tmp once, 32 conversations (~230 s).
 # 2. qwen3.6-27b (hybrid): each server builds the pair in memory (--model-path inflate:qwen3.6-27b,
 #    nothing written), prefix hits restore recurrent-state checkpoints, no_buffer state (as bench
-#    at-scale), CONV_27B conversations (default 16, to fit the 9-minute device call with the 8B).
+#    at-scale), CONV_27B conversations (default 16). Not measured yet: with two 27B servers
+#    starting (build + warm-up + graphs) both shapes may not fit one 9-minute device call; run
+#    --only 8b and --only 27b as two calls.
 # Results: OUT/<shape>/prefix_cache.json, prefix_cache.log and extras.tgz (server logs): at most 6
 # files for both shapes (the device returns 8). Extra flags go to both shapes; per shape
 # FLAGS_8B="..." / FLAGS_27B="...".
