@@ -5,7 +5,11 @@ A conversation is a system prompt of --system-prompt-tokens (shared by every con
 --turn-tokens each. Turn t's prompt is the conversation so far as token ids: system + user_1 +
 output_1 + ... + user_t, so a prefix cache can reuse everything but the new user turn. --concurrency
 conversations run at once (--num-prompts conversations in all), each turn after the previous one
-finished. Token ids are drawn from [--token-id-min, --token-id-max) with --seed. Per turn the
+finished. Prompts are held-out in-distribution text by default (--prompt-source heldout: the Python
+standard library modules the embedded pair's corpus leaves out, `train.data.stdlib_files`, through
+--tokenizer; the shared system prompt is the text's start, every other piece a window at a seeded
+offset, distinct system prompts at distinct offsets), so drafts are accepted as in real use; with
+--prompt-source random, token ids are drawn from [--token-id-min, --token-id-max). Per turn the
 server's `meta_info.cached_tokens` is read back: the level reports the cache hit rate (cached /
 prompt tokens) beside the usual throughput and latency numbers.
 """
@@ -31,22 +35,62 @@ class TurnResult:
     mean_accept_length: float = 0.0
     error: str = ""
     turn: int = 0
+    timing: dict | None = None  # the server's TTFT by phase (meta_info.timing)
     output_ids: list[int] = field(default_factory=list, repr=False)
+
+
+def heldout_tokens(tokenizer: str | None) -> list[int]:
+    """The held-out stdlib modules (`train.data.stdlib_files`: never in the embedded pair's
+    training corpus) as one token-id sequence, through `tokenizer` (a dir with tokenizer.json or
+    the file; default: the embedded pair's)."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    from ddtree.train.data import read_texts, stdlib_files
+
+    if tokenizer is None:
+        from ddtree.assets import default_model_paths
+
+        tokenizer = default_model_paths()[0]
+    path = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
+    tok = Tokenizer.from_file(path)
+    texts = read_texts(stdlib_files()[1])
+    return [t for text in texts for t in tok.encode(text, add_special_tokens=False).ids]
 
 
 def conversations(ns) -> list[tuple[list[int], list[list[int]]]]:
     """(system prompt, user turns) per conversation, token ids, seeded."""
     rng = random.Random(ns.seed)
+    n_sys, n_turn = ns.system_prompt_tokens, ns.turn_tokens
+    if getattr(ns, "prompt_source", "random") == "heldout":
+        text = heldout_tokens(getattr(ns, "tokenizer", None))
+        if len(text) < 2 * (n_sys + n_turn) + ns.num_prompts:
+            raise ValueError(f"the held-out text has {len(text)} tokens: too few for this shape")
+        # distinct system prompts start at distinct offsets: no two share a first page
+        starts = rng.sample(range(len(text) - n_sys), ns.num_prompts)
 
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(ns.token_id_min, ns.token_id_max) for _ in range(n)]
+        def system_of(j: int) -> list[int]:
+            o = starts[j] if ns.distinct_system_prompts else 0
+            return text[o : o + n_sys]
 
-    shared = ids(ns.system_prompt_tokens)
-    out = []
-    for _ in range(ns.num_prompts):
-        system = ids(ns.system_prompt_tokens) if ns.distinct_system_prompts else shared
-        out.append((system, [ids(ns.turn_tokens) for _ in range(ns.turns)]))
-    return out
+        def turn_of() -> list[int]:
+            o = rng.randrange(n_sys, len(text) - n_turn)
+            return text[o : o + n_turn]
+    else:
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(ns.token_id_min, ns.token_id_max) for _ in range(n)]
+
+        shared = ids(n_sys)
+
+        def system_of(j: int) -> list[int]:
+            return ids(n_sys) if ns.distinct_system_prompts else shared
+
+        def turn_of() -> list[int]:
+            return ids(n_turn)
+
+    return [(system_of(j), [turn_of() for _ in range(ns.turns)]) for j in range(ns.num_prompts)]
 
 
 async def one_turn(http, url: str, ids: list[int], ns, turn: int) -> TurnResult:
@@ -82,6 +126,7 @@ async def one_turn(http, url: str, ids: list[int], ns, turn: int) -> TurnResult:
         res.cached_tokens = meta.get("cached_tokens", 0)
         res.rounds = meta.get("spec_verify_ct", 0)
         res.mean_accept_length = meta.get("spec_accept_length", 0.0)
+        res.timing = meta.get("timing")
         res.ttft = res.ttft or res.latency
         res.ok = True
     except Exception as e:  # noqa: BLE001 - a failed turn is counted, not fatal to the benchmark
@@ -106,7 +151,7 @@ async def run_level(url: str, convs, concurrency: int, ns) -> dict:
     `ttft_later_turns_ms` (turns after the first: the ones a conversation's own history can hit)."""
     import httpx
 
-    from ddtree.bench.serving import level_summary, summary
+    from ddtree.bench.serving import level_summary, summary, ttft_breakdown
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 8)
@@ -129,7 +174,9 @@ async def run_level(url: str, convs, concurrency: int, ns) -> dict:
         else None
     )
     out = level_summary(concurrency, None, results, duration, requests)
-    out["ttft_later_turns_ms"] = summary([r.ttft for r in results if r.ok and r.turn > 0])
+    later = [r for r in results if r.ok and r.turn > 0]
+    out["ttft_later_turns_ms"] = summary([r.ttft for r in later])
+    out["ttft_breakdown_later_turns_ms"] = ttft_breakdown(later)
     return out
 
 
@@ -166,9 +213,10 @@ async def with_evictions(level_coro, url: str, api_key: str | None) -> dict:
     return level
 
 
-async def run(ns) -> dict:
+async def run(ns, convs=None) -> dict:
+    """convs: `conversations(ns)` when already built (the caller reports its errors)."""
     url = ns.base_url.rstrip("/")
-    convs = conversations(ns)
+    convs = convs if convs is not None else conversations(ns)
     levels = [
         await with_evictions(run_level(url, convs, c, ns), url, ns.api_key) for c in ns.concurrency
     ]
@@ -181,6 +229,7 @@ async def run(ns) -> dict:
         "distinct_system_prompts": ns.distinct_system_prompts,
         "turns": ns.turns,
         "turn_tokens": ns.turn_tokens,
+        "prompt_source": ns.prompt_source,
         "max_tokens": ns.max_tokens,
         "temperature": ns.temperature,
         "dataset": "multiturn",
@@ -203,8 +252,24 @@ def add_flags(p, distinct: bool = True) -> None:
         )
     g.add_argument("--turns", type=int, default=4, help="user turns per conversation")
     g.add_argument("--turn-tokens", type=int, default=64, help="tokens per user turn")
-    g.add_argument("--token-id-min", type=int, default=100, help="smallest prompt token id")
-    g.add_argument("--token-id-max", type=int, default=1000, help="prompt token ids stay below")
+    g.add_argument(
+        "--prompt-source",
+        choices=("heldout", "random"),
+        default="heldout",
+        help="heldout: held-out stdlib text (drafts accepted as in use); random: random token ids",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer dir (or tokenizer.json) for --prompt-source heldout; default: the embedded "
+        "pair's (also the inflated pairs')",
+    )
+    g.add_argument(
+        "--token-id-min", type=int, default=100, help="--prompt-source random: smallest token id"
+    )
+    g.add_argument(
+        "--token-id-max", type=int, default=1000, help="--prompt-source random: ids stay below"
+    )
 
 
 def check(ns) -> str | None:

@@ -30,7 +30,11 @@ def make_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=DefaultsFormatter,
     )
-    p.add_argument("--model-path", required=True, help="target dir")
+    p.add_argument(
+        "--model-path",
+        required=True,
+        help="target dir, or inflate:SHAPE (each server builds the pair in memory, its drafter too)",
+    )
     p.add_argument("--speculative-draft-model-path", help="drafter dir (DFLASH / DDTREE)")
     p.add_argument("--algorithm", default="DDTREE", choices=("NONE", "DFLASH", "DDTREE"))
     p.add_argument("--budget", type=int, default=16, help="DDTREE budget")
@@ -67,12 +71,15 @@ def workload(ns, distinct: bool) -> argparse.Namespace:
     w.distinct_system_prompts, w.turns = distinct, 1 if distinct else ns.turns
     w.temperature, w.ignore_eos, w.api_key, w.model, w.save_requests = 0.0, True, None, None, False
     w.warmup = 1
+    if w.tokenizer is None and os.path.isfile(os.path.join(ns.model_path, "tokenizer.json")):
+        w.tokenizer = ns.model_path  # held-out prompts through the served model's tokenizer
     return w
 
 
 def serve(ns, name: str, extra: tuple[str, ...]) -> dict:
     from ddtree.bench import multiturn
     from ddtree.bench.at_scale_serve import ServeConfig, Server, server_argv
+    from ddtree.bench.serving import BREAKDOWN_COLUMNS
 
     sns = argparse.Namespace(**vars(ns))
     sns.levels = [ns.concurrency]
@@ -94,9 +101,16 @@ def serve(ns, name: str, extra: tuple[str, ...]) -> dict:
             print(
                 f"#   {kind}: {r['completed']} ok / {r['failed']} failed, TTFT p50 "
                 f"{r['ttft_ms']['p50']:.1f} ms, {r['output_throughput']:.0f} tok/s, "
-                f"hit rate {r['cache_hit_rate']:.2f}",
+                f"hit rate {r['cache_hit_rate']:.2f}, accept {r['mean_accept_length']:.2f}",
                 flush=True,
             )
+            b = r.get("ttft_breakdown_later_turns_ms") or r.get("ttft_breakdown_ms")
+            if b:
+                print(
+                    "#     TTFT p50 by phase (ms): "
+                    + ", ".join(f"{k} {b[k]['p50']:.1f}" for k in BREAKDOWN_COLUMNS),
+                    flush=True,
+                )
     return out
 
 
@@ -123,8 +137,9 @@ def verdict(res: dict, ns) -> list[tuple[str, float, str, bool]]:
 def format_report(res: dict, rows) -> str:
     lines = [
         f"{'setting':<10} {'workload':<9} {'TTFT p50':>10} {'TTFT p99':>10} {'tok/s':>9}"
-        f" {'hit rate':>9} {'evicted':>9}",
-        f"{'':<10} {'':<9} {'(ms)':>10} {'(ms)':>10} {'(out)':>9} {'(ratio)':>9} {'(pages)':>9}",
+        f" {'hit rate':>9} {'evicted':>9} {'accept':>9}",
+        f"{'':<10} {'':<9} {'(ms)':>10} {'(ms)':>10} {'(out)':>9} {'(ratio)':>9} {'(pages)':>9}"
+        f" {'(tok/rd)':>9}",
     ]
     for setting, levels in res.items():
         for kind, r in levels.items():
@@ -133,6 +148,7 @@ def format_report(res: dict, rows) -> str:
                 f"{setting:<10} {kind:<9} {r['ttft_ms']['p50']:>10.1f} {r['ttft_ms']['p99']:>10.1f}"
                 f" {r['output_throughput']:>9.1f} {r['cache_hit_rate']:>9.2f}"
                 f" {'-' if evicted is None else f'{evicted:.0f}':>9}"
+                f" {r.get('mean_accept_length', 0.0):>9.2f}"
             )
     lines += [""] + [
         f"{'PASS' if ok else 'FAIL'}  {name:<30} {value:>8.2f}  (target {want})"
@@ -151,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             f"error: {problem or '--conversations and --concurrency must be >= 1'}", file=sys.stderr
         )
         return 2
-    if ns.algorithm != "NONE" and not ns.speculative_draft_model_path:
+    inflated = ns.model_path.startswith("inflate:")
+    if ns.algorithm != "NONE" and not ns.speculative_draft_model_path and not inflated:
         print(
-            f"error: --algorithm {ns.algorithm} needs --speculative-draft-model-path",
+            f"error: --algorithm {ns.algorithm} needs --speculative-draft-model-path "
+            "(or --model-path inflate:SHAPE, which brings its drafter)",
             file=sys.stderr,
         )
         return 2

@@ -69,6 +69,7 @@ class Result:
     rounds: int = 0
     mean_accept_length: float = 0.0
     error: str = ""
+    timing: dict | None = None  # the server's TTFT by phase (the `ddtree` extension's "timing")
 
 
 def synthetic_items(n: int, seed: int) -> list[Item]:
@@ -136,6 +137,7 @@ async def one_request(client, model: str, item: Item, ns) -> Result:
                     ext.get("rounds", 0),
                     ext.get("mean_accept_length", 0.0),
                 )
+                res.timing = ext.get("timing") or res.timing
         res.latency = time.perf_counter() - t0
         res.ttft = res.ttft or res.latency
         res.ok = True
@@ -156,6 +158,27 @@ def summary(values: list[float], scale: float = 1000.0) -> dict:
         "p90": float(np.percentile(a, 90)),
         "p99": float(np.percentile(a, 99)),
     }
+
+
+# the server's phases of the time to first token (`ReqTimes.breakdown`), then the client's rest
+BREAKDOWN_PARTS = ("queue", "engine_wait", "prefill", "publish", "ttft")
+
+
+def ttft_breakdown(ok: list) -> dict | None:
+    """p50 / p99 (ms) of each server-side TTFT phase over the requests that report one, and
+    `client` = the client's TTFT minus the server's (HTTP, the SSE parse, the client's loop);
+    None when the server sends no timing (not ddtree, or an older one)."""
+    timed = [r for r in ok if getattr(r, "timing", None)]
+    if not timed:
+        return None
+    out = {
+        k: summary([r.timing[k] for r in timed if r.timing.get(k) is not None])
+        for k in BREAKDOWN_PARTS
+    }
+    client = [r.ttft - r.timing["ttft"] for r in timed if r.timing.get("ttft") is not None]
+    out["client"] = summary(client)
+    out["requests"] = len(timed)
+    return out
 
 
 async def run_level(client, model: str, items: list[Item], concurrency: int, ns) -> dict:
@@ -213,6 +236,7 @@ def level_summary(
         "total_token_throughput": (out_tokens + prompt_tokens) / duration,
         "total_output_tokens": out_tokens,
         "ttft_ms": summary([r.ttft for r in ok]),
+        "ttft_breakdown_ms": ttft_breakdown(ok),
         "tpot_ms": summary(tpot),
         "e2e_latency_ms": summary([r.latency for r in ok]),
         "mean_accept_length": sum(r.mean_accept_length * r.rounds for r in ok) / rounds
@@ -339,6 +363,29 @@ def format_table(levels: list[dict]) -> str:
     return "\n".join(lines)
 
 
+BREAKDOWN_COLUMNS = ("queue", "engine_wait", "prefill", "publish", "ttft", "client")
+
+
+def format_breakdown(levels: list[dict]) -> str | None:
+    """The TTFT by phase per level (ms, p50 / p99), or None when no level has one."""
+    rows = [(r["concurrency"], r.get("ttft_breakdown_ms")) for r in levels]
+    if not any(b for _, b in rows):
+        return None
+    head = f" {'conc':>6}" + "".join(f" {k + ' p50/p99':>20}" for k in BREAKDOWN_COLUMNS)
+    lines = [
+        "TTFT by phase (ms): queue = arrival -> scheduled (engine_wait: of it, the wait for "
+        "the running step), prefill, publish; ttft = the server's; client = the rest",
+        head,
+    ]
+    for conc, b in rows:
+        if not b:
+            lines.append(f" {conc:>6}" + "".join(f" {'-':>20}" for _ in BREAKDOWN_COLUMNS))
+            continue
+        cells = (f"{b[k]['p50']:.1f} / {b[k]['p99']:.1f}" for k in BREAKDOWN_COLUMNS)
+        lines.append(f" {conc:>6}" + "".join(f" {c:>20}" for c in cells))
+    return "\n".join(lines)
+
+
 def make_parser() -> argparse.ArgumentParser:
     from ddtree.bench.cli import DefaultsFormatter
 
@@ -407,7 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
-        report = finite(asyncio.run(multiturn.run(ns)))
+        try:
+            convs = multiturn.conversations(ns)
+        except (OSError, ValueError) as e:  # the tokenizer or the held-out text
+            print(f"error: --workload multiturn: {e}", file=sys.stderr)
+            return 2
+        report = finite(asyncio.run(multiturn.run(ns, convs)))
     else:
         try:
             base = (
@@ -426,5 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     png = os.path.splitext(ns.output)[0] + ".png"
     plot(report, png)
     print(format_table(report["results"]))
+    breakdown = format_breakdown(report["results"])
+    if breakdown:
+        print(breakdown)
     print(f"wrote {ns.output} and {png}")
     return 1 if any(r["failed"] for r in report["results"]) else 0

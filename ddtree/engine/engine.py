@@ -74,8 +74,14 @@ class LLMEngine:
         return [int(t) for t in prompt]
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, rid: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        arrival: float | None = None,
     ) -> Req:
+        """arrival: when the request reached the server (`time.monotonic()`; default now), the
+        start of its `ReqTimes`."""
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -90,6 +96,8 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
             req.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.emitter.start(req)
+        req.times.queued = time.monotonic()
+        req.times.arrival = arrival or req.times.queued
         if self.tp is not None:
             self.tp.publish(("add", ids, params, req.rid))
         self.requests[req.rid] = req
@@ -123,6 +131,7 @@ class LLMEngine:
             return []
         if batch.is_prefill:
             logits = self.runner.prefill(batch.reqs, batch.q_lens)
+            _stamp_chunks(batch.reqs)
             ready = [
                 i for i, r in enumerate(batch.reqs) if not r.needs_prefill and not r.output_ids
             ]
@@ -132,9 +141,11 @@ class LLMEngine:
                 first = sample_nodes(rows, [r.params for r in reqs], [r.generator for r in reqs])
                 lp = logprobs.node_logprobs(reqs, rows, torch.zeros_like(first), first)
                 host, lp_rows = logprobs.read_back(reqs, first, lp)
+                now = time.monotonic()
                 for r, toks, lp_row in zip(reqs, host, lp_rows):
                     logprobs.append(r, lp_row, toks)
                     self.emitter.emit(r, toks)
+                    r.times.first_token = r.times.first_token or now
             self.batch_log.prefill(batch.q_lens)
         else:
             t1 = time.perf_counter()
@@ -196,3 +207,12 @@ class LLMEngine:
         if bar is not None:
             bar.close()
         return reqs
+
+
+def _stamp_chunks(reqs: list[Req]) -> None:
+    """A prefill chunk of each request ended (its prompt's chunks; a preempted request's recompute
+    is not its time to first token)."""
+    now = time.monotonic()
+    for r in reqs:
+        if not r.output_ids:
+            r.times.prefill_chunks.append(now)

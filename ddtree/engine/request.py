@@ -77,6 +77,41 @@ class SpecStats:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
 
 
+@dataclass
+class ReqTimes:
+    """Where a request's time to first token goes (vLLM's request stats, SGLang's time stats):
+    `time.monotonic()` stamps, 0.0 = not reached. Written by whoever reaches the event: the HTTP
+    handler (arrival), `LLMEngine.add_request` (queued), the scheduler (scheduled, at the first
+    admission), the prefill step (each chunk, the first token) and the server's publish."""
+
+    arrival: float = 0.0  # the request reached the server (HTTP handler) or add_request
+    queued: float = 0.0  # it joined the scheduler's waiting queue (engine thread)
+    scheduled: float = 0.0  # its first admission into a prefill batch
+    # each prompt chunk's end on the host (on a GPU: its launches queued; the next sync waits)
+    prefill_chunks: list[float] = field(default_factory=list)
+    first_token: float = 0.0  # the first token sampled and read back
+    published: float = 0.0  # the first token handed to the client's stream (server only)
+
+    def breakdown(self) -> dict[str, float | int | None]:
+        """Seconds per phase (None where a stamp is missing): queue = arrival -> scheduled
+        (engine_wait = arrival -> queued, the part spent waiting for the running step),
+        prefill = scheduled -> first token sampled, publish = sampled -> published, ttft =
+        arrival -> published (or -> sampled offline)."""
+
+        def span(a: float, b: float) -> float | None:
+            return b - a if a and b else None
+
+        end = self.published or self.first_token
+        return {
+            "engine_wait": span(self.arrival, self.queued),
+            "queue": span(self.arrival, self.scheduled),
+            "prefill": span(self.scheduled, self.first_token),
+            "publish": span(self.first_token, self.published),
+            "ttft": span(self.arrival, end),
+            "prefill_chunks": len(self.prefill_chunks),
+        }
+
+
 @dataclass(eq=False)
 class Req:
     prompt_ids: list[int]
@@ -93,6 +128,7 @@ class Req:
     text: str = ""
     stop_hit: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
+    times: ReqTimes = field(default_factory=ReqTimes)
 
     @property
     def num_prompt_tokens(self) -> int:

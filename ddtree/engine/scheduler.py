@@ -1,19 +1,27 @@
 """Continuous batching: requests join and leave the running set every step. A step is either a
 prefill batch (new prompts and chunks of long ones, at most `prefill_budget` tokens) or one decoding
-round of every running request. While both kinds have work they alternate, so a long prompt prefills
-one chunk per step and the running requests decode in between: their time per output token grows by
-one chunk, not by the whole prompt. When KV pages run out, unreferenced cached pages are evicted
+round of every running request. A newly arrived request that can be admitted is prefilled before the
+next decoding round (SGLang's prefill-first order: its time to first token is the step it waits for
+plus its own prefill, not a decoding round more), at most `MAX_PREFILL_STREAK` prefill steps in a
+row. The rest of a long prompt alternates with decoding rounds, so a long prompt prefills one chunk
+per step and the running requests decode in between: their time per output token grows by one
+chunk, not by the whole prompt. When KV pages run out, unreferenced cached pages are evicted
 first (least recently used), then the newest running request is preempted (its KV freed, its full
 pages left in the prefix cache) and recomputed later. A request is admitted with its cached prefix
 attached (`ModelRunner.match_prefix` / `admit`) and prefills from there."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req, ReqStatus
+
+# prefill steps in a row (new arrivals) before the running requests decode again: a burst of
+# arrivals delays a decoding round by at most this many prefills
+MAX_PREFILL_STREAK = 4
 
 
 @dataclass
@@ -51,6 +59,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_cached_tokens = 0  # prefix-cache hits admitted by the last prefill batch
         self.last_was_prefill = False
+        self.prefill_streak = 0  # prefill steps since the last decoding round
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -62,27 +71,40 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         # NOTE: the order only decides which step runs first; tokens are the same either way
         # (lossless tests)
-        decode_turn = self.last_was_prefill and any(not r.needs_prefill for r in self.running)
+        admissible = self._head_admissible()
+        # a new arrival goes before the decoding round (its first token is one prefill away);
+        # the next chunk of a prompt already running waits for it (the alternation)
+        new_first = admissible and self.prefill_streak < MAX_PREFILL_STREAK
+        decode_turn = (
+            self.last_was_prefill
+            and not new_first
+            and any(not r.needs_prefill for r in self.running)
+        )
         if decode_turn:
-            batch = self._schedule_decode() or self._schedule_prefill()
+            batch = self._schedule_decode() or self._schedule_prefill(admissible)
         else:
-            batch = self._schedule_prefill() or self._schedule_decode()
+            batch = self._schedule_prefill(admissible) or self._schedule_decode()
         self.last_was_prefill = batch is not None and batch.is_prefill
+        self.prefill_streak = self.prefill_streak + 1 if self.last_was_prefill else 0
         return batch
 
-    def _schedule_prefill(self) -> Batch | None:
-        budget = self.prefill_budget
-        # while requests wait, unfinished chunked prefills take at most half the budget: a short
-        # prompt that arrives behind a long one is admitted at the next prefill step, not after the
-        # whole prompt
+    def _head_admissible(self) -> bool:
+        """The head of the queue can be admitted now (a slot, and its pages beside its cached
+        prefix)."""
         head = self.waiting[0] if self.waiting else None
-        admissible = (
+        return (
             head is not None
             and len(self.running) < self.max_running
             and self.bm.can_admit(
                 head, head.prefill_len + self.verify_width, self.runner.match_prefix(head)
             )
         )
+
+    def _schedule_prefill(self, admissible: bool) -> Batch | None:
+        budget = self.prefill_budget
+        # while requests wait, unfinished chunked prefills take at most half the budget: a short
+        # prompt that arrives behind a long one is admitted at the next prefill step, not after the
+        # whole prompt
         share = budget // 2 if admissible else budget
         self.last_cached_tokens = 0
         reqs, q_lens = [], []
@@ -106,6 +128,7 @@ class Scheduler:
             q = self._chunk(r, budget)
             self.bm.allocate(r, r.kv_len + q)
             r.status = ReqStatus.RUNNING
+            r.times.scheduled = r.times.scheduled or time.monotonic()
             self.running.append(r)
             reqs.append(r)
             q_lens.append(q)

@@ -5,8 +5,12 @@ reports healthy, and the first real request costs what the thousandth does.
 The CUDA graphs are captured when the runner is built; what remains lazy is the eager work around
 them: prefill (one extend per shape bucket: Triton specialises and fla autotunes per shape, a first
 27B hybrid prefill took ~1 minute) and the round's eager steps (sampling, the accept walk, the
-draft LM head where no graph covers it). So: one prefill per bucket of `prefill_buckets`, then a
-few decode rounds at batch 1 and at the largest captured batch. Warm-up requests go through
+draft LM head where no graph covers it). So: one prefill per bucket of `prefill_buckets`, then the
+prefills the buckets miss (`extra_prefill_lengths`: the short prompts whose rows take the extend
+kernel's smaller tiles, and lengths that are not a multiple of 16, since Triton specialises every
+int argument on divisibility by 16), cached-prefix extends of two lengths (the split merge is
+compiled per power of two of the split count), then a few decode rounds at batch 1 and at the
+largest captured batch. Warm-up requests go through
 `LLMEngine.add_request` / `step` like any other and leave nothing behind (their pages, slots and
 state rows are freed when they finish; `check_clean` says so).
 """
@@ -22,7 +26,10 @@ logger = logging.getLogger("ddtree")
 
 # prefill shape buckets (tokens): the kernels' tile choices change with the rows per request
 PREFILL_BUCKETS = (16, 128, 512, 2048)
-DECODE_TOKENS = 4  # tokens per warm-up request: a few rounds after the first token
+DECODE_TOKENS = 4  # tokens per prefill warm-up request: a few rounds after the first token
+# the decode warm-up's requests run past the drafter's block, so at least one round drafts at full
+# depth (rounds at the max_tokens edge are depth-limited: the only kind DECODE_TOKENS gives)
+FULL_ROUNDS = 2
 
 
 def prefill_buckets(chunk: int, max_prompt: int) -> list[int]:
@@ -32,9 +39,25 @@ def prefill_buckets(chunk: int, max_prompt: int) -> list[int]:
     return sorted({b for b in PREFILL_BUCKETS if b < top} | {top})
 
 
+def extra_prefill_lengths(buckets: list[int], group: int, head_dim: int) -> list[int]:
+    """Prompt lengths a first request takes that the buckets do not compile: per tile config of
+    the extend kernel (`tuning.default_config` over rows = tokens x GQA group) its shortest
+    prompt (the buckets' 16+ tokens all take the widest tiles at group >= 2: a 5-token prompt
+    compiled a new variant on its first request), and one token less than each bucket over 16 (a
+    length that is not a multiple of 16)."""
+    from ddtree.kernels.tree_attention.tuning import default_config
+
+    top = buckets[-1]
+    first: dict = {default_config(b * group, head_dim): b for b in buckets}
+    for n in range(1, min(top, 64) + 1):
+        first.setdefault(default_config(n * group, head_dim), n)
+    odd = {b - 1 for b in buckets if b > 16}
+    return sorted((set(first.values()) | odd) - set(buckets))
+
+
 def warm_up(engine, progress: bool = True) -> dict:
     """Run the warm-up on `engine` (an LLMEngine); returns what ran ({"prefill": [lengths],
-    "decode_batches": [b, ...], "seconds": s}). progress: a tqdm bar (stderr)."""
+    "prefill_extra": [lengths], "decode_batches": [b, ...], "seconds": s}). progress: a tqdm bar (stderr)."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -44,10 +67,13 @@ def warm_up(engine, progress: bool = True) -> dict:
     graphs = engine.runner.graphs
     top_bs = graphs.buckets[-1] if graphs is not None else 1
     batches = sorted({1, min(top_bs, cfg.max_running_requests)})
-    vocab = engine.runner.target.config.vocab_size
+    tcfg = engine.runner.target.config
+    vocab = tcfg.vocab_size
+    group = tcfg.num_attention_heads // tcfg.num_key_value_heads
+    extra = extra_prefill_lengths(lengths, group, tcfg.head_dim)
     params = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     bar = tqdm(
-        total=len(lengths) + len(batches),
+        total=len(lengths) + len(extra) + len(batches),
         desc="warm-up",
         unit="step",
         disable=not progress,
@@ -55,26 +81,38 @@ def warm_up(engine, progress: bool = True) -> dict:
     )
     # prefill buckets: one request each, run alone so each extend has the bucket's shape; every
     # prompt starts with its own token, so none is a prefix-cache hit on an earlier one
-    for k, n in enumerate(lengths):
+    for k, n in enumerate(lengths + extra):
         _drain(engine, [[(7 * i + 1 + k) % vocab for i in range(n)]], params)
         bar.update()
     if engine.runner.bm.cache is not None and lengths[-1] > cfg.page_size:
-        # a prefill that extends a cached prefix (attention over shared pages, the copy-on-write
-        # of the last page): the shape every multi-turn request takes
+        # prefills that extend a cached prefix (attention over shared pages, the copy-on-write
+        # of the last page): the shape every multi-turn request takes; two new-token counts (a
+        # turn's ~200 among them), so the split counts and their merges differ
         k = len(lengths) - 1
         prompt = [(7 * i + 1 + k) % vocab for i in range(lengths[-1])]
-        _drain(engine, [prompt[: lengths[-1] - cfg.page_size // 2] + prompt[:8]], params)
-    # decode rounds at batch 1 and the largest captured batch (short prompts)
+        head = prompt[: lengths[-1] - cfg.page_size // 2]
+        for new in (8, min(193, max_prompt - len(head))):
+            _drain(engine, [head + [(5 * i + 3) % vocab for i in range(max(new, 1))]], params)
+    # decode rounds at batch 1 and the largest captured batch (short prompts), full depth first
+    block = getattr(engine.decoder.cfg, "block_size", 1) or 1
+    n_dec = min(block * FULL_ROUNDS + DECODE_TOKENS, max(engine.max_context - 8 - 1, 1))
+    decode = SamplingParams(temperature=0, max_tokens=n_dec, ignore_eos=True)
     for b in batches:
-        _drain(engine, [[(3 * i + j) % vocab for i in range(8)] for j in range(b)], params)
+        _drain(engine, [[(3 * i + j) % vocab for i in range(8)] for j in range(b)], decode)
         bar.update()
     bar.close()
     engine.runner.bm.clear_cache()  # the synthetic prompts leave no cached pages behind
-    out = {"prefill": lengths, "decode_batches": batches, "seconds": time.perf_counter() - t0}
+    out = {
+        "prefill": lengths,
+        "prefill_extra": extra,
+        "decode_batches": batches,
+        "seconds": time.perf_counter() - t0,
+    }
     logger.info(
-        "Warm-up done in %.1f s: prefill %s tokens, decode batches %s.",
+        "Warm-up done in %.1f s: prefill %s (+ %s) tokens, decode batches %s.",
         out["seconds"],
         lengths,
+        extra,
         batches,
     )
     return out

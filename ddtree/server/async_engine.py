@@ -65,6 +65,8 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)  # tokens emitted since the previous Delta
     logprobs: list[LogprobEntry] = field(default_factory=list)  # theirs, when the request asked
     matched: str | int | None = None  # what stopped it: the stop string, or the EOS / stop token id
+    # the final Delta: the request's time to first token by phase (`ReqTimes.breakdown`, seconds)
+    timing: dict | None = None
 
 
 @dataclass
@@ -160,17 +162,23 @@ class AsyncEngine:
         self._cmds.put((fn, fut))
         return await asyncio.wrap_future(fut)
 
-    async def submit(self, prepare: Callable[[object], tuple[list[int], SamplingParams]]) -> Stream:
+    async def submit(
+        self,
+        prepare: Callable[[object], tuple[list[int], SamplingParams]],
+        arrival: float | None = None,
+    ) -> Stream:
         """prepare(engine) -> (prompt ids, params) runs on the engine thread (it may tokenize and raise);
-        the request is then added and its Stream returned."""
+        the request is then added and its Stream returned. arrival: the handler's `time.monotonic()`
+        when the request came in (default: now), where its time to first token starts."""
         loop = asyncio.get_running_loop()
+        arrival = arrival or time.monotonic()
         q: asyncio.Queue = asyncio.Queue()
 
         def add() -> Stream:
             if self._closing:
                 raise EngineUnavailable(SHUTTING_DOWN)
             ids, params = prepare(self.engine)
-            req = self.engine.add_request(ids, params)
+            req = self.engine.add_request(ids, params, arrival=arrival)
             st = Stream(req.rid, req.num_prompt_tokens, q, loop, req, time.monotonic())
             self._streams[req.rid] = st
             if self.metrics is not None:
@@ -285,11 +293,14 @@ class AsyncEngine:
             new_ids = req.output_ids[st.seen_tokens : n_tok]
             lps = req.logprobs[st.seen_tokens : n_tok]
             lps = decode_entries(self.engine.tokenizer, lps) if lps else []
+            if st.seen_tokens == 0 and n_tok:  # the first token reaches its stream now
+                req.times.published = time.monotonic()
+                if self.metrics is not None:
+                    self.metrics.on_first_token(req.times)
             if self.metrics is not None and (
                 n_tok > st.seen_tokens or len(rounds) > st.seen_rounds
             ):
-                first = time.monotonic() - st.added if st.seen_tokens == 0 and n_tok else None
-                self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds :], first)
+                self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds :])
             st.seen_tokens, st.seen_rounds = n_tok, len(rounds)
             if done:
                 self._streams.pop(rid)
@@ -314,6 +325,7 @@ class AsyncEngine:
             rounds=req.stats.rounds,
             mean_accept_length=req.stats.mean_accept_length,
             matched=matched,
+            timing=req.times.breakdown(),
             **extra,
         )
 

@@ -20,6 +20,22 @@ from prometheus_client import (
 
 THROUGHPUT_WINDOW_S = 5.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TTFT_PART_BUCKETS = (
+    1e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    5.0,
+    30.0,
+)
 BUDGET_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ROUND_BUCKETS = (
     1e-4,
@@ -100,8 +116,28 @@ class ServerMetrics:
         )
         self.ttft = Histogram(
             "ddtree_time_to_first_token_seconds",
-            "Admission to first token",
+            "Arrival (HTTP handler) to the first token published to the stream",
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        # the TTFT by phase (vLLM's request_queue_time / request_prefill_time)
+        self.queue_time = Histogram(
+            "ddtree_request_queue_time_seconds",
+            "Arrival to the first admission into a prefill batch (the wait for the running step "
+            "included)",
+            buckets=TTFT_PART_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "ddtree_request_prefill_time_seconds",
+            "First admission to the first token sampled (every prompt chunk and the steps between)",
+            buckets=TTFT_PART_BUCKETS,
+            registry=r,
+        )
+        self.publish_time = Histogram(
+            "ddtree_request_first_token_publish_seconds",
+            "First token sampled to published to its stream",
+            buckets=TTFT_PART_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
@@ -173,9 +209,19 @@ class ServerMetrics:
     def on_admit(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 
-    def on_progress(
-        self, new_tokens: int, new_rounds: list[int], first_token_latency: float | None
-    ) -> None:
+    def on_first_token(self, times) -> None:
+        """A request's first token was published: its `ReqTimes` by phase."""
+        parts = times.breakdown()
+        for hist, key in (
+            (self.ttft, "ttft"),
+            (self.queue_time, "queue"),
+            (self.prefill_time, "prefill"),
+            (self.publish_time, "publish"),
+        ):
+            if parts[key] is not None:
+                hist.observe(parts[key])
+
+    def on_progress(self, new_tokens: int, new_rounds: list[int]) -> None:
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
             now = time.monotonic()
@@ -186,8 +232,6 @@ class ServerMetrics:
             hist = self.accept_length.labels(self.algorithm)
             for n in new_rounds:
                 hist.observe(n)
-        if first_token_latency is not None:
-            self.ttft.observe(first_token_latency)
 
     def on_round(self, rec, server_s: float, hidden_s: float) -> None:
         """One decode round's RoundRecord (engine/budget.py) and the server's own times."""

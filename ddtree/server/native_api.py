@@ -3,7 +3,8 @@
 `/generate` answers one prompt with `{"text", "output_ids", "meta_info"}` and a batch (or n > 1)
 with a list of them, prompt-major. meta_info: id, finish_reason ({"type": "stop", "matched": string
 or token id} | {"type": "length", "length": n} | {"type": "abort"}), prompt_tokens,
-completion_tokens, cached_tokens (prompt tokens found in the prefix cache), e2e_latency, and for DFLASH / DDTREE
+completion_tokens, cached_tokens (prompt tokens found in the prefix cache), e2e_latency, timing (the final
+object: seconds of the time to first token by phase, `ReqTimes.breakdown`), and for DFLASH / DDTREE
 spec_verify_ct (decoding rounds) and spec_accept_length (mean tokens per round); with
 `return_logprob`, output_token_logprobs / output_top_logprobs. Streaming sends SSE `data:` objects
 whose text and output_ids are cumulative (SGLang's default), with "index" when several choices
@@ -56,6 +57,8 @@ class NativeServing:
             "cached_tokens": d.cached_tokens,
             "e2e_latency": time.monotonic() - started,
         }
+        if d.timing is not None:  # the final object: the time to first token by phase
+            meta["timing"] = d.timing
         if self.speculative:
             meta |= {"spec_verify_ct": d.rounds, "spec_accept_length": d.mean_accept_length}
         if body.return_logprob:
@@ -79,7 +82,7 @@ class NativeServing:
                     protocol.check_prompt_ids(ids, vocab, e.max_context, param)
                     return ids, native_sampling_params(body, sp, len(ids), e.max_context)
 
-                streams += await self.serving.submit_n(prepare, sp.n, param)
+                streams += await self.serving.submit_n(prepare, sp.n, param, started)
         except BaseException:
             for st in streams:
                 self.serving.aengine.abort(st.rid)

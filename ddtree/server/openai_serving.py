@@ -4,8 +4,9 @@ seed + i when a seed is given); usage counts the prompt once and sums the choice
 tokens, as OpenAI does.
 
 Extension: every completion response, and the finishing chunk (plus the usage chunk) of every stream, carries
-a top-level object `"ddtree": {"algorithm", "mean_accept_length", "rounds"}` - the mean number of tokens emitted
-per decoding round (accepted draft tokens + bonus; 1.0 for plain AR) and the number of rounds.
+a top-level object `"ddtree": {"algorithm", "mean_accept_length", "rounds", "timing"}` - the mean number of tokens
+emitted per decoding round (accepted draft tokens + bonus; 1.0 for plain AR), the number of rounds, and the time
+to first token by phase in seconds (`ReqTimes.breakdown`: queue, prefill, publish, ttft, ...).
 """
 
 from __future__ import annotations
@@ -127,10 +128,12 @@ class OpenAIServing:
         self.max_context = aengine.engine.max_context
 
     def ext(self, ds: list[Delta]) -> dict:
-        """The `ddtree` extension over one or more choices (accept length weighted by rounds)."""
+        """The `ddtree` extension over one or more choices (accept length weighted by rounds;
+        timing: the first choice's time to first token by phase, seconds)."""
         rounds = sum(d.rounds for d in ds)
         mean = sum(d.mean_accept_length * d.rounds for d in ds) / rounds if rounds else 0.0
-        return {"algorithm": self.algorithm, "mean_accept_length": mean, "rounds": rounds}
+        out = {"algorithm": self.algorithm, "mean_accept_length": mean, "rounds": rounds}
+        return out | ({"timing": ds[0].timing} if ds and ds[0].timing is not None else {})
 
     async def start(
         self, body, prompt_of, param: str, default_max_tokens: int | None
@@ -138,6 +141,7 @@ class OpenAIServing:
         """Validate, tokenize (on the engine thread: prompt_of(engine) -> ids) and admit body.n
         requests; failures are APIErrors. `model` picks nothing: the one served model answers any
         name, as in SGLang."""
+        arrival = time.monotonic()  # the request's time to first token starts here
         protocol.check_supported(body)
         chars = prompt_chars(body)
         if chars > limits.prompt_chars_limit(self.max_context):
@@ -156,9 +160,11 @@ class OpenAIServing:
             protocol.check_prompt_ids(ids, self.vocab_size, e.max_context, param)
             return ids, protocol.sampling_params(body, len(ids), e.max_context, default_max_tokens)
 
-        return await self.submit_n(prepare, body.n or 1, param)
+        return await self.submit_n(prepare, body.n or 1, param, arrival)
 
-    async def submit_n(self, prepare, n: int, param: str) -> list[Stream]:
+    async def submit_n(
+        self, prepare, n: int, param: str, arrival: float | None = None
+    ) -> list[Stream]:
         """n independent requests for one prompt. The first admission validates and tokenizes; the
         other n - 1 reuse its ids and params (seed + i when a seed is given) and are admitted
         together, in one engine-thread hop."""
@@ -175,9 +181,10 @@ class OpenAIServing:
             return lambda e: (ids, params)
 
         try:
-            streams = [await self.aengine.submit(prepare_first)]
+            streams = [await self.aengine.submit(prepare_first, arrival)]
             results = await asyncio.gather(
-                *(self.aengine.submit(nth(i)) for i in range(1, n)), return_exceptions=True
+                *(self.aengine.submit(nth(i), arrival) for i in range(1, n)),
+                return_exceptions=True,
             )
         except EngineUnavailable as err:
             raise APIError(503, str(err), code="engine_unavailable") from err

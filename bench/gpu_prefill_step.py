@@ -1,0 +1,118 @@
+"""H200 timing only: where a cached multi-turn request's prefill step goes (issue 22's TTFT).
+
+One engine (default: the embedded pair inflated to the Qwen3-8B shape in memory, DDTREE B=16, CUDA
+graphs, the start-up warm-up run first), a --prefix-token system prompt of held-out text cached,
+then per --new count of new tokens --repeats requests of prefix + that many other tokens
+(max_tokens 1: each ends at its first token, in the prefill step). Per request: the step's wall
+time, the runner's prefill with the host's launch time (its return, before a sync) and the device
+time (CUDA events around it), and the rest of the step (sampling, the read-back, emission). A
+prefill whose host time is close to its wall time is launch-bound, not compute-bound.
+
+    python3 bench/gpu_prefill_step.py [--model-path inflate:qwen3-8b] [--new 16,64,190,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> int:
+    import torch
+
+    from ddtree import LLM, SamplingParams
+    from ddtree.bench.multiturn import heldout_tokens
+    from ddtree.engine.warmup import warm_up
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default="inflate:qwen3-8b", help="'embedded': the small pair")
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the logic (no device time)")
+    p.add_argument("--algorithm", default="DDTREE", choices=("NONE", "DFLASH", "DDTREE"))
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--prefix", type=int, default=2048, help="cached system-prompt tokens")
+    p.add_argument("--new", default="16,64,190,512", help="new tokens per request, comma list")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--output", default=None, help="JSON rows")
+    ns = p.parse_args()
+    kw = {"device": ns.device, "speculative_algorithm": ns.algorithm}
+    if ns.algorithm == "DDTREE":
+        kw["speculative_ddtree_budget"] = ns.budget
+    cuda = ns.device == "cuda"
+    engine = LLM(None if ns.model_path == "embedded" else ns.model_path, **kw).engine
+    warm_up(engine, progress=False)
+    vocab = engine.runner.target.config.vocab_size
+    text = [t % vocab for t in heldout_tokens(None)]
+    system = text[: ns.prefix]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def drain(req) -> None:
+        while not req.is_finished:
+            engine.step()
+
+    drain(engine.add_request(system, one))  # the prefix is cached from here on
+    runner, real, rec = engine.runner, engine.runner.prefill, {}
+
+    def timed(reqs, q_lens):
+        if not cuda:
+            t0 = time.perf_counter()
+            out = real(reqs, q_lens)
+            wall = time.perf_counter() - t0
+            rec.update(host=wall, wall=wall, device=wall)
+            return out
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        out = real(reqs, q_lens)
+        end.record()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        rec.update(
+            host=t1 - t0, wall=time.perf_counter() - t0, device=start.elapsed_time(end) / 1e3
+        )
+        return out
+
+    runner.prefill = timed
+    rows = []
+    for n in (int(x) for x in ns.new.split(",") if x.strip()):
+        steps = []
+        for k in range(ns.repeats):
+            off = ns.prefix + 997 * (k + 1) + n
+            req = engine.add_request(system + text[off : off + n], one)
+            t0 = time.perf_counter()
+            engine.step()
+            step_s = time.perf_counter() - t0
+            assert req.output_ids, "the first token comes from the prefill step"
+            steps.append((step_s, rec["host"], rec["wall"], rec["device"], req.cached_tokens))
+            drain(req)
+        med = [statistics.median(s[i] for s in steps) * 1e3 for i in range(4)]
+        row = dict(
+            new_tokens=n,
+            cached_tokens=steps[-1][4],
+            step_ms=med[0],
+            prefill_host_ms=med[1],
+            prefill_wall_ms=med[2],
+            prefill_device_ms=med[3],
+            rest_of_step_ms=med[0] - med[2],
+        )
+        rows.append(row)
+        print(
+            f"new {n:>5} (cached {row['cached_tokens']}): step {med[0]:.2f} ms = prefill "
+            f"{med[2]:.2f} (host launch {med[1]:.2f}, device {med[3]:.2f}) + rest "
+            f"{med[0] - med[2]:.2f}",
+            flush=True,
+        )
+    if ns.output:
+        with open(ns.output, "w", encoding="utf-8") as f:
+            json.dump({"meta": vars(ns), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
