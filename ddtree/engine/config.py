@@ -96,10 +96,12 @@ class SpecConfig:
 
 
 def tree_spec(algorithm: str, budget: int, topk_cap: int, shadow_linear: bool) -> tuple:
-    """(algorithm, budget, top-k cap, shadow-linear): one family of draft graphs."""
+    """(algorithm, budget, top-k cap, shadow-linear): one family of draft graphs. The cap is
+    clamped to the budget (the build's K = min(cap, budget)): an auto rung of budget b and the
+    fixed B=b server share one key."""
     if algorithm == "DFLASH":
         return ("DFLASH", 0, 0, False)
-    return ("DDTREE", budget, topk_cap, shadow_linear)
+    return ("DDTREE", budget, min(topk_cap, budget), shadow_linear)
 
 
 @dataclass(frozen=True)
