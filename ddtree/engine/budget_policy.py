@@ -218,6 +218,18 @@ class BudgetPolicy:
         it favours the rungs that emit more). Vectorised over requests and rungs."""
         slots, caps = np.asarray(slots, dtype=np.int64), np.asarray(caps, dtype=np.int64)
         self._claim(slots, owners)
+        per, gain, rate = self._rates(slots, caps, ctx, extra_s)
+        best = int(np.argmax(rate))
+        self.ar_streak = self.ar_streak + 1 if best == 0 else 0
+        if best == 0 and self.ar_streak > EXPLORE_AFTER and len(rate) > 1:
+            best, self.ar_streak = 1 + int(np.argmax(rate[1:])), 0
+        chain = bool(self.rung_chain[best])
+        budgets = per[:, best]
+        width = 1 + int(budgets.max(initial=0))
+        return Decision(width, budgets, gain[:, best], float(rate[best]), chain)
+
+    def _rates(self, slots: np.ndarray, caps: np.ndarray, ctx: int, extra_s: float):
+        """([b, R] budgets, [b, R] calibrated gains, [R] expected tokens / s) per rung."""
         g = self.gains(slots)
         # [b, R]: request i's budget at rung r, and its gain there
         per = np.minimum(self.rung_budget[None, :], caps[:, None])
@@ -228,14 +240,12 @@ class BudgetPolicy:
         rate = tokens / (self.cost.seconds(len(slots), ctx) + extra_s)
         if self.chain_depth and len(caps) and caps.min() < self.chain_depth:
             rate[self.rung_chain] = -np.inf  # a request's cap is below the chain's drafts
-        best = int(np.argmax(rate))
-        self.ar_streak = self.ar_streak + 1 if best == 0 else 0
-        if best == 0 and self.ar_streak > EXPLORE_AFTER and len(rate) > 1:
-            best, self.ar_streak = 1 + int(np.argmax(rate[1:])), 0
-        chain = bool(self.rung_chain[best])
-        budgets = per[:, best]
-        width = 1 + int(budgets.max(initial=0))
-        return Decision(width, budgets, gain[:, best], float(rate[best]), chain)
+        return per, gain, rate
+
+    def rates(self, slots, caps, ctx: int, extra_s: float = 0.0) -> np.ndarray:
+        """[R] the expected tokens / s of every rung (`rungs` order) for known requests."""
+        slots, caps = np.asarray(slots, dtype=np.int64), np.asarray(caps, dtype=np.int64)
+        return self._rates(slots, caps, ctx, extra_s)[2]
 
     def _built(self, budgets: np.ndarray) -> int:
         """The tree rung a round of these budgets built (the smallest ladder budget >= all)."""
