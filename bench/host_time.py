@@ -1,0 +1,113 @@
+"""Host time per decode round of the offline engine (CPU or GPU), per config and concurrency:
+the engine step outside `SpecDecoder.round` (schedule, emit, stops, finish) and the round's own
+host-side phases, with an optional cProfile of the whole loop. Each level keeps `conc` requests
+running (a finished one is replaced until 2 x conc have run), like `bench serving`.
+
+    python3 bench/host_time.py --configs auto,16 --conc 1,8,32,64 --max-tokens 48
+    python3 bench/host_time.py --configs auto --conc 32 --profile 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import time
+
+
+def config_kwargs(name: str) -> dict:
+    if name == "auto":
+        return dict(speculative_algorithm="DDTREE", speculative_ddtree_budget="auto")
+    if name in ("DFLASH", "NONE"):
+        return dict(speculative_algorithm=name)
+    return dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=int(name))
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    import inspect
+    import textwrap
+
+    src = inspect.getsource(textwrap)
+    return [
+        tokenizer.encode(src[(200 * i) % 4000 :], add_special_tokens=False)[: 24 + 7 * (i % 9)]
+        for i in range(n)
+    ]
+
+
+def level(llm, conc: int, max_tokens: int, profile: cProfile.Profile | None) -> dict:
+    from ddtree import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    todo = prompts(eng.tokenizer, 2 * conc)
+    live = [eng.add_request(todo.pop(), sp) for _ in range(conc)]
+    host, rounds, steps = [], [], 0
+    t0 = time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        rec = eng.last_round
+        if rec is not None:
+            host.append(rec.host_s)
+            rounds.append(rec.round_s)
+        for r in [r for r in live if r.is_finished]:
+            live.remove(r)
+            if todo:
+                live.append(eng.add_request(todo.pop(), sp))
+    if profile is not None:
+        profile.disable()
+    wall = time.perf_counter() - t0
+    return {
+        "conc": conc,
+        "rounds": len(rounds),
+        "steps": steps,
+        "host_ms_mean": 1e3 * statistics.fmean(host),
+        "host_ms_p50": 1e3 * statistics.median(host),
+        "host_ms_max": 1e3 * max(host),
+        "round_ms_mean": 1e3 * statistics.fmean(rounds),
+        "wall_s": wall,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None, help="target (default: the embedded pair)")
+    p.add_argument("--configs", default="auto,16", help="auto, a fixed budget, DFLASH, NONE")
+    p.add_argument("--conc", default="1,8,32,64")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--profile", type=int, default=0, help="print the top N cProfile rows")
+    p.add_argument("--json", default=None, help="write the rows here")
+    a = p.parse_args(argv)
+    import torch
+
+    from ddtree import LLM
+
+    torch.set_num_threads(1)
+    rows = []
+    conc = [int(c) for c in a.conc.split(",")]
+    for name in a.configs.split(","):
+        llm = LLM(a.model_path, device=a.device, max_running_requests=max(conc), **config_kwargs(name))
+        prof = cProfile.Profile() if a.profile else None
+        for c in conc:
+            row = {"config": name, **level(llm, c, a.max_tokens, prof)}
+            rows.append(row)
+            print(
+                f"{name:>6} conc {c:>3}: host {row['host_ms_mean']:.2f} ms/round (p50 "
+                f"{row['host_ms_p50']:.2f}, max {row['host_ms_max']:.1f}), round "
+                f"{row['round_ms_mean']:.2f} ms, {row['rounds']} rounds",
+                flush=True,
+            )
+        if prof is not None:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
