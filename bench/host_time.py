@@ -1,24 +1,49 @@
-"""Host time per decode round of the offline engine (CPU or GPU), per config and concurrency:
-the engine step outside `SpecDecoder.round` (schedule, emit, stops, finish) and the round's own
-host-side phases, with an optional cProfile of the whole loop. Each level keeps `conc` requests
-running (a finished one is replaced until 2 x conc have run), like `bench serving`.
+"""Round and host time per decode round of the offline engine (CPU or GPU), per config and
+concurrency: the decoder round's wall time and the engine step outside it (schedule, emit, stops,
+finish), with an optional cProfile of the whole loop. Each level keeps `conc` requests running (a
+finished one is replaced until 2 x conc have run), like `bench serving`.
 
-    python3 bench/host_time.py --configs auto,16 --conc 1,8,32,64 --max-tokens 48
-    python3 bench/host_time.py --configs auto --conc 32 --profile 25
+Configs: NONE, DFLASH, a fixed budget (16), auto, and auto with its policy forced to one rung
+(auto@16: every request budget 16 every round; auto@chain: the DFLASH chain), so an auto round
+is timed beside the fixed round of the budget it picks (issue 20: same draft, verify, commit).
+
+    PYTHONPATH=. python3 bench/host_time.py --configs auto,16 --conc 1,8,32,64 --max-tokens 48
+    PYTHONPATH=. python3 bench/host_time.py --device cuda --model-path inflate:qwen3-8b \
+        --configs 64,auto@64,16,auto@16,DFLASH,auto@chain --conc 1,8 --max-tokens 128
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import statistics
 import time
 
 
+class Forced:
+    """A budget-policy stub: every request the same budget (or the chain) every round."""
+
+    def __init__(self, rung: str, chain_depth: int):
+        self.chain = rung == "chain"
+        self.budget = chain_depth if self.chain else int(rung)
+
+    def choose(self, slots, owners, caps, ctx, extra_s=0.0):
+        import numpy as np
+
+        from ddtree.engine.budget_policy import Decision
+
+        b = np.full(len(slots), self.budget, dtype=np.int64)
+        return Decision(1 + self.budget, b, np.zeros(len(slots)), 0.0, self.chain)
+
+    def observe(self, *a, **kw):
+        pass
+
+
 def config_kwargs(name: str) -> dict:
-    if name == "auto":
+    if name == "auto" or name.startswith("auto@"):
         return dict(speculative_algorithm="DDTREE", speculative_ddtree_budget="auto")
     if name in ("DFLASH", "NONE"):
         return dict(speculative_algorithm=name)
@@ -69,6 +94,7 @@ def level(llm, conc: int, max_tokens: int, profile: cProfile.Profile | None) -> 
         "host_ms_p50": 1e3 * statistics.median(host),
         "host_ms_max": 1e3 * max(host),
         "round_ms_mean": 1e3 * statistics.fmean(rounds),
+        "round_ms_p50": 1e3 * statistics.median(rounds),
         "wall_s": wall,
     }
 
@@ -91,7 +117,13 @@ def main(argv=None) -> None:
     rows = []
     conc = [int(c) for c in a.conc.split(",")]
     for name in a.configs.split(","):
-        llm = LLM(a.model_path, device=a.device, max_running_requests=max(conc), **config_kwargs(name))
+        kw = dict(device=a.device, max_running_requests=max(conc), **config_kwargs(name))
+        if a.device == "cuda":
+            kw.update(dtype="bfloat16", attention_backend="triton")
+        llm = LLM(a.model_path, **kw)
+        if name.startswith("auto@"):
+            spec = llm.engine.spec
+            llm.engine.decoder.budgets.policy = Forced(name[5:], spec.chain_rung)
         prof = cProfile.Profile() if a.profile else None
         for c in conc:
             row = {"config": name, **level(llm, c, a.max_tokens, prof)}
@@ -104,6 +136,17 @@ def main(argv=None) -> None:
             )
         if prof is not None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
+        del llm
+        gc.collect()
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    print("\nround ms (p50) per decode round, side by side:")
+    print(f"{'conc':>5} " + " ".join(f"{n:>12}" for n in names))
+    for c in conc:
+        got = {r["config"]: r for r in rows if r["conc"] == c}
+        cells = [f"{got[n]['round_ms_p50']:>12.2f}" if n in got else " " * 12 for n in names]
+        print(f"{c:>5} " + " ".join(cells))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -115,11 +115,11 @@ class BudgetPlanner:
         return specs + ([cfg.tree_spec(chain=True)] if cfg.chain_rung else [])
 
     def observe(
-        self, plan: RoundPlan, n_reqs: int, emitted: list[int], curves: list[list[int]] | None
+        self, plan: RoundPlan, n_reqs: int, emitted: list[int], curves: np.ndarray | None
     ) -> None:
         """emitted: tokens per request this round (accepted drafts + the bonus); curves: the
-        round's fixed-point host rows when `observes`: the tree's gain curve (none for a chain
-        round), then the chain's gain."""
+        round's fixed-point host columns [b, .] when `observes`: the tree's gain curve (none for
+        a chain round), then the chain's gain."""
         budgets = plan.budgets or [max(plan.width - 1, 0)] * n_reqs
         accepted = [max(k - 1, 0) for k in emitted]
         predicted = [] if plan.predicted is None else plan.predicted.tolist()

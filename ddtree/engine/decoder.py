@@ -103,9 +103,10 @@ class SpecDecoder:
             tree = _root_only(roots)
         else:
             limits = self.depth_limits(reqs, max_context)
-            draft_logits, tree = runner.draft_tree(
-                reqs, roots, cfg.block_size, limits, budgets=plan.cut, spec=plan.spec
-            )
+            kw = {"budgets": plan.cut}
+            if plan.spec is not None:  # auto: the rung's own tree spec (else the decoder's)
+                kw["spec"] = plan.spec
+            draft_logits, tree = runner.draft_tree(reqs, roots, cfg.block_size, limits, **kw)
             t = self.times.add("draft", t)
             if tree is None:  # eager: the same build
                 tree = self._build(roots, draft_logits, limits, plan)
@@ -140,16 +141,17 @@ class SpecDecoder:
             gain = (torch.cat(parts, 1) * CURVE_SCALE).round().to(torch.int64)
             out = torch.cat([out, gain], 1)
         self._while_device_runs()
-        host, lp_rows = logprobs.read_back(reqs, out, lp)  # the round's one device->host copy
+        host_t, lp_rows = logprobs.read_back_tensor(reqs, out, lp)  # the round's one copy to host
         self.times.add("commit", t)
         w = res.out_tokens.shape[1] + 1
+        host = host_t[:, :w].tolist()  # only the token columns as Python lists
         # root + (k - 1) accepted drafts; the bonus is pending
         runner.advance(reqs, [row[0] for row in host])
         emitted = [row[1 : 1 + row[0]] for row in host]
         for r, lp_row, toks in zip(reqs, lp_rows, emitted):
             logprobs.append(r, lp_row, toks)
         self.budgets.observe(
-            plan, len(reqs), [row[0] for row in host], [row[w:] for row in host] if curves else None
+            plan, len(reqs), [row[0] for row in host], host_t[:, w:].numpy() if curves else None
         )
         return emitted
 
