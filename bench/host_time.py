@@ -42,6 +42,30 @@ class Forced:
         pass
 
 
+def h200_costs(spec):
+    """The H200 8B-shape per-round ms of BENCHMARKS (round + host; NONE: its TPOT), as a cost
+    table over auto's rungs (other tree rungs interpolated in width), so that on the CPU the
+    policy chooses as on the H200 and its host-side paths are the H200's."""
+    import numpy as np
+
+    from ddtree.engine.budget_policy import CostTable, rung_widths
+
+    conc = (1, 2, 4, 8, 16, 32, 64)
+    ms = {  # width -> ms per concurrency
+        1: (5.72, 5.81, 5.85, 6.16, 6.14, 6.67, 8.34),
+        16: (7.47, 7.64, 8.13, 9.54, 11.65, 17.18, 28.14),
+        17: (8.27, 8.57, 9.34, 10.65, 13.71, 19.54, 37.31),
+        65: (8.35, 8.93, 11.17, 15.83, 25.74, 45.75, 74.44),
+    }
+    ladder = tuple(sorted({0, 8, 16, 32, spec.budget}))
+    w = rung_widths(ladder, spec.chain_rung)
+    known = sorted(ms)
+    table = np.array(
+        [[np.interp(w, known, [ms[k][i] for k in known]) / 1e3] for i in range(len(conc))]
+    )
+    return CostTable(ladder, conc, (4096,), table, chain=spec.chain_rung)
+
+
 def config_kwargs(name: str) -> dict:
     if name == "auto" or name.startswith("auto@"):
         return dict(speculative_algorithm="DDTREE", speculative_ddtree_budget="auto")
@@ -106,6 +130,12 @@ def main(argv=None) -> None:
     p.add_argument("--conc", default="1,8,32,64")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--costs",
+        default="device",
+        choices=("device", "h200"),
+        help="auto's round costs: the device's own, or the H200 8B table (CPU runs choose as there)",
+    )
     p.add_argument("--profile", type=int, default=0, help="print the top N cProfile rows")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
@@ -121,6 +151,8 @@ def main(argv=None) -> None:
         if a.device == "cuda":
             kw.update(dtype="bfloat16", attention_backend="triton")
         llm = LLM(a.model_path, **kw)
+        if name == "auto" and a.costs == "h200":
+            llm.engine.decoder.budgets.set_cost(h200_costs(llm.engine.spec))
         if name.startswith("auto@"):
             spec = llm.engine.spec
             llm.engine.decoder.budgets.policy = Forced(name[5:], spec.chain_rung)
