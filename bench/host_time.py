@@ -9,7 +9,8 @@ is timed beside the fixed round of the budget it picks (issue 20: same draft, ve
 
     PYTHONPATH=. python3 bench/host_time.py --configs auto,16 --conc 1,8,32,64 --max-tokens 48
     PYTHONPATH=. python3 bench/host_time.py --device cuda --model-path inflate:qwen3-8b \
-        --configs 64,auto@64,16,auto@16,DFLASH,auto@chain --conc 1,8 --max-tokens 128
+        --configs 64,auto@64,16,auto@16,DFLASH,auto@chain --conc 1,8 --max-tokens 128 \
+        --context-length 4096
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def main(argv=None) -> None:
     p.add_argument("--conc", default="1,8,32,64")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--context-length", type=int, default=None, help="fewer CUDA-graph buckets")
     p.add_argument(
         "--costs",
         default="device",
@@ -148,6 +150,8 @@ def main(argv=None) -> None:
     conc = [int(c) for c in a.conc.split(",")]
     for name in a.configs.split(","):
         kw = dict(device=a.device, max_running_requests=max(conc), **config_kwargs(name))
+        if a.context_length:
+            kw["context_length"] = a.context_length
         if a.device == "cuda":
             kw.update(dtype="bfloat16", attention_backend="triton")
         llm = LLM(a.model_path, **kw)
