@@ -2,12 +2,14 @@
 DDTree budget, from the load-aware policy (`--speculative-ddtree-budget auto`,
 engine/budget_policy.py) or the fixed budget with per-request caps (`SamplingParams.ddtree_budget`).
 
-A round's width is always one with verify graphs (`SpecConfig.verify_widths`): the smallest that
-holds 1 + the largest budget. The draft graph builds the tree at the cap and cuts each request to
-its budget (`build_tree(budgets=...)`), and the decoder narrows the tree to the width, so a
-smaller budget verifies fewer rows. After the round `observe` feeds the trees' gain curves (read
-back with the round's tokens) and the realised accept lengths to the policy, and keeps the
-round's `RoundRecord` for the metrics and the log.
+A round's width is always one with verify graphs (`SpecConfig.verify_widths`). With auto the
+round drafts at its rung: the tree spec of the smallest ladder budget that holds the largest
+budget (every request at the rung's budget: exactly the fixed B=rung server's draft, verify and
+commit; mixed budgets: built at that rung and each request cut to its budget inside the draft
+graph, `build_tree(budgets=...)`), or the DFLASH chain's spec. Fixed budgets with per-request
+caps build at the cap and cut. After the round `observe` feeds the trees' gain curves and the
+chain's gain (read back with the round's tokens) and the realised accept lengths to the policy,
+and keeps the round's `RoundRecord` for the metrics and the log.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class RoundPlan:
     budgets: list[int] | None  # per-request DDTree budgets (None: the spec's for every request)
     predicted: np.ndarray | None = None  # policy's calibrated expected accepted drafts per request
     slots: np.ndarray | None = None
+    spec: tuple | None = None  # the draft graphs' tree spec (None: the decoder's own)
+    chain: bool = False  # the round drafts the DFLASH chain (auto's chain rung)
+    cut: list[int] | None = None  # budgets the draft must cut to (None: all at the spec's)
+
+    @property
+    def rung(self) -> str:
+        """The metrics' name of the round's choice: ar, chain or tree<B> (B: the built budget)."""
+        if self.width == 1:
+            return "ar"
+        return "chain" if self.chain else f"tree{self.width - 1}"
 
 
 @dataclass
@@ -40,6 +52,7 @@ class RoundRecord:
     budgets: list[int]
     predicted: list[float]  # expected accepted drafts (policy, calibrated); [] when fixed
     accepted: list[int]  # accepted drafts per request (emitted - 1)
+    rung: str = ""  # RoundPlan.rung (auto), else ""
     round_s: float = 0.0  # wall time of SpecDecoder.round (launches + the wait for the device)
     host_s: float = 0.0  # the engine step's time outside the round (schedule, emit, stops)
     server_s: float = 0.0  # the server loop's time outside the step (publish, commands, metrics)
@@ -48,10 +61,15 @@ class RoundRecord:
 class BudgetPlanner:
     def __init__(self, cfg: SpecConfig, slots: int, cost: RoundCost | None = None):
         self.cfg = cfg
-        self.widths = sorted(cfg.verify_widths)
+        # the tree widths a budget maps to (auto: the ladder's; the chain's width is its own rung)
+        self.widths = (
+            [1 + b for b in budget_ladder(cfg.budget)]
+            if cfg.adaptive
+            else sorted(cfg.verify_widths)
+        )
         self.policy: BudgetPolicy | None = None
         if cfg.adaptive:
-            self.policy = BudgetPolicy(budget_ladder(cfg.budget), cost, slots)
+            self.policy = BudgetPolicy(budget_ladder(cfg.budget), cost, slots, cfg.chain_rung)
         self.last: RoundRecord | None = None
         self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
 
@@ -75,23 +93,44 @@ class BudgetPlanner:
         if self.policy is None:
             if all(c == cfg.budget for c in caps):
                 return RoundPlan(cfg.verify_width, None)
-            return RoundPlan(self.width_for(max(caps)), caps)
+            return RoundPlan(self.width_for(max(caps)), caps, cut=caps)
         if self.last is not None:  # its host / server times are filled in after the round
             self.host_s = 0.9 * self.host_s + 0.1 * (self.last.host_s + self.last.server_s)
         slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
         d = self.policy.choose(slots, reqs, caps, max_ctx, self.host_s)
         budgets = d.budgets.tolist()
-        return RoundPlan(self.width_for(max(budgets)), budgets, d.predicted, slots)
+        if d.chain:
+            return RoundPlan(d.width, budgets, d.predicted, slots, cfg.tree_spec(chain=True), True)
+        width = self.width_for(max(budgets))
+        cut = None if all(b == width - 1 for b in budgets) else budgets
+        spec = cfg.tree_spec(width - 1) if width > 1 else None
+        return RoundPlan(width, budgets, d.predicted, slots, spec, cut=cut)
+
+    def tree_specs(self) -> list[tuple]:
+        """The draft specs auto's rounds may build: one per tree rung, and the chain."""
+        if self.policy is None:
+            return []
+        cfg = self.cfg
+        specs = [cfg.tree_spec(w - 1) for w in self.widths if w > 1]
+        return specs + ([cfg.tree_spec(chain=True)] if cfg.chain_rung else [])
 
     def observe(
-        self, plan: RoundPlan, n_reqs: int, emitted: list[int], curves: list[list[int]] | None
+        self, plan: RoundPlan, n_reqs: int, emitted: list[int], curves: np.ndarray | None
     ) -> None:
         """emitted: tokens per request this round (accepted drafts + the bonus); curves: the
-        round's fixed-point gain curves (host rows) when `observes`."""
+        round's fixed-point host columns [b, .] when `observes`: the tree's gain curve (none for
+        a chain round), then the chain's gain."""
         budgets = plan.budgets or [max(plan.width - 1, 0)] * n_reqs
         accepted = [max(k - 1, 0) for k in emitted]
         predicted = [] if plan.predicted is None else plan.predicted.tolist()
-        if self.policy is not None and curves is not None and plan.width > 1:
+        pol = self.policy
+        if pol is not None and curves is not None and plan.width > 1:
             c = np.asarray(curves, dtype=np.float64) / CURVE_SCALE
-            self.policy.observe(plan.slots, budgets, c, accepted)
-        self.last = RoundRecord(plan.width, budgets, predicted, accepted)
+            tree = None
+            if not plan.chain:  # columns past the built rung repeat its last value (not read)
+                B = max(self.cfg.budget, 1)
+                tree = c[:, :-1]
+                if tree.shape[1] < B:
+                    tree = np.pad(tree, ((0, 0), (0, B - tree.shape[1])), mode="edge")
+            pol.observe(plan.slots, budgets, tree, accepted, chain=c[:, -1])
+        self.last = RoundRecord(plan.width, budgets, predicted, accepted, plan.rung if pol else "")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ddtree import envs
-from ddtree.engine.budget_policy import AnalyticCost, CostTable, RoundCost
+from ddtree.engine.budget_policy import AnalyticCost, CostTable, RoundCost, rungs
 from ddtree.engine.config import SpecConfig, budget_ladder
 
 logger = logging.getLogger("ddtree")
@@ -58,6 +58,7 @@ def analytic_cost(runner, spec: SpecConfig) -> AnalyticCost:
         HBM_BYTES_PER_S[kind],
         FLOPS[kind],
         1.5e-3 if kind == "cuda" else 1e-3,
+        chain=spec.chain_rung,
     )
 
 
@@ -113,21 +114,26 @@ def _clock(device):
 
 @torch.inference_mode()
 def measure(runner, spec: SpecConfig, replays: int = REPLAYS) -> CostTable:
-    """Median seconds of draft + verify + commit per (batch bucket, width), every row padded."""
+    """Median seconds of draft + verify + commit per (batch bucket, rung), every row padded; each
+    rung's draft is its own spec's graph (the tree built at the rung; the chain)."""
     g = runner.graphs
     ladder = budget_ladder(spec.budget)
     now = _clock(runner.device)
-    draft = g._draft_set(g.tree_spec) if g.draft_graph is not None else None
-    table = np.zeros((len(g.buckets), 1, len(ladder)))
+    plan = rungs(ladder, spec.chain_rung)
+    drafts = [
+        None if b == 0 or g.draft_graph is None else g._draft_set(spec.tree_spec(b, chain))
+        for b, chain in plan
+    ]
+    table = np.zeros((len(g.buckets), 1, len(plan)))
     for i, bs in enumerate(g.buckets):
-        for j, b in enumerate(ladder):
+        for j, ((b, _), draft) in enumerate(zip(plan, drafts)):
             w = 1 + b
             gs, v = g.verify_sets[w], g.verify_graphs[w]
             commit = g.commit_graphs.get((w, bs))
             times = []
             for _ in range(replays + 1):
                 t0 = now()
-                if w > 1 and draft is not None:
+                if draft is not None:
                     draft.run(bs, [0] * bs)
                 gs.run(bs, [v.n] * bs)
                 if commit is not None:
@@ -138,7 +144,8 @@ def measure(runner, spec: SpecConfig, replays: int = REPLAYS) -> CostTable:
             table[i, 0, j] = statistics.median(times[1:])  # the first may compile
     kind = runner.device.type if runner.device.type in HBM_BYTES_PER_S else "cpu"
     kv = _kv_bytes_per_token(runner) / HBM_BYTES_PER_S[kind]
-    return CostTable(ladder, tuple(g.buckets), (runner.cfg.max_context,), table, kv)
+    ctx = (runner.cfg.max_context,)
+    return CostTable(ladder, tuple(g.buckets), ctx, table, kv, spec.chain_rung)
 
 
 def profile_key(runner, spec: SpecConfig) -> str:
@@ -157,7 +164,8 @@ def profile_key(runner, spec: SpecConfig) -> str:
         shape += [d.hidden_size, d.num_hidden_layers, d.num_attention_heads]
     g = runner.graphs
     parts = [name, torch.__version__, str(runner.dtype), shape, g.buckets, g.widths]
-    parts += [spec.block_size, spec.budget, spec.topk_cap, spec.shadow_linear]
+    parts += [spec.block_size, spec.budget, spec.topk_cap, spec.shadow_linear, spec.chain_rung]
+    parts += ["per-rung drafts"]  # tables before each rung had its own draft spec are stale
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
@@ -198,10 +206,10 @@ def round_cost(runner, spec: SpecConfig) -> RoundCost:
     t0 = time.perf_counter()
     table = measure(runner, spec)
     logger.info(
-        "Budget policy: round costs measured in %.1f s (batch %s x width %s; ms at batch 1: %s).",
+        "Budget policy: round costs measured in %.1f s (batch %s x rung %s; ms at batch 1: %s).",
         time.perf_counter() - t0,
         list(table.batches),
-        [1 + b for b in table.ladder],
+        ["chain" if c else f"B{b}" for b, c in rungs(table.ladder, table.chain)],
         ", ".join(f"{1e3 * x:.2f}" for x in table.table[0, 0]),
     )
     if path is not None:

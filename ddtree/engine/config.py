@@ -43,9 +43,9 @@ def verify_width(algorithm: str, block_size: int, budget: int) -> int:
 
 def budget_ladder(cap: int) -> tuple[int, ...]:
     """Budgets `--speculative-ddtree-budget auto` picks from: 0 (AR), powers of two from 8 below
-    the cap, and the cap; each is one verify width (1 + budget) with its own CUDA graphs. The
-    DFLASH chain is not a rung: a B=16 tree accepts more than the 15-node chain at about the same
-    width (its top-1 spine is in the tree wherever it scores best)."""
+    the cap, and the cap; each is one verify width (1 + budget) with its own CUDA graphs and its
+    own draft graphs (the tree is built at the rung, not at the cap). The DFLASH chain is a rung
+    beside them (`SpecConfig.chain_rung`): at high load its width-S verify beats a tree's."""
     out = {0, cap}
     b = 8
     while b < cap:
@@ -74,7 +74,34 @@ class SpecConfig:
         auto, else the one width."""
         if not self.adaptive:
             return (self.verify_width,)
-        return tuple(1 + b for b in budget_ladder(self.budget))
+        widths = {1 + b for b in budget_ladder(self.budget)}
+        if self.chain_rung:
+            widths.add(1 + self.chain_rung)
+        return tuple(sorted(widths))
+
+    @property
+    def chain_rung(self) -> int:
+        """With auto: the DFLASH chain's drafts (block_size - 1) when the chain is one of the
+        policy's rungs (it fits the cap's verify width), else 0."""
+        D = self.block_size - 1
+        return D if self.adaptive and 0 < D <= self.budget else 0
+
+    def tree_spec(self, budget: int | None = None, chain: bool = False) -> tuple:
+        """The draft graphs' key of a round's tree: the DFLASH chain, or the DDTree build at
+        `budget` (None: the server's)."""
+        if chain or self.algorithm == "DFLASH":
+            return tree_spec("DFLASH", 0, 0, False)
+        b = self.budget if budget is None else budget
+        return tree_spec(self.algorithm, b, self.topk_cap, self.shadow_linear)
+
+
+def tree_spec(algorithm: str, budget: int, topk_cap: int, shadow_linear: bool) -> tuple:
+    """(algorithm, budget, top-k cap, shadow-linear): one family of draft graphs. The cap is
+    clamped to the budget (the build's K = min(cap, budget)): an auto rung of budget b and the
+    fixed B=b server share one key."""
+    if algorithm == "DFLASH":
+        return ("DFLASH", 0, 0, False)
+    return ("DDTREE", budget, min(topk_cap, budget), shadow_linear)
 
 
 @dataclass(frozen=True)

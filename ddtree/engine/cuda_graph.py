@@ -39,6 +39,7 @@ import logging
 
 import torch
 
+from ddtree.engine.config import tree_spec
 from ddtree.engine.draft_graph import DraftGraph
 from ddtree.engine.graph_buffers import CommitGraph, Padding, VerifyGraph
 from ddtree.speculative.tree import DraftTree
@@ -200,6 +201,7 @@ class CudaGraphRunner:
         # tree spec -> fused drafter block + LM head + tree build
         self.draft_sets: dict[tuple, GraphSet] = {}
         self.tree_spec: tuple | None = None
+        self.extra_specs: tuple[tuple, ...] = ()  # auto: the other rungs' specs
         self._built = False
         why_eager = _draft_capturable(runner)
         if why_eager is None:
@@ -223,6 +225,8 @@ class CudaGraphRunner:
         self._built = True
         if self.tree_spec is not None:
             self._draft_set(self.tree_spec)
+            for spec in self.extra_specs:
+                self._draft_set(spec)
         if self.capture:
             torch.cuda.synchronize()
             logger.info(
@@ -274,14 +278,18 @@ class CudaGraphRunner:
         once per spec)."""
         if self.draft_graph is None or algorithm not in ("DFLASH", "DDTREE"):
             return
-        spec = (
-            ("DFLASH", 0, 0, False)
-            if algorithm == "DFLASH"
-            else ("DDTREE", budget, topk_cap, shadow_linear)
-        )
-        self.tree_spec = spec
+        self.tree_spec = tree_spec(algorithm, budget, topk_cap, shadow_linear)
         if self._built:
-            self._draft_set(spec)
+            self._draft_set(self.tree_spec)
+
+    def add_tree_specs(self, specs) -> None:
+        """More tree specs a round may draft with (`--speculative-ddtree-budget auto`: one per
+        rung, so a round builds at its own rung): captured now when the graphs are built, else
+        with them; a spec not announced is captured on first use."""
+        self.extra_specs = tuple(dict.fromkeys((*self.extra_specs, *specs)))
+        if self._built and self.draft_graph is not None:
+            for spec in specs:
+                self._draft_set(spec)
 
     # ---- verify
     # ------------------------------------------------------------------------------------------
@@ -360,12 +368,14 @@ class CudaGraphRunner:
         roots: torch.Tensor,
         depth_limits: list[int] | None,
         budgets: list[int] | None = None,
+        spec: tuple | None = None,
     ) -> tuple[torch.Tensor, DraftTree]:
-        """One replay from the roots to the round's tree (the decoder's spec). depth_limits:
-        per-request depth limits (None: all D); budgets: per-request DDTree budgets <= the spec's
-        (None: all of it), cut inside the graph from the spec's best-first build. Returns
-        (drafter logits [b, D, V], the tree at the spec's width)."""
-        gs = self._draft_set(self.tree_spec)
-        b = self.draft_graph.load(meta, roots, depth_limits, budgets, self.tree_spec)
+        """One replay from the roots to the round's tree. spec: the tree spec to build (None: the
+        decoder's); depth_limits: per-request depth limits (None: all D); budgets: per-request
+        DDTree budgets <= the spec's (None: all of it), cut inside the graph from the spec's
+        best-first build. Returns (drafter logits [b, D, V], the tree at the spec's width)."""
+        spec = spec or self.tree_spec
+        gs = self._draft_set(spec)
+        b = self.draft_graph.load(meta, roots, depth_limits, budgets, spec)
         gs.run(b, list(meta.kv_lens))
-        return self.draft_graph.tree(self.tree_spec, b)
+        return self.draft_graph.tree(spec, b)

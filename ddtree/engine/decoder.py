@@ -67,6 +67,7 @@ class SpecDecoder:
         self.while_device_runs: Callable[[], None] | None = None
         if cfg.algorithm != "NONE":
             runner.set_tree_spec(cfg.algorithm, cfg.budget, cfg.topk_cap, cfg.shadow_linear)
+            runner.add_tree_specs(self.budgets.tree_specs())  # auto: every rung's own draft
         if cfg.adaptive:  # after the draft graphs of the spec exist: the profile replays them
             from ddtree.engine.budget_profile import round_cost
 
@@ -102,12 +103,13 @@ class SpecDecoder:
             tree = _root_only(roots)
         else:
             limits = self.depth_limits(reqs, max_context)
-            draft_logits, tree = runner.draft_tree(
-                reqs, roots, cfg.block_size, limits, budgets=plan.budgets
-            )
+            kw = {"budgets": plan.cut}
+            if plan.spec is not None:  # auto: the rung's own tree spec (else the decoder's)
+                kw["spec"] = plan.spec
+            draft_logits, tree = runner.draft_tree(reqs, roots, cfg.block_size, limits, **kw)
             t = self.times.add("draft", t)
             if tree is None:  # eager: the same build
-                tree = self._build(roots, draft_logits, limits, plan.budgets)
+                tree = self._build(roots, draft_logits, limits, plan)
             tree = tree.narrow(plan.width)
             t = self.times.add("tree", t)
         vo = runner.verify_nodes(reqs, tree)
@@ -131,21 +133,25 @@ class SpecDecoder:
         lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
         runner.commit(reqs, res.path, res.accept_length, vo.taps)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
-        curves = self.budgets.observes and tree.path_probs is not None
-        if curves:  # the gain curves ride the same read-back, in fixed point
-            gain = (tree.path_probs.double().cumsum(1) * CURVE_SCALE).round().to(torch.int64)
+        curves = self.budgets.observes and tree.chain_probs is not None
+        if curves:  # the gain curves (tree, then the chain's sum) ride the read-back, fixed point
+            parts = [tree.chain_probs.double().sum(1, keepdim=True)]
+            if not plan.chain:
+                parts.insert(0, tree.path_probs.double().cumsum(1))
+            gain = (torch.cat(parts, 1) * CURVE_SCALE).round().to(torch.int64)
             out = torch.cat([out, gain], 1)
         self._while_device_runs()
-        host, lp_rows = logprobs.read_back(reqs, out, lp)  # the round's one device->host copy
+        host_t, lp_rows = logprobs.read_back_tensor(reqs, out, lp)  # the round's one copy to host
         self.times.add("commit", t)
         w = res.out_tokens.shape[1] + 1
+        host = host_t[:, :w].tolist()  # only the token columns as Python lists
         # root + (k - 1) accepted drafts; the bonus is pending
         runner.advance(reqs, [row[0] for row in host])
         emitted = [row[1 : 1 + row[0]] for row in host]
         for r, lp_row, toks in zip(reqs, lp_rows, emitted):
             logprobs.append(r, lp_row, toks)
         self.budgets.observe(
-            plan, len(reqs), [row[0] for row in host], [row[w:] for row in host] if curves else None
+            plan, len(reqs), [row[0] for row in host], host_t[:, w:].numpy() if curves else None
         )
         return emitted
 
@@ -156,20 +162,22 @@ class SpecDecoder:
         if self.while_device_runs is not None:
             self.while_device_runs()
 
-    def _build(self, roots, draft_logits, limits, budgets: list[int] | None) -> DraftTree:
-        """The eager tree (no draft graph): what the draft graph builds."""
-        cfg, dev = self.cfg, self.runner.device
+    def _build(self, roots, draft_logits, limits, plan: RoundPlan) -> DraftTree:
+        """The eager tree (no draft graph): what the draft graph of the plan's spec builds."""
+        dev = self.runner.device
         max_depth = None if limits is None else torch.tensor(limits, device=dev)
-        if cfg.algorithm == "DFLASH":
+        algorithm, budget, topk_cap, shadow_linear = plan.spec or self.cfg.tree_spec()
+        if algorithm == "DFLASH":
             return build_chain(roots, draft_logits, max_depth=max_depth)
+        cut = None if plan.cut is None else torch.tensor(plan.cut, device=dev)
         return build_tree(
             roots,
             draft_logits,
-            cfg.budget,
-            cfg.topk_cap,
-            cfg.shadow_linear,
+            budget,
+            topk_cap,
+            shadow_linear,
             max_depth=max_depth,
-            budgets=None if budgets is None else torch.tensor(budgets, device=dev),
+            budgets=cut,
         )
 
     def _ar_round(self, reqs: list[Req], roots: torch.Tensor, t: float) -> list[list[int]]:

@@ -6,7 +6,10 @@ and per-request budgets likewise (the spec's budget where unlimited): the tree i
 spec's budget and each request keeps the first `budget` nodes of its best-first order, packed
 first, so mixed budgets need no eager build; the decoder then verifies the tree narrowed to the
 round's width. The build's best-first path probabilities (`DraftTree.path_probs`, the budget
-policy's gain curve) land in a static buffer too.
+policy's gain curve) and the top-1 chain's (`chain_probs`) land in static buffers too. With
+`--speculative-ddtree-budget auto` every rung has its own spec (the DDTree build at the rung's
+budget, and the DFLASH chain), so a round of one budget b costs what the fixed B=b server's
+draft costs, and mixed budgets build at the round's largest rung.
 The draft graphs of one tree spec are captured when the decoder announces its spec
 (`CudaGraphRunner.set_tree_spec`); without one the plain block graph (hidden states out, LM head
 eager) is captured on first use. Padding rows: an empty drafter context in the scratch pages (see
@@ -50,6 +53,7 @@ class DraftGraph:
         # (each spec's graphs read and write their own)
         self.budgets: dict[tuple, torch.Tensor] = {}
         self.path_probs: dict[tuple, torch.Tensor] = {}
+        self.chain_probs: dict[tuple, torch.Tensor] = {}  # per spec: [M, D] the top-1 chain's
         self.budgeted: dict[tuple, int] = {}  # leading rows whose budget may be below the spec's
         self.logits = None  # [M, D, V] static drafter logits, made with the first tree spec
         self.trees: dict[tuple, tuple] = {}  # tree spec -> static DraftTree fields [M, ...]
@@ -85,6 +89,7 @@ class DraftGraph:
             vocab = self.runner.target.config.vocab_size  # the LM head may hold one TP shard
             self.logits = torch.empty(M, self.D, vocab, dtype=head.dtype, device=dev)
         N = 1 + (self.D if spec[0] == "DFLASH" else spec[1])
+        self.chain_probs[spec] = torch.zeros(M, self.D, dtype=torch.float32, device=dev)
         if spec[0] == "DDTREE":
             self.budgets[spec] = torch.full((M,), spec[1], dtype=torch.int64, device=dev)
             self.path_probs[spec] = torch.zeros(M, spec[1], dtype=torch.float32, device=dev)
@@ -177,6 +182,7 @@ class DraftGraph:
                 budgets=self.budgets[spec][:bs],
             )
             self.path_probs[spec][:bs].copy_(tree.path_probs)
+        self.chain_probs[spec][:bs].copy_(tree.chain_probs)
         for buf, x in zip(
             self.trees[spec], (tree.tokens, tree.parents, tree.depths, tree.valid, tree.tree_mask)
         ):
@@ -187,4 +193,6 @@ class DraftGraph:
         """(drafter logits [b, D, V], the tree) of the latest `tree_forward(spec)` replay."""
         tokens, parents, depths, valid, mask = (x[:b] for x in self.trees[spec])
         probs = self.path_probs[spec][:b] if spec in self.path_probs else None
-        return self.logits[:b], DraftTree(tokens, parents, depths, valid, mask, self.D, probs)
+        tree = DraftTree(tokens, parents, depths, valid, mask, self.D, probs)
+        tree.chain_probs = self.chain_probs[spec][:b]
+        return self.logits[:b], tree

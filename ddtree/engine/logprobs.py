@@ -55,10 +55,17 @@ def node_logprobs(
 def read_back(reqs, out: torch.Tensor, lp: torch.Tensor | None) -> tuple[list[list[int]], list]:
     """One device->host copy of the round's int64 `out` [b, w] and its log-probs (float64, exact for
     token ids). Returns (out as host rows, per request its log-prob rows or None)."""
+    host, lp_rows = read_back_tensor(reqs, out, lp)
+    return host.tolist(), lp_rows
+
+
+def read_back_tensor(reqs, out: torch.Tensor, lp: torch.Tensor | None) -> tuple[torch.Tensor, list]:
+    """`read_back` with `out` as a host int64 tensor (the caller lists only the columns it walks
+    in Python)."""
     if lp is None:
-        return out.cpu().tolist(), [None] * len(reqs)
+        return out.cpu(), [None] * len(reqs)
     flat = torch.cat([out.flatten().to(torch.float64), lp.flatten()]).cpu()
-    host = flat[: out.numel()].view(out.shape).to(torch.int64).tolist()
+    host = flat[: out.numel()].view(out.shape).to(torch.int64)
     lp_rows = iter(flat[out.numel() :].view(lp.shape).tolist())
     return host, [next(lp_rows) if r.params.logprobs else None for r in reqs]
 

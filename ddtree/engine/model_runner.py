@@ -149,6 +149,11 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.set_tree_spec(algorithm, budget, topk_cap, shadow_linear)
 
+    def add_tree_specs(self, specs) -> None:
+        """More tree specs a round may draft with (auto: one per rung), for the draft graphs."""
+        if self.graphs is not None:
+            self.graphs.add_tree_specs(specs)
+
     def slots_of(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """rows [b, max_pages] block-table rows, positions [b, m] logical -> KV slots [b, m]."""
         p = self.cfg.page_size
@@ -327,6 +332,7 @@ class ModelRunner:
         depth_limits: list[int] | None,
         meta: RoundMeta | None = None,
         budgets: list[int] | None = None,
+        spec: tuple | None = None,
     ):
         """Drafter logits [b, S-1, V] and, when a CUDA graph built it in the same replay (the tree spec set with
         `set_tree_spec`, per-request `depth_limits` and DDTree `budgets` applied; None = no limit), the round's
@@ -338,7 +344,9 @@ class ModelRunner:
             and g.tree_spec is not None
             and g.can_draft(len(reqs), block_size, max(meta.kv_lens))
         ):
-            return g.draft_tree(meta, roots, depth_limits, budgets)
+            if spec is None:  # the decoder's own spec
+                return g.draft_tree(meta, roots, depth_limits, budgets)
+            return g.draft_tree(meta, roots, depth_limits, budgets, spec)
         return self.draft(reqs, roots, block_size, meta), None
 
     @torch.inference_mode()

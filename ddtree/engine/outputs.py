@@ -60,7 +60,7 @@ class TokenEmitter:
         """Detokenise the request's deferred tokens into `req.text`."""
         n, detok = self.lag.pop(req.rid, 0), self.detok.get(req.rid)
         if n and detok is not None:
-            req.text += "".join(detok.append(t) for t in req.output_ids[-n:])
+            req.text += detok.extend(req.output_ids[-n:])
 
     def emit(self, req: Req, tokens: list[int]) -> None:
         """Append tokens until one finishes the request; the rest of the round's tokens are dropped."""

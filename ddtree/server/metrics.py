@@ -178,6 +178,12 @@ class ServerMetrics:
             ["width"],
             registry=r,
         )
+        self.rung = Counter(
+            "ddtree_spec_rung_rounds",
+            "Decode rounds by the budget policy's choice (ar, chain, tree<B>: built at budget B)",
+            ["rung"],
+            registry=r,
+        )
         self.predicted = Counter(
             "ddtree_spec_predicted_accepted_drafts",
             "Accepted drafts the budget policy predicted (calibrated), request-rounds with a prediction",
@@ -238,6 +244,8 @@ class ServerMetrics:
         for b in rec.budgets:
             self.budget.observe(b)
         self.verify_width.labels(str(rec.width)).inc()
+        if rec.rung:
+            self.rung.labels(rec.rung).inc()
         if rec.predicted:
             self.predicted.inc(sum(rec.predicted))
             self.realised.inc(sum(rec.accepted))

@@ -32,6 +32,10 @@ class DraftTree:
     # any per-request budget cut (0 past the candidates): its prefix sum at b - 1 is the drafter's
     # expected accepted drafts of the budget-b tree (DDTree Prop. 1), for every b <= B at once
     path_probs: Tensor | None = None
+    # [b, D] fp32 drafter path probability of the top-1 chain's node at each depth (0 past the
+    # request's depth limit): its sum is the DFLASH chain's expected accepted drafts, so a tree
+    # round also tells the budget policy what the chain rung would gain
+    chain_probs: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -58,6 +62,7 @@ class DraftTree:
             self.tree_mask[:, :n, :n],
             self.num_depths,
             self.path_probs,
+            self.chain_probs,
         )
 
     def positions(self, seq_lens: Tensor) -> Tensor:
@@ -216,7 +221,14 @@ def build_tree(
         D,
     )
     tree.path_probs = path_probs
+    tree.chain_probs = _chain_probs(logp, limit)
     return tree
+
+
+def _chain_probs(logp: Tensor, limit: Tensor) -> Tensor:
+    """[b, D] path probability of the top-1 chain's depth-d node (0 past the depth limit)."""
+    depth = torch.arange(1, logp.shape[1] + 1, device=logp.device)
+    return torch.where(depth[None, :] <= limit[:, None], logp[:, :, 0].cumsum(1).exp(), 0.0)
 
 
 def build_chain(
@@ -225,10 +237,11 @@ def build_chain(
     """The DFLASH chain of top-1 tokens (n = 1 + D); nodes beyond max_depth[b] are padding."""
     b, D, _ = draft_logits.shape
     device = draft_logits.device
-    _, ids = topk_logprobs(draft_logits, 1)
+    logp, ids = topk_logprobs(draft_logits, 1)
     depth = torch.arange(1, D + 1, device=device).expand(b, D)
-    ok = depth <= _depth_limit(max_depth, b, D, device)[:, None]
-    return _assemble(
+    limit = _depth_limit(max_depth, b, D, device)
+    ok = depth <= limit[:, None]
+    tree = _assemble(
         root_tokens,
         torch.where(ok, ids[:, :, 0], 0),
         torch.where(ok, depth - 1, -1),
@@ -236,6 +249,8 @@ def build_chain(
         ok,
         D,
     )
+    tree.chain_probs = _chain_probs(logp, limit)
+    return tree
 
 
 def _assemble(

@@ -39,7 +39,7 @@ class Cycling:
         b = np.minimum(b, np.asarray(caps)) if self.k % 5 else np.zeros(n, dtype=np.int64)
         return Decision(1 + int(b.max()), b, np.zeros(n), 0.0)
 
-    def observe(self, *a):
+    def observe(self, *a, **kw):
         pass
 
 
@@ -83,7 +83,7 @@ def test_auto_graphs_profile_and_lossless(pair, tmp_path, monkeypatch):
     monkeypatch.setenv(envs.BUDGET_PROFILE_DIR.name, str(tmp_path))
     llm = _llm(pair, True)
     g = llm.engine.runner.graphs
-    assert g is not None and g.capture and sorted(g.widths) == [1, 9, 17, 33, 65]
+    assert g is not None and g.capture and sorted(g.widths) == [1, 9, 16, 17, 33, 65]
     cost = llm.engine.decoder.budgets.policy.cost
     assert isinstance(cost, CostTable) and (cost.table > 0).all()
     assert len(list(tmp_path.iterdir())) == 1  # cached for the next start

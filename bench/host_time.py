@@ -1,0 +1,192 @@
+"""Round and host time per decode round of the offline engine (CPU or GPU), per config and
+concurrency: the decoder round's wall time and the engine step outside it (schedule, emit, stops,
+finish), with an optional cProfile of the whole loop. Each level keeps `conc` requests running (a
+finished one is replaced until 2 x conc have run), like `bench serving`.
+
+Configs: NONE, DFLASH, a fixed budget (16), auto, and auto with its policy forced to one rung
+(auto@16: every request budget 16 every round; auto@chain: the DFLASH chain), so an auto round
+is timed beside the fixed round of the budget it picks (issue 20: same draft, verify, commit).
+
+    PYTHONPATH=. python3 bench/host_time.py --configs auto,16 --conc 1,8,32,64 --max-tokens 48
+    PYTHONPATH=. python3 bench/host_time.py --device cuda --model-path inflate:qwen3-8b \
+        --configs 64,auto@64,16,auto@16,DFLASH,auto@chain --conc 1,8 --max-tokens 128 \
+        --context-length 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import pstats
+import statistics
+import time
+
+
+class Forced:
+    """A budget-policy stub: every request the same budget (or the chain) every round."""
+
+    def __init__(self, rung: str, chain_depth: int):
+        self.chain = rung == "chain"
+        self.budget = chain_depth if self.chain else int(rung)
+
+    def choose(self, slots, owners, caps, ctx, extra_s=0.0):
+        import numpy as np
+
+        from ddtree.engine.budget_policy import Decision
+
+        b = np.full(len(slots), self.budget, dtype=np.int64)
+        return Decision(1 + self.budget, b, np.zeros(len(slots)), 0.0, self.chain)
+
+    def observe(self, *a, **kw):
+        pass
+
+
+def h200_costs(spec):
+    """The H200 8B-shape per-round ms of BENCHMARKS (round + host; NONE: its TPOT), as a cost
+    table over auto's rungs (other tree rungs interpolated in width), so that on the CPU the
+    policy chooses as on the H200 and its host-side paths are the H200's."""
+    import numpy as np
+
+    from ddtree.engine.budget_policy import CostTable, rung_widths
+
+    conc = (1, 2, 4, 8, 16, 32, 64)
+    ms = {  # width -> ms per concurrency
+        1: (5.72, 5.81, 5.85, 6.16, 6.14, 6.67, 8.34),
+        16: (7.47, 7.64, 8.13, 9.54, 11.65, 17.18, 28.14),
+        17: (8.27, 8.57, 9.34, 10.65, 13.71, 19.54, 37.31),
+        65: (8.35, 8.93, 11.17, 15.83, 25.74, 45.75, 74.44),
+    }
+    ladder = tuple(sorted({0, 8, 16, 32, spec.budget}))
+    w = rung_widths(ladder, spec.chain_rung)
+    known = sorted(ms)
+    table = np.array(
+        [[np.interp(w, known, [ms[k][i] for k in known]) / 1e3] for i in range(len(conc))]
+    )
+    return CostTable(ladder, conc, (4096,), table, chain=spec.chain_rung)
+
+
+def config_kwargs(name: str) -> dict:
+    if name == "auto" or name.startswith("auto@"):
+        return dict(speculative_algorithm="DDTREE", speculative_ddtree_budget="auto")
+    if name in ("DFLASH", "NONE"):
+        return dict(speculative_algorithm=name)
+    return dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=int(name))
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    import inspect
+    import textwrap
+
+    src = inspect.getsource(textwrap)
+    return [
+        tokenizer.encode(src[(200 * i) % 4000 :], add_special_tokens=False)[: 24 + 7 * (i % 9)]
+        for i in range(n)
+    ]
+
+
+def level(llm, conc: int, max_tokens: int, profile: cProfile.Profile | None) -> dict:
+    from ddtree import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    todo = prompts(eng.tokenizer, 2 * conc)
+    live = [eng.add_request(todo.pop(), sp) for _ in range(conc)]
+    host, rounds, steps = [], [], 0
+    t0 = time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        rec = eng.last_round
+        if rec is not None:
+            host.append(rec.host_s)
+            rounds.append(rec.round_s)
+        for r in [r for r in live if r.is_finished]:
+            live.remove(r)
+            if todo:
+                live.append(eng.add_request(todo.pop(), sp))
+    if profile is not None:
+        profile.disable()
+    wall = time.perf_counter() - t0
+    return {
+        "conc": conc,
+        "rounds": len(rounds),
+        "steps": steps,
+        "host_ms_mean": 1e3 * statistics.fmean(host),
+        "host_ms_p50": 1e3 * statistics.median(host),
+        "host_ms_max": 1e3 * max(host),
+        "round_ms_mean": 1e3 * statistics.fmean(rounds),
+        "round_ms_p50": 1e3 * statistics.median(rounds),
+        "wall_s": wall,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None, help="target (default: the embedded pair)")
+    p.add_argument("--configs", default="auto,16", help="auto, a fixed budget, DFLASH, NONE")
+    p.add_argument("--conc", default="1,8,32,64")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--context-length", type=int, default=None, help="fewer CUDA-graph buckets")
+    p.add_argument(
+        "--costs",
+        default="device",
+        choices=("device", "h200"),
+        help="auto's round costs: the device's own, or the H200 8B table (CPU runs choose as there)",
+    )
+    p.add_argument("--profile", type=int, default=0, help="print the top N cProfile rows")
+    p.add_argument("--json", default=None, help="write the rows here")
+    a = p.parse_args(argv)
+    import torch
+
+    from ddtree import LLM
+
+    torch.set_num_threads(1)
+    rows = []
+    conc = [int(c) for c in a.conc.split(",")]
+    for name in a.configs.split(","):
+        kw = dict(device=a.device, max_running_requests=max(conc), **config_kwargs(name))
+        if a.context_length:
+            kw["context_length"] = a.context_length
+        if a.device == "cuda":
+            kw.update(dtype="bfloat16", attention_backend="triton")
+        llm = LLM(a.model_path, **kw)
+        if name == "auto" and a.costs == "h200":
+            llm.engine.decoder.budgets.set_cost(h200_costs(llm.engine.spec))
+        if name.startswith("auto@"):
+            spec = llm.engine.spec
+            llm.engine.decoder.budgets.policy = Forced(name[5:], spec.chain_rung)
+        prof = cProfile.Profile() if a.profile else None
+        for c in conc:
+            row = {"config": name, **level(llm, c, a.max_tokens, prof)}
+            rows.append(row)
+            print(
+                f"{name:>6} conc {c:>3}: host {row['host_ms_mean']:.2f} ms/round (p50 "
+                f"{row['host_ms_p50']:.2f}, max {row['host_ms_max']:.1f}), round "
+                f"{row['round_ms_mean']:.2f} ms, {row['rounds']} rounds",
+                flush=True,
+            )
+        if prof is not None:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
+        del llm
+        gc.collect()
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    print("\nround ms (p50) per decode round, side by side:")
+    print(f"{'conc':>5} " + " ".join(f"{n:>12}" for n in names))
+    for c in conc:
+        got = {r["config"]: r for r in rows if r["conc"] == c}
+        cells = [f"{got[n]['round_ms_p50']:>12.2f}" if n in got else " " * 12 for n in names]
+        print(f"{c:>5} " + " ".join(cells))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

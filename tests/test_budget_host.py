@@ -1,0 +1,105 @@
+"""Host time per round (issue 20): one publish hands its deltas to the handlers' event loop in one
+call (not one self-pipe write, i.e. one GIL hand-off, per stream), in order; the rung counter; and
+the policy's per-round host cost stays small at concurrency 64."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+
+from ddtree.server.async_engine import Delta, Outbox, Stream
+
+
+def test_one_call_per_loop_per_publish_in_order():
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        calls = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: calls.append(a) or real(*a)
+        streams = [Stream(f"r{i}", 1, asyncio.Queue(), loop) for i in range(32)]
+        box = Outbox()
+        for k in range(3):
+            for st in streams:
+                box.put(st, Delta(text=f"{st.rid}.{k}"))
+        assert not calls  # nothing leaves before send
+        box.send()
+        assert len(calls) == 1 and box.calls == 1
+        deadline = time.monotonic() + 5
+        while any(st.queue.qsize() < 3 for st in streams) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for st in streams:
+            got = [st.queue.get_nowait().text for _ in range(3)]
+            assert got == [f"{st.rid}.{k}" for k in range(3)]
+        box.send()  # nothing pending: no call
+        assert len(calls) == 1
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+        loop.close()
+    box.put(streams[0], Delta(text="late"))
+    box.send()  # a closed loop: dropped, no error
+
+
+def test_rung_counter():
+    from prometheus_client import generate_latest
+
+    from ddtree.engine.budget import RoundPlan, RoundRecord
+    from ddtree.server.metrics import ServerMetrics
+
+    assert RoundPlan(1, None).rung == "ar"
+    assert RoundPlan(16, [15], chain=True).rung == "chain"
+    assert RoundPlan(17, [16, 3]).rung == "tree16"
+    m = ServerMetrics("DDTREE", 17)
+    m.on_round(RoundRecord(16, [15], [1.0], [3], "chain"), 0.0, 0.0)
+    text = generate_latest(m.registry).decode()
+    assert 'ddtree_spec_rung_rounds_total{rung="chain"} 1.0' in text
+
+
+def test_policy_round_cost_is_small_at_64():
+    """choose + observe at batch 64 (the work the round's host side adds with auto): well under a
+    millisecond per round, so it cannot be the per-round host time at concurrency 32."""
+    from ddtree.engine.budget_policy import BudgetPolicy, CostTable
+
+    ladder = (0, 8, 16, 32, 64)
+    table = CostTable(ladder, (64,), (4096,), np.full((1, 1, 6), 0.01), chain=15)
+    pol = BudgetPolicy(ladder, table, 64, 15)
+    owners, slots = [object() for _ in range(64)], np.arange(64)
+    curve = np.tile(np.linspace(0.5, 6, 64), (64, 1))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            d = pol.choose(slots, owners, [64] * 64, 1000)
+            pol.observe(slots, d.budgets, curve, [3] * 64, chain=np.full(64, 4.0))
+        best = min(best, (time.perf_counter() - t0) / 20)
+    assert best < 1e-3, best
+
+
+def test_run_detokenisation_equals_one_token_at_a_time():
+    """`extend` (two decodes per run) gives the text of `append` per token, chunk by chunk, on
+    text with multi-byte characters split across tokens."""
+    import os
+    import random
+
+    from ddtree.assets import PACKAGE_PAIR
+    from ddtree.engine.detokenizer import IncrementalDetokenizer
+    from ddtree.engine.setup import load_tokenizer
+
+    tok = load_tokenizer(os.path.join(PACKAGE_PAIR, "target"))
+    text = "def f(x):\n    return x  # naïve — 数据 🙂 ok\n" * 3
+    ids = tok.encode(text, add_special_tokens=False)
+    rng = random.Random(0)
+    one, many = IncrementalDetokenizer(tok, ids[:3]), IncrementalDetokenizer(tok, ids[:3])
+    i, split = 3, False
+    while i < len(ids):
+        n = rng.randint(1, 8)
+        chunk = ids[i : i + n]
+        want = "".join(one.append(t) for t in chunk)
+        split |= many.tok.decode(ids[: i + n]).endswith("\ufffd")
+        assert many.extend(chunk) == want, i
+        i += n
+    assert split  # some chunk ended inside a character
+    assert one.ids == many.ids
