@@ -24,11 +24,12 @@ def toy_pattern(kind: str, start: int, n: int, stride: int = 1) -> list[int]:
     mod the regular range ("prog", `stride`) or a walk of the fixed successor permutation ("walk").
     The toy drafters are accepted on these (mean accepted length 3-7 after ~8 tokens of context)."""
     from ddtree.train.data import NUM_SPECIAL, successor_table
+    from ddtree.train.toy import VOCAB
 
-    regular = 64 - NUM_SPECIAL  # the toy pairs' vocab is 64
+    regular = VOCAB - NUM_SPECIAL
     if kind == "prog":
         return [NUM_SPECIAL + (start + i * stride) % regular for i in range(n)]
-    succ = successor_table(64)
+    succ = successor_table(VOCAB)
     out = [NUM_SPECIAL + start % regular]
     while len(out) < n:
         out.append(int(succ[out[-1]]))
