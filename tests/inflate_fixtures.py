@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+from ddtree.bench.acceptance import DEFAULT_PROMPTS
+
 SRC_VOCAB = 8192
 
 DENSE = {
@@ -54,12 +56,10 @@ HYBRID = {
     },
 }
 
-PROMPTS = (
-    "The history of the printing press begins",
-    "def fibonacci(n):\n    ",
-    "Water boils at",
-    "Once upon a time, in a small village,",
-)
+# held-out code (`bench acceptance`'s prompts): the embedded pair is trained on stdlib code, so its
+# drafts are accepted here (DFLASH 4.2, DDTREE 16 5.1 tokens a round; the prose prompts these
+# replace gave 2.1 / 2.8), and the inflated == small comparisons exercise accepted drafts
+PROMPTS = DEFAULT_PROMPTS[4:8]
 
 
 def shape(name: str) -> dict:

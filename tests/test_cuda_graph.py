@@ -4,15 +4,17 @@ keep padding rows out of real KV pages, and build the round metadata once per ro
 
 import pytest
 import torch
-from engine_utils import make_llm, toy_prompts
+from engine_utils import accepted_prompts, make_llm, mean_accept
 from triton_utils import cpu_interpreter_only
 
 from ddtree import SamplingParams
 from ddtree.engine.cuda_graph import CudaGraphRunner, GraphSet, batch_buckets, ctx_bounds
 from ddtree.engine.model_runner import RoundMeta
 
-# ragged prompts (5..33 tokens) and different lengths, so the live batch shrinks 5 -> 1 over the run
-PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 12, 22, 6, 17)]
+# ragged prompts (9..33 tokens) the toy drafter accepts (mean accepted length > 2: the graph path's
+# commits move real accepted paths) and different lengths, so the live batch shrinks 5 -> 1
+# (lengths spread so that, with 4-7 tokens a round, some round still runs 3 live requests: padded)
+PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 12, 28, 6, 20)]
 ALGOS = ["NONE", "DFLASH", "DDTREE"]
 
 
@@ -34,8 +36,8 @@ def generate(pair, algorithm, graphs_max_bs=None, n=5, params=None, **kw):
         sets = [("verify", g.verify_set)] + [("draft", gs) for gs in g.draft_sets.values()]
         for kind, gs in sets:
             gs.run = _recording(gs.run, calls, kind)
-    outs = llm.generate([list(p) for p in toy_prompts(n)], (params or PARAMS)[:n])
-    return [o.token_ids for o in outs], calls, runner
+    outs = llm.generate([list(p) for p in accepted_prompts(n)], (params or PARAMS)[:n])
+    return outs, calls, runner
 
 
 def _recording(run, calls, kind):
@@ -48,7 +50,7 @@ def _recording(run, calls, kind):
 
 @pytest.fixture(scope="module")
 def plain(toy_pair):
-    return {a: generate(toy_pair, a)[0] for a in ALGOS}
+    return {a: [o.token_ids for o in generate(toy_pair, a)[0]] for a in ALGOS}
 
 
 def test_buckets():
@@ -65,13 +67,14 @@ def test_padded_static_path_gives_plain_tokens(
     toy_pair, plain, one_torch_thread, algorithm, max_bs
 ):
     """5 requests: with max_bs 4 the first rounds (b = 5) run eagerly, later ones pad 3 -> 4 etc."""
-    tokens, calls, _ = generate(toy_pair, algorithm, max_bs)
-    assert tokens == plain[algorithm]
+    outs, calls, _ = generate(toy_pair, algorithm, max_bs)
+    assert [o.token_ids for o in outs] == plain[algorithm]
     verify_bs = {b for kind, b in calls if kind == "verify"}
     assert verify_bs and max(verify_bs) <= max_bs
     assert any(b not in batch_buckets(max_bs) for b in verify_bs), "no round needed padding"
     if algorithm != "NONE":
         assert {b for kind, b in calls if kind == "draft"} == verify_bs
+        assert mean_accept(outs) > 2
     if max_bs == 4:
         assert 5 not in verify_bs  # b = 5 exceeds the largest bucket: eager
 
@@ -80,8 +83,8 @@ def test_padded_static_path_gives_plain_tokens(
 def test_single_request_bucket(toy_pair, plain, one_torch_thread, algorithm):
     """--cuda-graph-max-bs 1: static [1, S] buffers must own their memory (an expand(1, S).contiguous() view
     aliased the arange it was built from, and the first drafter replay failed on the H200)."""
-    tokens, calls, _ = generate(toy_pair, algorithm, 1)
-    assert tokens == plain[algorithm]
+    outs, calls, _ = generate(toy_pair, algorithm, 1)
+    assert [o.token_ids for o in outs] == plain[algorithm] and mean_accept(outs) > 2
     assert {b for kind, b in calls if kind == "draft"} == {1}
 
 
@@ -146,7 +149,7 @@ def test_padding_rows_write_only_scratch_pages(toy_pair, one_torch_thread, algor
     log = []
     _watch_kv(runner, log)
     # 4 -> 3 live rows inside bucket 4: stale rows
-    llm.generate([list(p) for p in toy_prompts(5)], PARAMS)
+    llm.generate([list(p) for p in accepted_prompts(5)], PARAMS)
     assert log and all(not bad for bad, _, _ in log)
     assert any(wrote for _, wrote, b in log if b == 3), "padding rows never wrote (to scratch)"
 
@@ -164,7 +167,7 @@ def test_padding_check_catches_a_pad_slot_in_a_real_page(toy_pair, one_torch_thr
     g.build()
     log = []
     _watch_kv(runner, log)
-    llm.generate([list(p) for p in toy_prompts(3)], PARAMS[:3])
+    llm.generate([list(p) for p in accepted_prompts(3)], PARAMS[:3])
     assert any(bad for bad, _, _ in log)
 
 
@@ -183,7 +186,7 @@ def test_round_metadata_built_once_per_round(toy_pair, one_torch_thread, monkeyp
 
     monkeypatch.setattr(RoundMeta, "__init__", counting_init)
     monkeypatch.setattr(llm.engine.decoder, "round", counting_round)
-    llm.generate([list(p) for p in toy_prompts(3)], PARAMS[:3])
+    llm.generate([list(p) for p in accepted_prompts(3)], PARAMS[:3])
     assert rounds and len(built) == len(rounds)
     assert llm.engine.runner._round is None  # commit ends the round
 
@@ -218,7 +221,7 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
             server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",),
         )
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (8, 4, 6)]
-    prompts = [list(p) for p in toy_prompts(3)]
+    prompts = [list(p) for p in accepted_prompts(3)]
     kw = dict(speculative_ddtree_budget=4, max_running_requests=4, context_length=120)
     ref = make_llm(toy_pair, "DDTREE", **kw).generate(prompts, params)
     monkeypatch.setattr(GraphSet, "probe", lambda self, bs, bound: (3, False))
@@ -231,7 +234,7 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
         backend.num_splits == 3 for _, _, backend in runner.graphs.verify_set.graphs.values()
     )
     ours = llm.generate(prompts, params)
-    assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+    assert [o.token_ids for o in ours] == [o.token_ids for o in ref] and mean_accept(ours) > 2
 
 
 @cpu_interpreter_only
@@ -358,7 +361,7 @@ def test_cuda_graph_flags_resolve(tmp_path, caplog):
 # request's tree to its budget (checked against the eager cut)
 FUSED_PARAMS = [
     SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, ddtree_budget=bud)
-    for m, bud in ((30, None), (12, 3), (22, None), (6, 5), (17, None))
+    for m, bud in ((40, None), (16, 3), (28, None), (6, 5), (20, None))
 ]
 
 
@@ -422,7 +425,7 @@ def _check_rounds(llm, log, drop_limits=False):
 
 @pytest.mark.parametrize("algorithm", ["DFLASH", "DDTREE"])
 def test_fused_draft_tree_and_graph_accept_match_eager(toy_pair, one_torch_thread, algorithm):
-    prompts = [list(p) for p in toy_prompts(5)]
+    prompts = [list(p) for p in accepted_prompts(5)]
     plain_llm = make_llm(toy_pair, algorithm, speculative_ddtree_budget=8, max_running_requests=8)
     ref = plain_llm.generate(prompts, FUSED_PARAMS)
     llm = make_llm(toy_pair, algorithm, speculative_ddtree_budget=8, max_running_requests=8)
@@ -439,6 +442,7 @@ def test_fused_draft_tree_and_graph_accept_match_eager(toy_pair, one_torch_threa
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     # accept lengths depend on the drafter's context KV, which the commit (graph path) writes
     assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in ref]
+    assert mean_accept(outs) > 2
     assert commits and any(b not in batch_buckets(4) for b in commits), (
         "no padded commit through the graph path"
     )
@@ -458,7 +462,7 @@ def test_fused_check_catches_dropped_depth_limits(toy_pair, one_torch_thread):
     attach_graphs(llm, 4)
     _check_rounds(llm, [], drop_limits=True)
     with pytest.raises(AssertionError, match="tokens|parents|depths|valid|tree_mask"):
-        llm.generate([list(p) for p in toy_prompts(3)], [FUSED_PARAMS[i] for i in (0, 3, 4)])
+        llm.generate([list(p) for p in accepted_prompts(3)], [FUSED_PARAMS[i] for i in (0, 3, 4)])
 
 
 @pytest.mark.parametrize("case", ["sampling", "override"])
@@ -474,7 +478,7 @@ def test_graph_path_with_sampling_or_override_gives_plain_tokens(toy_pair, one_t
         ]
     else:
         params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)] * 4
-    prompts = [list(p) for p in toy_prompts(4)]
+    prompts = [list(p) for p in accepted_prompts(4)]
     outs = []
     for graphs in (False, True):
         llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=8, max_running_requests=8)
@@ -484,8 +488,11 @@ def test_graph_path_with_sampling_or_override_gives_plain_tokens(toy_pair, one_t
             _check_rounds(llm, log)
         if case == "override":
             llm.engine.decoder.target_override = AcceptTrace([2, 1, 4], llm.engine.runner.device)
-        outs.append([(o.token_ids, o.accept_lengths) for o in llm.generate(prompts, params)])
+        got = llm.generate(prompts, params)
+        outs.append([(o.token_ids, o.accept_lengths) for o in got])
     assert outs[0] == outs[1]
+    if case == "sampling":  # (the override forces its own accept lengths)
+        assert mean_accept(got) > 2
     assert any(e[0] == "draft" for e in log)
 
 
@@ -506,7 +513,7 @@ def test_sliding_window_drafter_runs_the_draft_graph(toy_pair, one_torch_thread)
     (accept lengths differ from the full-attention drafter's)."""
     from ddtree.engine.cuda_graph import _draft_capturable
 
-    prompts, params = [list(p) for p in toy_prompts(3)], PARAMS[:3]
+    prompts, params = [list(p) for p in accepted_prompts(3)], PARAMS[:3]
     outs = {}
     for name, window, graphs in (("full", None, False), ("eager", 3, False), ("graph", 3, True)):
         llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=8, max_running_requests=8)
@@ -518,7 +525,10 @@ def test_sliding_window_drafter_runs_the_draft_graph(toy_pair, one_torch_thread)
             calls = []
             for gs in g.draft_sets.values():
                 gs.run = _recording(gs.run, calls, "draft")
-        outs[name] = [(o.token_ids, o.accept_lengths) for o in llm.generate(prompts, params)]
+        got = llm.generate(prompts, params)
+        outs[name] = [(o.token_ids, o.accept_lengths) for o in got]
+        if name == "full":  # a 3-token window accepts less, by design
+            assert mean_accept(got) > 2
     assert calls, "the draft graph never ran"
     assert outs["graph"] == outs["eager"]
     assert [t for t, _ in outs["eager"]] == [t for t, _ in outs["full"]]  # lossless either way

@@ -2,7 +2,7 @@
 accepted (the mean accepted length is asserted in the same test)."""
 
 import pytest
-from engine_utils import GREEDY, mean_accept, run, toy_prompts
+from engine_utils import GREEDY, accepted_prompts, mean_accept, run, toy_prompts
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,8 @@ def test_batch_equals_batch_of_one(toy_pair, algorithm):
     for p, o in zip(prompts, batched):
         alone = run(toy_pair, [p], algorithm=algorithm, speculative_ddtree_budget=16)[0]
         assert alone.token_ids == o.token_ids
+    if algorithm != "NONE":
+        assert mean_accept(batched) > 2
 
 
 def test_preemption_under_kv_pressure_is_lossless(toy_pair, ar_tokens):
@@ -53,7 +55,7 @@ def test_preemption_under_kv_pressure_is_lossless(toy_pair, ar_tokens):
         max_total_tokens=256,
         page_size=8,
     )
-    assert [o.token_ids for o in outs] == ar_tokens
+    assert [o.token_ids for o in outs] == ar_tokens and mean_accept(outs) > 2
 
 
 def test_pools_are_clean_after_drain(toy_pair):
@@ -85,3 +87,17 @@ def test_per_request_budgets_in_one_batch(toy_pair, ar_tokens):
     assert [o.token_ids for o in outs] == ar_tokens
     assert mean_accept([outs[2], outs[3]]) > 2
     assert max(outs[0].accept_lengths) <= 2  # a budget-1 tree holds one drafted node
+
+
+def test_the_accept_check_can_fail(toy_pair, tmp_path, one_torch_thread):
+    """Meta: the lossless tests' `mean_accept(outs) > 2` fails for a pair whose drafts are not
+    accepted: the toy target with a random-weight drafter, on the prompts the toy drafter accepts."""
+    from pair_fixtures import save_random_drafter
+
+    from ddtree.train.data import MASK_ID
+
+    target, drafter = toy_pair
+    save_random_drafter(target, tmp_path, block_size=8, mask_token_id=MASK_ID, layer_ids=[0, 1])
+    outs = run((target, str(tmp_path)), accepted_prompts(), algorithm="DFLASH")
+    assert [o.token_ids for o in outs] == [o.token_ids for o in run(toy_pair, accepted_prompts())]
+    assert mean_accept(outs) < 1.5

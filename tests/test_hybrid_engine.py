@@ -94,6 +94,8 @@ def test_batch_equals_batch_of_one(toy_hybrid_pair, algorithm, strategy):
     batched = llm.generate([list(p) for p in PROMPTS], GREEDY)
     for p, o in zip(PROMPTS, batched):
         assert llm.generate([list(p)], GREEDY)[0].token_ids == o.token_ids
+    if algorithm != "NONE":
+        assert mean_accept(batched) > 2
 
 
 def _record_walks(monkeypatch):
@@ -127,7 +129,7 @@ def test_off_first_branch_and_rejected_trees_stay_lossless(
 ):
     rounds = _record_walks(monkeypatch)
     outs = _run(toy_hybrid_pair, "DDTREE", strategy, speculative_ddtree_budget=16)
-    assert [o.token_ids for o in outs] == ar_tokens
+    assert [o.token_ids for o in outs] == ar_tokens and mean_accept(outs) > 2
     off_first = [k for k, off, _ in rounds if off]
     rejected = [k for k, _, drafted in rounds if drafted and k == 0]
     assert off_first and rejected, (len(rounds), len(off_first), len(rejected))
@@ -192,7 +194,8 @@ def test_preemption_is_lossless_and_pools_drain_clean(toy_hybrid_pair, ar_tokens
         page_size=8,
         chunked_prefill_size=16,
     )
-    assert [o.token_ids for o in llm.generate([list(p) for p in PROMPTS], GREEDY)] == ar_tokens
+    outs = llm.generate([list(p) for p in PROMPTS], GREEDY)
+    assert [o.token_ids for o in outs] == ar_tokens and mean_accept(outs) > 2
     assert llm.engine.scheduler.num_preemptions > 0
     runner = llm.engine.runner
     bm = runner.bm

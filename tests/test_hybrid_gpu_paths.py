@@ -5,7 +5,7 @@ fla's call signatures (a stand-in built from the reference) for prefill and repl
 DDTREE stay token-identical to AR (all-reference) under both commit strategies."""
 
 import pytest
-from engine_utils import run, toy_prompts
+from engine_utils import accepted_prompts, mean_accept, run
 from test_gdn_dispatch import _fake_fla
 from triton_utils import cpu_interpreter_only, load_kernel_module
 
@@ -16,7 +16,7 @@ tree_conv = load_kernel_module("ddtree.kernels.gdn.tree_conv")
 
 from ddtree.kernels.gdn import backend, dispatch  # noqa: E402
 
-PROMPTS = toy_prompts(2)
+PROMPTS = accepted_prompts(2)  # accepted by the toy drafter (toy_prompts(2): 1.6 a round)
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), cpu_interpreter_only]
 
@@ -47,7 +47,7 @@ def test_gpu_paths_are_lossless(monkeypatch, toy_hybrid_pair, ar_tokens, strateg
         speculative_ddtree_budget=6,
     )
     assert [o.token_ids for o in outs] == ar_tokens
-    assert max(n for o in outs for n in o.accept_lengths) > 1
+    assert mean_accept(outs) > 2
     tree = "triton" if strategy == "extra_buffer" else "chunk"
     assert (
         backend.ran[("tree", tree)]

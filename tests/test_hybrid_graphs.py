@@ -6,14 +6,14 @@ verify and commit), while they do write the scratch row (so the check can fail).
 
 import pytest
 import torch
-from engine_utils import make_llm, toy_prompts
+from engine_utils import accepted_prompts, make_llm
 
 from ddtree import SamplingParams
 from ddtree.engine.cuda_graph import CudaGraphRunner
 
 # ragged lengths: the live batch shrinks 4 -> 1, so rounds pad 3 -> 4
 PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 2, 20, 12)]
-PROMPTS = [list(p) for p in toy_prompts(4)]
+PROMPTS = [list(p) for p in accepted_prompts(4)]  # the toy drafter accepts these (> 2 a round)
 ALGOS = ["NONE", "DFLASH", "DDTREE"]
 STRATEGIES = ["extra_buffer", "no_buffer"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -108,7 +108,8 @@ def test_graph_path_matches_eager_and_padding_stays_in_scratch(
     padded = [wrote for _, wrote, b, bs in log if b < bs]
     assert any(padded), "padded rows never wrote the scratch row"
     if algorithm != "NONE":
-        assert max(n for _, acc in outs for n in acc) > 1
+        rounds = [n for _, acc in outs for n in acc]
+        assert sum(rounds) / len(rounds) > 2  # the compared rounds accept drafts
 
 
 def test_padding_check_catches_a_pad_row_on_a_real_row(toy_hybrid_pair):

@@ -136,10 +136,15 @@ def test_concurrent_streams_match_batch_of_one(request, target, algorithm):
     importlib.util.find_spec("ddtree.train.toy") is None,
     reason="ddtree.train.toy not available yet",
 )
-@pytest.mark.parametrize("algorithm", ["DFLASH", "DDTREE"])
-def test_concurrent_streams_on_toy_pair_accept_and_match(toy_pair, algorithm):
-    """Same check on the trained toy pair, where rounds really accept several drafted tokens per request."""
+@pytest.mark.parametrize(
+    "target,algorithm", [("dense", "DFLASH"), ("dense", "DDTREE"), ("hybrid", "DDTREE")]
+)
+def test_concurrent_streams_on_toy_pair_accept_and_match(request, target, algorithm):
+    """Same check on the trained toy pairs, where rounds really accept several drafted tokens per
+    request (the random pairs above accept ~1 a round: they check the plumbing)."""
     from ddtree.train.toy import toy_prompts as toy_prompt_ids
+
+    toy_pair = request.getfixturevalue("toy_pair" if target == "dense" else "toy_hybrid_pair")
 
     ids = toy_prompt_ids(NUM_PROMPTS, 7)
     prompt_set = [(ids[i][: 4 + i % 12], 8 + (i * 7) % 25) for i in range(NUM_PROMPTS)]

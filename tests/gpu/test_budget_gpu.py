@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from engine_utils import mean_accept
 
 pytestmark = pytest.mark.gpu
 
@@ -90,7 +91,9 @@ def test_auto_graphs_profile_and_lossless(pair, tmp_path, monkeypatch):
     print("cost table ms (batch x width):", np.round(1e3 * cost.table[:, 0], 3).tolist())
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = _prompts(llm)
-    auto = [o.token_ids for o in llm.generate(prompts, sp)]
+    outs = llm.generate(prompts, sp)
+    auto = [o.token_ids for o in outs]
+    assert mean_accept(outs) > 2, [o.accept_lengths for o in outs]
     eager = _llm(pair, False)
     assert [o.token_ids for o in eager.generate(prompts, sp)] == auto
 
@@ -99,7 +102,9 @@ def test_auto_graphs_profile_and_lossless(pair, tmp_path, monkeypatch):
     verify = g.verify
     g.verify = lambda meta, tree: widths.append(tree.num_nodes) or verify(meta, tree)
     llm.engine.decoder.budgets.policy = Cycling()
-    cycled = [o.token_ids for o in llm.generate(prompts, sp)]
+    outs = llm.generate(prompts, sp)
+    cycled = [o.token_ids for o in outs]
+    assert mean_accept(outs) > 2, [o.accept_lengths for o in outs]  # AR rounds included
     from ddtree import LLM
 
     ar = LLM(pair[0], dtype="float32", device="cuda", attention_backend="triton")

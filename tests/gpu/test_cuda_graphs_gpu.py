@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from engine_utils import mean_accept
 
 pytestmark = pytest.mark.gpu
 
@@ -88,10 +89,12 @@ def test_graphs_match_eager(pair, dtype, algo, budget):
             eager = [o.token_ids for o in llm.generate(prompts, params)]
             runner.graphs = graphs
             counts.clear()
-            graph = [o.token_ids for o in llm.generate(prompts, params)]
+            outs = llm.generate(prompts, params)
+            graph = [o.token_ids for o in outs]
             assert counts.get("verify"), f"b={b}: no verify replay {counts}"
             if algo != "NONE":
                 assert counts.get("draft_tree") and counts.get("accept"), f"b={b}: {counts}"
+                assert mean_accept(outs) > 2, f"b={b}: {[o.accept_lengths for o in outs]}"
             bad = [i for i, (x, y) in enumerate(zip(eager, graph)) if x != y]
             if dtype == "float32":
                 assert not bad, f"b={b}: requests {bad} differ"
