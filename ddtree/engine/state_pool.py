@@ -216,6 +216,7 @@ class ExtendContext:
         return torch.where(self.fresh.view(-1, *[1] * (t.dim() - 1)), 0, t)
 
     def conv(self, j, x, weight, bias):
+        x = x.contiguous()  # a slice of the fused in_proj output; the varlen conv wants rows
         state0 = self._initial(self.pool.conv[j, self.slots])
         if self.decode:
             y, state = causal_conv1d_step(x, state0, weight, bias)

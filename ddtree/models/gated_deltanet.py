@@ -148,7 +148,10 @@ class GatedDeltaNet(nn.Module):
             batched = x.dim() == 3
             if not batched:
                 mixed, g, beta = mixed[None], g[None], beta[None]
-            q, k, v = self._split(dense_conv_silu(mixed, weight, self.conv1d.bias))
+            # contiguous: F.conv1d's CPU result depends on the input's layout, and the dense path
+            # trains and feeds the toy drafters (the same numbers as the four-GEMM layer's)
+            conv = dense_conv_silu(mixed.contiguous(), weight, self.conv1d.bias)
+            q, k, v = self._split(conv)
             o, _ = chunk_rule(q, k, v, g, beta)
             if not batched:
                 o = o[0]

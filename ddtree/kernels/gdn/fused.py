@@ -94,7 +94,9 @@ def gdn_gating(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Te
     """`reference.gdn_gating` (a, b [..., Hv], any row stride) in one launch where the fused kernels
     run; g and beta come back contiguous."""
     if triton is None or not use_triton(a, b, A_log, dt_bias) or a.shape != b.shape:
-        return reference.gdn_gating(a, b, A_log, dt_bias)
+        # contiguous: PyTorch's CPU elementwise kernels round differently on strided inputs
+        # (scalar vs vectorised exp), and the CPU path must give the unfused layer's numbers
+        return reference.gdn_gating(a.contiguous(), b.contiguous(), A_log, dt_bias)
     shape, H = a.shape, a.shape[-1]
     ar, br = _rows(a, 1), _rows(b, 1)
     g = torch.empty(shape, dtype=torch.float32, device=a.device)
@@ -113,7 +115,7 @@ def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     dtype = x.dtype
     ok = triton is not None and use_triton(x, z, weight) and x.shape == z.shape and x.dim() >= 2
     if not ok or dtype not in _TL or weight.dtype not in _TL:
-        return reference.gated_rmsnorm(x, z, weight, eps)
+        return reference.gated_rmsnorm(x, z.contiguous(), weight, eps)  # as in gdn_gating
     H, D = x.shape[-2], x.shape[-1]
     xr, zr = _rows(x, 2), _rows(z, 2)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
