@@ -114,3 +114,8 @@ def test_launch_switch_errors_name_the_variable(monkeypatch):
     monkeypatch.setenv(envs.GDN_TREE_WARPS.name, "3")
     with pytest.raises(ValueError, match="DDTREE_GDN_TREE_WARPS"):
         backend.tree_kernel_options()
+    from ddtree.engine.state_pool import HybridStatePool  # the pool checks them when it is built
+
+    geo = GDNGeometry(num_layers=1, hk=HK, dk=D, hv=HV, dv=D, kernel=4)
+    with pytest.raises(ValueError, match="DDTREE_GDN_TREE_WARPS"):
+        HybridStatePool(geo, 1, 2, "cpu")

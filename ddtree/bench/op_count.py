@@ -40,6 +40,7 @@ _FREE = {
     "sym_numel",
     "sym_storage_offset",
     "_reshape_alias",
+    "_unsafe_view",
     "resolve_conj",
     "resolve_neg",
     "promote_types",

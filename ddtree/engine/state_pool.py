@@ -26,6 +26,7 @@ from ddtree.kernels.gdn import (
     causal_conv1d_varlen,
     replay_conv_path,
 )
+from ddtree.kernels.gdn.backend import tree_kernel_options
 from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree_rule
 from ddtree.kernels.gdn.tree_conv import conv as tree_conv
 
@@ -69,6 +70,7 @@ class HybridStatePool:
             raise ValueError(
                 f"--mamba-scheduler-strategy {strategy!r} is not supported; choose one of {STRATEGIES}"
             )
+        tree_kernel_options()  # a bad DDTREE_GDN_TREE_* value fails at startup, not mid-round
         self.geo, self.strategy, self.width = geo, strategy, max_verify_width
         self.ssm_dtype, self.dtype = _dtype(ssm_dtype), _dtype(dtype)
         # the node-state stash: --mamba-ssm-dtype, or DDTREE_GDN_STASH_DTYPE; an explicit dtype is
