@@ -70,7 +70,7 @@ class HybridStatePool:
             raise ValueError(
                 f"--mamba-scheduler-strategy {strategy!r} is not supported; choose one of {STRATEGIES}"
             )
-        tree_kernel_options()  # a bad DDTREE_GDN_TREE_* value fails at startup, not mid-round
+        tree_kernel_options()  # a bad tree-kernel switch (envs.GDN_TREE_BV ...) fails at startup
         self.geo, self.strategy, self.width = geo, strategy, max_verify_width
         self.ssm_dtype, self.dtype = _dtype(ssm_dtype), _dtype(dtype)
         # the node-state stash: --mamba-ssm-dtype, or DDTREE_GDN_STASH_DTYPE; an explicit dtype is
