@@ -106,13 +106,34 @@ def section_b(gen):
     for b in (1, 8):
         parents, depths = tree(b, 65, "bushy", gen)
         q, k, v, g, beta, s0 = rule_inputs(b, 65, torch.bfloat16, gen)
-        buf = torch.empty(b, 65, HV, DK, DV, device=DEV)
-        best = None
-        sweep = ((None, 4), (8, 2), (16, 4), (32, 4), (32, 8), (64, 8))
-        # prefetch: node i + 1's loads issued before node i's math (the walk is latency-bound)
-        for (bv, nw), pf in [(c, False) for c in sweep] + [(c, True) for c in sweep[:4]]:
+        bufs = {
+            "fp32": torch.empty(b, 65, HV, DK, DV, device=DEV),
+            "bf16": torch.empty(b, 65, HV, DK, DV, device=DEV, dtype=torch.bfloat16),
+        }
+        best, rec_sweep = None, []
+        # (block_v, warps): auto = the default; warps 1 keeps the dk reductions inside one warp,
+        # small tiles give more programs per head (the walk is latency-bound)
+        sweep = (
+            (None, 4),
+            (4, 1),
+            (8, 1),
+            (8, 2),
+            (16, 1),
+            (16, 2),
+            (16, 4),
+            (32, 1),
+            (32, 4),
+            (32, 8),
+            (64, 8),
+        )
+        # prefetch: node i + 1's loads issued before node i's math; bf16: the node-state stash in
+        # bf16 (DDTREE_GDN_STASH_DTYPE=bfloat16)
+        variants = [(c, False, "fp32") for c in sweep] + [(c, True, "fp32") for c in sweep[:6]]
+        variants += [(c, pf, "bf16") for c in sweep[:6] for pf in (False, True)]
+        for (bv, nw), pf, sd in variants:
+            buf = bufs[sd]
 
-            def fn(bv=bv, nw=nw, pf=pf):
+            def fn(bv=bv, nw=nw, pf=pf, buf=buf):
                 tree_gated_delta_rule_triton(
                     q,
                     k,
@@ -139,9 +160,11 @@ def section_b(gen):
                 f"block_v={bv or 'auto'}",
                 f"warps={nw}",
                 f"prefetch={int(pf)}",
+                f"stash={sd}",
                 f"{t:8.1f} us",
-                f"node-state write {buf.numel() * 4 / t / 1e6:.2f} TB/s",
+                f"node-state write {buf.numel() * buf.element_size() / t / 1e6:.2f} TB/s",
             )
+            rec_sweep.append(dict(bv=bv, warps=nw, prefetch=pf, stash=sd, us=t))
         ref = (
             time_eager(
                 lambda: reference.tree_gated_delta_rule(
@@ -162,7 +185,7 @@ def section_b(gen):
             *f32, parents, depths, s0, return_node_states=True
         )
         last = torch.randint(0, 65, (b,), generator=gen).to(DEV)
-        rec = {"b": b, "kernel_best_us": best, "reference_us": ref}
+        rec = {"b": b, "kernel_best_us": best, "reference_us": ref, "sweep": rec_sweep}
         for with_state in (False, True):
 
             def chunk(with_state=with_state):

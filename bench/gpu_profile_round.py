@@ -5,8 +5,10 @@ pair, plus the GEMM chain alone (separate vs fused q|k|v and gate|up projections
     python3 bench/gpu_profile_round.py --context 16384 --cases DDTREE:64:1 --skip-gemm-chain --rounds 5
     python3 bench/gpu_profile_round.py --shape qwen3.6-27b --skip-gemm-chain \
         --cases NONE:0:1,DDTREE:64:1:extra_buffer,DDTREE:64:1:no_buffer,DDTREE:64:8,DDTREE:64:1::16384
-A case is ALGO:budget:batch[:strategy[:context]] (strategy: the hybrid state commit, default
-extra_buffer; context: default --context). --shape as `ddtree bench rounds` (the hybrid shape builds
+A case is ALGO:budget:batch[:strategy[:context]][@VAR=VALUE[+VAR=VALUE...]] (strategy: the hybrid
+state commit, default extra_buffer; context: default --context; after @, environment switches set for
+that case only, e.g. DDTREE_GDN_TREE_WARPS=1+DDTREE_GDN_STASH_DTYPE=bfloat16: ddtree/envs.py).
+--shape as `ddtree bench rounds` (the hybrid shape builds
 its random pair on the GPU; its GEMM chain is not modelled here: pass --skip-gemm-chain).
 Prints, per case: wall ms/round, GPU kernel ms/round (busy), the top kernels, and the GEMM-only floor ratios.
 """
@@ -96,6 +98,7 @@ def profile_case(target, drafter, algo, budget, batch, context, rounds, top, str
         print(f"   {ms:8.3f} ms  {n:6.1f}x  {key[:110]}")
     del runner, reqs, dec
     torch.cuda.empty_cache()
+    return dict(name=name, wall_ms=wall, gpu_ms=busy, launches=sum(k[2] for k in kern))
 
 
 def gemm_chain(target, m, fused):
@@ -140,6 +143,23 @@ def gemm_chain(target, m, fused):
     return sec * 1e3, nbytes
 
 
+def table(rows, floor_ms: float) -> list[str]:
+    """Markdown rows: case, switches, wall ms/round, x floor, GPU ms, launches."""
+    out = [
+        f"| case | switches | wall ms/round | x floor {floor_ms:.2f} | GPU ms | launches |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rec, env_part in rows:
+        if rec.get("wall_ms") is None:
+            out.append(f"| {rec['name']} | {env_part or '-'} | OOM | | | |")
+            continue
+        out.append(
+            f"| {rec['name']} | {env_part or '-'} | {rec['wall_ms']:.2f} | "
+            f"{rec['wall_ms'] / floor_ms:.2f}x | {rec['gpu_ms']:.2f} | {rec['launches']:.0f} |"
+        )
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=10)
@@ -173,17 +193,32 @@ def main(argv=None):
                 f"   M={m:4d} {'fused q|k|v, gate|up' if fused else 'separate          '}  {ms:7.3f} ms "
                 f"= {ms / (nbytes / bw * 1e3):.2f}x its weight-read floor"
             )
+    rows = []
     for case in ns.cases.split(","):
-        algo, budget, batch, strategy, context = (case.split(":") + ["", ""])[:5]
+        spec, _, env_part = case.partition("@")
+        algo, budget, batch, strategy, context = (spec.split(":") + ["", ""])[:5]
         ctx = int(context or ns.context)
+        env = dict(kv.split("=", 1) for kv in env_part.split("+") if kv)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
-            profile_case(
+            rec = profile_case(
                 target, drafter, algo, int(budget), int(batch), ctx, ns.rounds, ns.top, strategy
             )
+            rows.append((rec, env_part))
+            print(table(rows[-1:], floor["floor_ms"])[-1], flush=True)  # grep '^|' if cut short
         except torch.OutOfMemoryError as e:  # e.g. extra_buffer's fp32 stash at batch 8, 27B
             print(f"\n== {case}: out of memory ({str(e)[:120]}); next case", flush=True)
+            rows.append((dict(name=spec, wall_ms=None), env_part))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         gc.collect()  # the failed case's runner goes with its traceback
         torch.cuda.empty_cache()
+    print("\n" + "\n".join(table(rows, floor["floor_ms"])))
     return 0
 
 

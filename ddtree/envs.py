@@ -61,7 +61,8 @@ FORCE_REFERENCE_KERNELS = EnvVar(
 FUSED_KERNELS_INTERPRET = EnvVar(
     "DDTREE_FUSED_KERNELS_INTERPRET",
     "",
-    "1 (with TRITON_INTERPRET=1): the fused kernels run on the CPU in Triton's interpreter (tests)",
+    "1 (with TRITON_INTERPRET=1): the fused and the GDN tree / tree-conv Triton kernels run on the "
+    "CPU in Triton's interpreter (tests, ddtree.bench.op_count)",
 )
 FORCE_REFERENCE_GDN = EnvVar(
     "DDTREE_FORCE_REFERENCE_GDN",
@@ -72,6 +73,28 @@ GDN_TREE_CHUNK = EnvVar(
     "DDTREE_GDN_TREE_CHUNK",
     "auto",
     "the chunk-form GDN tree verify: auto = on CUDA, 1 = everywhere (CPU tests), 0 = never",
+)
+GDN_TREE_PREFETCH = EnvVar(
+    "DDTREE_GDN_TREE_PREFETCH",
+    "",
+    "1: the tree GDN kernel issues node i + 1's loads before node i's math (same arithmetic)",
+)
+GDN_TREE_BV = EnvVar(
+    "DDTREE_GDN_TREE_BV",
+    "auto",
+    "the tree GDN kernel's state column tile (programs per head = dv / BV): auto, or a power of "
+    "two 4..128",
+)
+GDN_TREE_WARPS = EnvVar(
+    "DDTREE_GDN_TREE_WARPS",
+    "4",
+    "warps per program of the tree GDN kernel: 1, 2, 4 or 8 (1: its reductions stay in one warp)",
+)
+GDN_STASH_DTYPE = EnvVar(
+    "DDTREE_GDN_STASH_DTYPE",
+    "",
+    "extra_buffer's per-node GDN state stash: unset = --mamba-ssm-dtype; bfloat16 = written by the "
+    "tree kernel in bf16 (half the bytes; children read rounded parent states)",
 )
 CACHE = EnvVar(
     "DDTREE_CACHE", "", "directory for the embedded / toy model pairs (unset: ~/.cache/ddtree)"
@@ -114,6 +137,10 @@ TABLE: dict[str, EnvVar] = {
         FUSED_KERNELS_INTERPRET,
         FORCE_REFERENCE_GDN,
         GDN_TREE_CHUNK,
+        GDN_TREE_PREFETCH,
+        GDN_TREE_BV,
+        GDN_TREE_WARPS,
+        GDN_STASH_DTYPE,
         CACHE,
         BUDGET_PROFILE_DIR,
         PEER_CHECKOUT,

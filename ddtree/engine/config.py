@@ -30,6 +30,22 @@ def dtype_bytes(dtype) -> int:
     return DTYPE_BYTES[name]
 
 
+STASH_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def stash_ssm_dtype(ssm_dtype) -> str:
+    """The extra_buffer node-state stash's dtype (name): DDTREE_GDN_STASH_DTYPE, else
+    --mamba-ssm-dtype's. Read by the memory plan and the state pool alike."""
+    from ddtree import envs
+
+    name = envs.GDN_STASH_DTYPE.get().strip()
+    if not name:
+        return str(ssm_dtype).removeprefix("torch.")
+    if name not in STASH_DTYPES:
+        raise ValueError(f"{envs.GDN_STASH_DTYPE.name}={name!r}: use one of {STASH_DTYPES}")
+    return name
+
+
 def verify_width(algorithm: str, block_size: int, budget: int) -> int:
     """Tree nodes one request verifies per round, root included. It sizes everything a verify
     touches: the KV slots reserved past kv_len, the verify rows and CUDA-graph width, the per-node
@@ -229,7 +245,7 @@ class GDNGeometry:
         extra_buffer keeps a full state per node, no_buffer the node's GDN inputs (pre/post-conv
         q|k|v, fp32 gate, beta)."""
         if strategy == "extra_buffer":
-            per_node = self.state_bytes(ssm_dtype, dtype) // self.num_layers
+            per_node = self.state_bytes(stash_ssm_dtype(ssm_dtype), dtype) // self.num_layers
         else:
             per_node = 2 * self.conv_dim * dtype_bytes(dtype) + self.hv * (4 + dtype_bytes(dtype))
         return self.num_layers * width * per_node

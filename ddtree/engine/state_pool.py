@@ -19,12 +19,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddtree.engine.config import GDNGeometry
+from ddtree import envs
+from ddtree.engine.config import GDNGeometry, stash_ssm_dtype
 from ddtree.kernels.gdn import (
     causal_conv1d_step,
     causal_conv1d_varlen,
     replay_conv_path,
 )
+from ddtree.kernels.gdn.backend import tree_kernel_options
 from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree_rule
 from ddtree.kernels.gdn.tree_conv import conv as tree_conv
 
@@ -70,8 +72,15 @@ class HybridStatePool:
             raise ValueError(
                 f"--mamba-scheduler-strategy {strategy!r} is not supported; choose one of {STRATEGIES}"
             )
+        tree_kernel_options()  # a bad tree-kernel switch (envs.GDN_TREE_BV ...) fails at startup
         self.geo, self.strategy, self.width = geo, strategy, max_verify_width
         self.ssm_dtype, self.dtype = _dtype(ssm_dtype), _dtype(dtype)
+        # the node-state stash: --mamba-ssm-dtype, or DDTREE_GDN_STASH_DTYPE; an explicit dtype is
+        # written by the tree kernel in place (children re-read rounded parent states: half the
+        # bytes of fp32 at bf16, tests/test_gdn_stash_dtype.py bounds the error)
+        self.stash_dtype = _dtype(stash_ssm_dtype(self.ssm_dtype))
+        explicit = bool(envs.GDN_STASH_DTYPE.get().strip())
+        self.stash_in_kernel = self.stash_dtype == torch.float32 or explicit
         # the scratch row (padded graph rows) sits past the requests' rows
         self.scratch_row = max_reqs if scratch_row else None
         L, R, W, C, Km1 = (
@@ -91,7 +100,7 @@ class HybridStatePool:
         self.stash: dict[str, Tensor] = {}
         if strategy == "extra_buffer":
             self.stash["node_conv"] = zeros(L, R, W, C, Km1)
-            self.stash["node_ssm"] = zeros(L, R, W, *S, dt=self.ssm_dtype)
+            self.stash["node_ssm"] = zeros(L, R, W, *S, dt=self.stash_dtype)
         else:
             self.stash["node_x"] = zeros(L, R, W, C)
             self.stash["node_y"] = zeros(L, R, W, C)
@@ -164,7 +173,7 @@ class HybridStatePool:
         if self.strategy == "extra_buffer":
             last = path.gather(1, acc[:, None])[:, 0]
             self.conv[:, slots] = self.stash["node_conv"][:, slots, last]
-            self.ssm[:, slots] = self.stash["node_ssm"][:, slots, last]
+            self.ssm[:, slots] = self.stash["node_ssm"][:, slots, last].to(self.ssm_dtype)
         else:
             self._replay(slots, path, acc)
 
@@ -219,6 +228,7 @@ class ExtendContext:
         return torch.where(self.fresh.view(-1, *[1] * (t.dim() - 1)), 0, t)
 
     def conv(self, j, x, weight, bias):
+        x = x.contiguous()  # a slice of the fused in_proj output; the varlen conv wants rows
         state0 = self._initial(self.pool.conv[j, self.slots])
         if self.decode:
             y, state = causal_conv1d_step(x, state0, weight, bias)
@@ -259,27 +269,30 @@ class TreeContext:
         xb = x.view(self.b, self.n, -1)
         # the conv along ancestor chains: one Triton launch on CUDA (AR's one-node trees too, so
         # every round shares its numerics), the reference elsewhere (kernels/gdn/tree_conv.py)
-        y, node_states = tree_conv(
+        # the committed rows are read and the node windows written through the slot index (no
+        # gather / scatter launches on CUDA)
+        y, _ = tree_conv(
             xb,
             self.parents,
-            self.pool.conv[j, self.slots],
+            self.pool.conv[j],
             weight,
             bias,
             self.valid,
             return_node_states=self.extra,
+            state_rows=self.slots,
+            node_states=self.pool.stash["node_conv"][j] if self.extra else None,
         )
-        if self.extra:
-            self._stash("node_conv", j, node_states)
-        else:
+        if not self.extra:
             self._stash("node_x", j, xb)
             self._stash("node_y", j, y)
         return y.view(self.b * self.n, -1)
 
     def rule(self, j, q, k, v, g, beta):
         qb, kb, vb, gb, bb = (t.view(self.b, self.n, *t.shape[1:]) for t in (q, k, v, g, beta))
-        # an fp32 stash takes the node states in place (the kernel re-reads parents from it); any other
-        # dtype goes through an fp32 scratch, so the tree itself never runs on rounded states
-        direct = self.extra and self.pool.stash["node_ssm"].dtype == torch.float32
+        # an fp32 stash takes the node states in place (the kernel re-reads parents from it), and so
+        # does a DDTREE_GDN_STASH_DTYPE one (rounded parents: the switch's trade); a --mamba-ssm-dtype
+        # stash goes through an fp32 scratch, so the tree itself never runs on rounded states
+        direct = self.extra and self.pool.stash_in_kernel
         o, node_states = tree_rule(
             qb,
             kb,

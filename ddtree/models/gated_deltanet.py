@@ -19,6 +19,10 @@ from ddtree.kernels.gdn.dispatch import chunk_rule
 from ddtree.kernels.gdn.fused import gated_rmsnorm, gdn_gating
 from ddtree.models.parallel import RowParallelLinear, TPGroup
 
+# HF's four input projections, in the row order of the one GEMM inference runs: q|k|v (conv input),
+# z (output gate), b (beta), a (decay)
+IN_PROJ_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
 
 class LinearStateContext(Protocol):
     """Per-forward view of the recurrent-state pool; `j` is the ordinal of the GDN layer among GDN layers.
@@ -66,7 +70,14 @@ def dense_conv_silu(
 
 class GatedDeltaNet(nn.Module):
     """Under TP, `cfg` holds this rank's key / value heads: in_proj_qkv and the conv hold their
-    channels, z / a / b / A_log / dt_bias their rows, out_proj their columns (all-reduce after)."""
+    channels, z / a / b / A_log / dt_bias their rows, out_proj their columns (all-reduce after).
+
+    Inference runs the four input projections as one GEMM (a 27B AR step ran them as four, two of
+    48 rows with split-K + reduce, in each of 48 layers): on the first forward without autograd the
+    four weights move into one [sum of rows, hidden] tensor and become its row views
+    (`fused_in_proj`), so names, checkpoints, TP slices and memory stay HF's. Training keeps the
+    four GEMMs (the same numbers, and the same trained toy pairs, as before). The GEMM's outputs are
+    read as strided slices: the conv, the gating and the gated norm take row strides (no copies)."""
 
     def __init__(self, cfg: TargetConfig, tp: TPGroup | None = None):
         super().__init__()
@@ -76,10 +87,9 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
         h = cfg.hidden_size
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+        self.in_splits = (self.conv_dim, self.value_dim, self.hv, self.hv)
+        for name, rows in zip(IN_PROJ_PARTS, self.in_splits):
+            setattr(self, name, nn.Linear(h, rows, bias=False))
         self.conv1d = nn.Conv1d(
             self.conv_dim,
             self.conv_dim,
@@ -92,6 +102,29 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(self.value_dim, h, tp=tp)
+        self._fused: torch.Tensor | None = None
+
+    def fused_in_proj(self) -> torch.Tensor:
+        """The one [sum(in_splits), hidden] weight whose row views the four parts' weights are,
+        (re)built when they are not (first use, or after `.to()` / `to_empty()` gave them storages
+        of their own). Built in the first eager forward (capture_graph warms up before capturing)."""
+        parts = [getattr(self, name).weight for name in IN_PROJ_PARTS]
+        w = self._fused
+        if w is None or not _row_views(w, parts):
+            with torch.inference_mode(False), torch.no_grad():
+                w = torch.cat([p.detach() for p in parts])
+                off = 0
+                for p in parts:
+                    p.data = w[off : off + p.shape[0]]
+                    off += p.shape[0]
+            self._fused = w
+        return w
+
+    def _in_proj(self, x: torch.Tensor):
+        """(q|k|v pre-conv, z, b, a): one GEMM without autograd, HF's four with it."""
+        if torch.is_grad_enabled() and self.in_proj_qkv.weight.requires_grad:
+            return tuple(getattr(self, name)(x) for name in IN_PROJ_PARTS)
+        return torch.split(F.linear(x, self.fused_in_proj()), self.in_splits, dim=-1)
 
     def _split(self, y: torch.Tensor):
         shape = y.shape[:-1]
@@ -104,10 +137,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, j: int, linear: LinearStateContext | None) -> torch.Tensor:
         """x [T, H] flat tokens with a context, or [B, T, H] / [T, H] dense from a zero state without one."""
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
+        mixed, z, b, a = self._in_proj(x)
         # one fused launch on the GPU (kernels/gdn/fused.py); the reference elsewhere
-        g, beta = gdn_gating(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight[:, 0, :]
         if linear is not None:
             q, k, v = self._split(linear.conv(j, mixed, weight, self.conv1d.bias))
@@ -116,9 +148,22 @@ class GatedDeltaNet(nn.Module):
             batched = x.dim() == 3
             if not batched:
                 mixed, g, beta = mixed[None], g[None], beta[None]
-            q, k, v = self._split(dense_conv_silu(mixed, weight, self.conv1d.bias))
+            # contiguous: F.conv1d's CPU result depends on the input's layout, and the dense path
+            # trains and feeds the toy drafters (the same numbers as the four-GEMM layer's)
+            conv = dense_conv_silu(mixed.contiguous(), weight, self.conv1d.bias)
+            q, k, v = self._split(conv)
             o, _ = chunk_rule(q, k, v, g, beta)
             if not batched:
                 o = o[0]
         o = self.norm(o, z.reshape(*z.shape[:-1], self.hv, self.dv))
         return self.out_proj(o.reshape(*o.shape[:-2], self.value_dim))
+
+
+def _row_views(w: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    """Whether `parts` are consecutive row blocks of w (the same storage, dtype and device)."""
+    off = w.data_ptr()
+    for p in parts:
+        if p.dtype != w.dtype or p.device != w.device or p.data_ptr() != off:
+            return False
+        off += p.numel() * p.element_size()
+    return True

@@ -8,11 +8,10 @@ each head.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ddtree.configs import TargetConfig
-from ddtree.kernels.fused import qk_norm_rope
+from ddtree.kernels.fused import qk_norm_rope, sigmoid_gate
 from ddtree.models.gated_deltanet import GatedDeltaNet, LinearStateContext
 from ddtree.models.layers import MLP, RMSNorm, fuse_linears
 from ddtree.models.parallel import RowParallelLinear, TPGroup, VocabParallelEmbedding
@@ -70,10 +69,9 @@ class GatedAttention(nn.Module):
             q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps, offset=True
         )
         out = attend(layer, q, k, v)
-        out = out.reshape(*shape, self.heads * self.head_dim)
-        if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(*shape, self.heads * self.head_dim))
-        return self.o_proj(out)
+        if gate is not None:  # one launch on the GPU, the gate read in place (kernels/fused)
+            out = sigmoid_gate(out.reshape(*shape, self.heads, self.head_dim), gate)
+        return self.o_proj(out.reshape(*shape, self.heads * self.head_dim))
 
 
 class Qwen3_5DecoderLayer(nn.Module):

@@ -194,3 +194,121 @@ def test_tree_conv_kernel_matches_reference(b, n):
     y, s = tree_causal_conv1d_triton(x, parents, st, w, None, valid, True)
     ry, rs = reference.tree_causal_conv1d(x, parents, st, w, None, valid, True)
     assert rel(y, ry) < 1e-2 and torch.equal(s, rs)
+
+
+# --- issue 19's kernel cuts and switches (hybrid2) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("b", [1, 8])
+def test_bf16_stash_within_its_error_bound(b):
+    """The tree kernel writing a bf16 node-state stash (DDTREE_GDN_STASH_DTYPE=bfloat16) at the 27B
+    head shape, B=64: every node within tests/gdn_stash_fixtures.py's bound of the fp32 reference."""
+    pytest.importorskip("triton")
+    from gdn_stash_fixtures import check_bound
+
+    from ddtree.kernels.gdn.reference import tree_gated_delta_rule
+    from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(10 + b)
+    parents, depths = tree(b, 65, "bushy", gen, dev)
+    q, k, v, g, beta, s0 = inputs(b, 65, torch.float32, gen, dev)
+    s0 = s0 * 10  # states of realistic size
+    buf = torch.empty(b, 65, HV, DK, DV, device=dev, dtype=torch.bfloat16)
+    o, st = tree_gated_delta_rule_triton(
+        q, k, v, g, beta, parents, depths, s0, return_node_states=True, node_states=buf
+    )
+    ro, rst = tree_gated_delta_rule(q, k, v, g, beta, parents, depths, s0, return_node_states=True)
+    for i in range(b):
+        sl = slice(i, i + 1)
+        check_bound(st[sl], rst[sl], o[sl], ro[sl], depths[sl].cpu(), DK**-0.5)
+
+
+@pytest.mark.parametrize(
+    "bv,warps,prefetch", [(4, 1, False), (8, 1, True), (16, 1, False), (16, 2, True), (64, 8, True)]
+)
+def test_tree_kernel_launch_switches_match_reference(bv, warps, prefetch):
+    """DDTREE_GDN_TREE_BV / _WARPS / _PREFETCH values on the device (fp32, B=64, b=2)."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn.reference import tree_gated_delta_rule
+    from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(bv + warps)
+    parents, depths = tree(2, 65, "random", gen, dev)
+    args = (*inputs(2, 65, torch.float32, gen, dev)[:5], parents, depths)
+    s0 = inputs(2, 65, torch.float32, gen, dev)[5]
+    o, st = tree_gated_delta_rule_triton(
+        *args, s0, True, block_v=bv, num_warps=warps, prefetch=prefetch
+    )
+    ro, rst = tree_gated_delta_rule(*args, s0, return_node_states=True)
+    assert rel(o, ro) < 1e-4 and rel(st, rst) < 1e-4
+
+
+def test_tree_conv_through_pool_rows_matches_reference():
+    """The tree conv reading committed rows / writing the stash through the slot index (27B C)."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn import reference
+    from ddtree.kernels.gdn.tree_conv import tree_causal_conv1d_triton
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(21)
+    b, n, R, W = 3, 65, 6, 80
+    parents, _ = tree(b, n, "bushy", gen, dev)
+    C = 2 * HK * DK + HV * DV
+    x = torch.randn(b, n, C, generator=gen).to(dev, torch.bfloat16)
+    pool = torch.randn(R, C, 3, generator=gen).to(dev, torch.bfloat16)
+    w = torch.randn(C, 4, generator=gen).to(dev, torch.bfloat16)
+    rows = torch.tensor([4, 0, 2], device=dev)
+    stash = torch.full((R, W, C, 3), 7.0, device=dev, dtype=torch.bfloat16)
+    valid = torch.ones(b, n, dtype=torch.bool, device=dev)
+    y, _ = tree_causal_conv1d_triton(
+        x, parents, pool, w, None, valid, True, state_rows=rows, node_states=stash
+    )
+    ry, rs = reference.tree_causal_conv1d(x, parents, pool[rows], w, None, valid, True)
+    assert rel(y, ry) < 1e-2 and torch.equal(stash[rows, :n], rs)
+    assert (stash[[1, 3, 5]] == 7).all() and (stash[:, n:] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_gating_norm_and_sigmoid_gate_match_reference(dtype):
+    """The layers' fused elementwise kernels on their real layouts at the 27B shape: a / b / z as
+    slices of the one in_proj output, the gate as the strided half of the q projection."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.fused import sigmoid_gate
+    from ddtree.kernels.fused.reference import sigmoid_gate_reference
+    from ddtree.kernels.gdn import fused, reference
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(22)
+    T, C = 65, 2 * HK * DK + HV * DV
+    y = torch.randn(T, C + HV * DV + 2 * HV, generator=gen).to(dev, dtype)
+    z = y[:, C : C + HV * DV].view(T, HV, DV)
+    b, a = y[:, C + HV * DV : C + HV * DV + HV], y[:, C + HV * DV + HV :]
+    A_log, dt = (torch.randn(HV, generator=gen).to(dev, dtype) for _ in range(2))
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    g, beta = fused.gdn_gating(a, b, A_log, dt)
+    rg, rbeta = reference.gdn_gating(a.contiguous(), b.contiguous(), A_log, dt)
+    assert rel(g, rg) < 1e-5 and rel(beta, rbeta) < tol
+    x = torch.randn(T, HV, DV, generator=gen).to(dev, dtype)
+    w = (1 + 0.2 * torch.randn(DV, generator=gen)).to(dev, dtype)
+    got = fused.gated_rmsnorm(x, z, w, 1e-6)
+    assert rel(got, reference.gated_rmsnorm(x, z.contiguous(), w, 1e-6)) < tol
+    qg = torch.randn(T, 24, 512, generator=gen).to(dev, dtype)  # 27B: 24 heads of [query | gate]
+    out = torch.randn(T, 24, 256, generator=gen).to(dev, dtype)
+    assert rel(sigmoid_gate(out, qg[..., 256:]), sigmoid_gate_reference(out, qg[..., 256:])) < tol
+
+
+def test_gdn_layer_one_gemm_matches_four():
+    """A 27B-shaped GatedDeltaNet: inference's one in_proj GEMM == HF's four (training's path)."""
+    from ddtree.configs import TargetConfig
+    from ddtree.inflate.shapes import resolve_shape
+    from ddtree.models.gated_deltanet import IN_PROJ_PARTS, GatedDeltaNet
+
+    cfg = TargetConfig.from_dict(resolve_shape("qwen3.6-27b")[0])
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(23)
+    layer = GatedDeltaNet(cfg).to(dev, torch.bfloat16)
+    x = torch.randn(65, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        fused = layer._in_proj(x)
+        parts = [getattr(layer, n).weight for n in IN_PROJ_PARTS]
+        assert layer._fused is not None and parts[1].data_ptr() > parts[0].data_ptr()
+        four = [torch.nn.functional.linear(x, p) for p in parts]
+    for f, s in zip(fused, four):
+        assert rel(f, s) < 1e-2

@@ -1,4 +1,5 @@
-"""Fused decoder-layer kernels: residual add + RMSNorm, per-head q/k RMSNorm + RoPE, SiLU-and-mul.
+"""Fused decoder-layer kernels: residual add + RMSNorm, per-head q/k RMSNorm + RoPE, SiLU-and-mul, the
+gated attention's sigmoid output gate.
 
 `reference.py` is plain PyTorch with HF numerics (bit-exact with transformers); `triton.py` holds the kernels.
 The functions here dispatch: the reference when DDTREE_FORCE_REFERENCE_KERNELS=1, when autograd needs a graph
@@ -17,6 +18,7 @@ from ddtree.kernels.fused.reference import (
     add_rmsnorm_reference,
     qk_norm_rope_reference,
     rmsnorm_reference,
+    sigmoid_gate_reference,
     silu_mul_reference,
 )
 
@@ -28,6 +30,7 @@ __all__ = [
     "add_rmsnorm",
     "qk_norm_rope",
     "rmsnorm",
+    "sigmoid_gate",
     "silu_mul",
     "use_triton",
 ]
@@ -141,3 +144,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if use_triton(gate_up) and _unit_last(gate_up) and gate_up.shape[-1] % 2 == 0:
         return _triton().silu_mul(gate_up)
     return silu_mul_reference(gate_up)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) for x, gate [..., H, D] (gate at any strides: a slice of the q projection)
+    in one launch; the result is contiguous."""
+    if (
+        use_triton(x, gate)
+        and x.dim() >= 2
+        and x.shape == gate.shape
+        and x.dtype == gate.dtype
+        and _unit_last(x, gate)
+    ):
+        H, D = x.shape[-2:]
+        x3, g3 = x.reshape(-1, H, D), gate.reshape(-1, H, D)
+        if x3.stride(-1) == 1 and g3.stride(-1) == 1:
+            return _triton().sigmoid_gate(x3, g3).view(x.shape)
+    # contiguous: the CPU's elementwise kernels round differently on strided inputs
+    return sigmoid_gate_reference(x, gate.contiguous())

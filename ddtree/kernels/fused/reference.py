@@ -65,3 +65,8 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [..., 2I] = [gate | up]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gated attention's output gate: x * sigmoid(gate) (HF's rounding: sigmoid in the dtype)."""
+    return x * torch.sigmoid(gate)

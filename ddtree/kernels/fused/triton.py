@@ -1,7 +1,7 @@
 """Triton kernels for the decoder layer's elementwise work: residual add + RMSNorm, per-head q/k RMSNorm + RoPE,
-SiLU-and-mul. Same contracts as `reference.py`; they emulate its roundings step by step (every op that
-PyTorch runs in the model dtype is rounded to it here too), so they differ from the reference only by the
-fp32 reduction order and the device's rsqrt/exp.
+SiLU-and-mul, the gated attention's sigmoid output gate. Same contracts as `reference.py`; they emulate its
+roundings step by step (every op that PyTorch runs in the model dtype is rounded to it here too), so they differ
+from the reference only by the fp32 reduction order and the device's rsqrt/exp.
 
 Launch shapes depend only on tensor shapes and no call syncs with the host: CUDA-graph capturable (launch once
 before capturing: the first call compiles). Call these through `ddtree.kernels.fused` (the dispatch), which
@@ -317,5 +317,41 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](
             x2, out, n, x2.stride(0), BLOCK=block, num_warps=4
+        )
+    return out
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, g_ptr, o_ptr, D, H, sx_t, sx_h, sg_t, sg_h, BLOCK: tl.constexpr):
+    # row = (token, head); the gate is read in place (a strided half of the q projection)
+    row = tl.program_id(0).to(tl.int64)
+    t, h = row // H, row % H
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    dt = o_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t * sx_t + h * sx_h + cols, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * sg_t + h * sg_h + cols, mask=m, other=0.0).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # torch.sigmoid rounds to the dtype
+    tl.store(o_ptr + row * D + cols, (x * s).to(dt), mask=m)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x, gate [T, H, D] (any token / head strides, unit last stride) -> x * sigmoid(gate) [T, H, D],
+    contiguous."""
+    T, H, D = x.shape
+    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if T and H and D:
+        _sigmoid_gate_kernel[(T * H,)](
+            x,
+            gate,
+            out,
+            D,
+            H,
+            x.stride(0),
+            x.stride(1),
+            gate.stride(0),
+            gate.stride(1),
+            BLOCK=triton.next_power_of_2(D),
+            num_warps=4 if D >= 512 else 1,
         )
     return out

@@ -6,6 +6,10 @@ paths really ran.
 A tree verify that keeps no per-node states (no_buffer) runs the chunk form (`tree_chunk`) where
 DDTREE_GDN_TREE_CHUNK allows it: "auto" (default) on CUDA, "1" everywhere (CPU tests), "0" never;
 DDTREE_FORCE_REFERENCE_GDN=1 still wins.
+
+On the CPU our Triton kernels (tree rule, tree conv) run in Triton's interpreter when both
+TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1 (the fused kernels' switch: engine tests and
+`ddtree.bench.op_count` then run the GPU's kernel sequence on CPU tensors); fla stays CUDA-only.
 """
 
 from __future__ import annotations
@@ -63,8 +67,13 @@ def use_fla(t: torch.Tensor) -> bool:
     return t.is_cuda and not force_reference() and fla_ops() is not None
 
 
+def interpreted() -> bool:
+    """Our Triton kernels take CPU tensors (in Triton's interpreter): see the module docstring."""
+    return envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and not force_reference() and triton_ok()
+    return (t.is_cuda or interpreted()) and not force_reference() and triton_ok()
 
 
 def use_tree_chunk(t: torch.Tensor) -> bool:
@@ -73,6 +82,25 @@ def use_tree_chunk(t: torch.Tensor) -> bool:
     if force_reference() or mode == "0":
         return False
     return mode == "1" or t.is_cuda
+
+
+_BV = (4, 8, 16, 32, 64, 128)
+_WARPS = (1, 2, 4, 8)
+
+
+def tree_kernel_options() -> dict:
+    """The tree GDN kernel's launch switches (DDTREE_GDN_TREE_BV / _WARPS / _PREFETCH) as the Triton
+    wrapper's keywords; a bad value raises naming the variable and the values it takes."""
+    bv, warps = envs.GDN_TREE_BV.get().strip().lower(), envs.GDN_TREE_WARPS.get().strip()
+    if bv not in ("", "auto") and (not bv.isdigit() or int(bv) not in _BV):
+        raise ValueError(f"{envs.GDN_TREE_BV.name}={bv!r}: use auto or one of {_BV}")
+    if not warps.isdigit() or int(warps) not in _WARPS:
+        raise ValueError(f"{envs.GDN_TREE_WARPS.name}={warps!r}: use one of {_WARPS}")
+    return dict(
+        block_v=int(bv) if bv not in ("", "auto") else None,
+        num_warps=int(warps),
+        prefetch=envs.GDN_TREE_PREFETCH.on(),
+    )
 
 
 def choose(op: str, fast: bool, name: str) -> bool:

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ddtree.kernels.gdn.backend import choose, fla_ops, use_fla, use_tree_chunk, use_triton
+from ddtree.kernels.gdn.backend import (
+    choose,
+    fla_ops,
+    tree_kernel_options,
+    use_fla,
+    use_tree_chunk,
+    use_triton,
+)
 from ddtree.kernels.gdn.reference import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
@@ -119,5 +126,7 @@ def tree_rule(
     if choose("tree", use_triton(v), "triton"):
         from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton
 
-        return tree_gated_delta_rule_triton(*args, **bufs)
+        # launch switches (tile, warps, prefetch): same math (warps / tile: the fp32 reduction order
+        # may differ), timed by bench/gpu_gdn_tree.py
+        return tree_gated_delta_rule_triton(*args, **bufs, **tree_kernel_options())
     return tree_gated_delta_rule_rows(*args, **bufs)

@@ -10,6 +10,11 @@ zeros and see their own input as zero, as the reference. No host syncs: capturab
 
 Every tree verify and every AR round on CUDA goes through here (`conv`), so AR and speculative rounds
 share one conv numerics; the CPU keeps the reference (`root_causal_conv1d` for one-node trees).
+
+With `state_rows` the committed conv states and the node-state stash are the state pool's own rows
+(request i reads conv_state[state_rows[i]] and writes node_states[state_rows[i], :n]): no gather of
+the committed rows before the kernel and no scatter of the node states after it (two launches and a
+copy of the stash per GDN layer).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ if triton is not None:
         par_ptr,
         valid_ptr,
         cs_ptr,
+        rows_ptr,
         w_ptr,
         bias_ptr,
         y_ptr,
@@ -48,9 +54,12 @@ if triton is not None:
         sx_n,
         scs_b,
         scs_c,
+        sst_b,
+        sst_n,
         K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         STATES: tl.constexpr,
+        ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -59,10 +68,13 @@ if triton is not None:
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mc = c < C
         ok = tl.load(valid_ptr + bi * n + i) != 0
+        row = bi  # the request's row of conv_state and node_states (the pool's with ROWS)
+        if ROWS:
+            row = tl.load(rows_ptr + bi).to(tl.int64)
         # slot s of the chain: s >= K-1 is node s-(K-1); s < K-1 is the committed column s
         s = i + (K - 1)
         v = tl.load(x_ptr + bi * sx_b + i * sx_n + c, mask=mc & ok, other=0.0)
-        st_base = st_ptr + ((bi * n + i) * C + c) * (K - 1)  # node states [b, n, C, K-1]
+        st_base = st_ptr + row * sst_b + i * sst_n + c * (K - 1)  # node i's [C, K-1] window
         acc = v.to(tl.float32) * tl.load(w_ptr + c * K + (K - 1), mask=mc, other=0.0).to(tl.float32)
         if STATES:
             tl.store(st_base + (K - 2), v.to(st_ptr.dtype.element_ty), mask=mc)
@@ -77,7 +89,7 @@ if triton is not None:
                 x_ptr + bi * sx_b + tl.maximum(node, 0) * sx_n + c, mask=mc & is_node, other=0.0
             )
             vs = tl.load(
-                cs_ptr + bi * scs_b + c * scs_c + tl.maximum(s, 0),
+                cs_ptr + row * scs_b + c * scs_c + tl.maximum(s, 0),
                 mask=mc & (node < 0) & (s >= 0),
                 other=0.0,
             )
@@ -102,9 +114,13 @@ def tree_causal_conv1d_triton(
     valid: Tensor | None = None,
     return_node_states: bool = False,
     block: int = 512,
+    state_rows: Tensor | None = None,
+    node_states: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Same arguments and returns as `reference.tree_causal_conv1d`. Requires parents[b, i] < i for
-    valid nodes' chains (depth-sorted trees)."""
+    """Same arguments and returns as `reference.tree_causal_conv1d`, plus (see the module docstring)
+    state_rows [b]: conv_state is a pool [R, C, K-1] and node_states (given) a stash [R, W >= n, C,
+    K-1], both addressed by row. Requires parents[b, i] < i for valid nodes' chains (depth-sorted
+    trees)."""
     b, n, C = x.shape
     K = weight.shape[1]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -114,29 +130,36 @@ def tree_causal_conv1d_triton(
         valid.contiguous().view(torch.int8) if valid.dtype == torch.bool else valid.to(torch.int8)
     )
     y = torch.empty(b, n, C, dtype=x.dtype, device=x.device)
-    states = torch.empty(b, n, C, K - 1, dtype=conv_state.dtype, device=x.device)
+    if node_states is None:
+        node_states = torch.empty(b, n, C, K - 1, dtype=conv_state.dtype, device=x.device)
+    if node_states.stride(-1) != 1 or node_states.stride(-2) != K - 1:
+        raise ValueError("node_states must be contiguous over its last two dims [C, K-1]")
     if b and n:
         _tree_conv_kernel[(b * n, triton.cdiv(C, block))](
             x,
             parents.contiguous(),
             valid,
             cs,
+            state_rows if state_rows is not None else parents,  # a dummy pointer when unused
             weight.contiguous(),
             bias if bias is not None else weight,
             y,
-            states,
+            node_states,
             n,
             C,
             x.stride(0),
             x.stride(1),
             cs.stride(0),
             cs.stride(1),
+            node_states.stride(0),
+            node_states.stride(1),
             K=K,
             HAS_BIAS=bias is not None,
             STATES=bool(return_node_states),
+            ROWS=state_rows is not None,
             BLOCK=block,
         )
-    return y, states if return_node_states else None
+    return y, node_states if return_node_states else None
 
 
 def conv(
@@ -147,18 +170,41 @@ def conv(
     bias: Tensor | None = None,
     valid: Tensor | None = None,
     return_node_states: bool = False,
+    state_rows: Tensor | None = None,
+    node_states: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The tree conv the engine runs: this kernel on CUDA (every width, one-node trees too), the
-    reference elsewhere (`root_causal_conv1d` for one node: the same numbers without the gathers)."""
+    reference elsewhere (`root_causal_conv1d` for one node: the same numbers without the gathers).
+    With state_rows the pool's rows are read and node_states' rows written (the kernel in place, the
+    reference by gather and scatter); the returned node states are then node_states itself."""
     if triton is not None and choose("tree_conv", use_triton(x), "triton"):
         return tree_causal_conv1d_triton(
-            x, parents, conv_state, weight, bias, valid, return_node_states
+            x,
+            parents,
+            conv_state,
+            weight,
+            bias,
+            valid,
+            return_node_states,
+            state_rows=state_rows,
+            node_states=node_states,
         )
+    cs = conv_state if state_rows is None else conv_state[state_rows]
     if x.shape[1] == 1:
-        y, st = reference.root_causal_conv1d(x[:, 0], conv_state, weight, bias)
+        y, st = reference.root_causal_conv1d(x[:, 0], cs, weight, bias)
         if valid is not None:
             y = torch.where(valid[:, :1], y, 0)
-        return y[:, None], st[:, None] if return_node_states else None
-    return reference.tree_causal_conv1d(
-        x, parents, conv_state, weight, bias, valid, return_node_states
-    )
+        y, st = y[:, None], st[:, None]
+    else:
+        y, st = reference.tree_causal_conv1d(
+            x, parents, cs, weight, bias, valid, return_node_states
+        )
+    if not return_node_states:
+        return y, None
+    if node_states is None:
+        return y, st
+    if state_rows is None:
+        node_states[:, : x.shape[1]] = st.to(node_states.dtype)
+    else:
+        node_states[state_rows, : x.shape[1]] = st.to(node_states.dtype)
+    return y, node_states
