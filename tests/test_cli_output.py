@@ -103,10 +103,20 @@ def test_serving_level_reads_budgets_from_metrics():
     from ddtree.server.metrics import ServerMetrics
 
     m = ServerMetrics("DDTREE", 16)
-    m.on_round(RoundRecord(17, [16, 16], [3.0, 5.0], [2, 4], 0.008, 0.001), 0.0005, 0.0002)
+    m.on_round(
+        RoundRecord(17, [16, 16], [3.0, 5.0], [2, 4], round_s=0.008, host_s=0.001), 0.0005, 0.0002
+    )
     before = parse(m.render().decode())
-    m.on_round(RoundRecord(9, [8, 8, 8], [2.0, 2.0, 2.0], [1, 3, 2], 0.006, 0.002), 0.001, 0.0)
-    m.on_round(RoundRecord(1, [0, 0, 0], [0.0, 0.0, 0.0], [0, 0, 0], 0.004, 0.002), 0.001, 0.0)
+    m.on_round(
+        RoundRecord(9, [8, 8, 8], [2.0, 2.0, 2.0], [1, 3, 2], round_s=0.006, host_s=0.002),
+        0.001,
+        0.0,
+    )
+    m.on_round(
+        RoundRecord(1, [0, 0, 0], [0.0, 0.0, 0.0], [0, 0, 0], round_s=0.004, host_s=0.002),
+        0.001,
+        0.0,
+    )
     d = delta(before, parse(m.render().decode()))
     assert d["budget_histogram"] == {"0": 3, "8": 3}
     assert d["verify_width_rounds"] == {"9": 1, "1": 1}

@@ -430,14 +430,14 @@ def test_budget_auto_resolves_to_the_ladder_under_a_cap(dense, caplog):
     spec = spec_config(args)
     assert args.speculative_ddtree_budget == "auto" and args.speculative_ddtree_max_budget == 64
     assert spec.adaptive and spec.budget == 64 and spec.verify_width == 65
-    assert spec.verify_widths == (1, 9, 17, 33, 65)
+    assert spec.verify_widths == (1, 9, 16, 17, 33, 65)  # 16: the DFLASH chain rung
     assert any("budget is auto" in m for m in caplog.messages)
     capped = prepare_server_args(
         ddtree_argv(
             dense, "--speculative-ddtree-budget", "auto", "--speculative-ddtree-max-budget", "20"
         )
     )
-    assert spec_config(capped).verify_widths == (1, 9, 17, 21)
+    assert spec_config(capped).verify_widths == (1, 9, 16, 17, 21)
     fixed = spec_config(prepare_server_args(ddtree_argv(dense, "--speculative-ddtree-budget", "8")))
     assert not fixed.adaptive and fixed.verify_widths == (9,)
 
