@@ -27,14 +27,8 @@ while [ $# -gt 0 ]; do
 done
 case "$ONLY" in both|27b|8b) ;; *) echo "error: --only must be 27b or 8b (got $ONLY)" >&2; exit 2 ;; esac
 RESERVE_8B_S=${RESERVE_8B_S:-200}
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/device_env.sh
+. "$(dirname "$0")/device_env.sh"  # the carried wheels, PYTHONPATH
 T0=$(date +%s)
 run() {  # run SHAPE BUDGET_S FLAGS...
   local shape=$1 budget=$2; shift 2

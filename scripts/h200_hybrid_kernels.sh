@@ -13,14 +13,8 @@
 # then BEFORE=1 scripts/h200_hybrid_kernels.sh runs step 3's first three cases there first.
 set -uo pipefail
 OUT=${1:-${OUT:-hybrid_kernels_out}}
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/device_env.sh
+. "$(dirname "$0")/device_env.sh"  # the carried wheels, PYTHONPATH
 mkdir -p "$OUT"
 status=0
 timeout 170 python3 -m pytest -m gpu tests/gpu/test_gdn_gpu.py tests/gpu/test_fused_kernels_gpu.py \

@@ -26,14 +26,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$ONLY" in both|27b|8b) ;; *) echo "error: --only must be 8b or 27b (got $ONLY)" >&2; exit 2 ;; esac
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/device_env.sh
+. "$(dirname "$0")/device_env.sh"  # the carried wheels, PYTHONPATH
 T0=$(date +%s)
 RC=0
 run() {  # run SHAPE FLAGS...

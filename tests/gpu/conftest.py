@@ -1,6 +1,8 @@
 """tests/gpu: correctness on the device, behind the `gpu` marker (python3 -m pytest -m gpu tests/gpu
 -q). Every test here is marked `gpu` and skipped without CUDA."""
 
+import os
+
 import pytest
 import torch
 
@@ -21,3 +23,14 @@ def _cuda_clean():
     yield
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The embedded default pair (target, drafter) dirs; a test module may define its own `pair`."""
+    from ddtree.assets import PACKAGE_PAIR
+
+    target, drafter = os.path.join(PACKAGE_PAIR, "target"), os.path.join(PACKAGE_PAIR, "drafter")
+    if not os.path.isdir(target):
+        pytest.skip("no embedded pair in this checkout")
+    return target, drafter

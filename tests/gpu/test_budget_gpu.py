@@ -4,8 +4,6 @@ and T=0 output token-identical to eager (fp32) and to AR under budgets that chan
 (a cycling policy stub: AR rounds, every width, mixed budgets in one batch), with the graphs
 replayed at several widths."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -15,16 +13,6 @@ pytestmark = pytest.mark.gpu
 
 MAX_TOKENS = 32
 CYCLE = (0, 64, 3, 16, 1, 0, 33, 8, 2)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    from ddtree.assets import PACKAGE_PAIR
-
-    target, drafter = os.path.join(PACKAGE_PAIR, "target"), os.path.join(PACKAGE_PAIR, "drafter")
-    if not os.path.isdir(target):
-        pytest.skip("no embedded pair in this checkout")
-    return target, drafter
 
 
 class Cycling:

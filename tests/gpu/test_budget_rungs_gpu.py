@@ -6,22 +6,10 @@ rung replays the chain's; all T=0 token-identical to AR.
     python3 -m pytest -m gpu tests/gpu/test_budget_rungs_gpu.py -q
 """
 
-import os
-
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def pair():
-    from ddtree.assets import PACKAGE_PAIR
-
-    target, drafter = os.path.join(PACKAGE_PAIR, "target"), os.path.join(PACKAGE_PAIR, "drafter")
-    if not os.path.isdir(target):
-        pytest.skip("no embedded pair in this checkout")
-    return target, drafter
 
 
 class Forced:

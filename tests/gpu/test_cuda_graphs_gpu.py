@@ -4,7 +4,6 @@ replayed (verify; for DFLASH / DDTREE the fused draft -> tree and the in-graph a
 Formerly the check of bench/gpu_cuda_graphs.py, which now only times."""
 
 import inspect
-import os
 
 import pytest
 import torch
@@ -42,16 +41,6 @@ def _count_replays(graphs, counts):
             return out
 
         setattr(graphs, name, counted)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    from ddtree.assets import PACKAGE_PAIR
-
-    target, drafter = os.path.join(PACKAGE_PAIR, "target"), os.path.join(PACKAGE_PAIR, "drafter")
-    if not os.path.isdir(target):
-        pytest.skip("no embedded pair in this checkout")
-    return target, drafter
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

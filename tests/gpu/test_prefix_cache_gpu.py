@@ -3,8 +3,6 @@ two-turn conversations over a shared system prompt that ends mid-page give the s
 cache as with --disable-radix-cache (AR / DFLASH / DDTREE), the second turn really hits the cache
 and the graphs really replay; the pools drain clean."""
 
-import os
-
 import pytest
 import torch
 from engine_utils import mean_accept, toy_pattern
@@ -13,16 +11,6 @@ pytestmark = pytest.mark.gpu
 
 ALGOS = [("NONE", None), ("DFLASH", None), ("DDTREE", 16)]
 PATTERNS = [("prog", 3, 2), ("walk", 30, 1), ("prog", 17, -3), ("walk", 9, 1)]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    from ddtree.assets import PACKAGE_PAIR
-
-    target, drafter = os.path.join(PACKAGE_PAIR, "target"), os.path.join(PACKAGE_PAIR, "drafter")
-    if not os.path.isdir(target):
-        pytest.skip("no embedded pair in this checkout")
-    return target, drafter
 
 
 def _chat(llm, params):
