@@ -22,20 +22,14 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
+from ddtree.bench.serving import Result
+
 
 @dataclass
-class TurnResult:
-    ok: bool
-    ttft: float = 0.0
-    latency: float = 0.0
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    rounds: int = 0
-    mean_accept_length: float = 0.0
-    error: str = ""
+class TurnResult(Result):
+    """One turn: `serving.Result` plus which turn it was and the reply (the next turn's history)."""
+
     turn: int = 0
-    timing: dict | None = None  # the server's TTFT by phase (meta_info.timing)
     output_ids: list[int] = field(default_factory=list, repr=False)
 
 

@@ -23,8 +23,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from ddtree.bench import multiturn
-
 SYNTHETIC_TOPICS = (
     "a stack",
     "a queue",
@@ -261,6 +259,8 @@ async def run(ns, items: list[Item]) -> dict:
         timeout=ns.timeout,
         http_client=httpx.AsyncClient(limits=limits, timeout=ns.timeout),
     )
+    from ddtree.bench import multiturn
+
     try:
         model = ns.model or (await client.models.list()).data[0].id
         if ns.warmup:
@@ -437,6 +437,8 @@ def make_parser() -> argparse.ArgumentParser:
         default="single",
         help="single: one request per prompt; multiturn: conversations over a shared system prompt",
     )
+    from ddtree.bench import multiturn
+
     multiturn.add_flags(p)
     return p
 
@@ -450,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     if ns.workload == "multiturn":
+        from ddtree.bench import multiturn
+
         problem = multiturn.check(ns)
         if problem:
             print(f"error: {problem}", file=sys.stderr)
