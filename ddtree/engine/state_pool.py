@@ -178,21 +178,25 @@ class HybridStatePool:
             self._replay(slots, path, acc)
 
     def _replay(self, slots: Tensor, path: Tensor, acc: Tensor) -> None:
+        step = torch.arange(path.shape[1], device=self.device)
+        keep = step[None, :] <= acc[:, None]
+        nodes = torch.where(keep, path, 0)
+        # the accepted rows of each request replayed as a chain 0..acc (-1 = padding)
+        chain = torch.where(keep, step[None, :], -1)
         # layers in groups whose fp32 states stay under REPLAY_GROUP_BYTES: all 48 layers of a 27B-shape
         # batch-64 commit at once gathered ~10 GB per copy (and a captured graph keeps its peak)
         per_layer = path.shape[0] * self.ssm[0, 0].numel() * 4
         group = max(1, min(self.geo.num_layers, REPLAY_GROUP_BYTES // max(per_layer, 1)))
         for l0 in range(0, self.geo.num_layers, group):
-            self._replay_layers(slice(l0, min(l0 + group, self.geo.num_layers)), slots, path, acc)
+            layers = slice(l0, min(l0 + group, self.geo.num_layers))
+            self._replay_layers(layers, slots, nodes, chain)
 
-    def _replay_layers(self, layers: slice, slots: Tensor, path: Tensor, acc: Tensor) -> None:
+    def _replay_layers(self, layers: slice, slots: Tensor, nodes: Tensor, chain: Tensor) -> None:
+        """Replay one group of layers: nodes [b, P] the accepted path's node indices (0 past it),
+        chain [b, P] its steps (-1 past it)."""
         geo, L = self.geo, layers.stop - layers.start
-        b, P = path.shape
-        step = torch.arange(P, device=self.device)
-        keep = step[None, :] <= acc[:, None]
-        nodes = torch.where(keep, path, 0)
-        # gather only the accepted rows ([L, b, P, ...]), then replay them as chains 0..acc (-1 = padding)
-        chain = torch.where(keep, step[None, :], -1).repeat(L, 1)
+        b = nodes.shape[0]
+        chain = chain.repeat(L, 1)  # [L * b, P]: gathered rows are layer-major
 
         def rows(name):
             t = self.stash[name][layers][:, slots[:, None], nodes]
