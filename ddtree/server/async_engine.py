@@ -292,8 +292,8 @@ class AsyncEngine:
             self._publish()
             if send:
                 self._outbox.send()
-        except Exception as e:
-            self._outbox.send()  # what was published goes out before the failures below  # noqa: BLE001 - a publishing bug fails the requests, not the server
+        except Exception as e:  # noqa: BLE001 - a publishing bug fails the requests, not the server
+            self._outbox.send()  # what was published goes out before the failures below
             logger.exception("publishing outputs failed; failing every request")
             for rid in list(self._streams):
                 self._fail(rid, f"internal server error: {type(e).__name__}: {e}")
