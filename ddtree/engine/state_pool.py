@@ -287,10 +287,11 @@ class TreeContext:
             return_node_states=self.extra,
             state_rows=self.slots,
             node_states=self.pool.stash["node_conv"][j] if self.extra else None,
+            # no_buffer: the replay's inputs written by the kernel into the stash rows
+            stash=None
+            if self.extra
+            else (self.pool.stash["node_x"][j], self.pool.stash["node_y"][j]),
         )
-        if not self.extra:
-            self._stash("node_x", j, xb)
-            self._stash("node_y", j, y)
         return y.view(self.b * self.n, -1)
 
     def rule(self, j, q, k, v, g, beta):
