@@ -246,6 +246,22 @@ def pick_bv(dv: int) -> int:
     return 32 if dv >= 32 else 16
 
 
+def launch_config(
+    n: int, dk: int, dv: int, block_v=None, block_k: int = 16, num_warps=None
+) -> dict[str, int]:
+    """The launch for n nodes: block rows BT, padded dk BK, its chunk BKC, column tile BV, warps
+    (the defaults: what bench/gdn_tree_chunk_compile_report.py checks for spills)."""
+    bt = block_rows(n)
+    BK = max(16, triton.next_power_of_2(dk))  # tl.dot takes >= 16 (zero-padded loads)
+    return dict(
+        BT=bt,
+        BK=BK,
+        BKC=max(16, min(block_k, BK)),
+        BV=block_v or pick_bv(dv),
+        num_warps=num_warps or (4 if bt <= 16 else 8),
+    )
+
+
 def tree_chunk_triton(
     q: Tensor,
     k: Tensor,
@@ -302,12 +318,8 @@ def tree_chunk_triton(
             raise ValueError("stash rows must be contiguous over Hv")
     else:
         gs, bs, st_rows = g, beta, depths  # dummy pointers when unused
-    bt = block_rows(n)
-    BK = max(16, triton.next_power_of_2(dk))  # tl.dot takes >= 16 (zero-padded loads)
-    bk = max(16, min(block_k, BK))
-    bv = block_v or pick_bv(dv)
-    warps = num_warps or (4 if bt <= 16 else 8)
-    _tree_chunk_kernel[(b, Hv, triton.cdiv(dv, bv))](
+    cfg = launch_config(n, dk, dv, block_v, block_k, num_warps)
+    _tree_chunk_kernel[(b, Hv, triton.cdiv(dv, cfg["BV"]))](
         q,
         k,
         v,
@@ -347,14 +359,10 @@ def tree_chunk_triton(
         bs.stride(0),
         bs.stride(1) if stash is not None else 0,
         float(dk**-0.5 if scale is None else scale),
-        BT=bt,
-        BK=BK,
-        BKC=bk,
-        BV=bv,
         L2NORM=bool(use_qk_l2norm),
         S0_ROWS=initial_rows is not None,
         STASH=stash is not None,
         PREC=precision,
-        num_warps=warps,
+        **cfg,
     )
     return out
