@@ -127,9 +127,21 @@ def test_dispatch_modes(monkeypatch):
     backend.ran.clear()
     dispatch.tree_rule(*big[0], big[1], big[2], big[3])
     assert backend.ran == {("tree", "chunk_torch"): 1}
-    monkeypatch.setenv(backend.TREE_CHUNK_ENV, "yes")
-    with pytest.raises(ValueError, match=backend.TREE_CHUNK_ENV):
-        backend.check_switches()
+    # the launch switches act (same numbers) and bad values fail naming the variable
+    monkeypatch.setenv(envs.GDN_TREE_CHUNK_BV.name, "16")
+    monkeypatch.setenv(envs.GDN_TREE_CHUNK_PRECISION.name, "ieee")
+    assert backend.tree_chunk_options() == dict(block_v=16, precision="ieee")
+    o, _ = dispatch.tree_rule(*ins, parents, depths, S0)
+    assert rel(o, ref) < 1e-4
+    for var, bad in (
+        (envs.GDN_TREE_CHUNK_BV.name, "48"),
+        (envs.GDN_TREE_CHUNK_PRECISION.name, "fp16"),
+        (backend.TREE_CHUNK_ENV, "yes"),
+    ):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            backend.check_switches()
+        monkeypatch.delenv(var)
 
 
 @cpu_interpreter_only

@@ -106,9 +106,28 @@ def tree_chunk_kernel(t: torch.Tensor, n: int) -> bool:
     return supported(n)
 
 
+_CHUNK_BV = (16, 32, 64, 128)
+_CHUNK_PRECISIONS = ("tf32x3", "tf32", "ieee")
+
+
+def tree_chunk_options() -> dict:
+    """The chunk-form tree kernel's launch switches (DDTREE_GDN_TREE_CHUNK_BV / _PRECISION) as its
+    wrapper's keywords; a bad value raises naming the variable and the values it takes."""
+    bv = envs.GDN_TREE_CHUNK_BV.get().strip().lower()
+    prec = envs.GDN_TREE_CHUNK_PRECISION.get().strip().lower() or "tf32x3"
+    if bv not in ("", "auto") and (not bv.isdigit() or int(bv) not in _CHUNK_BV):
+        raise ValueError(f"{envs.GDN_TREE_CHUNK_BV.name}={bv!r}: use auto or one of {_CHUNK_BV}")
+    if prec not in _CHUNK_PRECISIONS:
+        raise ValueError(
+            f"{envs.GDN_TREE_CHUNK_PRECISION.name}={prec!r}: use one of {_CHUNK_PRECISIONS}"
+        )
+    return dict(block_v=int(bv) if bv not in ("", "auto") else None, precision=prec)
+
+
 def check_switches() -> None:
     """Every GDN switch's value, checked at startup (before weights load): raises naming it."""
     tree_chunk_mode()
+    tree_chunk_options()
     tree_kernel_options()
 
 

@@ -16,6 +16,7 @@ from ddtree.kernels.gdn.backend import (
     choose,
     fla_ops,
     tree_chunk_kernel,
+    tree_chunk_options,
     tree_kernel_options,
     use_fla,
     use_tree_chunk,
@@ -128,8 +129,20 @@ def tree_rule(
 
             if tree_mask is None:
                 tree_mask = tree_ancestor_mask(parents, depths >= 0 if valid is None else valid)
+            # launch switches (column tile, dot precision): timed by bench/gpu_gdn_tree.py (e)
             o = tree_chunk_triton(
-                q, k, v, g, beta, depths, initial_state, tree_mask, valid, initial_rows, stash
+                q,
+                k,
+                v,
+                g,
+                beta,
+                depths,
+                initial_state,
+                tree_mask,
+                valid,
+                initial_rows,
+                stash,
+                **tree_chunk_options(),
             )
             return o, None
         choose("tree", True, "chunk_torch")
