@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Compile the no_buffer tree verify's Triton kernel (ddtree/kernels/gdn/tree_chunk_triton.py) for sm_90
-WITHOUT a GPU and print, per launch config, what ptxas made of it: registers, stack (spills), shared
-memory, and SASS counts (HGMMA = Hopper wgmma, HMMA = mma.sync, LDL/STL = local-memory spills).
+"""Compile the no_buffer tree verify's Triton kernel (ddtree/kernels/gdn/tree_chunk_triton.py) for
+sm_90 WITHOUT a GPU and print, per launch config, what ptxas made of it: registers, stack (spills),
+shared memory, and SASS counts (HGMMA = Hopper wgmma, HMMA = mma.sync, LDL/STL = spills).
 
-    python3 bench/gdn_tree_chunk_compile_report.py              # the defaults per block, 27B heads, bf16
-    python3 bench/gdn_tree_chunk_compile_report.py 64,16,64,8,tf32 ...   # BT,BKC,BV,warps[,precision]
-    python3 bench/gdn_tree_chunk_compile_report.py --json       # one JSON line per config (tests)
+    python3 bench/gdn_tree_chunk_compile_report.py            # defaults per block, 27B heads, bf16
+    python3 bench/gdn_tree_chunk_compile_report.py 64,16,64,8,tf32   # BT,BKC,BV,warps[,precision]
+    python3 bench/gdn_tree_chunk_compile_report.py --json     # one JSON line per config (tests)
 
 Uses the ptxas / cuobjdump that Triton's package carries; runs on the CPU machine (no device time).
 The defaults (block rows 16 / 32 / 64, what `tree_chunk_triton` launches for n <= 17 / 33 / 65) must
@@ -86,9 +86,13 @@ def report(bt, bkc, bv, warps, precision="tf32x3", dt="bf16", dk=128) -> dict:
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(ck.asm["cubin"])
-    run = lambda *a: subprocess.run([*a, f.name], capture_output=True, text=True).stdout  # noqa: E731
-    usage = run(f"{BIN}/cuobjdump", "--dump-resource-usage")
-    sass = run(f"{BIN}/cuobjdump", "--dump-sass")
+
+    def dump(flag: str) -> str:
+        return subprocess.run(
+            [f"{BIN}/cuobjdump", flag, f.name], capture_output=True, text=True
+        ).stdout
+
+    usage, sass = dump("--dump-resource-usage"), dump("--dump-sass")
     os.unlink(f.name)
     counts = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL")}
     return dict(

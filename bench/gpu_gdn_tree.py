@@ -14,9 +14,9 @@ Qwen3.6-27B-shaped GDN layer (config: Hk=16, Hv=48, dk=dv=128, conv kernel 4; 48
     state, and the full verify + commit per layer for both strategies (with (b)'s verify times).
 (d) fla chunk (prefill: varlen, initial states) and fused recurrent (decode, continuing from the chunk's final
     state) vs the reference: rel err and time.
-(e) the no_buffer verify's Triton kernel (tree_chunk_triton) vs the PyTorch chunk form vs the extra_buffer
-    recurrence, B=64, batch 1 / 8, bushy tree and chain: CUDA graph us per layer, the kernel's launch options
-    swept, rel err vs the reference (`--only e`: about a minute).
+(e) the no_buffer verify's Triton kernel (tree_chunk_triton) vs the PyTorch chunk form vs the
+    extra_buffer recurrence, B=64, batch 1 / 8, bushy tree and chain: CUDA graph us per layer,
+    the kernel's launch options swept, rel err vs the reference (`--only e`: about a minute).
 Timing only: the pass / fail checks are tests/gpu (python3 -m pytest -m gpu tests/gpu): test_gdn_gpu.py for
 (a)-(d), test_hybrid_graphs_gpu.py for the former (e) (the toy hybrid pair end to end, graphs vs eager and
 vs AR). The exit code is 1 only if a section crashed or was skipped.

@@ -72,9 +72,9 @@ FORCE_REFERENCE_GDN = EnvVar(
 GDN_TREE_CHUNK = EnvVar(
     "DDTREE_GDN_TREE_CHUNK",
     "auto",
-    "the chunk-form GDN tree verify (no_buffer): auto = on CUDA, 1 = everywhere (CPU tests), torch "
-    "= everywhere as the PyTorch form (the Triton kernel's reference), 0 = never; the Triton kernel "
-    "runs where our Triton kernels do and the tree has <= 65 nodes",
+    "the chunk-form GDN tree verify (no_buffer): auto = on CUDA, 1 = everywhere (CPU tests), "
+    "torch = everywhere as the PyTorch form (the Triton kernel's reference), 0 = never; the "
+    "Triton kernel runs where our Triton kernels do and the tree has <= 65 nodes",
 )
 GDN_TREE_CHUNK_BV = EnvVar(
     "DDTREE_GDN_TREE_CHUNK_BV",

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The no_buffer tree verify's Triton kernel (kernels/gdn/tree_chunk_triton.py) in one H200 device run
-# (~9 min), from the repository root (carry `.whl` for fla-core, as scripts/h200_hybrid_kernels.sh):
+# The no_buffer tree verify's Triton kernel (kernels/gdn/tree_chunk_triton.py) in one H200 device
+# run (~9 min), from the repository root (carry `.whl` for fla-core, as h200_hybrid_kernels.sh):
 #   scripts/h200_tree_chunk.sh [OUT_DIR]
 # 1. its GPU checks: kernel vs reference at the 27B head shape (B=64, batch 1 / 8, bf16 / fp32, its
 #    launch options, CUDA graph replay), the hybrid graphs vs eager / AR (no_buffer included);
 # 2. bench/gpu_gdn_tree.py (e): one layer, the kernel vs the PyTorch chunk form vs the extra_buffer
 #    recurrence, B=64, batch 1 / 8, launch options swept;
 # 3. bench/gpu_profile_round.py at the 27B shape: DDTREE B=64 no_buffer with the kernel, with the
-#    PyTorch chunk form (DDTREE_GDN_TREE_CHUNK=torch: the code before), with the kernel's column tile
+#    PyTorch chunk form (DDTREE_GDN_TREE_CHUNK=torch: the code before), the kernel's column tile
 #    at 64 and its dots in tf32, extra_buffer; batch 8 no_buffer (kernel, PyTorch form); AR for
 #    reference; one table at the end (wall ms/round, x floor, launches).
 set -uo pipefail

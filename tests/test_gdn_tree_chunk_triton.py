@@ -1,5 +1,5 @@
-"""The chunk-form tree rule as one Triton launch (ddtree/kernels/gdn/tree_chunk_triton.py) against the
-per-node tree reference and its PyTorch chunk form: random, bushy and chain trees up to 65 nodes
+"""The chunk-form tree rule as one Triton launch (ddtree/kernels/gdn/tree_chunk_triton.py) against
+the per-node tree reference and its PyTorch chunk form: random, bushy and chain trees up to 65 nodes
 (the kernel's 64-row block + the root), requests with different trees and NaN padding, GQA, a dk
 of two chunks, a dv of a partial column tile, pool rows, a strided (narrowed) tree mask, extra
 roots, an all-padding request, the stash writes; the dispatch switch; and the hybrid engine

@@ -11,9 +11,9 @@ the last accepted node:
 W = max_verify_width (root included). With `scratch_row` the pool has one row past the requests'
 (index max_reqs) that no request owns: the padded rows of a CUDA graph read and write only it.
 Under no_buffer the verify itself keeps no per-node states either: on
-CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk_triton.py, one launch per layer, over the
-round's tree_mask), extra_buffer the Triton tree kernel; the stash rows are written inside the conv and
-rule kernels (no index_put per layer).
+CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk_triton.py, one launch per layer,
+over the round's tree_mask), extra_buffer the Triton tree kernel; the stash rows are written
+inside the conv and rule kernels (no index_put per layer).
 """
 
 from __future__ import annotations
