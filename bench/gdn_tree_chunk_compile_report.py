@@ -70,6 +70,7 @@ def report(bt, bkc, bv, warps, precision="tf32x3", dt="bf16", dk=128) -> dict:
         S0_ROWS=True,
         STASH=True,
         PREC=precision,
+        PREC_IN="tf32" if dt in ("bf16", "fp16") and precision != "ieee" else precision,
     )
     ptrs = _ptrs(dt)
     sig, cvals = {}, {}
