@@ -169,3 +169,32 @@ def test_hybrid_no_buffer_lossless_with_kernel(toy_hybrid_pair, monkeypatch):
     )
     assert [o.token_ids for o in outs] == ar and mean_accept(outs) > 2
     assert backend.ran[("tree", "chunk")] > 0 and not backend.ran[("tree", "chunk_torch")]
+
+
+@cpu_interpreter_only
+@pytest.mark.usefixtures("one_torch_thread")
+def test_graph_path_with_kernel_matches_eager_and_padding_stays_in_scratch(
+    toy_hybrid_pair, monkeypatch
+):
+    """The CUDA-graph path (capture off) of a no_buffer DDTREE round with the kernel: the eager
+    path's tokens, and the padded rows' in-kernel stash writes reach only the scratch row."""
+    from test_hybrid_graphs import PROMPTS as prompts  # 4 ragged: the live batch shrinks 4 -> 1
+    from test_hybrid_graphs import _graphs, _llm, _tokens, _watch
+
+    from ddtree import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 2, 8, 6)]
+    monkeypatch.setenv(backend.TREE_CHUNK_ENV, "1")
+    monkeypatch.delenv(backend.FORCE_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "tree_chunk_kernel", lambda t, n: kernel.supported(n))
+    eager = _tokens(_llm(toy_hybrid_pair, "DDTREE", "no_buffer").generate(prompts, params))
+    llm = _llm(toy_hybrid_pair, "DDTREE", "no_buffer")
+    _graphs(llm)
+    log = []
+    _watch(llm, log)
+    backend.ran.clear()
+    outs = _tokens(llm.generate(prompts, params))
+    rounds = [n for _, acc in outs for n in acc]
+    assert outs == eager and sum(rounds) / len(rounds) > 2 and backend.ran[("tree", "chunk")] > 0
+    assert log and all(not illegal for illegal, _, _, _ in log), log
+    assert any(wrote for _, wrote, b, bs in log if b < bs), log
