@@ -14,6 +14,9 @@ Qwen3.6-27B-shaped GDN layer (config: Hk=16, Hv=48, dk=dv=128, conv kernel 4; 48
     state, and the full verify + commit per layer for both strategies (with (b)'s verify times).
 (d) fla chunk (prefill: varlen, initial states) and fused recurrent (decode, continuing from the chunk's final
     state) vs the reference: rel err and time.
+(e) the no_buffer verify's Triton kernel (tree_chunk_triton) vs the PyTorch chunk form vs the
+    extra_buffer recurrence, B=64, batch 1 / 8, bushy tree and chain: CUDA graph us per layer,
+    the kernel's launch options swept, rel err vs the reference (`--only e`: about a minute).
 Timing only: the pass / fail checks are tests/gpu (python3 -m pytest -m gpu tests/gpu): test_gdn_gpu.py for
 (a)-(d), test_hybrid_graphs_gpu.py for the former (e) (the toy hybrid pair end to end, graphs vs eager and
 vs AR). The exit code is 1 only if a section crashed or was skipped.
@@ -231,6 +234,79 @@ def section_b(gen):
     RESULT["b"] = out
 
 
+def section_e(gen):
+    """The no_buffer verify's Triton kernel vs the PyTorch chunk form vs the extra_buffer recurrence
+    (which also writes every node's fp32 state), one layer, B=64, CUDA graphs; the kernel's launch
+    options swept (tile columns, dk chunk, warps, dot precision)."""
+    from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
+    from ddtree.speculative.tree import DraftTree
+
+    print(
+        "(e) no_buffer tree verify, B=64 (65 nodes), one GDN layer, CUDA graph us: the chunk kernel"
+        " vs the PyTorch chunk form vs the extra_buffer recurrence",
+        flush=True,
+    )
+    out = []
+    for b in (1, 8):
+        for kind in ("bushy", "chain"):
+            parents, depths = tree(b, 65, kind, gen)
+            q, k, v, g, beta, s0 = rule_inputs(b, 65, torch.bfloat16, gen)
+            mask = DraftTree.from_parents(torch.zeros_like(parents), parents).tree_mask
+            f32 = [t.float() for t in (q, k, v, g, beta)]
+            ro, _ = reference.tree_gated_delta_rule(*f32, parents, depths, s0)
+            states = torch.empty(b, 65, HV, DK, DV, device=DEV)
+            rec = {"b": b, "tree": kind, "sweep": []}
+            rec["recurrence_us"] = float(
+                us(
+                    lambda: tree_gated_delta_rule_triton(
+                        q, k, v, g, beta, parents, depths, s0, node_states=states
+                    )
+                ).rstrip("*")
+            )
+            rec["torch_chunk_us"] = float(
+                us(
+                    lambda: tree_chunk_gated_delta_rule(
+                        q, k, v, g, beta, parents, depths, s0, max_depth=64, mask=mask
+                    )
+                ).rstrip("*")
+            )
+            row(
+                f"b={b} {kind}",
+                f"recurrence {rec['recurrence_us']:8.1f}",
+                f"torch chunk {rec['torch_chunk_us']:8.1f}",
+            )
+            sweep = [(None, 16, None, "tf32x3")]  # the defaults
+            sweep += [(bv, 16, 8, "tf32x3") for bv in (16, 32, 64)]
+            sweep += [(32, 32, 8, "tf32x3"), (32, 16, 4, "tf32x3")]
+            sweep += [(32, 16, 8, "tf32"), (64, 32, 8, "tf32"), (32, 16, 8, "ieee")]
+            for bv, bk, nw, prec in sweep:
+                kw = dict(block_v=bv, block_k=bk, num_warps=nw, precision=prec)
+
+                def fn(kw=kw):
+                    return tree_chunk_triton(q, k, v, g, beta, depths, s0, mask, **kw)
+
+                try:
+                    err = rel(fn(), ro)
+                    t = time_graph(fn, reps=20) * 1e6
+                except Exception as e:  # noqa: BLE001 - an option that does not compile is skipped
+                    row(f"b={b} {kind}", str(kw), f"failed: {type(e).__name__}: {e}"[:160])
+                    continue
+                row(f"b={b} {kind}", f"kernel {kw}", f"{t:8.1f} us", f"rel err {err:.1e}")
+                rec["sweep"].append(dict(kw, us=t, err=err))
+            if rec["sweep"]:
+                best = min(rec["sweep"], key=lambda r: r["us"])
+                rec["kernel_default_us"] = rec["sweep"][0]["us"]
+                row(
+                    f"b={b} {kind}",
+                    f"kernel default {rec['kernel_default_us']:.1f} us, best {best['us']:.1f} us",
+                    f"x48 layers: {48 * rec['kernel_default_us'] / 1e3:.2f} ms vs torch chunk "
+                    f"{48 * rec['torch_chunk_us'] / 1e3:.2f} ms vs recurrence "
+                    f"{48 * rec['recurrence_us'] / 1e3:.2f} ms",
+                )
+            out.append(rec)
+    RESULT["e"] = out
+
+
 def section_c(gen):
     from ddtree.engine.state_pool import GDNGeometry, HybridStatePool
 
@@ -387,7 +463,7 @@ def section_d(gen):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="b,c,d", help="sections to run, e.g. b,d")
+    ap.add_argument("--only", default="b,c,e,d", help="sections to run, e.g. b,d")
     ap.add_argument(
         "--deadline-s", type=float, default=170, help="skip the sections not started by then"
     )
@@ -418,6 +494,7 @@ def main():
     sections = {
         "b": section_b,
         "c": section_c,
+        "e": section_e,
         "d": section_d,
     }
     start = time.perf_counter()

@@ -72,7 +72,21 @@ FORCE_REFERENCE_GDN = EnvVar(
 GDN_TREE_CHUNK = EnvVar(
     "DDTREE_GDN_TREE_CHUNK",
     "auto",
-    "the chunk-form GDN tree verify: auto = on CUDA, 1 = everywhere (CPU tests), 0 = never",
+    "the chunk-form GDN tree verify (no_buffer): auto = on CUDA, 1 = everywhere (CPU tests), "
+    "torch = everywhere as the PyTorch form (the Triton kernel's reference), 0 = never; the "
+    "Triton kernel runs where our Triton kernels do and the tree has <= 65 nodes",
+)
+GDN_TREE_CHUNK_BV = EnvVar(
+    "DDTREE_GDN_TREE_CHUNK_BV",
+    "auto",
+    "the chunk-form GDN tree kernel's value-column tile (programs per head = dv / BV): auto, 16, "
+    "32, 64 or 128",
+)
+GDN_TREE_CHUNK_PRECISION = EnvVar(
+    "DDTREE_GDN_TREE_CHUNK_PRECISION",
+    "tf32x3",
+    "the chunk-form GDN tree kernel's fp32 dot precision: tf32x3 (~fp32), tf32 (10-bit mantissa "
+    "inputs) or ieee (no tensor cores)",
 )
 GDN_TREE_PREFETCH = EnvVar(
     "DDTREE_GDN_TREE_PREFETCH",
@@ -137,6 +151,8 @@ TABLE: dict[str, EnvVar] = {
         FUSED_KERNELS_INTERPRET,
         FORCE_REFERENCE_GDN,
         GDN_TREE_CHUNK,
+        GDN_TREE_CHUNK_BV,
+        GDN_TREE_CHUNK_PRECISION,
         GDN_TREE_PREFETCH,
         GDN_TREE_BV,
         GDN_TREE_WARPS,

@@ -112,7 +112,13 @@ def test_dispatch_switch(monkeypatch):
     ins, parents, depths, S0 = case([([-1, 0, 0, 1], [0, 1, 1, 2]), ([-1, 0], [0, 1])], seed=3)
     ref, _ = tree_gated_delta_rule(*ins, parents, depths, S0)
     monkeypatch.delenv(backend.FORCE_ENV, raising=False)
-    for mode, want in (("auto", "reference"), ("0", "reference"), ("1", "chunk")):
+    monkeypatch.delenv("DDTREE_FUSED_KERNELS_INTERPRET", raising=False)  # CPU: the PyTorch form
+    for mode, want in (
+        ("auto", "reference"),
+        ("0", "reference"),
+        ("1", "chunk_torch"),
+        ("torch", "chunk_torch"),
+    ):
         monkeypatch.setenv(backend.TREE_CHUNK_ENV, mode)
         backend.ran.clear()
         o, st = dispatch.tree_rule(*ins, parents, depths, S0, max_depth=2)
@@ -131,7 +137,7 @@ def chunk_forced(monkeypatch):
     monkeypatch.delenv(backend.FORCE_ENV, raising=False)
     backend.ran.clear()
     yield
-    assert backend.ran[("tree", "chunk")] > 0 and backend.ran[("tree", "reference")] == 0
+    assert backend.ran[("tree", "chunk_torch")] > 0 and backend.ran[("tree", "reference")] == 0
 
 
 @pytest.fixture(scope="module")

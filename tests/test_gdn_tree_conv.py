@@ -51,3 +51,21 @@ def test_dispatch_keeps_the_reference_on_the_cpu():
     y, s = tc.conv(x, parents, st, w, bb, valid, True)
     ry, rs = reference.tree_causal_conv1d(x, parents, st, w, bb, valid, True)
     assert torch.equal(y, ry) and torch.equal(s, rs) and ran[("tree_conv", "reference")]
+
+
+def test_stash_rows_kernel_and_reference_agree(monkeypatch):
+    """no_buffer's replay inputs (node input, node output) land in the pool's stash rows, the same
+    from the kernel and from the reference, and nowhere else."""
+    x, parents, st, w, bb, valid = _inputs([6, 3], 6, 24, torch.float32, seed=4)
+    rows = torch.tensor([2, 0], device=DEV)
+    pool = torch.zeros(3, *st.shape[1:], device=DEV)
+    pool[rows] = st
+    stashes = []
+    for kernel in (True, False):
+        monkeypatch.setattr(tc, "use_triton", lambda t, k=kernel: k)
+        xs, ys = (torch.full((3, 8, 24), 7.0, device=DEV) for _ in range(2))
+        y, _ = tc.conv(x, parents, pool, w, bb, valid, state_rows=rows, stash=(xs, ys))
+        assert torch.equal(ys[rows, :6], y) and (xs[1] == 7).all() and (xs[:, 6:] == 7).all()
+        assert torch.equal(xs[rows, :6][valid], x[valid]) and (xs[rows, :6][~valid] == 0).all()
+        stashes.append((xs, ys))
+    assert rel(stashes[0][1], stashes[1][1]) < 1e-6 and torch.equal(stashes[0][0], stashes[1][0])

@@ -1,6 +1,6 @@
 """The hybrid engine end to end on the GPU code paths, run on the CPU: the Triton tree kernel (interpreter) for
-verify with node states (extra_buffer), the tree conv kernel, the chunk-form tree rule for verify
-without them (no_buffer), and
+verify with node states (extra_buffer), the tree conv kernel, the chunk-form tree rule's kernel for
+verify without them (no_buffer), and
 fla's call signatures (a stand-in built from the reference) for prefill and replay. DFLASH and
 DDTREE stay token-identical to AR (all-reference) under both commit strategies."""
 
@@ -13,6 +13,7 @@ from ddtree import SamplingParams
 
 load_kernel_module("ddtree.kernels.gdn.triton_tree")
 tree_conv = load_kernel_module("ddtree.kernels.gdn.tree_conv")
+load_kernel_module("ddtree.kernels.gdn.tree_chunk_triton")
 
 from ddtree.kernels.gdn import backend, dispatch  # noqa: E402
 
@@ -34,6 +35,7 @@ def test_gpu_paths_are_lossless(monkeypatch, toy_hybrid_pair, ar_tokens, strateg
     calls = []
     monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
     monkeypatch.setattr(dispatch, "use_tree_chunk", lambda t: True)
+    monkeypatch.setattr(dispatch, "tree_chunk_kernel", lambda t, n: True)  # the Triton chunk form
     monkeypatch.setattr(dispatch, "use_fla", lambda t: True)
     monkeypatch.setattr(dispatch, "fla_ops", lambda: _fake_fla(calls))
     monkeypatch.setattr(tree_conv, "use_triton", lambda t: True)

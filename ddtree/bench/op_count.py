@@ -184,10 +184,16 @@ def count_round(llm, prompt: list[int], decode_steps: int = 1) -> LaunchCounter:
 
 
 def interpreter_env() -> dict[str, str]:
-    """What must be set before ddtree / triton are imported for the GPU's kernel sequence on CPU."""
+    """What must be set before ddtree / triton are imported for the GPU's kernel sequence on CPU
+    (the chunk-form tree verify too: CUDA's `auto`, unless the caller set the switch)."""
     from ddtree import envs
 
-    return {envs.TRITON_INTERPRET.name: "1", envs.FUSED_KERNELS_INTERPRET.name: "1"}
+    chunk = os.environ.get(envs.GDN_TREE_CHUNK.name, "1")
+    return {
+        envs.TRITON_INTERPRET.name: "1",
+        envs.FUSED_KERNELS_INTERPRET.name: "1",
+        envs.GDN_TREE_CHUNK.name: chunk,
+    }
 
 
 def main(argv=None) -> int:

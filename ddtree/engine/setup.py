@@ -14,6 +14,7 @@ from ddtree.configs import ConfigError
 from ddtree.engine.config import device_memory_bytes, plan_pools, runner_config
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.inflate.source import is_inflate_path
+from ddtree.kernels.gdn import backend as gdn_backend
 from ddtree.models.layers import torch_dtype
 from ddtree.models.loader import load_drafter, load_target
 
@@ -83,6 +84,7 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
         )
     dtype = torch_dtype(args.dtype)
     group = None if tp is None else tp.group
+    gdn_backend.check_switches()  # a bad GDN kernel switch fails before the weights load
     target, drafter = inflated_models(args, dtype, device)
     if target is None:
         target = load_target(args.model_path, dtype, str(device), group)

@@ -11,7 +11,9 @@ the last accepted node:
 W = max_verify_width (root included). With `scratch_row` the pool has one row past the requests'
 (index max_reqs) that no request owns: the padded rows of a CUDA graph read and write only it.
 Under no_buffer the verify itself keeps no per-node states either: on
-CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk.py), extra_buffer the Triton tree kernel.
+CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk_triton.py, one launch per layer,
+over the round's tree_mask), extra_buffer the Triton tree kernel; the stash rows are written
+inside the conv and rule kernels (no index_put per layer).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ddtree.kernels.gdn import (
     causal_conv1d_varlen,
     replay_conv_path,
 )
-from ddtree.kernels.gdn.backend import tree_kernel_options
+from ddtree.kernels.gdn.backend import check_switches
 from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree_rule
 from ddtree.kernels.gdn.tree_conv import conv as tree_conv
 
@@ -72,7 +74,7 @@ class HybridStatePool:
             raise ValueError(
                 f"--mamba-scheduler-strategy {strategy!r} is not supported; choose one of {STRATEGIES}"
             )
-        tree_kernel_options()  # a bad tree-kernel switch (envs.GDN_TREE_BV ...) fails at startup
+        check_switches()  # a bad GDN switch (envs.GDN_TREE_BV, GDN_TREE_CHUNK ...) fails at startup
         self.geo, self.strategy, self.width = geo, strategy, max_verify_width
         self.ssm_dtype, self.dtype = _dtype(ssm_dtype), _dtype(dtype)
         # the node-state stash: --mamba-ssm-dtype, or DDTREE_GDN_STASH_DTYPE; an explicit dtype is
@@ -263,6 +265,8 @@ class TreeContext:
         self.pool, self.slots = pool, slots
         self.b, self.n = tree.tokens.shape
         self.parents, self.depths, self.valid = tree.parents, tree.depths, tree.valid
+        # the round's ancestor mask, built once by the tree build: no layer rebuilds it
+        self.tree_mask = tree.tree_mask
         self.max_depth = tree.depth_bound
         self.extra = pool.strategy == "extra_buffer"
 
@@ -285,10 +289,11 @@ class TreeContext:
             return_node_states=self.extra,
             state_rows=self.slots,
             node_states=self.pool.stash["node_conv"][j] if self.extra else None,
+            # no_buffer: the replay's inputs written by the kernel into the stash rows
+            stash=None
+            if self.extra
+            else (self.pool.stash["node_x"][j], self.pool.stash["node_y"][j]),
         )
-        if not self.extra:
-            self._stash("node_x", j, xb)
-            self._stash("node_y", j, y)
         return y.view(self.b * self.n, -1)
 
     def rule(self, j, q, k, v, g, beta):
@@ -297,6 +302,10 @@ class TreeContext:
         # does a DDTREE_GDN_STASH_DTYPE one (rounded parents: the switch's trade); a --mamba-ssm-dtype
         # stash goes through an fp32 scratch, so the tree itself never runs on rounded states
         direct = self.extra and self.pool.stash_in_kernel
+        # no_buffer: g and beta go to the replay's stash rows inside the chunk kernel
+        stash = None
+        if not self.extra:
+            stash = (self.pool.stash["node_g"][j], self.pool.stash["node_beta"][j], self.slots)
         o, node_states = tree_rule(
             qb,
             kb,
@@ -312,10 +321,9 @@ class TreeContext:
             initial_rows=self.slots,
             node_states=self.pool.stash["node_ssm"][j] if direct else None,
             state_rows=self.slots if direct else None,
+            tree_mask=self.tree_mask,
+            stash=stash,
         )
         if self.extra and not direct:
             self._stash("node_ssm", j, node_states)
-        elif not self.extra:
-            self._stash("node_g", j, gb)
-            self._stash("node_beta", j, bb)
         return o.view(self.b * self.n, *o.shape[2:])

@@ -1,6 +1,7 @@
 """Gated DeltaNet kernels on the device against the PyTorch reference (ddtree/kernels/gdn): the
 Triton tree kernel (outputs and node states; chains, bushy and random trees, a padded request; fp32
-and bf16) and the chunk-form tree verify (outputs and the accepted node's state). Formerly the
+and bf16), the chunk-form tree verify (outputs and the accepted node's state) and its Triton kernel
+(outputs, stash rows, CUDA graph replay, launch options). Formerly the
 checks of bench/gpu_gdn_tree.py sections (a) and (b), which now only time."""
 
 import pytest
@@ -84,6 +85,80 @@ def test_tree_chunk_matches_reference(b, with_state):
     assert torch.isfinite(o).all() and rel(o, ro) < 1e-4
     if with_state:
         assert rel(st, rst[torch.arange(b, device=dev), last]) < 1e-4
+
+
+def _chunk_kernel_case(b, kind, dtype, seed):
+    """A B=64 tree per request at the 27B head shape (request 1 of a batch padded in its last
+    third), the round's tree_mask, pool rows for the initial states, and what the reference says."""
+    from ddtree.kernels.gdn import reference
+    from ddtree.speculative.tree import DraftTree
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(seed)
+    parents, depths = tree(b, 65, kind, gen, dev)
+    if b > 1:
+        parents[1, 43:], depths[1, 43:] = -1, -1
+    q, k, v, g, beta, s0 = inputs(b, 65, dtype, gen, dev)
+    mask = DraftTree.from_parents(torch.zeros_like(parents), parents).tree_mask
+    pool = torch.randn(b + 3, HV, DK, DV, device=dev) * 0.1
+    rows = torch.randperm(b + 3, generator=gen)[:b].to(dev)
+    pool[rows] = s0
+    f32 = [t.float() for t in (q, k, v, g, beta)]
+    want, _ = reference.tree_gated_delta_rule(*f32, parents, depths, s0)
+    return (q, k, v, g, beta, depths, pool, mask, depths >= 0, rows), want
+
+
+@pytest.mark.parametrize("kind", ["bushy", "random", "chain"])
+@pytest.mark.parametrize("b", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tree_chunk_kernel_matches_reference(dtype, b, kind):
+    """The no_buffer verify's Triton kernel (kernels/gdn/tree_chunk_triton.py) at the 27B head shape
+    (48 value heads over 16 key heads, dk = dv = 128), B=64 trees, batch 1 and 8: outputs vs the
+    per-node reference (fp32 math on the same inputs), g / beta in the stash rows, and a CUDA
+    graph replay equal to the eager call."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
+
+    args, want = _chunk_kernel_case(b, kind, dtype, seed=b + len(kind))
+    q, k, v, g, beta, depths, pool, mask, valid, rows = args
+    node_g = torch.zeros(pool.shape[0], 65, HV, device=pool.device)
+    node_beta = torch.zeros(pool.shape[0], 65, HV, device=pool.device, dtype=dtype)
+    o = tree_chunk_triton(*args, stash=(node_g, node_beta, rows))
+    assert torch.isfinite(o).all() and (o[~valid] == 0).all()
+    err = rel(o, want)
+    assert err < (1e-4 if dtype == torch.float32 else 1e-2), err
+    assert torch.equal(node_g[rows][valid], g[valid])
+    assert torch.equal(node_beta[rows][valid], beta[valid])
+    graph = torch.cuda.CUDAGraph()
+    static = tree_chunk_triton(*args)  # compiled before capture
+    with torch.cuda.graph(graph):
+        static = tree_chunk_triton(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, tree_chunk_triton(*args))
+
+
+@pytest.mark.parametrize(
+    "block_v,block_k,warps,precision",
+    [
+        (16, 16, 8, "tf32x3"),
+        (64, 16, 8, "tf32x3"),
+        (32, 32, 8, "tf32x3"),
+        (32, 16, 4, "tf32x3"),
+        (32, 16, 8, "tf32"),
+        (32, 16, 8, "ieee"),
+    ],
+)
+def test_tree_chunk_kernel_launch_options_match_reference(block_v, block_k, warps, precision):
+    """Every launch option bench/gpu_gdn_tree.py (e) times compiles and keeps the numbers (tf32: its
+    10-bit mantissa in the dots, a looser bound)."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
+
+    args, want = _chunk_kernel_case(8, "bushy", torch.float32, seed=3)
+    o = tree_chunk_triton(
+        *args, block_v=block_v, block_k=block_k, num_warps=warps, precision=precision
+    )
+    assert rel(o, want) < (5e-3 if precision == "tf32" else 1e-4), rel(o, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

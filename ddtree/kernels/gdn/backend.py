@@ -3,9 +3,11 @@ PyTorch reference everywhere else. One switch, DDTREE_FORCE_REFERENCE_GDN=1, for
 GDN kernel (fla's and ours). `ran` counts the (op, backend) pairs taken, so a GPU check can print which
 paths really ran.
 
-A tree verify that keeps no per-node states (no_buffer) runs the chunk form (`tree_chunk`) where
-DDTREE_GDN_TREE_CHUNK allows it: "auto" (default) on CUDA, "1" everywhere (CPU tests), "0" never;
-DDTREE_FORCE_REFERENCE_GDN=1 still wins.
+A tree verify that keeps no per-node states (no_buffer) runs the chunk form where
+DDTREE_GDN_TREE_CHUNK allows it: "auto" (default) on CUDA, "1" everywhere (CPU tests), "torch"
+everywhere as the PyTorch form, "0" never; DDTREE_FORCE_REFERENCE_GDN=1 still wins. The chunk form
+is the Triton kernel (`tree_chunk_triton`, one launch per layer) wherever our Triton kernels run
+and the tree fits its block (<= 65 nodes), the PyTorch form (`tree_chunk`, its reference) else.
 
 On the CPU our Triton kernels (tree rule, tree conv) run in Triton's interpreter when both
 TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1 (the fused kernels' switch: engine tests and
@@ -76,12 +78,57 @@ def use_triton(t: torch.Tensor) -> bool:
     return (t.is_cuda or interpreted()) and not force_reference() and triton_ok()
 
 
+TREE_CHUNK_MODES = ("auto", "1", "torch", "0")
+
+
+def tree_chunk_mode() -> str:
+    """DDTREE_GDN_TREE_CHUNK, checked: a bad value raises naming the variable and its values."""
+    mode = envs.GDN_TREE_CHUNK.get().strip().lower() or "auto"
+    if mode not in TREE_CHUNK_MODES:
+        raise ValueError(f"{TREE_CHUNK_ENV}={mode!r}: use one of {TREE_CHUNK_MODES}")
+    return mode
+
+
 def use_tree_chunk(t: torch.Tensor) -> bool:
     """The chunk-form tree rule for a verify that needs no node states (see the module docstring)."""
-    mode = envs.GDN_TREE_CHUNK.get()
+    mode = tree_chunk_mode()
     if force_reference() or mode == "0":
         return False
-    return mode == "1" or t.is_cuda
+    return mode in ("1", "torch") or t.is_cuda
+
+
+def tree_chunk_kernel(t: torch.Tensor, n: int) -> bool:
+    """Whether the chunk form runs as the Triton kernel (else the PyTorch form) for n nodes."""
+    if tree_chunk_mode() == "torch" or not use_triton(t):
+        return False
+    from ddtree.kernels.gdn.tree_chunk_triton import supported
+
+    return supported(n)
+
+
+_CHUNK_BV = (16, 32, 64, 128)
+_CHUNK_PRECISIONS = ("tf32x3", "tf32", "ieee")
+
+
+def tree_chunk_options() -> dict:
+    """The chunk-form tree kernel's launch switches (DDTREE_GDN_TREE_CHUNK_BV / _PRECISION) as its
+    wrapper's keywords; a bad value raises naming the variable and the values it takes."""
+    bv = envs.GDN_TREE_CHUNK_BV.get().strip().lower()
+    prec = envs.GDN_TREE_CHUNK_PRECISION.get().strip().lower() or "tf32x3"
+    if bv not in ("", "auto") and (not bv.isdigit() or int(bv) not in _CHUNK_BV):
+        raise ValueError(f"{envs.GDN_TREE_CHUNK_BV.name}={bv!r}: use auto or one of {_CHUNK_BV}")
+    if prec not in _CHUNK_PRECISIONS:
+        raise ValueError(
+            f"{envs.GDN_TREE_CHUNK_PRECISION.name}={prec!r}: use one of {_CHUNK_PRECISIONS}"
+        )
+    return dict(block_v=int(bv) if bv not in ("", "auto") else None, precision=prec)
+
+
+def check_switches() -> None:
+    """Every GDN switch's value, checked at startup (before weights load): raises naming it."""
+    tree_chunk_mode()
+    tree_chunk_options()
+    tree_kernel_options()
 
 
 _BV = (4, 8, 16, 32, 64, 128)
@@ -118,8 +165,10 @@ def describe(device) -> dict[str, str]:
         "decode": fla,
         "replay": fla,
         "tree": "triton" if use_triton(t) else "reference",
-        "tree_no_states": "chunk"
-        if use_tree_chunk(t)
-        else ("triton" if use_triton(t) else "reference"),
+        "tree_no_states": (
+            ("chunk" if tree_chunk_kernel(t, 2) else "chunk_torch")
+            if use_tree_chunk(t)
+            else ("triton" if use_triton(t) else "reference")
+        ),
         "tree_conv": "triton" if use_triton(t) else "reference",
     }

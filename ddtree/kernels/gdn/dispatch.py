@@ -15,6 +15,8 @@ from torch import Tensor
 from ddtree.kernels.gdn.backend import (
     choose,
     fla_ops,
+    tree_chunk_kernel,
+    tree_chunk_options,
     tree_kernel_options,
     use_fla,
     use_tree_chunk,
@@ -110,17 +112,59 @@ def tree_rule(
     node_states: Tensor | None = None,
     initial_rows: Tensor | None = None,
     state_rows: Tensor | None = None,
+    tree_mask: Tensor | None = None,
+    stash: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Tree verify: `reference.tree_gated_delta_rule_rows` (the Triton wrapper's arguments). Without node
     states (no_buffer: return_node_states False, no node_states buffer) the chunk form runs where
-    `backend.use_tree_chunk` allows (CUDA by default): it writes no per-node states at all."""
+    `backend.use_tree_chunk` allows (CUDA by default): it writes no per-node states at all; as the
+    Triton kernel where `backend.tree_chunk_kernel` allows. tree_mask [b, >= n, >= n]: the round's
+    ancestors-and-self mask (built per call when None). stash (node_g, node_beta, rows): g and beta
+    written into those stash rows (no_buffer's replay inputs; inside the kernel when it runs)."""
     if not return_node_states and node_states is None and use_tree_chunk(v):
-        choose("tree", True, "chunk")
+        if tree_chunk_kernel(v, v.shape[1]):
+            choose("tree", True, "chunk")
+            from ddtree.kernels.gdn.tree_chunk import tree_ancestor_mask
+            from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
+
+            if tree_mask is None:
+                tree_mask = tree_ancestor_mask(parents, depths >= 0 if valid is None else valid)
+            # launch switches (column tile, dot precision): timed by bench/gpu_gdn_tree.py (e)
+            o = tree_chunk_triton(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                depths,
+                initial_state,
+                tree_mask,
+                valid,
+                initial_rows,
+                stash,
+                **tree_chunk_options(),
+            )
+            return o, None
+        choose("tree", True, "chunk_torch")
         from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule
 
-        return tree_chunk_gated_delta_rule(
-            q, k, v, g, beta, parents, depths, initial_state, valid, max_depth, initial_rows
-        )[0], None
+        _write_stash(stash, g, beta)
+        o = tree_chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            parents,
+            depths,
+            initial_state,
+            valid,
+            max_depth,
+            initial_rows,
+            mask=tree_mask,
+        )[0]
+        return o, None
+    _write_stash(stash, g, beta)
     args = (q, k, v, g, beta, parents, depths, initial_state, return_node_states, valid, max_depth)
     bufs = dict(node_states=node_states, initial_rows=initial_rows, state_rows=state_rows)
     if choose("tree", use_triton(v), "triton"):
@@ -130,3 +174,11 @@ def tree_rule(
         # may differ), timed by bench/gpu_gdn_tree.py
         return tree_gated_delta_rule_triton(*args, **bufs, **tree_kernel_options())
     return tree_gated_delta_rule_rows(*args, **bufs)
+
+
+def _write_stash(stash, g: Tensor, beta: Tensor) -> None:
+    if stash is not None:
+        node_g, node_beta, rows = stash
+        n = g.shape[1]
+        node_g[rows, :n] = g.to(node_g.dtype)
+        node_beta[rows, :n] = beta.to(node_beta.dtype)

@@ -60,11 +60,13 @@ def tree_chunk_gated_delta_rule(
     last: Tensor | None = None,
     use_qk_l2norm: bool = True,
     scale: float | None = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Same inputs as `reference.tree_gated_delta_rule` (q, k [b, n, Hk, dk]; v [b, n, Hv, dv]; g, beta
     [b, n, Hv]; initial_state [b, Hv, dk, dv], or a pool [R, ...] with initial_rows [b]), topological order.
-    last [b] (optional): a node per request whose post-state is returned. Returns (o [b, n, Hv, dv] in q's
-    dtype, state of node last [b, Hv, dk, dv] fp32, or None)."""
+    last [b] (optional): a node per request whose post-state is returned. mask [b, >= n, >= n]
+    (optional): the round's ancestors-and-self mask (`DraftTree.tree_mask`), else built here.
+    Returns (o [b, n, Hv, dv] in q's dtype, state of node last [b, Hv, dk, dv] fp32, or None)."""
     out_dtype = q.dtype
     q, k, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm, scale)
     if valid is None:
@@ -73,7 +75,11 @@ def tree_chunk_gated_delta_rule(
     q, k, v = (torch.where(m[..., None], t, 0).transpose(1, 2) for t in (q, k, v))  # [b, H, n, d]
     g, beta = (torch.where(m, t, 0).transpose(1, 2) for t in (g, beta))  # [b, H, n]
     S0 = (initial_state if initial_rows is None else initial_state[initial_rows.long()]).float()
-    M = tree_ancestor_mask(parents, valid, max_depth)  # ancestors-and-self
+    if mask is None:
+        M = tree_ancestor_mask(parents, valid, max_depth)  # ancestors-and-self
+    else:  # the tree's own (padding rows: self only): valid rows and columns
+        n = valid.shape[1]
+        M = mask[:, :n, :n].bool() & valid[:, :, None] & valid[:, None, :]
     G = torch.einsum("bij,bhj->bhi", M.float(), g)
     decay = torch.where(
         M[:, None], G[..., :, None] - G[..., None, :], float("-inf")

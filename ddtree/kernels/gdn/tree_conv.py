@@ -48,6 +48,8 @@ if triton is not None:
         bias_ptr,
         y_ptr,
         st_ptr,
+        xs_ptr,
+        ys_ptr,
         n,
         C,
         sx_b,
@@ -56,10 +58,13 @@ if triton is not None:
         scs_c,
         sst_b,
         sst_n,
+        sxs_b,
+        sxs_n,
         K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         STATES: tl.constexpr,
         ROWS: tl.constexpr,
+        STASH: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -103,6 +108,11 @@ if triton is not None:
         y = acc / (1.0 + tl.exp(-acc))
         y = tl.where(ok, y, 0.0)
         tl.store(y_ptr + (bi * n + i) * C + c, y.to(y_ptr.dtype.element_ty), mask=mc)
+        if STASH:  # no_buffer's replay inputs: the node's own input and its output, in its row
+            xs = row * sxs_b + i * sxs_n + c
+            x_own = tl.load(x_ptr + bi * sx_b + i * sx_n + c, mask=mc & ok, other=0.0)
+            tl.store(xs_ptr + xs, x_own.to(xs_ptr.dtype.element_ty), mask=mc)
+            tl.store(ys_ptr + xs, y.to(ys_ptr.dtype.element_ty), mask=mc)
 
 
 def tree_causal_conv1d_triton(
@@ -116,11 +126,13 @@ def tree_causal_conv1d_triton(
     block: int = 512,
     state_rows: Tensor | None = None,
     node_states: Tensor | None = None,
+    stash: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Same arguments and returns as `reference.tree_causal_conv1d`, plus (see the module docstring)
     state_rows [b]: conv_state is a pool [R, C, K-1] and node_states (given) a stash [R, W >= n, C,
-    K-1], both addressed by row. Requires parents[b, i] < i for valid nodes' chains (depth-sorted
-    trees)."""
+    K-1], both addressed by row. stash (with state_rows): (node_x, node_y) [R, W >= n, C] (one
+    layout) receive each node's input and output in its row (padding nodes: zeros). Requires
+    parents[b, i] < i for valid nodes' chains (depth-sorted trees)."""
     b, n, C = x.shape
     K = weight.shape[1]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -134,6 +146,14 @@ def tree_causal_conv1d_triton(
         node_states = torch.empty(b, n, C, K - 1, dtype=conv_state.dtype, device=x.device)
     if node_states.stride(-1) != 1 or node_states.stride(-2) != K - 1:
         raise ValueError("node_states must be contiguous over its last two dims [C, K-1]")
+    if stash is not None:
+        if state_rows is None:
+            raise ValueError("stash rows are addressed by state_rows")
+        xs, ys = stash
+        if xs.stride() != ys.stride() or xs.stride(-1) != 1:
+            raise ValueError("stash tensors must share one layout, unit stride over C")
+    else:
+        xs = ys = y  # dummy pointers when unused
     if b and n:
         _tree_conv_kernel[(b * n, triton.cdiv(C, block))](
             x,
@@ -145,6 +165,8 @@ def tree_causal_conv1d_triton(
             bias if bias is not None else weight,
             y,
             node_states,
+            xs,
+            ys,
             n,
             C,
             x.stride(0),
@@ -153,10 +175,13 @@ def tree_causal_conv1d_triton(
             cs.stride(1),
             node_states.stride(0),
             node_states.stride(1),
+            xs.stride(0),
+            xs.stride(1),
             K=K,
             HAS_BIAS=bias is not None,
             STATES=bool(return_node_states),
             ROWS=state_rows is not None,
+            STASH=stash is not None,
             BLOCK=block,
         )
     return y, node_states if return_node_states else None
@@ -172,11 +197,14 @@ def conv(
     return_node_states: bool = False,
     state_rows: Tensor | None = None,
     node_states: Tensor | None = None,
+    stash: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The tree conv the engine runs: this kernel on CUDA (every width, one-node trees too), the
     reference elsewhere (`root_causal_conv1d` for one node: the same numbers without the gathers).
     With state_rows the pool's rows are read and node_states' rows written (the kernel in place, the
-    reference by gather and scatter); the returned node states are then node_states itself."""
+    reference by gather and scatter); the returned node states are then node_states itself. stash
+    (node_x, node_y) [R, W, C] with state_rows: each node's input and output (padding: zeros) also
+    land in its row (no_buffer's replay inputs; in the kernel, no index_put)."""
     if triton is not None and choose("tree_conv", use_triton(x), "triton"):
         return tree_causal_conv1d_triton(
             x,
@@ -188,7 +216,28 @@ def conv(
             return_node_states,
             state_rows=state_rows,
             node_states=node_states,
+            stash=stash,
         )
+    y, st = _conv_reference(
+        x, parents, conv_state, weight, bias, valid, return_node_states, state_rows
+    )
+    if stash is not None:
+        n = x.shape[1]
+        xs = x if valid is None else torch.where(valid[..., None], x, 0)
+        stash[0][state_rows, :n] = xs.to(stash[0].dtype)
+        stash[1][state_rows, :n] = y.to(stash[1].dtype)
+    if not return_node_states:
+        return y, None
+    if node_states is None:
+        return y, st
+    if state_rows is None:
+        node_states[:, : x.shape[1]] = st.to(node_states.dtype)
+    else:
+        node_states[state_rows, : x.shape[1]] = st.to(node_states.dtype)
+    return y, node_states
+
+
+def _conv_reference(x, parents, conv_state, weight, bias, valid, return_node_states, state_rows):
     cs = conv_state if state_rows is None else conv_state[state_rows]
     if x.shape[1] == 1:
         y, st = reference.root_causal_conv1d(x[:, 0], cs, weight, bias)
@@ -199,12 +248,4 @@ def conv(
         y, st = reference.tree_causal_conv1d(
             x, parents, cs, weight, bias, valid, return_node_states
         )
-    if not return_node_states:
-        return y, None
-    if node_states is None:
-        return y, st
-    if state_rows is None:
-        node_states[:, : x.shape[1]] = st.to(node_states.dtype)
-    else:
-        node_states[state_rows, : x.shape[1]] = st.to(node_states.dtype)
-    return y, node_states
+    return y, st

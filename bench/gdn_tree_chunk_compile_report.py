@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Compile the no_buffer tree verify's Triton kernel (ddtree/kernels/gdn/tree_chunk_triton.py) for
+sm_90 WITHOUT a GPU and print, per launch config, what ptxas made of it: registers, stack (spills),
+shared memory, and SASS counts (HGMMA = Hopper wgmma, HMMA = mma.sync, LDL/STL = spills).
+
+    python3 bench/gdn_tree_chunk_compile_report.py            # defaults per block, 27B heads, bf16
+    python3 bench/gdn_tree_chunk_compile_report.py 64,16,64,8,tf32   # BT,BKC,BV,warps[,precision]
+    python3 bench/gdn_tree_chunk_compile_report.py --json     # one JSON line per config (tests)
+
+Uses the ptxas / cuobjdump that Triton's package carries; runs on the CPU machine (no device time).
+The defaults (block rows 16 / 32 / 64, what `tree_chunk_triton` launches for n <= 17 / 33 / 65) must
+not spill: tests/test_gdn_tree_chunk_compile.py.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ddtree.kernels.gdn import tree_chunk_triton as tc  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def _ptrs(dt: str) -> dict:
+    return dict(
+        q_ptr=f"*{dt}",
+        k_ptr=f"*{dt}",
+        v_ptr=f"*{dt}",
+        g_ptr="*fp32",
+        beta_ptr=f"*{dt}",
+        valid_ptr="*i8",
+        depth_ptr="*i64",
+        mask_ptr="*u8",
+        s0_ptr="*fp32",
+        s0_rows_ptr="*i64",
+        o_ptr=f"*{dt}",
+        gs_ptr="*fp32",
+        bs_ptr=f"*{dt}",
+        st_rows_ptr="*i64",
+    )
+
+
+def defaults(dk: int = 128, dv: int = 128) -> list[tuple]:
+    """(BT, BKC, BV, warps, precision) the wrapper launches for trees of 17 / 33 / 65 nodes."""
+    out = []
+    for n in (17, 33, 65):
+        c = tc.launch_config(n, dk, dv)
+        out.append((c["BT"], c["BKC"], c["BV"], c["num_warps"], "tf32x3"))
+    return out
+
+
+def report(bt, bkc, bv, warps, precision="tf32x3", dt="bf16", dk=128) -> dict:
+    fn = tc._tree_chunk_kernel
+    consts = dict(
+        BT=bt,
+        BK=max(16, triton.next_power_of_2(dk)),
+        BKC=bkc,
+        BV=bv,
+        L2NORM=True,
+        S0_ROWS=True,
+        STASH=True,
+        PREC=precision,
+        PREC_IN="tf32" if dt in ("bf16", "fp16") and precision != "ieee" else precision,
+    )
+    ptrs = _ptrs(dt)
+    sig, cvals = {}, {}
+    for i, a in enumerate(fn.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+            cvals[(i,)] = consts[a]
+        else:
+            sig[a] = ptrs.get(a, "fp32" if a == "scale" else "i32")
+    ck = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=cvals),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps},
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(ck.asm["cubin"])
+
+    def dump(flag: str) -> str:
+        return subprocess.run(
+            [f"{BIN}/cuobjdump", flag, f.name], capture_output=True, text=True
+        ).stdout
+
+    usage, sass = dump("--dump-resource-usage"), dump("--dump-sass")
+    os.unlink(f.name)
+    counts = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL")}
+    return dict(
+        config=dict(bt=bt, bkc=bkc, bv=bv, warps=warps, precision=precision, dtype=dt),
+        regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+        stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
+        shared=ck.metadata.shared,
+        **counts,
+    )
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in argv
+    specs = [a for a in argv if a != "--json"]
+    configs = [
+        tuple(int(x) if x.isdigit() else x for x in s.split(",")) for s in specs
+    ] or defaults()
+    for cfg in configs:
+        r = report(*cfg)
+        if as_json:
+            print(json.dumps(r), flush=True)
+        else:
+            c = r["config"]
+            print(
+                f"BT={c['bt']:3d} BKC={c['bkc']:3d} BV={c['bv']:3d} warps={c['warps']} "
+                f"{c['precision']:6s}: regs {r['regs']} stack {r['stack']} shared {r['shared']} "
+                f"HGMMA {r['HGMMA']} HMMA {r['HMMA']} LDL {r['LDL']} STL {r['STL']}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
