@@ -23,7 +23,8 @@ An empty split (its tile range lies past the request's context) runs no loop ite
 lse = -inf; the combine gives it weight 0. Every real or padded row sees at least itself in some
 split, so no row is all -inf and the result equals the unsplit one up to rounding.
 
-Capture order: verify (largest batch first), commit, then the draft graphs, all in one memory pool.
+Capture order: verify (largest batch first), commit, extend, then the draft graphs, all in one
+memory pool.
 A graph-owned output may share memory with an intermediate of a graph captured earlier, so whatever
 is read after another graph's replay lives in static buffers outside the pool: the draft tree and
 logits (read by verify, the eager walk, the override), the verify logits and taps (read by sampling
@@ -41,6 +42,7 @@ import torch
 
 from ddtree.engine.config import tree_spec
 from ddtree.engine.draft_graph import DraftGraph
+from ddtree.engine.extend_graph import ExtendGraphs
 from ddtree.engine.graph_buffers import CommitGraph, Padding, VerifyGraph
 from ddtree.speculative.tree import DraftTree
 
@@ -112,10 +114,14 @@ class GraphSet:
     """One family's forward at a fixed width: graphs keyed by (padded batch, plan key), chosen per
     (bs, ctx bucket). `forward(bs, backend, host_kv_lens)` runs on the family's static buffers and
     returns a tuple of tensors; `shape(bs, bound)` is its attention calls' shape. Host lengths are
-    compared with the context buckets; a padded row's host length is `pad_len`."""
+    compared with the context buckets; a padded row's host length is `pad_len`. buckets: the
+    family's padded batches (None: the owner's)."""
 
-    def __init__(self, owner: CudaGraphRunner, forward, shape, top: int, pad_len: int):
+    def __init__(
+        self, owner: CudaGraphRunner, forward, shape, top: int, pad_len: int, buckets=None
+    ):
         self.owner, self.forward, self.shape, self.pad_len = owner, forward, shape, pad_len
+        self.buckets = buckets or owner.buckets
         self.bounds = ctx_bounds(top)
         self.plans: dict[tuple[int, int], tuple] = {}  # (bs, bound) -> LaunchPlan.capture_key
         # (bs, key) -> (graph or None, outputs, backend)
@@ -145,12 +151,12 @@ class GraphSet:
         return graph, out, backend
 
     def fits(self, b: int, host_max: int) -> bool:
-        return b <= self.owner.buckets[-1] and host_max <= self.bounds[-1]
+        return b <= self.buckets[-1] and host_max <= self.bounds[-1]
 
     def run(self, b: int, host_kv_lens: list[int]) -> tuple:
         """Replay (without capture: run) the graph for b live rows of host lengths
         `host_kv_lens`."""
-        bs = self.owner.bucket(b)
+        bs = self.buckets[bisect.bisect_left(self.buckets, b)]
         bound = self.bounds[bisect.bisect_left(self.bounds, max(host_kv_lens))]
         graph, out, backend = self.graphs[(bs, self.plans[(bs, bound)])]
         # the same padded static-shape path; the reference reads the live host lengths
@@ -166,7 +172,8 @@ class CudaGraphRunner:
     that replayed). capture=False runs the same padded static-shape path eagerly (the CPU tests of
     everything but the capture itself)."""
 
-    def __init__(self, runner, capture: bool = True, max_bs: int | None = None):
+    def __init__(self, runner, capture: bool = True, max_bs: int | None = None, extend_widths=None):
+        """extend_widths: the extend graphs' widths (None: `RunnerConfig.extend_widths`)."""
         self.runner, self.capture = runner, capture
         cfg = runner.cfg
         max_bs = min(max_bs or cfg.cuda_graph_max_bs, cfg.max_running_requests)
@@ -195,6 +202,12 @@ class CudaGraphRunner:
         self.commit_graphs: dict[tuple[int, int], object] = {}  # (width, bs) -> graph
         self._verified = 0  # live rows of the verify replay whose commit is pending (0: none)
         self._verified_width = v.n
+        # the short prefill extends (engine/extend_graph.py), None without extend widths
+        widths = cfg.extend_widths if extend_widths is None else extend_widths
+        self.extend: ExtendGraphs | None = None
+        if widths:
+            ext_bs = min(cfg.extend_max_bs, max_bs)
+            self.extend = ExtendGraphs(self, padding, widths, ext_bs, GraphSet)
 
         self.draft_graph: DraftGraph | None = None
         self.draft_set: GraphSet | None = None
@@ -222,6 +235,8 @@ class CudaGraphRunner:
                 fn = lambda bs=bs, cg=cg: cg.forward(bs)  # noqa: E731
                 graph = capture_graph(fn, self.pool)[0] if self.capture else None
                 self.commit_graphs[(w, bs)] = graph
+        if self.extend is not None:
+            self.extend.build()
         self._built = True
         if self.tree_spec is not None:
             self._draft_set(self.tree_spec)
