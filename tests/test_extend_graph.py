@@ -187,3 +187,22 @@ def test_padding_check_catches_a_pad_slot_in_a_real_page(toy_pair):
     llm.engine.runner.check_writes = False  # the page may be a shared one: let the snapshot see it
     _chat(llm)
     assert any(bad for bad, *_ in log)
+
+
+def test_warm_up_runs_eager_then_graphed_extends(toy_pair):
+    """The eager part with the extend graphs off (short prompts compile the eager kernels too),
+    then a turn-sized prompt graphed at batch 1 and the largest extend bucket; nothing left."""
+    from ddtree.engine.warmup import warm_up
+
+    llm, calls = _engine(toy_pair, "NONE", True, chunked_prefill_size=64)
+    engine, ext = llm.engine, llm.engine.runner.graphs.extend
+    bm = engine.runner.bm
+    free = (bm.num_free_pages, bm.num_free_slots)
+    modes = []
+    prefill = engine.runner.prefill
+    engine.runner.prefill = lambda reqs, q: (modes.append(ext.enabled), prefill(reqs, q))[1]
+    out = warm_up(engine, progress=False)
+    assert out["extend_batches"] == [1, 4] and ext.enabled
+    assert modes.count(False) >= len(out["prefill"]) + len(out["prefill_extra"])
+    assert [len(q) for _, q in calls[:2]] == [1, 4] and calls[0][1] == [WIDTHS[-1]]
+    assert not engine.requests and (bm.num_free_pages, bm.num_free_slots) == free
