@@ -1,9 +1,10 @@
 """CUDA graphs for the forwards of every round, one family each: the target verify (width n =
 max_verify_width, + the greedy accept walk), the commit, and the drafter block -> tree (width S =
-block_size). Each family (graph_buffers.py: `VerifyGraph`, `CommitGraph`; draft_graph.py:
-`DraftGraph`) owns its static buffers, its `load` and its `pad`; here are the padded batch buckets,
-the graphs per (padded batch, launch plan), their capture into one memory pool, the replay, and
-`CudaGraphRunner`, the face `ModelRunner` sees.
+block_size); and the short prefill extend (widths `RunnerConfig.extend_widths`, its own batch
+buckets). Each family (graph_buffers.py: `VerifyGraph`, `CommitGraph`; draft_graph.py:
+`DraftGraph`; extend_graph.py: `ExtendGraph`) owns its static buffers, its `load` and its `pad`;
+here are the padded batch buckets, the graphs per (padded batch, launch plan), their capture into
+one memory pool, the replay, and `CudaGraphRunner`, the face `ModelRunner` sees.
 
 KV splits. The Triton kernel is capturable because its launch shape depends only on host ints
 (batch, max q_len, num_splits), so the split count is fixed per graph, and no single count is right
