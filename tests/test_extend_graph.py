@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 from engine_utils import make_llm, mean_accept, toy_pattern, toy_prompts
+from triton_utils import cpu_interpreter_only
 
 from ddtree import SamplingParams, envs
 from ddtree.engine.config import extend_widths, runner_config
@@ -206,3 +207,51 @@ def test_warm_up_runs_eager_then_graphed_extends(toy_pair):
     assert modes.count(False) >= len(out["prefill"]) + len(out["prefill_extra"])
     assert [len(q) for _, q in calls[:2]] == [1, 4] and calls[0][1] == [WIDTHS[-1]]
     assert not engine.requests and (bm.num_free_pages, bm.num_free_slots) == free
+
+
+@cpu_interpreter_only
+def test_triton_kernel_runs_the_graphed_extend(toy_pair, monkeypatch):
+    """The Triton attention kernel (Triton's CPU interpreter) on the extend's causal W-row calls
+    (block-table rows with scratch columns past them): the eager kernel path's tokens, and the
+    plan each extend graph set is keyed by is the plan its forward's attention calls run."""
+    from triton_utils import load_kernel_module
+
+    kernel = load_kernel_module("ddtree.kernels.tree_attention.triton")
+    import ddtree.server_args as server_args
+
+    if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
+        monkeypatch.setattr(
+            server_args,
+            "IMPLEMENTED_ATTENTION_BACKENDS",
+            server_args.IMPLEMENTED_ATTENTION_BACKENDS + ("triton",),
+        )
+    kw = dict(attention_backend="triton", context_length=120)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def chat(llm):  # batch 3, two passes (17 tokens), then over the cached prefix
+        first = llm.generate([SYSTEM + t[:7] for t in TOPICS], params)
+        return first + llm.generate(
+            [SYSTEM + t[:7] + o.token_ids + t[9:12] for t, o in zip(TOPICS, first)], params
+        )
+
+    ref = chat(_engine(toy_pair, "NONE", False, **kw)[0])
+    llm, calls = _engine(toy_pair, "NONE", True, **kw)
+    outs = chat(llm)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert len(calls) >= 3 and outs[-1].cached_tokens
+    runner = llm.engine.runner
+    ext, ran, launched = runner.graphs.extend, [], kernel.paged_attention_plan
+
+    def recording(*a, **kw):
+        out, plan = launched(*a, **kw)
+        ran.append(plan)
+        return out, plan
+
+    monkeypatch.setattr(kernel, "paged_attention_plan", recording)
+    for w, bs in ((WIDTHS[0], 1), (WIDTHS[-1], ext.buckets[-1])):
+        gs = ext.sets[w]
+        ran.clear()
+        key = gs.probe(bs, gs.bounds[-1])
+        assert ran and {p.capture_key for p in ran} == {key}
+        shape = ext.graphs[w].attention_shape(bs, gs.bounds[-1])
+        assert runner.backend.launch_plan(shape, runner.device) == ran[-1]
