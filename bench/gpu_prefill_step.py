@@ -48,6 +48,15 @@ def main() -> int:
         kw["speculative_ddtree_budget"] = ns.budget
     cuda = ns.device == "cuda"
     engine = LLM(None if ns.model_path == "embedded" else ns.model_path, **kw).engine
+    if not cuda:  # the dry run: the graph path's logic uncaptured (CudaGraphRunner capture=False)
+        from ddtree.engine.config import EXTEND_WIDTHS
+        from ddtree.engine.cuda_graph import CudaGraphRunner
+
+        r = engine.runner
+        r.graphs = CudaGraphRunner(r, capture=False, extend_widths=EXTEND_WIDTHS)
+        spec = engine.spec
+        r.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)
+        r.graphs.build()
     warm_up(engine, progress=False)
     vocab = engine.runner.target.config.vocab_size
     text = [t % vocab for t in heldout_tokens(None)]
