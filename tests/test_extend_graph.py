@@ -255,3 +255,37 @@ def test_triton_kernel_runs_the_graphed_extend(toy_pair, monkeypatch):
         assert ran and {p.capture_key for p in ran} == {key}
         shape = ext.graphs[w].attention_shape(bs, gs.bounds[-1])
         assert runner.backend.launch_plan(shape, runner.device) == ran[-1]
+
+
+def _as_one_launch(run, counter):
+    def replay(b, lens):  # what a captured graph costs the host: one launch
+        with counter.opaque("replay"):
+            return run(b, lens)
+
+    return replay
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_graphed_pass_launches_little_outside_its_replay(toy_pair, toy_hybrid_pair, hybrid):
+    """Host-side launches of a one-pass prefill of two prompts (ddtree.bench.op_count's counter):
+    the pass's loads around one replay, against the eager extend's per-layer ops."""
+    from engine_utils import accepted_prompts
+
+    from ddtree.bench.op_count import LaunchCounter
+
+    counts = {}
+    for graphed in (False, True):
+        llm, _ = _engine(toy_hybrid_pair if hybrid else toy_pair, "DFLASH", True)
+        runner, counter = llm.engine.runner, LaunchCounter()
+        ext = runner.graphs.extend
+        ext.enabled = graphed
+        for gs in ext.sets.values():
+            gs.run = _as_one_launch(gs.run, counter)
+        params = SamplingParams(temperature=0, max_tokens=1)
+        reqs = [llm.engine.add_request(list(p)[:12], params) for p in accepted_prompts(3)[1:]]
+        for r in reqs:
+            runner.bm.allocate(r, 1)
+        with counter:
+            runner.prefill(reqs, [12, 12])
+        counts[graphed] = sum(counter.per_label().values())
+    assert counts[True] <= 40 < 100 < counts[False], counts

@@ -103,7 +103,7 @@ class ExtendGraphs:
 
     def build(self) -> None:
         t0 = time.perf_counter()
-        for w in self.widths:
+        for w in reversed(self.widths):  # widest first: the narrower reuse its pool memory
             self.sets[w].build(self.buckets)
         if self.owner.capture:
             torch.cuda.synchronize()
