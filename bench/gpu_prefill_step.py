@@ -57,7 +57,8 @@ def main() -> int:
         spec = engine.spec
         r.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)
         r.graphs.build()
-    warm_up(engine, progress=False)
+    warm = warm_up(engine, progress=False)
+    print(f"warm-up {warm['seconds']:.1f} s (graphed extends at batch {warm['extend_batches']})")
     vocab = engine.runner.target.config.vocab_size
     text = [t % vocab for t in heldout_tokens(None)]
     system = text[: ns.prefix]
@@ -95,7 +96,8 @@ def main() -> int:
     if ext is not None:
         print(
             f"extend graphs: widths {ext.widths}, batch sizes {ext.buckets}, "
-            f"{sum(len(gs.graphs) for gs in ext.sets.values())} graphs",
+            f"{sum(len(gs.graphs) for gs in ext.sets.values())} graphs, "
+            f"captured in {ext.build_seconds:.1f} s",
             flush=True,
         )
     modes = ["eager"] + (["graph"] if ext is not None else [])

@@ -100,6 +100,7 @@ class ExtendGraphs:
             for w, g in self.graphs.items()
         }
         self.enabled = True  # False: every prefill eager (`eager()`: the warm-up, the A/B)
+        self.build_seconds = 0.0
 
     def build(self) -> None:
         t0 = time.perf_counter()
@@ -107,12 +108,14 @@ class ExtendGraphs:
             self.sets[w].build(self.buckets)
         if self.owner.capture:
             torch.cuda.synchronize()
+        self.build_seconds = time.perf_counter() - t0  # the start-up time the extend adds
+        if self.owner.capture:
             logger.info(
                 "CUDA graphs captured: %d extend (widths %s, batch sizes %s) in %.1f s.",
                 sum(len(gs.graphs) for gs in self.sets.values()),
                 "/".join(map(str, self.widths)),
                 self.buckets,
-                time.perf_counter() - t0,
+                self.build_seconds,
             )
 
     def plan(self, q_lens: list[int]) -> list[Pass] | None:
