@@ -60,7 +60,7 @@ def _run(make, convs_of, monkeypatch, eager: bool):
     llm = make()
     graphs = llm.engine.runner.graphs
     assert graphs is not None, "CUDA graphs were not enabled (see the log)"
-    assert (graphs.extend is None) == eager
+    assert (graphs.extend is None) == eager, "the extend graphs failed to capture (see the log)"
     passes = []
     if graphs.extend is not None:
         run = graphs.extend.run
