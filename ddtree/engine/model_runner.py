@@ -270,9 +270,9 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, reqs: list[Req], q_lens: list[int]) -> torch.Tensor:
         """Extend each request by its next `q_lens[i]` prompt tokens; returns last-token logits
-        [b, V]. With extend graphs a short batch replays them (`extend_graph.plan_passes`: one pass per
-        <= widest-width piece of each request and <= largest-bucket group), else it runs eagerly
-        (the reference)."""
+        [b, V]. With extend graphs a short batch replays them (`extend_graph.plan_passes`: a pass
+        per <= widest-width piece of each request and <= largest-bucket group of requests), else
+        it runs eagerly (the reference)."""
         for r, q in zip(reqs, q_lens):
             self.bm.allocate(r, r.kv_len + q)
         ext = self.graphs.extend if self.graphs is not None else None
