@@ -1,12 +1,15 @@
-"""H200 timing only: where a cached multi-turn request's prefill step goes (issue 22's TTFT).
+"""H200 timing only: where a cached multi-turn request's prefill step goes (issue 22's TTFT),
+eager vs the graphed short extend (engine/extend_graph.py) in one run.
 
 One engine (default: the embedded pair inflated to the Qwen3-8B shape in memory, DDTREE B=16, CUDA
 graphs, the start-up warm-up run first), a --prefix-token system prompt of held-out text cached,
-then per --new count of new tokens --repeats requests of prefix + that many other tokens
-(max_tokens 1: each ends at its first token, in the prefill step). Per request: the step's wall
-time, the runner's prefill with the host's launch time (its return, before a sync) and the device
-time (CUDA events around it), and the rest of the step (sampling, the read-back, emission). A
-prefill whose host time is close to its wall time is launch-bound, not compute-bound.
+then per --new count of new tokens and per mode (eager: the extend graphs off, `ExtendGraphs.eager`;
+graph: the replays, in as many passes as `plan_passes` cuts) --repeats requests of prefix + that
+many other tokens (max_tokens 1: each ends at its first token, in the prefill step; every request's
+new tokens are its own, so none hits the cache past the prefix). Per request: the step's wall time,
+the runner's prefill with the host's launch time (its return, before a sync) and the device time
+(CUDA events around it), and the rest of the step (sampling, the read-back, emission). A prefill
+whose host time is close to its wall time is launch-bound, not compute-bound.
 
     python3 bench/gpu_prefill_step.py [--model-path inflate:qwen3-8b] [--new 16,64,190,512]
 """
@@ -45,7 +48,17 @@ def main() -> int:
         kw["speculative_ddtree_budget"] = ns.budget
     cuda = ns.device == "cuda"
     engine = LLM(None if ns.model_path == "embedded" else ns.model_path, **kw).engine
-    warm_up(engine, progress=False)
+    if not cuda:  # the dry run: the graph path's logic uncaptured (CudaGraphRunner capture=False)
+        from ddtree.engine.config import EXTEND_WIDTHS
+        from ddtree.engine.cuda_graph import CudaGraphRunner
+
+        r = engine.runner
+        r.graphs = CudaGraphRunner(r, capture=False, extend_widths=EXTEND_WIDTHS)
+        spec = engine.spec
+        r.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)
+        r.graphs.build()
+    warm = warm_up(engine, progress=False)
+    print(f"warm-up {warm['seconds']:.1f} s (graphed extends at batch {warm['extend_batches']})")
     vocab = engine.runner.target.config.vocab_size
     text = [t % vocab for t in heldout_tokens(None)]
     system = text[: ns.prefix]
@@ -79,11 +92,34 @@ def main() -> int:
         return out
 
     runner.prefill = timed
+    ext = runner.graphs.extend if runner.graphs is not None else None
+    if ext is not None:
+        print(
+            f"extend graphs: widths {ext.widths}, batch sizes {ext.buckets}, "
+            f"{sum(len(gs.graphs) for gs in ext.sets.values())} graphs, "
+            f"captured in {ext.build_seconds:.1f} s",
+            flush=True,
+        )
+    modes = ["eager"] + (["graph"] if ext is not None else [])
     rows = []
     for n in (int(x) for x in ns.new.split(",") if x.strip()):
-        steps = []
+        for m, mode in enumerate(modes):
+            rows.append(measure(engine, ext, mode, n, m, ns, system, text, one, rec, drain))
+    if ns.output:
+        with open(ns.output, "w", encoding="utf-8") as f:
+            json.dump({"meta": vars(ns), "rows": rows}, f, indent=2)
+    return 0
+
+
+def measure(engine, ext, mode, n, m, ns, system, text, one, rec, drain) -> dict:
+    """--repeats requests of n new tokens in `mode`; prints and returns the medians' row."""
+    import contextlib
+
+    passes = ext.plan([n]) if ext is not None and mode == "graph" else None
+    steps = []
+    with ext.eager() if ext is not None and mode == "eager" else contextlib.nullcontext():
         for k in range(ns.repeats):
-            off = ns.prefix + 997 * (k + 1) + n
+            off = ns.prefix + 997 * (k + 1) + 331 * m + n
             req = engine.add_request(system + text[off : off + n], one)
             t0 = time.perf_counter()
             engine.step()
@@ -91,27 +127,26 @@ def main() -> int:
             assert req.output_ids, "the first token comes from the prefill step"
             steps.append((step_s, rec["host"], rec["wall"], rec["device"], req.cached_tokens))
             drain(req)
-        med = [statistics.median(s[i] for s in steps) * 1e3 for i in range(4)]
-        row = dict(
-            new_tokens=n,
-            cached_tokens=steps[-1][4],
-            step_ms=med[0],
-            prefill_host_ms=med[1],
-            prefill_wall_ms=med[2],
-            prefill_device_ms=med[3],
-            rest_of_step_ms=med[0] - med[2],
-        )
-        rows.append(row)
-        print(
-            f"new {n:>5} (cached {row['cached_tokens']}): step {med[0]:.2f} ms = prefill "
-            f"{med[2]:.2f} (host launch {med[1]:.2f}, device {med[3]:.2f}) + rest "
-            f"{med[0] - med[2]:.2f}",
-            flush=True,
-        )
-    if ns.output:
-        with open(ns.output, "w", encoding="utf-8") as f:
-            json.dump({"meta": vars(ns), "rows": rows}, f, indent=2)
-    return 0
+    med = [statistics.median(s[i] for s in steps) * 1e3 for i in range(4)]
+    row = dict(
+        mode=mode,
+        passes=[w for w, _ in passes] if passes else None,
+        new_tokens=n,
+        cached_tokens=steps[-1][4],
+        step_ms=med[0],
+        prefill_host_ms=med[1],
+        prefill_wall_ms=med[2],
+        prefill_device_ms=med[3],
+        rest_of_step_ms=med[0] - med[2],
+    )
+    how = f"graph {row['passes']}" if passes else ("eager" if mode == "eager" else "eager*")
+    print(
+        f"new {n:>5} (cached {row['cached_tokens']}) {how:>14}: step {med[0]:.2f} ms = prefill "
+        f"{med[2]:.2f} (host launch {med[1]:.2f}, device {med[3]:.2f}) + rest "
+        f"{med[0] - med[2]:.2f}",
+        flush=True,
+    )
+    return row
 
 
 if __name__ == "__main__":

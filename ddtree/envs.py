@@ -110,6 +110,12 @@ GDN_STASH_DTYPE = EnvVar(
     "extra_buffer's per-node GDN state stash: unset = --mamba-ssm-dtype; bfloat16 = written by the "
     "tree kernel in bf16 (half the bytes; children read rounded parent states)",
 )
+EAGER_EXTEND = EnvVar(
+    "DDTREE_EAGER_EXTEND",
+    "",
+    "1: every prefill extend runs eagerly (no extend CUDA graphs captured; the A/B of the graphed "
+    "short extend)",
+)
 CACHE = EnvVar(
     "DDTREE_CACHE", "", "directory for the embedded / toy model pairs (unset: ~/.cache/ddtree)"
 )
@@ -157,6 +163,7 @@ TABLE: dict[str, EnvVar] = {
         GDN_TREE_BV,
         GDN_TREE_WARPS,
         GDN_STASH_DTYPE,
+        EAGER_EXTEND,
         CACHE,
         BUDGET_PROFILE_DIR,
         PEER_CHECKOUT,

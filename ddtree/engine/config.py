@@ -57,6 +57,26 @@ def verify_width(algorithm: str, block_size: int, budget: int) -> int:
     return block_size if algorithm == "DFLASH" else 1
 
 
+# the graphed short extend (engine/extend_graph.py): widths (new tokens per request and pass; a
+# graphed 8B forward costs 7.6 / 8.5 / 11.0 ms at 65 / 129 / 257 tokens on the H200, so three widths
+# waste at most ~1 ms against an exact fit), batch buckets, and the most passes one prefill batch
+# takes before it runs eagerly (eager ~= 30 ms + 28 us per token: four 256-token passes still win)
+EXTEND_WIDTHS = (64, 128, 256)
+EXTEND_BATCHES = (1, 2, 4)
+EXTEND_MAX_PASSES = 4
+
+
+def extend_widths(longest: int) -> tuple[int, ...]:
+    """The extend graphs' widths: EXTEND_WIDTHS up to the first that holds `longest` (the most new
+    tokens a prefill step gives one request: the prefill chunk, at most the context)."""
+    out = []
+    for w in EXTEND_WIDTHS:
+        out.append(w)
+        if w >= longest:
+            break
+    return tuple(out)
+
+
 def budget_ladder(cap: int) -> tuple[int, ...]:
     """Budgets `--speculative-ddtree-budget auto` picks from: 0 (AR), powers of two from 8 below
     the cap, and the cap; each is one verify width (1 + budget) with its own CUDA graphs and its
@@ -142,6 +162,9 @@ class RunnerConfig:
         False  # radix cache over full KV pages (--disable-radix-cache turns it off)
     )
     state_checkpoints: int = 0  # hybrid: recurrent-state checkpoint rows for cached prefixes
+    # graphed short extends (with CUDA graphs; empty: every prefill eager, DDTREE_EAGER_EXTEND=1)
+    extend_widths: tuple[int, ...] = ()
+    extend_max_bs: int = EXTEND_BATCHES[-1]  # largest extend batch bucket (<= cuda_graph_max_bs)
 
 
 def spec_config(args) -> SpecConfig:
@@ -369,7 +392,13 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
 
 
 def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:
+    from ddtree import envs
+
     spec = spec_config(args)
+    graphs = device == "cuda" and not args.disable_cuda_graph
+    # the most new tokens one prefill step gives a request (the scheduler's prefill budget)
+    caps = (prefill_chunk_tokens(args), args.max_prefill_tokens, args.context_length)
+    longest = min(c for c in caps if c is not None and c > 0)
     return RunnerConfig(
         page_size=args.page_size,
         num_pages=pools.num_pages,
@@ -381,8 +410,9 @@ def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:
         attention_backend=args.attention_backend,
         mamba_strategy=args.mamba_scheduler_strategy or RunnerConfig.mamba_strategy,
         mamba_ssm_dtype=args.mamba_ssm_dtype,
-        enable_cuda_graph=device == "cuda" and not args.disable_cuda_graph,
+        enable_cuda_graph=graphs,
         cuda_graph_max_bs=args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS,
         prefix_cache=not args.disable_radix_cache,
         state_checkpoints=pools.checkpoint_rows,
+        extend_widths=extend_widths(longest) if graphs and not envs.EAGER_EXTEND.on() else (),
     )

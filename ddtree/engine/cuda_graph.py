@@ -1,9 +1,10 @@
 """CUDA graphs for the forwards of every round, one family each: the target verify (width n =
 max_verify_width, + the greedy accept walk), the commit, and the drafter block -> tree (width S =
-block_size). Each family (graph_buffers.py: `VerifyGraph`, `CommitGraph`; draft_graph.py:
-`DraftGraph`) owns its static buffers, its `load` and its `pad`; here are the padded batch buckets,
-the graphs per (padded batch, launch plan), their capture into one memory pool, the replay, and
-`CudaGraphRunner`, the face `ModelRunner` sees.
+block_size); and the short prefill extend (widths `RunnerConfig.extend_widths`, its own batch
+buckets). Each family (graph_buffers.py: `VerifyGraph`, `CommitGraph`; draft_graph.py:
+`DraftGraph`; extend_graph.py: `ExtendGraph`) owns its static buffers, its `load` and its `pad`;
+here are the padded batch buckets, the graphs per (padded batch, launch plan), their capture into
+one memory pool, the replay, and `CudaGraphRunner`, the face `ModelRunner` sees.
 
 KV splits. The Triton kernel is capturable because its launch shape depends only on host ints
 (batch, max q_len, num_splits), so the split count is fixed per graph, and no single count is right
@@ -23,7 +24,8 @@ An empty split (its tile range lies past the request's context) runs no loop ite
 lse = -inf; the combine gives it weight 0. Every real or padded row sees at least itself in some
 split, so no row is all -inf and the result equals the unsplit one up to rounding.
 
-Capture order: verify (largest batch first), commit, then the draft graphs, all in one memory pool.
+Capture order: verify (largest batch first), commit, extend, then the draft graphs, all in one
+memory pool.
 A graph-owned output may share memory with an intermediate of a graph captured earlier, so whatever
 is read after another graph's replay lives in static buffers outside the pool: the draft tree and
 logits (read by verify, the eager walk, the override), the verify logits and taps (read by sampling
@@ -41,6 +43,7 @@ import torch
 
 from ddtree.engine.config import tree_spec
 from ddtree.engine.draft_graph import DraftGraph
+from ddtree.engine.extend_graph import ExtendGraphs
 from ddtree.engine.graph_buffers import CommitGraph, Padding, VerifyGraph
 from ddtree.speculative.tree import DraftTree
 
@@ -112,10 +115,14 @@ class GraphSet:
     """One family's forward at a fixed width: graphs keyed by (padded batch, plan key), chosen per
     (bs, ctx bucket). `forward(bs, backend, host_kv_lens)` runs on the family's static buffers and
     returns a tuple of tensors; `shape(bs, bound)` is its attention calls' shape. Host lengths are
-    compared with the context buckets; a padded row's host length is `pad_len`."""
+    compared with the context buckets; a padded row's host length is `pad_len`. buckets: the
+    family's padded batches (None: the owner's)."""
 
-    def __init__(self, owner: CudaGraphRunner, forward, shape, top: int, pad_len: int):
+    def __init__(
+        self, owner: CudaGraphRunner, forward, shape, top: int, pad_len: int, buckets=None
+    ):
         self.owner, self.forward, self.shape, self.pad_len = owner, forward, shape, pad_len
+        self.buckets = buckets or owner.buckets
         self.bounds = ctx_bounds(top)
         self.plans: dict[tuple[int, int], tuple] = {}  # (bs, bound) -> LaunchPlan.capture_key
         # (bs, key) -> (graph or None, outputs, backend)
@@ -145,12 +152,12 @@ class GraphSet:
         return graph, out, backend
 
     def fits(self, b: int, host_max: int) -> bool:
-        return b <= self.owner.buckets[-1] and host_max <= self.bounds[-1]
+        return b <= self.buckets[-1] and host_max <= self.bounds[-1]
 
     def run(self, b: int, host_kv_lens: list[int]) -> tuple:
         """Replay (without capture: run) the graph for b live rows of host lengths
         `host_kv_lens`."""
-        bs = self.owner.bucket(b)
+        bs = self.buckets[bisect.bisect_left(self.buckets, b)]
         bound = self.bounds[bisect.bisect_left(self.bounds, max(host_kv_lens))]
         graph, out, backend = self.graphs[(bs, self.plans[(bs, bound)])]
         # the same padded static-shape path; the reference reads the live host lengths
@@ -166,7 +173,8 @@ class CudaGraphRunner:
     that replayed). capture=False runs the same padded static-shape path eagerly (the CPU tests of
     everything but the capture itself)."""
 
-    def __init__(self, runner, capture: bool = True, max_bs: int | None = None):
+    def __init__(self, runner, capture: bool = True, max_bs: int | None = None, extend_widths=None):
+        """extend_widths: the extend graphs' widths (None: `RunnerConfig.extend_widths`)."""
         self.runner, self.capture = runner, capture
         cfg = runner.cfg
         max_bs = min(max_bs or cfg.cuda_graph_max_bs, cfg.max_running_requests)
@@ -195,6 +203,12 @@ class CudaGraphRunner:
         self.commit_graphs: dict[tuple[int, int], object] = {}  # (width, bs) -> graph
         self._verified = 0  # live rows of the verify replay whose commit is pending (0: none)
         self._verified_width = v.n
+        # the short prefill extends (engine/extend_graph.py), None without extend widths
+        widths = cfg.extend_widths if extend_widths is None else extend_widths
+        self.extend: ExtendGraphs | None = None
+        if widths:
+            ext_bs = min(cfg.extend_max_bs, max_bs)
+            self.extend = ExtendGraphs(self, padding, widths, ext_bs, GraphSet)
 
         self.draft_graph: DraftGraph | None = None
         self.draft_set: GraphSet | None = None
@@ -222,6 +236,17 @@ class CudaGraphRunner:
                 fn = lambda bs=bs, cg=cg: cg.forward(bs)  # noqa: E731
                 graph = capture_graph(fn, self.pool)[0] if self.capture else None
                 self.commit_graphs[(w, bs)] = graph
+        if self.extend is not None:
+            try:
+                self.extend.build()
+            except RuntimeError as e:  # e.g. a GDN kernel that cannot be captured: stay eager
+                # (tests/gpu/test_extend_graph_gpu.py fails on it; TP ranks must agree: raise)
+                if not self.capture or torch.distributed.is_initialized():
+                    raise
+                logger.warning(
+                    "CUDA graphs: the extend failed to capture (%s); prefill is eager.", e
+                )
+                self.extend = None
         self._built = True
         if self.tree_spec is not None:
             self._draft_set(self.tree_spec)

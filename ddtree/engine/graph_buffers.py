@@ -57,10 +57,11 @@ class Padding:
         self.max_bs = max_bs
 
     def slots(self, width: int) -> torch.Tensor:
-        """[max_bs * width] KV slots: every padded row writes the same `width` scratch slots."""
+        """[max_bs * width] KV slots: every padded row writes the same `width` scratch slots (a
+        width past the scratch pages, the extend's, wraps around them)."""
         j = torch.arange(width, device=self.scratch.device)
         p = self.page_size
-        return (self.scratch[j // p] * p + j % p).repeat(self.max_bs)
+        return (self.scratch[(j // p) % len(self.scratch)] * p + j % p).repeat(self.max_bs)
 
 
 class VerifyGraph:

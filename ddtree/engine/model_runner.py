@@ -2,7 +2,8 @@
 
 Device-side throughout a round: the host supplies per-request lengths (which it already knows) once per round
 (`RoundMeta`, one host->device copy shared by draft, verify and commit) and reads back only the accepted tokens
-after `commit`. With `enable_cuda_graph`, verify and draft replay CUDA graphs (`ddtree/engine/cuda_graph.py`).
+after `commit`. With `enable_cuda_graph`, verify, draft and short prefill extends replay CUDA graphs
+(`ddtree/engine/cuda_graph.py`; the extend: `ddtree/engine/extend_graph.py`).
 
 `Req.kv_len` has one owner, this runner: it counts the request's tokens whose target KV, drafter
 context and hybrid state are committed, and it changes only in `prefill` (after the extend),
@@ -24,6 +25,7 @@ from ddtree.attention.backend import (
 )
 from ddtree.engine.block_manager import NO_HIT, BlockManager, PrefixHit
 from ddtree.engine.config import RunnerConfig, pages_per_request, scratch_pages
+from ddtree.engine.extend_graph import pack_pass
 from ddtree.engine.kv_cache import KVPool
 from ddtree.engine.request import Req
 from ddtree.engine.state_checkpoints import StateCheckpoints
@@ -267,10 +269,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Req], q_lens: list[int]) -> torch.Tensor:
-        """Extend each request by its next `q_lens[i]` prompt tokens; returns last-token logits [b, V]."""
-        ids, pos = [], []
+        """Extend each request by its next `q_lens[i]` prompt tokens; returns last-token logits
+        [b, V]. With extend graphs a short batch replays them (`extend_graph.plan_passes`: a pass
+        per <= widest-width piece of each request and <= largest-bucket group of requests), else
+        it runs eagerly (the reference)."""
         for r, q in zip(reqs, q_lens):
             self.bm.allocate(r, r.kv_len + q)
+        ext = self.graphs.extend if self.graphs is not None else None
+        passes = ext.plan(q_lens) if ext is not None else None
+        if passes is None:
+            logits = self._prefill_eager(reqs, q_lens)
+        else:
+            logits = self._prefill_graphed(reqs, passes)
+        self._cache_prefilled(reqs)
+        return logits
+
+    def _prefill_eager(self, reqs: list[Req], q_lens: list[int]) -> torch.Tensor:
+        ids, pos = [], []
+        for r, q in zip(reqs, q_lens):
             ids.append(torch.tensor(r.token_slice(r.kv_len, r.kv_len + q), dtype=torch.int64))
             pos.append(torch.arange(r.kv_len, r.kv_len + q))
         input_ids = torch.cat(ids).to(self.device)
@@ -287,8 +303,24 @@ class ModelRunner:
             self.write_draft_context(taps, positions, slot_mapping)
         for r, q in zip(reqs, q_lens):
             r.kv_len += q
-        self._cache_prefilled(reqs)
         return self.target.logits(hidden[last]).float()
+
+    def _prefill_graphed(self, reqs: list[Req], passes) -> torch.Tensor:
+        """The passes in order (a request's later piece after its earlier one); each request's
+        logits from its last pass."""
+        out: list[torch.Tensor | None] = [None] * len(reqs)
+        for width, rows in passes:
+            sub, qs = [reqs[i] for i, _ in rows], [q for _, q in rows]
+            host = pack_pass(sub, qs, width)
+            logits = self.graphs.extend.run(width, host, [r.kv_len + width for r in sub])
+            # a copy (fp32 weights too): the next pass or prefill overwrites the static buffer
+            logits = logits.to(torch.float32, copy=True)
+            for k, ((i, q), r) in enumerate(zip(rows, sub)):
+                r.kv_len += q
+                out[i] = logits[k]
+            if len(passes) == 1:  # one pass: every request, in order
+                return logits
+        return torch.stack(out)
 
     def _draft_eager(
         self, b: int, roots: torch.Tensor, block_size: int, meta: RoundMeta

@@ -9,14 +9,18 @@ draft LM head where no graph covers it). So: one prefill per bucket of `prefill_
 prefills the buckets miss (`extra_prefill_lengths`: the short prompts whose rows take the extend
 kernel's smaller tiles, and lengths that are not a multiple of 16, since Triton specialises every
 int argument on divisibility by 16), cached-prefix extends of two lengths (the split merge is
-compiled per power of two of the split count), then a few decode rounds at batch 1 and at the
-largest captured batch. Warm-up requests go through
+compiled per power of two of the split count), all of them with the extend graphs off (so the
+eager extend compiles for the prompts the graphs do not take: long ones, too many passes), then a
+turn-sized prompt through the extend graphs at batch 1 and their largest bucket (the graphs
+themselves are captured with the runner: `CudaGraphRunner.build`), then a few decode rounds at
+batch 1 and at the largest captured batch. Warm-up requests go through
 `LLMEngine.add_request` / `step` like any other and leave nothing behind (their pages, slots and
 state rows are freed when they finish; `check_clean` says so).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -24,6 +28,7 @@ from ddtree.engine.request import SamplingParams
 
 logger = logging.getLogger("ddtree")
 
+EXTEND_TOKENS = 190  # the graphed extend's warm-up prompt: a chat turn's new tokens
 # prefill shape buckets (tokens): the kernels' tile choices change with the rows per request
 PREFILL_BUCKETS = (16, 128, 512, 2048)
 DECODE_TOKENS = 4  # tokens per prefill warm-up request: a few rounds after the first token
@@ -57,7 +62,8 @@ def extra_prefill_lengths(buckets: list[int], group: int, head_dim: int) -> list
 
 def warm_up(engine, progress: bool = True) -> dict:
     """Run the warm-up on `engine` (an LLMEngine); returns what ran ({"prefill": [lengths],
-    "prefill_extra": [lengths], "decode_batches": [b, ...], "seconds": s}). progress: a tqdm bar (stderr)."""
+    "prefill_extra": [lengths], "decode_batches": [b, ...], "extend_batches": [b, ...] (graphed
+    extends), "seconds": s}). progress: a tqdm bar (stderr)."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -72,13 +78,54 @@ def warm_up(engine, progress: bool = True) -> dict:
     group = tcfg.num_attention_heads // tcfg.num_key_value_heads
     extra = extra_prefill_lengths(lengths, group, tcfg.head_dim)
     params = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    ext = graphs.extend if graphs is not None else None
+    ext_batches = sorted({1, ext.buckets[-1]}) if ext is not None else []
     bar = tqdm(
-        total=len(lengths) + len(extra) + len(batches),
+        total=len(lengths) + len(extra) + len(batches) + len(ext_batches),
         desc="warm-up",
         unit="step",
         disable=not progress,
         leave=False,
     )
+    # the eager extend first (what prefills the extend graphs do not take run it: long prompts,
+    # many passes), with the graphs off so that short prompts compile its kernels too
+    with ext.eager() if ext is not None else contextlib.nullcontext():
+        _eager_prefills(engine, lengths, extra, max_prompt, params, bar)
+    # the graphed extend (captured with the runner): a turn-sized prompt at batch 1 and at the
+    # largest extend bucket, through the pass planning and the static loads a first request takes
+    for b in ext_batches:
+        n = min(EXTEND_TOKENS, ext.widths[-1], max_prompt)
+        _drain(engine, [[(11 * i + 5 + j) % vocab for i in range(n)] for j in range(b)], params)
+        bar.update()
+    # decode rounds at batch 1 and the largest captured batch (short prompts), full depth first
+    block = getattr(engine.decoder.cfg, "block_size", 1) or 1
+    n_dec = min(block * FULL_ROUNDS + DECODE_TOKENS, max(engine.max_context - 8 - 1, 1))
+    decode = SamplingParams(temperature=0, max_tokens=n_dec, ignore_eos=True)
+    for b in batches:
+        _drain(engine, [[(3 * i + j) % vocab for i in range(8)] for j in range(b)], decode)
+        bar.update()
+    bar.close()
+    engine.runner.bm.clear_cache()  # the synthetic prompts leave no cached pages behind
+    out = {
+        "prefill": lengths,
+        "prefill_extra": extra,
+        "decode_batches": batches,
+        "extend_batches": ext_batches,
+        "seconds": time.perf_counter() - t0,
+    }
+    logger.info(
+        "Warm-up done in %.1f s: prefill %s (+ %s) tokens, decode batches %s.",
+        out["seconds"],
+        lengths,
+        extra,
+        batches,
+    )
+    return out
+
+
+def _eager_prefills(engine, lengths, extra, max_prompt, params, bar) -> None:
+    """One prefill per bucket and per extra length, then cached-prefix extends."""
+    cfg, vocab = engine.runner.cfg, engine.runner.target.config.vocab_size
     # prefill buckets: one request each, run alone so each extend has the bucket's shape; every
     # prompt starts with its own token, so none is a prefix-cache hit on an earlier one
     for k, n in enumerate(lengths + extra):
@@ -93,29 +140,6 @@ def warm_up(engine, progress: bool = True) -> dict:
         head = prompt[: lengths[-1] - cfg.page_size // 2]
         for new in (8, min(193, max_prompt - len(head))):
             _drain(engine, [head + [(5 * i + 3) % vocab for i in range(max(new, 1))]], params)
-    # decode rounds at batch 1 and the largest captured batch (short prompts), full depth first
-    block = getattr(engine.decoder.cfg, "block_size", 1) or 1
-    n_dec = min(block * FULL_ROUNDS + DECODE_TOKENS, max(engine.max_context - 8 - 1, 1))
-    decode = SamplingParams(temperature=0, max_tokens=n_dec, ignore_eos=True)
-    for b in batches:
-        _drain(engine, [[(3 * i + j) % vocab for i in range(8)] for j in range(b)], decode)
-        bar.update()
-    bar.close()
-    engine.runner.bm.clear_cache()  # the synthetic prompts leave no cached pages behind
-    out = {
-        "prefill": lengths,
-        "prefill_extra": extra,
-        "decode_batches": batches,
-        "seconds": time.perf_counter() - t0,
-    }
-    logger.info(
-        "Warm-up done in %.1f s: prefill %s (+ %s) tokens, decode batches %s.",
-        out["seconds"],
-        lengths,
-        extra,
-        batches,
-    )
-    return out
 
 
 def _drain(engine, prompts: list[list[int]], params: SamplingParams) -> None:
