@@ -27,7 +27,8 @@ def seeded(bs: int, curve=CURVE, slots=64) -> tuple[BudgetPolicy, list[object]]:
     pol = BudgetPolicy(LADDER, TABLE, slots)
     owners = [object() for _ in range(bs)]
     pol.choose(range(bs), owners, [64] * bs, 1000)
-    pol.observe(range(bs), [64] * bs, np.tile(curve, (bs, 1)), [curve[-1]] * bs)
+    chain = [curve[14]] * bs  # the tree's spine: the chain's 15 drafts
+    pol.observe(range(bs), [64] * bs, np.tile(curve, (bs, 1)), [curve[-1]] * bs, chain=chain)
     return pol, owners
 
 
@@ -76,10 +77,11 @@ def test_caps_and_new_requests_in_a_slot():
     d = pol.choose([0, 1], owners, [5, 64], 1000)
     assert d.budgets.tolist() == [5, 16] and d.width == 17  # batch 2 costs as bucket 8
     assert d.predicted[0] == pytest.approx(CURVE[4])
-    # a new request in slot 0 starts from the server-wide prior, its calibration reset
+    # a new request in slot 0 starts from the server-wide curve (the chain's gain times the
+    # server's tree-over-chain shape and growth), its calibration reset
     d = pol.choose([0, 1], [object(), owners[1]], [64, 64], 1000)
-    assert not pol.known[0] and pol.known[1]
-    assert d.predicted[0] == pytest.approx(pol.prior[d.width - 2])
+    assert pol.n_read[0] == 0 and pol.n_read[1] == 64
+    assert d.predicted[0] == pytest.approx(CURVE[d.width - 2])
 
 
 def test_unseen_batch_explores_the_largest_width():
