@@ -56,6 +56,11 @@ def test_rung_counter():
     m.on_round(RoundRecord(16, [15], [1.0], [3], "chain"), 0.0, 0.0)
     text = generate_latest(m.registry).decode()
     assert 'ddtree_spec_rung_rounds_total{rung="chain"} 1.0' in text
+    # an exploration round counts under its rung and, apart, as exploration
+    m.on_round(RoundRecord(33, [32], [1.0], [3], "tree32", explore=True), 0.0, 0.0)
+    text = generate_latest(m.registry).decode()
+    assert 'ddtree_spec_rung_rounds_total{rung="tree32"} 1.0' in text
+    assert 'ddtree_spec_explore_rounds_total{rung="tree32"} 1.0' in text
 
 
 def test_policy_round_cost_is_small_at_64():

@@ -35,6 +35,8 @@ class RoundPlan:
     spec: tuple | None = None  # the draft graphs' tree spec (None: the decoder's own)
     chain: bool = False  # the round drafts the DFLASH chain (auto's chain rung)
     cut: list[int] | None = None  # budgets the draft must cut to (None: all at the spec's)
+    explore: bool = False  # auto: a rung above the policy's best, run to measure the curve there
+    full: list[bool] | None = None  # rows drafted at full depth (None: all; set by the decoder)
 
     @property
     def rung(self) -> str:
@@ -53,6 +55,7 @@ class RoundRecord:
     predicted: list[float]  # expected accepted drafts (policy, calibrated); [] when fixed
     accepted: list[int]  # accepted drafts per request (emitted - 1)
     rung: str = ""  # RoundPlan.rung (auto), else ""
+    explore: bool = False  # RoundPlan.explore
     round_s: float = 0.0  # wall time of SpecDecoder.round (launches + the wait for the device)
     host_s: float = 0.0  # the engine step's time outside the round (schedule, emit, stops)
     server_s: float = 0.0  # the server loop's time outside the step (publish, commands, metrics)
@@ -78,6 +81,12 @@ class BudgetPlanner:
         """Whether the round reads its trees' gain curves back (the policy learns from them)."""
         return self.policy is not None
 
+    def reset(self) -> None:
+        """Forget what the policy learned (after the warm-up's synthetic prompts)."""
+        if self.policy is not None:
+            self.policy.reset()
+        self.last, self.host_s = None, 0.0
+
     def set_cost(self, cost: RoundCost) -> None:
         if self.policy is not None:
             self.policy.cost = cost
@@ -100,11 +109,12 @@ class BudgetPlanner:
         d = self.policy.choose(slots, reqs, caps, max_ctx, self.host_s)
         budgets = d.budgets.tolist()
         if d.chain:
-            return RoundPlan(d.width, budgets, d.predicted, slots, cfg.tree_spec(chain=True), True)
+            spec = cfg.tree_spec(chain=True)
+            return RoundPlan(d.width, budgets, d.predicted, slots, spec, True, explore=d.explore)
         width = self.width_for(max(budgets))
         cut = None if all(b == width - 1 for b in budgets) else budgets
         spec = cfg.tree_spec(width - 1) if width > 1 else None
-        return RoundPlan(width, budgets, d.predicted, slots, spec, cut=cut)
+        return RoundPlan(width, budgets, d.predicted, slots, spec, cut=cut, explore=d.explore)
 
     def tree_specs(self) -> list[tuple]:
         """The draft specs auto's rounds may build: one per tree rung, and the chain."""
@@ -132,5 +142,6 @@ class BudgetPlanner:
                 tree = c[:, :-1]
                 if tree.shape[1] < B:
                     tree = np.pad(tree, ((0, 0), (0, B - tree.shape[1])), mode="edge")
-            pol.observe(plan.slots, budgets, tree, accepted, chain=c[:, -1])
-        self.last = RoundRecord(plan.width, budgets, predicted, accepted, plan.rung if pol else "")
+            pol.observe(plan.slots, budgets, tree, accepted, chain=c[:, -1], full=plan.full)
+        rung = plan.rung if pol else ""
+        self.last = RoundRecord(plan.width, budgets, predicted, accepted, rung, plan.explore)

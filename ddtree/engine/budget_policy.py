@@ -122,6 +122,7 @@ class BudgetPolicy:
         j = np.arange(B, dtype=np.float64)
         self.growth = np.where(self.anchor >= 0, (j + 1) / np.maximum(self.anchor + 1.0, 1), 1.0)
         self.growth_read = np.zeros(B, dtype=bool)
+        self.cum = self._cumulative_growth()  # [B] growth over the first rung (cached)
         self.prior_chain: float | None = None  # server-wide chain gain
         self.ar_streak = 0  # AR rounds chosen in a row
         self.spec_rounds = 0  # speculative rounds chosen (the exploration clock)
@@ -154,7 +155,7 @@ class BudgetPolicy:
         by the server-wide growth; the server-wide curve (or every node accepted, before any
         tree round) for a slot not read back yet."""
         B = self.curve.shape[1]
-        cum = self._cumulative_growth()
+        cum = self.cum
         col = np.arange(B)[None, :]
         f = self.first - 1
         if self.head is not None:
@@ -264,6 +265,7 @@ class BudgetPolicy:
         w = np.where(self.growth_read[j], _weight(GROWTH_EMA, len(c)), 1.0)
         self.growth[j] = (1 - w) * self.growth[j] + w * ratio
         self.growth_read[j] = True
+        self.cum = self._cumulative_growth()
 
     def observe(self, slots, budgets, curves, accepted, chain=None, full=None) -> None:
         """After a round: curves [b, B] the round's trees' expected accepted drafts per budget (the

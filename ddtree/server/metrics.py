@@ -184,6 +184,13 @@ class ServerMetrics:
             ["rung"],
             registry=r,
         )
+        self.explore = Counter(
+            "ddtree_spec_explore_rounds",
+            "Of ddtree_spec_rung_rounds, the rounds the budget policy ran one rung above its best "
+            "to measure the gain curve there (auto)",
+            ["rung"],
+            registry=r,
+        )
         self.predicted = Counter(
             "ddtree_spec_predicted_accepted_drafts",
             "Accepted drafts the budget policy predicted (calibrated), request-rounds with a prediction",
@@ -246,6 +253,8 @@ class ServerMetrics:
         self.verify_width.labels(str(rec.width)).inc()
         if rec.rung:
             self.rung.labels(rec.rung).inc()
+            if rec.explore:
+                self.explore.labels(rec.rung).inc()
         if rec.predicted:
             self.predicted.inc(sum(rec.predicted))
             self.realised.inc(sum(rec.accepted))
