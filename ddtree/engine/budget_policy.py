@@ -101,6 +101,7 @@ class BudgetPolicy:
             [int(starts[starts <= j].max()) - 1 if j >= self.first else -1 for j in range(B)]
         )
         self.owner: list[object] = [None] * slots
+        self._col = np.arange(B, dtype=np.float64)[None, :]
         self.curve = np.zeros((slots, B))  # expected accepted drafts for budget j + 1
         self.n_read = np.zeros(slots, dtype=np.int64)  # columns of the slot's curve read back
         self.chain = np.zeros(slots)  # the drafter's expected accepted drafts of its chain
@@ -154,20 +155,20 @@ class BudgetPolicy:
         """[b, B] the drafter's own curves: read back up to the slot's built rung, grown past it
         by the server-wide growth; the server-wide curve (or every node accepted, before any
         tree round) for a slot not read back yet."""
-        B = self.curve.shape[1]
-        cum = self.cum
-        col = np.arange(B)[None, :]
-        f = self.first - 1
-        if self.head is not None:
-            shape = np.concatenate([self.head[:f], self.head[f] * cum[f:]])
-            base = self._chain_raw(slots)[:, None] * shape[None, :]
-        else:
-            base = np.arange(1, B + 1, dtype=np.float64)[None, :]
         n = self.n_read[slots][:, None]
-        last = np.take_along_axis(self.curve[slots], np.maximum(n - 1, 0), 1)
-        grown = last * cum[None, :] / cum[np.maximum(n - 1, 0)]
-        own = np.where(col < n, self.curve[slots], grown)
-        return np.where(n > 0, own, base)
+        top = np.maximum(n - 1, 0)
+        curve = self.curve[slots]
+        grown = np.take_along_axis(curve, top, 1) * (self.cum[None, :] / self.cum[top])
+        out = np.where(self._col < n, curve, grown)
+        if (n > 0).all():
+            return out
+        if self.head is None:
+            base = self._col + 1.0
+        else:  # the chain's gain times the server's tree-over-chain curve, grown
+            f = self.first - 1
+            shape = np.concatenate([self.head[:f], self.head[f] * self.cum[f:]])
+            base = self._chain_raw(slots)[:, None] * shape[None, :]
+        return np.where(n > 0, out, base)
 
     def gains(self, slots: np.ndarray) -> np.ndarray:
         """[b, B + 1] calibrated expected accepted drafts for budgets 0..B."""
@@ -256,10 +257,10 @@ class BudgetPolicy:
             head = c[:, :f].sum(0) / chain.sum()
             w = _weight(PRIOR_EMA, len(c))
             self.head = head if self.head is None else (1 - w) * self.head + w * head
-        j = np.arange(f, built)
-        if not len(j):
+        if built <= f:
             return
-        num, den = c[:, j].sum(0), c[:, self.anchor[j]].sum(0)
+        j = np.arange(f, built)
+        num, den = c[:, f:built].sum(0), c[:, self.anchor[f:built]].sum(0)
         ok = den > 1e-6
         j, ratio = j[ok], num[ok] / den[ok]
         w = np.where(self.growth_read[j], _weight(GROWTH_EMA, len(c)), 1.0)
@@ -280,7 +281,7 @@ class BudgetPolicy:
         if not ran.any():
             return
         s, real = slots[ran], np.asarray(accepted, dtype=np.float64)[ran]
-        deep = np.ones(len(s), dtype=bool) if full is None else np.asarray(full, bool)[ran]
+        deep = None if full is None else np.asarray(full, bool)[ran]
         if chain is not None:
             ch = np.asarray(chain, dtype=np.float64)[ran]
         if curves is None:  # a chain round: the chain's own prediction
@@ -304,13 +305,16 @@ class BudgetPolicy:
             built = self._built(budgets)
             self.curve[s] = c
             self.n_read[s] = built
-            if deep.any():
+            if deep is None:
+                self._learn_shape(c, built, None if chain is None else ch)
+            elif deep.any():
                 self._learn_shape(c[deep], built, None if chain is None else ch[deep])
         if chain is not None:
             self.chain[s] = ch
             self.chain_known[s] = True
-            if deep.any():
-                m, pc, w = float(ch[deep].mean()), self.prior_chain, _weight(PRIOR_EMA, deep.sum())
+            d = ch if deep is None else ch[deep]
+            if len(d):
+                m, pc, w = float(d.mean()), self.prior_chain, _weight(PRIOR_EMA, len(d))
                 self.prior_chain = m if pc is None else (1 - w) * pc + w * m
 
 
