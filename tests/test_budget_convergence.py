@@ -44,6 +44,18 @@ def test_reaches_the_best_fixed_rung(scenario, bs):
     assert r.of_best >= 0.97, (r.of_best, r.best, r.picks)
 
 
+@pytest.mark.parametrize("order", [BATCHES, BATCHES[::-1]])
+def test_one_server_through_the_levels(order):
+    """`bench at-scale`'s protocol: one server (its policy state carried) through every level,
+    load rising or falling, each level scored after a few rounds."""
+    pol = BudgetPolicy(LADDER, COST, 64, CHAIN)
+    run(pol, 1, SYNTHETIC, 6, seed=100)
+    run(pol, 64, SYNTHETIC, 6, seed=100)
+    for bs in order:
+        r = run(pol, bs, World(), 150, seed=bs, warm=20)
+        assert r.of_best >= 0.97, (bs, r.of_best, r.best, r.picks)
+
+
 class Stuck:
     """A policy that settled on one rung and never looks again (what the stale curve did)."""
 
