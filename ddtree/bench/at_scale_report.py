@@ -52,12 +52,37 @@ def _per_round(lv: dict) -> float | None:
     return lv["mean_accept_length"] / (ms + (lv.get("host_ms") or 0.0))
 
 
+def _rung_of(config: str) -> str | None:
+    """The policy's rung name a fixed config runs at every round (None: not one rung)."""
+    if config in ("NONE", "DFLASH"):
+        return "ar" if config == "NONE" else "chain"
+    b = config.rsplit("B=", 1)[-1] if config.startswith("DDTREE B=") else ""
+    return f"tree{b}" if b.isdigit() else None
+
+
+def _cost_check(lv: dict, fixed: dict[str, dict], c: int) -> dict[str, dict]:
+    """{rung: {"policy": ms, "served": ms}}: the round ms the adaptive server's policy believes
+    (its batch bucket holding c) beside the round ms the fixed server of that rung served at c."""
+    table = (lv.get("server") or {}).get("policy_cost_ms") or {}
+    buckets = sorted(int(b) for b in table)
+    bucket = next((b for b in buckets if b >= c), buckets[-1] if buckets else None)
+    out = {}
+    for name, flv in fixed.items():
+        rung = _rung_of(name)
+        policy = table.get(str(bucket), {}).get(rung) if bucket is not None else None
+        if rung and policy is not None and flv.get("round_ms"):
+            out[rung] = {"policy": policy, "served": flv["round_ms"]}
+    return out
+
+
 def ceiling_rows(serving: dict[str, list[dict]], adaptive: set[str] | None = None) -> list[dict]:
     """Per concurrency with a DFLASH level: the best fixed config's output tok/s over DFLASH's
     (the oracle fixed budget: the most any policy that picks one budget per level gets from the
     configs this run served; NONE and DFLASH count as fixed), the same predicted from /metrics
     (tau / (round + host ms) per config over DFLASH's), and each adaptive config (names with
-    "auto" unless given) over DFLASH and over the oracle. A ratio is None where its inputs are."""
+    "auto" unless given) over DFLASH and over the oracle, with the round ms its policy believes
+    per rung beside the fixed servers' served round ms (the cost side of its choice). A ratio is
+    None where its inputs are."""
     if adaptive is None:
         adaptive = {n for n in serving if "auto" in n.lower()}
     by = {(cfg, lv["concurrency"]): lv for cfg, levels in serving.items() for lv in levels}
@@ -88,6 +113,7 @@ def ceiling_rows(serving: dict[str, list[dict]], adaptive: set[str] | None = Non
             row["adaptive"][n] = {
                 "ratio": tput / base["output_throughput"],
                 "of_oracle": tput / fixed[oracle]["output_throughput"],
+                "cost_ms": _cost_check(lv, fixed, c),
             }
         rows.append(row)
     return rows
@@ -105,6 +131,10 @@ def print_ceiling(rows: list[dict]) -> None:
         )
         auto = "".join(
             f"; {n} {a['ratio']:.2f}x = {a['of_oracle']:.2f} of the oracle"
+            + "".join(
+                f", {k} {v['policy']:.2f} ms believed / {v['served']:.2f} served"
+                for k, v in a["cost_ms"].items()
+            )
             for n, a in r["adaptive"].items()
         )
         print(

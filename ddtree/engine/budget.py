@@ -87,6 +87,19 @@ class BudgetPlanner:
             self.policy.reset()
         self.last, self.host_s = None, 0.0
 
+    def round_costs(self) -> dict[int, dict[str, float]]:
+        """The policy's round seconds per batch bucket and rung (the metrics' rung names), at the
+        shortest context: what it believes a round costs ({} without the policy)."""
+        pol = self.policy
+        if pol is None:
+            return {}
+        names = [
+            "chain" if c else (f"tree{b}" if b else "ar")
+            for b, c in zip(pol.rung_budget.tolist(), pol.rung_chain.tolist())
+        ]
+        batches = getattr(pol.cost, "batches", None) or (1, 2, 4, 8, 16, 32, 64)
+        return {int(bs): dict(zip(names, pol.cost.seconds(int(bs), 0).tolist())) for bs in batches}
+
     def set_cost(self, cost: RoundCost) -> None:
         if self.policy is not None:
             self.policy.cost = cost
