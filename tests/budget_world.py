@@ -3,7 +3,8 @@ per-rung acceptance and measured round costs per (batch bucket, rung), a drafter
 follows each round's real acceptance up to an optimism factor, and requests that come and go.
 `run` feeds a policy the realised accept lengths of the rungs it picks, as `BudgetPlanner.observe`
 does (a tree's curve read back up to its built rung, the edge value past it; the chain's gain every
-speculative round), and scores it and every fixed rung on the same requests and draws."""
+speculative round), and each round's served seconds to its cost when that learns (`ServedCost`),
+and scores it and every fixed rung on the same requests and draws (at COST, the true costs)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ MS = {
     64: (8.3, 22.0, 25.36, 29.29, 43.4, 71.48),
 }
 COST = CostTable(LADDER, BATCHES, (4096,), np.array([[MS[b]] for b in BATCHES]) / 1e3, chain=CHAIN)
+
+
+def profile(scale: dict[str, float]) -> CostTable:
+    """COST with some rungs' seconds scaled at every batch: a startup profile that is off."""
+    k = np.array([scale.get(n, 1.0) for n in NAMES])
+    return CostTable(LADDER, BATCHES, (4096,), COST.table * k, chain=CHAIN)
+
+
 # tau (tokens per round) per tree rung and the chain: the 8B run's DFLASH 6.8 / B16 7.5 / B64 9.5
 TAU = {8: 6.1, 16: 7.5, 32: 8.5, 64: 9.5}
 CHAIN_TAU = 6.8
@@ -40,6 +49,7 @@ class World:
     request_sigma: float = 0.3  # the same per request, for its whole life
     life: int = 16  # rounds a request lives (128 tokens at tau ~8)
     flat_last: bool = False  # a request's last round is depth-limited (max_tokens): no tail
+    cost_noise: float = 0.03  # log-normal spread of a served round's seconds around COST's
 
 
 # the warm-up's synthetic prompts: drafts the drafter is unsure of, trees depth-limited by the
@@ -109,6 +119,9 @@ def run(policy, bs: int, world: World, rounds: int, seed: int = 0, warm: int = 0
         chain = None if d.width == 1 else world.optimism * chain_true
         kw = {} if deep.all() else {"full": deep}
         policy.observe(slots, budgets, curves, accepted, chain=chain, **kw)
+        served = COST.seconds(bs, 1024)[r] * rng.lognormal(0.0, world.cost_noise)
+        if hasattr(getattr(policy, "cost", None), "observe"):  # as BudgetPlanner.plan does
+            policy.cost.observe(bs, 1024, r, served)
         age += 1
         picks[NAMES[r]] = picks.get(NAMES[r], 0) + 1
         explored += bool(getattr(d, "explore", False))

@@ -100,6 +100,8 @@ def test_auto_policy_is_lossless_and_learns(toy_pair, ar_tokens):
     assert tokens_of(outs) == ar_tokens and mean_accept(outs) > 2
     pol = planner.policy
     assert pol.head is not None and pol.prior_chain > 1  # the toy drafter's drafts are accepted
+    # the served rounds' seconds reach the policy's cost (engine.step times each round)
+    assert any(pol.cost.served(b, r) for b in range(1, 9) for r in range(len(pol.rung_budget)))
     rec = planner.last
     assert rec.width in (1, 9, 16, 17) and len(rec.predicted) == len(rec.budgets)  # 16: the chain
 

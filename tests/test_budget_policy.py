@@ -116,3 +116,24 @@ def test_one_bad_first_round_does_not_switch_speculation_off():
     g = pol.gains(np.array([1]))
     assert g[0, 64] == pytest.approx(0.75 * CURVE[-1], rel=0.01)
     assert pol.choose([1], new, [64], 1000).width == 65
+
+
+def test_served_cost_corrects_the_profile():
+    """Served rounds correct their rung at their batch bucket (EMA, a stalled round clipped); an
+    unserved rung takes the served rungs' mean correction only where that makes it cheaper."""
+    from ddtree.engine.budget_policy import ServedCost
+
+    cost = ServedCost(TABLE)
+    base = TABLE.seconds(1, 1000)
+    assert cost.seconds(1, 1000) == pytest.approx(base) and not cost.served(1, 4)
+    cost.observe(1, 1000, 4, 1.2 * base[4])  # B=64 served 20% dearer than profiled
+    got = cost.seconds(1, 1000)
+    assert got[4] == pytest.approx(1.2 * base[4]) and cost.served(1, 4)
+    assert got[:4] == pytest.approx(base[:4])  # dearer only where measured
+    cost.observe(1, 1000, 1, 0.5 * base[1])  # B=8 cheaper: the unserved follow the mean (0.85)
+    got = cost.seconds(1, 1000)
+    assert got[0] == pytest.approx(0.85 * base[0]) and got[1] == pytest.approx(0.5 * base[1])
+    cost.observe(1, 1000, 4, 100.0)  # a stalled round moves the EMA by at most 10% of 2x
+    assert cost.seconds(1, 1000)[4] == pytest.approx((0.9 * 1.2 + 0.1 * 2.0) * base[4])
+    assert cost.seconds(8, 1000) == pytest.approx(TABLE.seconds(8, 1000))  # other buckets
+    assert cost.batches == TABLE.batches

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.engine.budget_policy import BudgetPolicy, RoundCost
+from ddtree.engine.budget_policy import BudgetPolicy, RoundCost, ServedCost
 from ddtree.engine.config import SpecConfig, budget_ladder
 from ddtree.engine.request import Req
 
@@ -74,6 +74,7 @@ class BudgetPlanner:
         if cfg.adaptive:
             self.policy = BudgetPolicy(budget_ladder(cfg.budget), cost, slots, cfg.chain_rung)
         self.last: RoundRecord | None = None
+        self._served: tuple[int, int, int] | None = None  # the last auto round's (bs, ctx, rung)
         self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
 
     @property
@@ -85,24 +86,30 @@ class BudgetPlanner:
         """Forget what the policy learned (after the warm-up's synthetic prompts)."""
         if self.policy is not None:
             self.policy.reset()
-        self.last, self.host_s = None, 0.0
+        self.last, self.host_s, self._served = None, 0.0, None
+        if self.policy is not None and isinstance(self.policy.cost, ServedCost):
+            self.policy.cost = ServedCost(self.policy.cost.base)  # the warm-up's rounds too
 
     def round_costs(self) -> dict[int, dict[str, float]]:
-        """The policy's round seconds per batch bucket and rung (the metrics' rung names), at the
-        shortest context: what it believes a round costs ({} without the policy)."""
+        """The policy's startup round seconds (the profile or estimate, before any served round
+        corrects it) per batch bucket and rung (the metrics' rung names), at the shortest
+        context ({} without the policy)."""
         pol = self.policy
         if pol is None:
             return {}
+        cost = getattr(pol.cost, "base", pol.cost)
         names = [
             "chain" if c else (f"tree{b}" if b else "ar")
             for b, c in zip(pol.rung_budget.tolist(), pol.rung_chain.tolist())
         ]
-        batches = getattr(pol.cost, "batches", None) or (1, 2, 4, 8, 16, 32, 64)
-        return {int(bs): dict(zip(names, pol.cost.seconds(int(bs), 0).tolist())) for bs in batches}
+        batches = getattr(cost, "batches", None) or (1, 2, 4, 8, 16, 32, 64)
+        return {int(bs): dict(zip(names, cost.seconds(int(bs), 0).tolist())) for bs in batches}
 
     def set_cost(self, cost: RoundCost) -> None:
+        """The policy's round costs: `cost` (the startup profile or estimate) corrected by the
+        rounds served (`ServedCost`)."""
         if self.policy is not None:
-            self.policy.cost = cost
+            self.policy.cost = ServedCost(cost)
 
     def width_for(self, budget: int) -> int:
         return self.widths[bisect.bisect_left(self.widths, 1 + budget)]
@@ -118,8 +125,12 @@ class BudgetPlanner:
             return RoundPlan(self.width_for(max(caps)), caps, cut=caps)
         if self.last is not None:  # its host / server times are filled in after the round
             self.host_s = 0.9 * self.host_s + 0.1 * (self.last.host_s + self.last.server_s)
+            cost, served = getattr(self.policy, "cost", None), self._served
+            if served is not None and self.last.round_s > 0 and hasattr(cost, "observe"):
+                cost.observe(*served, self.last.round_s)  # what the last round really took
         slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
         d = self.policy.choose(slots, reqs, caps, max_ctx, self.host_s)
+        self._served = (len(reqs), max_ctx, d.rung) if d.rung >= 0 else None
         budgets = d.budgets.tolist()
         if d.chain:
             spec = cfg.tree_spec(chain=True)

@@ -2,7 +2,8 @@
 trees, the DFLASH chain, by verify width) and `RoundCost`, the seconds a round costs at each rung
 for a batch and context: `CostTable` (measured on the device at startup, engine/budget_profile.py)
 or `AnalyticCost` (roofline). With CUDA graphs every row of a round is padded to the round's width
-W and the batch to its bucket, so a round's cost is a function of (batch bucket, context, rung)."""
+W and the batch to its bucket, so a round's cost is a function of (batch bucket, context, rung).
+`ServedCost` corrects either by the rounds the server actually ran."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["AnalyticCost", "CostTable", "RoundCost", "rung_widths", "rungs"]
+__all__ = ["AnalyticCost", "CostTable", "RoundCost", "ServedCost", "rung_widths", "rungs"]
+
+SERVED_EMA = 0.1  # weight of one served round in ServedCost's correction
+SERVED_CLIP = (0.5, 2.0)  # one round's served / estimated seconds, clipped (a stalled round)
 
 
 def rungs(ladder: tuple[int, ...], chain: int = 0) -> tuple[tuple[int, bool], ...]:
@@ -103,3 +107,54 @@ class CostTable:
             raise ValueError(f"cost table of shape {t.shape}, expected {shape}")
         ladder, batches, ctx = tuple(d["ladder"]), tuple(d["batches"]), tuple(d["contexts"])
         return cls(ladder, batches, ctx, t, float(d.get("kv_s_per_token", 0.0)), chain)
+
+
+class ServedCost:
+    """A `RoundCost` corrected by the rounds the server ran: per batch bucket and rung, an EMA of
+    served seconds over the estimate (the profile replays the graphs alone; a served round also
+    pays the policy, the read-back, launches and whatever else the device waits on). A rung not
+    served yet at a bucket takes the mean correction of the rungs that were, or none where that
+    would make it dearer: an unmeasured rung is never rated below its profile, so where it could
+    win it is tried (and the policy's exploration rounds try the rung above its best and the
+    chain)."""
+
+    def __init__(self, base: RoundCost):
+        self.base = base
+        self._corr: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # bucket -> (ratio, served)
+
+    @property
+    def batches(self) -> tuple[int, ...] | None:
+        return getattr(self.base, "batches", None)
+
+    def _bucket(self, bs: int) -> int:
+        b = self.batches
+        if b:
+            return min(int(np.searchsorted(b, bs)), len(b) - 1)
+        return max(int(bs) - 1, 0).bit_length()  # powers of two
+
+    def seconds(self, bs: int, ctx: int) -> np.ndarray:
+        s = self.base.seconds(bs, ctx)
+        got = self._corr.get(self._bucket(bs))
+        if got is None:
+            return s
+        ratio, served = got
+        return s * np.where(served, ratio, min(1.0, float(ratio[served].mean())))
+
+    def served(self, bs: int, rung: int) -> bool:
+        """Whether a round of rung index `rung` was served at bs's bucket (its cost measured)."""
+        got = self._corr.get(self._bucket(bs))
+        return got is not None and bool(got[1][rung])
+
+    def observe(self, bs: int, ctx: int, rung: int, seconds: float) -> None:
+        """A served round of batch bs, longest context ctx, at rung index `rung`: its seconds."""
+        est = float(self.base.seconds(bs, ctx)[rung])
+        if est <= 0 or seconds <= 0:
+            return
+        k = self._bucket(bs)
+        if k not in self._corr:
+            n = len(self.base.seconds(bs, ctx))
+            self._corr[k] = (np.ones(n), np.zeros(n, dtype=bool))
+        ratio, served = self._corr[k]
+        x = float(np.clip(seconds / est, *SERVED_CLIP))
+        ratio[rung] = (1 - SERVED_EMA) * ratio[rung] + SERVED_EMA * x if served[rung] else x
+        served[rung] = True

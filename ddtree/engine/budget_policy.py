@@ -24,11 +24,12 @@ earlier per-slot extension carried its old increments forward as if they were da
 policy settled below the cap the tail was never measured again: issue 20's stale curve). Growth of
 a segment not read back yet is optimistic (proportional to the budget), which draws one round up.
 
-Exploration. Growth past the chosen rung goes stale when the traffic changes, so every
-EXPLORE_EVERY-th round runs one ladder rung above the best (the chain: the first tree rung above
-its width), when the policy rates that rung within EXPLORE_MARGIN of the best: by the policy's own
-estimate exploration costs at most EXPLORE_MARGIN / EXPLORE_EVERY of the throughput (< 1%), and
-a rung that pays is found within a few exploration rounds (tests/test_budget_convergence.py).
+Exploration. Growth past the chosen rung goes stale when the traffic changes, and a rung's cost
+is corrected by served rounds only where it is served (`ServedCost`), so every EXPLORE_EVERY-th
+round runs the tree rung one above the best tree rung (the chain first, while its cost at this
+batch is unserved), when the policy rates it within EXPLORE_MARGIN of the best: by the policy's
+own estimate exploration costs at most EXPLORE_MARGIN / EXPLORE_EVERY of the throughput (< 1%),
+and a rung that pays is found within a few exploration rounds (tests/test_budget_convergence.py).
 
 Cost: `RoundCost.seconds(bs, ctx)[r]` per rung r (engine/budget_cost.py). The rung is the one
 decision: at a tree rung every request takes min(rung, its own cap), since a smaller budget would
@@ -44,7 +45,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.engine.budget_cost import AnalyticCost, CostTable, RoundCost, rung_widths, rungs
+from ddtree.engine.budget_cost import (
+    AnalyticCost,
+    CostTable,
+    RoundCost,
+    ServedCost,
+    rung_widths,
+    rungs,
+)
 from ddtree.engine.config import budget_ladder
 
 __all__ = [
@@ -53,6 +61,7 @@ __all__ = [
     "CostTable",
     "Decision",
     "RoundCost",
+    "ServedCost",
     "budget_ladder",
     "rung_widths",
     "rungs",
@@ -78,6 +87,7 @@ class Decision:
     tokens_per_s: float  # the policy's estimate for the round
     chain: bool = False  # the round drafts the DFLASH chain, not a tree
     explore: bool = False  # a rung above the best, run to measure the curve past the best
+    rung: int = -1  # the rung's index in `rungs` order (-1: a stub's decision)
 
 
 class BudgetPolicy:
@@ -200,28 +210,33 @@ class BudgetPolicy:
         if best > 0:
             self.spec_rounds += 1
             if self.spec_rounds % EXPLORE_EVERY == 0:
-                up = self._explore_rung(rate, per)
+                up = self._explore_rung(rate, per, best, len(slots))
                 explore = up is not None and rate[up] >= (1 - EXPLORE_MARGIN) * rate[best]
                 best = up if explore else best
         chain = bool(self.rung_chain[best])
         budgets = per[:, best]
         width = 1 + int(budgets.max(initial=0))
-        return Decision(width, budgets, gain[:, best], float(rate[best]), chain, explore)
+        return Decision(width, budgets, gain[:, best], float(rate[best]), chain, explore, best)
 
-    def _explore_rung(self, rate: np.ndarray, per: np.ndarray) -> int | None:
-        """The tree rung one above the best tree rung (whose curve past it is extrapolated),
-        with budgets that differ from its (caps), or None. From the tree family's best, not the
-        overall best: the chain is cheaper than the tree of its width, so from the chain the
-        next rung up may lose while the one above it wins."""
+    def _explore_rung(self, rate: np.ndarray, per: np.ndarray, best: int, bs: int) -> int | None:
+        """The chain while its round cost at this batch has not been served (a profile that
+        overrates it is corrected only by serving it; its gain is read back from every tree's
+        spine), else the tree rung one above the best tree rung (whose curve past it is
+        extrapolated; from the tree family's best, not the overall best: the chain is cheaper
+        than the tree of its width, so from the chain the next tree rung may lose while the one
+        above it wins); None where there is none (caps)."""
+        served = getattr(self.cost, "served", None)
+        if self.chain_depth and not self.rung_chain[best] and served is not None:
+            c = int(np.flatnonzero(self.rung_chain)[0])
+            if not served(bs, c):
+                return c
         tree = ~self.rung_chain & (self.rung_budget > 0)
         if not tree.any():
             return None
         t = int(np.flatnonzero(tree)[np.argmax(rate[tree])])
         top = per[:, t].max(initial=0)
-        for u in np.flatnonzero(tree):
-            if u > t and per[:, u].max(initial=0) > top:
-                return int(u)
-        return None
+        up = [int(u) for u in np.flatnonzero(tree) if u > t and per[:, u].max() > top]
+        return up[0] if up else None
 
     def _rates(self, slots: np.ndarray, caps: np.ndarray, ctx: int, extra_s: float):
         """([b, R] budgets, [b, R] calibrated gains, [R] expected tokens / s) per rung."""
