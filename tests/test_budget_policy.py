@@ -137,3 +137,5 @@ def test_served_cost_corrects_the_profile():
     assert cost.seconds(1, 1000)[4] == pytest.approx((0.9 * 1.2 + 0.1 * 2.0) * base[4])
     assert cost.seconds(8, 1000) == pytest.approx(TABLE.seconds(8, 1000))  # other buckets
     assert cost.batches == TABLE.batches
+    ratio = cost.correction(1)
+    assert np.isnan(ratio[[0, 2, 3]]).all() and ratio[1] == pytest.approx(0.5)

@@ -140,6 +140,13 @@ class ServedCost:
         ratio, served = got
         return s * np.where(served, ratio, min(1.0, float(ratio[served].mean())))
 
+    def correction(self, bs: int) -> np.ndarray:
+        """[R] served / estimated seconds at bs's bucket per rung (NaN: not served there)."""
+        got = self._corr.get(self._bucket(bs))
+        if got is None:
+            return np.full(len(self.base.seconds(bs, 0)), np.nan)
+        return np.where(got[1], got[0], np.nan)
+
     def served(self, bs: int, rung: int) -> bool:
         """Whether a round of rung index `rung` was served at bs's bucket (its cost measured)."""
         got = self._corr.get(self._bucket(bs))
