@@ -136,7 +136,7 @@ def test_cap_exploration_costs_too_much_under_load(monkeypatch):
 def test_reset_forgets_the_warmup():
     pol = BudgetPolicy(LADDER, COST, 64, CHAIN)
     run(pol, 1, SYNTHETIC, 6, seed=100)
-    assert pol.head is not None and pol.growth_read.any()
+    assert pol.shape.head is not None and pol.shape.growth_read.any()
     pol.reset()
     d = pol.choose(np.arange(4), [object() for _ in range(4)], [CAP] * 4, 1024)
     assert d.width == CAP + 1  # a fresh server's first round: every node believed accepted

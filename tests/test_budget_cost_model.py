@@ -87,10 +87,10 @@ def test_narrow_build_grows_past_its_rung_by_the_server_growth():
     value at 16 times the growth the server measured past 16 (here by the B=64 round), and the
     stored curve keeps no extrapolation (the B=16 round leaves that growth as it was)."""
     pol, bs = policy(0)
-    old, growth = pol.curve[0].copy(), pol.growth.copy()
+    old, growth = pol.curve[0].copy(), pol.shape.growth.copy()
     new = old[:16] * 0.5
     pol.observe([0], [16], np.pad(new, (0, 48), mode="edge")[None, :], [3.0], chain=[2.0])
     c = pol._raw_curves(np.array([0]))[0]
     assert c[:16] == pytest.approx(new)
     assert c[16:] == pytest.approx(0.5 * old[16:])
-    assert pol.n_read[0] == 16 and pol.growth == pytest.approx(growth)
+    assert pol.n_read[0] == 16 and pol.shape.growth == pytest.approx(growth)

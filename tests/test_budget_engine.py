@@ -99,7 +99,9 @@ def test_auto_policy_is_lossless_and_learns(toy_pair, ar_tokens):
     outs, planner = generate(toy_pair, accepted_prompts(), stub=False)
     assert tokens_of(outs) == ar_tokens and mean_accept(outs) > 2
     pol = planner.policy
-    assert pol.head is not None and pol.prior_chain > 1  # the toy drafter's drafts are accepted
+    assert (
+        pol.shape.head is not None and pol.prior_chain > 1
+    )  # the toy drafter's drafts are accepted
     # the served rounds' seconds reach the policy's cost (engine.step times each round)
     assert any(pol.cost.served(b, r) for b in range(1, 9) for r in range(len(pol.rung_budget)))
     rec = planner.last

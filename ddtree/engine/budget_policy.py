@@ -16,13 +16,8 @@ not at the cap) and, with `chain` > 0, the DFLASH chain of `chain` drafts (W = 1
 round reads back the chain's gain too (`DraftTree.chain_probs`: the top-1 chain is the tree's
 spine), so the chain's gain is known without running it; a chain round reads back only the chain's.
 
-Past the built rung. A tree built at rung R reads back its curve up to R only. Above R the curve is
-the request's value at R times the server-wide growth of the curve over each ladder segment
-(`growth[j]` = curve[j] / curve[segment start], from the rounds that read that segment back at full
-depth): a ratio, so a request's own scale carries up, and never fed back from an extrapolation (the
-earlier per-slot extension carried its old increments forward as if they were data, and once the
-policy settled below the cap the tail was never measured again: issue 20's stale curve). Growth of
-a segment not read back yet is optimistic (proportional to the budget), which draws one round up.
+Past the built rung, and for a request without a tree curve: the server-wide `CurveShape`
+(engine/budget_shape.py: growth per ladder segment, learned only from what was read back).
 
 Exploration. Growth past the chosen rung goes stale when the traffic changes, and a rung's cost
 is corrected by served rounds only where it is served (`ServedCost`), so every EXPLORE_EVERY-th
@@ -53,6 +48,7 @@ from ddtree.engine.budget_cost import (
     rung_widths,
     rungs,
 )
+from ddtree.engine.budget_shape import PRIOR_EMA, CurveShape, ema_weight
 from ddtree.engine.config import budget_ladder
 
 __all__ = [
@@ -71,10 +67,6 @@ EMA = 0.25  # weight of the newest round in the per-request calibration
 # AR rounds draft nothing, so they neither refresh the curves nor the calibration that chose them:
 # after this many AR rounds in a row the policy runs one round at its best speculative width
 EXPLORE_AFTER = 32
-# server-wide EMAs, weight per request-round (a round of n rows weighs 1 - (1 - w) ** n): the
-# curve for new requests and the calibration, and the growth past each ladder rung
-PRIOR_EMA = 0.05
-GROWTH_EMA = 0.2
 EXPLORE_EVERY = 16  # every this many speculative rounds, one round a rung above the best
 EXPLORE_MARGIN = 0.15  # ... when the policy rates that rung within this fraction of the best
 
@@ -103,15 +95,8 @@ class BudgetPolicy:
         self.rung_chain = np.asarray([c for _, c in r], dtype=bool)
         self.chain_depth = chain
         B = max(self.max_budget, 1)
-        trees = [int(b) for b in ladder if b > 0] or [B]
-        self.first = trees[0]  # columns below the first tree rung are read back by every tree
-        # anchor[j]: the column of the ladder rung that starts budget j + 1's segment (-1: none)
-        starts = np.asarray(trees)
-        self.anchor = np.asarray(
-            [int(starts[starts <= j].max()) - 1 if j >= self.first else -1 for j in range(B)]
-        )
+        self.shape = CurveShape(self.ladder, B)  # server-wide, past the built rung
         self.owner: list[object] = [None] * slots
-        self._col = np.arange(B, dtype=np.float64)[None, :]
         self.curve = np.zeros((slots, B))  # expected accepted drafts for budget j + 1
         self.n_read = np.zeros(slots, dtype=np.int64)  # columns of the slot's curve read back
         self.chain = np.zeros(slots)  # the drafter's expected accepted drafts of its chain
@@ -124,16 +109,7 @@ class BudgetPolicy:
     def reset(self) -> None:
         """Forget the server-wide learning (after the warm-up's synthetic prompts): the next
         round drafts at the cap, as a fresh server's."""
-        B = self.curve.shape[1]
-        # server-wide tree curve below the first tree rung over the chain's gain: the chain is
-        # read back every speculative round, so a request known only from chain rounds (or from
-        # none) gets a current tree curve, not one from the last tree round the server ran
-        self.head: np.ndarray | None = None
-        # server-wide growth of the curve over its segment's start; unread: proportional
-        j = np.arange(B, dtype=np.float64)
-        self.growth = np.where(self.anchor >= 0, (j + 1) / np.maximum(self.anchor + 1.0, 1), 1.0)
-        self.growth_read = np.zeros(B, dtype=bool)
-        self.cum = self._cumulative_growth()  # [B] growth over the first rung (cached)
+        self.shape.reset()
         self.prior_chain: float | None = None  # server-wide chain gain
         self.ar_streak = 0  # AR rounds chosen in a row
         self.spec_rounds = 0  # speculative rounds chosen (the exploration clock)
@@ -154,30 +130,17 @@ class BudgetPolicy:
         pred = self.pred[slots]
         return np.where(pred > 0, self.real[slots] / np.maximum(pred, 1e-9), g)
 
-    def _cumulative_growth(self) -> np.ndarray:
-        """[B] the curve at budget j + 1 over its value at the first tree rung (1 below it)."""
-        out = np.ones_like(self.growth)
-        for lo, hi in zip(self.ladder[self.ladder > 0][:-1], self.ladder[self.ladder > 0][1:]):
-            out[lo:hi] = self.growth[lo:hi] * out[lo - 1]
-        return out
-
     def _raw_curves(self, slots: np.ndarray) -> np.ndarray:
         """[b, B] the drafter's own curves: read back up to the slot's built rung, grown past it
         by the server-wide growth; the server-wide curve (or every node accepted, before any
         tree round) for a slot not read back yet."""
         n = self.n_read[slots][:, None]
-        top = np.maximum(n - 1, 0)
-        curve = self.curve[slots]
-        grown = np.take_along_axis(curve, top, 1) * (self.cum[None, :] / self.cum[top])
-        out = np.where(self._col < n, curve, grown)
+        out = self.shape.grow(self.curve[slots], n)
         if (n > 0).all():
             return out
-        if self.head is None:
-            base = self._col + 1.0
-        else:  # the chain's gain times the server's tree-over-chain curve, grown
-            f = self.first - 1
-            shape = np.concatenate([self.head[:f], self.head[f] * self.cum[f:]])
-            base = self._chain_raw(slots)[:, None] * shape[None, :]
+        base = self.shape.base(self._chain_raw(slots))
+        if base is None:
+            base = np.arange(1, out.shape[1] + 1, dtype=np.float64)[None, :]
         return np.where(n > 0, out, base)
 
     def gains(self, slots: np.ndarray) -> np.ndarray:
@@ -262,27 +225,6 @@ class BudgetPolicy:
         i = int(np.searchsorted(self.ladder, budgets.max(initial=0)))
         return int(self.ladder[min(i, len(self.ladder) - 1)])
 
-    def _learn_shape(self, c: np.ndarray, built: int, chain: np.ndarray | None) -> None:
-        """Server-wide, from full-depth rows' curves c [n, B] read back up to `built` and their
-        chains' gains [n]: the curve below the first rung over the chain's (for requests without
-        a tree curve) and the growth of every segment read back, each a ratio of sums over the
-        rows (a row with a tiny value cannot swing it)."""
-        f = self.first
-        if chain is not None and chain.sum() > 1e-6:
-            head = c[:, :f].sum(0) / chain.sum()
-            w = _weight(PRIOR_EMA, len(c))
-            self.head = head if self.head is None else (1 - w) * self.head + w * head
-        if built <= f:
-            return
-        j = np.arange(f, built)
-        num, den = c[:, f:built].sum(0), c[:, self.anchor[f:built]].sum(0)
-        ok = den > 1e-6
-        j, ratio = j[ok], num[ok] / den[ok]
-        w = np.where(self.growth_read[j], _weight(GROWTH_EMA, len(c)), 1.0)
-        self.growth[j] = (1 - w) * self.growth[j] + w * ratio
-        self.growth_read[j] = True
-        self.cum = self._cumulative_growth()
-
     def observe(self, slots, budgets, curves, accepted, chain=None, full=None) -> None:
         """After a round: curves [b, B] the round's trees' expected accepted drafts per budget (the
         drafter's own, uncalibrated; columns past the round's built rung are not read), or None
@@ -313,7 +255,7 @@ class BudgetPolicy:
         self.real[s] = (1 - EMA) * real0 + EMA * real
         self.pred[s] = (1 - EMA) * pred0 + EMA * predicted
         self.seen[s] = True
-        w = _weight(PRIOR_EMA, len(s)) if self.g_pred > 0 else 1.0
+        w = ema_weight(PRIOR_EMA, len(s)) if self.g_pred > 0 else 1.0
         self.g_real = (1 - w) * self.g_real + w * float(real.mean())
         self.g_pred = (1 - w) * self.g_pred + w * float(predicted.mean())
         if curves is not None:
@@ -321,18 +263,13 @@ class BudgetPolicy:
             self.curve[s] = c
             self.n_read[s] = built
             if deep is None:
-                self._learn_shape(c, built, None if chain is None else ch)
+                self.shape.learn(c, built, None if chain is None else ch)
             elif deep.any():
-                self._learn_shape(c[deep], built, None if chain is None else ch[deep])
+                self.shape.learn(c[deep], built, None if chain is None else ch[deep])
         if chain is not None:
             self.chain[s] = ch
             self.chain_known[s] = True
             d = ch if deep is None else ch[deep]
             if len(d):
-                m, pc, w = float(d.mean()), self.prior_chain, _weight(PRIOR_EMA, len(d))
+                m, pc, w = float(d.mean()), self.prior_chain, ema_weight(PRIOR_EMA, len(d))
                 self.prior_chain = m if pc is None else (1 - w) * pc + w * m
-
-
-def _weight(w: float, n: int) -> float:
-    """An EMA's weight for a round of n request-rounds, each weighing w."""
-    return 1.0 - (1.0 - w) ** int(n)
