@@ -156,7 +156,9 @@ def main(argv=None) -> None:
             kw.update(dtype="bfloat16", attention_backend="triton")
         llm = LLM(a.model_path, **kw)
         if name == "auto" and a.costs == "h200":
-            llm.engine.decoder.budgets.set_cost(h200_costs(llm.engine.spec))
+            # pinned, not through set_cost: the served-round correction (ServedCost) would
+            # learn this machine's round times and choose as this machine, not the H200
+            llm.engine.decoder.budgets.policy.cost = h200_costs(llm.engine.spec)
         if name.startswith("auto@"):
             spec = llm.engine.spec
             llm.engine.decoder.budgets.policy = Forced(name[5:], spec.chain_rung)

@@ -41,6 +41,51 @@ def test_table_ratios():
     assert got[(1, "NONE")] == (None, None)
 
 
+def test_ceiling_is_the_best_fixed_config_per_level():
+    """The oracle fixed budget per concurrency from the run's own configs (auto is not fixed),
+    the ratio /metrics' rounds predict, and auto against both."""
+    from ddtree.bench.at_scale_report import ceiling_rows
+
+    def lv(c, tput, tau, round_ms, host_ms=0.5):
+        return {**_level(c, tput, tau), "round_ms": round_ms, "host_ms": host_ms}
+
+    serving = {
+        "NONE": [lv(1, 150.0, 1.0, 5.5), lv(16, 2300.0, 1.0, 6.0)],
+        "DFLASH": [lv(1, 600.0, 6.8, 7.5), lv(16, 4400.0, 6.8, 10.5)],
+        "DDTREE B=64": [lv(1, 720.0, 9.5, 7.5), lv(16, 3400.0, 9.5, 24.5)],
+        "DDTREE B=auto": [lv(1, 690.0, 9.0, 8.5), lv(16, 4000.0, 6.9, 11.5)],  # + costs below
+        "DDTREE B=16": [lv(16, 3700.0, 7.5, 12.5)],
+    }
+    costs = {"1": {"chain": 7.0, "tree64": 9.0}, "32": {"chain": 16.0, "tree16": 18.0}}
+    for level in serving["DDTREE B=auto"]:
+        level["server"] = {"policy_cost_ms": costs}
+    rows = {r["concurrency"]: r for r in ceiling_rows(serving)}
+    one, many = rows[1], rows[16]
+    assert (one["oracle_config"], one["oracle_ratio"]) == ("DDTREE B=64", pytest.approx(1.2))
+    assert one["predicted_config"] == "DDTREE B=64"
+    assert one["predicted_ratio"] == pytest.approx((9.5 / 8.0) / (6.8 / 8.0))
+    auto = one["adaptive"]["DDTREE B=auto"]
+    assert (auto["ratio"], auto["of_oracle"]) == (pytest.approx(1.15), pytest.approx(690 / 720))
+    # the cost side: the policy's believed round ms (bucket 1) beside the fixed servers' rounds
+    assert auto["cost_ms"] == {
+        "chain": {"policy": 7.0, "served": 7.5},
+        "tree64": {"policy": 9.0, "served": 7.5},
+    }
+    # concurrency 16 reads bucket 32 (the next one up, as the graphs run); no tree64 there
+    assert set(rows[16]["adaptive"]["DDTREE B=auto"]["cost_ms"]) == {"chain", "tree16"}
+    # under load DFLASH is its own oracle (ratio 1), NONE never the predicted one
+    assert (many["oracle_config"], many["oracle_ratio"]) == ("DFLASH", 1.0)
+    assert many["predicted_config"] == "DFLASH" and many["predicted_ratio"] == 1.0
+    assert many["adaptive"]["DDTREE B=auto"]["of_oracle"] == pytest.approx(4000 / 4400)
+    # without /metrics (no round_ms) no prediction, not a wrong one; no DFLASH level: no row
+    bare = {
+        k: [_level(1, v[0]["output_throughput"])] for k, v in serving.items() if k != "DDTREE B=16"
+    }
+    (row,) = ceiling_rows(bare)
+    assert row["predicted_ratio"] is None and row["oracle_config"] == "DDTREE B=64"
+    assert ceiling_rows({"NONE": [_level(1, 1.0)]}) == []
+
+
 def test_level_sizes_scale_with_concurrency():
     import argparse
 

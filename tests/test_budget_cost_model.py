@@ -82,13 +82,15 @@ def test_chain_closed_when_a_cap_is_below_it():
     assert not d.chain and d.budgets.max() <= 16
 
 
-def test_narrow_build_keeps_the_wider_curve():
-    """A round built at 16 says nothing of budgets 17..64: the curve there keeps its old
-    increments on top of the new value at 16."""
+def test_narrow_build_grows_past_its_rung_by_the_server_growth():
+    """A round built at 16 says nothing of budgets 17..64: past 16 the request's curve is its new
+    value at 16 times the growth the server measured past 16 (here by the B=64 round), and the
+    stored curve keeps no extrapolation (the B=16 round leaves that growth as it was)."""
     pol, bs = policy(0)
-    old = pol.curve[0].copy()
+    old, growth = pol.curve[0].copy(), pol.shape.growth.copy()
     new = old[:16] * 0.5
     pol.observe([0], [16], np.pad(new, (0, 48), mode="edge")[None, :], [3.0], chain=[2.0])
-    c = pol.curve[0]
+    c = pol._raw_curves(np.array([0]))[0]
     assert c[:16] == pytest.approx(new)
-    assert np.diff(c[15:]) == pytest.approx(np.diff(old[15:]))
+    assert c[16:] == pytest.approx(0.5 * old[16:])
+    assert pol.n_read[0] == 16 and pol.shape.growth == pytest.approx(growth)

@@ -34,8 +34,9 @@ class CyclingPolicy:
         self.widths.append(1 + int(b.max()))
         return Decision(1 + int(b.max()), b, np.zeros(n), 0.0)
 
-    def observe(self, slots, budgets, curves, accepted, chain=None):
+    def observe(self, slots, budgets, curves, accepted, chain=None, full=None):
         assert curves.shape == (len(slots), 16) and (np.diff(curves, axis=1) >= -1e-6).all()
+        assert full is None or (len(full) == len(slots) and not all(full))  # depth-limited rows
 
 
 def generate(pair, prompts, params=GREEDY, stub=True, graphs=False, **kw):
@@ -98,7 +99,11 @@ def test_auto_policy_is_lossless_and_learns(toy_pair, ar_tokens):
     outs, planner = generate(toy_pair, accepted_prompts(), stub=False)
     assert tokens_of(outs) == ar_tokens and mean_accept(outs) > 2
     pol = planner.policy
-    assert pol.prior is not None and pol.prior[-1] > 1  # the toy drafter's drafts are accepted
+    assert (
+        pol.shape.head is not None and pol.prior_chain > 1
+    )  # the toy drafter's drafts are accepted
+    # the served rounds' seconds reach the policy's cost (engine.step times each round)
+    assert any(pol.cost.served(b, r) for b in range(1, 9) for r in range(len(pol.rung_budget)))
     rec = planner.last
     assert rec.width in (1, 9, 16, 17) and len(rec.predicted) == len(rec.budgets)  # 16: the chain
 

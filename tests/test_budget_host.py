@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from ddtree.server.async_engine import Delta, Outbox, Stream
 
@@ -56,6 +57,25 @@ def test_rung_counter():
     m.on_round(RoundRecord(16, [15], [1.0], [3], "chain"), 0.0, 0.0)
     text = generate_latest(m.registry).decode()
     assert 'ddtree_spec_rung_rounds_total{rung="chain"} 1.0' in text
+    # an exploration round counts under its rung and, apart, as exploration
+    m.on_round(RoundRecord(33, [32], [1.0], [3], "tree32", explore=True), 0.0, 0.0)
+    text = generate_latest(m.registry).decode()
+    assert 'ddtree_spec_rung_rounds_total{rung="tree32"} 1.0' in text
+    assert 'ddtree_spec_explore_rounds_total{rung="tree32"} 1.0' in text
+    # the policy's believed round costs: a gauge bench serving reads after each level
+    from ddtree.bench import serving_metrics
+
+    before = serving_metrics.parse(text)
+    m.set_round_costs({1: {"chain": 0.007, "tree64": 0.0085}, 8: {"chain": 0.009}})
+    m.on_round(RoundRecord(65, [64], [1.0], [3], "tree64", explore=True), 0.0, 0.0)
+    level = serving_metrics.delta(
+        before, serving_metrics.parse(generate_latest(m.registry).decode())
+    )
+    assert level["policy_cost_ms"] == {
+        "1": {"chain": pytest.approx(7.0), "tree64": pytest.approx(8.5)},
+        "8": {"chain": pytest.approx(9.0)},
+    }
+    assert level["rung_rounds"] == {"tree64": 1} and level["explore_rounds"] == {"tree64": 1}
 
 
 def test_policy_round_cost_is_small_at_64():

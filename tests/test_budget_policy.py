@@ -27,7 +27,8 @@ def seeded(bs: int, curve=CURVE, slots=64) -> tuple[BudgetPolicy, list[object]]:
     pol = BudgetPolicy(LADDER, TABLE, slots)
     owners = [object() for _ in range(bs)]
     pol.choose(range(bs), owners, [64] * bs, 1000)
-    pol.observe(range(bs), [64] * bs, np.tile(curve, (bs, 1)), [curve[-1]] * bs)
+    chain = [curve[14]] * bs  # the tree's spine: the chain's 15 drafts
+    pol.observe(range(bs), [64] * bs, np.tile(curve, (bs, 1)), [curve[-1]] * bs, chain=chain)
     return pol, owners
 
 
@@ -76,10 +77,11 @@ def test_caps_and_new_requests_in_a_slot():
     d = pol.choose([0, 1], owners, [5, 64], 1000)
     assert d.budgets.tolist() == [5, 16] and d.width == 17  # batch 2 costs as bucket 8
     assert d.predicted[0] == pytest.approx(CURVE[4])
-    # a new request in slot 0 starts from the server-wide prior, its calibration reset
+    # a new request in slot 0 starts from the server-wide curve (the chain's gain times the
+    # server's tree-over-chain shape and growth), its calibration reset
     d = pol.choose([0, 1], [object(), owners[1]], [64, 64], 1000)
-    assert not pol.known[0] and pol.known[1]
-    assert d.predicted[0] == pytest.approx(pol.prior[d.width - 2])
+    assert pol.n_read[0] == 0 and pol.n_read[1] == 64
+    assert d.predicted[0] == pytest.approx(CURVE[d.width - 2])
 
 
 def test_unseen_batch_explores_the_largest_width():
@@ -114,3 +116,26 @@ def test_one_bad_first_round_does_not_switch_speculation_off():
     g = pol.gains(np.array([1]))
     assert g[0, 64] == pytest.approx(0.75 * CURVE[-1], rel=0.01)
     assert pol.choose([1], new, [64], 1000).width == 65
+
+
+def test_served_cost_corrects_the_profile():
+    """Served rounds correct their rung at their batch bucket (EMA, a stalled round clipped); an
+    unserved rung takes the served rungs' mean correction only where that makes it cheaper."""
+    from ddtree.engine.budget_policy import ServedCost
+
+    cost = ServedCost(TABLE)
+    base = TABLE.seconds(1, 1000)
+    assert cost.seconds(1, 1000) == pytest.approx(base) and not cost.served(1, 4)
+    cost.observe(1, 1000, 4, 1.2 * base[4])  # B=64 served 20% dearer than profiled
+    got = cost.seconds(1, 1000)
+    assert got[4] == pytest.approx(1.2 * base[4]) and cost.served(1, 4)
+    assert got[:4] == pytest.approx(base[:4])  # dearer only where measured
+    cost.observe(1, 1000, 1, 0.5 * base[1])  # B=8 cheaper: the unserved follow the mean (0.85)
+    got = cost.seconds(1, 1000)
+    assert got[0] == pytest.approx(0.85 * base[0]) and got[1] == pytest.approx(0.5 * base[1])
+    cost.observe(1, 1000, 4, 100.0)  # a stalled round moves the EMA by at most 10% of 2x
+    assert cost.seconds(1, 1000)[4] == pytest.approx((0.9 * 1.2 + 0.1 * 2.0) * base[4])
+    assert cost.seconds(8, 1000) == pytest.approx(TABLE.seconds(8, 1000))  # other buckets
+    assert cost.batches == TABLE.batches
+    ratio = cost.correction(1)
+    assert np.isnan(ratio[[0, 2, 3]]).all() and ratio[1] == pytest.approx(0.5)

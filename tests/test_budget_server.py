@@ -48,6 +48,7 @@ def test_streams_match_and_metrics_report_budgets(server, pair):
     assert metric(text, "ddtree_spec_predicted_accepted_drafts_total") > 0
     assert "ddtree_spec_realised_accepted_drafts_total" in text
     assert "ddtree_spec_verify_width_rounds_total{width=" in text
+    assert 'ddtree_spec_rung_cost_seconds{batch="1",rung="tree8"}' in text  # the policy's costs
     for part in ("round", "host", "server", "hidden"):
         assert metric(text, f'ddtree_round_seconds_count{{part="{part}"}}') > 0, part
     assert metric(text, 'ddtree_round_seconds_sum{part="hidden"}') > 0, (

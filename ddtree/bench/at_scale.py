@@ -308,9 +308,12 @@ def main(argv: list[str] | None = None) -> int:
             }
     rows = rep.table_rows(report["serving"])
     report["table"], report["rounds_ratios"] = rows, val.rounds_ratios(report["rounds"])
+    adaptive = {c.name for c in configs if c.budget == "auto"}
+    report["ceiling"] = rep.ceiling_rows(report["serving"], adaptive)
     path = save(report, ns)
     print(f"\n{ns.shape}: {ns.max_tokens} output tokens per request, held-out prompts, T=0")
     rep.print_table(rows)
+    rep.print_ceiling(report["ceiling"])
     rep.print_validity(report["rounds_ratios"], report["tau"])
     if rows:
         rep.plot(rows, os.path.splitext(path)[0] + ".png", f"{ns.shape} (inflated embedded pair)")

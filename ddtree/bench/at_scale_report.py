@@ -1,5 +1,6 @@
 """The at-scale run's one table (per concurrency and config: output tok/s, TTFT / TPOT p50 / p99, τ,
-and the throughput ratio DDTREE / DFLASH or DFLASH / NONE), the validity lines, and the PNG."""
+and the throughput ratio DDTREE / DFLASH or DFLASH / NONE), the ceiling any budget policy can
+reach with this pair (`ceiling_rows`), the validity lines, and the PNG."""
 
 from __future__ import annotations
 
@@ -40,6 +41,106 @@ def table_rows(serving: dict[str, list[dict]]) -> list[dict]:
                 }
             )
     return rows
+
+
+def _per_round(lv: dict) -> float | None:
+    """Tokens per ms of one request's decode rounds from the server's /metrics: tau over the
+    round's wall time plus the host time outside it (None without --enable-metrics)."""
+    ms = lv.get("round_ms")
+    if not ms or lv.get("mean_accept_length") is None:
+        return None
+    return lv["mean_accept_length"] / (ms + (lv.get("host_ms") or 0.0))
+
+
+def _rung_of(config: str) -> str | None:
+    """The policy's rung name a fixed config runs at every round (None: not one rung)."""
+    if config in ("NONE", "DFLASH"):
+        return "ar" if config == "NONE" else "chain"
+    b = config.rsplit("B=", 1)[-1] if config.startswith("DDTREE B=") else ""
+    return f"tree{b}" if b.isdigit() else None
+
+
+def _cost_check(lv: dict, fixed: dict[str, dict], c: int) -> dict[str, dict]:
+    """{rung: {"policy": ms, "served": ms}}: the round ms the adaptive server's policy believes
+    (its batch bucket holding c) beside the round ms the fixed server of that rung served at c."""
+    table = (lv.get("server") or {}).get("policy_cost_ms") or {}
+    buckets = sorted(int(b) for b in table)
+    bucket = next((b for b in buckets if b >= c), buckets[-1] if buckets else None)
+    out = {}
+    for name, flv in fixed.items():
+        rung = _rung_of(name)
+        policy = table.get(str(bucket), {}).get(rung) if bucket is not None else None
+        if rung and policy is not None and flv.get("round_ms"):
+            out[rung] = {"policy": policy, "served": flv["round_ms"]}
+    return out
+
+
+def ceiling_rows(serving: dict[str, list[dict]], adaptive: set[str] | None = None) -> list[dict]:
+    """Per concurrency with a DFLASH level: the best fixed config's output tok/s over DFLASH's
+    (the oracle fixed budget: the most any policy that picks one budget per level gets from the
+    configs this run served; NONE and DFLASH count as fixed), the same predicted from /metrics
+    (tau / (round + host ms) per config over DFLASH's), and each adaptive config (names with
+    "auto" unless given) over DFLASH and over the oracle, with the round ms its policy believes
+    per rung beside the fixed servers' served round ms (the cost side of its choice). A ratio is
+    None where its inputs are."""
+    if adaptive is None:
+        adaptive = {n for n in serving if "auto" in n.lower()}
+    by = {(cfg, lv["concurrency"]): lv for cfg, levels in serving.items() for lv in levels}
+    rows = []
+    for c in sorted({c for _, c in by}):
+        base = by.get(("DFLASH", c))
+        if base is None or not base["output_throughput"]:
+            continue
+        fixed = {n: by[(n, c)] for n in serving if n not in adaptive and (n, c) in by}
+        oracle = max(fixed, key=lambda n: fixed[n]["output_throughput"])
+        pred = {n: _per_round(lv) for n, lv in fixed.items() if n != "NONE"}
+        pred = {n: v for n, v in pred.items() if v is not None}
+        p_base = pred.get("DFLASH")
+        p_best = max(pred, key=pred.get) if pred and p_base else None
+        row = {
+            "concurrency": c,
+            "oracle_config": oracle,
+            "oracle_ratio": fixed[oracle]["output_throughput"] / base["output_throughput"],
+            "predicted_config": p_best,
+            "predicted_ratio": pred[p_best] / p_base if p_best else None,
+            "adaptive": {},
+        }
+        for n in sorted(adaptive):
+            lv = by.get((n, c))
+            if lv is None:
+                continue
+            tput = lv["output_throughput"]
+            row["adaptive"][n] = {
+                "ratio": tput / base["output_throughput"],
+                "of_oracle": tput / fixed[oracle]["output_throughput"],
+                "cost_ms": _cost_check(lv, fixed, c),
+            }
+        rows.append(row)
+    return rows
+
+
+def print_ceiling(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print("\nceiling: the best fixed config per level over DFLASH (measured; from /metrics rounds)")
+    for r in rows:
+        pred = (
+            f"{r['predicted_ratio']:.2f}x ({r['predicted_config']})"
+            if r["predicted_ratio"] is not None
+            else "-"
+        )
+        auto = "".join(
+            f"; {n} {a['ratio']:.2f}x = {a['of_oracle']:.2f} of the oracle"
+            + "".join(
+                f", {k} {v['policy']:.2f} ms believed / {v['served']:.2f} served"
+                for k, v in a["cost_ms"].items()
+            )
+            for n, a in r["adaptive"].items()
+        )
+        print(
+            f"{r['concurrency']:>4} oracle {r['oracle_ratio']:.2f}x ({r['oracle_config']}), "
+            f"predicted {pred}{auto}"
+        )
 
 
 def print_table(rows: list[dict]) -> None:

@@ -1,8 +1,9 @@
 """What a `bench serving` level did on the server side, from its /metrics before and after the
 level (servers started with --enable-metrics; None otherwise): the chosen-budget histogram, the
-rounds per verify width and per policy rung (ar / chain / tree<B>), the budget policy's predicted
-vs the realised accept length, and the per-round host time (engine step and server loop outside
-the round; publishing hidden under it).
+rounds per verify width and per policy rung (ar / chain / tree<B>; of them the exploration rounds,
+a rung above the policy's best), the budget policy's predicted vs the realised accept length, the
+round ms per rung the policy believes (auto), and the per-round host time (engine step and server
+loop outside the round; publishing hidden under it).
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         for (n, lab), v in d.items()
         if n == "ddtree_spec_rung_rounds_total" and v
     }
+    explore_rounds = {
+        dict(lab)["rung"]: int(v)
+        for (n, lab), v in d.items()
+        if n == "ddtree_spec_explore_rounds_total" and v
+    }
+    cost_ms: dict[str, dict[str, float]] = {}  # a gauge: the value after the level
+    for (n, lab), v in after.items():
+        if n == "ddtree_spec_rung_cost_seconds":
+            lab = dict(lab)
+            cost_ms.setdefault(lab["batch"], {})[lab["rung"]] = 1e3 * v
     count = one("ddtree_spec_budget_count")
     pred_n = one("ddtree_spec_predicted_request_rounds_total")
     parts = {}
@@ -75,6 +86,8 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         "budget_histogram": hist,  # budget bucket upper bound -> request-rounds
         "verify_width_rounds": widths,
         "rung_rounds": rung_rounds,  # auto: rounds per choice (ar, chain, tree<B>)
+        "explore_rounds": explore_rounds,  # of those, exploration rounds (a rung above the best)
+        "policy_cost_ms": cost_ms,  # auto: batch bucket -> rung -> the policy's round ms
         "mean_budget": one("ddtree_spec_budget_sum") / count if count else None,
         "predicted_accept_length": 1 + one("ddtree_spec_predicted_accepted_drafts_total") / pred_n
         if pred_n

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.engine.budget_policy import BudgetPolicy, RoundCost
+from ddtree.engine.budget_policy import BudgetPolicy, RoundCost, ServedCost
 from ddtree.engine.config import SpecConfig, budget_ladder
 from ddtree.engine.request import Req
 
@@ -35,6 +35,8 @@ class RoundPlan:
     spec: tuple | None = None  # the draft graphs' tree spec (None: the decoder's own)
     chain: bool = False  # the round drafts the DFLASH chain (auto's chain rung)
     cut: list[int] | None = None  # budgets the draft must cut to (None: all at the spec's)
+    explore: bool = False  # auto: a rung above the policy's best, run to measure the curve there
+    full: list[bool] | None = None  # rows drafted at full depth (None: all; set by the decoder)
 
     @property
     def rung(self) -> str:
@@ -53,6 +55,7 @@ class RoundRecord:
     predicted: list[float]  # expected accepted drafts (policy, calibrated); [] when fixed
     accepted: list[int]  # accepted drafts per request (emitted - 1)
     rung: str = ""  # RoundPlan.rung (auto), else ""
+    explore: bool = False  # RoundPlan.explore
     round_s: float = 0.0  # wall time of SpecDecoder.round (launches + the wait for the device)
     host_s: float = 0.0  # the engine step's time outside the round (schedule, emit, stops)
     server_s: float = 0.0  # the server loop's time outside the step (publish, commands, metrics)
@@ -71,6 +74,7 @@ class BudgetPlanner:
         if cfg.adaptive:
             self.policy = BudgetPolicy(budget_ladder(cfg.budget), cost, slots, cfg.chain_rung)
         self.last: RoundRecord | None = None
+        self._served: tuple[int, int, int] | None = None  # the last auto round's (bs, ctx, rung)
         self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
 
     @property
@@ -78,9 +82,34 @@ class BudgetPlanner:
         """Whether the round reads its trees' gain curves back (the policy learns from them)."""
         return self.policy is not None
 
-    def set_cost(self, cost: RoundCost) -> None:
+    def reset(self) -> None:
+        """Forget what the policy learned (after the warm-up's synthetic prompts)."""
         if self.policy is not None:
-            self.policy.cost = cost
+            self.policy.reset()
+        self.last, self.host_s, self._served = None, 0.0, None
+        if self.policy is not None and isinstance(self.policy.cost, ServedCost):
+            self.policy.cost = ServedCost(self.policy.cost.base)  # the warm-up's rounds too
+
+    def round_costs(self) -> dict[int, dict[str, float]]:
+        """The policy's startup round seconds (the profile or estimate, before any served round
+        corrects it) per batch bucket and rung (the metrics' rung names), at the shortest
+        context ({} without the policy)."""
+        pol = self.policy
+        if pol is None:
+            return {}
+        cost = getattr(pol.cost, "base", pol.cost)
+        names = [
+            "chain" if c else (f"tree{b}" if b else "ar")
+            for b, c in zip(pol.rung_budget.tolist(), pol.rung_chain.tolist())
+        ]
+        batches = getattr(cost, "batches", None) or (1, 2, 4, 8, 16, 32, 64)
+        return {int(bs): dict(zip(names, cost.seconds(int(bs), 0).tolist())) for bs in batches}
+
+    def set_cost(self, cost: RoundCost) -> None:
+        """The policy's round costs: `cost` (the startup profile or estimate) corrected by the
+        rounds served (`ServedCost`)."""
+        if self.policy is not None:
+            self.policy.cost = ServedCost(cost)
 
     def width_for(self, budget: int) -> int:
         return self.widths[bisect.bisect_left(self.widths, 1 + budget)]
@@ -96,15 +125,20 @@ class BudgetPlanner:
             return RoundPlan(self.width_for(max(caps)), caps, cut=caps)
         if self.last is not None:  # its host / server times are filled in after the round
             self.host_s = 0.9 * self.host_s + 0.1 * (self.last.host_s + self.last.server_s)
+            cost, served = getattr(self.policy, "cost", None), self._served
+            if served is not None and self.last.round_s > 0 and hasattr(cost, "observe"):
+                cost.observe(*served, self.last.round_s)  # what the last round really took
         slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
         d = self.policy.choose(slots, reqs, caps, max_ctx, self.host_s)
+        self._served = (len(reqs), max_ctx, d.rung) if d.rung >= 0 else None
         budgets = d.budgets.tolist()
         if d.chain:
-            return RoundPlan(d.width, budgets, d.predicted, slots, cfg.tree_spec(chain=True), True)
+            spec = cfg.tree_spec(chain=True)
+            return RoundPlan(d.width, budgets, d.predicted, slots, spec, True, explore=d.explore)
         width = self.width_for(max(budgets))
         cut = None if all(b == width - 1 for b in budgets) else budgets
         spec = cfg.tree_spec(width - 1) if width > 1 else None
-        return RoundPlan(width, budgets, d.predicted, slots, spec, cut=cut)
+        return RoundPlan(width, budgets, d.predicted, slots, spec, cut=cut, explore=d.explore)
 
     def tree_specs(self) -> list[tuple]:
         """The draft specs auto's rounds may build: one per tree rung, and the chain."""
@@ -132,5 +166,6 @@ class BudgetPlanner:
                 tree = c[:, :-1]
                 if tree.shape[1] < B:
                     tree = np.pad(tree, ((0, 0), (0, B - tree.shape[1])), mode="edge")
-            pol.observe(plan.slots, budgets, tree, accepted, chain=c[:, -1])
-        self.last = RoundRecord(plan.width, budgets, predicted, accepted, plan.rung if pol else "")
+            pol.observe(plan.slots, budgets, tree, accepted, chain=c[:, -1], full=plan.full)
+        rung = plan.rung if pol else ""
+        self.last = RoundRecord(plan.width, budgets, predicted, accepted, rung, plan.explore)

@@ -10,19 +10,25 @@ so round k + 1 decides on round k's curve. The drafter is optimistic or pessimis
 its realised accepted drafts over its predicted ones (EMAs of both, started from the server-wide
 ratio) scale the curve; a request not seen yet takes the server-wide curve and ratio.
 
-Rungs. The choices (`rungs`), by verify width W: plain AR (budget 0, W = 1: no draft runs), the
+Rungs (`budget_cost.rungs`), by verify width W: plain AR (budget 0, W = 1: no draft runs), the
 ladder's trees (W = 1 + budget, each drafted by its own tree spec: the round builds at its rung,
 not at the cap) and, with `chain` > 0, the DFLASH chain of `chain` drafts (W = 1 + chain). A tree
 round reads back the chain's gain too (`DraftTree.chain_probs`: the top-1 chain is the tree's
 spine), so the chain's gain is known without running it; a chain round reads back only the chain's.
-A tree built below the cap tells nothing of the wider budgets: their part of the curve keeps its
-old increments on top of the new value (`_extend`).
 
-Cost. With CUDA graphs every row of a round is padded to the round's width W and the batch to its
-bucket, so a round costs `cost.seconds(bs, ctx)[r]` for each rung r (`RoundCost`: measured at
-startup on the device, or `AnalyticCost`). The rung is the one decision: at a tree rung every
-request takes min(rung, its own cap), since a smaller budget would save nothing; the chain rung
-is open only when every request's cap allows `chain` drafts.
+Past the built rung, and for a request without a tree curve: the server-wide `CurveShape`
+(engine/budget_shape.py: growth per ladder segment, learned only from what was read back).
+
+Exploration. Growth past the chosen rung goes stale when the traffic changes, and a rung's cost
+is corrected by served rounds only where it is served (`ServedCost`), so every EXPLORE_EVERY-th
+round runs the tree rung one above the best tree rung (the chain first, while its cost at this
+batch is unserved), when the policy rates it within EXPLORE_MARGIN of the best: by the policy's
+own estimate exploration costs at most EXPLORE_MARGIN / EXPLORE_EVERY of the throughput (< 1%),
+and a rung that pays is found within a few exploration rounds (tests/test_budget_convergence.py).
+
+Cost: `RoundCost.seconds(bs, ctx)[r]` per rung r (engine/budget_cost.py). The rung is the one
+decision: at a tree rung every request takes min(rung, its own cap), since a smaller budget would
+save nothing; the chain rung is open only when every request's cap allows `chain` drafts.
 
 Decision: argmax over the rungs of (bs + sum_i gain_i(rung)) / (seconds(rung) + host seconds);
 after EXPLORE_AFTER AR rounds in a row one speculative round refreshes the curves.
@@ -31,10 +37,18 @@ after EXPLORE_AFTER AR rounds in a row one speculative round refreshes the curve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
+from ddtree.engine.budget_cost import (
+    AnalyticCost,
+    CostTable,
+    RoundCost,
+    ServedCost,
+    rung_widths,
+    rungs,
+)
+from ddtree.engine.budget_shape import PRIOR_EMA, CurveShape, ema_weight
 from ddtree.engine.config import budget_ladder
 
 __all__ = [
@@ -42,6 +56,8 @@ __all__ = [
     "BudgetPolicy",
     "CostTable",
     "Decision",
+    "RoundCost",
+    "ServedCost",
     "budget_ladder",
     "rung_widths",
     "rungs",
@@ -51,98 +67,8 @@ EMA = 0.25  # weight of the newest round in the per-request calibration
 # AR rounds draft nothing, so they neither refresh the curves nor the calibration that chose them:
 # after this many AR rounds in a row the policy runs one round at its best speculative width
 EXPLORE_AFTER = 32
-PRIOR_EMA = 0.05  # weight of one request's curve in the server-wide prior for new requests
-
-
-def rungs(ladder: tuple[int, ...], chain: int = 0) -> tuple[tuple[int, bool], ...]:
-    """The policy's choices as (budget, is_chain), by verify width 1 + budget: the ladder's trees
-    (budget 0: AR) and, with `chain` > 0, the DFLASH chain of `chain` drafts (before a tree of the
-    same width). Every `RoundCost` returns its seconds in this order."""
-    out = [(int(b), False) for b in ladder] + ([(int(chain), True)] if chain else [])
-    return tuple(sorted(out, key=lambda r: (r[0], not r[1])))
-
-
-def rung_widths(ladder: tuple[int, ...], chain: int = 0) -> np.ndarray:
-    return np.asarray([1 + b for b, _ in rungs(ladder, chain)], dtype=np.float64)
-
-
-class RoundCost(Protocol):
-    def seconds(self, bs: int, ctx: int) -> np.ndarray:
-        """[len(rungs)] seconds per round at each rung for a batch of bs requests whose longest
-        context is ctx tokens."""
-
-
-@dataclass(frozen=True)
-class AnalyticCost:
-    """Roofline estimate: draft (skipped at W = 1) + verify, each max(weight read, GEMM flops) plus
-    the KV read and a per-forward overhead. Without captured graphs its per-row time and overhead
-    are fitted to timed eager forwards (`budget_profile.fitted_cost`)."""
-
-    ladder: tuple[int, ...]
-    target_bytes: float  # weight bytes read per forward
-    target_flops_per_row: float  # ~2 x parameters
-    drafter_bytes: float
-    drafter_flops_per_row: float
-    draft_rows: int  # block size S (the drafter's rows per request)
-    kv_bytes_per_token: float
-    bandwidth: float = 4.0e12  # bytes / s (H200 HBM3e, achieved)
-    flops: float = 5.0e14  # dense bf16 GEMM throughput achieved at these shapes
-    overhead: float = 1.5e-3  # per-forward launch / small-kernel time
-    draft_overhead: float | None = None  # the drafter forward's (None: `overhead`)
-    chain: int = 0  # the DFLASH chain rung's drafts (0: no chain rung)
-
-    def seconds(self, bs: int, ctx: int) -> np.ndarray:
-        w = rung_widths(self.ladder, self.chain)
-        kv = bs * ctx * self.kv_bytes_per_token / self.bandwidth
-        verify = np.maximum(
-            self.target_bytes / self.bandwidth, bs * w * self.target_flops_per_row / self.flops
-        )
-        draft = max(
-            self.drafter_bytes / self.bandwidth,
-            bs * self.draft_rows * self.drafter_flops_per_row / self.flops,
-        )
-        d_over = self.overhead if self.draft_overhead is None else self.draft_overhead
-        return verify + kv + self.overhead + np.where(w > 1, draft + d_over, 0.0)
-
-
-@dataclass(frozen=True)
-class CostTable:
-    """Measured seconds per round on the device: [batch bucket, context bound, rung]. A
-    batch or context between two measured points takes the next one up (what the graphs run).
-    `kv_s_per_token` adds the context's KV read (bs x ctx tokens) to every width, for tables
-    measured at one short context."""
-
-    ladder: tuple[int, ...]
-    batches: tuple[int, ...]
-    contexts: tuple[int, ...]
-    table: np.ndarray
-    kv_s_per_token: float = 0.0
-    chain: int = 0  # the DFLASH chain rung's drafts (0: no chain rung)
-
-    def seconds(self, bs: int, ctx: int) -> np.ndarray:
-        i = min(int(np.searchsorted(self.batches, bs)), len(self.batches) - 1)
-        j = min(int(np.searchsorted(self.contexts, ctx)), len(self.contexts) - 1)
-        return self.table[i, j] + bs * ctx * self.kv_s_per_token
-
-    def to_json(self) -> dict:
-        return {
-            "ladder": list(self.ladder),
-            "chain": self.chain,
-            "batches": list(self.batches),
-            "contexts": list(self.contexts),
-            "seconds": self.table.tolist(),
-            "kv_s_per_token": self.kv_s_per_token,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> CostTable:
-        t = np.asarray(d["seconds"], dtype=np.float64)
-        chain = int(d.get("chain", 0))
-        shape = (len(d["batches"]), len(d["contexts"]), len(rungs(tuple(d["ladder"]), chain)))
-        if t.shape != shape:
-            raise ValueError(f"cost table of shape {t.shape}, expected {shape}")
-        ladder, batches, ctx = tuple(d["ladder"]), tuple(d["batches"]), tuple(d["contexts"])
-        return cls(ladder, batches, ctx, t, float(d.get("kv_s_per_token", 0.0)), chain)
+EXPLORE_EVERY = 16  # every this many speculative rounds, one round a rung above the best
+EXPLORE_MARGIN = 0.15  # ... when the policy rates that rung within this fraction of the best
 
 
 @dataclass(frozen=True)
@@ -152,11 +78,14 @@ class Decision:
     predicted: np.ndarray  # [b] calibrated expected accepted drafts at those budgets
     tokens_per_s: float  # the policy's estimate for the round
     chain: bool = False  # the round drafts the DFLASH chain, not a tree
+    explore: bool = False  # a rung above the best, run to measure the curve past the best
+    rung: int = -1  # the rung's index in `rungs` order (-1: a stub's decision)
 
 
 class BudgetPolicy:
     """Per-request calibration and curves in rows indexed by the request's block-table slot (reset
-    when a new request takes the slot), and the per-round choice."""
+    when a new request takes the slot), the server-wide curve and growth, and the per-round
+    choice."""
 
     def __init__(self, ladder: tuple[int, ...], cost: RoundCost, slots: int, chain: int = 0):
         self.ladder, self.cost = np.asarray(ladder, dtype=np.int64), cost
@@ -166,24 +95,33 @@ class BudgetPolicy:
         self.rung_chain = np.asarray([c for _, c in r], dtype=bool)
         self.chain_depth = chain
         B = max(self.max_budget, 1)
+        self.shape = CurveShape(self.ladder, B)  # server-wide, past the built rung
         self.owner: list[object] = [None] * slots
         self.curve = np.zeros((slots, B))  # expected accepted drafts for budget j + 1
-        self.known = np.zeros(slots, dtype=bool)  # the slot's curve was read back
+        self.n_read = np.zeros(slots, dtype=np.int64)  # columns of the slot's curve read back
         self.chain = np.zeros(slots)  # the drafter's expected accepted drafts of its chain
         self.chain_known = np.zeros(slots, dtype=bool)
         self.seen = np.zeros(slots, dtype=bool)  # the calibration EMAs hold a round
         self.real = np.zeros(slots)  # EMA of realised accepted drafts
         self.pred = np.zeros(slots)  # EMA of the drafter's prediction for the same rounds
-        self.prior: np.ndarray | None = None  # server-wide curve for requests not yet seen
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the server-wide learning (after the warm-up's synthetic prompts): the next
+        round drafts at the cap, as a fresh server's."""
+        self.shape.reset()
         self.prior_chain: float | None = None  # server-wide chain gain
         self.ar_streak = 0  # AR rounds chosen in a row
+        self.spec_rounds = 0  # speculative rounds chosen (the exploration clock)
         self.g_real = self.g_pred = 0.0  # server-wide EMAs: the calibration of new requests
+        self.owner = [None] * len(self.owner)
 
     def _claim(self, slots: np.ndarray, owners: list[object]) -> None:
         for s, o in zip(slots.tolist(), owners):
             if self.owner[s] is not o:
                 self.owner[s] = o
-                self.known[s] = self.chain_known[s] = self.seen[s] = False
+                self.chain_known[s] = self.seen[s] = False
+                self.n_read[s] = 0
                 self.real[s] = self.pred[s] = 0.0
 
     def _ratio(self, slots: np.ndarray) -> np.ndarray:
@@ -193,23 +131,31 @@ class BudgetPolicy:
         return np.where(pred > 0, self.real[slots] / np.maximum(pred, 1e-9), g)
 
     def _raw_curves(self, slots: np.ndarray) -> np.ndarray:
-        """[b, B] the drafter's own curves (the prior, or every node accepted, where unknown)."""
-        curve = self.curve[slots]
-        if self.prior is not None:
-            return np.where(self.known[slots, None], curve, self.prior[None, :])
-        unseen = np.arange(1, curve.shape[1] + 1, dtype=np.float64)[None, :]
-        return np.where(self.known[slots, None], curve, unseen)
+        """[b, B] the drafter's own curves: read back up to the slot's built rung, grown past it
+        by the server-wide growth; the server-wide curve (or every node accepted, before any
+        tree round) for a slot not read back yet."""
+        n = self.n_read[slots][:, None]
+        out = self.shape.grow(self.curve[slots], n)
+        if (n > 0).all():
+            return out
+        base = self.shape.base(self._chain_raw(slots))
+        if base is None:
+            base = np.arange(1, out.shape[1] + 1, dtype=np.float64)[None, :]
+        return np.where(n > 0, out, base)
 
     def gains(self, slots: np.ndarray) -> np.ndarray:
         """[b, B + 1] calibrated expected accepted drafts for budgets 0..B."""
         curve = self._raw_curves(slots) * self._ratio(slots)[:, None]
         return np.concatenate([np.zeros((len(slots), 1)), curve], 1)
 
+    def _chain_raw(self, slots: np.ndarray) -> np.ndarray:
+        """[b] the drafter's own expected accepted drafts of the chain (the server's, unseen)."""
+        unseen = float(self.chain_depth) if self.prior_chain is None else self.prior_chain
+        return np.where(self.chain_known[slots], self.chain[slots], unseen)
+
     def chain_gains(self, slots: np.ndarray) -> np.ndarray:
         """[b] calibrated expected accepted drafts of the DFLASH chain."""
-        unseen = float(self.chain_depth) if self.prior_chain is None else self.prior_chain
-        raw = np.where(self.chain_known[slots], self.chain[slots], unseen)
-        return raw * self._ratio(slots)
+        return self._chain_raw(slots) * self._ratio(slots)
 
     def choose(self, slots, owners: list[object], caps, ctx: int, extra_s: float = 0.0) -> Decision:
         """slots [b] block-table rows, owners [b] the request objects (identity marks a new
@@ -223,10 +169,37 @@ class BudgetPolicy:
         self.ar_streak = self.ar_streak + 1 if best == 0 else 0
         if best == 0 and self.ar_streak > EXPLORE_AFTER and len(rate) > 1:
             best, self.ar_streak = 1 + int(np.argmax(rate[1:])), 0
+        explore = False
+        if best > 0:
+            self.spec_rounds += 1
+            if self.spec_rounds % EXPLORE_EVERY == 0:
+                up = self._explore_rung(rate, per, best, len(slots))
+                explore = up is not None and rate[up] >= (1 - EXPLORE_MARGIN) * rate[best]
+                best = up if explore else best
         chain = bool(self.rung_chain[best])
         budgets = per[:, best]
         width = 1 + int(budgets.max(initial=0))
-        return Decision(width, budgets, gain[:, best], float(rate[best]), chain)
+        return Decision(width, budgets, gain[:, best], float(rate[best]), chain, explore, best)
+
+    def _explore_rung(self, rate: np.ndarray, per: np.ndarray, best: int, bs: int) -> int | None:
+        """The chain while its round cost at this batch has not been served (a profile that
+        overrates it is corrected only by serving it; its gain is read back from every tree's
+        spine), else the tree rung one above the best tree rung (whose curve past it is
+        extrapolated; from the tree family's best, not the overall best: the chain is cheaper
+        than the tree of its width, so from the chain the next tree rung may lose while the one
+        above it wins); None where there is none (caps)."""
+        served = getattr(self.cost, "served", None)
+        if self.chain_depth and not self.rung_chain[best] and served is not None:
+            c = int(np.flatnonzero(self.rung_chain)[0])
+            if not served(bs, c):
+                return c
+        tree = ~self.rung_chain & (self.rung_budget > 0)
+        if not tree.any():
+            return None
+        t = int(np.flatnonzero(tree)[np.argmax(rate[tree])])
+        top = per[:, t].max(initial=0)
+        up = [int(u) for u in np.flatnonzero(tree) if u > t and per[:, u].max() > top]
+        return up[0] if up else None
 
     def _rates(self, slots: np.ndarray, caps: np.ndarray, ctx: int, extra_s: float):
         """([b, R] budgets, [b, R] calibrated gains, [R] expected tokens / s) per rung."""
@@ -252,26 +225,20 @@ class BudgetPolicy:
         i = int(np.searchsorted(self.ladder, budgets.max(initial=0)))
         return int(self.ladder[min(i, len(self.ladder) - 1)])
 
-    def _extend(self, s: np.ndarray, c: np.ndarray, built: int) -> np.ndarray:
-        """Curves built at `built` < B: past it, the old curve's increments (the prior's where
-        unknown) on top of the new curve's last value."""
-        if built >= c.shape[1] or built <= 0:
-            return c
-        old = self._raw_curves(s)
-        rise = np.maximum(old[:, built:] - old[:, built - 1 : built], 0.0)
-        return np.concatenate([c[:, :built], c[:, built - 1 : built] + rise], 1)
-
-    def observe(self, slots, budgets, curves, accepted, chain=None) -> None:
+    def observe(self, slots, budgets, curves, accepted, chain=None, full=None) -> None:
         """After a round: curves [b, B] the round's trees' expected accepted drafts per budget (the
         drafter's own, uncalibrated; columns past the round's built rung are not read), or None
         for a chain round; chain [b] the chain's expected accepted drafts (None: not read back);
-        accepted [b] the drafts the target accepted."""
+        accepted [b] the drafts the target accepted; full [b] the rows drafted at full depth
+        (None: all): only those teach the server-wide curve, a depth-limited tree's flat tail
+        says nothing of the next request's."""
         slots = np.asarray(slots, dtype=np.int64)
         budgets = np.asarray(budgets, dtype=np.int64)
         ran = budgets > 0  # a budget-0 round drafted nothing: no curve, nothing to calibrate
         if not ran.any():
             return
         s, real = slots[ran], np.asarray(accepted, dtype=np.float64)[ran]
+        deep = None if full is None else np.asarray(full, bool)[ran]
         if chain is not None:
             ch = np.asarray(chain, dtype=np.float64)[ran]
         if curves is None:  # a chain round: the chain's own prediction
@@ -288,20 +255,21 @@ class BudgetPolicy:
         self.real[s] = (1 - EMA) * real0 + EMA * real
         self.pred[s] = (1 - EMA) * pred0 + EMA * predicted
         self.seen[s] = True
-        w = PRIOR_EMA if self.g_pred > 0 else 1.0
+        w = ema_weight(PRIOR_EMA, len(s)) if self.g_pred > 0 else 1.0
         self.g_real = (1 - w) * self.g_real + w * float(real.mean())
         self.g_pred = (1 - w) * self.g_pred + w * float(predicted.mean())
         if curves is not None:
-            c = self._extend(s, c, self._built(budgets))
+            built = self._built(budgets)
             self.curve[s] = c
-            self.known[s] = True
-            mean = c.mean(0)
-            self.prior = (
-                mean if self.prior is None else (1 - PRIOR_EMA) * self.prior + PRIOR_EMA * mean
-            )
+            self.n_read[s] = built
+            if deep is None:
+                self.shape.learn(c, built, None if chain is None else ch)
+            elif deep.any():
+                self.shape.learn(c[deep], built, None if chain is None else ch[deep])
         if chain is not None:
             self.chain[s] = ch
             self.chain_known[s] = True
-            m = float(ch.mean())
-            pc = self.prior_chain
-            self.prior_chain = m if pc is None else (1 - PRIOR_EMA) * pc + PRIOR_EMA * m
+            d = ch if deep is None else ch[deep]
+            if len(d):
+                m, pc, w = float(d.mean()), self.prior_chain, ema_weight(PRIOR_EMA, len(d))
+                self.prior_chain = m if pc is None else (1 - w) * pc + w * m

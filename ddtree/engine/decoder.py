@@ -103,6 +103,8 @@ class SpecDecoder:
             tree = _root_only(roots)
         else:
             limits = self.depth_limits(reqs, max_context)
+            if limits is not None:  # a depth-limited tree's curve teaches the policy no shape
+                plan.full = [x == cfg.block_size - 1 for x in limits]
             kw = {"budgets": plan.cut}
             if plan.spec is not None:  # auto: the rung's own tree spec (else the decoder's)
                 kw["spec"] = plan.spec

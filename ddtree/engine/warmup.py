@@ -106,6 +106,7 @@ def warm_up(engine, progress: bool = True) -> dict:
         bar.update()
     bar.close()
     engine.runner.bm.clear_cache()  # the synthetic prompts leave no cached pages behind
+    engine.decoder.budgets.reset()  # ... and nothing learned by the budget policy
     out = {
         "prefill": lengths,
         "prefill_extra": extra,

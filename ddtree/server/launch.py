@@ -40,6 +40,7 @@ def build_app(args: ServerArgs, **app_kw):
     if args.enable_metrics:
         longest_round = engine.spec.block_size if args.is_speculative else 1
         metrics = ServerMetrics(args.speculative_algorithm, longest_round)
+        metrics.set_round_costs(engine.decoder.budgets.round_costs())
     aengine = AsyncEngine(
         engine,
         metrics,

@@ -184,6 +184,20 @@ class ServerMetrics:
             ["rung"],
             registry=r,
         )
+        self.explore = Counter(
+            "ddtree_spec_explore_rounds",
+            "Of ddtree_spec_rung_rounds, the rounds the budget policy ran one rung above its best "
+            "to measure the gain curve there (auto)",
+            ["rung"],
+            registry=r,
+        )
+        self.rung_cost = Gauge(
+            "ddtree_spec_rung_cost_seconds",
+            "The budget policy's round seconds per batch bucket and rung (profiled at startup, or "
+            "its estimate; auto)",
+            ["batch", "rung"],
+            registry=r,
+        )
         self.predicted = Counter(
             "ddtree_spec_predicted_accepted_drafts",
             "Accepted drafts the budget policy predicted (calibrated), request-rounds with a prediction",
@@ -246,6 +260,8 @@ class ServerMetrics:
         self.verify_width.labels(str(rec.width)).inc()
         if rec.rung:
             self.rung.labels(rec.rung).inc()
+            if rec.explore:
+                self.explore.labels(rec.rung).inc()
         if rec.predicted:
             self.predicted.inc(sum(rec.predicted))
             self.realised.inc(sum(rec.accepted))
@@ -253,6 +269,12 @@ class ServerMetrics:
         parts = (rec.round_s, rec.host_s, server_s, hidden_s)
         for name, value in zip(ROUND_PARTS, parts):
             self.round_time.labels(name).observe(value)
+
+    def set_round_costs(self, costs: dict[int, dict[str, float]]) -> None:
+        """`BudgetPlanner.round_costs()`: what the policy believes each rung's round costs."""
+        for bs, per in costs.items():
+            for rung, seconds in per.items():
+                self.rung_cost.labels(str(bs), rung).set(seconds)
 
     def on_finish(self, reason: str, latency: float) -> None:
         self.requests.labels(reason).inc()
