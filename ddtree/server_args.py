@@ -152,7 +152,8 @@ class ServerArgs:
     )
     mamba_scheduler_strategy: str | None = _opt(
         None,
-        "hybrid targets: recurrent-state buffering; speculative decoding needs extra_buffer",
+        "hybrid targets: recurrent states under speculation (no_buffer: replay the accepted "
+        "path; extra_buffer: a state per tree node)",
         MAMBA_STRATEGIES,
         aliases=("--mamba-radix-cache-strategy",),
     )
@@ -443,10 +444,14 @@ def _resolve_mamba(a: ServerArgs, t: TargetConfig, upd: dict, p: list[str]) -> N
             upd["mamba_scheduler_strategy"] = None
         return
     if a.is_speculative and strategy is None:
-        upd["mamba_scheduler_strategy"] = "extra_buffer"
+        # no_buffer by measurement (BENCHMARKS.md, hybrid rounds): with the chunk-form tree kernel its
+        # DDTREE B=64 round is the faster one at batch 1 and 8 on the 27B shape, and it keeps no
+        # per-node state (extra_buffer's fp32 stash holds 3 requests at B=64 there)
+        upd["mamba_scheduler_strategy"] = "no_buffer"
         logger.info(
-            "Mamba scheduler strategy is set to extra_buffer: the hybrid target %s needs a recurrent state "
-            "per verified draft node for %s speculative decoding.",
+            "Mamba scheduler strategy is set to no_buffer: the hybrid target %s keeps no per-node "
+            "recurrent states for %s; after each verify the accepted path is replayed. Pass "
+            "--mamba-scheduler-strategy extra_buffer to commit by copy instead.",
             t.architecture,
             a.speculative_algorithm,
         )

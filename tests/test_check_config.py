@@ -90,7 +90,9 @@ def test_tp8_replicates_the_27b_kv_heads(tmp_path):
 
 def test_hybrid_plan_state_split(tmp_path):
     args = ddtree_args(
-        hybrid_pair(tmp_path), "--mamba-full-memory-ratio", "0.5", "--max-running-requests", "4"
+        hybrid_pair(tmp_path),
+        *("--mamba-full-memory-ratio", "0.5", "--max-running-requests", "4"),
+        *("--mamba-scheduler-strategy", "extra_buffer"),
     )
     plan = memory_plan(args, device_bytes=140 * GIB)
     assert plan.target_params == pytest.approx(26.9e9, rel=0.01)
@@ -110,9 +112,21 @@ def test_hybrid_plan_state_split(tmp_path):
 
 
 def test_hybrid_state_pool_caps_concurrency_warning(tmp_path):
-    plan = memory_plan(ddtree_args(hybrid_pair(tmp_path)), device_bytes=140 * GIB)
+    args = ddtree_args(hybrid_pair(tmp_path), "--mamba-scheduler-strategy", "extra_buffer")
+    plan = memory_plan(args, device_bytes=140 * GIB)
     assert plan.state_pool_requests < 48
     assert any("--max-running-requests" in w for w in plan.warnings)
+
+
+def test_hybrid_default_no_buffer_plans_more_requests(tmp_path):
+    # the speculative default keeps each node's GDN inputs, not its state: many more rows fit
+    pair = hybrid_pair(tmp_path)
+    plan = memory_plan(ddtree_args(pair), device_bytes=140 * GIB)
+    extra = memory_plan(
+        ddtree_args(pair, "--mamba-scheduler-strategy", "extra_buffer"), device_bytes=140 * GIB
+    )
+    assert plan.spec_state_bytes_per_request < extra.spec_state_bytes_per_request / 4
+    assert plan.state_pool_requests > 4 * extra.state_pool_requests
 
 
 def test_weights_too_big_warns(tmp_path):

@@ -355,11 +355,11 @@ def test_fraction_bounds(dense, flag, value):
     one_problem(["--model-path", dense[0], flag, value], flag)
 
 
-def test_hybrid_auto_extra_buffer(hybrid, caplog):
+def test_hybrid_speculative_default_no_buffer(hybrid, caplog):
     caplog.set_level(logging.INFO, logger="ddtree")
     args = prepare_server_args(ddtree_argv(hybrid))
-    assert args.mamba_scheduler_strategy == "extra_buffer"
-    assert any("extra_buffer" in m and "hybrid" in m for m in caplog.messages)
+    assert args.mamba_scheduler_strategy == "no_buffer"
+    assert any("no_buffer" in m and "hybrid" in m and "replayed" in m for m in caplog.messages)
 
 
 def test_hybrid_no_buffer_with_speculation_commits_by_replay(hybrid, caplog):
