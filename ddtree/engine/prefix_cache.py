@@ -192,13 +192,13 @@ class RadixCache:
             and used == node.last_used
         )
 
-    def _older_than_heap(self, t: int) -> bool:
-        """`t` is older than every live heap entry (stale ones on top are dropped on the way, as
-        `evict` would skip them)."""
+    def _next_live_used(self) -> float:
+        """`last_used` of the next live heap entry (stale ones on top are dropped on the way, as
+        `evict` would skip them); inf for none."""
         heap = self._heap
         while heap and not self._live(heap[0]):
             heapq.heappop(heap)
-        return not heap or t < heap[0][0]
+        return heap[0][0] if heap else float("inf")
 
     def evict(self, num_pages: int, drop_checkpoint: Callable[[int], None]) -> list[int]:
         """Free up to `num_pages` unlocked pages, least recently used leaves first.
@@ -209,24 +209,25 @@ class RadixCache:
         O(pages). Live leaves never tie on `last_used` (a tick touches one path), so the order
         is exact."""
         freed: list[int] = []
-        heap, owner = self._heap, self.page_owner
+        heap, owner, ckpts = self._heap, self.page_owner, self.checkpoints
         while len(freed) < num_pages and heap:
             entry = heapq.heappop(heap)
             if not self._live(entry):
                 continue  # stale entry: re-used, re-locked or already evicted since it was pushed
             node = entry[2]
+            bound = self._next_live_used()  # the heap is not touched during the walk below
             while True:
                 parent = node.parent
                 del parent.children[node.key]
                 del owner[node.page]
                 if node.checkpoint is not None:
                     row, node.checkpoint = node.checkpoint, None
-                    del self.checkpoints[row]
+                    del ckpts[row]
                     drop_checkpoint(row)
                 freed.append(node.page)
                 if parent.parent is None or parent.lock or parent.children:
                     break  # not a leaf now (or the root)
-                if len(freed) < num_pages and self._older_than_heap(parent.last_used):
+                if parent.last_used < bound and len(freed) < num_pages:
                     node = parent  # the next LRU leaf: evict it without a heap round trip
                     continue
                 self._push_if_leaf(parent)
