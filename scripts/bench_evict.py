@@ -1,10 +1,12 @@
 """Host cost of the prefix cache under churn (issue 22's no-sharing workload, on the CPU).
 
-A block manager with the 8B H200 run's pool (~40k pages of 16 tokens) is filled with cached
-distinct prompts; then each new ~2.3k-token prompt must evict ~144 pages on allocation and inserts
-~144 pages at `cache_prefix`. Prints us per page for both; `--profile` adds cProfile's top entries.
+A block manager with the 8B H200 run's pool (~40k pages of 16 tokens; its size is a guess from
+the H200's memory: `--pages`) is filled with cached distinct prompts; then each new ~2.3k-token
+prompt must evict ~144 pages on allocation and inserts ~144 pages at `cache_prefix`. Prints us per
+page for both (evict = the whole `allocate`: free-list pops and the block-table write included);
+`--profile` adds cProfile's top entries.
 
-    python3 scripts/bench_evict.py [--pages 40000] [--prompt-tokens 2304] [--rounds 64] [--profile]
+    PYTHONPATH=. python3 scripts/bench_evict.py [--pages 40000] [--rounds 64] [--profile]
 """
 
 from __future__ import annotations
