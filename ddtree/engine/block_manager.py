@@ -145,17 +145,20 @@ class BlockManager:
         full = min(num_tokens // p, len(pages))
         if full <= done:
             return node
-        parent = node or self.cache.root
-        for i in range(done, full):
-            key = tuple(tokens[i * p : (i + 1) * p])
-            child = parent.children.get(key)
+        parent, i = node or self.cache.root, done
+        # pages another request cached under the same prefix since: take theirs, free ours
+        while i < full:
+            child = parent.children.get(tuple(tokens[i * p : (i + 1) * p]))
             if child is None:
-                child = self.cache.insert(parent, key, pages[i])
-            else:
-                self.free_pages.append(pages[i])
-                pages[i] = child.page
-                self.block_table[slot, i] = child.page
-            parent = child
+                break
+            self.free_pages.append(pages[i])
+            pages[i] = child.page
+            parent, i = child, i + 1
+        if i > done:  # one block-table write for the run (no per-page tensor op)
+            self.block_table[slot, done:i] = torch.tensor(pages[done:i], dtype=torch.int64)
+        if i < full:  # below a miss every page is new: one run
+            keys = [tuple(tokens[j * p : (j + 1) * p]) for j in range(i, full)]
+            parent = self.cache.insert_run(parent, keys, pages[i:full])
         self.cache.lock(parent)
         if node is not None:
             self.cache.unlock(node)

@@ -150,6 +150,26 @@ class RadixCache:
         self._push_if_leaf(node)
         return node
 
+    def insert_run(
+        self, parent: Node, keys: Sequence[tuple[int, ...]], pages: Sequence[int]
+    ) -> Node:
+        """A path of new pages below `parent`, `keys[i]` on `pages[i]` (the caller checked
+        `keys[0]` is not cached under `parent`); unlocked; returns the deepest. Same tree as
+        `insert` per page, but only the run's last node (its one leaf) enters the LRU heap: the
+        nodes above it have a child, so their heap entries would only go stale."""
+        assert keys and len(keys) == len(pages) and keys[0] not in parent.children
+        assert len(keys[-1]) == self.page_size
+        tick, owner = self._tick, self.page_owner
+        for key, page in zip(keys, pages):
+            node = Node(key, page, parent)
+            node.last_used = next(tick)
+            parent.children[key] = node
+            owner[page] = node
+            parent = node
+        self.num_evictable += len(keys)
+        self._push_if_leaf(parent)
+        return parent
+
     def _push_if_leaf(self, node: Node) -> None:
         if node.parent is not None and node.lock == 0 and not node.children:
             heapq.heappush(self._heap, (node.last_used, next(self._seq), node))
@@ -161,24 +181,58 @@ class RadixCache:
                 ]
                 heapq.heapify(self._heap)
 
+    def _live(self, entry: tuple[int, int, Node]) -> bool:
+        """A heap entry still names an evictable leaf as of its push (stale is for good: ticks
+        only grow, and an evicted node is never re-inserted)."""
+        used, _, node = entry
+        return (
+            self.page_owner.get(node.page) is node
+            and not node.lock
+            and not node.children
+            and used == node.last_used
+        )
+
+    def _next_live_used(self) -> float:
+        """`last_used` of the next live heap entry (stale ones on top are dropped on the way, as
+        `evict` would skip them); inf for none."""
+        heap = self._heap
+        while heap and not self._live(heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else float("inf")
+
     def evict(self, num_pages: int, drop_checkpoint: Callable[[int], None]) -> list[int]:
-        """Free up to `num_pages` unlocked pages, least recently used leaves first."""
+        """Free up to `num_pages` unlocked pages, least recently used leaves first.
+
+        The order is the one a push of every parent left a leaf, then a pop, would give; but a
+        parent older than every live heap entry is evicted at once (no push, no pop): a cached
+        prompt is a chain of pages touched together, so a chain costs O(1) heap operations, not
+        O(pages). Live leaves never tie on `last_used` (a tick touches one path), so the order
+        is exact."""
         freed: list[int] = []
-        while len(freed) < num_pages and self._heap:
-            used, _, node = heapq.heappop(self._heap)
-            page = node.page
-            live = self.page_owner.get(page) is node
-            if not live or node.lock or node.children or used != node.last_used:
+        heap, owner, ckpts = self._heap, self.page_owner, self.checkpoints
+        while len(freed) < num_pages and heap:
+            entry = heapq.heappop(heap)
+            if not self._live(entry):
                 continue  # stale entry: re-used, re-locked or already evicted since it was pushed
-            del node.parent.children[node.key]
-            del self.page_owner[page]
-            self.num_evictable -= 1
-            if node.checkpoint is not None:
-                row, node.checkpoint = node.checkpoint, None
-                del self.checkpoints[row]
-                drop_checkpoint(row)
-            freed.append(page)
-            self._push_if_leaf(node.parent)
+            node = entry[2]
+            bound = self._next_live_used()  # the heap is not touched during the walk below
+            while True:
+                parent = node.parent
+                del parent.children[node.key]
+                del owner[node.page]
+                if node.checkpoint is not None:
+                    row, node.checkpoint = node.checkpoint, None
+                    del ckpts[row]
+                    drop_checkpoint(row)
+                freed.append(node.page)
+                if parent.parent is None or parent.lock or parent.children:
+                    break  # not a leaf now (or the root)
+                if parent.last_used < bound and len(freed) < num_pages:
+                    node = parent  # the next LRU leaf: evict it without a heap round trip
+                    continue
+                self._push_if_leaf(parent)
+                break
+        self.num_evictable -= len(freed)
         self.stats.evicted_pages += len(freed)
         return freed
 
