@@ -206,7 +206,7 @@ class BudgetPolicy:
         g = self.gains(slots)
         # [b, R]: request i's budget at rung r, and its gain there
         per = np.minimum(self.rung_budget[None, :], caps[:, None])
-        gain = np.take_along_axis(g, per, 1)
+        gain = g[np.arange(len(per))[:, None], per]  # take_along_axis: 3x the host time
         if self.chain_depth:
             gain[:, self.rung_chain] = self.chain_gains(slots)[:, None]
         tokens = len(slots) + gain.sum(0)
@@ -245,7 +245,7 @@ class BudgetPolicy:
             predicted = ch
         else:
             c = np.asarray(curves, dtype=np.float64)[ran]
-            predicted = np.take_along_axis(c, (budgets[ran] - 1)[:, None], 1)[:, 0]
+            predicted = c[np.arange(len(c)), budgets[ran] - 1]
         # a request's first round starts its EMAs from the server-wide ratio (one round with
         # nothing accepted must not switch its speculation off for good)
         first = ~self.seen[s]
