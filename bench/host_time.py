@@ -86,14 +86,33 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     ]
 
 
-def level(llm, conc: int, max_tokens: int, profile: cProfile.Profile | None) -> dict:
+def time_planner(planner) -> list[float]:
+    """Per round, the budget planner's host seconds on the critical path between rounds (`plan`
+    before the draft, `observe` after the blocking read-back; `observe_curves` runs while the
+    verify runs and is not counted): auto's host cost the fixed server does not pay."""
+    spent = [0.0]
+    for name in ("plan", "observe"):
+        fn = getattr(planner, name)
+
+        def timed(*a, fn=fn, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t
+
+        setattr(planner, name, timed)
+    return spent
+
+
+def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
     from ddtree import SamplingParams
 
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     todo = prompts(eng.tokenizer, 2 * conc)
     live = [eng.add_request(todo.pop(), sp) for _ in range(conc)]
-    host, rounds, steps = [], [], 0
+    host, rounds, policy, steps = [], [], [], 0
     t0 = time.perf_counter()
     if profile is not None:
         profile.enable()
@@ -104,6 +123,8 @@ def level(llm, conc: int, max_tokens: int, profile: cProfile.Profile | None) -> 
         if rec is not None:
             host.append(rec.host_s)
             rounds.append(rec.round_s)
+            policy.append(spent[0])
+        spent[0] = 0.0
         for r in [r for r in live if r.is_finished]:
             live.remove(r)
             if todo:
@@ -120,6 +141,7 @@ def level(llm, conc: int, max_tokens: int, profile: cProfile.Profile | None) -> 
         "host_ms_max": 1e3 * max(host),
         "round_ms_mean": 1e3 * statistics.fmean(rounds),
         "round_ms_p50": 1e3 * statistics.median(rounds),
+        "policy_ms_p50": 1e3 * statistics.median(policy),
         "wall_s": wall,
     }
 
@@ -162,14 +184,16 @@ def main(argv=None) -> None:
         if name.startswith("auto@"):
             spec = llm.engine.spec
             llm.engine.decoder.budgets.policy = Forced(name[5:], spec.chain_rung)
+        spent = time_planner(llm.engine.decoder.budgets)
         prof = cProfile.Profile() if a.profile else None
         for c in conc:
-            row = {"config": name, **level(llm, c, a.max_tokens, prof)}
+            row = {"config": name, **level(llm, c, a.max_tokens, prof, spent)}
             rows.append(row)
             print(
                 f"{name:>6} conc {c:>3}: host {row['host_ms_mean']:.2f} ms/round (p50 "
                 f"{row['host_ms_p50']:.2f}, max {row['host_ms_max']:.1f}), round "
-                f"{row['round_ms_mean']:.2f} ms, {row['rounds']} rounds",
+                f"{row['round_ms_mean']:.2f} ms, policy {row['policy_ms_p50']:.3f} ms (p50), "
+                f"{row['rounds']} rounds",
                 flush=True,
             )
         if prof is not None:

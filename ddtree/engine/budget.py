@@ -18,6 +18,7 @@ import bisect
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ddtree.engine.budget_policy import BudgetPolicy, RoundCost, ServedCost
 from ddtree.engine.config import SpecConfig, budget_ladder
@@ -76,6 +77,7 @@ class BudgetPlanner:
         self.last: RoundRecord | None = None
         self._served: tuple[int, int, int] | None = None  # the last auto round's (bs, ctx, rung)
         self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
+        self._pending: tuple | None = None  # (split, observe_curves' half) for `observe`
 
     @property
     def observes(self) -> bool:
@@ -86,7 +88,7 @@ class BudgetPlanner:
         """Forget what the policy learned (after the warm-up's synthetic prompts)."""
         if self.policy is not None:
             self.policy.reset()
-        self.last, self.host_s, self._served = None, 0.0, None
+        self.last, self.host_s, self._served, self._pending = None, 0.0, None, None
         if self.policy is not None and isinstance(self.policy.cost, ServedCost):
             self.policy.cost = ServedCost(self.policy.cost.base)  # the warm-up's rounds too
 
@@ -148,24 +150,54 @@ class BudgetPlanner:
         specs = [cfg.tree_spec(w - 1) for w in self.widths if w > 1]
         return specs + ([cfg.tree_spec(chain=True)] if cfg.chain_rung else [])
 
+    def observe_curves(self, plan: RoundPlan, curves: np.ndarray) -> None:
+        """curves: the round's fixed-point gain columns [b, .] (`gain_columns`, read back while
+        the verify runs): the tree's gain curve (none for a chain round), then the chain's gain.
+        The draft's half of the policy's observe, off the critical path between rounds."""
+        pol = self.policy
+        if pol is None or plan.width <= 1:
+            return
+        c = np.asarray(curves, dtype=np.float64) / CURVE_SCALE
+        tree = None
+        if not plan.chain:  # columns past the built rung repeat its last value (not read)
+            B, k = max(self.cfg.budget, 1), c.shape[1] - 1
+            tree = c[:, :-1]
+            if k < B:  # np.pad(mode="edge") costs ~0.1 ms a round
+                tree = np.empty((c.shape[0], B))
+                tree[:, :k], tree[:, k:] = c[:, :k], c[:, k - 1 : k]
+        budgets = plan.budgets or [plan.width - 1] * c.shape[0]
+        args = (plan.slots, budgets, tree, c[:, -1], plan.full)
+        split = getattr(pol, "observe_curves", None)  # a stub policy has only `observe`
+        self._pending = (True, split(*args)) if split is not None else (False, args)
+
     def observe(
-        self, plan: RoundPlan, n_reqs: int, emitted: list[int], curves: np.ndarray | None
+        self, plan: RoundPlan, n_reqs: int, emitted: list[int], curves: np.ndarray | None = None
     ) -> None:
-        """emitted: tokens per request this round (accepted drafts + the bonus); curves: the
-        round's fixed-point host columns [b, .] when `observes`: the tree's gain curve (none for
-        a chain round), then the chain's gain."""
+        """emitted: tokens per request this round (accepted drafts + the bonus); curves: as
+        `observe_curves` (None: already observed there, or none read back)."""
+        if curves is not None:
+            self.observe_curves(plan, curves)
         budgets = plan.budgets or [max(plan.width - 1, 0)] * n_reqs
         accepted = [max(k - 1, 0) for k in emitted]
         predicted = [] if plan.predicted is None else plan.predicted.tolist()
         pol = self.policy
-        if pol is not None and curves is not None and plan.width > 1:
-            c = np.asarray(curves, dtype=np.float64) / CURVE_SCALE
-            tree = None
-            if not plan.chain:  # columns past the built rung repeat its last value (not read)
-                B = max(self.cfg.budget, 1)
-                tree = c[:, :-1]
-                if tree.shape[1] < B:
-                    tree = np.pad(tree, ((0, 0), (0, B - tree.shape[1])), mode="edge")
-            pol.observe(plan.slots, budgets, tree, accepted, chain=c[:, -1], full=plan.full)
+        if pol is not None and self._pending is not None:
+            split, got = self._pending
+            if split:
+                pol.observe_accepted(got, accepted)
+            else:
+                slots, b, tree, chain, full = got
+                pol.observe(slots, b, tree, accepted, chain=chain, full=full)
+        self._pending = None
         rung = plan.rung if pol else ""
         self.last = RoundRecord(plan.width, budgets, predicted, accepted, rung, plan.explore)
+
+
+def gain_columns(tree, chain: bool) -> torch.Tensor:
+    """[b, .] int64 the tree's gain curve (none for a chain round) then the chain's gain
+    (`tree.chain_probs` summed), fixed point (CURVE_SCALE), on the device: what
+    `observe_curves` reads."""
+    parts = [tree.chain_probs.double().sum(1, keepdim=True)]
+    if not chain:
+        parts.insert(0, tree.path_probs.double().cumsum(1))
+    return (torch.cat(parts, 1) * CURVE_SCALE).round().to(torch.int64)

@@ -115,11 +115,14 @@ class BudgetPolicy:
         self.spec_rounds = 0  # speculative rounds chosen (the exploration clock)
         self.g_real = self.g_pred = 0.0  # server-wide EMAs: the calibration of new requests
         self.owner = [None] * len(self.owner)
+        # (slots, `_raw_curves(slots)`) computed by `observe_curves` while the verify runs, for
+        # the next `choose` when it has the same requests (dropped by `_claim`, used once)
+        self._raw: tuple[bytes, np.ndarray] | None = None
 
     def _claim(self, slots: np.ndarray, owners: list[object]) -> None:
         for s, o in zip(slots.tolist(), owners):
             if self.owner[s] is not o:
-                self.owner[s] = o
+                self.owner[s], self._raw = o, None
                 self.chain_known[s] = self.seen[s] = False
                 self.n_read[s] = 0
                 self.real[s] = self.pred[s] = 0.0
@@ -145,7 +148,10 @@ class BudgetPolicy:
 
     def gains(self, slots: np.ndarray) -> np.ndarray:
         """[b, B + 1] calibrated expected accepted drafts for budgets 0..B."""
-        curve = self._raw_curves(slots) * self._ratio(slots)[:, None]
+        raw, self._raw = self._raw, None
+        if raw is None or raw[0] != slots.tobytes():
+            raw = (b"", self._raw_curves(slots))
+        curve = raw[1] * self._ratio(slots)[:, None]
         return np.concatenate([np.zeros((len(slots), 1)), curve], 1)
 
     def _chain_raw(self, slots: np.ndarray) -> np.ndarray:
@@ -206,7 +212,7 @@ class BudgetPolicy:
         g = self.gains(slots)
         # [b, R]: request i's budget at rung r, and its gain there
         per = np.minimum(self.rung_budget[None, :], caps[:, None])
-        gain = np.take_along_axis(g, per, 1)
+        gain = g[np.arange(len(per))[:, None], per]  # take_along_axis: 3x the host time
         if self.chain_depth:
             gain[:, self.rung_chain] = self.chain_gains(slots)[:, None]
         tokens = len(slots) + gain.sum(0)
@@ -231,13 +237,20 @@ class BudgetPolicy:
         for a chain round; chain [b] the chain's expected accepted drafts (None: not read back);
         accepted [b] the drafts the target accepted; full [b] the rows drafted at full depth
         (None: all): only those teach the server-wide curve, a depth-limited tree's flat tail
-        says nothing of the next request's."""
+        says nothing of the next request's. `observe_curves` then `observe_accepted`: the two
+        halves touch disjoint state, so the decoder runs the first while the verify runs."""
+        self.observe_accepted(self.observe_curves(slots, budgets, curves, chain, full), accepted)
+
+    def observe_curves(self, slots, budgets, curves, chain=None, full=None) -> tuple | None:
+        """The half of `observe` that needs only the draft (the curves, the chain's gain): the
+        slots' curves and the server-wide shape and chain prior. Returns what
+        `observe_accepted` needs (None: nothing drafted)."""
         slots = np.asarray(slots, dtype=np.int64)
         budgets = np.asarray(budgets, dtype=np.int64)
         ran = budgets > 0  # a budget-0 round drafted nothing: no curve, nothing to calibrate
         if not ran.any():
-            return
-        s, real = slots[ran], np.asarray(accepted, dtype=np.float64)[ran]
+            return None
+        s = slots[ran]
         deep = None if full is None else np.asarray(full, bool)[ran]
         if chain is not None:
             ch = np.asarray(chain, dtype=np.float64)[ran]
@@ -245,20 +258,7 @@ class BudgetPolicy:
             predicted = ch
         else:
             c = np.asarray(curves, dtype=np.float64)[ran]
-            predicted = np.take_along_axis(c, (budgets[ran] - 1)[:, None], 1)[:, 0]
-        # a request's first round starts its EMAs from the server-wide ratio (one round with
-        # nothing accepted must not switch its speculation off for good)
-        first = ~self.seen[s]
-        g = self.g_real / self.g_pred if self.g_pred > 0 else 1.0
-        real0 = np.where(first, g * predicted, self.real[s])
-        pred0 = np.where(first, predicted, self.pred[s])
-        self.real[s] = (1 - EMA) * real0 + EMA * real
-        self.pred[s] = (1 - EMA) * pred0 + EMA * predicted
-        self.seen[s] = True
-        w = ema_weight(PRIOR_EMA, len(s)) if self.g_pred > 0 else 1.0
-        self.g_real = (1 - w) * self.g_real + w * float(real.mean())
-        self.g_pred = (1 - w) * self.g_pred + w * float(predicted.mean())
-        if curves is not None:
+            predicted = c[np.arange(len(c)), budgets[ran] - 1]
             built = self._built(budgets)
             self.curve[s] = c
             self.n_read[s] = built
@@ -273,3 +273,26 @@ class BudgetPolicy:
             if len(d):
                 m, pc, w = float(d.mean()), self.prior_chain, ema_weight(PRIOR_EMA, len(d))
                 self.prior_chain = m if pc is None else (1 - w) * pc + w * m
+        # the next round's curves, if it has the same requests (nothing else changes them)
+        self._raw = (slots.tobytes(), self._raw_curves(slots))
+        return s, ran, predicted
+
+    def observe_accepted(self, pending: tuple | None, accepted) -> None:
+        """The other half (after the read-back): the calibration, realised accepted drafts
+        against the drafter's prediction. pending: `observe_curves`' return."""
+        if pending is None:
+            return
+        s, ran, predicted = pending
+        real = np.asarray(accepted, dtype=np.float64)[ran]
+        # a request's first round starts its EMAs from the server-wide ratio (one round with
+        # nothing accepted must not switch its speculation off for good)
+        first = ~self.seen[s]
+        g = self.g_real / self.g_pred if self.g_pred > 0 else 1.0
+        real0 = np.where(first, g * predicted, self.real[s])
+        pred0 = np.where(first, predicted, self.pred[s])
+        self.real[s] = (1 - EMA) * real0 + EMA * real
+        self.pred[s] = (1 - EMA) * pred0 + EMA * predicted
+        self.seen[s] = True
+        w = ema_weight(PRIOR_EMA, len(s)) if self.g_pred > 0 else 1.0
+        self.g_real = (1 - w) * self.g_real + w * float(real.mean())
+        self.g_pred = (1 - w) * self.g_pred + w * float(predicted.mean())

@@ -56,7 +56,8 @@ class CurveShape:
     def grow(self, curve: np.ndarray, n: np.ndarray) -> np.ndarray:
         """[b, B]: curve [b, B] read back up to column n [b, 1] (>= 1), grown past it."""
         top = np.maximum(n - 1, 0)
-        grown = np.take_along_axis(curve, top, 1) * (self.cum[None, :] / self.cum[top])
+        last = curve[np.arange(len(curve))[:, None], top]  # [b, 1] the last column read
+        grown = last * (self.cum[None, :] / self.cum[top])
         return np.where(np.arange(curve.shape[1])[None, :] < n, curve, grown)
 
     def base(self, chain: np.ndarray) -> np.ndarray | None:

@@ -2,8 +2,9 @@
 draft -> build tree -> verify -> sample at every node -> accept walk -> commit.
 
 NONE (plain AR) is the one-node tree; DFLASH is the drafter's top-1 chain; DDTREE the best-first tree.
-The host reads back only the emitted tokens and their count (with `--speculative-ddtree-budget auto` also the
-trees' gain curves), once per round.
+The host reads back only the emitted tokens and their count, once per round; with
+`--speculative-ddtree-budget auto` also the trees' gain curves, copied as soon as the draft is done (the copy is
+queued before the verify), so the policy learns from them while the verify runs.
 
 With CUDA graphs the draft replay goes from the roots to the finished tree (drafter, LM head, tree build, each
 request cut to its budget) and the verify replay from the tree to the greedy accept walk (target, LM head, argmax,
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.engine import logprobs
-from ddtree.engine.budget import CURVE_SCALE, BudgetPlanner, RoundPlan
+from ddtree.engine.budget import BudgetPlanner, RoundPlan, gain_columns
 from ddtree.engine.config import SpecConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
@@ -114,6 +115,11 @@ class SpecDecoder:
                 tree = self._build(roots, draft_logits, limits, plan)
             tree = tree.narrow(plan.width)
             t = self.times.add("tree", t)
+        gain = None
+        if self.budgets.observes and tree.chain_probs is not None:
+            # the gain curves need only the draft: queued before the verify and copied to the
+            # host while it runs, so the policy learns from them off the critical path
+            gain = _to_host_async(gain_columns(tree, plan.chain))
         vo = runner.verify_nodes(reqs, tree)
         t = self.times.add("verify", t)
         params = [r.params for r in reqs]
@@ -135,15 +141,13 @@ class SpecDecoder:
         lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
         runner.commit(reqs, res.path, res.accept_length, vo.taps)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
-        curves = self.budgets.observes and tree.chain_probs is not None
-        if curves:  # the gain curves (tree, then the chain's sum) ride the read-back, fixed point
-            parts = [tree.chain_probs.double().sum(1, keepdim=True)]
-            if not plan.chain:
-                parts.insert(0, tree.path_probs.double().cumsum(1))
-            gain = (torch.cat(parts, 1) * CURVE_SCALE).round().to(torch.int64)
-            out = torch.cat([out, gain], 1)
         self._while_device_runs()
-        host_t, lp_rows = logprobs.read_back_tensor(reqs, out, lp)  # the round's one copy to host
+        if gain is not None:  # the draft's half of the policy's observe, under the verify
+            host_gain, ready = gain
+            if ready is not None:
+                ready.synchronize()  # the draft and the copy, not the verify behind them
+            self.budgets.observe_curves(plan, host_gain.numpy())
+        host_t, lp_rows = logprobs.read_back_tensor(reqs, out, lp)  # the round's blocking copy
         self.times.add("commit", t)
         w = res.out_tokens.shape[1] + 1
         host = host_t[:, :w].tolist()  # only the token columns as Python lists
@@ -152,9 +156,7 @@ class SpecDecoder:
         emitted = [row[1 : 1 + row[0]] for row in host]
         for r, lp_row, toks in zip(reqs, lp_rows, emitted):
             logprobs.append(r, lp_row, toks)
-        self.budgets.observe(
-            plan, len(reqs), [row[0] for row in host], host_t[:, w:].numpy() if curves else None
-        )
+        self.budgets.observe(plan, len(reqs), [row[0] for row in host])
         return emitted
 
     def _while_device_runs(self) -> None:
@@ -202,6 +204,17 @@ class SpecDecoder:
         for r, lp_row, toks in zip(reqs, lp_rows, host):
             logprobs.append(r, lp_row, toks)
         return host
+
+
+def _to_host_async(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """(host copy of x, the event it is ready at: None on the CPU, where the copy is done)."""
+    if x.device.type != "cuda":
+        return x, None
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def _root_only(roots: torch.Tensor) -> DraftTree:

@@ -1,0 +1,123 @@
+"""Issue 20, auto's round vs the fixed round of its rung: the policy's host work between rounds.
+`observe` splits into the draft's half (`observe_curves`, run while the verify runs) and the
+accept half, and `choose` reuses the curves the draft's half grew; both leave every decision and
+every piece of learnt state exactly as the one-piece observe did. The decoder queues the gain
+read-back before the verify and observes the curves before the round's blocking read-back."""
+
+import numpy as np
+
+from ddtree.engine.budget_policy import BudgetPolicy, CostTable
+
+LADDER = (0, 8, 16, 32, 64)
+# ms per round in `rungs` order: AR, tree 8, the chain (15 drafts), trees 16, 32, 64
+MS = {1: [5.76, 8.0, 8.3, 8.12, 8.15, 8.20], 8: [6.16, 9.2, 11.0, 9.71, 12.5, 18.25]}
+TABLE = CostTable(LADDER, (1, 8), (1024,), np.array([[MS[b]] for b in (1, 8)]) / 1e3, chain=15)
+# expected accepted drafts per budget 1..64 (the embedded pair's, as tests/test_budget_policy.py)
+CURVE = np.interp(np.arange(1, 65), [0, 8, 16, 32, 64], [0, 4.3, 5.22, 5.9, 6.3])
+STATE = ("curve", "n_read", "chain", "chain_known", "seen", "real", "pred")
+
+
+def rounds(n=120, slots=8, seed=0):
+    """A random served history: batches that change, requests that finish (a new owner in the
+    slot), rungs the policy chose, noisy curves, chain rounds, depth-limited rows."""
+    rng = np.random.default_rng(seed)
+    owners = [object() for _ in range(slots)]
+    bs = slots
+    for _ in range(n):
+        if rng.random() < 0.3:
+            bs = int(rng.integers(1, slots + 1))
+        if rng.random() < 0.2:
+            owners[int(rng.integers(slots))] = object()
+        yield bs, list(owners[:bs]), rng
+
+
+def drive(pol: BudgetPolicy, split: bool, cache: bool) -> list[tuple]:
+    out = []
+    for bs, owners, rng in rounds():
+        if not cache:
+            pol._raw = None
+        caps = [64] * bs
+        d = pol.choose(range(bs), owners, caps, 1000)
+        out.append((d.width, d.budgets.tobytes(), d.predicted.tobytes(), d.chain, d.explore))
+        if d.width == 1:
+            continue
+        scale = rng.uniform(0.2, 1.2, (bs, 1))
+        curve = scale * CURVE + np.cumsum(rng.random((bs, 64)) * 0.01, 1)
+        chain = curve[:, 14] * rng.uniform(0.8, 1.0, bs)
+        curves = None if d.chain else curve
+        full = rng.random(bs) < 0.8
+        accepted = rng.integers(0, 10, bs)
+        if split:
+            got = pol.observe_curves(range(bs), d.budgets, curves, chain, full)
+            pol.observe_accepted(got, accepted)
+        else:
+            pol.observe(range(bs), d.budgets, curves, accepted, chain=chain, full=full)
+    state = tuple(getattr(pol, k).tobytes() for k in STATE)
+    return out + [state, pol.shape.growth.tobytes(), (pol.g_real, pol.g_pred, pol.prior_chain)]
+
+
+def test_split_observe_and_cached_curves_decide_as_one_piece():
+    ref = drive(BudgetPolicy(LADDER, TABLE, 8, 15), split=False, cache=False)
+    pol = BudgetPolicy(LADDER, TABLE, 8, 15)
+    calls = []
+    raw = pol._raw_curves
+    pol._raw_curves = lambda s: calls.append(len(s)) or raw(s)
+    got = drive(pol, split=True, cache=True)
+    assert got == ref
+    widths = {w for w, *_ in ref[:-3]}
+    assert len(widths) > 2  # the history covers several rungs, not one
+    # observe_curves grows each round's curves; choose reuses them when the requests are the
+    # same: fewer than one grow per choose on top of the observe's
+    observed = sum(1 for w, *_ in ref[:-3] if w > 1)
+    assert len(calls) < observed + len(ref[:-3]) // 2
+
+
+def test_a_stale_cache_would_show():
+    """The comparison above can fail: curves cached for other requests change the decisions."""
+    ref = drive(BudgetPolicy(LADDER, TABLE, 8, 15), split=False, cache=False)
+    pol = BudgetPolicy(LADDER, TABLE, 8, 15)
+    gains = pol.gains
+
+    def stale(slots):
+        if pol._raw is not None:  # pretend the cache matches whatever the batch is
+            pol._raw = (slots.tobytes(), np.resize(pol._raw[1], (len(slots), 64)) * 0.5)
+        return gains(slots)
+
+    pol.gains = stale
+    assert drive(pol, split=True, cache=True) != ref
+
+
+def test_decoder_observes_curves_before_the_blocking_read_back(monkeypatch):
+    from ddtree import LLM, SamplingParams
+    from ddtree.engine import decoder as dec
+    from ddtree.engine import logprobs
+
+    llm = LLM(
+        None,
+        device="cpu",
+        max_running_requests=2,
+        speculative_algorithm="DDTREE",
+        speculative_ddtree_budget="auto",
+    )
+    eng = llm.engine
+    order = []
+
+    def spy(name, fn):
+        def f(*a, **k):
+            order.append(name)
+            return fn(*a, **k)
+
+        return f
+
+    monkeypatch.setattr(dec, "gain_columns", spy("gain", dec.gain_columns))
+    monkeypatch.setattr(logprobs, "read_back_tensor", spy("read", logprobs.read_back_tensor))
+    runner, planner = eng.runner, eng.decoder.budgets
+    monkeypatch.setattr(runner, "verify_nodes", spy("verify", runner.verify_nodes))
+    monkeypatch.setattr(planner, "observe_curves", spy("curves", planner.observe_curves))
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eng.add_request(eng.tokenizer.encode("def f(x):\n    return", add_special_tokens=False), sp)
+    while eng.has_unfinished():
+        eng.step()
+    spec = [order[i : i + 4] for i in range(len(order)) if order[i] == "gain"]
+    assert spec and all(r == ["gain", "verify", "curves", "read"] for r in spec)
+    assert planner.last is not None and planner._pending is None
