@@ -83,10 +83,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-cuda-graph", action="store_true", help="time eager rounds")
     p.add_argument(
         "--mamba-strategy",
-        default="extra_buffer",
+        default=None,
         choices=("extra_buffer", "no_buffer"),
-        help="hybrid targets: the state commit (extra_buffer keeps a fp32 state per tree node: "
-        "~10 GB per request at the 27B shape, B=64)",
+        help="hybrid targets: the state commit (default no_buffer, the server's: replay the accepted "
+        "path; extra_buffer keeps a fp32 state per tree node: ~10 GB per request at the 27B shape, B=64)",
     )
     p.add_argument(
         "--copy-mib",
@@ -137,7 +137,7 @@ def runner_config(algo: str, budget: int, batch: int, context: int, ns, device):
         enable_cuda_graph=device.type == "cuda" and not ns.disable_cuda_graph,
         cuda_graph_max_bs=batch,
         # hybrid targets: the state commit (--mamba-strategy; gpu_profile_round.py sets it per case)
-        mamba_strategy=getattr(ns, "mamba_strategy", "extra_buffer"),
+        mamba_strategy=getattr(ns, "mamba_strategy", None) or "no_buffer",
     )
 
 
@@ -282,7 +282,7 @@ def run(ns) -> int:
             ns.block_size,
             str(dtype).removeprefix("torch."),
         )
-    if not tcfg.is_hybrid and ns.mamba_strategy != "extra_buffer":
+    if not tcfg.is_hybrid and ns.mamba_strategy is not None:
         raise SystemExit(
             f"--mamba-strategy {ns.mamba_strategy} applies to hybrid targets only (e.g. --shape "
             "qwen3.6-27b); drop it for this shape"
