@@ -34,7 +34,10 @@ class CyclingPolicy:
         self.widths.append(1 + int(b.max()))
         return Decision(1 + int(b.max()), b, np.zeros(n), 0.0)
 
-    def observe(self, slots, budgets, curves, accepted, chain=None, full=None):
+    def observe_accepted(self, pending, accepted):
+        pass
+
+    def observe_curves(self, slots, budgets, curves, chain=None, full=None):
         assert curves.shape == (len(slots), 16) and (np.diff(curves, axis=1) >= -1e-6).all()
         assert full is None or (len(full) == len(slots) and not all(full))  # depth-limited rows
 

@@ -26,8 +26,11 @@ class Fixed:
         b = np.asarray((self.budgets * n)[:n], dtype=np.int64)
         return Decision(1 + int(b.max()), b, np.zeros(n), 0.0, self.chain)
 
-    def observe(self, slots, budgets, curves, accepted, chain=None, full=None):
+    def observe_curves(self, slots, budgets, curves, chain=None, full=None):
         self.seen.append((None if curves is None else curves.shape, np.asarray(chain).shape))
+
+    def observe_accepted(self, pending, accepted):
+        pass
 
 
 def run(pair, algorithm="DDTREE", policy=None, max_tokens=12, **kw):

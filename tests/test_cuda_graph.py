@@ -376,8 +376,8 @@ def _check_rounds(llm, log, drop_limits=False):
     draft_tree, verify_nodes, graph_draft = runner.draft_tree, runner.verify_nodes, g.draft_tree
 
     if drop_limits:  # sabotage: the graph never sees the per-request depth limits
-        g.draft_tree = lambda meta, roots, limits, budgets=None: graph_draft(
-            meta, roots, None, budgets
+        g.draft_tree = lambda meta, roots, limits, budgets=None, spec=None: graph_draft(
+            meta, roots, None, budgets, spec
         )
 
     def checked_draft(reqs, roots, block_size, limits, meta=None, budgets=None):

@@ -77,7 +77,7 @@ class BudgetPlanner:
         self.last: RoundRecord | None = None
         self._served: tuple[int, int, int] | None = None  # the last auto round's (bs, ctx, rung)
         self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
-        self._pending: tuple | None = None  # (split, observe_curves' half) for `observe`
+        self._pending: tuple | None = None  # observe_curves' return, for `observe`
 
     @property
     def observes(self) -> bool:
@@ -166,9 +166,7 @@ class BudgetPlanner:
                 tree = np.empty((c.shape[0], B))
                 tree[:, :k], tree[:, k:] = c[:, :k], c[:, k - 1 : k]
         budgets = plan.budgets or [plan.width - 1] * c.shape[0]
-        args = (plan.slots, budgets, tree, c[:, -1], plan.full)
-        split = getattr(pol, "observe_curves", None)  # a stub policy has only `observe`
-        self._pending = (True, split(*args)) if split is not None else (False, args)
+        self._pending = pol.observe_curves(plan.slots, budgets, tree, c[:, -1], plan.full)
 
     def observe(
         self, plan: RoundPlan, n_reqs: int, emitted: list[int], curves: np.ndarray | None = None
@@ -181,13 +179,8 @@ class BudgetPlanner:
         accepted = [max(k - 1, 0) for k in emitted]
         predicted = [] if plan.predicted is None else plan.predicted.tolist()
         pol = self.policy
-        if pol is not None and self._pending is not None:
-            split, got = self._pending
-            if split:
-                pol.observe_accepted(got, accepted)
-            else:
-                slots, b, tree, chain, full = got
-                pol.observe(slots, b, tree, accepted, chain=chain, full=full)
+        if pol is not None:  # None pending (no curves this round): nothing to calibrate
+            pol.observe_accepted(self._pending, accepted)
         self._pending = None
         rung = plan.rung if pol else ""
         self.last = RoundRecord(plan.width, budgets, predicted, accepted, rung, plan.explore)

@@ -376,9 +376,7 @@ class ModelRunner:
             and g.tree_spec is not None
             and g.can_draft(len(reqs), block_size, max(meta.kv_lens))
         ):
-            if spec is None:  # the decoder's own spec
-                return g.draft_tree(meta, roots, depth_limits, budgets)
-            return g.draft_tree(meta, roots, depth_limits, budgets, spec)
+            return g.draft_tree(meta, roots, depth_limits, budgets, spec)  # None: the decoder's
         return self.draft(reqs, roots, block_size, meta), None
 
     @torch.inference_mode()

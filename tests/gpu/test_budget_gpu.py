@@ -28,7 +28,10 @@ class Cycling:
         b = np.minimum(b, np.asarray(caps)) if self.k % 5 else np.zeros(n, dtype=np.int64)
         return Decision(1 + int(b.max()), b, np.zeros(n), 0.0)
 
-    def observe(self, *a, **kw):
+    def observe_curves(self, *a, **kw):
+        pass
+
+    def observe_accepted(self, pending, accepted):
         pass
 
 

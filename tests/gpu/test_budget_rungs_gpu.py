@@ -22,7 +22,10 @@ class Forced:
         b = np.full(len(slots), self.budget, dtype=np.int64)
         return Decision(1 + self.budget, b, np.zeros(len(slots)), 0.0, self.chain)
 
-    def observe(self, *a, **kw):
+    def observe_curves(self, *a, **kw):
+        pass
+
+    def observe_accepted(self, pending, accepted):
         pass
 
 
