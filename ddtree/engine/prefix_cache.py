@@ -139,24 +139,13 @@ class RadixCache:
         return sum(1 for n in nodes if n.lock == 0)
 
     # ---- insertion and eviction ------------------------------------------------------------------
-    def insert(self, parent: Node, key: tuple[int, ...], page: int) -> Node:
-        """A new child page of `parent` (the caller checked `key` is not cached); unlocked."""
-        assert len(key) == self.page_size and key not in parent.children
-        node = Node(key, page, parent)
-        node.last_used = next(self._tick)
-        parent.children[key] = node
-        self.page_owner[page] = node
-        self.num_evictable += 1
-        self._push_if_leaf(node)
-        return node
-
     def insert_run(
         self, parent: Node, keys: Sequence[tuple[int, ...]], pages: Sequence[int]
     ) -> Node:
         """A path of new pages below `parent`, `keys[i]` on `pages[i]` (the caller checked
-        `keys[0]` is not cached under `parent`); unlocked; returns the deepest. Same tree as
-        `insert` per page, but only the run's last node (its one leaf) enters the LRU heap: the
-        nodes above it have a child, so their heap entries would only go stale."""
+        `keys[0]` is not cached under `parent`); unlocked; returns the deepest. Only the run's
+        last node (its one leaf) enters the LRU heap: the nodes above it have a child, so their
+        heap entries would only go stale."""
         assert keys and len(keys) == len(pages) and keys[0] not in parent.children
         assert len(keys[-1]) == self.page_size
         tick, owner = self._tick, self.page_owner
