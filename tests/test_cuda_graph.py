@@ -371,7 +371,7 @@ def _check_rounds(llm, log, drop_limits=False):
     from ddtree.speculative.accept import accept_tree
     from ddtree.speculative.tree import build_chain, build_tree
 
-    runner, spec = llm.engine.runner, llm.engine.spec
+    runner, server = llm.engine.runner, llm.engine.spec
     g = runner.graphs
     draft_tree, verify_nodes, graph_draft = runner.draft_tree, runner.verify_nodes, g.draft_tree
 
@@ -380,19 +380,20 @@ def _check_rounds(llm, log, drop_limits=False):
             meta, roots, None, budgets, spec
         )
 
-    def checked_draft(reqs, roots, block_size, limits, meta=None, budgets=None):
+    def checked_draft(reqs, roots, block_size, limits, meta=None, budgets=None, spec=None):
+        assert spec is None  # a fixed server drafts at its own spec (the reference below)
         logits, tree = draft_tree(reqs, roots, block_size, limits, meta, budgets)
         if tree is not None:
             depth = None if limits is None else torch.tensor(limits)
-            if spec.algorithm == "DFLASH":
+            if server.algorithm == "DFLASH":
                 ref = build_chain(roots, logits, max_depth=depth)
             else:
                 ref = build_tree(
                     roots,
                     logits,
-                    spec.budget,
-                    spec.topk_cap,
-                    spec.shadow_linear,
+                    server.budget,
+                    server.topk_cap,
+                    server.shadow_linear,
                     max_depth=depth,
                     budgets=None if budgets is None else torch.tensor(budgets),
                 )
@@ -404,7 +405,7 @@ def _check_rounds(llm, log, drop_limits=False):
                     "draft",
                     len(reqs),
                     limits is not None,
-                    budgets is not None and spec.algorithm == "DDTREE",
+                    budgets is not None and server.algorithm == "DDTREE",
                 )
             )
         return logits, tree

@@ -106,10 +106,10 @@ class SpecDecoder:
             limits = self.depth_limits(reqs, max_context)
             if limits is not None:  # a depth-limited tree's curve teaches the policy no shape
                 plan.full = [x == cfg.block_size - 1 for x in limits]
-            kw = {"budgets": plan.cut}
-            if plan.spec is not None:  # auto: the rung's own tree spec (else the decoder's)
-                kw["spec"] = plan.spec
-            draft_logits, tree = runner.draft_tree(reqs, roots, cfg.block_size, limits, **kw)
+            # auto: the rung's own tree spec (None: the decoder's)
+            draft_logits, tree = runner.draft_tree(
+                reqs, roots, cfg.block_size, limits, budgets=plan.cut, spec=plan.spec
+            )
             t = self.times.add("draft", t)
             if tree is None:  # eager: the same build
                 tree = self._build(roots, draft_logits, limits, plan)
