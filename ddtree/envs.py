@@ -18,11 +18,6 @@ def flag_value(value: str) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def env_flag(name: str) -> bool:
-    """`name` read as a flag (unset = off)."""
-    return flag_value(os.environ.get(name, ""))
-
-
 @dataclass(frozen=True)
 class EnvVar:
     name: str
