@@ -14,9 +14,10 @@ Qwen3.6-27B-shaped GDN layer (config: Hk=16, Hv=48, dk=dv=128, conv kernel 4; 48
     state, and the full verify + commit per layer for both strategies (with (b)'s verify times).
 (d) fla chunk (prefill: varlen, initial states) and fused recurrent (decode, continuing from the chunk's final
     state) vs the reference: rel err and time.
-(e) the no_buffer verify's Triton kernel (tree_chunk_triton) vs the PyTorch chunk form vs the
-    extra_buffer recurrence, B=64, batch 1 / 8, bushy tree and chain: CUDA graph us per layer,
-    the kernel's launch options swept, rel err vs the reference (`--only e`: about a minute).
+(e) the no_buffer verify's Triton kernel, both forms (tree_chunk_split_triton: solve + outputs;
+    tree_chunk_triton: one launch) vs the PyTorch chunk form vs the extra_buffer recurrence, B=64,
+    batch 1 / 8, bushy tree, chain and flat (depth 1): CUDA graph us per layer, each form's launch
+    options swept, rel err vs the reference (`--only e`: about two minutes).
 Timing only: the pass / fail checks are tests/gpu (python3 -m pytest -m gpu tests/gpu): test_gdn_gpu.py for
 (a)-(d), test_hybrid_graphs_gpu.py for the former (e) (the toy hybrid pair end to end, graphs vs eager and
 vs AR). The exit code is 1 only if a section crashed or was skipped.
@@ -73,13 +74,15 @@ def us(fn, graph=True):
 
 
 def tree(b, n, kind, gen):
-    """Depth-sorted parents (node i's parent < i): chain, bushy (parent among the previous level, few levels)
-    or random; returns parents, depths on the device."""
+    """Depth-sorted parents (node i's parent < i): chain, bushy (parent among the previous level, few levels),
+    flat (all children of the root) or random; returns parents, depths on the device."""
     parents = torch.full((b, n), -1, dtype=torch.int64)
     for r in range(b):
         for c in range(1, n):
             if kind == "chain":
                 p = c - 1
+            elif kind == "flat":  # every node a child of the root (rounds = 0)
+                p = 0
             elif kind == "bushy":  # ~sqrt(n) levels of fan-out
                 p = max(0, c - 1 - int(torch.randint(0, 9, (1,), generator=gen)))
             else:
@@ -238,8 +241,11 @@ def section_e(gen):
     """The no_buffer verify's Triton kernel vs the PyTorch chunk form vs the extra_buffer recurrence
     (which also writes every node's fp32 state), one layer, B=64, CUDA graphs; the kernel's launch
     options swept (tile columns, dk chunk, warps, dot precision)."""
+    from ddtree.kernels.gdn.tree_chunk_split_triton import tree_chunk_split_triton
     from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
     from ddtree.speculative.tree import DraftTree
+
+    forms = {"split": tree_chunk_split_triton, "one": tree_chunk_triton}
 
     print(
         "(e) no_buffer tree verify, B=64 (65 nodes), one GDN layer, CUDA graph us: the chunk kernel"
@@ -248,7 +254,7 @@ def section_e(gen):
     )
     out = []
     for b in (1, 8):
-        for kind in ("bushy", "chain"):
+        for kind in ("bushy", "chain", "flat"):
             parents, depths = tree(b, 65, kind, gen)
             q, k, v, g, beta, s0 = rule_inputs(b, 65, torch.bfloat16, gen)
             mask = DraftTree.from_parents(torch.zeros_like(parents), parents).tree_mask
@@ -275,30 +281,39 @@ def section_e(gen):
                 f"recurrence {rec['recurrence_us']:8.1f}",
                 f"torch chunk {rec['torch_chunk_us']:8.1f}",
             )
-            sweep = [(None, 16, None, "tf32x3")]  # the defaults
-            sweep += [(bv, 16, 8, "tf32x3") for bv in (16, 32, 64)]
-            sweep += [(32, 32, 8, "tf32x3"), (32, 16, 4, "tf32x3")]
-            sweep += [(32, 16, 8, "tf32"), (64, 32, 8, "tf32"), (32, 16, 8, "ieee")]
-            for bv, bk, nw, prec in sweep:
+            # the defaults first (split: the dispatch's default form), then each form's options
+            sweep = [("split", None, None, None, "tf32x3"), ("one", None, 16, None, "tf32x3")]
+            sweep += [("split", bv, 32, 4, "tf32x3") for bv in (16, 64)]
+            sweep += [("split", 32, bk, 4, "tf32x3") for bk in (16, 64)]
+            sweep += [("split", 32, 32, nw, "tf32x3") for nw in (2, 8)]
+            sweep += [("split", 32, 32, 4, "tf32"), ("split", 32, 32, 4, "ieee")]
+            sweep += [("one", bv, 16, 8, "tf32x3") for bv in (16, 64)]
+            sweep += [("one", 32, 32, 8, "tf32x3"), ("one", 32, 16, 4, "tf32x3")]
+            sweep += [("one", 32, 16, 8, "tf32"), ("one", 32, 16, 8, "ieee")]
+            if kind == "flat":  # the random-weight pairs' trees: the defaults only
+                sweep = sweep[:2]
+            for form, bv, bk, nw, prec in sweep:
                 kw = dict(block_v=bv, block_k=bk, num_warps=nw, precision=prec)
 
-                def fn(kw=kw):
-                    return tree_chunk_triton(q, k, v, g, beta, depths, s0, mask, **kw)
+                def fn(kw=kw, form=form):
+                    return forms[form](q, k, v, g, beta, depths, s0, mask, **kw)
 
                 try:
                     err = rel(fn(), ro)
                     t = time_graph(fn, reps=20) * 1e6
                 except Exception as e:  # noqa: BLE001 - an option that does not compile is skipped
-                    row(f"b={b} {kind}", str(kw), f"failed: {type(e).__name__}: {e}"[:160])
+                    row(f"b={b} {kind}", form, str(kw), f"failed: {type(e).__name__}: {e}"[:160])
                     continue
-                row(f"b={b} {kind}", f"kernel {kw}", f"{t:8.1f} us", f"rel err {err:.1e}")
-                rec["sweep"].append(dict(kw, us=t, err=err))
+                row(f"b={b} {kind}", f"{form:5s} {kw}", f"{t:8.1f} us", f"rel err {err:.1e}")
+                rec["sweep"].append(dict(kw, form=form, us=t, err=err))
             if rec["sweep"]:
                 best = min(rec["sweep"], key=lambda r: r["us"])
                 rec["kernel_default_us"] = rec["sweep"][0]["us"]
+                one = [r["us"] for r in rec["sweep"] if r["form"] == "one"][:1]
                 row(
                     f"b={b} {kind}",
-                    f"kernel default {rec['kernel_default_us']:.1f} us, best {best['us']:.1f} us",
+                    f"kernel default {rec['kernel_default_us']:.1f} us (one launch "
+                    f"{one[0] if one else float('nan'):.1f}), best {best['us']:.1f} us ({best})",
                     f"x48 layers: {48 * rec['kernel_default_us'] / 1e3:.2f} ms vs torch chunk "
                     f"{48 * rec['torch_chunk_us'] / 1e3:.2f} ms vs recurrence "
                     f"{48 * rec['recurrence_us'] / 1e3:.2f} ms",

@@ -71,6 +71,12 @@ GDN_TREE_CHUNK = EnvVar(
     "torch = everywhere as the PyTorch form (the Triton kernel's reference), 0 = never; the "
     "Triton kernel runs where our Triton kernels do and the tree has <= 65 nodes",
 )
+GDN_TREE_CHUNK_FORM = EnvVar(
+    "DDTREE_GDN_TREE_CHUNK_FORM",
+    "split",
+    "the chunk-form GDN tree kernel's launches: split = the solve once per head, then the "
+    "outputs per column tile (tree_chunk_split_triton); one = both in one launch per column tile",
+)
 GDN_TREE_CHUNK_BV = EnvVar(
     "DDTREE_GDN_TREE_CHUNK_BV",
     "auto",
@@ -152,6 +158,7 @@ TABLE: dict[str, EnvVar] = {
         FUSED_KERNELS_INTERPRET,
         FORCE_REFERENCE_GDN,
         GDN_TREE_CHUNK,
+        GDN_TREE_CHUNK_FORM,
         GDN_TREE_CHUNK_BV,
         GDN_TREE_CHUNK_PRECISION,
         GDN_TREE_PREFETCH,

@@ -12,6 +12,7 @@ from test_gdn_tree_chunk import case, topo_tree
 from triton_utils import DEV, cpu_interpreter_only, load_kernel_module, rel
 
 kernel = load_kernel_module("ddtree.kernels.gdn.tree_chunk_triton")
+split = load_kernel_module("ddtree.kernels.gdn.tree_chunk_split_triton")
 
 from ddtree import envs  # noqa: E402
 from ddtree.kernels.gdn import backend, dispatch  # noqa: E402
@@ -20,14 +21,18 @@ from ddtree.kernels.gdn.tree_chunk import tree_ancestor_mask  # noqa: E402
 from ddtree.speculative.tree import DraftTree  # noqa: E402
 
 TOL = 1e-5
+# both forms of the kernel: one launch, and the solve + outputs split (tree_chunk_split_triton)
+FORMS = pytest.mark.parametrize(
+    "form", [kernel.tree_chunk_triton, split.tree_chunk_split_triton], ids=["one", "split"]
+)
 
 
-def run_case(trees, seed, **kw):
+def run_case(form, trees, seed, **kw):
     ins, parents, depths, S0 = case(trees, seed=seed, **kw)
     want, _ = tree_gated_delta_rule(*ins, parents, depths, S0)
     mask = DraftTree.from_parents(torch.zeros_like(parents), parents).tree_mask
     to = [t.to(DEV) for t in (*ins, depths, S0, mask)]
-    got = kernel.tree_chunk_triton(*to).cpu()
+    got = form(*to).cpu()
     assert torch.isfinite(got).all() and (got[depths < 0] == 0).all()
     assert rel(got, want) < TOL, rel(got, want)
 
@@ -36,7 +41,8 @@ def run_case(trees, seed, **kw):
     "kind,n",
     [("random", 1), ("bushy", 17), ("chain", 17), ("random", 65), ("bushy", 65), ("chain", 65)],
 )
-def test_matches_reference(kind, n):
+@FORMS
+def test_matches_reference(form, kind, n):
     gen = torch.Generator().manual_seed(n)
     trees = [
         topo_tree(n, kind, gen, max_depth=15),
@@ -44,16 +50,18 @@ def test_matches_reference(kind, n):
         topo_tree(max(1, n - 1), "random", gen, max_depth=3),
     ]
     # GQA (4 value heads over 2 key heads), dk 32 = two chunks, dv 24 = a full and a partial tile
-    run_case(trees, seed=n, Hk=2, Hv=4, dk=32, dv=24)
+    run_case(form, trees, seed=n, Hk=2, Hv=4, dk=32, dv=24)
 
 
-def test_deep_chain_and_branches_off_the_first():
+@FORMS
+def test_deep_chain_and_branches_off_the_first(form):
     bushy = ([-1, 0, 0, 2, 3, 1], [0, 1, 1, 2, 3, 2])
     deep = (list(range(-1, 32)), list(range(33)))  # 32 solve rounds
-    run_case([bushy, deep], seed=5, Hk=1, Hv=2, dk=16, dv=16)
+    run_case(form, [bushy, deep], seed=5, Hk=1, Hv=2, dk=16, dv=16)
 
 
-def test_rows_mask_view_extra_roots_and_stash():
+@FORMS
+def test_rows_mask_view_extra_roots_and_stash(form):
     gen = torch.Generator().manual_seed(11)
     n, N = 20, 33
     trees = [topo_tree(n, "random", gen, max_depth=6), topo_tree(7, "bushy", gen)]
@@ -69,9 +77,7 @@ def test_rows_mask_view_extra_roots_and_stash():
     pool[rows] = S0
     node_g = torch.zeros(5, N, S0.shape[1])
     node_beta = torch.zeros(5, N, S0.shape[1])
-    got = kernel.tree_chunk_triton(
-        *ins, depths, pool, big[:, :n, :n], valid, rows, stash=(node_g, node_beta, rows)
-    )
+    got = form(*ins, depths, pool, big[:, :n, :n], valid, rows, stash=(node_g, node_beta, rows))
     assert rel(got, want) < TOL, rel(got, want)
     g, beta = ins[3], ins[4]
     for i, r in enumerate(rows.tolist()):
@@ -89,25 +95,31 @@ def _depths(parents):
     return d
 
 
-def test_all_padding_request_outputs_zeros():
+@FORMS
+def test_all_padding_request_outputs_zeros(form):
     trees = [([-1, 0, 1], [0, 1, 2]), ([-1], [0])]
     ins, parents, depths, S0 = case(trees, seed=2)
     depths[1] = -1
     for t in ins:
         t[1] = float("nan")
     mask = tree_ancestor_mask(parents, depths >= 0)
-    got = kernel.tree_chunk_triton(*ins, depths, S0, mask)
+    got = form(*ins, depths, S0, mask)
     want, _ = tree_gated_delta_rule(*ins, parents, depths, S0)
     assert (got[1] == 0).all() and rel(got[0], want[0]) < TOL
 
 
-def test_refuses_what_it_cannot_run():
+@FORMS
+def test_refuses_what_it_cannot_run(form):
     ins, parents, depths, S0 = case([topo_tree(66, "chain", torch.Generator())], seed=0)
     mask = tree_ancestor_mask(parents, depths >= 0)
     with pytest.raises(ValueError, match="at most 65"):
-        kernel.tree_chunk_triton(*ins, depths, S0, mask)
+        form(*ins, depths, S0, mask)
     with pytest.raises(ValueError, match="precision"):
-        kernel.tree_chunk_triton(*(t[:, :3] for t in ins), depths[:, :3], S0, mask, precision="x")
+        form(*(t[:, :3] for t in ins), depths[:, :3], S0, mask, precision="x")
+
+
+def _refuse(*a, **kw):
+    raise AssertionError("the other form ran")
 
 
 @cpu_interpreter_only
@@ -133,7 +145,19 @@ def test_dispatch_modes(monkeypatch):
     assert backend.tree_chunk_options() == dict(block_v=16, precision="ieee")
     o, _ = dispatch.tree_rule(*ins, parents, depths, S0)
     assert rel(o, ref) < 1e-4
+    # the form switch picks the launches: each form's own call ran (the other raises if called)
+    for form, other in (("one", split), ("split", kernel)):
+        name = "tree_chunk_split_triton" if other is split else "tree_chunk_triton"
+        monkeypatch.setenv(envs.GDN_TREE_CHUNK_FORM.name, form)
+        monkeypatch.setattr(other, name, _refuse)
+        o, _ = dispatch.tree_rule(*ins, parents, depths, S0)
+        assert rel(o, ref) < 1e-4, form
+        monkeypatch.undo()  # back to the mode / switches above
+        monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, "1")
+        monkeypatch.delenv(backend.FORCE_ENV, raising=False)
+        monkeypatch.setenv(backend.TREE_CHUNK_ENV, "1")
     for var, bad in (
+        (envs.GDN_TREE_CHUNK_FORM.name, "two"),
         (envs.GDN_TREE_CHUNK_BV.name, "48"),
         (envs.GDN_TREE_CHUNK_PRECISION.name, "fp16"),
         (backend.TREE_CHUNK_ENV, "yes"),

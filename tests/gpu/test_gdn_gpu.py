@@ -107,16 +107,27 @@ def _chunk_kernel_case(b, kind, dtype, seed):
     return (q, k, v, g, beta, depths, pool, mask, depths >= 0, rows), want
 
 
+def _chunk_form(form):
+    if form == "split":
+        from ddtree.kernels.gdn.tree_chunk_split_triton import tree_chunk_split_triton
+
+        return tree_chunk_split_triton
+    from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
+
+    return tree_chunk_triton
+
+
+@pytest.mark.parametrize("form", ["split", "one"])
 @pytest.mark.parametrize("kind", ["bushy", "random", "chain"])
 @pytest.mark.parametrize("b", [1, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tree_chunk_kernel_matches_reference(dtype, b, kind):
-    """The no_buffer verify's Triton kernel (kernels/gdn/tree_chunk_triton.py) at the 27B head shape
-    (48 value heads over 16 key heads, dk = dv = 128), B=64 trees, batch 1 and 8: outputs vs the
-    per-node reference (fp32 math on the same inputs), g / beta in the stash rows, and a CUDA
-    graph replay equal to the eager call."""
+def test_tree_chunk_kernel_matches_reference(dtype, b, kind, form):
+    """The no_buffer verify's Triton kernel, both forms (kernels/gdn/tree_chunk_split_triton.py,
+    tree_chunk_triton.py) at the 27B head shape (48 value heads over 16 key heads, dk = dv = 128),
+    B=64 trees, batch 1 and 8: outputs vs the per-node reference (fp32 math on the same inputs),
+    g / beta in the stash rows, and a CUDA graph replay equal to the eager call."""
     pytest.importorskip("triton")
-    from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
+    tree_chunk_triton = _chunk_form(form)
 
     args, want = _chunk_kernel_case(b, kind, dtype, seed=b + len(kind))
     q, k, v, g, beta, depths, pool, mask, valid, rows = args
@@ -148,11 +159,12 @@ def test_tree_chunk_kernel_matches_reference(dtype, b, kind):
         (32, 16, 8, "ieee"),
     ],
 )
-def test_tree_chunk_kernel_launch_options_match_reference(block_v, block_k, warps, precision):
+@pytest.mark.parametrize("form", ["split", "one"])
+def test_tree_chunk_kernel_launch_options_match_reference(block_v, block_k, warps, precision, form):
     """Every launch option bench/gpu_gdn_tree.py (e) times compiles and keeps the numbers (tf32: its
     10-bit mantissa in the dots, a looser bound)."""
     pytest.importorskip("triton")
-    from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
+    tree_chunk_triton = _chunk_form(form)
 
     args, want = _chunk_kernel_case(8, "bushy", torch.float32, seed=3)
     o = tree_chunk_triton(

@@ -6,8 +6,10 @@ paths really ran.
 A tree verify that keeps no per-node states (no_buffer) runs the chunk form where
 DDTREE_GDN_TREE_CHUNK allows it: "auto" (default) on CUDA, "1" everywhere (CPU tests), "torch"
 everywhere as the PyTorch form, "0" never; DDTREE_FORCE_REFERENCE_GDN=1 still wins. The chunk form
-is the Triton kernel (`tree_chunk_triton`, one launch per layer) wherever our Triton kernels run
-and the tree fits its block (<= 65 nodes), the PyTorch form (`tree_chunk`, its reference) else.
+is the Triton kernel wherever our Triton kernels run and the tree fits its block (<= 65 nodes), the
+PyTorch form (`tree_chunk`, its reference) else; DDTREE_GDN_TREE_CHUNK_FORM picks the kernel's
+launches: split (default: `tree_chunk_split_triton`, the solve once per head, then the outputs)
+or one (`tree_chunk_triton`, both per column tile).
 
 On the CPU our Triton kernels (tree rule, tree conv) run in Triton's interpreter when both
 TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1 (the fused kernels' switch: engine tests and
@@ -108,6 +110,15 @@ def tree_chunk_kernel(t: torch.Tensor, n: int) -> bool:
 
 _CHUNK_BV = (16, 32, 64, 128)
 _CHUNK_PRECISIONS = ("tf32x3", "tf32", "ieee")
+_CHUNK_FORMS = ("split", "one")
+
+
+def tree_chunk_form() -> str:
+    """DDTREE_GDN_TREE_CHUNK_FORM, checked: split (tree_chunk_split_triton) or one."""
+    form = envs.GDN_TREE_CHUNK_FORM.get().strip().lower() or "split"
+    if form not in _CHUNK_FORMS:
+        raise ValueError(f"{envs.GDN_TREE_CHUNK_FORM.name}={form!r}: use one of {_CHUNK_FORMS}")
+    return form
 
 
 def tree_chunk_options() -> dict:
@@ -127,6 +138,7 @@ def tree_chunk_options() -> dict:
 def check_switches() -> None:
     """Every GDN switch's value, checked at startup (before weights load): raises naming it."""
     tree_chunk_mode()
+    tree_chunk_form()
     tree_chunk_options()
     tree_kernel_options()
 

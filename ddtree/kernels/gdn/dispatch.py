@@ -15,6 +15,7 @@ from torch import Tensor
 from ddtree.kernels.gdn.backend import (
     choose,
     fla_ops,
+    tree_chunk_form,
     tree_chunk_kernel,
     tree_chunk_options,
     tree_kernel_options,
@@ -125,12 +126,17 @@ def tree_rule(
         if tree_chunk_kernel(v, v.shape[1]):
             choose("tree", True, "chunk")
             from ddtree.kernels.gdn.tree_chunk import tree_ancestor_mask
-            from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
 
+            if tree_chunk_form() == "split":
+                from ddtree.kernels.gdn.tree_chunk_split_triton import (
+                    tree_chunk_split_triton as kernel,
+                )
+            else:
+                from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton as kernel
             if tree_mask is None:
                 tree_mask = tree_ancestor_mask(parents, depths >= 0 if valid is None else valid)
-            # launch switches (column tile, dot precision): timed by bench/gpu_gdn_tree.py (e)
-            o = tree_chunk_triton(
+            # launch switches (form, column tile, dot precision): timed by bench/gpu_gdn_tree.py (e)
+            o = kernel(
                 q,
                 k,
                 v,

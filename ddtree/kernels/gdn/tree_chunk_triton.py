@@ -264,6 +264,41 @@ def launch_config(
     )
 
 
+def checked_inputs(
+    q, k, v, g, beta, depths, initial_state, tree_mask, valid, initial_rows, stash, precision
+):
+    """The chunk kernels' arguments checked and laid out for a launch (both forms, this one and
+    `tree_chunk_split_triton`): unit last strides, int8 valid, uint8 mask, the stash's three
+    tensors (dummies when there is none). Raises what a kernel cannot run."""
+    b, n, Hk, dk = k.shape
+    Hv, dv = v.shape[-2], v.shape[-1]
+    if Hv % Hk:
+        raise ValueError(f"value heads {Hv} not a multiple of key heads {Hk}")
+    if not supported(n):
+        raise ValueError(f"tree of {n} nodes: the kernel takes at most {MAX_BLOCK + 1}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {PRECISIONS}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    g, beta, depths = g.contiguous(), beta.contiguous(), depths.contiguous()
+    valid = (depths >= 0) if valid is None else valid
+    valid = (
+        valid.contiguous().view(torch.int8) if valid.dtype == torch.bool else valid.to(torch.int8)
+    )
+    if tree_mask.stride(-1) != 1:
+        tree_mask = tree_mask.contiguous()
+    mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+    s0 = initial_state if initial_rows is not None else initial_state.contiguous()
+    if s0.stride(-1) != 1 or s0.stride(-2) != dv or s0.stride(-3) != dk * dv:
+        raise ValueError("initial_state must be contiguous over its last three dims [Hv, dk, dv]")
+    if stash is not None:
+        gs, bs, st_rows = stash
+        if gs.stride(-1) != 1 or bs.stride(-1) != 1:
+            raise ValueError("stash rows must be contiguous over Hv")
+    else:
+        gs, bs, st_rows = g, beta, depths  # dummy pointers when unused
+    return q, k, v, g, beta, depths, valid, mask, s0, gs, bs, st_rows
+
+
 def tree_chunk_triton(
     q: Tensor,
     k: Tensor,
@@ -291,35 +326,14 @@ def tree_chunk_triton(
     [R, W, Hv], rows [b]): g and beta also land in rows[i]'s first n stash rows.
     block_v / block_k / num_warps / precision: launch overrides (bench/gpu_gdn_tree.py), the
     same math. Returns o [b, n, Hv, dv] in q's dtype. No host syncs."""
+    q, k, v, g, beta, depths, valid, mask, s0, gs, bs, st_rows = checked_inputs(
+        q, k, v, g, beta, depths, initial_state, tree_mask, valid, initial_rows, stash, precision
+    )
     b, n, Hk, dk = k.shape
     Hv, dv = v.shape[-2], v.shape[-1]
-    if Hv % Hk:
-        raise ValueError(f"value heads {Hv} not a multiple of key heads {Hk}")
-    if not supported(n):
-        raise ValueError(f"tree of {n} nodes: the kernel takes at most {MAX_BLOCK + 1}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: one of {PRECISIONS}")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    g, beta, depths = g.contiguous(), beta.contiguous(), depths.contiguous()
-    valid = (depths >= 0) if valid is None else valid
-    valid = (
-        valid.contiguous().view(torch.int8) if valid.dtype == torch.bool else valid.to(torch.int8)
-    )
-    if tree_mask.stride(-1) != 1:
-        tree_mask = tree_mask.contiguous()
-    mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
-    s0 = initial_state if initial_rows is not None else initial_state.contiguous()
-    if s0.stride(-1) != 1 or s0.stride(-2) != dv or s0.stride(-3) != dk * dv:
-        raise ValueError("initial_state must be contiguous over its last three dims [Hv, dk, dv]")
     out = torch.empty(b, n, Hv, dv, dtype=q.dtype, device=v.device)
     if not (b and n):
         return out
-    if stash is not None:
-        gs, bs, st_rows = stash
-        if gs.stride(-1) != 1 or bs.stride(-1) != 1:
-            raise ValueError("stash rows must be contiguous over Hv")
-    else:
-        gs, bs, st_rows = g, beta, depths  # dummy pointers when unused
     cfg = launch_config(n, dk, dv, block_v, block_k, num_warps)
     _tree_chunk_kernel[(b, Hv, triton.cdiv(dv, cfg["BV"]))](
         q,
