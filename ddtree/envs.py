@@ -71,6 +71,12 @@ GDN_TREE_CHUNK = EnvVar(
     "torch = everywhere as the PyTorch form (the Triton kernel's reference), 0 = never; the "
     "Triton kernel runs where our Triton kernels do and the tree has <= 65 nodes",
 )
+GDN_COMMIT_KERNEL = EnvVar(
+    "DDTREE_GDN_COMMIT_KERNEL",
+    "1",
+    "no_buffer commit: 1 = the in-place replay kernel (kernels/gdn/commit_triton.py) where our "
+    "Triton kernels run; 0 = gathers + fla's fused recurrent / the reference + index_put",
+)
 GDN_TREE_CHUNK_FORM = EnvVar(
     "DDTREE_GDN_TREE_CHUNK_FORM",
     "split",
@@ -85,9 +91,10 @@ GDN_TREE_CHUNK_BV = EnvVar(
 )
 GDN_TREE_CHUNK_PRECISION = EnvVar(
     "DDTREE_GDN_TREE_CHUNK_PRECISION",
-    "tf32x3",
-    "the chunk-form GDN tree kernel's fp32 dot precision: tf32x3 (~fp32), tf32 (10-bit mantissa "
-    "inputs) or ieee (no tensor cores)",
+    "auto",
+    "the chunk-form GDN tree kernel's fp32 dot precision: auto (tf32 for 16-bit inputs, as fla's "
+    "chunk kernels; tf32x3 for fp32), tf32x3 (~fp32), tf32 (10-bit mantissa inputs) or ieee (no "
+    "tensor cores)",
 )
 GDN_TREE_PREFETCH = EnvVar(
     "DDTREE_GDN_TREE_PREFETCH",
@@ -158,6 +165,7 @@ TABLE: dict[str, EnvVar] = {
         FUSED_KERNELS_INTERPRET,
         FORCE_REFERENCE_GDN,
         GDN_TREE_CHUNK,
+        GDN_COMMIT_KERNEL,
         GDN_TREE_CHUNK_FORM,
         GDN_TREE_CHUNK_BV,
         GDN_TREE_CHUNK_PRECISION,

@@ -28,7 +28,7 @@ from ddtree.kernels.gdn import (
     causal_conv1d_varlen,
     replay_conv_path,
 )
-from ddtree.kernels.gdn.backend import check_switches
+from ddtree.kernels.gdn.backend import check_switches, choose, commit_kernel
 from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree_rule
 from ddtree.kernels.gdn.tree_conv import conv as tree_conv
 
@@ -180,6 +180,17 @@ class HybridStatePool:
             self._replay(slots, path, acc)
 
     def _replay(self, slots: Tensor, path: Tensor, acc: Tensor) -> None:
+        if commit_kernel(self.ssm):
+            choose("commit", True, "triton")
+            from ddtree.kernels.gdn.commit_triton import commit_replay_triton
+
+            st = self.stash
+            commit_replay_triton(
+                self.ssm, self.conv, st["node_x"], st["node_y"], st["node_g"], st["node_beta"],
+                slots, path, acc, self.geo.hk,
+            )  # fmt: skip
+            return
+        # the reference: gathers of the rows and the accepted stash, the replay, index_put back
         step = torch.arange(path.shape[1], device=self.device)
         keep = step[None, :] <= acc[:, None]
         nodes = torch.where(keep, path, 0)

@@ -399,3 +399,50 @@ def test_gdn_layer_one_gemm_matches_four():
         four = [torch.nn.functional.linear(x, p) for p in parts]
     for f, s in zip(fused, four):
         assert rel(f, s) < 1e-2
+
+
+@pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
+def test_commit_kernel_matches_the_reference_commit(ssm_dtype, monkeypatch):
+    """no_buffer's in-place commit kernel (kernels/gdn/commit_triton.py) at the 27B head shape, 8
+    layers, batch 8 with ragged accept lengths (0..16) and permuted slots, against the pool's
+    reference commit (gathers + fla's replay + index_put); rows no request owns untouched; a CUDA
+    graph replay of the kernel equal to the eager call."""
+    pytest.importorskip("triton")
+    from ddtree import envs
+    from ddtree.engine.config import GDNGeometry
+    from ddtree.engine.state_pool import HybridStatePool
+
+    geo = GDNGeometry(num_layers=8, hk=HK, dk=DK, hv=HV, dv=DV, kernel=4)
+    gen = torch.Generator().manual_seed(5)
+
+    def pool():
+        p = HybridStatePool(geo, 10, 65, "cuda", "no_buffer", ssm_dtype, torch.bfloat16)
+        g = torch.Generator(device="cuda").manual_seed(5)
+        for t in (p.conv, p.ssm, *p.stash.values()):
+            t.copy_((torch.randn(t.shape, generator=g, device="cuda") * 0.3).to(t.dtype))
+        p.stash["node_g"].copy_(-p.stash["node_g"].abs())
+        p.stash["node_beta"].copy_(p.stash["node_beta"].sigmoid())
+        return p
+
+    slots = torch.randperm(10, generator=gen)[:8].cuda()
+    acc = torch.tensor([0, 1, 2, 3, 5, 8, 13, 16]).cuda()
+    path = torch.stack([torch.randperm(64, generator=gen)[:17] + 1 for _ in range(8)]).cuda()
+    path[:, 0] = 0
+    want, got, before = pool(), pool(), pool()
+    monkeypatch.setenv(envs.GDN_COMMIT_KERNEL.name, "0")
+    want.commit(slots, path, acc)
+    monkeypatch.setenv(envs.GDN_COMMIT_KERNEL.name, "1")
+    got.commit(slots, path, acc)
+    assert rel(got.ssm.float(), want.ssm.float()) < (1e-5 if ssm_dtype == "float32" else 1e-2)
+    assert torch.equal(got.conv, want.conv)
+    free = [r for r in range(10) if r not in slots.tolist()]
+    assert torch.equal(got.ssm[:, free], before.ssm[:, free])
+    again = pool()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        again.commit(slots, path, acc)
+    again.ssm.copy_(before.ssm)
+    again.conv.copy_(before.conv)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again.ssm, got.ssm) and torch.equal(again.conv, got.conv)

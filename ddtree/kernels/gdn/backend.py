@@ -108,8 +108,16 @@ def tree_chunk_kernel(t: torch.Tensor, n: int) -> bool:
     return supported(n)
 
 
+def commit_kernel(t: torch.Tensor) -> bool:
+    """no_buffer's commit as the in-place replay kernel (DDTREE_GDN_COMMIT_KERNEL, default 1)."""
+    flag = envs.GDN_COMMIT_KERNEL.get().strip() or "1"
+    if flag not in ("0", "1"):
+        raise ValueError(f"{envs.GDN_COMMIT_KERNEL.name}={flag!r}: use 0 or 1")
+    return flag == "1" and use_triton(t)
+
+
 _CHUNK_BV = (16, 32, 64, 128)
-_CHUNK_PRECISIONS = ("tf32x3", "tf32", "ieee")
+_CHUNK_PRECISIONS = ("auto", "tf32x3", "tf32", "ieee")
 _CHUNK_FORMS = ("split", "one")
 
 
@@ -125,7 +133,7 @@ def tree_chunk_options() -> dict:
     """The chunk-form tree kernel's launch switches (DDTREE_GDN_TREE_CHUNK_BV / _PRECISION) as its
     wrapper's keywords; a bad value raises naming the variable and the values it takes."""
     bv = envs.GDN_TREE_CHUNK_BV.get().strip().lower()
-    prec = envs.GDN_TREE_CHUNK_PRECISION.get().strip().lower() or "tf32x3"
+    prec = envs.GDN_TREE_CHUNK_PRECISION.get().strip().lower() or "auto"
     if bv not in ("", "auto") and (not bv.isdigit() or int(bv) not in _CHUNK_BV):
         raise ValueError(f"{envs.GDN_TREE_CHUNK_BV.name}={bv!r}: use auto or one of {_CHUNK_BV}")
     if prec not in _CHUNK_PRECISIONS:
@@ -139,6 +147,7 @@ def check_switches() -> None:
     """Every GDN switch's value, checked at startup (before weights load): raises naming it."""
     tree_chunk_mode()
     tree_chunk_form()
+    commit_kernel(torch.empty(0))
     tree_chunk_options()
     tree_kernel_options()
 
@@ -183,4 +192,5 @@ def describe(device) -> dict[str, str]:
             else ("triton" if use_triton(t) else "reference")
         ),
         "tree_conv": "triton" if use_triton(t) else "reference",
+        "commit": "triton" if commit_kernel(t) else ("fla" if use_fla(t) else "reference"),
     }

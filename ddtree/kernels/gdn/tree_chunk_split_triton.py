@@ -263,11 +263,11 @@ def tree_chunk_split_triton(
     block_v: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
-    precision: str = "tf32x3",
+    precision: str = "auto",
 ) -> Tensor:
     """`tree_chunk_triton`'s contract (arguments, outputs, padding, stash) in two launches; block_v
     / num_warps are the output launch's, block_k both launches' dk chunk. No host syncs."""
-    q, k, v, g, beta, depths, valid, mask, s0, gs, bs, st_rows = checked_inputs(
+    q, k, v, g, beta, depths, valid, mask, s0, gs, bs, st_rows, precision = checked_inputs(
         q, k, v, g, beta, depths, initial_state, tree_mask, valid, initial_rows, stash, precision
     )
     b, n, Hk, dk = k.shape

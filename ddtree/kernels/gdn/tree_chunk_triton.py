@@ -37,7 +37,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 # widest block of non-root nodes: n <= MAX_BLOCK + 1 (B=64 trees). A 128-row block spills on
 # sm_90 (2.8 KB of stack at 8 warps): longer trees / chains keep the PyTorch chunk form
 MAX_BLOCK = 64
-PRECISIONS = ("tf32x3", "ieee", "tf32")
+# auto: tf32 for 16-bit inputs (what fla's chunk kernels use; the outputs are rounded to 16 bits
+# after: bench/gpu_gdn_tree.py (e) measures the added error), tf32x3 (~fp32) for fp32 inputs
+PRECISIONS = ("auto", "tf32x3", "ieee", "tf32")
 
 if triton is not None:
     from ddtree.kernels.tree_attention.tuning import patch_interpreter_index
@@ -269,7 +271,8 @@ def checked_inputs(
 ):
     """The chunk kernels' arguments checked and laid out for a launch (both forms, this one and
     `tree_chunk_split_triton`): unit last strides, int8 valid, uint8 mask, the stash's three
-    tensors (dummies when there is none). Raises what a kernel cannot run."""
+    tensors (dummies when there is none), the dot precision ("auto" resolved by q's dtype). Raises
+    what a kernel cannot run."""
     b, n, Hk, dk = k.shape
     Hv, dv = v.shape[-2], v.shape[-1]
     if Hv % Hk:
@@ -278,6 +281,8 @@ def checked_inputs(
         raise ValueError(f"tree of {n} nodes: the kernel takes at most {MAX_BLOCK + 1}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: one of {PRECISIONS}")
+    if precision == "auto":
+        precision = "tf32" if q.element_size() == 2 else "tf32x3"
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     g, beta, depths = g.contiguous(), beta.contiguous(), depths.contiguous()
     valid = (depths >= 0) if valid is None else valid
@@ -296,7 +301,7 @@ def checked_inputs(
             raise ValueError("stash rows must be contiguous over Hv")
     else:
         gs, bs, st_rows = g, beta, depths  # dummy pointers when unused
-    return q, k, v, g, beta, depths, valid, mask, s0, gs, bs, st_rows
+    return q, k, v, g, beta, depths, valid, mask, s0, gs, bs, st_rows, precision
 
 
 def tree_chunk_triton(
@@ -316,7 +321,7 @@ def tree_chunk_triton(
     block_v: int | None = None,
     block_k: int = 16,
     num_warps: int | None = None,
-    precision: str = "tf32x3",
+    precision: str = "auto",
 ) -> Tensor:
     """`tree_chunk.tree_chunk_gated_delta_rule`'s outputs (no node state): q, k [b, n, Hk, dk]; v
     [b, n, Hv, dv]; g, beta [b, n, Hv]; depths [b, n]; initial_state [b, Hv, dk, dv] or, with
@@ -326,7 +331,7 @@ def tree_chunk_triton(
     [R, W, Hv], rows [b]): g and beta also land in rows[i]'s first n stash rows.
     block_v / block_k / num_warps / precision: launch overrides (bench/gpu_gdn_tree.py), the
     same math. Returns o [b, n, Hv, dv] in q's dtype. No host syncs."""
-    q, k, v, g, beta, depths, valid, mask, s0, gs, bs, st_rows = checked_inputs(
+    q, k, v, g, beta, depths, valid, mask, s0, gs, bs, st_rows, precision = checked_inputs(
         q, k, v, g, beta, depths, initial_state, tree_mask, valid, initial_rows, stash, precision
     )
     b, n, Hk, dk = k.shape
