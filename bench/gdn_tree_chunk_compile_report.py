@@ -6,6 +6,7 @@ shared memory, and SASS counts (HGMMA = Hopper wgmma, HMMA = mma.sync, LDL/STL =
     python3 bench/gdn_tree_chunk_compile_report.py            # defaults per block, 27B heads, bf16
     python3 bench/gdn_tree_chunk_compile_report.py 64,16,64,8,tf32   # BT,BKC,BV,warps[,precision]
     python3 bench/gdn_tree_chunk_compile_report.py --json     # one JSON line per config (tests)
+    python3 bench/gdn_tree_chunk_compile_report.py --split    # the split form's two kernels, defaults
 
 Uses the ptxas / cuobjdump that Triton's package carries; runs on the CPU machine (no device time).
 The defaults (block rows 16 / 32 / 64, what `tree_chunk_triton` launches for n <= 17 / 33 / 65) must
@@ -26,6 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from ddtree.kernels.gdn import tree_chunk_split_triton as sp  # noqa: E402
 from ddtree.kernels.gdn import tree_chunk_triton as tc  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -47,6 +49,9 @@ def _ptrs(dt: str) -> dict:
         gs_ptr="*fp32",
         bs_ptr=f"*{dt}",
         st_rows_ptr="*i64",
+        m_ptr="*fp32",
+        z_ptr="*fp32",
+        coef_ptr="*fp32",
     )
 
 
@@ -60,7 +65,7 @@ def defaults(dk: int = 128, dv: int = 128) -> list[tuple]:
 
 
 def report(bt, bkc, bv, warps, precision="tf32x3", dt="bf16", dk=128) -> dict:
-    fn = tc._tree_chunk_kernel
+    """The one-launch kernel (`_tree_chunk_kernel`) at one launch config."""
     consts = dict(
         BT=bt,
         BK=max(16, triton.next_power_of_2(dk)),
@@ -72,6 +77,29 @@ def report(bt, bkc, bv, warps, precision="tf32x3", dt="bf16", dk=128) -> dict:
         PREC=precision,
         PREC_IN="tf32" if dt in ("bf16", "fp16") and precision != "ieee" else precision,
     )
+    config = dict(bt=bt, bkc=bkc, bv=bv, warps=warps, precision=precision, dtype=dt)
+    return compile_report(tc._tree_chunk_kernel, consts, warps, dt, config)
+
+
+def split_reports(n=65, precision="tf32", dt="bf16", dk=128, dv=128) -> list[dict]:
+    """The split form's two kernels at the wrapper's launch for n nodes (tf32: its precision for
+    16-bit inputs)."""
+    cfg = sp.launch_config(n, dk, dv)
+    prec_in = "tf32" if dt in ("bf16", "fp16") and precision != "ieee" else precision
+    out = []
+    for name, fn, extra in (
+        ("solve", sp._solve_kernel, dict(L2NORM=True, STASH=True, PREC_IN=prec_in)),
+        ("output", sp._output_kernel, dict(S0_ROWS=True)),
+    ):
+        c = dict(cfg[name])
+        warps = c.pop("num_warps")
+        consts = dict(c, PREC=precision, **extra)
+        config = dict(kernel=name, **{k.lower(): v for k, v in c.items()}, warps=warps)
+        out.append(compile_report(fn, consts, warps, dt, dict(config, precision=precision)))
+    return out
+
+
+def compile_report(fn, consts: dict, warps: int, dt: str, config: dict) -> dict:
     ptrs = _ptrs(dt)
     sig, cvals = {}, {}
     for i, a in enumerate(fn.arg_names):
@@ -97,7 +125,7 @@ def report(bt, bkc, bv, warps, precision="tf32x3", dt="bf16", dk=128) -> dict:
     os.unlink(f.name)
     counts = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL")}
     return dict(
-        config=dict(bt=bt, bkc=bkc, bv=bv, warps=warps, precision=precision, dtype=dt),
+        config=config,
         regs=int(re.search(r"REG:(\d+)", usage).group(1)),
         stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
         shared=ck.metadata.shared,
@@ -108,19 +136,21 @@ def report(bt, bkc, bv, warps, precision="tf32x3", dt="bf16", dk=128) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     as_json = "--json" in argv
-    specs = [a for a in argv if a != "--json"]
-    configs = [
-        tuple(int(x) if x.isdigit() else x for x in s.split(",")) for s in specs
-    ] or defaults()
-    for cfg in configs:
-        r = report(*cfg)
+    specs = [a for a in argv if a not in ("--json", "--split")]
+    if "--split" in argv:
+        rows = split_reports()
+    else:
+        configs = [
+            tuple(int(x) if x.isdigit() else x for x in s.split(",")) for s in specs
+        ] or defaults()
+        rows = [report(*cfg) for cfg in configs]
+    for r in rows:
         if as_json:
             print(json.dumps(r), flush=True)
         else:
-            c = r["config"]
+            c = " ".join(f"{k}={v}" for k, v in r["config"].items())
             print(
-                f"BT={c['bt']:3d} BKC={c['bkc']:3d} BV={c['bv']:3d} warps={c['warps']} "
-                f"{c['precision']:6s}: regs {r['regs']} stack {r['stack']} shared {r['shared']} "
+                f"{c}: regs {r['regs']} stack {r['stack']} shared {r['shared']} "
                 f"HGMMA {r['HGMMA']} HMMA {r['HMMA']} LDL {r['LDL']} STL {r['STL']}",
                 flush=True,
             )

@@ -38,3 +38,30 @@ def test_default_launches_do_not_spill():
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 1 and rows[0]["config"]["bt"] == 64
     assert rows[0]["stack"] == 0 and rows[0]["LDL"] == 0 and rows[0]["HGMMA"] > 0, rows[0]
+
+
+def test_split_form_output_kernel_fits_three_programs_per_sm():
+    """The split form (kernels/gdn/tree_chunk_split_triton.py) at its default launch for 65 nodes,
+    tf32 (its precision for bf16 inputs): the output kernel without spills and <= 168 registers at
+    4 warps (3 programs per SM: the reason for the split), the solve kernel spilling at most a few
+    words (255 registers at 8 warps) and both on Hopper's wgmma."""
+    if not all(os.path.exists(os.path.join(BIN, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("this Triton build carries no ptxas / cuobjdump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(ROOT, "bench", "gdn_tree_chunk_compile_report.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--json", "--split"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {
+        r["config"]["kernel"]: r
+        for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    }
+    out, solve = rows["output"], rows["solve"]
+    assert out["config"]["warps"] == 4 and out["regs"] <= 168 and out["stack"] == 0, out
+    assert solve["stack"] <= 64 and solve["HGMMA"] > 0 and out["HGMMA"] > 0, solve

@@ -11,9 +11,10 @@ the last accepted node:
 W = max_verify_width (root included). With `scratch_row` the pool has one row past the requests'
 (index max_reqs) that no request owns: the padded rows of a CUDA graph read and write only it.
 Under no_buffer the verify itself keeps no per-node states either: on
-CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk_triton.py, one launch per layer,
-over the round's tree_mask), extra_buffer the Triton tree kernel; the stash rows are written
-inside the conv and rule kernels (no index_put per layer).
+CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk_split_triton.py, two launches per
+layer, over the round's tree_mask), extra_buffer the Triton tree kernel; the stash rows are written
+inside the conv and rule kernels (no index_put per layer), and no_buffer's commit replays the
+accepted path in place (kernels/gdn/commit_triton.py, all layers in one launch).
 """
 
 from __future__ import annotations
