@@ -50,7 +50,6 @@ def _ptrs(dt: str) -> dict:
         bs_ptr=f"*{dt}",
         st_rows_ptr="*i64",
         m_ptr="*fp32",
-        z_ptr="*fp32",
         coef_ptr="*fp32",
     )
 

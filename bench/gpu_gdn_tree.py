@@ -282,7 +282,7 @@ def section_e(gen):
                 f"torch chunk {rec['torch_chunk_us']:8.1f}",
             )
             # the defaults first (split: the dispatch's default form), then each form's options
-            sweep = [("split", None, None, None, "tf32x3"), ("one", None, 16, None, "tf32x3")]
+            sweep = [("split", None, None, None, "auto"), ("one", None, 16, None, "auto")]
             sweep += [("split", bv, 32, 4, "tf32x3") for bv in (16, 64)]
             sweep += [("split", 32, 64, 4, "tf32x3"), ("split", 32, 32, 8, "tf32x3")]
             sweep += [("split", 32, 32, 4, "tf32"), ("one", 32, 16, 8, "tf32")]

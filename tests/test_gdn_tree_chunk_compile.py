@@ -40,11 +40,10 @@ def test_default_launches_do_not_spill():
     assert rows[0]["stack"] == 0 and rows[0]["LDL"] == 0 and rows[0]["HGMMA"] > 0, rows[0]
 
 
-def test_split_form_output_kernel_fits_three_programs_per_sm():
+def test_split_form_kernels_do_not_spill():
     """The split form (kernels/gdn/tree_chunk_split_triton.py) at its default launch for 65 nodes,
-    tf32 (its precision for bf16 inputs): the output kernel without spills and <= 168 registers at
-    4 warps (3 programs per SM: the reason for the split), the solve kernel spilling at most a few
-    words (255 registers at 8 warps) and both on Hopper's wgmma."""
+    tf32 (its precision for bf16 inputs): neither kernel spills, the output kernel fits two
+    programs per SM at 4 warps (<= 255 registers), and both run on Hopper's wgmma."""
     if not all(os.path.exists(os.path.join(BIN, t)) for t in ("ptxas", "cuobjdump")):
         pytest.skip("this Triton build carries no ptxas / cuobjdump")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -63,5 +62,5 @@ def test_split_form_output_kernel_fits_three_programs_per_sm():
         for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
     }
     out, solve = rows["output"], rows["solve"]
-    assert out["config"]["warps"] == 4 and out["regs"] <= 168 and out["stack"] == 0, out
-    assert solve["stack"] <= 64 and solve["HGMMA"] > 0 and out["HGMMA"] > 0, solve
+    assert out["config"]["warps"] == 4 and out["stack"] == 0 and out["HGMMA"] > 0, out
+    assert solve["stack"] == 0 and solve["HGMMA"] > 0, solve

@@ -4,20 +4,21 @@
 of its grid repeats the q/k dots and runs `max(depth - r)` dependent [BT, BT] @ [BT, BV] rounds, with
 ~250 registers (one program per SM). Here the solve leaves the column tiles. With the same block
 notation (node 0 out of the block, rows i = 1..n-1, a = e^G ik, c = d0 ik (K k_0),
-e = e^G iq, f = d0 iq (Q k_0); ik / iq the rows' inverse norms, d0 the root column of Γ; K, Q raw):
+e = e^G iq, f = d0 iq (Q k_0); ik / iq the rows' inverse norms, d0 the root column of Γ):
     R = diag(β) X,  X = V - a ⊙ K S0 - c u_0ᵀ        U = (I + L)⁻¹ diag(β) X
-    O = e ⊙ Q S0 + f u_0ᵀ + A U = Z S0 + M V + h u_0ᵀ
-    M = A (I + L)⁻¹ diag(β),   Z = e ⊙ Q - (M ⊙ a) K,   h = f - M c
+    O = e ⊙ Q S0 + f u_0ᵀ + A U = e ⊙ Q S0 + f u_0ᵀ + M X,   M = A (I + L)⁻¹ diag(β)
 1. `_solve_kernel`, grid (b, Hv): the q/k dots over dk, the tree's decays and gates (and the
    no_buffer stash writes of g / beta), T = (I + L)⁻¹ = Σ_j (-L)^j by repeated squaring (L is
    nilpotent along the tree: powers past `max(depth - r)` vanish, so ⌈log2(rounds + 1)⌉ - 1 steps
-   of two [BT, BT] dots), then M, Z [BT, dk], h and the root's coefficients into a per-(request,
-   head) fp32 scratch.
-2. `_output_kernel`, grid (b, Hv, cdiv(dv, BV)): O = Z S0 over dk (one accumulator), + M V, + h u_0ᵀ;
-   u_0 and o_0 from k_0 / q_0 against the same S0 tiles. ~140 registers at 4 warps: 3 programs
-   per SM (bench/gdn_tree_chunk_compile_report.py).
+   of two [BT, BT] dots), M = A T diag(β) and the row coefficients a, c, e, f and the root's, into
+   a per-(request, head) scratch.
+2. `_output_kernel`, grid (b, Hv, cdiv(dv, BV)): K S0 and Q S0 over dk, u_0 and o_0, then one
+   [BT, BT] @ [BT, BV] dot for the block's outputs. 225 registers at 4 warps: two programs per SM
+   (bench/gdn_tree_chunk_compile_report.py --split). Folding K S0 into the solve's scratch instead
+   (Z = e Q - (M a) K, outputs Z S0 + M V: 140 registers, three per SM) measured 5-15% slower on
+   the H200, the longer solve outweighing it.
 Same inputs, outputs and padding rules as `tree_chunk_triton` (its wrapper's checks are shared);
-the arithmetic differs in rounding only.
+the solve differs in rounding only (a product of powers instead of forward rounds).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ if triton is not None:
     @triton.jit
     def _solve_kernel(
         q_ptr, k_ptr, g_ptr, beta_ptr, valid_ptr, depth_ptr, mask_ptr,
-        m_ptr, z_ptr, coef_ptr, gs_ptr, bs_ptr, st_rows_ptr,
+        m_ptr, coef_ptr, gs_ptr, bs_ptr, st_rows_ptr,
         n, HV, DK, GROUP, sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sm_b, sm_i,
         sgs_b, sgs_n, sbs_b, sbs_n, scale,
         BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, L2NORM: tl.constexpr,
@@ -141,27 +142,14 @@ if triton is not None:
         base = (pid_b * HV + h) * BT
         tl.store(m_ptr + (base + rt[:, None]) * BT + rt[None, :], M)
 
-        # the outputs' operands: Z = e ⊙ Q - (M ⊙ a) K over dk (raw q / k rows), h = f - M c
+        # row coefficients [a, c, e, f] and the root's [e0 ik0, beta0, e0 iq0, iq0 ik0 q0.k0]
         eG = tl.exp(G)
         d0 = tl.where(r, tl.exp(G - g0), 0.0) * ik0
-        a = tl.where(ok, eG * ik, 0.0)
-        e = tl.where(ok, eG * iq, 0.0)
-        cc = tl.where(ok, d0 * ik * kk0, 0.0)
-        f = tl.where(ok, d0 * iq * qk0, 0.0)
-        Ma = M * a[None, :]
-        zb = z_ptr + base * BK
-        for c in range(0, BK, BKC):
-            rk = c + tl.arange(0, BKC)
-            m2 = ok[:, None] & (rk < DK)[None, :]
-            kc = tl.load(k_base + node[:, None] * sk_n + rk[None, :], mask=m2, other=0.0)
-            qc = tl.load(q_base + node[:, None] * sq_n + rk[None, :], mask=m2, other=0.0)
-            Zc = e[:, None] * qc.to(tl.float32) - tl.dot(
-                Ma, kc.to(tl.float32), input_precision=PREC
-            )
-            tl.store(zb + rt[:, None] * BK + rk[None, :], Zc)
-        cb = coef_ptr + (pid_b * HV + h) * (BT + 4)
-        tl.store(cb + rt, f - _sum(M * cc[None, :], 1))
-        # the root's [e0 ik0, beta0, e0 iq0, iq0 ik0 q0.k0]: u_0 and o_0
+        cb = coef_ptr + (pid_b * HV + h) * (4 * BT + 4)
+        tl.store(cb + rt, tl.where(ok, eG * ik, 0.0))
+        tl.store(cb + BT + rt, tl.where(ok, d0 * ik * kk0, 0.0))
+        tl.store(cb + 2 * BT + rt, tl.where(ok, eG * iq, 0.0))
+        tl.store(cb + 3 * BT + rt, tl.where(ok, d0 * iq * qk0, 0.0))
         e0 = tl.exp(g0)
         four = tl.arange(0, 4)
         root = tl.where(
@@ -169,12 +157,12 @@ if triton is not None:
             e0 * ik0,
             tl.where(four == 1, beta0, tl.where(four == 2, e0 * iq0, iq0 * ik0 * q0k0)),
         )
-        tl.store(cb + BT + four, tl.where(ok0, root, 0.0))
+        tl.store(cb + 4 * BT + four, tl.where(ok0, root, 0.0))
 
     @triton.jit
     def _output_kernel(
-        q_ptr, k_ptr, v_ptr, valid_ptr, s0_ptr, s0_rows_ptr, m_ptr, z_ptr, coef_ptr, o_ptr,
-        n, HV, DK, DV, GROUP, sq_b, sq_h, sk_b, sk_h, sv_b, sv_n, sv_h,
+        q_ptr, k_ptr, v_ptr, valid_ptr, s0_ptr, s0_rows_ptr, m_ptr, coef_ptr, o_ptr,
+        n, HV, DK, DV, GROUP, sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
         so_b, so_n, so_h, s0_b,
         BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
         S0_ROWS: tl.constexpr, PREC: tl.constexpr,
@@ -195,30 +183,36 @@ if triton is not None:
         if S0_ROWS:
             s0_row = tl.load(s0_rows_ptr + pid_b).to(tl.int64)
         s0_base = s0_ptr + s0_row * s0_b + h * DK * DV
-        q0_base = q_ptr + pid_b * sq_b + hk * sq_h
-        k0_base = k_ptr + pid_b * sk_b + hk * sk_h
-        base = (pid_b * HV + h) * BT
-        zb = z_ptr + base * BK
-        acc = tl.full((BT, BV), 0.0, tl.float32)
+        q_base = q_ptr + pid_b * sq_b + hk * sq_h
+        k_base = k_ptr + pid_b * sk_b + hk * sk_h
+        KS = tl.full((BT, BV), 0.0, tl.float32)
+        QS = tl.full((BT, BV), 0.0, tl.float32)
         kS0 = tl.full((BV,), 0.0, tl.float32)
         qS0 = tl.full((BV,), 0.0, tl.float32)
-        for c in range(0, BK, BKC):  # Z S0 (padding rows of Z are zero), and the root's k_0 / q_0
+        for c in range(0, BK, BKC):
             rk = c + tl.arange(0, BKC)
             mk = rk < DK
+            m2 = ok[:, None] & mk[None, :]
+            kc = tl.load(k_base + node[:, None] * sk_n + rk[None, :], mask=m2, other=0.0)
+            qc = tl.load(q_base + node[:, None] * sq_n + rk[None, :], mask=m2, other=0.0)
+            k0 = tl.load(k_base + rk, mask=mk & ok0, other=0.0).to(tl.float32)
+            q0 = tl.load(q_base + rk, mask=mk & ok0, other=0.0).to(tl.float32)
             S0 = tl.load(
                 s0_base + rk[:, None] * DV + rv[None, :], mask=mk[:, None] & mv[None, :], other=0.0
             ).to(tl.float32)
-            Zc = tl.load(zb + rt[:, None] * BK + rk[None, :])
-            acc += tl.dot(Zc, S0, input_precision=PREC)
-            k0 = tl.load(k0_base + rk, mask=mk & ok0, other=0.0).to(tl.float32)
-            q0 = tl.load(q0_base + rk, mask=mk & ok0, other=0.0).to(tl.float32)
+            KS += tl.dot(kc.to(tl.float32), S0, input_precision=PREC)
+            QS += tl.dot(qc.to(tl.float32), S0, input_precision=PREC)
             kS0 += _sum(k0[:, None] * S0, 0)
             qS0 += _sum(q0[:, None] * S0, 0)
-        cb = coef_ptr + (pid_b * HV + h) * (BT + 4)
-        ra = tl.load(cb + BT)
-        rb = tl.load(cb + BT + 1)
-        rc = tl.load(cb + BT + 2)
-        rd = tl.load(cb + BT + 3)
+        cb = coef_ptr + (pid_b * HV + h) * (4 * BT + 4)
+        a = tl.load(cb + rt)
+        cc = tl.load(cb + BT + rt)
+        e = tl.load(cb + 2 * BT + rt)
+        f = tl.load(cb + 3 * BT + rt)
+        ra = tl.load(cb + 4 * BT)
+        rb = tl.load(cb + 4 * BT + 1)
+        rc = tl.load(cb + 4 * BT + 2)
+        rd = tl.load(cb + 4 * BT + 3)
         v0 = tl.load(v_ptr + pid_b * sv_b + h * sv_h + rv, mask=mv & ok0, other=0.0)
         u0 = rb * (v0.to(tl.float32) - ra * kS0)
         o0 = tl.where(ok0, rc * qS0 + rd * u0, 0.0)
@@ -228,13 +222,14 @@ if triton is not None:
             mask=ok[:, None] & mv[None, :],
             other=0.0,
         ).to(tl.float32)
+        X = v_blk - a[:, None] * KS - cc[:, None] * u0[None, :]
+        base = (pid_b * HV + h) * BT
         M = tl.load(m_ptr + (base + rt[:, None]) * BT + rt[None, :])
-        acc += tl.dot(M, v_blk, input_precision=PREC)
-        acc += tl.load(cb + rt)[:, None] * u0[None, :]
-        acc = tl.where(ok[:, None], acc, 0.0)
+        o = e[:, None] * QS + f[:, None] * u0[None, :] + tl.dot(M, X, input_precision=PREC)
+        o = tl.where(ok[:, None], o, 0.0)
         tl.store(
             o_ptr + pid_b * so_b + node[:, None] * so_n + h * so_h + rv[None, :],
-            acc.to(o_ptr.dtype.element_ty),
+            o.to(o_ptr.dtype.element_ty),
             mask=in_n[:, None] & mv[None, :],
         )
 
@@ -285,14 +280,12 @@ def tree_chunk_split_triton(
         return out
     cfg = launch_config(n, dk, dv, block_v, block_k, num_warps)
     bt = cfg["solve"]["BT"]
-    bk = cfg["solve"]["BK"]
     m = torch.empty(b, Hv, bt, bt, dtype=torch.float32, device=v.device)
-    z = torch.empty(b, Hv, bt, bk, dtype=torch.float32, device=v.device)
-    coef = torch.empty(b, Hv, bt + 4, dtype=torch.float32, device=v.device)
+    coef = torch.empty(b, Hv, 4 * bt + 4, dtype=torch.float32, device=v.device)
     prec_in = "tf32" if q.element_size() == 2 and precision != "ieee" else precision
     stashed = stash is not None
     _solve_kernel[(b, Hv)](
-        q, k, g, beta, valid, depths, mask, m, z, coef, gs, bs, st_rows,
+        q, k, g, beta, valid, depths, mask, m, coef, gs, bs, st_rows,
         n, Hv, dk, Hv // Hk, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), mask.stride(0), mask.stride(1),
         gs.stride(0), gs.stride(1) if stashed else 0, bs.stride(0), bs.stride(1) if stashed else 0,
@@ -302,9 +295,9 @@ def tree_chunk_split_triton(
     )  # fmt: skip
     out_cfg = cfg["output"]
     _output_kernel[(b, Hv, triton.cdiv(dv, out_cfg["BV"]))](
-        q, k, v, valid, s0, initial_rows if initial_rows is not None else depths, m, z, coef, out,
-        n, Hv, dk, dv, Hv // Hk, q.stride(0), q.stride(2), k.stride(0), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        q, k, v, valid, s0, initial_rows if initial_rows is not None else depths, m, coef, out,
+        n, Hv, dk, dv, Hv // Hk, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2), s0.stride(0),
         S0_ROWS=initial_rows is not None, PREC=precision, **out_cfg,
     )  # fmt: skip
