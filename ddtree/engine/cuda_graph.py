@@ -134,6 +134,7 @@ class GraphSet:
                 key = self.plans[(bs, bound)] = self.probe(bs, bound)
                 if (bs, key) not in self.graphs:
                     self.graphs[(bs, key)] = self._capture(bs, key, bound)
+                self.owner.tick()
 
     def probe(self, bs: int, bound: int) -> tuple:
         """The backend's launch plan for bs rows of length <= bound, as its capture key. One
@@ -217,6 +218,7 @@ class CudaGraphRunner:
         self.tree_spec: tuple | None = None
         self.extra_specs: tuple[tuple, ...] = ()  # auto: the other rungs' specs
         self._built = False
+        self._bar = None  # start-up progress while build() captures (a first start compiles)
         why_eager = _draft_capturable(runner)
         if why_eager is None:
             self.draft_graph = DraftGraph(runner, padding)
@@ -227,8 +229,25 @@ class CudaGraphRunner:
         """The padded batch of b live rows."""
         return self.buckets[bisect.bisect_left(self.buckets, b)]
 
+    def tick(self) -> None:
+        """One graph of build() done (the progress bar on stderr while capturing)."""
+        if self._bar is not None:
+            self._bar.update()
+
     @torch.inference_mode()
     def build(self) -> None:
+        if self.capture:  # minutes on a fresh machine (every kernel variant compiles): show it
+            from tqdm import tqdm
+
+            self._bar = tqdm(desc="CUDA graphs", unit="graph", mininterval=2.0)
+        try:
+            self._build()
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+    def _build(self) -> None:
         for w in self.widths:
             self.verify_sets[w].build(self.buckets)
         for w, cg in self.commit_families.items():
@@ -236,6 +255,7 @@ class CudaGraphRunner:
                 fn = lambda bs=bs, cg=cg: cg.forward(bs)  # noqa: E731
                 graph = capture_graph(fn, self.pool)[0] if self.capture else None
                 self.commit_graphs[(w, bs)] = graph
+                self.tick()
         if self.extend is not None:
             try:
                 self.extend.build()
