@@ -31,14 +31,7 @@ from ddtree.kernels.gdn.tree_chunk_triton import block_rows, checked_inputs, tri
 if triton is not None:
     import triton.language as tl
 
-    from ddtree.kernels.tree_attention.tuning import patch_interpreter_index
-
-    if triton.knobs.runtime.interpret:
-        patch_interpreter_index()
-
-    @triton.jit
-    def _sum(x, axis: tl.constexpr):  # as tree_chunk_triton's (the interpreter cannot call tl.sum)
-        return tl.reduce(x, axis, tl.standard._sum_combine)
+    from ddtree.kernels.gdn.tree_chunk_triton import _inv_norms, _sum, _tree_gates
 
     @triton.jit
     def _solve_kernel(
@@ -87,41 +80,13 @@ if triton is not None:
             nk0 += _sum((k0 * k0)[None, :], 1)
             nq0 += _sum((q0 * q0)[None, :], 1)
             q0k0 += _sum((q0 * k0)[None, :], 1)
-        if L2NORM:
-            ik = 1.0 / tl.sqrt(nk + 1e-6)
-            iq = scale / tl.sqrt(nq + 1e-6)
-            ik0 = 1.0 / tl.sqrt(nk0 + 1e-6)
-            iq0 = scale / tl.sqrt(nq0 + 1e-6)
-        else:
-            ik = tl.full((BT,), 1.0, tl.float32)
-            iq = tl.full((BT,), 1.0, tl.float32) * scale
-            ik0 = tl.full((1,), 1.0, tl.float32)
-            iq0 = tl.full((1,), 1.0, tl.float32) * scale
-
-        # the tree, as tree_chunk_triton: ancestors (valid rows / columns, the diagonal forced)
-        mrow = mask_ptr + pid_b * sm_b + node * sm_i
-        anc = tl.load(mrow[:, None] + node[None, :], mask=ok[:, None] & ok[None, :], other=0)
-        lower = rt[None, :] < rt[:, None]
+        ik, iq, ik0, iq0 = _inv_norms(nk, nq, nk0, nq0, scale, BT, L2NORM)
+        lower, beta, g0, beta0, r, G, rounds, decay = _tree_gates(
+            mask_ptr, g_ptr, beta_ptr, depth_ptr, gs_ptr, bs_ptr, st_rows_ptr,
+            pid_b, h, row, node, rt, in_n, ok, ok0, HV, sm_b, sm_i, sgs_b, sgs_n, sbs_b, sbs_n,
+            True, STASH,
+        )  # fmt: skip
         eye = rt[:, None] == rt[None, :]
-        full = ((anc != 0) & lower) | (eye & ok[:, None])
-        r = (tl.load(mrow, mask=ok, other=0) != 0) & ok & ok0  # node 0 is i's ancestor
-        gb = (row + node) * HV + h
-        g = tl.load(g_ptr + gb, mask=ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + gb, mask=ok, other=0.0).to(tl.float32)
-        g0 = tl.where(ok0, tl.load(g_ptr + row * HV + h).to(tl.float32), 0.0)
-        beta0 = tl.where(ok0, tl.load(beta_ptr + row * HV + h).to(tl.float32), 0.0)
-        if STASH:  # the replay's inputs, in the pool's stash rows
-            srow = tl.load(st_rows_ptr + pid_b).to(tl.int64)
-            gs = gs_ptr + srow * sgs_b + h
-            bs = bs_ptr + srow * sbs_b + h
-            tl.store(gs, g0)
-            tl.store(bs, beta0.to(bs_ptr.dtype.element_ty))
-            tl.store(gs + node * sgs_n, g, mask=in_n)
-            tl.store(bs + node * sbs_n, beta.to(bs_ptr.dtype.element_ty), mask=in_n)
-        G = _sum(tl.where(full, g[None, :], 0.0), 1) + tl.where(r, g0, 0.0)
-        dep = tl.load(depth_ptr + row + node, mask=ok, other=0).to(tl.int32)
-        rounds = tl.reduce(tl.where(ok, dep - r.to(tl.int32), 0), 0, tl.standard._elementwise_max)
-        decay = tl.exp(tl.where(full, G[:, None] - G[None, :], float("-inf")))  # Γ ⊙ (A + I)
         P = -(tl.where(lower, KK * decay, 0.0) * (beta * ik)[:, None] * ik[None, :])  # -L
         Am = QK * decay * iq[:, None] * ik[None, :]
 

@@ -54,6 +54,59 @@ if triton is not None:
         return tl.reduce(x, axis, tl.standard._sum_combine)
 
     @triton.jit
+    def _inv_norms(nk, nq, nk0, nq0, scale, BT: tl.constexpr, L2NORM: tl.constexpr):
+        """The block rows' inverse norms of k and q (q's times `scale`) and the root's; ones
+        (times `scale` for q) without the l2 norm. Shared with tree_chunk_split_triton."""
+        if L2NORM:
+            ik = 1.0 / tl.sqrt(nk + 1e-6)
+            iq = scale / tl.sqrt(nq + 1e-6)
+            ik0 = 1.0 / tl.sqrt(nk0 + 1e-6)
+            iq0 = scale / tl.sqrt(nq0 + 1e-6)
+        else:
+            ik = tl.full((BT,), 1.0, tl.float32)
+            iq = tl.full((BT,), 1.0, tl.float32) * scale
+            ik0 = tl.full((1,), 1.0, tl.float32)
+            iq0 = tl.full((1,), 1.0, tl.float32) * scale
+        return ik, iq, ik0, iq0
+
+    @triton.jit
+    def _tree_gates(
+        mask_ptr, g_ptr, beta_ptr, depth_ptr, gs_ptr, bs_ptr, st_rows_ptr,
+        pid_b, h, row, node, rt, in_n, ok, ok0, HV, sm_b, sm_i, sgs_b, sgs_n, sbs_b, sbs_n,
+        write_stash, STASH: tl.constexpr,
+    ):  # fmt: skip
+        """The block's tree (ancestors from the round's mask: valid rows and columns, the
+        diagonal forced), gates and decays: (lower, beta, g0, beta0, r, G, rounds, decay); with
+        STASH and write_stash, g and beta also go to the pool's no_buffer stash rows. Shared
+        with tree_chunk_split_triton."""
+        mrow = mask_ptr + pid_b * sm_b + node * sm_i
+        anc = tl.load(mrow[:, None] + node[None, :], mask=ok[:, None] & ok[None, :], other=0)
+        lower = rt[None, :] < rt[:, None]
+        full = ((anc != 0) & lower) | ((rt[:, None] == rt[None, :]) & ok[:, None])
+        r = (tl.load(mrow, mask=ok, other=0) != 0) & ok & ok0  # node 0 is i's ancestor
+        gb = (row + node) * HV + h
+        g = tl.load(g_ptr + gb, mask=ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + gb, mask=ok, other=0.0).to(tl.float32)
+        g0 = tl.where(ok0, tl.load(g_ptr + row * HV + h).to(tl.float32), 0.0)
+        beta0 = tl.where(ok0, tl.load(beta_ptr + row * HV + h).to(tl.float32), 0.0)
+        if STASH:
+            if write_stash:  # the replay's inputs, in the pool's stash rows (once per head)
+                srow = tl.load(st_rows_ptr + pid_b).to(tl.int64)
+                gs = gs_ptr + srow * sgs_b + h
+                bs = bs_ptr + srow * sbs_b + h
+                tl.store(gs, g0)
+                tl.store(bs, beta0.to(bs_ptr.dtype.element_ty))
+                tl.store(gs + node * sgs_n, g, mask=in_n)
+                tl.store(bs + node * sbs_n, beta.to(bs_ptr.dtype.element_ty), mask=in_n)
+        # G = (A + I) g: the log decay summed over ancestors-and-self (node 0 through r)
+        G = _sum(tl.where(full, g[None, :], 0.0), 1) + tl.where(r, g0, 0.0)
+        # a row's chain inside the block has depth + 1 - r nodes: exact after depth - r rounds
+        dep = tl.load(depth_ptr + row + node, mask=ok, other=0).to(tl.int32)
+        rounds = tl.reduce(tl.where(ok, dep - r.to(tl.int32), 0), 0, tl.standard._elementwise_max)
+        decay = tl.exp(tl.where(full, G[:, None] - G[None, :], float("-inf")))  # Γ ⊙ (A + I)
+        return lower, beta, g0, beta0, r, G, rounds, decay
+
+    @triton.jit
     def _tree_chunk_kernel(
         q_ptr,
         k_ptr,
@@ -164,43 +217,12 @@ if triton is not None:
             nk0 += _sum((k0 * k0)[None, :], 1)
             nq0 += _sum((q0 * q0)[None, :], 1)
             q0k0 += _sum((q0 * k0)[None, :], 1)
-        if L2NORM:
-            ik = 1.0 / tl.sqrt(nk + 1e-6)
-            iq = scale / tl.sqrt(nq + 1e-6)
-            ik0 = 1.0 / tl.sqrt(nk0 + 1e-6)
-            iq0 = scale / tl.sqrt(nq0 + 1e-6)
-        else:
-            ik = tl.full((BT,), 1.0, tl.float32)
-            iq = tl.full((BT,), 1.0, tl.float32) * scale
-            ik0 = tl.full((1,), 1.0, tl.float32)
-            iq0 = tl.full((1,), 1.0, tl.float32) * scale
-
-        # the tree: ancestors (valid rows and columns, the diagonal forced), decays, gates
-        mrow = mask_ptr + pid_b * sm_b + node * sm_i
-        anc = tl.load(mrow[:, None] + node[None, :], mask=ok[:, None] & ok[None, :], other=0)
-        lower = rt[None, :] < rt[:, None]
-        full = ((anc != 0) & lower) | ((rt[:, None] == rt[None, :]) & ok[:, None])
-        r = (tl.load(mrow, mask=ok, other=0) != 0) & ok & ok0  # node 0 is i's ancestor
-        gb = (row + node) * HV + h
-        g = tl.load(g_ptr + gb, mask=ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + gb, mask=ok, other=0.0).to(tl.float32)
-        g0 = tl.where(ok0, tl.load(g_ptr + row * HV + h).to(tl.float32), 0.0)
-        beta0 = tl.where(ok0, tl.load(beta_ptr + row * HV + h).to(tl.float32), 0.0)
-        if STASH:
-            if pid_v == 0:  # the replay's inputs, in the pool's stash rows (one program per head)
-                srow = tl.load(st_rows_ptr + pid_b).to(tl.int64)
-                gs = gs_ptr + srow * sgs_b + h
-                bs = bs_ptr + srow * sbs_b + h
-                tl.store(gs, g0)
-                tl.store(bs, beta0.to(bs_ptr.dtype.element_ty))
-                tl.store(gs + node * sgs_n, g, mask=in_n)
-                tl.store(bs + node * sbs_n, beta.to(bs_ptr.dtype.element_ty), mask=in_n)
-        # G = (A + I) g: the log decay summed over ancestors-and-self (node 0 through r)
-        G = _sum(tl.where(full, g[None, :], 0.0), 1) + tl.where(r, g0, 0.0)
-        # a row's chain inside the block has depth + 1 - r nodes: exact after depth - r rounds
-        dep = tl.load(depth_ptr + row + node, mask=ok, other=0).to(tl.int32)
-        rounds = tl.reduce(tl.where(ok, dep - r.to(tl.int32), 0), 0, tl.standard._elementwise_max)
-        decay = tl.exp(tl.where(full, G[:, None] - G[None, :], float("-inf")))  # Γ ⊙ (A + I)
+        ik, iq, ik0, iq0 = _inv_norms(nk, nq, nk0, nq0, scale, BT, L2NORM)
+        lower, beta, g0, beta0, r, G, rounds, decay = _tree_gates(
+            mask_ptr, g_ptr, beta_ptr, depth_ptr, gs_ptr, bs_ptr, st_rows_ptr,
+            pid_b, h, row, node, rt, in_n, ok, ok0, HV, sm_b, sm_i, sgs_b, sgs_n, sbs_b, sbs_n,
+            pid_v == 0, STASH,
+        )  # fmt: skip
         Lm = tl.where(lower, KK * decay, 0.0) * (beta * ik)[:, None] * ik[None, :]
         Am = QK * decay * iq[:, None] * ik[None, :]
 
