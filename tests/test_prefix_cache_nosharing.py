@@ -62,9 +62,10 @@ def test_no_sharing_schedules_the_same_batches_with_the_cache(toy_pair):
             max_total_tokens=36 * PAGE,
             disable_radix_cache=not cache,
         )
-        runs[cache] = closed_loop(llm, prompts), llm.engine.runner.bm
-    (on, on_out), bm = runs[True]
-    (off, off_out), _ = runs[False]
+        runs[cache] = closed_loop(llm, prompts), llm.engine.runner
+    (on, on_out), runner = runs[True]
+    (off, off_out), runner_off = runs[False]
+    bm = runner.bm
     assert bm.cache.stats.evicted_pages > 0  # the pool was full of cached pages
     assert any(q != CHUNK for kind, qs in on if kind == "P" for q in qs)  # chunks and tails
     assert on == off, "cache on schedules different batches on a no-sharing workload"
@@ -76,6 +77,34 @@ def test_no_sharing_schedules_the_same_batches_with_the_cache(toy_pair):
         plan_passes(list(qs), list(EXTEND_WIDTHS), EXTEND_BATCHES[-1]) for k, qs in off if k == "P"
     ]
     assert on_out == off_out  # lossless
+    # the per-step counters /metrics exports (and bench prefix-cache reports) agree, and count
+    # what the trace saw
+    host = ("schedule_s", "cache_insert_s")
+    st_on, st_off = (
+        {k: v for k, v in r.step_stats.as_dict().items() if k not in host}
+        for r in (runner, runner_off)
+    )
+    assert st_on == st_off
+    assert st_on["prefill_steps"] == sum(k == "P" for k, _ in on)
+    assert st_on["decode_reqs"] == sum(n for k, n in on if k == "D")
+    assert st_on["prompts_done"] == len(prompts) and st_on["graphed_steps"] == 0
+    assert st_on["graphable_steps"] == sum(p is not None for p in plan)
+
+
+def test_bench_prefix_cache_reports_the_step_plan():
+    from ddtree.bench.prefix_cache import format_report
+    from ddtree.engine.step_stats import StepStats, summarize
+
+    st = StepStats(prefill_steps=4, graphed_steps=1, graph_passes=2, prefill_chunks=6)
+    st.prompts_done, st.decode_steps, st.decode_reqs = 3, 10, 25
+    level = {"ttft_ms": {"p50": 1.0, "p99": 2.0}, "output_throughput": 1.0, "cache_hit_rate": 0}
+    res = {"cache": {"distinct": {**level, "steps": summarize(st.as_dict())}}}
+    text = format_report(res, [])
+    assert "per-step counters" in text
+    row = text.splitlines()[-1].split()
+    # prefill, graphed share, graphable, passes / graphed step, chunks / step, chunks / prompt
+    assert row[2:8] == ["4", "0.25", "0.00", "2.00", "1.50", "2.00"]
+    assert row[8:10] == ["10", "2.50"]
 
 
 def test_evicted_pages_are_handed_out_in_ascending_order():
