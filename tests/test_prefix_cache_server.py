@@ -52,9 +52,16 @@ def test_cached_tokens_metrics_and_multiturn_hit_rate(pair, tmp_path):
         level = multiturn(url, tmp_path / "on.json")
         assert level["cache_hit_rate"] > 0.3 and level["cached_tokens"] > 0
         assert level["cache_evicted_pages"] == 0  # read from /metrics around the level
+        steps = level["steps"]  # the level's step plan, from the same scrapes
+        # 8 turns: each prompt prefilled once (one chunk), decode batches of at most 2
+        assert steps["prefill_steps"] >= 1 and steps["chunks_per_prompt"] == pytest.approx(1)
+        assert 1 <= steps["mean_decode_batch"] <= 2 and steps["decode_steps"] > 0
+        assert steps["graphed_share"] == 0  # on the CPU nothing is captured
+        assert steps["graphable_share"] == 1  # short prompts: the device would replay them
         info = wait_idle(url)
         assert info["kv_integrity"] == "ok" and info["kv_pages_cached"] > 0
         text = httpx.get(url + "/metrics", timeout=10).text
         assert metric(text, "ddtree_prefix_cache_hit_tokens") >= 72 + level["cached_tokens"]
         assert 0 < metric(text, "ddtree_prefix_cache_hit_rate") < 1
         assert metric(text, "ddtree_kv_pages_cached") == info["kv_pages_cached"]
+        assert metric(text, "ddtree_step_prefill_steps") >= steps["prefill_steps"] + 3

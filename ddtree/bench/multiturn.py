@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ddtree.bench.serving import Result
+from ddtree.engine.step_stats import StepStats, step_metric, summarize
 
 
 @dataclass
@@ -175,10 +176,13 @@ async def run_level(url: str, convs, concurrency: int, ns) -> dict:
 
 
 CACHE_COUNTERS = ("ddtree_prefix_cache_evicted_pages_total", "ddtree_prefix_cache_hit_tokens_total")
+# the engine's per-step counters (engine/step_stats.py), when the server exports them
+STEP_COUNTERS = {step_metric(name) + "_total": name for name in StepStats().as_dict()}
 
 
 async def cache_counters(url: str, api_key: str | None) -> dict[str, float] | None:
-    """The server's prefix-cache counters from /metrics, or None (metrics off, or not ddtree)."""
+    """The server's prefix-cache counters (and its step counters, when exported) from /metrics,
+    or None (metrics off, or not ddtree)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -192,9 +196,9 @@ async def cache_counters(url: str, api_key: str | None) -> dict[str, float] | No
     found = {}
     for line in r.text.splitlines():
         name, _, value = line.partition(" ")
-        if name in CACHE_COUNTERS:
+        if name in CACHE_COUNTERS or name in STEP_COUNTERS:
             found[name] = float(value)
-    return found if len(found) == len(CACHE_COUNTERS) else None
+    return found if all(c in found for c in CACHE_COUNTERS) else None
 
 
 async def with_evictions(level_coro, url: str, api_key: str | None) -> dict:
@@ -204,6 +208,10 @@ async def with_evictions(level_coro, url: str, api_key: str | None) -> dict:
     after = await cache_counters(url, api_key) if before is not None else None
     key = CACHE_COUNTERS[0]
     level["cache_evicted_pages"] = after[key] - before[key] if after is not None else None
+    # the level's step plan: prefill steps, graphed share, passes, batch sizes (None: not exported)
+    level["steps"] = None
+    if after is not None and all(k in after and k in before for k in STEP_COUNTERS):
+        level["steps"] = summarize({n: after[k] - before[k] for k, n in STEP_COUNTERS.items()})
     return level
 
 

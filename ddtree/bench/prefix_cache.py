@@ -104,6 +104,8 @@ def serve(ns, name: str, extra: tuple[str, ...]) -> dict:
                 f"hit rate {r['cache_hit_rate']:.2f}, accept {r['mean_accept_length']:.2f}",
                 flush=True,
             )
+            if r.get("steps"):
+                print("#     " + step_line(name, kind, r["steps"]), flush=True)
             b = r.get("ttft_breakdown_later_turns_ms") or r.get("ttft_breakdown_ms")
             if b:
                 print(
@@ -134,6 +136,29 @@ def verdict(res: dict, ns) -> list[tuple[str, float, str, bool]]:
     ]
 
 
+STEP_COLUMNS = (  # (summarize key, header, format)
+    ("prefill_steps", "prefill", "{:.0f}"),
+    ("graphed_share", "graphed", "{:.2f}"),
+    ("graphable_share", "graphable", "{:.2f}"),
+    ("passes_per_graphed_step", "passes", "{:.2f}"),
+    ("mean_prefill_batch", "p-batch", "{:.2f}"),
+    ("chunks_per_prompt", "chunks", "{:.2f}"),
+    ("decode_steps", "decode", "{:.0f}"),
+    ("mean_decode_batch", "d-batch", "{:.2f}"),
+    ("schedule_ms_per_step", "sched ms", "{:.3f}"),
+    ("cache_insert_ms_per_prompt", "insert ms", "{:.3f}"),
+)
+STEP_HEADER = f"{'setting':<10} {'workload':<9} " + " ".join(f"{h:>9}" for _, h, _ in STEP_COLUMNS)
+
+
+def step_line(setting: str, kind: str, st: dict) -> str:
+    """prefill: steps; graphed / graphable: their share on the extend graphs (graphable: at the
+    default widths, what a CPU server would take on the device); passes per graphed step; p-batch:
+    request chunks per prefill step; chunks per prompt; decode steps and batch; host ms."""
+    cells = ["-" if st.get(k) is None else fmt.format(st[k]) for k, _, fmt in STEP_COLUMNS]
+    return f"{setting:<10} {kind:<9} " + " ".join(f"{c:>9}" for c in cells)
+
+
 def format_report(res: dict, rows) -> str:
     lines = [
         f"{'setting':<10} {'workload':<9} {'TTFT p50':>10} {'TTFT p99':>10} {'tok/s':>9}"
@@ -150,6 +175,10 @@ def format_report(res: dict, rows) -> str:
                 f" {'-' if evicted is None else f'{evicted:.0f}':>9}"
                 f" {r.get('mean_accept_length', 0.0):>9.2f}"
             )
+    steps = [(st, k, r["steps"]) for st, lv in res.items() for k, r in lv.items() if r.get("steps")]
+    if steps:  # the step plan behind the numbers (engine/step_stats.py; servers with /metrics)
+        lines += ["", "per-step counters (server side):", STEP_HEADER]
+        lines += [step_line(setting, kind, st) for setting, kind, st in steps]
     lines += [""] + [
         f"{'PASS' if ok else 'FAIL'}  {name:<30} {value:>8.2f}  (target {want})"
         for name, value, want, ok in rows

@@ -90,7 +90,8 @@ class BlockManager:
     # ---- prefix cache ----------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], max_len: int, checkpointed: bool = False) -> PrefixHit:
         """The cached prefix of `tokens` a new request may reuse: at most `max_len` tokens (the
-        last prompt token is always recomputed: its logits give the first output token). With
+        last prompt token is always recomputed: its logits give the first output token), at least
+        one full page (then a copy-on-write page may continue it). With
         `checkpointed` (hybrid targets) only a page-aligned length whose node has a recurrent-state
         checkpoint counts, and nothing is copied."""
         if self.cache is None or max_len <= 0:
@@ -102,8 +103,13 @@ class BlockManager:
             while nodes and nodes[-1].checkpoint is None:
                 nodes.pop()
             return PrefixHit(len(nodes) * p, tuple(nodes)) if nodes else NO_HIT
-        length = m.length(p)
-        return PrefixHit(length, tuple(m.nodes), m.cow) if length else NO_HIT
+        if not m.nodes:
+            # a copy-on-write page alone is no shared prefix: a few tokens that start like some
+            # cached page (a common first word, a template's opening tokens) would save < one page
+            # of prefill for a page copy, and shift every chunk of a request that shares nothing
+            # (its passes, its extend graphs) away from the cache-off server's
+            return NO_HIT
+        return PrefixHit(m.length(p), tuple(m.nodes), m.cow)
 
     def can_admit(self, req: Req, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Room for positions [0, num_tokens) of a waiting request that reuses `hit`."""
@@ -169,13 +175,16 @@ class BlockManager:
         """Evict every unreferenced cached page and zero the cache's counters (after the warm-up,
         whose synthetic prompts are no one's prefix)."""
         if self.cache is not None:
-            self.free_pages.extend(self.cache.evict(self.cache.num_pages, self.drop_checkpoint))
+            evicted = self.cache.evict(self.cache.num_pages, self.drop_checkpoint)
+            self.free_pages.extend(sorted(evicted))
             self.cache.stats = CacheStats()
 
     def _evict_for(self, n: int) -> None:
         short = n - len(self.free_pages)
         if short > 0 and self.cache is not None:
-            self.free_pages.extend(self.cache.evict(short, self.drop_checkpoint))
+            # ascending, as a fresh free list hands them out: eviction walks a cached chain from
+            # its leaf up, which would give the next request its pages in reverse order
+            self.free_pages.extend(sorted(self.cache.evict(short, self.drop_checkpoint)))
 
     # ---- allocation ------------------------------------------------------------------------------
     def can_allocate(self, req: Req, num_tokens: int) -> bool:

@@ -52,6 +52,7 @@ class LLMEngine:
             cfg.max_verify_width,
             args.max_prefill_tokens,
         )
+        self.runner.step_stats.set_budget(self.scheduler.prefill_budget)
         self.batch_log = BatchLog(self.scheduler, args.decode_log_interval)
         eos = set(self.runner.target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -126,6 +127,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.last_round = None
         batch = self.scheduler.schedule()
+        self.runner.step_stats.schedule_s += time.perf_counter() - t0
         if batch is None:
             self._starved()
             return []
@@ -148,6 +150,7 @@ class LLMEngine:
                     r.times.first_token = r.times.first_token or now
             self.batch_log.prefill(batch.q_lens)
         else:
+            self.runner.step_stats.on_decode(len(batch.reqs))
             t1 = time.perf_counter()
             emitted = self.decoder.round(batch.reqs, self.max_context)
             t2 = time.perf_counter()

@@ -13,6 +13,7 @@ context and hybrid state are committed, and it changes only in `prefill` (after 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +25,18 @@ from ddtree.attention.backend import (
     store_kv,
 )
 from ddtree.engine.block_manager import NO_HIT, BlockManager, PrefixHit
-from ddtree.engine.config import RunnerConfig, pages_per_request, scratch_pages
-from ddtree.engine.extend_graph import pack_pass
+from ddtree.engine.config import (
+    EXTEND_BATCHES,
+    RunnerConfig,
+    pages_per_request,
+    scratch_pages,
+)
+from ddtree.engine.extend_graph import pack_pass, plan_passes
 from ddtree.engine.kv_cache import KVPool
 from ddtree.engine.request import Req
 from ddtree.engine.state_checkpoints import StateCheckpoints
 from ddtree.engine.state_pool import HybridStatePool
+from ddtree.engine.step_stats import StepStats
 
 
 @dataclass
@@ -103,6 +110,7 @@ class ModelRunner:
             prefix_cache=cfg.prefix_cache,
         )
         self.check_writes = False  # debug: assert no KV write reaches a shared cached page
+        self.step_stats = StepStats()  # prefill path per step (graphed / eager), decode batches
         # Hybrid targets keep recurrent state per request in rows indexed by the request's block-table slot.
         self.state_pool = None
         if tcfg.is_hybrid:
@@ -281,7 +289,12 @@ class ModelRunner:
             logits = self._prefill_eager(reqs, q_lens)
         else:
             logits = self._prefill_graphed(reqs, passes)
+        t0 = time.perf_counter()
         self._cache_prefilled(reqs)
+        st = self.step_stats
+        st.cache_insert_s += time.perf_counter() - t0
+        graphable = plan_passes(q_lens, st.widths, EXTEND_BATCHES[-1]) is not None
+        st.on_prefill(q_lens, passes, graphable, sum(1 for r in reqs if not r.needs_prefill))
         return logits
 
     def _prefill_eager(self, reqs: list[Req], q_lens: list[int]) -> torch.Tensor:

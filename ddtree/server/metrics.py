@@ -18,6 +18,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from ddtree.engine.step_stats import StepStats, step_metric
+
 THROUGHPUT_WINDOW_S = 5.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TTFT_PART_BUCKETS = (
@@ -165,6 +167,12 @@ class ServerMetrics:
             "ddtree_prefix_cache_evicted_pages", "Cached KV pages evicted (LRU)", registry=r
         )
         self._cache_seen = (0, 0, 0)
+        # ---- engine steps (engine/step_stats.py): prefill path (graphed / eager), decode batches
+        self.steps = {
+            name: Counter(step_metric(name), f"Engine steps: {name} since start", registry=r)
+            for name in StepStats().as_dict()
+        }
+        self._steps_seen: dict[str, float] = {}
         # ---- budgets and per-round host time (one observation per decode round / request-round)
         self.budget = Histogram(
             "ddtree_spec_budget",
@@ -292,6 +300,11 @@ class ServerMetrics:
         self.kv_used.set(bm.num_pages - bm.num_available_pages)
         self.kv_usage.set((bm.num_pages - bm.num_available_pages) / max(bm.num_pages, 1))
         self._on_cache(bm)
+        for name, value in runner.step_stats.as_dict().items():
+            seen = self._steps_seen.get(name, 0)
+            if value > seen:
+                self.steps[name].inc(value - seen)
+            self._steps_seen[name] = value
         slots = runner.cfg.max_running_requests
         self.slots_total.set(slots)
         self.slots_free.set(bm.num_free_slots)
