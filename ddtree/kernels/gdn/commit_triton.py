@@ -25,14 +25,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
 if triton is not None:
-    from ddtree.kernels.tree_attention.tuning import patch_interpreter_index
-
-    if triton.knobs.runtime.interpret:
-        patch_interpreter_index()
-
-    @triton.jit
-    def _sum(x, axis: tl.constexpr):  # the interpreter cannot call tl.sum (tree_chunk_triton.py)
-        return tl.reduce(x, axis, tl.standard._sum_combine)
+    # tree_chunk_triton's _sum: tl.reduce (the interpreter cannot call tl.sum); its import also
+    # patches the interpreter's indexing
+    from ddtree.kernels.gdn.tree_chunk_triton import _sum
 
     @triton.jit
     def _replay_ssm_kernel(

@@ -31,7 +31,7 @@ from ddtree.kernels.gdn.tree_chunk_triton import block_rows, checked_inputs, tri
 if triton is not None:
     import triton.language as tl
 
-    from ddtree.kernels.gdn.tree_chunk_triton import _inv_norms, _sum, _tree_gates
+    from ddtree.kernels.gdn.tree_chunk_triton import _inv_norms, _program_rows, _sum, _tree_gates
 
     @triton.jit
     def _solve_kernel(
@@ -132,24 +132,12 @@ if triton is not None:
         BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
         S0_ROWS: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
-        pid_b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-        pid_v = tl.program_id(2)
-        hk = h // GROUP
-        rt = tl.arange(0, BT)
-        node = 1 + rt
-        in_n = node < n
-        row = pid_b * n
-        ok = (tl.load(valid_ptr + row + node, mask=in_n, other=0) != 0) & in_n
-        ok0 = tl.load(valid_ptr + row) != 0
-        rv = pid_v * BV + tl.arange(0, BV)
-        mv = rv < DV
-        s0_row = pid_b
-        if S0_ROWS:
-            s0_row = tl.load(s0_rows_ptr + pid_b).to(tl.int64)
-        s0_base = s0_ptr + s0_row * s0_b + h * DK * DV
-        q_base = q_ptr + pid_b * sq_b + hk * sq_h
-        k_base = k_ptr + pid_b * sk_b + hk * sk_h
+        pid_b, h, pid_v, rt, node, in_n, row, ok, ok0, rv, mv, s0_base, q_base, k_base = (
+            _program_rows(
+                q_ptr, k_ptr, valid_ptr, s0_ptr, s0_rows_ptr, n, DK, DV, GROUP,
+                sq_b, sq_h, sk_b, sk_h, s0_b, BT, BV, S0_ROWS,
+            )
+        )  # fmt: skip
         KS = tl.full((BT, BV), 0.0, tl.float32)
         QS = tl.full((BT, BV), 0.0, tl.float32)
         kS0 = tl.full((BV,), 0.0, tl.float32)

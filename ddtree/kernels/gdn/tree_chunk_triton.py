@@ -107,6 +107,34 @@ if triton is not None:
         return lower, beta, g0, beta0, r, G, rounds, decay
 
     @triton.jit
+    def _program_rows(
+        q_ptr, k_ptr, valid_ptr, s0_ptr, s0_rows_ptr, n, DK, DV, GROUP,
+        sq_b, sq_h, sk_b, sk_h, s0_b, BT: tl.constexpr, BV: tl.constexpr, S0_ROWS: tl.constexpr,
+    ):  # fmt: skip
+        """A (request, value head, column tile) program's rows: block row r is node 1 + r, the
+        valid masks (block, root), its value columns, and its S0 / q / k bases. Shared with
+        tree_chunk_split_triton's output kernel."""
+        pid_b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        pid_v = tl.program_id(2)
+        hk = h // GROUP
+        rt = tl.arange(0, BT)
+        node = 1 + rt
+        in_n = node < n
+        row = pid_b * n
+        ok = (tl.load(valid_ptr + row + node, mask=in_n, other=0) != 0) & in_n
+        ok0 = tl.load(valid_ptr + row) != 0
+        rv = pid_v * BV + tl.arange(0, BV)
+        mv = rv < DV
+        s0_row = pid_b
+        if S0_ROWS:
+            s0_row = tl.load(s0_rows_ptr + pid_b).to(tl.int64)
+        s0_base = s0_ptr + s0_row * s0_b + h * DK * DV
+        q_base = q_ptr + pid_b * sq_b + hk * sq_h
+        k_base = k_ptr + pid_b * sk_b + hk * sk_h
+        return pid_b, h, pid_v, rt, node, in_n, row, ok, ok0, rv, mv, s0_base, q_base, k_base
+
+    @triton.jit
     def _tree_chunk_kernel(
         q_ptr,
         k_ptr,
@@ -157,24 +185,12 @@ if triton is not None:
         PREC: tl.constexpr,
         PREC_IN: tl.constexpr,
     ):
-        pid_b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-        pid_v = tl.program_id(2)
-        hk = h // GROUP
-        rt = tl.arange(0, BT)
-        node = 1 + rt  # block row r is node 1 + r
-        in_n = node < n
-        row = pid_b * n
-        ok = (tl.load(valid_ptr + row + node, mask=in_n, other=0) != 0) & in_n
-        ok0 = tl.load(valid_ptr + row) != 0
-        rv = pid_v * BV + tl.arange(0, BV)
-        mv = rv < DV
-        s0_row = pid_b
-        if S0_ROWS:
-            s0_row = tl.load(s0_rows_ptr + pid_b).to(tl.int64)
-        s0_base = s0_ptr + s0_row * s0_b + h * DK * DV
-        q_base = q_ptr + pid_b * sq_b + hk * sq_h
-        k_base = k_ptr + pid_b * sk_b + hk * sk_h
+        pid_b, h, pid_v, rt, node, in_n, row, ok, ok0, rv, mv, s0_base, q_base, k_base = (
+            _program_rows(
+                q_ptr, k_ptr, valid_ptr, s0_ptr, s0_rows_ptr, n, DK, DV, GROUP,
+                sq_b, sq_h, sk_b, sk_h, s0_b, BT, BV, S0_ROWS,
+            )
+        )  # fmt: skip
 
         # raw dots over dk in chunks (q / k normalised after: the rows' inverse norms); only the
         # accumulators live across the loop, the masks and decays come after it (registers).
