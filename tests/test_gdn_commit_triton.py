@@ -85,24 +85,37 @@ def test_switch_and_dispatch(monkeypatch):
 
 @cpu_interpreter_only
 @pytest.mark.usefixtures("one_torch_thread")
-def test_hybrid_no_buffer_lossless_with_the_commit_kernel(toy_hybrid_pair, monkeypatch):
-    """Only the commit kernel in the interpreter (the rest on the references)."""
+@pytest.mark.parametrize("algorithm,chunk", [("DDTREE", False), ("DFLASH", True), ("DDTREE", True)])
+def test_hybrid_no_buffer_lossless_with_the_commit_kernel(
+    toy_hybrid_pair, monkeypatch, algorithm, chunk
+):
+    """The commit kernel in the interpreter (with chunk: the split verify kernel too, CUDA's
+    no_buffer pair of kernels; the rest on the references), 2 requests, T=0 == AR."""
     from engine_utils import accepted_prompts, mean_accept, run
 
     from ddtree import SamplingParams
+    from ddtree.kernels.gdn import dispatch, tree_chunk_triton
 
     prompts = accepted_prompts(2)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ar = [o.token_ids for o in run(toy_hybrid_pair, prompts, params)]
     monkeypatch.setattr(state_pool, "commit_kernel", lambda t: True)
+    if chunk:
+        monkeypatch.setenv(backend.TREE_CHUNK_ENV, "1")
+        monkeypatch.delenv(backend.FORCE_ENV, raising=False)
+        monkeypatch.setattr(
+            dispatch, "tree_chunk_kernel", lambda t, n: tree_chunk_triton.supported(n)
+        )
     backend.ran.clear()
+    kw = dict(speculative_ddtree_budget=16) if algorithm == "DDTREE" else {}
     outs = run(
         toy_hybrid_pair,
         prompts,
         params,
-        algorithm="DDTREE",
+        algorithm=algorithm,
         mamba_scheduler_strategy="no_buffer",
-        speculative_ddtree_budget=16,
+        **kw,
     )
     assert [o.token_ids for o in outs] == ar and mean_accept(outs) > 2
     assert backend.ran[("commit", "triton")] > 0
+    assert (backend.ran[("tree", "chunk")] > 0) == chunk
