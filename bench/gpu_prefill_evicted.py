@@ -61,13 +61,9 @@ def main() -> int:
     engine = LLM(None if ns.model_path == "embedded" else ns.model_path, **kw).engine
     if not cuda:  # the dry run: the graph path's logic uncaptured (CudaGraphRunner capture=False)
         from ddtree.engine.config import EXTEND_WIDTHS
-        from ddtree.engine.cuda_graph import CudaGraphRunner
+        from ddtree.engine.cuda_graph import attach_uncaptured
 
-        r = engine.runner
-        r.graphs = CudaGraphRunner(r, capture=False, extend_widths=EXTEND_WIDTHS)
-        spec = engine.spec
-        r.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)
-        r.graphs.build()
+        attach_uncaptured(engine, extend_widths=EXTEND_WIDTHS)
     warm = warm_up(engine, progress=False)
     print(f"warm-up {warm['seconds']:.1f} s", flush=True)
     runner, bm = engine.runner, engine.runner.bm

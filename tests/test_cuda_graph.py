@@ -8,7 +8,13 @@ from engine_utils import accepted_prompts, make_llm, mean_accept
 from triton_utils import cpu_interpreter_only
 
 from ddtree import SamplingParams
-from ddtree.engine.cuda_graph import CudaGraphRunner, GraphSet, batch_buckets, ctx_bounds
+from ddtree.engine.cuda_graph import (
+    CudaGraphRunner,
+    GraphSet,
+    attach_uncaptured,
+    batch_buckets,
+    ctx_bounds,
+)
 from ddtree.engine.model_runner import RoundMeta
 
 # ragged prompts (9..33 tokens) the toy drafter accepts (mean accepted length > 2: the graph path's
@@ -18,13 +24,9 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in 
 ALGOS = ["NONE", "DFLASH", "DDTREE"]
 
 
-def attach_graphs(llm, max_bs, capture=False):
-    """A capture=False graph runner on the engine's runner, told the decoder's tree spec (as SpecDecoder does)."""
-    runner, spec = llm.engine.runner, llm.engine.spec
-    runner.graphs = CudaGraphRunner(runner, capture=capture, max_bs=max_bs)
-    runner.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)
-    runner.graphs.build()
-    return runner.graphs
+def attach_graphs(llm, max_bs):
+    """A capture=False graph runner on the engine's runner (`cuda_graph.attach_uncaptured`)."""
+    return attach_uncaptured(llm.engine, max_bs=max_bs)
 
 
 def generate(pair, algorithm, graphs_max_bs=None, n=5, params=None, **kw):

@@ -163,14 +163,12 @@ def count_round(llm, prompt: list[int], decode_steps: int = 1) -> LaunchCounter:
     """Prefill `prompt`, run one decode round, then count the next `decode_steps` decode rounds.
     The engine's CUDA-graph path runs (capture off), as on the GPU."""
     from ddtree import SamplingParams
-    from ddtree.engine.cuda_graph import CudaGraphRunner
+    from ddtree.engine.cuda_graph import attach_uncaptured
 
     engine = llm.engine
-    runner, spec = engine.runner, engine.spec
+    runner = engine.runner
     if runner.graphs is None:
-        runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=1)
-        runner.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)
-        runner.graphs.build()
+        attach_uncaptured(engine, max_bs=1)
     params = SamplingParams(temperature=0, max_tokens=64 + 16 * decode_steps, ignore_eos=True)
     req = engine.add_request(list(prompt), params)
     while engine.last_round is None:  # prefill (+ first token), then the first decode round

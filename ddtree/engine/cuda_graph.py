@@ -81,6 +81,17 @@ def make_graph_runner(runner) -> CudaGraphRunner | None:
     return g
 
 
+def attach_uncaptured(engine, **kw) -> CudaGraphRunner:
+    """The engine's graph path with capture off (CPU tests, bench dry runs, launch counts): a
+    `CudaGraphRunner(capture=False, **kw)` on its runner, told the decoder's tree spec (as
+    SpecDecoder does), built."""
+    runner, spec = engine.runner, engine.spec
+    runner.graphs = CudaGraphRunner(runner, capture=False, **kw)
+    runner.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)
+    runner.graphs.build()
+    return runner.graphs
+
+
 def capture_graph(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """(graph, outputs) of fn() captured into `pool`, after two warm-up calls on a side stream
     (Triton compiles the variant, cuBLAS picks its kernels)."""
