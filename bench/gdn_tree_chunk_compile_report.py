@@ -54,6 +54,10 @@ def _ptrs(dt: str) -> dict:
     )
 
 
+def _bytes(dt: str) -> int:
+    return 2 if dt in ("bf16", "fp16") else 4
+
+
 def defaults(dk: int = 128, dv: int = 128) -> list[tuple]:
     """(BT, BKC, BV, warps, precision) the wrapper launches for trees of 17 / 33 / 65 nodes."""
     out = []
@@ -74,7 +78,7 @@ def report(bt, bkc, bv, warps, precision="tf32x3", dt="bf16", dk=128) -> dict:
         S0_ROWS=True,
         STASH=True,
         PREC=precision,
-        PREC_IN="tf32" if dt in ("bf16", "fp16") and precision != "ieee" else precision,
+        PREC_IN=tc.input_precision(_bytes(dt), precision),
     )
     config = dict(bt=bt, bkc=bkc, bv=bv, warps=warps, precision=precision, dtype=dt)
     return compile_report(tc._tree_chunk_kernel, consts, warps, dt, config)
@@ -84,7 +88,7 @@ def split_reports(n=65, precision="tf32", dt="bf16", dk=128, dv=128) -> list[dic
     """The split form's two kernels at the wrapper's launch for n nodes (tf32: its precision for
     16-bit inputs)."""
     cfg = sp.launch_config(n, dk, dv)
-    prec_in = "tf32" if dt in ("bf16", "fp16") and precision != "ieee" else precision
+    prec_in = tc.input_precision(_bytes(dt), precision)
     out = []
     for name, fn, extra in (
         ("solve", sp._solve_kernel, dict(L2NORM=True, STASH=True, PREC_IN=prec_in)),

@@ -108,12 +108,17 @@ def tree_chunk_kernel(t: torch.Tensor, n: int) -> bool:
     return supported(n)
 
 
-def commit_kernel(t: torch.Tensor) -> bool:
-    """no_buffer's commit as the in-place replay kernel (DDTREE_GDN_COMMIT_KERNEL, default 1)."""
+def commit_kernel_flag() -> bool:
+    """DDTREE_GDN_COMMIT_KERNEL (default 1), checked: a bad value raises naming it."""
     flag = envs.GDN_COMMIT_KERNEL.get().strip() or "1"
     if flag not in ("0", "1"):
         raise ValueError(f"{envs.GDN_COMMIT_KERNEL.name}={flag!r}: use 0 or 1")
-    return flag == "1" and use_triton(t)
+    return flag == "1"
+
+
+def commit_kernel(t: torch.Tensor) -> bool:
+    """no_buffer's commit as the in-place replay kernel: the switch on, where our kernels run."""
+    return commit_kernel_flag() and use_triton(t)
 
 
 _CHUNK_BV = (16, 32, 64, 128)
@@ -147,7 +152,7 @@ def check_switches() -> None:
     """Every GDN switch's value, checked at startup (before weights load): raises naming it."""
     tree_chunk_mode()
     tree_chunk_form()
-    commit_kernel(torch.empty(0))
+    commit_kernel_flag()
     tree_chunk_options()
     tree_kernel_options()
 

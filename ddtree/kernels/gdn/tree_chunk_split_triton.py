@@ -26,7 +26,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddtree.kernels.gdn.tree_chunk_triton import block_rows, checked_inputs, triton
+from ddtree.kernels.gdn.tree_chunk_triton import (
+    block_rows,
+    checked_inputs,
+    input_precision,
+    pick_bv,
+    triton,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -197,7 +203,7 @@ def launch_config(
     BK = max(16, triton.next_power_of_2(dk))
     chunk = max(16, min(block_k or 32, BK))
     solve = dict(BT=bt, BK=BK, BKC=chunk, num_warps=8 if bt >= 64 else 4)
-    bv = block_v or (32 if dv >= 32 else 16)
+    bv = block_v or pick_bv(dv)
     output = dict(BT=bt, BK=BK, BKC=chunk, BV=bv, num_warps=num_warps or 4)
     return dict(solve=solve, output=output)
 
@@ -235,7 +241,7 @@ def tree_chunk_split_triton(
     bt = cfg["solve"]["BT"]
     m = torch.empty(b, Hv, bt, bt, dtype=torch.float32, device=v.device)
     coef = torch.empty(b, Hv, 4 * bt + 4, dtype=torch.float32, device=v.device)
-    prec_in = "tf32" if q.element_size() == 2 and precision != "ieee" else precision
+    prec_in = input_precision(q.element_size(), precision)
     stashed = stash is not None
     _solve_kernel[(b, Hv)](
         q, k, g, beta, valid, depths, mask, m, coef, gs, bs, st_rows,

@@ -282,6 +282,12 @@ def supported(n: int) -> bool:
     return triton is not None and n - 1 <= MAX_BLOCK
 
 
+def input_precision(elem_bytes: int, precision: str) -> str:
+    """The q·k dots' precision for inputs of `elem_bytes`: one tf32 pass is exact for 16-bit
+    inputs (<= 10 mantissa bits each) unless ieee was asked for; fp32 inputs keep `precision`."""
+    return "tf32" if elem_bytes == 2 and precision != "ieee" else precision
+
+
 def pick_bv(dv: int) -> int:
     """Value-column tile: 32 (sm_90, 64-row block: 255 registers, no spills at 8 warps; at 64 it
     spills), 16 for narrower heads (tl.dot's minimum)."""
@@ -422,7 +428,7 @@ def tree_chunk_triton(
         S0_ROWS=initial_rows is not None,
         STASH=stash is not None,
         PREC=precision,
-        PREC_IN="tf32" if q.element_size() == 2 and precision != "ieee" else precision,
+        PREC_IN=input_precision(q.element_size(), precision),
         **cfg,
     )
     return out
