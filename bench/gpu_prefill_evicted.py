@@ -124,12 +124,10 @@ def set_eviction_order(bm, layout: str, rng: random.Random) -> None:
             return rng.sample(pages, len(pages))
         return sorted(pages)
 
-    def evict_for(n: int) -> None:
-        short = n - len(bm.free_pages)
-        if short > 0:
-            bm.free_pages.extend(order(bm.cache.evict(short, bm.drop_checkpoint)))
+    def reclaim(n: int) -> None:  # BlockManager._reclaim with the layout's order
+        bm.free_pages.extend(order(bm.cache.evict(n, bm.drop_checkpoint)))
 
-    bm._evict_for = evict_for
+    bm._reclaim = reclaim
 
 
 def fill_with_cached_pages(bm, params) -> None:

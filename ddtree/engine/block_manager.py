@@ -175,16 +175,19 @@ class BlockManager:
         """Evict every unreferenced cached page and zero the cache's counters (after the warm-up,
         whose synthetic prompts are no one's prefix)."""
         if self.cache is not None:
-            evicted = self.cache.evict(self.cache.num_pages, self.drop_checkpoint)
-            self.free_pages.extend(sorted(evicted))
+            self._reclaim(self.cache.num_pages)
             self.cache.stats = CacheStats()
 
     def _evict_for(self, n: int) -> None:
         short = n - len(self.free_pages)
         if short > 0 and self.cache is not None:
-            # ascending, as a fresh free list hands them out: eviction walks a cached chain from
-            # its leaf up, which would give the next request its pages in reverse order
-            self.free_pages.extend(sorted(self.cache.evict(short, self.drop_checkpoint)))
+            self._reclaim(short)
+
+    def _reclaim(self, n: int) -> None:
+        """Up to n unreferenced cached pages evicted onto the free list, ascending, as a fresh
+        free list hands them out: eviction walks a cached chain from its leaf up, which would
+        give the next request its pages in reverse order."""
+        self.free_pages.extend(sorted(self.cache.evict(n, self.drop_checkpoint)))
 
     # ---- allocation ------------------------------------------------------------------------------
     def can_allocate(self, req: Req, num_tokens: int) -> bool:
