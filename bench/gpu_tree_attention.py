@@ -2,6 +2,8 @@
 """H200 timing + config sweep of the split-KV paged tree-attention kernel (issue 7), one run, < 4 minutes.
 
     python3 bench/gpu_tree_attention.py            # from the repo root; writes $OUT/gpu_tree_attention.json
+    python3 bench/gpu_tree_attention.py --shape qwen3.6-27b   # the hybrid target's gated attention:
+        # 24 query heads, 4 KV heads, head dim 256 (AR / DFLASH chain / B=64 tree points, batch 1 and 8)
 
 Prints, per shape, every variant (the default, each config of `sweep_configs`, split counts around the best)
 with its time, ratio to the KV floor and relative error, then a WINNER line per shape and a final summary
@@ -175,6 +177,15 @@ class Problem:
         )
 
 
+# --shape: (query heads, KV heads, head dim) of the target's attention layers
+SHAPES = {"qwen3-8b": (32, 8, 128), "qwen3.6-27b": (24, 4, 256)}
+POINTS_WIDE_HEAD = [
+    ("b1 n65 1k", 1, 65, 1024, True),
+    ("b8 n65 1k", 8, 65, 1024, True),
+    ("b1 n16 1k (DFLASH)", 1, 16, 1024, True),
+    ("b1 n1 1k (AR)", 1, 1, 1024, True),
+    ("b1 n65 16k", 1, 65, 16384, True),
+]  # the 27B rounds' points (issue 19): its gated attention at head dim 256
 POINTS = [
     ("b1 n65 16k", 1, 65, 16384, True),
     ("b1 n65 1k", 1, 65, 1024, True),
@@ -198,9 +209,28 @@ def short(c):
     # T: tail split (masked tiles in their own split); S: not; cN: N warps in the split-merging kernel
 
 
-def sweep_configs(rows):
+def sweep_configs(rows, head_dim=128):
     """Candidate configs for `rows` (q tokens x GQA group) per request. sm_90 compile reports of each are in
-    bench/tree_attention_compile_report.py (registers, spills, programs per SM)."""
+    bench/tree_attention_compile_report.py (registers, spills, programs per SM). Head dim 256: a K + V tile
+    of 64 positions is 64 KB, so 64-wide tiles fit at most 3 stages in the 227 KB of shared memory."""
+    if head_dim > 128:
+        if rows <= 16:
+            return [
+                KernelConfig(16, 64, 4, 3, tail_split=False),
+                KernelConfig(16, 64, 4, 2, tail_split=False),
+                KernelConfig(16, 32, 4, 3, tail_split=False),
+                KernelConfig(16, 64, 8, 3, tail_split=False),
+                KernelConfig(16, 16, 4, 6, tail_split=False),
+            ]
+        return [
+            KernelConfig(64, 32, 4, 3),
+            KernelConfig(64, 64, 4, 3),
+            KernelConfig(64, 64, 8, 3),
+            KernelConfig(64, 32, 8, 4),
+            KernelConfig(32, 32, 4, 5),
+            KernelConfig(64, 16, 4, 6),
+            KernelConfig(128, 32, 8, 3),
+        ]
     if rows <= 16:
         return [
             KernelConfig(16, 128, 4, 5, tail_split=False),
@@ -311,6 +341,7 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
         "variants": [],
     }
     c0 = default_config(rows, D, L)
+    configs = sweep_configs(rows, D)
     res["mma_floor_us"] = 4 * b * rows * HKV * L * D / mma * 1e6  # unpadded rows
 
     def run(label, cfg, splits, **kw):
@@ -364,7 +395,7 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
             )
         except Exception as e:  # noqa: BLE001 - the breakdown is a diagnostic
             print(f"    profiler failed: {type(e).__name__}: {str(e)[:160]}")
-    for cfg in sweep_configs(rows):
+    for cfg in configs:
         if time.time() - T0 > SWEEP_BUDGET_S:
             print("    (sweep budget spent)")
             break
@@ -377,7 +408,7 @@ def bench_point(name, b, n, ctx, bw, mma, results, full=True):
         for v in sorted(good, key=lambda v: v["us"]):
             if v["config"] not in top:
                 top.append(v["config"])
-        by_name = {short(c): c for c in [c0] + sweep_configs(rows)}
+        by_name = {short(c): c for c in [c0] + configs}
         for cfg in [by_name[t] for t in top[:2] if t in by_name]:
             s0 = next(v["splits"] for v in good if v["config"] == short(cfg))
             cands = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, s0 - 1, s0 + 1, 2 * s0})
@@ -429,9 +460,21 @@ def target_us(name, floor_us):
 
 
 def main():
+    global HQ, HKV, D, POINTS
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    shape = ap.parse_args().shape
+    HQ, HKV, D = SHAPES[shape]  # module globals: Problem and bench_point read them
+    if shape != "qwen3-8b":
+        POINTS = POINTS_WIDE_HEAD
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(DEV)
-    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
+    print(
+        f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}; {shape}: "
+        f"{HQ} query heads, {HKV} KV heads, head dim {D}"
+    )
     bws, mma = bandwidths(), matmul_rate()
     torch.cuda.empty_cache()
     bw = max(bws["memcpy_eager"], bws["memcpy_graph"], bws["sm_copy_graph"])
@@ -459,7 +502,7 @@ def main():
             f"{'yes' if best and best['us'] <= tgt else 'no'} |"
         )
     print("\nwins per config (shapes where it is within 3% of the best):")
-    for cfg in sweep_configs(260) + sweep_configs(4):
+    for cfg in sweep_configs(260, D) + sweep_configs(4, D):
         wins = [
             r["point"]
             for r in results
@@ -474,7 +517,7 @@ def main():
             print(f"  {short(cfg)}: {', '.join(wins)}")
     print(f"total {time.time() - T0:.0f} s")
     save_json(
-        "gpu_tree_attention.json",
+        f"gpu_tree_attention{'' if shape == 'qwen3-8b' else '_' + shape}.json",
         {
             "device": props.name,
             "bandwidths": bws,
