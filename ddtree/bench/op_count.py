@@ -198,7 +198,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--algorithm", default="both", choices=["NONE", "DDTREE", "both"])
     ap.add_argument("--budget", type=int, default=8)
-    ap.add_argument("--ops", action="store_true", help="list the ops of one layer of each kind")
+    ap.add_argument(
+        "--ops", action="store_true", help="list the ops of one layer of each kind, and the rest"
+    )
     ap.add_argument("--strategy", default="extra_buffer", choices=["extra_buffer", "no_buffer"])
     args = ap.parse_args(argv)
     if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
@@ -233,6 +235,8 @@ def main(argv=None) -> int:
             for kind in ("gdn", "attn"):
                 ops = layer_ops(c, kind)
                 print(f"  {kind}: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
+            other = c.ops.get("other", {})  # drafter, tree build, LM head, accept walk, commit
+            print("  other: " + ", ".join(f"{k} {v}" for k, v in sorted(other.items())))
     return 0
 
 
