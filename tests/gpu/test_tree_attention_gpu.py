@@ -1,8 +1,9 @@
 """Tree attention on the device: the Triton kernel and the Gluon (sm_90) kernel against the PyTorch
 reference on random ragged batches (trees, causal chains, decode, prefill; contexts up to 32k; pages
 of 16 and 1), output poisoned with NaN first, at the serving shape (32 query heads, 8 KV heads, head
-dim 128, bf16). Formerly the correctness passes of bench/gpu_tree_attention.py and
-bench/gpu_tree_attention_hopper.py."""
+dim 128, bf16), and at the hybrid Qwen3.6-27B target's gated attention (24 query heads, 4 KV heads,
+head dim 256: the Triton kernel, every tile config its timing sweep tries). Formerly the
+correctness passes of bench/gpu_tree_attention.py and bench/gpu_tree_attention_hopper.py."""
 
 import pytest
 import torch
@@ -36,8 +37,10 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def problem(q_lens, kv_lens, page, tree, seed):
-    """Random paged pools (pages scattered), q and tree masks on the device."""
+def problem(q_lens, kv_lens, page, tree, seed, heads=(HQ, HKV, D)):
+    """Random paged pools (pages scattered), q and tree masks on the device; heads = (query heads,
+    KV heads, head dim)."""
+    hq, hkv, d = heads
     gen = torch.Generator().manual_seed(seed)
     dev = torch.device("cuda")
     b = len(q_lens)
@@ -49,9 +52,9 @@ def problem(q_lens, kv_lens, page, tree, seed):
     for i, p in enumerate(pages):
         table[i, :p] = perm[o : o + p]
         o += p
-    k_pool = torch.randn(total * page, HKV, D, generator=gen).to(dev, DT)
-    v_pool = torch.randn(total * page, HKV, D, generator=gen).to(dev, DT)
-    q = torch.randn(sum(q_lens), HQ, D, generator=gen).to(dev, DT)
+    k_pool = torch.randn(total * page, hkv, d, generator=gen).to(dev, DT)
+    v_pool = torch.randn(total * page, hkv, d, generator=gen).to(dev, DT)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dev, DT)
     indptr = torch.zeros(b + 1, dtype=torch.int64)
     indptr[1:] = torch.tensor(q_lens).cumsum(0)
     mask = None
@@ -72,7 +75,7 @@ def problem(q_lens, kv_lens, page, tree, seed):
         qo_indptr=indptr.to(dev),
         kv_lens=torch.tensor(kv_lens, device=dev),
         page_size=page,
-        scale=D**-0.5,
+        scale=d**-0.5,
         max_q_len=max(q_lens),
         max_kv_len=max(kv_lens),
         tree_mask=mask,
@@ -117,6 +120,56 @@ def test_triton_kernel_matches_reference(ci, splits):
     q_lens, kv_lens, page, tree = CASES[ci]
     err, plan = run(problem(q_lens, kv_lens, page, tree, ci), num_splits=splits, hopper_ctx=False)
     assert plan.kernel == "triton" and err < TOL, (plan, err)
+
+
+WIDE = (24, 4, 256)  # the hybrid 27B target's gated attention
+WIDE_CASES = [  # its rounds: B=64 trees at 1k (batch 1 and 3), the DFLASH chain, AR, 16k, ragged
+    ([65], [1024 + 65], 16, True),
+    ([65, 65, 65], [1024 + 65, 3000, 65], 16, True),
+    ([16], [1024 + 16], 16, True),
+    ([1, 1], [1025, 300], 16, False),
+    ([65], [16384 + 65], 16, True),
+    ([65, 16, 1], [5000 + 65, 700, 33], 16, True),
+]
+
+
+def _wide_configs(rows):
+    """The default and the head-dim-256 tile configs bench/gpu_tree_attention.py --shape
+    qwen3.6-27b times (rows: q tokens x GQA group per request)."""
+    from ddtree.kernels.tree_attention.tuning import KernelConfig
+
+    if rows <= 16:
+        return [
+            None,
+            KernelConfig(16, 64, 4, 3, tail_split=False),
+            KernelConfig(16, 64, 4, 2, tail_split=False),
+            KernelConfig(16, 32, 4, 3, tail_split=False),
+            KernelConfig(16, 64, 8, 3, tail_split=False),
+            KernelConfig(16, 16, 4, 6, tail_split=False),
+        ]
+    return [
+        None,
+        KernelConfig(64, 32, 4, 3),
+        KernelConfig(64, 64, 4, 3),
+        KernelConfig(64, 64, 8, 3),
+        KernelConfig(64, 32, 8, 4),
+        KernelConfig(32, 32, 4, 5),
+        KernelConfig(64, 16, 4, 6),
+        KernelConfig(128, 32, 8, 3),
+    ]
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("ci", range(len(WIDE_CASES)))
+def test_wide_head_matches_reference(ci, splits):
+    """Head dim 256 (no Gluon kernel there): the default tiles and every swept config, split counts
+    chosen, one, and three."""
+    q_lens, kv_lens, page, tree = WIDE_CASES[ci]
+    p = problem(q_lens, kv_lens, page, tree, 200 + ci, heads=WIDE)
+    rows = max(q_lens) * WIDE[0] // WIDE[1]
+    for cfg in _wide_configs(rows):
+        err, plan = run(p, num_splits=splits, config=cfg)
+        assert plan.kernel == "triton" and err < TOL, (cfg, plan, err)
 
 
 def _hopper_configs():
