@@ -47,6 +47,14 @@ NO_PDL = EnvVar(
     "",
     "1: the split-KV merge launches as an ordinary kernel, not a programmatic dependent (PDL)",
 )
+ATTENTION_WIDE_TILES = EnvVar(
+    "DDTREE_ATTENTION_WIDE_TILES",
+    "auto",
+    "the Triton tree-attention kernel's tiles at head dims > 128 (the hybrid targets' gated "
+    "attention): auto (tuning.default_config), or BLOCK_M,BLOCK_N,WARPS,STAGES for tree / chain / "
+    "block rows, optionally ;BLOCK_M,BLOCK_N,WARPS,STAGES for decode rows (<= 16); timed by bench/"
+    "gpu_tree_attention.py --shape qwen3.6-27b",
+)
 FORCE_REFERENCE_KERNELS = EnvVar(
     "DDTREE_FORCE_REFERENCE_KERNELS",
     "",
@@ -161,6 +169,7 @@ TABLE: dict[str, EnvVar] = {
         FORCE_REFERENCE_ATTENTION,
         NO_HOPPER_ATTENTION,
         NO_PDL,
+        ATTENTION_WIDE_TILES,
         FORCE_REFERENCE_KERNELS,
         FUSED_KERNELS_INTERPRET,
         FORCE_REFERENCE_GDN,

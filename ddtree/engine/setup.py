@@ -15,6 +15,7 @@ from ddtree.engine.config import device_memory_bytes, plan_pools, runner_config
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.inflate.source import is_inflate_path
 from ddtree.kernels.gdn import backend as gdn_backend
+from ddtree.kernels.tree_attention.tuning import wide_tiles
 from ddtree.models.layers import torch_dtype
 from ddtree.models.loader import load_drafter, load_target
 
@@ -85,6 +86,7 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
     dtype = torch_dtype(args.dtype)
     group = None if tp is None else tp.group
     gdn_backend.check_switches()  # a bad GDN kernel switch fails before the weights load
+    wide_tiles(decode=False), wide_tiles(decode=True)  # and a bad attention tile switch
     target, drafter = inflated_models(args, dtype, device)
     if target is None:
         target = load_target(args.model_path, dtype, str(device), group)
