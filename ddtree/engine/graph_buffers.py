@@ -213,8 +213,7 @@ class VerifyGraph:
         )
         if taps is not None:
             self.taps[:T].copy_(taps)
-        logits = self.runner.target.logits(hidden)
-        self.logits[:T].copy_(logits)
+        logits = self.runner.target.logits(hidden, out=self.logits[:T])
         tokens = logits.view(bs, n, -1).argmax(-1)
         # logits and taps are read from self.logits / self.taps (a graph-owned copy would hold
         # memory per graph)

@@ -98,12 +98,19 @@ class ParallelLMHead(nn.Linear):
         super().__init__(hidden, rows, bias=False)
         self.tp, self.vocab_size = tp, vocab
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: a [T, V] buffer for 2-D x (a graph's static logits): the GEMM writes it in place of
+        a [T, V] result and its copy (32 MB a 65-row round at a 248k vocab); the same matmul."""
         if not _active(self.tp):
-            return super().forward(x)
+            if out is None:
+                return super().forward(x)
+            if torch.is_grad_enabled() and self.weight.requires_grad:  # out= has no autograd
+                return out.copy_(super().forward(x))
+            return torch.matmul(x, self.weight.t(), out=out)
         local = F.linear(x, self.weight)
         flat = local.reshape(-1, local.shape[-1]).contiguous()
-        out = flat.new_empty(self.tp.size * flat.shape[0], flat.shape[1])
-        _all_gather(out, flat, group=self.tp.group)
-        full = out.view(self.tp.size, *flat.shape).transpose(0, 1).reshape(flat.shape[0], -1)
-        return full[:, : self.vocab_size].reshape(*local.shape[:-1], self.vocab_size)
+        gathered = flat.new_empty(self.tp.size * flat.shape[0], flat.shape[1])
+        _all_gather(gathered, flat, group=self.tp.group)
+        full = gathered.view(self.tp.size, *flat.shape).transpose(0, 1).reshape(flat.shape[0], -1)
+        logits = full[:, : self.vocab_size].reshape(*local.shape[:-1], self.vocab_size)
+        return logits if out is None else out.copy_(logits)

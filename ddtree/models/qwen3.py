@@ -174,8 +174,9 @@ class CausalLM(nn.Module):
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
         return h, tapped
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., V] logits; `out` (contiguous [T, V] for 2-D hidden): written there, no copy."""
+        return self.lm_head(hidden, out=out)
 
     def forward_train(self, input_ids: torch.Tensor, tap_layers: tuple[int, ...] = ()):
         """Dense causal forward for [B, T] ids (training, data generation and tests)."""
