@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 from types import SimpleNamespace
 
@@ -194,7 +195,9 @@ def main(argv=None):
                 f"= {ms / (nbytes / bw * 1e3):.2f}x its weight-read floor"
             )
     rows = []
-    for case in ns.cases.split(","):
+    # cases split at commas that start a new ALGO: a switch's value may hold commas itself
+    # (DDTREE_ATTENTION_WIDE_TILES=64,32,4,3)
+    for case in re.split(r",(?=(?:NONE|DFLASH|DDTREE):)", ns.cases):
         spec, _, env_part = case.partition("@")
         algo, budget, batch, strategy, context = (spec.split(":") + ["", ""])[:5]
         ctx = int(context or ns.context)

@@ -8,7 +8,7 @@ attention call (the CPU's reference attention stands in for the GPU's one kernel
 charged to the target decoder layer running it (the add + RMSNorm after layer i is layer i's),
 everything else to "other" (drafter, tree build, LM head, accept walk, commit).
 
-    python3 -m ddtree.bench.op_count [--algorithm NONE|DDTREE] [--budget 8] [--ops]
+    python3 -m ddtree.bench.op_count [--algorithm NONE|DFLASH|DDTREE] [--budget 8] [--ops]
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def interpreter_env() -> dict[str, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--algorithm", default="both", choices=["NONE", "DDTREE", "both"])
+    ap.add_argument("--algorithm", default="both", choices=["NONE", "DFLASH", "DDTREE", "both"])
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument(
         "--ops", action="store_true", help="list the ops of one layer of each kind, and the rest"
@@ -223,7 +223,9 @@ def main(argv=None) -> int:
     for algo in algos:
         kw = dict(dtype="float32", device="cpu", mamba_scheduler_strategy=args.strategy)
         if algo != "NONE":
-            kw.update(speculative_draft_model_path=drafter, speculative_ddtree_budget=args.budget)
+            kw.update(speculative_draft_model_path=drafter)
+        if algo == "DDTREE":
+            kw.update(speculative_ddtree_budget=args.budget)
         llm = LLM(target, speculative_algorithm=algo, **kw)
         c = count_round(llm, toy_prompts(1, 7)[0])
         s = summarize(c)
