@@ -45,7 +45,8 @@ NO_HOPPER_ATTENTION = EnvVar(
 NO_PDL = EnvVar(
     "DDTREE_NO_PDL",
     "",
-    "1: the split-KV merge launches as an ordinary kernel, not a programmatic dependent (PDL)",
+    "1: our Triton kernels (the decoder layer's fused kernels, the GDN kernels, the split-KV "
+    "merge) launch as ordinary kernels, not programmatic dependents (PDL, kernels/pdl.py)",
 )
 ATTENTION_WIDE_TILES = EnvVar(
     "DDTREE_ATTENTION_WIDE_TILES",

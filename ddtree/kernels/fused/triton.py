@@ -15,9 +15,16 @@ import triton
 import triton.language as tl
 
 from ddtree import envs
+from ddtree.kernels.pdl import gdc_wait, pdl_ok
 
 # TRITON_INTERPRET is read when a kernel is decorated; the dispatch reloads this module when it needs the other mode
 _decorated_interpreted = envs.TRITON_INTERPRET.on()
+
+
+def _pdl(t: torch.Tensor) -> dict:
+    """A launch's PDL keywords: a programmatic dependent of the kernel ahead where `pdl_ok`."""
+    on = pdl_ok(t.device)
+    return dict(PDL=on, launch_pdl=on)
 
 
 @triton.jit
@@ -36,7 +43,10 @@ def _add_rmsnorm_kernel(
     HAS_RES: tl.constexpr,
     OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # before any load or store: the kernel ahead has ended (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -97,6 +107,7 @@ def add_rmsnorm(
             OFFSET=offset,
             BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
+            **_pdl(x),
         )
     return out, s
 
@@ -179,7 +190,10 @@ def _qk_norm_rope_kernel(
     RD: tl.constexpr,
     HB: tl.constexpr,
     OFFSET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0)
     pid = tl.program_id(1)
     if pid < NQP:
@@ -291,12 +305,15 @@ def qk_norm_rope(
             HB=hb,
             OFFSET=offset,
             num_warps=4,
+            **_pdl(c2),
         )
     return outs[0], outs[1]
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, o_ptr, N, x_rs, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, o_ptr, N, x_rs, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
@@ -316,14 +333,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows and n:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-            x2, out, n, x2.stride(0), BLOCK=block, num_warps=4
+            x2, out, n, x2.stride(0), BLOCK=block, num_warps=4, **_pdl(x2)
         )
     return out
 
 
 @triton.jit
-def _sigmoid_gate_kernel(x_ptr, g_ptr, o_ptr, D, H, sx_t, sx_h, sg_t, sg_h, BLOCK: tl.constexpr):
+def _sigmoid_gate_kernel(
+    x_ptr, g_ptr, o_ptr, D, H, sx_t, sx_h, sg_t, sg_h, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     # row = (token, head); the gate is read in place (a strided half of the q projection)
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     t, h = row // H, row % H
     cols = tl.arange(0, BLOCK)
@@ -353,5 +374,6 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             gate.stride(1),
             BLOCK=triton.next_power_of_2(D),
             num_warps=4 if D >= 512 else 1,
+            **_pdl(x),
         )
     return out

@@ -15,40 +15,14 @@ Captured CUDA graphs keep the programmatic edge. DDTREE_NO_PDL=1 launches the me
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from ddtree import envs
+from ddtree.kernels.pdl import HAVE_GDC, gdc_launch_dependents, gdc_wait, pdl_ok
 
 PDL_DISABLE_ENV = envs.NO_PDL.name
-
-try:  # grid dependency control, Triton >= 3.4
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAVE_GDC = True
-# no PDL with this Triton: kernels still reference the names under a constexpr False
-except ImportError:
-    HAVE_GDC = False
-
-    @triton.jit
-    def gdc_launch_dependents():
-        pass
-
-    @triton.jit
-    def gdc_wait():
-        pass
-
-
-def pdl_ok(device: torch.device) -> bool:
-    """Whether the merge may launch as a programmatic dependent: sm_90+, not the interpreter, not DDTREE_NO_PDL."""
-    return (
-        HAVE_GDC
-        and device.type == "cuda"
-        and not triton.knobs.runtime.interpret
-        and not envs.NO_PDL.on()
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-    )
+__all__ = ["HAVE_GDC", "combine", "gdc_launch_dependents", "gdc_wait", "pdl_ok"]
 
 
 @triton.jit

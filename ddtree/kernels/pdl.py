@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (PDL, sm_90+) for our Triton kernels, and its switch.
+
+A kernel launched with `launch_pdl=True` may be scheduled before the kernel ahead of it in the stream
+has finished; its first statement is `gdc_wait()` (griddepcontrol.wait), which returns once that
+grid has ended and its writes are visible, so every load and store of the kernel still follows the
+one before it (and, transitively, everything earlier: each PDL kernel waits before it ends). What it
+buys is the launch gap: a CUDA-graph replay of a hybrid 27B round is ~1,000-1,500 small launches,
+~1.4 us of idle GPU each on the H200. A kernel that calls `gdc_launch_dependents()` lets its own
+dependent start even earlier (the split-KV merge: tree_attention/merge.py). Captured graphs keep the
+programmatic edges. DDTREE_NO_PDL=1 launches everything as ordinary kernels (the A/B).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ddtree import envs
+
+try:  # grid dependency control, Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAVE_GDC = True
+# no PDL with this Triton: kernels still reference the names under a constexpr False
+except ImportError:
+    HAVE_GDC = False
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Whether a kernel on `device` may launch as a programmatic dependent: sm_90+, not the
+    interpreter, not DDTREE_NO_PDL."""
+    return (
+        HAVE_GDC
+        and device.type == "cuda"
+        and not triton.knobs.runtime.interpret
+        and not envs.NO_PDL.on()
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
