@@ -61,12 +61,12 @@ def bitonic_topk(x, LOG_N: tl.constexpr, LOG_K: tl.constexpr, DESCENDING: tl.con
     for i in tl.static_range(1, LOG_K + 1):
         h = _merge(h, i, 2 if i < LOG_N else DESCENDING, LOG_N)
     for i in tl.static_range(LOG_K + 1, LOG_N + 1):
-        dims: tl.constexpr = LOG_N - (i - LOG_K - 1)  # h's axes before this halving
+        # h has LOG_N - (i - LOG_K - 1) axes: halve along the one above the 2**LOG_K blocks
         if DESCENDING:
-            h = tl.reduce(h, dims - 1 - LOG_K, tl.standard._elementwise_max)
+            h = tl.reduce(h, LOG_N - i, tl.standard._elementwise_max)
         else:
-            h = tl.reduce(h, dims - 1 - LOG_K, tl.standard._elementwise_min)
-        h = _merge(h, LOG_K, 2 if i < LOG_N else DESCENDING, dims - 1)
+            h = tl.reduce(h, LOG_N - i, tl.standard._elementwise_min)
+        h = _merge(h, LOG_K, 2 if i < LOG_N else DESCENDING, LOG_N - (i - LOG_K))
     return tl.reshape(h, [2**LOG_K])
 
 

@@ -40,7 +40,7 @@ from ddtree.speculative.tree import TreeNodes
 
 _decorated_interpreted = envs.TRITON_INTERPRET.on()
 
-TILE = 4096  # elements of a 2D tile (candidate table, mask rows)
+TILE = 1024  # elements of a 2D tile (candidate table, mask rows)
 
 
 @triton.jit
@@ -147,10 +147,10 @@ def _tree_build_kernel(
     j = tl.arange(0, NP)
     jv = j < N
     cur = j
-    for t in range(D):
+    for step in range(D):
         above = tl.load(par_ptr + row + cur, mask=jv, other=-1).to(tl.int32)
         cur = tl.where(above >= 0, above, cur)
-        tl.store(anc_ws + t * NP + j, cur)
+        tl.store(anc_ws + step * NP + j, cur)
     tl.debug_barrier()
     for r0 in range(0, N, RB):
         rows = r0 + tl.arange(0, RB)
@@ -207,8 +207,7 @@ def select_nodes_triton(
     b, D, K = logp.shape
     B, dev = budget, logp.device
     cfg = launch_config(B, K, D)
-    warps = num_warps or cfg.pop("num_warps")
-    cfg.pop("num_warps", None)
+    default_warps = cfg.pop("num_warps")
     logp = logp if logp.stride(-1) == 1 else logp.contiguous()
     ids = ids if ids.stride(-1) == 1 else ids.contiguous()
     N = B + 1
@@ -228,6 +227,6 @@ def select_nodes_triton(
         logp.stride(0), logp.stride(1), ids.stride(0), ids.stride(1),
         root_tokens.stride(0), limit.stride(0), cut.stride(0),
         B=B, K=K, D=D, SHADOW=bool(shadow_linear), HAS_CUT=budgets is not None, **cfg,
-        num_warps=warps, num_stages=1,
+        num_warps=num_warps or default_warps, num_stages=1,
     )  # fmt: skip
     return TreeNodes(tokens, parents, depths, valid, mask, path_scores)
