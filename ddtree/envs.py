@@ -62,11 +62,17 @@ FORCE_REFERENCE_KERNELS = EnvVar(
     "1: the fused decoder-layer kernels (add + RMSNorm, q/k norm + RoPE, SiLU-mul) run their "
     "references",
 )
+FORCE_REFERENCE_TREE_BUILD = EnvVar(
+    "DDTREE_FORCE_REFERENCE_TREE_BUILD",
+    "",
+    "1: the DDTree tree build's node selection runs the PyTorch form (per-depth sorts), not the "
+    "one-launch Triton kernel (kernels/tree_build)",
+)
 FUSED_KERNELS_INTERPRET = EnvVar(
     "DDTREE_FUSED_KERNELS_INTERPRET",
     "",
-    "1 (with TRITON_INTERPRET=1): the fused and the GDN tree / tree-conv Triton kernels run on the "
-    "CPU in Triton's interpreter (tests, ddtree.bench.op_count)",
+    "1 (with TRITON_INTERPRET=1): the fused, the GDN tree / tree-conv and the tree-build Triton "
+    "kernels run on the CPU in Triton's interpreter (tests, ddtree.bench.op_count)",
 )
 FORCE_REFERENCE_GDN = EnvVar(
     "DDTREE_FORCE_REFERENCE_GDN",
@@ -172,6 +178,7 @@ TABLE: dict[str, EnvVar] = {
         NO_PDL,
         ATTENTION_WIDE_TILES,
         FORCE_REFERENCE_KERNELS,
+        FORCE_REFERENCE_TREE_BUILD,
         FUSED_KERNELS_INTERPRET,
         FORCE_REFERENCE_GDN,
         GDN_TREE_CHUNK,

@@ -28,6 +28,7 @@ from ddtree.engine.config import SpecConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
 from ddtree.engine.sampler import sample_nodes
+from ddtree.kernels import tree_build
 from ddtree.speculative.accept import accept_tree
 from ddtree.speculative.tree import DraftTree, build_chain, build_tree
 
@@ -182,6 +183,7 @@ class SpecDecoder:
             shadow_linear,
             max_depth=max_depth,
             budgets=cut,
+            select=tree_build.select_nodes,  # the draft graph's selection (kernels/tree_build)
         )
 
     def _ar_round(self, reqs: list[Req], roots: torch.Tensor, t: float) -> list[list[int]]:

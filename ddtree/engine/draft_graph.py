@@ -1,6 +1,7 @@
 """The draft graph family: the drafter block (width S = block_size) on static buffers, and per tree
 spec the fused drafter block -> drafter LM head -> the round's draft tree (`build_tree` with the
-decoder's budget / top-k cap / shadow-linear, or `build_chain` for DFLASH) with per-request depth
+decoder's budget / top-k cap / shadow-linear, its node selection the one-launch kernel of
+`kernels/tree_build` on CUDA, or `build_chain` for DFLASH) with per-request depth
 limits read from a static tensor (block_size - 1 where unlimited, so one graph serves every round),
 and per-request budgets likewise (the spec's budget where unlimited): the tree is built once at the
 spec's budget and each request keeps the first `budget` nodes of its best-first order, packed
@@ -22,6 +23,7 @@ import torch
 
 from ddtree.attention.backend import DraftAttentionMetadata
 from ddtree.engine.graph_buffers import Padding
+from ddtree.kernels import tree_build
 from ddtree.kernels.tree_attention.dispatch import MODES, AttentionShape
 from ddtree.speculative.tree import DraftTree, build_chain, build_tree
 
@@ -180,6 +182,7 @@ class DraftGraph:
                 shadow_linear,
                 max_depth=depth,
                 budgets=self.budgets[spec][:bs],
+                select=tree_build.select_nodes,  # one launch on CUDA (kernels/tree_build)
             )
             self.path_probs[spec][:bs].copy_(tree.path_probs)
         self.chain_probs[spec][:bs].copy_(tree.chain_probs)

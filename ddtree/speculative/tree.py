@@ -7,6 +7,7 @@ on tensor values), so `build_tree` / `build_chain` can be captured in a CUDA gra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -143,6 +144,28 @@ def _beam_candidates(B: int, K: int, device: torch.device) -> tuple[Tensor, Tens
     return slot, pos - (ends - per_slot).gather(0, slot)
 
 
+class TreeNodes(NamedTuple):
+    """A node selection's output: the DraftTree fields (n = 1 + budget, root first) and the path
+    score of each selected candidate in best-first order, before any budget cut (-inf past the
+    candidates; build_tree exponentiates it into `DraftTree.path_probs`)."""
+
+    tokens: Tensor  # [b, n] int64
+    parents: Tensor  # [b, n] int64
+    depths: Tensor  # [b, n] int64
+    valid: Tensor  # [b, n] bool
+    tree_mask: Tensor  # [b, n, n] bool
+    path_scores: Tensor  # [b, budget] fp32
+
+
+# select(root_tokens [b], logp [b, D, K] fp32, ids [b, D, K], budget, shadow_linear,
+#        limit [b] int64 in 0..D, budgets [b] int64 | None) -> TreeNodes, bit-identical to
+# `select_nodes`. The seam for a fused build: speculative/ imports no kernels
+# (tests/test_layering.py), so the engine hands build_tree `ddtree.kernels.tree_build.select_nodes`
+# (one Triton launch where our kernels run, this module's `select_nodes` elsewhere); a caller that
+# passes nothing gets the PyTorch reference below (the CPU path and the oracle).
+SelectNodes = Callable[[Tensor, Tensor, Tensor, int, bool, Tensor, "Tensor | None"], TreeNodes]
+
+
 def build_tree(
     root_tokens: Tensor,
     draft_logits: Tensor,
@@ -151,18 +174,41 @@ def build_tree(
     shadow_linear: bool,
     max_depth: Tensor | None = None,
     budgets: Tensor | None = None,
+    select: SelectNodes | None = None,
 ) -> DraftTree:
     """Best `budget` prefixes (score = sum of per-depth fp32 log-probs, tokens within each depth's top-K).
 
     budgets [b] (<= budget): request i keeps only the first budgets[i] nodes of the best-first
     order, i.e. the budgets[i]-node tree (the order is prefix-closed: a parent ranks before its
-    child), packed first; the other nodes become padding. One build serves mixed budgets."""
+    child), packed first; the other nodes become padding. One build serves mixed budgets.
+    select: the node selection (None: `select_nodes`; see `SelectNodes`)."""
     b, D, V = draft_logits.shape
     assert budget >= 1 and topk_cap >= 1 and D >= 1
     device = draft_logits.device
+    logp, ids = topk_logprobs(draft_logits, min(topk_cap, budget, V))
+    limit = _depth_limit(max_depth, b, D, device)
+    cut = None if budgets is None else budgets.to(device=device, dtype=torch.int64)
+    nodes = (select or select_nodes)(root_tokens, logp, ids, budget, shadow_linear, limit, cut)
+    tree = DraftTree(*nodes[:5], D)
+    tree.path_probs = nodes.path_scores.exp()  # exp(-inf) = 0 past the candidates
+    tree.chain_probs = _chain_probs(logp, limit)
+    return tree
+
+
+def select_nodes(
+    root_tokens: Tensor,
+    logp: Tensor,
+    ids: Tensor,
+    budget: int,
+    shadow_linear: bool,
+    limit: Tensor,
+    budgets: Tensor | None = None,
+) -> TreeNodes:
+    """The PyTorch node selection: the per-depth beam, the best `budget` of its D * budget
+    prefixes, the node order and the tree (see `SelectNodes`). ~13 launches per depth on CUDA."""
+    b, D, K = logp.shape
+    device = logp.device
     B = budget
-    K = min(topk_cap, B, V)
-    logp, ids = topk_logprobs(draft_logits, K)
 
     # Per-depth beam of the best B prefixes. A depth-(d+1) prefix in the best B has its parent in the
     # best B of depth d (otherwise each of those B better parents' top-1 extension would beat it).
@@ -183,7 +229,6 @@ def build_tree(
 
     flat = torch.arange(D * B, device=device)
     depth_of = flat // B + 1
-    limit = _depth_limit(max_depth, b, D, device)
     ok = (score_all > float("-inf")) & (depth_of[None, :] <= limit[:, None])
     key = torch.where(ok, score_all, float("-inf"))
     if shadow_linear:
@@ -195,10 +240,10 @@ def build_tree(
     # (equal-score) child, so the selection stays prefix-closed.
     sel = _best_first(key, B)
     sel_ok = ok.gather(1, sel)
-    path_probs = torch.where(sel_ok, score_all.gather(1, sel).exp(), 0.0)
+    path_scores = torch.where(sel_ok, score_all.gather(1, sel), float("-inf"))
     if budgets is not None:
         rank = torch.arange(B, device=device)
-        sel_ok = sel_ok & (rank[None, :] < budgets.to(device=device)[:, None])
+        sel_ok = sel_ok & (rank[None, :] < budgets[:, None])
     # Node order = depth-major flat order (depth, then beam slot = score order); padding last.
     order = torch.where(sel_ok, sel, sel + D * B).sort(dim=1).values
     node_ok = order < D * B
@@ -220,9 +265,9 @@ def build_tree(
         node_ok,
         D,
     )
-    tree.path_probs = path_probs
-    tree.chain_probs = _chain_probs(logp, limit)
-    return tree
+    return TreeNodes(
+        tree.tokens, tree.parents, tree.depths, tree.valid, tree.tree_mask, path_scores
+    )
 
 
 def _chain_probs(logp: Tensor, limit: Tensor) -> Tensor:
