@@ -27,7 +27,12 @@ def _kernels() -> list[tuple[str, object, dict, dict]]:
 
     f32 = {"eps": "fp32"}
     return [
-        ("add_rmsnorm", fused._add_rmsnorm_kernel, dict(HAS_RES=True, OFFSET=True, BLOCK=8192), f32),
+        (
+            "add_rmsnorm",
+            fused._add_rmsnorm_kernel,
+            dict(HAS_RES=True, OFFSET=True, BLOCK=8192),
+            f32,
+        ),
         ("qk_norm_rope", fused._qk_norm_rope_kernel, dict(D=256, RD=64, HB=8, OFFSET=True), f32),
         ("silu_mul", fused._silu_mul_kernel, dict(BLOCK=1024), {}),
         ("sigmoid_gate", fused._sigmoid_gate_kernel, dict(BLOCK=256), {}),
@@ -47,9 +52,7 @@ def check(fn, consts: dict, types: dict) -> dict:
         options={"num_warps": 4},
     ).asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
-    first = min(
-        [p for p in (ptx.find("ld.global"), ptx.find("st.global")) if p >= 0] or [len(ptx)]
-    )
+    first = min([p for p in (ptx.find("ld.global"), ptx.find("st.global")) if p >= 0] or [len(ptx)])
     return dict(gdc_wait=wait >= 0, wait_first=0 <= wait < first)
 
 
