@@ -261,7 +261,7 @@ class ExtendGraph:
 
 class ExtendLinear:
     """The `LinearStateContext` of an extend replay: [bs, n] rows over the committed state rows
-    (`ExtendGraph.state_rows`), the eager extend's math (`state_pool.ExtendContext`: the reference
+    (`ExtendGraph.state_rows`), the eager extend's math (`state_contexts.ExtendContext`: the reference
     conv, the chunk-form rule) batched, with padding tokens turned into state identities."""
 
     def __init__(self, g: ExtendGraph, bs: int):
