@@ -197,5 +197,6 @@ def describe(device) -> dict[str, str]:
             else ("triton" if use_triton(t) else "reference")
         ),
         "tree_conv": "triton" if use_triton(t) else "reference",
+        "decode_step": "triton" if use_triton(t) else "reference",
         "commit": "triton" if commit_kernel(t) else ("fla" if use_fla(t) else "reference"),
     }

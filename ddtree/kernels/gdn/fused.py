@@ -32,6 +32,17 @@ if triton is not None:
     _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
+    def decay_gate(a, dt_bias, a_log):
+        """g = -exp(A_log) * softplus(a + dt_bias) from fp32 operands (shared with the one-token
+        rule kernel, kernels/gdn/decode_triton.py, which gates inside)."""
+        x = a + dt_bias
+        # softplus = max(x, 0) + log1p(exp(-|x|)); log1p by its series where the argument is tiny
+        y = tl.exp(-tl.abs(x))
+        lp = tl.where(y < 1e-4, y - 0.5 * y * y, tl.log(1.0 + y))
+        sp = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + lp)  # torch's threshold
+        return -tl.exp(a_log) * sp
+
+    @triton.jit
     def _gating_kernel(
         a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, H, sa, sb, BLOCK: tl.constexpr
     ):
@@ -41,13 +52,9 @@ if triton is not None:
         t = i // H
         h = i % H
         x = tl.load(a_ptr + t * sa + h, mask=m, other=0.0).to(tl.float32)
-        x = x + tl.load(dtb_ptr + h, mask=m, other=0.0).to(tl.float32)
-        # softplus = max(x, 0) + log1p(exp(-|x|)); log1p by its series where the argument is tiny
-        y = tl.exp(-tl.abs(x))
-        lp = tl.where(y < 1e-4, y - 0.5 * y * y, tl.log(1.0 + y))
-        sp = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + lp)  # torch's threshold
+        dtb = tl.load(dtb_ptr + h, mask=m, other=0.0).to(tl.float32)
         a_log = tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float32)
-        tl.store(g_ptr + i, -tl.exp(a_log) * sp, mask=m)
+        tl.store(g_ptr + i, decay_gate(x, dtb, a_log), mask=m)
         bv = tl.load(b_ptr + t * sb + h, mask=m, other=0.0).to(tl.float32)
         tl.store(beta_ptr + i, (1.0 / (1.0 + tl.exp(-bv))).to(beta_ptr.dtype.element_ty), mask=m)
 
