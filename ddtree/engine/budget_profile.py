@@ -125,6 +125,7 @@ def measure(runner, spec: SpecConfig, replays: int = REPLAYS) -> CostTable:
         for b, chain in plan
     ]
     table = np.zeros((len(g.buckets), 1, len(plan)))
+    g.pad_rows()  # the replays below touch no request's rows (width 1 steps the state in place)
     for i, bs in enumerate(g.buckets):
         for j, ((b, _), draft) in enumerate(zip(plan, drafts)):
             w = 1 + b

@@ -1,7 +1,7 @@
 """The per-forward views of the hybrid state pool (`HybridStatePool`, state_pool.py) the GDN layers
 run through (`models/gated_deltanet.LinearStateContext`): `ExtendContext` (prefill: the committed rows
 read and written back) and `TreeContext` (tree verify: the committed rows read, the per-node stash
-written)."""
+written; a one-node verify, `HybridStatePool.in_place`: the committed rows stepped in place)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ddtree.kernels.gdn import causal_conv1d_step, causal_conv1d_varlen
-from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, tree_rule
+from ddtree.kernels.gdn.dispatch import chunk_rule, decode_step, recurrent_rule, tree_rule
 from ddtree.kernels.gdn.tree_conv import conv as tree_conv
 
 if TYPE_CHECKING:
@@ -60,7 +60,9 @@ class ExtendContext:
 
 class TreeContext:
     """Tree verify over b requests x n nodes (flat request-major tokens): every node continues from its
-    parent's state; the committed rows are only read, the per-node stash is written."""
+    parent's state; the committed rows are only read, the per-node stash is written. One-node trees
+    with `pool.in_place(1)`: the roots step the committed rows in place (conv window and rule
+    state, read and written once) and nothing is stashed; the round's commit skips the GDN state."""
 
     def __init__(self, pool: HybridStatePool, slots: Tensor, tree):
         self.pool, self.slots = pool, slots
@@ -70,12 +72,19 @@ class TreeContext:
         self.tree_mask = tree.tree_mask
         self.max_depth = tree.depth_bound
         self.extra = pool.strategy == "extra_buffer"
+        self.in_place = pool.in_place(self.n)
 
     def _stash(self, name: str, j: int, t: Tensor) -> None:
         self.pool.stash[name][j, self.slots, : self.n] = t.to(self.pool.stash[name].dtype)
 
     def conv(self, j, x, weight, bias):
         xb = x.view(self.b, self.n, -1)
+        if self.in_place:  # the roots' windows straight into the committed rows
+            y, _ = tree_conv(
+                xb, self.parents, self.pool.conv[j], weight, bias, self.valid,
+                state_rows=self.slots, in_place=True,
+            )  # fmt: skip
+            return y.view(self.b, -1)
         # the conv along ancestor chains: one Triton launch on CUDA (AR's one-node trees too, so
         # every round shares its numerics), the reference elsewhere (kernels/gdn/tree_conv.py)
         # the committed rows are read and the node windows written through the slot index (no
@@ -98,6 +107,8 @@ class TreeContext:
         return y.view(self.b * self.n, -1)
 
     def rule(self, j, q, k, v, g, beta):
+        if self.in_place:  # one token per request: [b, ...] rows, the state stepped in place
+            return decode_step(q, k, v, (g, beta), self.pool.ssm[j], self.slots)
         qb, kb, vb, gb, bb = (t.view(self.b, self.n, *t.shape[1:]) for t in (q, k, v, g, beta))
         # an fp32 stash takes the node states in place (the kernel re-reads parents from it), and so
         # does a DDTREE_GDN_STASH_DTYPE one (rounded parents: the switch's trade); a --mamba-ssm-dtype

@@ -1,10 +1,11 @@
-"""Recurrent-state pool of hybrid (Gated DeltaNet) targets, and the per-forward contexts that read/write it.
+"""Recurrent-state pool of hybrid (Gated DeltaNet) targets (the per-forward contexts that read / write it:
+state_contexts.py).
 
 Rows are indexed [gdn_layer, request_slot, ...] (request_slot = the request's block-table row):
   conv ....... [L, R, C, K-1]       the last K-1 pre-conv inputs (model dtype)
   ssm ........ [L, R, Hv, dk, dv]   delta-rule state (--mamba-ssm-dtype)
-Tree verify never writes `conv`/`ssm`; it leaves a per-node stash that `commit` turns into the state after
-the last accepted node:
+A tree verify never writes `conv`/`ssm`; it leaves a per-node stash that `commit` turns into the state
+after the last accepted node:
   extra_buffer: node_conv [L, R, W, C, K-1], node_ssm [L, R, W, Hv, dk, dv]  -> commit copies one node
   no_buffer:    node_x [L, R, W, C] (pre-conv), node_y [L, R, W, C] (post-conv q|k|v), node_g [L, R, W, Hv]
                 fp32, node_beta [L, R, W, Hv]                                  -> commit replays the path
@@ -15,6 +16,13 @@ CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk_split_triton.py, t
 layer, over the round's tree_mask), extra_buffer the Triton tree kernel; the stash rows are written
 inside the conv and rule kernels (no index_put per layer), and no_buffer's commit replays the
 accepted path in place (kernels/gdn/commit_triton.py, all layers in one launch).
+
+One-node verifies (AR rounds, auto's width-1 rounds) are the exception, under either strategy
+(`in_place`, DDTREE_GDN_DECODE_KERNEL=1, the default): their root is the state's next token
+whatever the round accepts, so the verify steps `conv` / `ssm` in place (the tree conv's in-place
+mode, kernels/gdn/decode_triton.py: the state read and written once, two launches per layer) and
+writes no stash, and their commit (`commit(..., nodes=1)`, eager or in the commit graph) leaves
+the GDN state alone. The switch is read once, here, so a verify and its commit always agree.
 """
 
 from __future__ import annotations
@@ -26,7 +34,12 @@ from ddtree import envs
 from ddtree.engine.config import GDNGeometry, stash_ssm_dtype
 from ddtree.engine.state_contexts import ExtendContext, TreeContext
 from ddtree.kernels.gdn import replay_conv_path
-from ddtree.kernels.gdn.backend import check_switches, choose, commit_kernel
+from ddtree.kernels.gdn.backend import (
+    check_switches,
+    choose,
+    commit_kernel,
+    decode_in_place_flag,
+)
 from ddtree.kernels.gdn.dispatch import replay
 
 STRATEGIES = ("extra_buffer", "no_buffer")
@@ -80,6 +93,8 @@ class HybridStatePool:
         self.stash_dtype = _dtype(stash_ssm_dtype(self.ssm_dtype))
         explicit = bool(envs.GDN_STASH_DTYPE.get().strip())
         self.stash_in_kernel = self.stash_dtype == torch.float32 or explicit
+        # DDTREE_GDN_DECODE_KERNEL, read once: one-node verifies step the committed rows in place
+        self.decode_in_place = decode_in_place_flag()
         # the scratch row (padded graph rows) sits past the requests' rows
         self.scratch_row = max_reqs if scratch_row else None
         L, R, W, C, Km1 = (
@@ -161,9 +176,20 @@ class HybridStatePool:
             )
         return TreeContext(self, self._slots(slots), tree)
 
-    def commit(self, slots: Tensor, path: Tensor, accept_length: Tensor) -> None:
+    def in_place(self, nodes: int | None) -> bool:
+        """Whether a verify of `nodes`-node trees steps the committed rows itself (one node, the
+        switch on): its commit then has nothing to do."""
+        return nodes == 1 and self.decode_in_place
+
+    def commit(
+        self, slots: Tensor, path: Tensor, accept_length: Tensor, nodes: int | None = None
+    ) -> None:
         """Set each request's state to the one after node path[i, accept_length[i]] of the last tree verify.
-        path [b, P] node indices root first (entries past accept_length are ignored)."""
+        path [b, P] node indices root first (entries past accept_length are ignored). nodes: that
+        verify's nodes per request (None: unknown, a stash commit); after an in-place one
+        (`in_place(nodes)`) the rows already hold the root's state: nothing is written."""
+        if self.in_place(nodes):
+            return
         slots, path, acc = (
             slots.to(self.device).long(),
             path.to(self.device).long(),
