@@ -133,3 +133,29 @@ def test_switch_is_checked_at_startup(monkeypatch):
     monkeypatch.setenv(envs.GDN_DECODE_KERNEL.name, "yes")
     with pytest.raises(ValueError, match=envs.GDN_DECODE_KERNEL.name):
         backend.check_switches()
+
+
+def test_budget_profile_replays_touch_no_request_row(toy_hybrid_pair, monkeypatch):
+    """auto's startup profile replays every width's verify + commit outside any round; the width-1
+    verify steps the rows its static buffers hold, so they go back to the padding state first:
+    after rounds (AR ones among them) the profile changes no request's row."""
+    from test_budget_engine import AUTO, CyclingPolicy
+
+    from ddtree.engine import budget_profile
+
+    llm = make_llm(
+        toy_hybrid_pair,
+        "DDTREE",
+        max_running_requests=4,
+        mamba_scheduler_strategy="no_buffer",
+        **AUTO,
+    )
+    planner = llm.engine.decoder.budgets
+    planner.policy = CyclingPolicy()
+    attach_uncaptured(llm.engine, max_bs=4)
+    llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert 1 in planner.policy.widths
+    pool = llm.engine.runner.state_pool
+    before = [t.clone() for t in _tensors(pool)]
+    budget_profile.measure(llm.engine.runner, llm.engine.spec, replays=1)
+    assert _changed_rows(before, _tensors(pool)) <= {pool.scratch_row}
