@@ -7,11 +7,13 @@ slices of one conv output row, the gate given or raw (gated inside); and the dis
 
 import pytest
 import torch
+from test_gdn_reference import Given
 from triton_utils import DEV, load_kernel_module, rel
 
 kernel = load_kernel_module("ddtree.kernels.gdn.decode_triton")
 
 from ddtree.kernels.gdn import backend, dispatch  # noqa: E402
+from ddtree.kernels.gdn.fused import GateInputs  # noqa: E402
 from ddtree.kernels.gdn.reference import gated_delta_rule_recurrent, gdn_gating  # noqa: E402
 
 R = 6  # pool rows; row R - 1 plays the scratch row
@@ -110,7 +112,8 @@ def test_kernel_steps_twice_like_the_recurrence_over_two_tokens():
 
 def test_dispatch_reference_path_is_in_place(monkeypatch):
     """The CPU without the interpreter switch: the reference step, gathered and written back into
-    the same rows, the gate computed from its raw inputs."""
+    the same rows, the gate's values from its inputs; with the interpreter switch the kernel, the
+    gate handed in or computed inside."""
     if DEV != "cpu":
         pytest.skip("CPU dispatch")
     monkeypatch.delenv("DDTREE_FUSED_KERNELS_INTERPRET", raising=False)
@@ -118,17 +121,18 @@ def test_dispatch_reference_path_is_in_place(monkeypatch):
     g, beta = gdn_gating(*gate)
     before = ssm.clone()
     backend.ran.clear()
-    o = dispatch.decode_step(
-        q[:3], k[:3], v[:3], (gate[0][:3], gate[1][:3], *gate[2:]), ssm, rows[:3]
-    )
+    live = GateInputs(gate[0][:3], gate[1][:3], *gate[2:])
+    o = dispatch.decode_step(q[:3], k[:3], v[:3], live, ssm, rows[:3])
     assert backend.ran == {("decode_step", "reference"): 1}
     ro, rS = _reference(q[:3], k[:3], v[:3], g[:3], beta[:3], before, rows[:3])
     assert torch.equal(o, ro) and torch.equal(ssm[rows[:3]], rS)
     assert torch.equal(ssm[R - 1], before[R - 1])  # no padded row in this call
     monkeypatch.setenv("DDTREE_FUSED_KERNELS_INTERPRET", "1")
-    backend.ran.clear()
     kept = ssm.clone()
-    o2 = dispatch.decode_step(q[:3], k[:3], v[:3], (g[:3], beta[:3]), ssm, rows[:3])
-    assert backend.ran == {("decode_step", "triton"): 1}
-    ro2, rS2 = _reference(q[:3], k[:3], v[:3], g[:3], beta[:3], kept, rows[:3])
-    assert rel(o2, ro2) < 1e-5 and rel(ssm[rows[:3]], rS2) < 1e-5
+    for given in (Given(g[:3], beta[:3]), live):  # g / beta handed in, or gated in the kernel
+        ssm.copy_(kept)
+        backend.ran.clear()
+        o2 = dispatch.decode_step(q[:3], k[:3], v[:3], given, ssm, rows[:3])
+        assert backend.ran == {("decode_step", "triton"): 1}
+        ro2, rS2 = _reference(q[:3], k[:3], v[:3], g[:3], beta[:3], kept, rows[:3])
+        assert rel(o2, ro2) < 1e-5 and rel(ssm[rows[:3]], rS2) < 1e-5

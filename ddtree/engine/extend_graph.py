@@ -290,7 +290,9 @@ class ExtendLinear:
         self.pool.conv[j, self.rows] = state.transpose(1, 2).to(self.pool.dtype)
         return F.silu(y).to(x.dtype).view(self.bs * self.n, C)
 
-    def rule(self, j, q, k, v, g, beta):
+    def rule(self, j, q, k, v, gate):
+        g, beta = gate.values()
+
         def rows(t):
             return t.view(self.bs, self.n, *t.shape[1:])
 

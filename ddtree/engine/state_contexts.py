@@ -44,7 +44,8 @@ class ExtendContext:
         self.pool.conv[j, self.slots] = state.to(self.pool.dtype)
         return y
 
-    def rule(self, j, q, k, v, g, beta):
+    def rule(self, j, q, k, v, gate):
+        g, beta = gate.values()
         S0 = self._initial(self.pool.ssm[j, self.slots])
         if self.decode:  # [b, 1, ...]: b sequences of one token
             o, S = recurrent_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], S0)
@@ -106,9 +107,10 @@ class TreeContext:
         )
         return y.view(self.b * self.n, -1)
 
-    def rule(self, j, q, k, v, g, beta):
+    def rule(self, j, q, k, v, gate):
         if self.in_place:  # one token per request: [b, ...] rows, the state stepped in place
-            return decode_step(q, k, v, (g, beta), self.pool.ssm[j], self.slots)
+            return decode_step(q, k, v, gate, self.pool.ssm[j], self.slots)
+        g, beta = gate.values()
         qb, kb, vb, gb, bb = (t.view(self.b, self.n, *t.shape[1:]) for t in (q, k, v, g, beta))
         # an fp32 stash takes the node states in place (the kernel re-reads parents from it), and so
         # does a DDTREE_GDN_STASH_DTYPE one (rounded parents: the switch's trade); a --mamba-ssm-dtype

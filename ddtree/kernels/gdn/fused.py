@@ -1,6 +1,7 @@
 """Fused elementwise ops of a Gated DeltaNet layer, one Triton launch each instead of 6-10 PyTorch
 kernels (a 27B hybrid AR step is launch-bound: ~3.5k kernels, 48 GDN layers):
-  - `gdn_gating`: g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta = sigmoid(b) (b's dtype);
+  - `gdn_gating`: g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta = sigmoid(b) (b's dtype)
+    (`GateInputs.values`: where a state context's rule needs them);
   - `gated_rmsnorm`: RMSNorm over the value head dim (plain weight), times silu(z).
 `reference.gdn_gating` / `reference.gated_rmsnorm` beside them are the oracles (and the CPU path);
 the same switches as ddtree/kernels/fused pick the kernel (`fused.use_triton`: CUDA, or the CPU
@@ -10,6 +11,8 @@ level).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -114,6 +117,21 @@ def gdn_gating(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Te
             ar, br, A_log, dt_bias, g, beta, N, H, ar.stride(0), br.stride(0), BLOCK=BLOCK
         )
     return g, beta
+
+
+class GateInputs(NamedTuple):
+    """A GDN layer's decay gate as its inputs, handed to the state context's rule: a, b [T, Hv]
+    (strided slices of the in_proj output), A_log, dt_bias [Hv]. `values()` = `gdn_gating` (one
+    launch where the fused kernels run) for the rules that take g / beta; the one-token in-place
+    rule gates inside its own kernel instead (`dispatch.decode_step`): a launch fewer per layer."""
+
+    a: Tensor
+    b: Tensor
+    A_log: Tensor
+    dt_bias: Tensor
+
+    def values(self) -> tuple[Tensor, Tensor]:
+        return gdn_gating(self.a, self.b, self.A_log, self.dt_bias)
 
 
 def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
