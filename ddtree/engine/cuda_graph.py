@@ -205,7 +205,8 @@ class CudaGraphRunner:
         }
         self.verify_set = self.verify_sets[v.n]
         # commit (KV move + drafter context write) on each width's verify buffers: graphs keyed
-        # by padded batch only (hybrid targets: the AR round's state commit too)
+        # by padded batch only (hybrid targets: the state commit too; none at width 1, whose verify
+        # steps the state in place)
         self.commit_families = {
             w: CommitGraph(g)
             for w, g in self.verify_graphs.items()
