@@ -159,3 +159,20 @@ def test_budget_profile_replays_touch_no_request_row(toy_hybrid_pair, monkeypatc
     before = [t.clone() for t in _tensors(pool)]
     budget_profile.measure(llm.engine.runner, llm.engine.spec, replays=1)
     assert _changed_rows(before, _tensors(pool)) <= {pool.scratch_row}
+
+
+def test_budget_profile_key_names_the_state_path(toy_hybrid_pair, monkeypatch):
+    """A cached round-cost table is per strategy and per width-1 path (in place is cheaper): a
+    table measured on another is never read back."""
+    from test_budget_engine import AUTO
+
+    from ddtree.engine import budget_profile
+
+    keys = set()
+    for strategy in STRATEGIES:
+        for flag in ("0", "1"):
+            monkeypatch.setenv(envs.GDN_DECODE_KERNEL.name, flag)
+            llm = make_llm(toy_hybrid_pair, "DDTREE", mamba_scheduler_strategy=strategy, **AUTO)
+            attach_uncaptured(llm.engine, max_bs=1)
+            keys.add(budget_profile.profile_key(llm.engine.runner, llm.engine.spec))
+    assert len(keys) == 4
