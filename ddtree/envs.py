@@ -92,6 +92,14 @@ GDN_COMMIT_KERNEL = EnvVar(
     "no_buffer commit: 1 = the in-place replay kernel (kernels/gdn/commit_triton.py) where our "
     "Triton kernels run; 0 = gathers + fla's fused recurrent / the reference + index_put",
 )
+GDN_DECODE_KERNEL = EnvVar(
+    "DDTREE_GDN_DECODE_KERNEL",
+    "1",
+    "one-node rounds (AR, auto's width-1 rounds): 1 = the GDN conv and rule step the committed "
+    "state rows in place at verify (kernels/gdn/decode_triton.py + the in-place tree conv where "
+    "our Triton kernels run, the PyTorch step elsewhere) and the round's commit leaves the GDN "
+    "state alone; 0 = the tree verify (stash) + commit, as wider trees",
+)
 GDN_TREE_CHUNK_FORM = EnvVar(
     "DDTREE_GDN_TREE_CHUNK_FORM",
     "split",
@@ -183,6 +191,7 @@ TABLE: dict[str, EnvVar] = {
         FORCE_REFERENCE_GDN,
         GDN_TREE_CHUNK,
         GDN_COMMIT_KERNEL,
+        GDN_DECODE_KERNEL,
         GDN_TREE_CHUNK_FORM,
         GDN_TREE_CHUNK_BV,
         GDN_TREE_CHUNK_PRECISION,

@@ -130,13 +130,29 @@ def test_per_request_caps_verify_narrow_without_padding(toy_pair, ar_tokens):
     assert max(max(o.accept_lengths) for o in outs) <= 5  # ... with 4 drafted nodes per request
 
 
-def test_hybrid_changing_budgets_are_lossless(toy_hybrid_pair):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_hybrid_changing_budgets_are_lossless(toy_hybrid_pair, graphs, monkeypatch):
+    """Width-1 rounds step the GDN state in place at verify (eager, or the width-1 verify graph)
+    and commit none; the wider rounds stash and commit. On the graph path every round's commit
+    replays its own width's commit graph (width 1: the KV and drafter-context writes)."""
+    from ddtree.engine.cuda_graph import CudaGraphRunner
+
+    commits = []
+    real = CudaGraphRunner.commit
+    monkeypatch.setattr(
+        CudaGraphRunner,
+        "commit",
+        lambda self, path, k: commits.append(self._verified_width) or real(self, path, k),
+    )
     prompts = accepted_prompts(4)
     ar = make_llm(toy_hybrid_pair, "NONE").generate([list(p) for p in prompts], GREEDY)
     for strategy in ("extra_buffer", "no_buffer"):
-        outs, planner = generate(toy_hybrid_pair, prompts, mamba_scheduler_strategy=strategy)
+        outs, planner = generate(
+            toy_hybrid_pair, prompts, graphs=graphs, mamba_scheduler_strategy=strategy
+        )
         assert tokens_of(outs) == tokens_of(ar) and mean_accept(outs) > 2, strategy
         assert 1 in planner.policy.widths
+        assert (1 in commits) == graphs and (len(set(commits)) > 1) == graphs
 
 
 def test_changing_budgets_keep_the_sampling_distribution(toy_pair):

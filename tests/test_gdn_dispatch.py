@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from test_gdn_reference import rel, rule_inputs
+from test_gdn_reference import Given, rel, rule_inputs
 
 from ddtree.kernels.gdn import backend, dispatch
 from ddtree.kernels.gdn.reference import (
@@ -137,7 +137,10 @@ def test_decode_extend_uses_step_kernels(strategy):
         assert ctx.decode == (lens == [1, 1])
         ctx.cu_seqlens = torch.tensor([0, 1, 2])
         outs.append(
-            (ctx.conv(0, x, w, None), ctx.rule(0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]))
+            (
+                ctx.conv(0, x, w, None),
+                ctx.rule(0, q[:, 0], k[:, 0], v[:, 0], Given(g[:, 0], beta[:, 0])),
+            )
         )
     assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6) and rel(outs[0][1], outs[1][1]) < 1e-5
     assert (

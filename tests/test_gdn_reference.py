@@ -1,3 +1,5 @@
+from typing import NamedTuple
+
 import pytest
 import torch
 import transformers.models.qwen3_5.modeling_qwen3_5 as hf
@@ -22,6 +24,17 @@ TOL = 1e-5
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+class Given(NamedTuple):
+    """A decay gate whose g / beta are given: what a state context's rule takes besides the
+    layer's `fused.GateInputs` (anything with values())."""
+
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    def values(self):
+        return self.g, self.beta
 
 
 def rule_inputs(b, T, Hk, Hv, dk=16, dv=8, seed=0):

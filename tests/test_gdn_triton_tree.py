@@ -205,6 +205,8 @@ def test_bf16_node_state_buffer():
 def test_tree_context_on_the_kernel(monkeypatch, strategy, ssm_dtype):
     """TreeContext.rule through the Triton kernel (forced on, interpreter on CPU) == through the reference,
     stash included: the pool-row plumbing of the engine's verify."""
+    from test_gdn_reference import Given
+
     from ddtree.engine.state_pool import GDNGeometry, HybridStatePool
     from ddtree.kernels.gdn import backend, dispatch
     from ddtree.speculative.tree import DraftTree
@@ -221,7 +223,8 @@ def test_tree_context_on_the_kernel(monkeypatch, strategy, ssm_dtype):
         pool.ssm.copy_(torch.randn(pool.ssm.shape, generator=torch.Generator().manual_seed(12)))
         ctx = pool.tree_context([3, 0], tree)
         backend.ran.clear()
-        o = ctx.rule(1, *(t.to(DEV).flatten(0, 1) for t in (q, k, v, g, beta)))
+        q2, k2, v2, g2, beta2 = (t.to(DEV).flatten(0, 1) for t in (q, k, v, g, beta))
+        o = ctx.rule(1, q2, k2, v2, Given(g2, beta2))
         assert backend.ran == {("tree", "triton" if kernel else "reference"): 1}
         results.append((o, {n: t.clone() for n, t in pool.stash.items()}))
     (o, stash), (ro, rstash) = results

@@ -99,7 +99,7 @@ def test_graph_path_matches_eager_and_padding_stays_in_scratch(
 ):
     llm = _llm(toy_hybrid_pair, algorithm, strategy)
     g = _graphs(llm)
-    assert g.commit_graph is not None  # the state commit (the AR root's too) replays
+    assert g.commit_graph is not None  # the state commit replays (AR: its KV commit alone)
     log = []
     _watch(llm, log)
     outs = _tokens(llm.generate(PROMPTS, PARAMS))

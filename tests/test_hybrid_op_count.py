@@ -5,7 +5,11 @@ GDN layer and 11 per gated-attention layer in an AR step and a DDTREE verify; th
 counts after the in_proj GEMM fusion, the row-indexed tree conv and the fused output gate. no_buffer
 (the chunk-form tree verify, CUDA's default there) counted 54 per GDN layer with the PyTorch chunk
 form: the Triton kernel and the stash written inside the conv / chunk kernels bring it to 11, and its
-split form (the default: the solve, then the outputs) to 12."""
+split form (the default: the solve, then the outputs) to 12. NONE's one-node rounds step the state in
+place (DDTREE_GDN_DECODE_KERNEL=1): the in-place conv and the decode kernel with the gate inside
+make 10 per GDN layer under both strategies (were 11 / 12: the gating, the tree rule's one or two
+launches), and the commit launches nothing for the state (no_buffer's two replay launches, the
+copy's ops under extra_buffer)."""
 
 import pytest
 from engine_utils import make_llm, toy_prompts
@@ -17,6 +21,7 @@ from ddtree.bench.op_count import count_round, layer_ops, summarize
 pytestmark = [cpu_interpreter_only, pytest.mark.usefixtures("one_torch_thread")]
 
 GDN_MAX, ATTN_MAX = 11, 10  # extra_buffer (the default on CUDA): no stash writes outside kernels
+AR_GDN_MAX = 10  # one-node rounds in place: conv + decode kernel (the gate inside), both strategies
 
 
 @pytest.fixture
@@ -30,26 +35,39 @@ def kernels_on(monkeypatch):
 
 @pytest.mark.parametrize(
     "algorithm,strategy",
-    [("NONE", "extra_buffer"), ("DDTREE", "extra_buffer"), ("DDTREE", "no_buffer")],
+    [
+        ("NONE", "extra_buffer"),
+        ("NONE", "no_buffer"),
+        ("DDTREE", "extra_buffer"),
+        ("DDTREE", "no_buffer"),
+    ],
 )
-def test_launches_per_layer(toy_hybrid_pair, kernels_on, algorithm, strategy):
+def test_launches_per_layer(toy_hybrid_pair, kernels_on, monkeypatch, algorithm, strategy):
     kw = {} if algorithm == "NONE" else dict(speculative_ddtree_budget=4)
-    llm = make_llm(
-        toy_hybrid_pair,
-        algorithm,
-        max_running_requests=1,
-        mamba_scheduler_strategy=strategy,
-        **kw,
-    )
-    counter = count_round(llm, list(toy_prompts(1)[0]))
+    llm_kw = dict(max_running_requests=1, mamba_scheduler_strategy=strategy, **kw)
+    prompt = list(toy_prompts(1)[0])
+    counter = count_round(make_llm(toy_hybrid_pair, algorithm, **llm_kw), prompt)
     s = summarize(counter)
     gdn, attn = layer_ops(counter, "gdn"), layer_ops(counter, "attn")
     print(algorithm, s, dict(gdn), dict(attn))
     split = strategy == "no_buffer"  # the chunk kernel's default form: two launches
-    assert s["gdn"] <= GDN_MAX + split and s["attn"] <= ATTN_MAX, (s, gdn, attn)
     # the kernels the GPU runs really ran (a counter that saw nothing would pass the bounds)
-    trees = ["_solve_kernel", "_output_kernel"] if split else ["_tree_gdn_kernel"]
-    assert all(gdn[f"triton:{t}"] == 1 for t in trees) and gdn["triton:_tree_conv_kernel"] == 1
+    if algorithm == "NONE":
+        assert s["gdn"] <= AR_GDN_MAX and s["attn"] <= ATTN_MAX, (s, gdn, attn)
+        assert gdn["triton:_decode_kernel"] == 1 and gdn["triton:_tree_conv_kernel"] == 1
+        trees = ("_tree_gdn_kernel", "_solve_kernel", "_output_kernel", "_gating_kernel")
+        assert not any(f"triton:{t}" in gdn for t in trees), gdn
+        assert not any("_replay_" in op for op in counter.ops["other"])  # no state commit
+        # against the tree path (the switch off): a launch fewer per GDN layer under extra_buffer
+        # (the gating; the rule stays one launch), two under no_buffer (the split form's two),
+        # and the commit's copy / replay gone from the round
+        monkeypatch.setenv(envs.GDN_DECODE_KERNEL.name, "0")  # read when the pool is built
+        off = summarize(count_round(make_llm(toy_hybrid_pair, algorithm, **llm_kw), prompt))
+        assert off["gdn"] - s["gdn"] == 1 + split and off["other"] > s["other"], (off, s)
+    else:
+        assert s["gdn"] <= GDN_MAX + split and s["attn"] <= ATTN_MAX, (s, gdn, attn)
+        trees = ["_solve_kernel", "_output_kernel"] if split else ["_tree_gdn_kernel"]
+        assert all(gdn[f"triton:{t}"] == 1 for t in trees) and gdn["triton:_tree_conv_kernel"] == 1
     assert gdn["linear"] == 4  # in_proj (one GEMM), out_proj, gate_up, down
     assert attn["attention"] == 1 and attn["triton:_sigmoid_gate_kernel"] == 1
     assert not any(op in gdn for op in ("index", "index_put_", "copy_", "clone"))

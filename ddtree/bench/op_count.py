@@ -9,6 +9,10 @@ charged to the target decoder layer running it (the add + RMSNorm after layer i 
 everything else to "other" (drafter, tree build, LM head, accept walk, commit).
 
     python3 -m ddtree.bench.op_count [--algorithm NONE|DFLASH|DDTREE] [--budget 8] [--ops]
+
+NONE's one-node rounds step the GDN state in place (the in-place conv + the decode kernel, the
+gate inside; no state commit); DDTREE_GDN_DECODE_KERNEL=0 counts them as a one-node tree verify +
+commit instead.
 """
 
 from __future__ import annotations

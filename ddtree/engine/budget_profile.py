@@ -125,6 +125,7 @@ def measure(runner, spec: SpecConfig, replays: int = REPLAYS) -> CostTable:
         for b, chain in plan
     ]
     table = np.zeros((len(g.buckets), 1, len(plan)))
+    g.pad_rows()  # the replays below touch no request's rows (width 1 steps the state in place)
     for i, bs in enumerate(g.buckets):
         for j, ((b, _), draft) in enumerate(zip(plan, drafts)):
             w = 1 + b
@@ -166,6 +167,9 @@ def profile_key(runner, spec: SpecConfig) -> str:
     parts = [name, torch.__version__, str(runner.dtype), shape, g.buckets, g.widths]
     parts += [spec.block_size, spec.budget, spec.topk_cap, spec.shadow_linear, spec.chain_rung]
     parts += ["per-rung drafts"]  # tables before each rung had its own draft spec are stale
+    pool = runner.state_pool
+    if pool is not None:  # hybrid: the state commit's cost, and width 1 stepping it in place
+        parts += [pool.strategy, str(pool.ssm_dtype), f"in-place width 1: {pool.decode_in_place}"]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 

@@ -205,7 +205,8 @@ class CudaGraphRunner:
         }
         self.verify_set = self.verify_sets[v.n]
         # commit (KV move + drafter context write) on each width's verify buffers: graphs keyed
-        # by padded batch only (hybrid targets: the AR round's state commit too)
+        # by padded batch only (hybrid targets: the state commit too; none at width 1, whose verify
+        # steps the state in place)
         self.commit_families = {
             w: CommitGraph(g)
             for w, g in self.verify_graphs.items()
@@ -367,6 +368,15 @@ class CudaGraphRunner:
         self._verified, self._verified_width = b, n
         return v.outputs(out, b, tree.depth_bound)
 
+    def pad_rows(self) -> None:
+        """Every verify and commit row back to the padding state: a replay then writes only the
+        scratch pages and the state pool's scratch row (the budget profile replays outside any
+        round, and a one-node verify steps its rows' GDN state in place)."""
+        for fam in (*self.verify_graphs.values(), *self.commit_families.values()):
+            fam.pad(0, fam.live)
+            fam.live = 0
+        self.drop_pending_commit()
+
     # ---- commit
     # ------------------------------------------------------------------------------------------
     def drop_pending_commit(self) -> None:
@@ -376,11 +386,12 @@ class CudaGraphRunner:
     def can_commit(self, path: torch.Tensor, taps) -> bool:
         """This round's verify replayed here (its rows, lengths and taps are still in the static
         buffers)."""
-        v = self.verify_graphs[self._verified_width]
+        w = self._verified_width
+        v, cg = self.verify_graphs[w], self.commit_families.get(w)
         ok = (
-            self._verified_width in self.commit_families
+            cg is not None
             and self._verified == path.shape[0]
-            and path.shape[1] == self.commit_graph.width
+            and path.shape[1] == cg.width  # the family's own: auto's width 1 commits a [b, 1] path
             and (taps is None or (v.taps is not None and taps.data_ptr() == v.taps.data_ptr()))
         )
         if not ok:

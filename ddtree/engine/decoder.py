@@ -197,7 +197,8 @@ class SpecDecoder:
         t = self.times.add("accept", t)
         zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
         lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)
-        # no KV moves; commits hybrid state of the root
+        # no KV moves; hybrid: the verify already stepped the GDN state (or, with
+        # DDTREE_GDN_DECODE_KERNEL=0, this commits the root's)
         runner.commit(reqs, zeros[:, None], zeros, None)
         self._while_device_runs()
         host, lp_rows = logprobs.read_back(reqs, tokens, lp)

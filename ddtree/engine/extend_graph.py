@@ -261,7 +261,7 @@ class ExtendGraph:
 
 class ExtendLinear:
     """The `LinearStateContext` of an extend replay: [bs, n] rows over the committed state rows
-    (`ExtendGraph.state_rows`), the eager extend's math (`state_pool.ExtendContext`: the reference
+    (`ExtendGraph.state_rows`), the eager extend's math (`state_contexts.ExtendContext`: the reference
     conv, the chunk-form rule) batched, with padding tokens turned into state identities."""
 
     def __init__(self, g: ExtendGraph, bs: int):
@@ -290,7 +290,9 @@ class ExtendLinear:
         self.pool.conv[j, self.rows] = state.transpose(1, 2).to(self.pool.dtype)
         return F.silu(y).to(x.dtype).view(self.bs * self.n, C)
 
-    def rule(self, j, q, k, v, g, beta):
+    def rule(self, j, q, k, v, gate):
+        g, beta = gate.values()
+
         def rows(t):
             return t.view(self.bs, self.n, *t.shape[1:])
 

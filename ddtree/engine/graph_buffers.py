@@ -24,8 +24,11 @@ Hybrid (Gated DeltaNet) targets: the state pool's rows are addressed through a s
 (`VerifyGraph.state_rows`, filled by `load`; padded rows: the pool's scratch row), so the verify's tree
 recurrence, node-state stash and conv windows along ancestor chains, and the commit's state copy
 (extra_buffer) or replay (no_buffer) run inside the graphs; padded rows read and write only the scratch
-row (several padded rows share it: its contents are garbage, never read by a live row). The AR round
-(one-node trees) verifies and commits its root the same way.
+row (several padded rows share it: its contents are garbage, never read by a live row). The one-node
+family (AR rounds, auto's width 1) steps the state rows in place inside its verify graph
+(`HybridStatePool.in_place`) and its commit graph holds no state commit; a replay of that verify
+graph advances the rows it holds (live rows' or the scratch row), so replaying it outside a round
+(the budget profile) needs every row in the padding state first.
 """
 
 from __future__ import annotations
@@ -261,8 +264,9 @@ class CommitGraph:
 
     def forward(self, bs: int) -> None:
         v, n = self.verify, self.verify.n
-        if v.hybrid:
-            self.runner.state_pool.commit(v.state_rows[:bs], self.path[:bs], self.length[:bs])
+        if v.hybrid:  # the one-node family's verify stepped the state in place: nothing captured
+            pool = self.runner.state_pool
+            pool.commit(v.state_rows[:bs], self.path[:bs], self.length[:bs], nodes=n)
         taps = v.taps[: bs * n].view(bs, n, -1) if v.taps is not None else None
         self.runner.commit_kv(
             v.kv_lens[:bs] - n, v.rows[:bs], self.path[:bs], self.length[:bs], taps

@@ -52,6 +52,9 @@ class RoundMeta:
     rows: torch.Tensor
     # [b] int64 device: each request's pending token, the round's tree roots (0 if none)
     roots: torch.Tensor
+    # nodes per request of the round's verify (set by `verify_nodes`; 0: none yet): the commit
+    # tells the state pool, whose one-node verify may have stepped the GDN state in place
+    width: int = 0
 
     def matches(self, reqs: list[Req]) -> bool:
         return len(reqs) == len(self.slots) and all(
@@ -408,6 +411,7 @@ class ModelRunner:
         meta = meta or self.round_meta(reqs)
         # the allocation above may add pages
         meta.rows = self.bm.block_table.index_select(0, meta.slot_ids)
+        meta.width = n
         if self.graphs is not None and self.graphs.can_verify(b, n, max(meta.kv_lens) + n):
             logits, taps, tokens, res = self.graphs.verify(meta, tree)
             return VerifyOut(
@@ -467,8 +471,8 @@ class ModelRunner:
             # the same state commit, moves and writes, replayed on the verify buffers
             self.graphs.commit(path, accept_length)
             return
-        if self.state_pool is not None:
-            self.state_pool.commit(meta.slot_ids, path, accept_length)
+        if self.state_pool is not None:  # nothing for a one-node verify that stepped in place
+            self.state_pool.commit(meta.slot_ids, path, accept_length, nodes=meta.width or None)
         self.commit_kv(meta.lens, meta.rows, path, accept_length, taps)
 
     def commit_kv(self, lens, rows, path, accept_length, taps) -> None:

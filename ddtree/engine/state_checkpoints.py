@@ -4,10 +4,12 @@ A checkpoint row holds one request's committed GDN state (conv window + SSM stat
 layer) after exactly a cached node's tokens. It is taken from the request's committed rows in the
 state pool when a prefill chunk ends on a page boundary (`HybridStatePool.conv` / `.ssm` are the
 same under extra_buffer and no_buffer: both strategies stash per-node data beside them, never in
-them), and restored into a new request's row when its prefix hit ends at that node. Rows are
-preallocated (`--mamba-full-memory-ratio` sizes them with the state pool: `plan_pools`); when all
-are taken the least recently used checkpoint is dropped (its pages stay cached; hits there are
-truncated to an earlier checkpoint).
+them; a one-node round steps them in place at its verify, but checkpoints are taken and restored
+only between rounds, where the rows hold exactly the committed tokens either way), and restored into
+a new request's row when its prefix hit ends at that node. Rows are preallocated
+(`--mamba-full-memory-ratio` sizes them with the state pool: `plan_pools`); when all are taken the
+least recently used checkpoint is dropped (its pages stay cached; hits there are truncated to an
+earlier checkpoint).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Recurrent-state pool of hybrid (Gated DeltaNet) targets, and the per-forward contexts that read/write it.
+"""Recurrent-state pool of hybrid (Gated DeltaNet) targets (the per-forward contexts that read / write it:
+state_contexts.py).
 
 Rows are indexed [gdn_layer, request_slot, ...] (request_slot = the request's block-table row):
   conv ....... [L, R, C, K-1]       the last K-1 pre-conv inputs (model dtype)
   ssm ........ [L, R, Hv, dk, dv]   delta-rule state (--mamba-ssm-dtype)
-Tree verify never writes `conv`/`ssm`; it leaves a per-node stash that `commit` turns into the state after
-the last accepted node:
+A tree verify never writes `conv`/`ssm`; it leaves a per-node stash that `commit` turns into the state
+after the last accepted node:
   extra_buffer: node_conv [L, R, W, C, K-1], node_ssm [L, R, W, Hv, dk, dv]  -> commit copies one node
   no_buffer:    node_x [L, R, W, C] (pre-conv), node_y [L, R, W, C] (post-conv q|k|v), node_g [L, R, W, Hv]
                 fp32, node_beta [L, R, W, Hv]                                  -> commit replays the path
@@ -15,6 +16,13 @@ CUDA it runs the chunk-form tree rule (kernels/gdn/tree_chunk_split_triton.py, t
 layer, over the round's tree_mask), extra_buffer the Triton tree kernel; the stash rows are written
 inside the conv and rule kernels (no index_put per layer), and no_buffer's commit replays the
 accepted path in place (kernels/gdn/commit_triton.py, all layers in one launch).
+
+One-node verifies (AR rounds, auto's width-1 rounds) are the exception, under either strategy
+(`in_place`, DDTREE_GDN_DECODE_KERNEL=1, the default): their root is the state's next token
+whatever the round accepts, so the verify steps `conv` / `ssm` in place (the tree conv's in-place
+mode, kernels/gdn/decode_triton.py: the state read and written once, two launches per layer) and
+writes no stash, and their commit (`commit(..., nodes=1)`, eager or in the commit graph) leaves
+the GDN state alone. The switch is read once, here, so a verify and its commit always agree.
 """
 
 from __future__ import annotations
@@ -24,14 +32,15 @@ from torch import Tensor
 
 from ddtree import envs
 from ddtree.engine.config import GDNGeometry, stash_ssm_dtype
-from ddtree.kernels.gdn import (
-    causal_conv1d_step,
-    causal_conv1d_varlen,
-    replay_conv_path,
+from ddtree.engine.state_contexts import ExtendContext, TreeContext
+from ddtree.kernels.gdn import replay_conv_path
+from ddtree.kernels.gdn.backend import (
+    check_switches,
+    choose,
+    commit_kernel,
+    decode_in_place_flag,
 )
-from ddtree.kernels.gdn.backend import check_switches, choose, commit_kernel
-from ddtree.kernels.gdn.dispatch import chunk_rule, recurrent_rule, replay, tree_rule
-from ddtree.kernels.gdn.tree_conv import conv as tree_conv
+from ddtree.kernels.gdn.dispatch import replay
 
 STRATEGIES = ("extra_buffer", "no_buffer")
 # no_buffer commit: the most fp32 state one group of layers gathers at a time
@@ -84,6 +93,8 @@ class HybridStatePool:
         self.stash_dtype = _dtype(stash_ssm_dtype(self.ssm_dtype))
         explicit = bool(envs.GDN_STASH_DTYPE.get().strip())
         self.stash_in_kernel = self.stash_dtype == torch.float32 or explicit
+        # DDTREE_GDN_DECODE_KERNEL, read once: one-node verifies step the committed rows in place
+        self.decode_in_place = decode_in_place_flag()
         # the scratch row (padded graph rows) sits past the requests' rows
         self.scratch_row = max_reqs if scratch_row else None
         L, R, W, C, Km1 = (
@@ -154,20 +165,31 @@ class HybridStatePool:
 
     def extend_context(
         self, slots: list[int], q_lens: list[int], kv_lens_before: list[int]
-    ) -> "ExtendContext":
+    ) -> ExtendContext:
         """Packed extend of q_lens[i] tokens per request; kv_lens_before[i] == 0 starts from a zero state."""
         return ExtendContext(self, self._slots(slots), q_lens, kv_lens_before)
 
-    def tree_context(self, slots: list[int], tree) -> "TreeContext":
+    def tree_context(self, slots: list[int], tree) -> TreeContext:
         if tree.num_nodes > self.width:
             raise ValueError(
                 f"tree of {tree.num_nodes} nodes exceeds max_verify_width {self.width}"
             )
         return TreeContext(self, self._slots(slots), tree)
 
-    def commit(self, slots: Tensor, path: Tensor, accept_length: Tensor) -> None:
+    def in_place(self, nodes: int | None) -> bool:
+        """Whether a verify of `nodes`-node trees steps the committed rows itself (one node, the
+        switch on): its commit then has nothing to do."""
+        return nodes == 1 and self.decode_in_place
+
+    def commit(
+        self, slots: Tensor, path: Tensor, accept_length: Tensor, nodes: int | None = None
+    ) -> None:
         """Set each request's state to the one after node path[i, accept_length[i]] of the last tree verify.
-        path [b, P] node indices root first (entries past accept_length are ignored)."""
+        path [b, P] node indices root first (entries past accept_length are ignored). nodes: that
+        verify's nodes per request (None: unknown, a stash commit); after an in-place one
+        (`in_place(nodes)`) the rows already hold the root's state: nothing is written."""
+        if self.in_place(nodes):
+            return
         slots, path, acc = (
             slots.to(self.device).long(),
             path.to(self.device).long(),
@@ -227,115 +249,3 @@ class HybridStatePool:
         conv = replay_conv_path(rows("node_x"), chain, self.conv[layers][:, slots].flatten(0, 1))
         self.ssm[layers, slots] = S.unflatten(0, (L, b)).to(self.ssm_dtype)
         self.conv[layers, slots] = conv.unflatten(0, (L, b))
-
-
-class ExtendContext:
-    """Prefill / chunked prefill: packed sequences, state read from and written back to the pool rows."""
-
-    def __init__(
-        self, pool: HybridStatePool, slots: Tensor, q_lens: list[int], kv_lens_before: list[int]
-    ):
-        self.pool, self.slots = pool, slots
-        dev = pool.device
-        self.cu_seqlens = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0).to(dev)
-        self.fresh = torch.tensor([kv == 0 for kv in kv_lens_before], dtype=torch.bool).to(dev)
-        # one token per request: the step kernels, no varlen
-        self.decode = all(n == 1 for n in q_lens)
-
-    def _initial(self, t: Tensor) -> Tensor:
-        return torch.where(self.fresh.view(-1, *[1] * (t.dim() - 1)), 0, t)
-
-    def conv(self, j, x, weight, bias):
-        x = x.contiguous()  # a slice of the fused in_proj output; the varlen conv wants rows
-        state0 = self._initial(self.pool.conv[j, self.slots])
-        if self.decode:
-            y, state = causal_conv1d_step(x, state0, weight, bias)
-        else:
-            y, state = causal_conv1d_varlen(x, weight, self.cu_seqlens, state0, bias)
-        self.pool.conv[j, self.slots] = state.to(self.pool.dtype)
-        return y
-
-    def rule(self, j, q, k, v, g, beta):
-        S0 = self._initial(self.pool.ssm[j, self.slots])
-        if self.decode:  # [b, 1, ...]: b sequences of one token
-            o, S = recurrent_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], S0)
-            o = o[:, 0]
-        else:  # [1, T, ...]: packed sequences
-            o, S = chunk_rule(
-                q[None], k[None], v[None], g[None], beta[None], S0, cu_seqlens=self.cu_seqlens
-            )
-            o = o[0]
-        self.pool.ssm[j, self.slots] = S.to(self.pool.ssm_dtype)
-        return o
-
-
-class TreeContext:
-    """Tree verify over b requests x n nodes (flat request-major tokens): every node continues from its
-    parent's state; the committed rows are only read, the per-node stash is written."""
-
-    def __init__(self, pool: HybridStatePool, slots: Tensor, tree):
-        self.pool, self.slots = pool, slots
-        self.b, self.n = tree.tokens.shape
-        self.parents, self.depths, self.valid = tree.parents, tree.depths, tree.valid
-        # the round's ancestor mask, built once by the tree build: no layer rebuilds it
-        self.tree_mask = tree.tree_mask
-        self.max_depth = tree.depth_bound
-        self.extra = pool.strategy == "extra_buffer"
-
-    def _stash(self, name: str, j: int, t: Tensor) -> None:
-        self.pool.stash[name][j, self.slots, : self.n] = t.to(self.pool.stash[name].dtype)
-
-    def conv(self, j, x, weight, bias):
-        xb = x.view(self.b, self.n, -1)
-        # the conv along ancestor chains: one Triton launch on CUDA (AR's one-node trees too, so
-        # every round shares its numerics), the reference elsewhere (kernels/gdn/tree_conv.py)
-        # the committed rows are read and the node windows written through the slot index (no
-        # gather / scatter launches on CUDA)
-        y, _ = tree_conv(
-            xb,
-            self.parents,
-            self.pool.conv[j],
-            weight,
-            bias,
-            self.valid,
-            return_node_states=self.extra,
-            state_rows=self.slots,
-            node_states=self.pool.stash["node_conv"][j] if self.extra else None,
-            # no_buffer: the replay's inputs written by the kernel into the stash rows
-            stash=None
-            if self.extra
-            else (self.pool.stash["node_x"][j], self.pool.stash["node_y"][j]),
-        )
-        return y.view(self.b * self.n, -1)
-
-    def rule(self, j, q, k, v, g, beta):
-        qb, kb, vb, gb, bb = (t.view(self.b, self.n, *t.shape[1:]) for t in (q, k, v, g, beta))
-        # an fp32 stash takes the node states in place (the kernel re-reads parents from it), and so
-        # does a DDTREE_GDN_STASH_DTYPE one (rounded parents: the switch's trade); a --mamba-ssm-dtype
-        # stash goes through an fp32 scratch, so the tree itself never runs on rounded states
-        direct = self.extra and self.pool.stash_in_kernel
-        # no_buffer: g and beta go to the replay's stash rows inside the chunk kernel
-        stash = None
-        if not self.extra:
-            stash = (self.pool.stash["node_g"][j], self.pool.stash["node_beta"][j], self.slots)
-        o, node_states = tree_rule(
-            qb,
-            kb,
-            vb,
-            gb,
-            bb,
-            self.parents,
-            self.depths,
-            self.pool.ssm[j],
-            return_node_states=self.extra and not direct,
-            valid=self.valid,
-            max_depth=self.max_depth,
-            initial_rows=self.slots,
-            node_states=self.pool.stash["node_ssm"][j] if direct else None,
-            state_rows=self.slots if direct else None,
-            tree_mask=self.tree_mask,
-            stash=stash,
-        )
-        if self.extra and not direct:
-            self._stash("node_ssm", j, node_states)
-        return o.view(self.b * self.n, *o.shape[2:])

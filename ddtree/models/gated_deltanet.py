@@ -16,7 +16,7 @@ from torch import nn
 
 from ddtree.configs import TargetConfig
 from ddtree.kernels.gdn.dispatch import chunk_rule
-from ddtree.kernels.gdn.fused import gated_rmsnorm, gdn_gating
+from ddtree.kernels.gdn.fused import GateInputs, gated_rmsnorm
 from ddtree.models.parallel import RowParallelLinear, TPGroup
 
 # HF's four input projections, in the row order of the one GEMM inference runs: q|k|v (conv input),
@@ -35,8 +35,10 @@ class LinearStateContext(Protocol):
         """Causal depthwise conv + SiLU of pre-conv inputs x [T, C] (weight [C, K]) -> [T, C]."""
         ...
 
-    def rule(self, j: int, q, k, v, g, beta) -> torch.Tensor:
-        """Gated delta rule (q/k l2-normalised inside, default scale) -> o [T, Hv, dv]."""
+    def rule(self, j: int, q, k, v, gate: GateInputs) -> torch.Tensor:
+        """Gated delta rule (q/k l2-normalised inside, default scale) -> o [T, Hv, dv]; the decay
+        gate's g / beta [T, Hv] are `gate.values()` (or computed inside a kernel from its inputs:
+        the one-token in-place rule)."""
         ...
 
 
@@ -138,13 +140,15 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, j: int, linear: LinearStateContext | None) -> torch.Tensor:
         """x [T, H] flat tokens with a context, or [B, T, H] / [T, H] dense from a zero state without one."""
         mixed, z, b, a = self._in_proj(x)
-        # one fused launch on the GPU (kernels/gdn/fused.py); the reference elsewhere
-        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        # g / beta where the rule needs them: one fused launch on the GPU (kernels/gdn/fused.py),
+        # the reference elsewhere; the one-token in-place rule gates inside its kernel
+        gate = GateInputs(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight[:, 0, :]
         if linear is not None:
             q, k, v = self._split(linear.conv(j, mixed, weight, self.conv1d.bias))
-            o = linear.rule(j, q, k, v, g, beta)
+            o = linear.rule(j, q, k, v, gate)
         else:
+            g, beta = gate.values()
             batched = x.dim() == 3
             if not batched:
                 mixed, g, beta = mixed[None], g[None], beta[None]

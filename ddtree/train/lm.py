@@ -234,7 +234,8 @@ class _DenseRecurrentState:
         # outputs past the zero padding see only ext
         return dense_conv_silu(ext, weight, bias)[:, K - 1 :]
 
-    def rule(self, j, q, k, v, g, beta):
+    def rule(self, j, q, k, v, gate):
+        g, beta = gate.values()
         if q.shape[1] == 1:  # decode: a chunked step would pad one token to a whole chunk
             o, self.states[j] = gated_delta_rule_recurrent(q, k, v, g, beta, self.states.get(j))
         else:

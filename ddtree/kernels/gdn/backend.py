@@ -116,6 +116,15 @@ def commit_kernel_flag() -> bool:
     return flag == "1"
 
 
+def decode_in_place_flag() -> bool:
+    """DDTREE_GDN_DECODE_KERNEL (default 1), checked: a bad value raises naming it. On: one-node
+    rounds step the committed rows in place (`dispatch.decode_step`, the in-place tree conv)."""
+    flag = envs.GDN_DECODE_KERNEL.get().strip() or "1"
+    if flag not in ("0", "1"):
+        raise ValueError(f"{envs.GDN_DECODE_KERNEL.name}={flag!r}: use 0 or 1")
+    return flag == "1"
+
+
 def commit_kernel(t: torch.Tensor) -> bool:
     """no_buffer's commit as the in-place replay kernel: the switch on, where our kernels run."""
     return commit_kernel_flag() and use_triton(t)
@@ -153,6 +162,7 @@ def check_switches() -> None:
     tree_chunk_mode()
     tree_chunk_form()
     commit_kernel_flag()
+    decode_in_place_flag()
     tree_chunk_options()
     tree_kernel_options()
 
@@ -197,5 +207,6 @@ def describe(device) -> dict[str, str]:
             else ("triton" if use_triton(t) else "reference")
         ),
         "tree_conv": "triton" if use_triton(t) else "reference",
+        "decode_step": "triton" if use_triton(t) else "reference",
         "commit": "triton" if commit_kernel(t) else ("fla" if use_fla(t) else "reference"),
     }

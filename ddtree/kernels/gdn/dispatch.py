@@ -23,6 +23,7 @@ from ddtree.kernels.gdn.backend import (
     use_tree_chunk,
     use_triton,
 )
+from ddtree.kernels.gdn.fused import GateInputs
 from ddtree.kernels.gdn.reference import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
@@ -85,6 +86,25 @@ def recurrent_rule(
             use_qk_l2norm_in_kernel=True,
         )
     return gated_delta_rule_recurrent(q, k, v, g, beta, initial_state)
+
+
+def decode_step(q: Tensor, k: Tensor, v: Tensor, gate, ssm: Tensor, rows: Tensor) -> Tensor:
+    """One token per request, in place on the pool's rows: ssm [R, Hv, dk, dv] rows `rows` [b]
+    step by q, k [b, Hk, dk], v [b, Hv, dv] and the gate (the layer's `fused.GateInputs`, or
+    anything whose values() are g, beta [b, Hv]); returns o [b, Hv, dv]. `decode_triton` where our
+    Triton kernels run (one launch, GateInputs gated inside); elsewhere the gate's values and
+    `reference.gated_delta_rule_recurrent` for T = 1 on the gathered rows, written back in the
+    pool's dtype (the same control flow on every device)."""
+    if choose("decode_step", use_triton(v), "triton"):
+        from ddtree.kernels.gdn.decode_triton import gated_delta_decode_triton
+
+        raw = gate if isinstance(gate, GateInputs) else gate.values()
+        return gated_delta_decode_triton(q, k, v, tuple(raw), ssm, rows)
+    g, beta = gate.values()
+    steps = (t[:, None] for t in (q, k, v, g, beta))  # [b, T = 1, ...]
+    o, S = gated_delta_rule_recurrent(*steps, ssm[rows])
+    ssm[rows] = S.to(ssm.dtype)
+    return o[:, 0]
 
 
 def replay(

@@ -1,6 +1,7 @@
 """Fused elementwise ops of a Gated DeltaNet layer, one Triton launch each instead of 6-10 PyTorch
 kernels (a 27B hybrid AR step is launch-bound: ~3.5k kernels, 48 GDN layers):
-  - `gdn_gating`: g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta = sigmoid(b) (b's dtype);
+  - `gdn_gating`: g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta = sigmoid(b) (b's dtype)
+    (`GateInputs.values`: where a state context's rule needs them);
   - `gated_rmsnorm`: RMSNorm over the value head dim (plain weight), times silu(z).
 `reference.gdn_gating` / `reference.gated_rmsnorm` beside them are the oracles (and the CPU path);
 the same switches as ddtree/kernels/fused pick the kernel (`fused.use_triton`: CUDA, or the CPU
@@ -10,6 +11,8 @@ level).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,6 +35,17 @@ if triton is not None:
     _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
+    def decay_gate(a, dt_bias, a_log):
+        """g = -exp(A_log) * softplus(a + dt_bias) from fp32 operands (shared with the one-token
+        rule kernel, kernels/gdn/decode_triton.py, which gates inside)."""
+        x = a + dt_bias
+        # softplus = max(x, 0) + log1p(exp(-|x|)); log1p by its series where the argument is tiny
+        y = tl.exp(-tl.abs(x))
+        lp = tl.where(y < 1e-4, y - 0.5 * y * y, tl.log(1.0 + y))
+        sp = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + lp)  # torch's threshold
+        return -tl.exp(a_log) * sp
+
+    @triton.jit
     def _gating_kernel(
         a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, H, sa, sb, BLOCK: tl.constexpr
     ):
@@ -41,13 +55,9 @@ if triton is not None:
         t = i // H
         h = i % H
         x = tl.load(a_ptr + t * sa + h, mask=m, other=0.0).to(tl.float32)
-        x = x + tl.load(dtb_ptr + h, mask=m, other=0.0).to(tl.float32)
-        # softplus = max(x, 0) + log1p(exp(-|x|)); log1p by its series where the argument is tiny
-        y = tl.exp(-tl.abs(x))
-        lp = tl.where(y < 1e-4, y - 0.5 * y * y, tl.log(1.0 + y))
-        sp = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + lp)  # torch's threshold
+        dtb = tl.load(dtb_ptr + h, mask=m, other=0.0).to(tl.float32)
         a_log = tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float32)
-        tl.store(g_ptr + i, -tl.exp(a_log) * sp, mask=m)
+        tl.store(g_ptr + i, decay_gate(x, dtb, a_log), mask=m)
         bv = tl.load(b_ptr + t * sb + h, mask=m, other=0.0).to(tl.float32)
         tl.store(beta_ptr + i, (1.0 / (1.0 + tl.exp(-bv))).to(beta_ptr.dtype.element_ty), mask=m)
 
@@ -107,6 +117,21 @@ def gdn_gating(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Te
             ar, br, A_log, dt_bias, g, beta, N, H, ar.stride(0), br.stride(0), BLOCK=BLOCK
         )
     return g, beta
+
+
+class GateInputs(NamedTuple):
+    """A GDN layer's decay gate as its inputs, handed to the state context's rule: a, b [T, Hv]
+    (strided slices of the in_proj output), A_log, dt_bias [Hv]. `values()` = `gdn_gating` (one
+    launch where the fused kernels run) for the rules that take g / beta; the one-token in-place
+    rule gates inside its own kernel instead (`dispatch.decode_step`): a launch fewer per layer."""
+
+    a: Tensor
+    b: Tensor
+    A_log: Tensor
+    dt_bias: Tensor
+
+    def values(self) -> tuple[Tensor, Tensor]:
+        return gdn_gating(self.a, self.b, self.A_log, self.dt_bias)
 
 
 def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:

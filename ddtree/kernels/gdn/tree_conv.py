@@ -15,6 +15,14 @@ With `state_rows` the committed conv states and the node-state stash are the sta
 (request i reads conv_state[state_rows[i]] and writes node_states[state_rows[i], :n]): no gather of
 the committed rows before the kernel and no scatter of the node states after it (two launches and a
 copy of the stash per GDN layer).
+
+`in_place` (one-node trees: AR rounds, auto's width-1 rounds): the new window goes straight into
+the committed row conv_state[state_rows[i]] (no stash): the round's commit then leaves the conv
+state alone. A program owns distinct channels of one request's row, and the thread that reads a
+committed column is the one that overwrites it (same channel index, same layout; `block` >= the
+threads of a program, so no element is held by two threads), after reading it and before reading
+the next older one: race-free in place. Padded CUDA-graph rows all point at the pool's scratch
+row: their programs race there, on contents nobody reads.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ if triton is not None:
         STATES: tl.constexpr,
         ROWS: tl.constexpr,
         STASH: tl.constexpr,
+        IN_PLACE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -83,6 +92,7 @@ if triton is not None:
         acc = v.to(tl.float32) * tl.load(w_ptr + c * K + (K - 1), mask=mc, other=0.0).to(tl.float32)
         if STATES:
             tl.store(st_base + (K - 2), v.to(st_ptr.dtype.element_ty), mask=mc)
+        newer = v.to(tl.float32)  # IN_PLACE: the input one position newer than the column read
         for t in tl.static_range(1, K):
             node = s - (K - 1)
             is_node = node >= 0
@@ -100,6 +110,11 @@ if triton is not None:
             )
             v = tl.where(is_node, vx.to(tl.float32), vs.to(tl.float32))
             pos = K - 1 - t  # window position (0: oldest)
+            if IN_PLACE:  # one node: s = pos, the committed column just read takes the newer input
+                # (the same thread loads column pos, then stores it, then reads pos - 1)
+                cs_col = cs_ptr + row * scs_b + c * scs_c + pos
+                tl.store(cs_col, newer.to(cs_ptr.dtype.element_ty), mask=mc)
+                newer = v
             acc += v * tl.load(w_ptr + c * K + pos, mask=mc, other=0.0).to(tl.float32)
             if STATES and pos >= 1:
                 tl.store(st_base + (pos - 1), v.to(st_ptr.dtype.element_ty), mask=mc)
@@ -127,24 +142,35 @@ def tree_causal_conv1d_triton(
     state_rows: Tensor | None = None,
     node_states: Tensor | None = None,
     stash: tuple[Tensor, Tensor] | None = None,
+    in_place: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Same arguments and returns as `reference.tree_causal_conv1d`, plus (see the module docstring)
     state_rows [b]: conv_state is a pool [R, C, K-1] and node_states (given) a stash [R, W >= n, C,
     K-1], both addressed by row. stash (with state_rows): (node_x, node_y) [R, W >= n, C] (one
-    layout) receive each node's input and output in its row (padding nodes: zeros). Requires
-    parents[b, i] < i for valid nodes' chains (depth-sorted trees)."""
+    layout) receive each node's input and output in its row (padding nodes: zeros). in_place (n ==
+    1, with state_rows, no node states or stash): each row's window becomes the one after its root
+    (a padding root shifts in a zero). Requires parents[b, i] < i for valid nodes' chains
+    (depth-sorted trees)."""
     b, n, C = x.shape
     K = weight.shape[1]
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if in_place:
+        _check_in_place(n, state_rows, return_node_states or node_states is not None or stash)
+        if block < 128:  # the launch's 4 warps hold each channel once (see the module docstring)
+            raise ValueError(f"in place needs block >= 128 (got {block})")
+        if conv_state.stride(-1) != 1:
+            raise ValueError("in place: conv_state must have a unit last stride")
     cs = conv_state if conv_state.stride(-1) == 1 else conv_state.contiguous()
     valid = torch.ones(b, n, dtype=torch.bool, device=x.device) if valid is None else valid
     valid = (
         valid.contiguous().view(torch.int8) if valid.dtype == torch.bool else valid.to(torch.int8)
     )
     y = torch.empty(b, n, C, dtype=x.dtype, device=x.device)
-    if node_states is None:
+    if node_states is None and return_node_states:
         node_states = torch.empty(b, n, C, K - 1, dtype=conv_state.dtype, device=x.device)
-    if node_states.stride(-1) != 1 or node_states.stride(-2) != K - 1:
+    if node_states is None:  # nothing written: a dummy pointer
+        node_states = cs
+    elif node_states.stride(-1) != 1 or node_states.stride(-2) != K - 1:
         raise ValueError("node_states must be contiguous over its last two dims [C, K-1]")
     if stash is not None:
         if state_rows is None:
@@ -182,9 +208,19 @@ def tree_causal_conv1d_triton(
             STATES=bool(return_node_states),
             ROWS=state_rows is not None,
             STASH=stash is not None,
+            IN_PLACE=in_place,
             BLOCK=block,
+            num_warps=4,
         )
     return y, node_states if return_node_states else None
+
+
+def _check_in_place(n: int, state_rows, stashed) -> None:
+    if n != 1 or state_rows is None or stashed:
+        raise ValueError(
+            "the in-place conv takes one-node trees on the pool's rows (state_rows), no node "
+            "states or stash"
+        )
 
 
 def conv(
@@ -198,13 +234,16 @@ def conv(
     state_rows: Tensor | None = None,
     node_states: Tensor | None = None,
     stash: tuple[Tensor, Tensor] | None = None,
+    in_place: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """The tree conv the engine runs: this kernel on CUDA (every width, one-node trees too), the
     reference elsewhere (`root_causal_conv1d` for one node: the same numbers without the gathers).
     With state_rows the pool's rows are read and node_states' rows written (the kernel in place, the
     reference by gather and scatter); the returned node states are then node_states itself. stash
     (node_x, node_y) [R, W, C] with state_rows: each node's input and output (padding: zeros) also
-    land in its row (no_buffer's replay inputs; in the kernel, no index_put)."""
+    land in its row (no_buffer's replay inputs; in the kernel, no index_put). in_place (one node,
+    state_rows): the committed rows become the windows after the roots (see the module docstring);
+    the reference gathers, steps and writes them back."""
     if triton is not None and choose("tree_conv", use_triton(x), "triton"):
         return tree_causal_conv1d_triton(
             x,
@@ -217,7 +256,18 @@ def conv(
             state_rows=state_rows,
             node_states=node_states,
             stash=stash,
+            in_place=in_place,
         )
+    if in_place:
+        _check_in_place(
+            x.shape[1], state_rows, return_node_states or node_states is not None or stash
+        )
+        x0 = x[:, 0] if valid is None else torch.where(valid[:, :1], x[:, 0], 0)
+        y, st = reference.root_causal_conv1d(x0, conv_state[state_rows], weight, bias)
+        if valid is not None:
+            y = torch.where(valid[:, :1], y, 0)
+        conv_state[state_rows] = st
+        return y[:, None], None
     y, st = _conv_reference(
         x, parents, conv_state, weight, bias, valid, return_node_states, state_rows
     )
