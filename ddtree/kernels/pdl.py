@@ -44,3 +44,10 @@ def pdl_ok(device: torch.device) -> bool:
         and not envs.NO_PDL.on()
         and torch.cuda.get_device_capability(device) >= (9, 0)
     )
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """A kernel's launch keywords: its PDL constexpr (the `gdc_wait` first) and Triton's
+    `launch_pdl`, both on where `pdl_ok`."""
+    on = pdl_ok(device)
+    return dict(PDL=on, launch_pdl=on)

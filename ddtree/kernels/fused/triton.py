@@ -15,16 +15,10 @@ import triton
 import triton.language as tl
 
 from ddtree import envs
-from ddtree.kernels.pdl import gdc_wait, pdl_ok
+from ddtree.kernels.pdl import gdc_wait, pdl_launch
 
 # TRITON_INTERPRET is read when a kernel is decorated; the dispatch reloads this module when it needs the other mode
 _decorated_interpreted = envs.TRITON_INTERPRET.on()
-
-
-def _pdl(t: torch.Tensor) -> dict:
-    """A launch's PDL keywords: a programmatic dependent of the kernel ahead where `pdl_ok`."""
-    on = pdl_ok(t.device)
-    return dict(PDL=on, launch_pdl=on)
 
 
 @triton.jit
@@ -107,7 +101,7 @@ def add_rmsnorm(
             OFFSET=offset,
             BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
-            **_pdl(x),
+            **pdl_launch(x.device),
         )
     return out, s
 
@@ -305,7 +299,7 @@ def qk_norm_rope(
             HB=hb,
             OFFSET=offset,
             num_warps=4,
-            **_pdl(c2),
+            **pdl_launch(c2.device),
         )
     return outs[0], outs[1]
 
@@ -333,7 +327,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows and n:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-            x2, out, n, x2.stride(0), BLOCK=block, num_warps=4, **_pdl(x2)
+            x2, out, n, x2.stride(0), BLOCK=block, num_warps=4, **pdl_launch(x2.device)
         )
     return out
 
@@ -374,6 +368,6 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             gate.stride(1),
             BLOCK=triton.next_power_of_2(D),
             num_warps=4 if D >= 512 else 1,
-            **_pdl(x),
+            **pdl_launch(x.device),
         )
     return out

@@ -28,13 +28,16 @@ if triton is not None:
     # tree_chunk_triton's _sum: tl.reduce (the interpreter cannot call tl.sum); its import also
     # patches the interpreter's indexing
     from ddtree.kernels.gdn.tree_chunk_triton import _sum
+    from ddtree.kernels.pdl import gdc_wait, pdl_launch
 
     @triton.jit
     def _replay_ssm_kernel(
         ssm_ptr, y_ptr, g_ptr, beta_ptr, slots_ptr, path_ptr, acc_ptr,
         B, P, DK, DV, GROUP, KD, s_l, s_r, s_h, y_l, y_r, y_w, g_l, g_r, g_w, b_l, b_r, b_w,
-        BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            gdc_wait()  # before any memory access: the kernel ahead has ended (kernels/pdl.py)
         pid = tl.program_id(0)
         layer = (pid // B).to(tl.int64)
         i = pid % B
@@ -69,8 +72,10 @@ if triton is not None:
     @triton.jit
     def _replay_conv_kernel(
         conv_ptr, x_ptr, slots_ptr, path_ptr, acc_ptr, B, P, C, c_l, c_r, x_l, x_r, x_w,
-        KM1: tl.constexpr, BJ: tl.constexpr, BC: tl.constexpr,
+        KM1: tl.constexpr, BJ: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            gdc_wait()  # before any memory access: the kernel ahead has ended (kernels/pdl.py)
         pid = tl.program_id(0)
         layer = (pid // B).to(tl.int64)
         i = pid % B
@@ -131,11 +136,12 @@ def commit_replay_triton(
         ssm, y, g, bt, slots, path, acc, b, P, dk, dv, hv // hk, hk * dk,
         ssm.stride(0), ssm.stride(1), ssm.stride(2), y.stride(0), y.stride(1), y.stride(2),
         g.stride(0), g.stride(1), g.stride(2), bt.stride(0), bt.stride(1), bt.stride(2),
-        BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm), num_warps=4,
+        BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm), num_warps=4, **pdl_launch(ssm.device),
     )  # fmt: skip
     x = node_x
     _replay_conv_kernel[(L * b, triton.cdiv(C, block_c))](
         conv, x, slots, path, acc, b, P, C, conv.stride(0), conv.stride(1),
         x.stride(0), x.stride(1), x.stride(2),
         KM1=km1, BJ=max(2, triton.next_power_of_2(km1)), BC=block_c, num_warps=4,
+        **pdl_launch(conv.device),
     )  # fmt: skip

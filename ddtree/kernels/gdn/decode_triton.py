@@ -39,13 +39,17 @@ if triton is not None:
     # tree_chunk_triton's _sum: tl.reduce (the interpreter cannot call tl.sum); its import also
     # patches the interpreter's indexing
     from ddtree.kernels.gdn.tree_chunk_triton import _sum
+    from ddtree.kernels.pdl import gdc_wait, pdl_launch
 
     @triton.jit
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, ssm_ptr, rows_ptr, o_ptr,
         sq, sk, sv, sg, sb, s_r, s_h, GROUP, DK, DV, scale,
         BK: tl.constexpr, BV: tl.constexpr, RAW_GATE: tl.constexpr, L2NORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            gdc_wait()  # before any memory access: the kernel ahead has ended (kernels/pdl.py)
         i = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         hv = tl.num_programs(1)
@@ -127,5 +131,6 @@ def gated_delta_decode_triton(
         ssm.stride(0), ssm.stride(1), hv // hk, dk, dv,
         dk**-0.5 if scale is None else scale,
         BK=BK, BV=BV, RAW_GATE=raw, L2NORM=bool(use_qk_l2norm), num_warps=num_warps,
+        **pdl_launch(v.device),
     )  # fmt: skip
     return o

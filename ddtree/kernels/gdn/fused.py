@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 _TL = None
 if triton is not None:
+    from ddtree.kernels.pdl import gdc_wait, pdl_launch
     from ddtree.kernels.tree_attention.tuning import patch_interpreter_index
 
     if triton.knobs.runtime.interpret:
@@ -47,9 +48,12 @@ if triton is not None:
 
     @triton.jit
     def _gating_kernel(
-        a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, H, sa, sb, BLOCK: tl.constexpr
-    ):
+        a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, N, H, sa, sb,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
         # a, b: rows of H with row strides sa / sb (slices of the fused in_proj output: no copy)
+        if PDL:
+            gdc_wait()  # before any memory access: the kernel ahead has ended (kernels/pdl.py)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < N
         t = i // H
@@ -76,8 +80,11 @@ if triton is not None:
         eps,
         HW_DT: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # row = (token, head); x / z rows at their own strides (z: a slice of the fused in_proj)
+        if PDL:
+            gdc_wait()  # before any memory access: the kernel ahead has ended (kernels/pdl.py)
         row = tl.program_id(0).to(tl.int64)
         t, hh = row // H, row % H
         c = tl.arange(0, BLOCK)
@@ -114,8 +121,9 @@ def gdn_gating(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Te
     N, BLOCK = a.numel(), 1024
     if N:
         _gating_kernel[(triton.cdiv(N, BLOCK),)](
-            ar, br, A_log, dt_bias, g, beta, N, H, ar.stride(0), br.stride(0), BLOCK=BLOCK
-        )
+            ar, br, A_log, dt_bias, g, beta, N, H, ar.stride(0), br.stride(0), BLOCK=BLOCK,
+            **pdl_launch(a.device),
+        )  # fmt: skip
     return g, beta
 
 
@@ -161,5 +169,6 @@ def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
             eps,
             HW_DT=hw_dt,
             BLOCK=triton.next_power_of_2(D),
+            **pdl_launch(x.device),
         )
     return out

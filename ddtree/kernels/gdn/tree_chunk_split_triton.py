@@ -38,6 +38,7 @@ if triton is not None:
     import triton.language as tl
 
     from ddtree.kernels.gdn.tree_chunk_triton import _inv_norms, _program_rows, _sum, _tree_gates
+    from ddtree.kernels.pdl import gdc_wait, pdl_launch
 
     @triton.jit
     def _solve_kernel(
@@ -46,8 +47,10 @@ if triton is not None:
         n, HV, DK, GROUP, sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sm_b, sm_i,
         sgs_b, sgs_n, sbs_b, sbs_n, scale,
         BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, L2NORM: tl.constexpr,
-        STASH: tl.constexpr, PREC: tl.constexpr, PREC_IN: tl.constexpr,
+        STASH: tl.constexpr, PREC: tl.constexpr, PREC_IN: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            gdc_wait()  # before any memory access: the kernel ahead has ended (kernels/pdl.py)
         pid_b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         hk = h // GROUP
@@ -136,8 +139,10 @@ if triton is not None:
         n, HV, DK, DV, GROUP, sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
         so_b, so_n, so_h, s0_b,
         BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
-        S0_ROWS: tl.constexpr, PREC: tl.constexpr,
+        S0_ROWS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            gdc_wait()  # before any memory access: the kernel ahead has ended (kernels/pdl.py)
         pid_b, h, pid_v, rt, node, in_n, row, ok, ok0, rv, mv, s0_base, q_base, k_base = (
             _program_rows(
                 q_ptr, k_ptr, valid_ptr, s0_ptr, s0_rows_ptr, n, DK, DV, GROUP,
@@ -250,7 +255,7 @@ def tree_chunk_split_triton(
         gs.stride(0), gs.stride(1) if stashed else 0, bs.stride(0), bs.stride(1) if stashed else 0,
         float(dk**-0.5 if scale is None else scale),
         L2NORM=bool(use_qk_l2norm), STASH=stashed, PREC=precision, PREC_IN=prec_in,
-        **cfg["solve"],
+        **cfg["solve"], **pdl_launch(v.device),
     )  # fmt: skip
     out_cfg = cfg["output"]
     _output_kernel[(b, Hv, triton.cdiv(dv, out_cfg["BV"]))](
@@ -258,6 +263,6 @@ def tree_chunk_split_triton(
         n, Hv, dk, dv, Hv // Hk, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2), s0.stride(0),
-        S0_ROWS=initial_rows is not None, PREC=precision, **out_cfg,
+        S0_ROWS=initial_rows is not None, PREC=precision, **out_cfg, **pdl_launch(v.device),
     )  # fmt: skip
     return out

@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
 if triton is not None:
+    from ddtree.kernels.pdl import gdc_wait, pdl_launch
     from ddtree.kernels.tree_attention.tuning import patch_interpreter_index
 
     if triton.knobs.runtime.interpret:
@@ -75,7 +76,10 @@ if triton is not None:
         STASH: tl.constexpr,
         IN_PLACE: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:
+            gdc_wait()  # before any memory access: the kernel ahead has ended (kernels/pdl.py)
         pid = tl.program_id(0)
         bi = (pid // n).to(tl.int64)
         i = pid % n
@@ -211,6 +215,7 @@ def tree_causal_conv1d_triton(
             IN_PLACE=in_place,
             BLOCK=block,
             num_warps=4,
+            **pdl_launch(x.device),
         )
     return y, node_states if return_node_states else None
 
