@@ -94,6 +94,18 @@ def test_changing_budgets_check_can_fail(toy_pair, ar_tokens, monkeypatch):
         return DraftTree(t.tokens, t.parents, t.depths, t.valid, eye, t.num_depths, t.path_probs)
 
     monkeypatch.setattr(DraftTree, "narrow", blind)
+    # the accept walk reads the ancestors from the mask too: keep it on the true tree (the parents),
+    # so only the verify's attention is blind
+    from ddtree.engine import decoder, graph_buffers
+    from ddtree.speculative import accept
+
+    def by_parents(tree, target):
+        return accept.accept_tree(
+            DraftTree.from_parents(tree.tokens, tree.parents, tree.num_depths), target
+        )
+
+    monkeypatch.setattr(decoder, "accept_tree", by_parents)
+    monkeypatch.setattr(graph_buffers, "accept_tree", by_parents)
     outs, _ = generate(toy_pair, accepted_prompts())
     assert tokens_of(outs) != ar_tokens
 
