@@ -1,6 +1,7 @@
 # Sourced by the scripts/h200_*.sh runs, from the repository root: the device image lacks fastapi /
 # uvicorn / pydantic / openai / fla-core, so the wheels carried in `.whl` go to /tmp/site (no
-# index, no deps); PYTHONPATH then puts them and this checkout first.
+# index, no deps); PYTHONPATH then puts them and this checkout first. `bash scripts/fetch_device_wheels.sh`
+# downloads the set (a 2026-12-02 at-scale run without sniffio died in the openai client's import).
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
