@@ -29,7 +29,9 @@ def test_one_gemm_equals_the_four_and_shares_their_storage():
         infer = layer(x, 0, None)
     w = layer._fused
     assert w is not None and w.shape[0] == sum(layer.in_splits)
-    assert torch.equal(infer, train.detach())  # CPU GEMMs: the same sums
+    # the same sums up to fp32 rounding: MKL blocks a [*, 2H+...] GEMM and four narrower ones
+    # alike on some CPUs (bit-equal) and not on others (AVX-512 here: 9e-8 on values ~0.6)
+    torch.testing.assert_close(infer, train.detach(), rtol=1e-6, atol=1e-6)
     assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
     off = 0
     for p in _parts(layer):  # row views, no second copy
