@@ -16,21 +16,16 @@ not spill: tests/test_gdn_tree_chunk_compile.py.
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sm90_compile import compile_sm90, resources  # noqa: E402 (bench/, the script's folder)
 
 from ddtree.kernels.gdn import tree_chunk_split_triton as sp  # noqa: E402
 from ddtree.kernels.gdn import tree_chunk_triton as tc  # noqa: E402
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def _ptrs(dt: str) -> dict:
@@ -104,36 +99,10 @@ def split_reports(n=65, precision="tf32", dt="bf16", dk=128, dv=128) -> list[dic
 
 def compile_report(fn, consts: dict, warps: int, dt: str, config: dict) -> dict:
     ptrs = _ptrs(dt)
-    sig, cvals = {}, {}
-    for i, a in enumerate(fn.arg_names):
-        if a in consts:
-            sig[a] = "constexpr"
-            cvals[(i,)] = consts[a]
-        else:
-            sig[a] = ptrs.get(a, "fp32" if a == "scale" else "i32")
-    ck = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=cvals),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps},
-    )
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
-
-    def dump(flag: str) -> str:
-        return subprocess.run(
-            [f"{BIN}/cuobjdump", flag, f.name], capture_output=True, text=True
-        ).stdout
-
-    usage, sass = dump("--dump-resource-usage"), dump("--dump-sass")
-    os.unlink(f.name)
+    types = {a: ptrs.get(a, "fp32" if a == "scale" else "i32") for a in fn.arg_names}
+    res, sass = resources(compile_sm90(fn, consts, types, num_warps=warps))
     counts = {k: len(re.findall(k, sass)) for k in ("HGMMA", "HMMA", "LDL", "STL")}
-    return dict(
-        config=config,
-        regs=int(re.search(r"REG:(\d+)", usage).group(1)),
-        stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
-        shared=ck.metadata.shared,
-        **counts,
-    )
+    return dict(config=config, **res, **counts)
 
 
 def main(argv=None) -> int:

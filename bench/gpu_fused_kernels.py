@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import ddtree.kernels.fused as fused  # noqa: E402
-from ddtree.bench.cuda_timing import time_graph  # noqa: E402
+from ddtree.bench.cuda_timing import count_kernels, time_graph  # noqa: E402
 from ddtree.models.layers import RotaryEmbedding  # noqa: E402
 
 H, HQ, HKV, D, INTER, EPS = 4096, 32, 8, 128, 12288, 1e-6
@@ -70,17 +70,6 @@ def layer_calls(inp: Inputs, with_gemms: bool):
         return act @ inp.w_down.t() if with_gemms else act
 
     return run
-
-
-def count_kernels(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
 def set_reference(on: bool):

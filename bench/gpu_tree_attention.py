@@ -34,7 +34,11 @@ from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.bench.round_timing import copy_bandwidth  # noqa: E402
 from ddtree.kernels.tree_attention.reference import paged_attention_reference  # noqa: E402
 from ddtree.kernels.tree_attention.triton import paged_attention_plan  # noqa: E402
-from ddtree.kernels.tree_attention.tuning import KernelConfig, default_config  # noqa: E402
+from ddtree.kernels.tree_attention.tuning import (  # noqa: E402
+    KernelConfig,
+    default_config,
+    wide_head_candidates,
+)
 
 HQ, HKV, D, PAGE, DT = 32, 8, 128, 16, torch.bfloat16
 DEV = torch.device("cuda")
@@ -211,26 +215,10 @@ def short(c):
 
 def sweep_configs(rows, head_dim=128):
     """Candidate configs for `rows` (q tokens x GQA group) per request. sm_90 compile reports of each are in
-    bench/tree_attention_compile_report.py (registers, spills, programs per SM). Head dim 256: a K + V tile
-    of 64 positions is 64 KB, so 64-wide tiles fit at most 3 stages in the 227 KB of shared memory."""
+    bench/tree_attention_compile_report.py (registers, spills, programs per SM); head dim 256:
+    `tuning.wide_head_candidates`."""
     if head_dim > 128:
-        if rows <= 16:
-            return [
-                KernelConfig(16, 64, 4, 3, tail_split=False),
-                KernelConfig(16, 64, 4, 2, tail_split=False),
-                KernelConfig(16, 32, 4, 3, tail_split=False),
-                KernelConfig(16, 64, 8, 3, tail_split=False),
-                KernelConfig(16, 16, 4, 6, tail_split=False),
-            ]
-        return [
-            KernelConfig(64, 32, 4, 3),
-            KernelConfig(64, 64, 4, 3),
-            KernelConfig(64, 64, 8, 3),
-            KernelConfig(64, 32, 8, 4),
-            KernelConfig(32, 32, 4, 5),
-            KernelConfig(64, 16, 4, 6),
-            KernelConfig(128, 32, 8, 3),
-        ]
+        return wide_head_candidates(rows)
     if rows <= 16:
         return [
             KernelConfig(16, 128, 4, 5, tail_split=False),

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from ddtree.bench.cuda_timing import time_graph  # noqa: E402
+from ddtree.bench.cuda_timing import count_kernels, time_graph  # noqa: E402
 from ddtree.kernels import tree_build  # noqa: E402
 from ddtree.speculative.tree import (  # noqa: E402
     _depth_limit,
@@ -37,17 +37,6 @@ from ddtree.speculative.tree import (  # noqa: E402
 
 V, D = 248320, 15
 FIELDS = ("tokens", "parents", "depths", "valid", "tree_mask", "path_probs", "chain_probs")
-
-
-def count_kernels(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
 def equal(a, b) -> bool:

@@ -16,9 +16,7 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sm90_compile import compile_sm90  # noqa: E402 (bench/, the script's folder)
 
 
 def _kernels() -> list[tuple[str, object, dict, dict]]:
@@ -96,17 +94,8 @@ def _kernels() -> list[tuple[str, object, dict, dict]]:
 
 
 def check(fn, consts: dict, types: dict) -> dict:
-    sig, cvals = {}, {}
-    for i, a in enumerate(fn.arg_names):
-        if a in consts or a == "PDL":
-            sig[a], cvals[(i,)] = "constexpr", consts.get(a, True)
-        else:
-            sig[a] = types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
-    ptx = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=cvals),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 4},
-    ).asm["ptx"]
+    types = {a: types.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
+    ptx = compile_sm90(fn, consts, types, num_warps=4).asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     # the first global memory access of any kind: loads, stores, async copies, atomics
     ops = ("ld.global", "st.global", "cp.async", "atom.global", "red.global")

@@ -15,21 +15,16 @@ not take the read-only (non-coherent) path, and the barriers must survive (tests
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sm90_compile import compile_sm90, resources  # noqa: E402 (bench/, the script's folder)
 
 from ddtree.kernels.tree_build import triton as tb  # noqa: E402
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = dict(
     logp_ptr="*fp32",
     ids_ptr="*i64",
@@ -52,31 +47,10 @@ def report(B: int, K: int, D: int, warps: int | None = None, shadow=True, cut=Tr
     default_warps = cfg.pop("num_warps")
     warps = warps or default_warps
     consts = dict(cfg, B=B, K=K, D=D, SHADOW=shadow, HAS_CUT=cut)
-    fn = tb._tree_build_kernel
-    sig, cvals = {}, {}
-    for i, a in enumerate(fn.arg_names):
-        if a in consts:
-            sig[a] = "constexpr"
-            cvals[(i,)] = consts[a]
-        else:
-            sig[a] = PTRS.get(a, "i32")
     t0 = time.perf_counter()
-    ck = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=cvals),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "num_stages": 1},
-    )
+    ck = compile_sm90(tb._tree_build_kernel, consts, PTRS, num_warps=warps, num_stages=1)
     seconds = time.perf_counter() - t0
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
-
-    def dump(flag: str) -> str:
-        return subprocess.run(
-            [f"{BIN}/cuobjdump", flag, f.name], capture_output=True, text=True
-        ).stdout
-
-    usage, sass = dump("--dump-resource-usage"), dump("--dump-sass")
-    os.unlink(f.name)
+    res, sass = resources(ck)
     counts = {
         k: len(re.findall(pat, sass))
         for k, pat in (
@@ -89,9 +63,7 @@ def report(B: int, K: int, D: int, warps: int | None = None, shadow=True, cut=Tr
     ptx = ck.asm["ptx"]
     return dict(
         config=dict(B=B, K=K, D=D, warps=warps, T=cfg["T"], TP=cfg["TP"], FP=cfg["FP"]),
-        regs=int(re.search(r"REG:(\d+)", usage).group(1)),
-        stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
-        shared=ck.metadata.shared,
+        **res,
         ptx_nc=len(re.findall(r"ld\.global\.nc", ptx)),
         compile_s=round(seconds, 1),
         **counts,

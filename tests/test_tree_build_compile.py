@@ -7,34 +7,15 @@ network needs no barrier of its own, so exactly those six remain. Runs
 bench/tree_build_compile_report.py in a clean subprocess (the test process runs Triton's
 interpreter, which cannot compile)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from compile_reports import needs_sass_tools, run_report
 
-triton = pytest.importorskip("triton")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+pytest.importorskip("triton")
 
 
 def test_b64_compiles_without_spills_and_keeps_its_barriers():
-    if not all(os.path.exists(os.path.join(BIN, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this Triton build carries no ptxas / cuobjdump")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(ROOT, "bench", "tree_build_compile_report.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--json", "64,64,15", "64,64,15,1"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    needs_sass_tools()
+    rows = run_report("tree_build_compile_report.py", "--json", "64,64,15", "64,64,15,1")
     assert [r["config"]["warps"] for r in rows] == [4, 1]
     for r in rows:
         assert r["stack"] == 0 and r["LDL"] == 0 and r["STL"] == 0, r

@@ -29,3 +29,15 @@ def time_graph(fn, calls: int = 1, reps: int = 15) -> float:
         ts.append(e0.elapsed_time(e1) / 1e3 / calls)
     del graph
     return sorted(ts)[len(ts) // 2]
+
+
+def count_kernels(fn) -> int:
+    """CUDA kernels one call of `fn` launches (torch.profiler, after a warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")

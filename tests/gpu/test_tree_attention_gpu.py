@@ -134,29 +134,10 @@ WIDE_CASES = [  # its rounds: B=64 trees at 1k (batch 1 and 3), the DFLASH chain
 
 
 def _wide_configs(rows):
-    """The default and the head-dim-256 tile configs bench/gpu_tree_attention.py --shape
-    qwen3.6-27b times (rows: q tokens x GQA group per request)."""
-    from ddtree.kernels.tree_attention.tuning import KernelConfig
+    """The default tiles and the head-dim-256 configs the sweep times (rows: q tokens x GQA group)."""
+    from ddtree.kernels.tree_attention.tuning import wide_head_candidates
 
-    if rows <= 16:
-        return [
-            None,
-            KernelConfig(16, 64, 4, 3, tail_split=False),
-            KernelConfig(16, 64, 4, 2, tail_split=False),
-            KernelConfig(16, 32, 4, 3, tail_split=False),
-            KernelConfig(16, 64, 8, 3, tail_split=False),
-            KernelConfig(16, 16, 4, 6, tail_split=False),
-        ]
-    return [
-        None,
-        KernelConfig(64, 32, 4, 3),
-        KernelConfig(64, 64, 4, 3),
-        KernelConfig(64, 64, 8, 3),
-        KernelConfig(64, 32, 8, 4),
-        KernelConfig(32, 32, 4, 5),
-        KernelConfig(64, 16, 4, 6),
-        KernelConfig(128, 32, 8, 3),
-    ]
+    return [None, *wide_head_candidates(rows)]
 
 
 @pytest.mark.parametrize("splits", [None, 1, 3])

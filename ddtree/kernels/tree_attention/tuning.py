@@ -76,6 +76,30 @@ def wide_tiles(decode: bool) -> KernelConfig | None:
     return KernelConfig(*specs[0])
 
 
+def wide_head_candidates(rows_per_request: int) -> list[KernelConfig]:
+    """Tile configs for head dim 256 that bench/gpu_tree_attention.py --shape qwen3.6-27b times and
+    tests/gpu/test_tree_attention_gpu.py checks against the reference (besides `default_config`'s).
+    A K + V tile of 64 positions is 64 KB there, so 64-wide tiles fit at most 3 stages in the 227 KB
+    of shared memory (bench/tree_attention_compile_report.py: registers, spills, programs per SM)."""
+    if rows_per_request <= 16:
+        return [
+            KernelConfig(16, 64, 4, 3, tail_split=False),
+            KernelConfig(16, 64, 4, 2, tail_split=False),
+            KernelConfig(16, 32, 4, 3, tail_split=False),
+            KernelConfig(16, 64, 8, 3, tail_split=False),
+            KernelConfig(16, 16, 4, 6, tail_split=False),
+        ]
+    return [
+        KernelConfig(64, 32, 4, 3),
+        KernelConfig(64, 64, 4, 3),
+        KernelConfig(64, 64, 8, 3),
+        KernelConfig(64, 32, 8, 4),
+        KernelConfig(32, 32, 4, 5),
+        KernelConfig(64, 16, 4, 6),
+        KernelConfig(128, 32, 8, 3),
+    ]
+
+
 def split_min_tiles(rows_per_request: int) -> int:
     """Fewest context tiles per split: tree / chain rows write a [rows, D] fp32 partial per split, so short
     splits cost more in partials and merging than they gain in parallelism (1k context, 65 nodes: 3 splits
