@@ -294,3 +294,16 @@ def test_path_probs_give_expected_accept_of_every_budget():
             )
             assert abs(float(q) - float(expect[i, bi - 1])) < 1e-5
     assert (full.path_probs[:, :-1] >= full.path_probs[:, 1:] - 1e-7).all(), "best-first"
+
+
+def test_chain_mask_is_the_ancestor_mask():
+    """build_chain writes its lower-triangular mask directly: equal to ancestor_mask of its parents,
+    padding past each request's depth limit included."""
+    from ddtree.speculative.tree import ancestor_mask
+
+    gen = torch.Generator().manual_seed(0)
+    for b, D in ((1, 1), (3, 4), (5, 15)):
+        logits = torch.randn(b, D, 50, generator=gen)
+        for limit in (None, torch.randint(0, D + 1, (b,), generator=gen)):
+            tree = build_chain(torch.randint(0, 50, (b,), generator=gen), logits, limit)
+            assert torch.equal(tree.tree_mask, ancestor_mask(tree.parents, D))

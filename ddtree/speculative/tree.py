@@ -286,6 +286,13 @@ def build_chain(
     depth = torch.arange(1, D + 1, device=device).expand(b, D)
     limit = _depth_limit(max_depth, b, D, device)
     ok = depth <= limit[:, None]
+    # a chain's ancestors-and-self are the nodes at or above it: lower triangular on the valid
+    # prefix, self only on padding (what ancestor_mask's D gathers would build, in 4 launches)
+    node = torch.arange(D + 1, device=device)
+    valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=device), ok], 1)
+    mask = ((node[None, :] <= node[:, None])[None] & valid[:, :, None]) | (
+        node[None, :] == node[:, None]
+    )[None]
     tree = _assemble(
         root_tokens,
         torch.where(ok, ids[:, :, 0], 0),
@@ -293,13 +300,20 @@ def build_chain(
         torch.where(ok, depth, 0),
         ok,
         D,
+        mask,
     )
     tree.chain_probs = _chain_probs(logp, limit)
     return tree
 
 
 def _assemble(
-    root: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, ok: Tensor, D: int
+    root: Tensor,
+    tokens: Tensor,
+    parents: Tensor,
+    depths: Tensor,
+    ok: Tensor,
+    D: int,
+    mask: Tensor | None = None,
 ) -> DraftTree:
     b = tokens.shape[0]
     device = tokens.device
@@ -308,4 +322,5 @@ def _assemble(
     parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=device), parents], 1)
     depths = torch.cat([torch.zeros((b, 1), dtype=torch.int64, device=device), depths], 1)
     valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=device), ok], 1)
-    return DraftTree(tokens, parents, depths, valid, ancestor_mask(parents, D), D)
+    mask = ancestor_mask(parents, D) if mask is None else mask
+    return DraftTree(tokens, parents, depths, valid, mask, D)
