@@ -86,7 +86,7 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
     dtype = torch_dtype(args.dtype)
     group = None if tp is None else tp.group
     gdn_backend.check_switches()  # a bad GDN kernel switch fails before the weights load
-    wide_tiles(decode=False), wide_tiles(decode=True)  # and a bad attention tile switch
+    wide_tiles(decode=False)  # and a bad attention tile switch (every part is parsed)
     target, drafter = inflated_models(args, dtype, device)
     if target is None:
         target = load_target(args.model_path, dtype, str(device), group)

@@ -286,13 +286,6 @@ def build_chain(
     depth = torch.arange(1, D + 1, device=device).expand(b, D)
     limit = _depth_limit(max_depth, b, D, device)
     ok = depth <= limit[:, None]
-    # a chain's ancestors-and-self are the nodes at or above it: lower triangular on the valid
-    # prefix, self only on padding (what ancestor_mask's D gathers would build, in 4 launches)
-    node = torch.arange(D + 1, device=device)
-    valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=device), ok], 1)
-    mask = ((node[None, :] <= node[:, None])[None] & valid[:, :, None]) | (
-        node[None, :] == node[:, None]
-    )[None]
     tree = _assemble(
         root_tokens,
         torch.where(ok, ids[:, :, 0], 0),
@@ -300,7 +293,7 @@ def build_chain(
         torch.where(ok, depth, 0),
         ok,
         D,
-        mask,
+        chain=True,
     )
     tree.chain_probs = _chain_probs(logp, limit)
     return tree
@@ -313,7 +306,7 @@ def _assemble(
     depths: Tensor,
     ok: Tensor,
     D: int,
-    mask: Tensor | None = None,
+    chain: bool = False,
 ) -> DraftTree:
     b = tokens.shape[0]
     device = tokens.device
@@ -322,5 +315,12 @@ def _assemble(
     parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=device), parents], 1)
     depths = torch.cat([torch.zeros((b, 1), dtype=torch.int64, device=device), depths], 1)
     valid = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=device), ok], 1)
-    mask = ancestor_mask(parents, D) if mask is None else mask
+    if chain:
+        # a chain's ancestors-and-self are the nodes at or above it: lower triangular on the valid
+        # prefix, self only on padding (what ancestor_mask's D gathers build, in 4 launches)
+        node = torch.arange(tokens.shape[1], device=device)
+        below = node[None, :] <= node[:, None]
+        mask = (below[None] & valid[:, :, None]) | (node[None, :] == node[:, None])[None]
+    else:
+        mask = ancestor_mask(parents, D)
     return DraftTree(tokens, parents, depths, valid, mask, D)

@@ -108,21 +108,23 @@ def tree_chunk_kernel(t: torch.Tensor, n: int) -> bool:
     return supported(n)
 
 
-def commit_kernel_flag() -> bool:
-    """DDTREE_GDN_COMMIT_KERNEL (default 1), checked: a bad value raises naming it."""
-    flag = envs.GDN_COMMIT_KERNEL.get().strip() or "1"
+def _binary_switch(var) -> bool:
+    """A 0 / 1 switch (unset or empty: 1), checked: any other value raises naming it."""
+    flag = var.get().strip() or "1"
     if flag not in ("0", "1"):
-        raise ValueError(f"{envs.GDN_COMMIT_KERNEL.name}={flag!r}: use 0 or 1")
+        raise ValueError(f"{var.name}={flag!r}: use 0 or 1")
     return flag == "1"
+
+
+def commit_kernel_flag() -> bool:
+    """DDTREE_GDN_COMMIT_KERNEL (default 1)."""
+    return _binary_switch(envs.GDN_COMMIT_KERNEL)
 
 
 def decode_in_place_flag() -> bool:
-    """DDTREE_GDN_DECODE_KERNEL (default 1), checked: a bad value raises naming it. On: one-node
-    rounds step the committed rows in place (`dispatch.decode_step`, the in-place tree conv)."""
-    flag = envs.GDN_DECODE_KERNEL.get().strip() or "1"
-    if flag not in ("0", "1"):
-        raise ValueError(f"{envs.GDN_DECODE_KERNEL.name}={flag!r}: use 0 or 1")
-    return flag == "1"
+    """DDTREE_GDN_DECODE_KERNEL (default 1). On: one-node rounds step the committed rows in place
+    (`dispatch.decode_step`, the in-place tree conv)."""
+    return _binary_switch(envs.GDN_DECODE_KERNEL)
 
 
 def commit_kernel(t: torch.Tensor) -> bool:
