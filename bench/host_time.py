@@ -42,6 +42,12 @@ class Forced:
     def observe(self, *a, **kw):
         pass
 
+    def observe_curves(self, *a, **kw):  # the planner's two halves of `observe` (budget.py)
+        return None
+
+    def observe_accepted(self, *a, **kw):
+        pass
+
 
 def h200_costs(spec):
     """The H200 8B-shape per-round ms of BENCHMARKS (round + host; NONE: its TPOT), as a cost
