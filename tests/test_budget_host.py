@@ -68,6 +68,8 @@ def test_rung_counter():
     before = serving_metrics.parse(text)
     m.set_round_costs({1: {"chain": 0.007, "tree64": 0.0085}, 8: {"chain": 0.009}})
     m.on_round(RoundRecord(65, [64], [1.0], [3], "tree64", explore=True), 0.0, 0.0)
+    m.on_round(RoundRecord(9, [8, 8], [2.0, 1.5], [4, 0], "tree8", round_s=0.006), 0.0, 0.0)
+    m.on_round(RoundRecord(9, [8], [3.5], [1], "tree8", round_s=0.008), 0.0, 0.0)
     level = serving_metrics.delta(
         before, serving_metrics.parse(generate_latest(m.registry).decode())
     )
@@ -75,7 +77,18 @@ def test_rung_counter():
         "1": {"chain": pytest.approx(7.0), "tree64": pytest.approx(8.5)},
         "8": {"chain": pytest.approx(9.0)},
     }
-    assert level["rung_rounds"] == {"tree64": 1} and level["explore_rounds"] == {"tree64": 1}
+    assert level["rung_rounds"] == {"tree64": 1, "tree8": 2}
+    assert level["explore_rounds"] == {"tree64": 1}
+    # per rung: what each choice delivered (3 request-rounds of tree8: 7 predicted, 5 accepted)
+    t8 = level["per_rung"]["tree8"]
+    assert t8["rounds"] == 2 and t8["batch"] == pytest.approx(1.5)
+    assert t8["round_ms"] == pytest.approx(7.0)
+    assert t8["predicted_accept_length"] == pytest.approx(1 + 7 / 3)
+    assert t8["realised_accept_length"] == pytest.approx(1 + 5 / 3)
+    assert level["per_rung"]["tree64"]["realised_accept_length"] == pytest.approx(4.0)
+    from ddtree.bench.at_scale_report import rung_summary
+
+    assert rung_summary(level["per_rung"]).startswith("tree8 2 rd, b 1.5, 7.00 ms, tau 3.33 / 2.67")
 
 
 def test_policy_round_cost_is_small_at_64():

@@ -114,6 +114,7 @@ def ceiling_rows(serving: dict[str, list[dict]], adaptive: set[str] | None = Non
                 "ratio": tput / base["output_throughput"],
                 "of_oracle": tput / fixed[oracle]["output_throughput"],
                 "cost_ms": _cost_check(lv, fixed, c),
+                "per_rung": (lv.get("server") or {}).get("per_rung") or {},
             }
         rows.append(row)
     return rows
@@ -141,6 +142,21 @@ def print_ceiling(rows: list[dict]) -> None:
             f"{r['concurrency']:>4} oracle {r['oracle_ratio']:.2f}x ({r['oracle_config']}), "
             f"predicted {pred}{auto}"
         )
+        for n, a in r["adaptive"].items():
+            if a.get("per_rung"):
+                print(f"       {n} per rung: " + rung_summary(a["per_rung"]))
+
+
+def rung_summary(per_rung: dict[str, dict]) -> str:
+    """'tree32 175 rd, b 1.0, 7.91 ms, tau 9.4 / 9.1 (predicted / realised); ...' by rounds."""
+    parts = []
+    for rung, v in sorted(per_rung.items(), key=lambda kv: -kv[1]["rounds"]):
+        tau = ""
+        if v.get("realised_accept_length") is not None:
+            p = v.get("predicted_accept_length")
+            tau = f", tau {p:.2f} / {v['realised_accept_length']:.2f}" if p else ""
+        parts.append(f"{rung} {v['rounds']} rd, b {v['batch']:.1f}, {v['round_ms']:.2f} ms{tau}")
+    return "; ".join(parts) + " (tau: predicted / realised)"
 
 
 def print_table(rows: list[dict]) -> None:

@@ -70,6 +70,22 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         for (n, lab), v in d.items()
         if n == "ddtree_spec_explore_rounds_total" and v
     }
+    per_rung = {}  # auto: what each rung delivered at this level
+    for rung, n in rung_rounds.items():
+        req = one("ddtree_spec_rung_request_rounds_total", rung=rung)
+        per_rung[rung] = {
+            "rounds": n,
+            "batch": req / n,
+            "round_ms": 1e3 * one("ddtree_spec_rung_round_seconds_total", rung=rung) / n,
+            "predicted_accept_length": 1
+            + one("ddtree_spec_rung_predicted_drafts_total", rung=rung) / req
+            if req
+            else None,
+            "realised_accept_length": 1
+            + one("ddtree_spec_rung_accepted_drafts_total", rung=rung) / req
+            if req
+            else None,
+        }
     cost_ms: dict[str, dict[str, float]] = {}  # a gauge: the value after the level
     for (n, lab), v in after.items():
         if n == "ddtree_spec_rung_cost_seconds":
@@ -87,6 +103,8 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         "verify_width_rounds": widths,
         "rung_rounds": rung_rounds,  # auto: rounds per choice (ar, chain, tree<B>)
         "explore_rounds": explore_rounds,  # of those, exploration rounds (a rung above the best)
+        # auto: rung -> rounds, mean batch, round ms, predicted and realised accept length
+        "per_rung": per_rung,
         "policy_cost_ms": cost_ms,  # auto: batch bucket -> rung -> the policy's round ms
         "mean_budget": one("ddtree_spec_budget_sum") / count if count else None,
         "predicted_accept_length": 1 + one("ddtree_spec_predicted_accepted_drafts_total") / pred_n

@@ -221,6 +221,32 @@ class ServerMetrics:
             "Request-rounds with a budget-policy prediction",
             registry=r,
         )
+        # per rung (auto): what each choice delivered, so a rung that is chosen but does not pay
+        # shows as itself (its realised accept length and served round time beside the others')
+        self.rung_request_rounds = Counter(
+            "ddtree_spec_rung_request_rounds",
+            "Request-rounds per budget-policy rung (the batch size summed over its rounds)",
+            ["rung"],
+            registry=r,
+        )
+        self.rung_predicted = Counter(
+            "ddtree_spec_rung_predicted_drafts",
+            "Accepted drafts the budget policy predicted (calibrated) per rung",
+            ["rung"],
+            registry=r,
+        )
+        self.rung_accepted = Counter(
+            "ddtree_spec_rung_accepted_drafts",
+            "Accepted drafts realised per rung",
+            ["rung"],
+            registry=r,
+        )
+        self.rung_seconds = Counter(
+            "ddtree_spec_rung_round_seconds",
+            "Decoder round wall seconds per rung (ddtree_round_seconds' round part, split by rung)",
+            ["rung"],
+            registry=r,
+        )
         self.round_time = Histogram(
             "ddtree_round_seconds",
             "Per decode round: round = the decoder round's wall time (launches + device wait); host "
@@ -270,6 +296,10 @@ class ServerMetrics:
             self.rung.labels(rec.rung).inc()
             if rec.explore:
                 self.explore.labels(rec.rung).inc()
+            self.rung_request_rounds.labels(rec.rung).inc(len(rec.accepted))
+            self.rung_accepted.labels(rec.rung).inc(sum(rec.accepted))
+            self.rung_predicted.labels(rec.rung).inc(sum(rec.predicted))
+            self.rung_seconds.labels(rec.rung).inc(rec.round_s)
         if rec.predicted:
             self.predicted.inc(sum(rec.predicted))
             self.realised.inc(sum(rec.accepted))
