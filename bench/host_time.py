@@ -39,6 +39,12 @@ class Forced:
         b = np.full(len(slots), self.budget, dtype=np.int64)
         return Decision(1 + self.budget, b, np.zeros(len(slots)), 0.0, self.chain)
 
+    # the planner proposes the next round's decision under the verify, as with the real policy
+    propose = choose
+
+    def commit(self, d):
+        return d
+
     def observe(self, *a, **kw):
         pass
 

@@ -120,7 +120,9 @@ def test_auto_policy_is_lossless_and_learns(toy_pair, ar_tokens):
     # the served rounds' seconds reach the policy's cost (engine.step times each round)
     assert any(pol.cost.served(b, r) for b in range(1, 9) for r in range(len(pol.rung_budget)))
     rec = planner.last
-    assert rec.width in (1, 9, 16, 17) and len(rec.predicted) == len(rec.budgets)  # 16: the chain
+    # the ladder's widths (1, 9, 17) and the chain's (block 8: 7 drafts, width 8)
+    assert planner.cfg.verify_widths == (1, 8, 9, 17)
+    assert rec.width in planner.cfg.verify_widths and len(rec.predicted) == len(rec.budgets)
 
 
 def test_per_request_caps_verify_narrow_without_padding(toy_pair, ar_tokens):

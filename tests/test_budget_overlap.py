@@ -121,3 +121,101 @@ def test_decoder_observes_curves_before_the_blocking_read_back(monkeypatch):
     spec = [order[i : i + 4] for i in range(len(order)) if order[i] == "gain"]
     assert spec and all(r == ["gain", "verify", "curves", "read"] for r in spec)
     assert planner.last is not None and planner._pending is None
+
+
+def _planner():
+    from ddtree.engine.budget import BudgetPlanner
+    from ddtree.engine.config import SpecConfig
+
+    cfg = SpecConfig(algorithm="DDTREE", budget=64, adaptive=True)
+    planner = BudgetPlanner(cfg, 8, TABLE)
+    return planner, planner.policy
+
+
+def _req(slot):
+    from ddtree.engine.request import Req, SamplingParams
+
+    return Req(prompt_ids=[1], params=SamplingParams(temperature=0), slot=slot)
+
+
+def _serve(planner, reqs, rng, ctx=1000):
+    """One round as the decoder drives the planner: plan, the gain columns observed under the
+    verify (`observe_curves`), then `observe` after the read-back; returns the plan."""
+    from ddtree.engine.budget import CURVE_SCALE
+
+    plan = planner.plan(reqs, ctx)
+    if plan.width > 1:
+        curve = rng.uniform(0.3, 1.0, (len(reqs), 1)) * CURVE
+        cols = np.concatenate([curve, curve[:, 14:15]], 1)
+        planner.observe_curves(plan, np.round(cols * CURVE_SCALE).astype(np.int64))
+    emitted = [1 + int(x) for x in rng.integers(0, 8, len(reqs))]
+    planner.observe(plan, len(reqs), emitted)
+    planner.last.round_s = 0.008
+    return plan
+
+
+def test_planner_decides_the_next_round_under_the_verify():
+    """Same requests round after round: the policy's decision is proposed while the verify runs
+    and `plan` only commits it (no `choose` on the critical path); a new request in the batch
+    discards the proposal (one `choose`), and the clocks advance once per round that ran."""
+    planner, pol = _planner()
+    calls = {"choose": 0, "propose": 0}
+    for name in calls:
+        fn = getattr(pol, name)
+
+        def counted(*a, fn=fn, name=name, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        setattr(pol, name, counted)
+    rng = np.random.default_rng(0)
+    reqs = [_req(s) for s in range(4)]
+    spec = 0
+    for _ in range(20):
+        spec += _serve(planner, reqs, rng).width > 1
+    assert calls["choose"] == 1  # the first round only
+    reqs[2] = _req(2)  # a request finished, a new one took its slot
+    spec += _serve(planner, reqs, rng).width > 1
+    assert calls["choose"] == 2
+    for _ in range(5):
+        spec += _serve(planner, reqs, rng).width > 1
+    assert calls["choose"] == 2 and calls["propose"] >= 25
+    # proposals that never ran moved no clock: one speculative round, one tick
+    assert pol.spec_rounds == spec
+
+
+def test_calibration_never_reaches_a_new_request_in_the_slot():
+    """The last round's realised accept lengths are taken in later (under the next verify, or in
+    `plan` before its `choose` claims the slots): a request that takes a finished one's slot
+    starts from the server-wide calibration, as with the in-line observe."""
+    planner, pol = _planner()
+    rng = np.random.default_rng(1)
+    reqs = [_req(s) for s in range(2)]
+    for _ in range(6):
+        _serve(planner, reqs, rng)
+    assert pol.seen[:2].all()
+    new = _req(1)
+    plan = planner.plan([reqs[0], new], 1000)  # the batch changed: decided here
+    assert pol.owner[1] is new and not pol.seen[1] and pol.real[1] == 0 and pol.pred[1] == 0
+    assert pol.seen[0] and plan.width >= 1
+    assert planner._accepted is None  # the last round's accept lengths were taken in first
+
+
+def test_the_proposal_is_what_choose_would_decide():
+    """Proposed under the verify with the round's curves and calibration so far, the decision
+    equals the one `choose` makes at `plan` from the same state (the context one block on)."""
+    import copy
+
+    planner, pol = _planner()
+    rng = np.random.default_rng(2)
+    reqs = [_req(s) for s in range(3)]
+    for _ in range(5):
+        _serve(planner, reqs, rng)
+    key, proposed = planner._next
+    twin = copy.deepcopy(pol)
+    twin._raw = None
+    planner._catch_up()  # nothing left to take in: the proposal saw it all
+    again = twin.choose(np.arange(3), twin.owner[:3], [64] * 3, 1000 + 16, planner.host_s)
+    assert (again.width, again.chain, again.rung) == (proposed.width, proposed.chain, proposed.rung)
+    assert np.array_equal(again.budgets, proposed.budgets)
+    assert np.allclose(again.predicted, proposed.predicted)

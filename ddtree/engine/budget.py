@@ -78,6 +78,19 @@ class BudgetPlanner:
         self._served: tuple[int, int, int] | None = None  # the last auto round's (bs, ctx, rung)
         self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
         self._pending: tuple | None = None  # observe_curves' return, for `observe`
+        self._clear_overlap()
+
+    def _clear_overlap(self) -> None:
+        # Off the critical path: while a round's verify runs (`observe_curves`) the planner
+        # catches up on the round before (its served seconds, its calibration) and proposes the
+        # next round's decision for the same requests; `plan` takes it when the batch is the
+        # same, else decides there. The policy's host time (~0.4 ms a round on the H200's host,
+        # bench/host_time.py) would otherwise sit between rounds with the device idle.
+        self._batch: tuple | None = None  # the current round's (slots, reqs, caps, ctx)
+        self._next: tuple | None = None  # (batch key, proposed Decision) for the next round
+        self._accepted: tuple | None = None  # (pending, accepted) of a finished round
+        self._last_served: tuple[int, int, int] | None = None  # `_served` of `last`
+        self._absorbed: RoundRecord | None = None  # the last record the policy has taken in
 
     @property
     def observes(self) -> bool:
@@ -89,6 +102,7 @@ class BudgetPlanner:
         if self.policy is not None:
             self.policy.reset()
         self.last, self.host_s, self._served, self._pending = None, 0.0, None, None
+        self._clear_overlap()
         if self.policy is not None and isinstance(self.policy.cost, ServedCost):
             self.policy.cost = ServedCost(self.policy.cost.base)  # the warm-up's rounds too
 
@@ -125,13 +139,16 @@ class BudgetPlanner:
             if all(c == cfg.budget for c in caps):
                 return RoundPlan(cfg.verify_width, None)
             return RoundPlan(self.width_for(max(caps)), caps, cut=caps)
-        if self.last is not None:  # its host / server times are filled in after the round
-            self.host_s = 0.9 * self.host_s + 0.1 * (self.last.host_s + self.last.server_s)
-            cost, served = getattr(self.policy, "cost", None), self._served
-            if served is not None and self.last.round_s > 0 and hasattr(cost, "observe"):
-                cost.observe(*served, self.last.round_s)  # what the last round really took
-        slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
-        d = self.policy.choose(slots, reqs, caps, max_ctx, self.host_s)
+        nxt, self._next = self._next, None
+        d = None
+        if nxt is not None and nxt[0] == _batch_key(reqs, caps):
+            d = self.policy.commit(nxt[1])  # proposed while the last round's verify ran
+            slots = self._batch[0]
+        else:
+            self._catch_up()
+            slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
+            d = self.policy.choose(slots, reqs, caps, max_ctx, self.host_s)
+        self._batch = (slots, reqs, caps, max_ctx)
         self._served = (len(reqs), max_ctx, d.rung) if d.rung >= 0 else None
         budgets = d.budgets.tolist()
         if d.chain:
@@ -167,6 +184,29 @@ class BudgetPlanner:
                 tree[:, :k], tree[:, k:] = c[:, :k], c[:, k - 1 : k]
         budgets = plan.budgets or [plan.width - 1] * c.shape[0]
         self._pending = pol.observe_curves(plan.slots, budgets, tree, c[:, -1], plan.full)
+        self._catch_up()
+        if self._batch is not None and hasattr(pol, "propose"):
+            slots, reqs, caps, ctx = self._batch
+            # the next round's contexts are at most one block longer
+            d = pol.propose(slots, reqs, caps, ctx + self.cfg.block_size, self.host_s)
+            self._next = (_batch_key(reqs, caps), d)
+
+    def _catch_up(self) -> None:
+        """Take in what finished rounds left (the last record's host and served seconds, a
+        round's realised accepted drafts) before the policy next decides: in `observe_curves`,
+        under the device's work, or in `plan` when no round overlapped it."""
+        pol, last = self.policy, self.last
+        if pol is None:
+            return
+        if last is not None and last is not self._absorbed:  # host / server times are in now
+            self._absorbed = last
+            self.host_s = 0.9 * self.host_s + 0.1 * (last.host_s + last.server_s)
+            cost, served = getattr(pol, "cost", None), self._last_served
+            if served is not None and last.round_s > 0 and hasattr(cost, "observe"):
+                cost.observe(*served, last.round_s)  # what the last round really took
+        if self._accepted is not None:
+            pol.observe_accepted(*self._accepted)
+            self._accepted = None
 
     def observe(
         self, plan: RoundPlan, n_reqs: int, emitted: list[int], curves: np.ndarray | None = None
@@ -179,11 +219,21 @@ class BudgetPlanner:
         accepted = [max(k - 1, 0) for k in emitted]
         predicted = [] if plan.predicted is None else plan.predicted.tolist()
         pol = self.policy
-        if pol is not None:  # None pending (no curves this round): nothing to calibrate
-            pol.observe_accepted(self._pending, accepted)
+        if pol is not None and self._pending is not None:  # None: nothing to calibrate
+            if self._accepted is not None:  # a round before with no window to take it in
+                pol.observe_accepted(*self._accepted)
+            # taken in by `_catch_up`: under the next round's verify, or at its `plan` (before
+            # any slot changes hands: `choose` claims slots after it)
+            self._accepted = (self._pending, accepted)
         self._pending = None
         rung = plan.rung if pol else ""
         self.last = RoundRecord(plan.width, budgets, predicted, accepted, rung, plan.explore)
+        self._last_served = self._served
+
+
+def _batch_key(reqs: list[Req], caps: list[int]) -> tuple:
+    """A round's requests (by identity, in order) and their budget caps."""
+    return tuple(map(id, reqs)), tuple(caps)
 
 
 def gain_columns(tree, chain: bool) -> torch.Tensor:

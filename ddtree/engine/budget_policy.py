@@ -80,6 +80,7 @@ class Decision:
     chain: bool = False  # the round drafts the DFLASH chain, not a tree
     explore: bool = False  # a rung above the best, run to measure the curve past the best
     rung: int = -1  # the rung's index in `rungs` order (-1: a stub's decision)
+    clocks: tuple[int, int] | None = None  # (AR streak, speculative rounds) once it runs
 
 
 class BudgetPolicy:
@@ -168,24 +169,41 @@ class BudgetPolicy:
         request in a slot), caps [b] each request's largest allowed budget, ctx the longest
         context, extra_s the round's host time outside the device work (every rung pays it, so
         it favours the rungs that emit more). Vectorised over requests and rungs."""
+        return self.commit(self.propose(slots, owners, caps, ctx, extra_s))
+
+    def propose(
+        self, slots, owners: list[object], caps, ctx: int, extra_s: float = 0.0
+    ) -> Decision:
+        """`choose`'s decision without advancing its clocks (the AR streak, the exploration
+        clock): the planner proposes the next round's decision while this round's verify runs
+        and `commit`s it only if the next round has the same requests."""
         slots, caps = np.asarray(slots, dtype=np.int64), np.asarray(caps, dtype=np.int64)
         self._claim(slots, owners)
         per, gain, rate = self._rates(slots, caps, ctx, extra_s)
         best = int(np.argmax(rate))
-        self.ar_streak = self.ar_streak + 1 if best == 0 else 0
-        if best == 0 and self.ar_streak > EXPLORE_AFTER and len(rate) > 1:
-            best, self.ar_streak = 1 + int(np.argmax(rate[1:])), 0
+        streak, spec = (self.ar_streak + 1 if best == 0 else 0), self.spec_rounds
+        if best == 0 and streak > EXPLORE_AFTER and len(rate) > 1:
+            best, streak = 1 + int(np.argmax(rate[1:])), 0
         explore = False
         if best > 0:
-            self.spec_rounds += 1
-            if self.spec_rounds % EXPLORE_EVERY == 0:
+            spec += 1
+            if spec % EXPLORE_EVERY == 0:
                 up = self._explore_rung(rate, per, best, len(slots))
                 explore = up is not None and rate[up] >= (1 - EXPLORE_MARGIN) * rate[best]
                 best = up if explore else best
         chain = bool(self.rung_chain[best])
         budgets = per[:, best]
         width = 1 + int(budgets.max(initial=0))
-        return Decision(width, budgets, gain[:, best], float(rate[best]), chain, explore, best)
+        rate_best = float(rate[best])
+        return Decision(
+            width, budgets, gain[:, best], rate_best, chain, explore, best, (streak, spec)
+        )
+
+    def commit(self, d: Decision) -> Decision:
+        """The proposed decision runs: its clocks become the policy's."""
+        if d.clocks is not None:
+            self.ar_streak, self.spec_rounds = d.clocks
+        return d
 
     def _explore_rung(self, rate: np.ndarray, per: np.ndarray, best: int, bs: int) -> int | None:
         """The chain while its round cost at this batch has not been served (a profile that
