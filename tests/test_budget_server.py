@@ -48,6 +48,10 @@ def test_streams_match_and_metrics_report_budgets(server, pair):
     assert metric(text, "ddtree_spec_predicted_accepted_drafts_total") > 0
     assert "ddtree_spec_realised_accepted_drafts_total" in text
     assert "ddtree_spec_verify_width_rounds_total{width=" in text
+    # the HTTP loop's lag probe runs while the server is up (a 10 ms timer), and per rung what
+    # the policy's choices delivered
+    assert metric(text, "ddtree_http_loop_lag_seconds_count") > 0
+    assert metric(text, "ddtree_spec_rung_request_rounds_total") > 0
     assert 'ddtree_spec_rung_cost_seconds{batch="1",rung="tree8"}' in text  # the policy's costs
     for part in ("round", "host", "server", "hidden"):
         assert metric(text, f'ddtree_round_seconds_count{{part="{part}"}}') > 0, part
@@ -77,3 +81,31 @@ def test_disable_overlap_schedule_publishes_at_once(pair):
         assert text == client.completions.create(**kw).choices[0].text
         metrics = httpx.get(srv.base_url + "/metrics").text
         assert metric(metrics, 'ddtree_round_seconds_sum{part="hidden"}') == 0
+
+
+def test_loop_lag_probe_sees_a_blocked_loop():
+    """The probe measures how late the loop ran its timer: 60 ms of blocking shows as >= 50 ms."""
+    import asyncio
+    import time
+
+    from prometheus_client import generate_latest
+
+    from ddtree.server.metrics import ServerMetrics, probe_loop_lag
+
+    m = ServerMetrics("DDTREE", 9)
+
+    async def main():
+        task = asyncio.get_running_loop().create_task(probe_loop_lag(m, period=0.005))
+        await asyncio.sleep(0.03)
+        time.sleep(0.06)  # the loop is blocked (as by a handler holding it, or the GIL)
+        await asyncio.sleep(0.03)
+        task.cancel()
+
+    asyncio.run(main())
+    text = generate_latest(m.registry).decode()
+    assert metric(text, "ddtree_http_loop_lag_seconds_count") >= 3
+    assert metric(text, "ddtree_http_loop_lag_seconds_sum") >= 0.05
+    from ddtree.bench import serving_metrics
+
+    level = serving_metrics.delta({}, serving_metrics.parse(text))
+    assert level["loop_lag_ms"] > 5 and 0 < level["loop_lag_over_10ms"] < 1

@@ -138,9 +138,12 @@ def serve_levels(ns, url: str, base: list) -> list[dict]:
         )
         res = asyncio.run(serving.run(args, items))["results"][0]
         levels.append(res)
+        sv = res.get("server") or {}
+        lag = sv.get("loop_lag_ms")
         print(
             f"#   c={c}: {res['completed']} ok, {res['output_throughput']:.0f} tok/s, "
-            f"tau {res['mean_accept_length']:.2f}",
+            f"tau {res['mean_accept_length']:.2f}"
+            + (f", HTTP loop lag {lag:.2f} ms" if lag is not None else ""),
             flush=True,
         )
     return levels

@@ -3,7 +3,7 @@ level (servers started with --enable-metrics; None otherwise): the chosen-budget
 rounds per verify width and per policy rung (ar / chain / tree<B>; of them the exploration rounds,
 a rung above the policy's best), the budget policy's predicted vs the realised accept length, the
 round ms per rung the policy believes (auto), and the per-round host time (engine step and server
-loop outside the round; publishing hidden under it).
+loop outside the round; publishing hidden under it), and the HTTP event loop's lag.
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         n = one("ddtree_round_seconds_count", part=part)
         parts[part] = 1e3 * one("ddtree_round_seconds_sum", part=part) / n if n else None
     host = parts["host"]
+    lag_n = one("ddtree_http_loop_lag_seconds_count")
+    late = one("ddtree_http_loop_lag_seconds_bucket", le="0.01")
     return {
         "budget_histogram": hist,  # budget bucket upper bound -> request-rounds
         "verify_width_rounds": widths,
@@ -116,4 +118,7 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         "round_ms": parts["round"],
         "host_ms": None if host is None else host + (parts["server"] or 0.0),
         "hidden_ms": parts["hidden"],
+        # the HTTP loop's lag (a 10 ms timer's lateness): mean ms, and the share of probes >10 ms late
+        "loop_lag_ms": 1e3 * one("ddtree_http_loop_lag_seconds_sum") / lag_n if lag_n else None,
+        "loop_lag_over_10ms": 1 - late / lag_n if lag_n else None,
     }

@@ -10,6 +10,7 @@ The `ddtree` response extension is documented in `ddtree.server.openai_serving`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 
@@ -27,7 +28,7 @@ from ddtree.server.http import (
     BodyLimit,
     CatchAll,
 )
-from ddtree.server.metrics import pool_snapshot
+from ddtree.server.metrics import pool_snapshot, probe_loop_lag
 from ddtree.server.native_api import native_router
 from ddtree.server.openai_serving import OpenAIServing
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -111,7 +112,12 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app):
         aengine.start()
+        probe = None
+        if metrics is not None:  # the HTTP loop's own lag, beside the engine's round times
+            probe = asyncio.get_running_loop().create_task(probe_loop_lag(metrics))
         yield
+        if probe is not None:
+            probe.cancel()
         aengine.shutdown()
 
     app = FastAPI(title="ddtree", lifespan=lifespan)

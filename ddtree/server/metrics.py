@@ -56,6 +56,7 @@ ROUND_BUCKETS = (
     0.1,
 )
 ROUND_PARTS = ("round", "host", "server", "hidden")
+LOOP_PROBE_S = 0.01  # the HTTP loop's lag probe period (`probe_loop_lag`)
 
 
 class ServerMetrics:
@@ -247,6 +248,14 @@ class ServerMetrics:
             ["rung"],
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "ddtree_http_loop_lag_seconds",
+            "How late the HTTP event loop ran a timer due every LOOP_PROBE_S: what every request's "
+            "handling and every stream's write waited for (the loop starved of the GIL by the "
+            "engine thread, or busy)",
+            buckets=ROUND_BUCKETS,
+            registry=r,
+        )
         self.round_time = Histogram(
             "ddtree_round_seconds",
             "Per decode round: round = the decoder round's wall time (launches + device wait); host "
@@ -392,3 +401,15 @@ def pool_snapshot(engine) -> dict:
         "state_pool_slots_free": bm.num_free_slots if runner.state_pool is not None else 0,
         "kv_integrity": integrity,
     }
+
+
+async def probe_loop_lag(metrics: ServerMetrics, period: float = LOOP_PROBE_S) -> None:
+    """Runs on the HTTP event loop until cancelled: each `period` a timer, and how late it fired
+    into `ddtree_http_loop_lag_seconds`. A request that reaches the server waits that long before
+    its handler stamps its arrival (`bench serving`'s `client` share of TTFT)."""
+    import asyncio
+
+    while True:
+        t0 = time.monotonic()
+        await asyncio.sleep(period)
+        metrics.loop_lag.observe(max(time.monotonic() - t0 - period, 0.0))
