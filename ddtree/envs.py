@@ -31,6 +31,14 @@ class EnvVar:
         """The value as a flag (see the module docstring)."""
         return flag_value(self.get())
 
+    def binary(self) -> bool:
+        """A 0 / 1 switch (unset or empty: its default, else 1), checked: any other value raises
+        naming it."""
+        flag = self.get().strip() or self.default.strip() or "1"
+        if flag not in ("0", "1"):
+            raise ValueError(f"{self.name}={flag!r}: use 0 or 1")
+        return flag == "1"
+
 
 FORCE_REFERENCE_ATTENTION = EnvVar(
     "DDTREE_FORCE_REFERENCE_ATTENTION",

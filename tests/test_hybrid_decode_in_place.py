@@ -6,7 +6,8 @@ already left the root's state). On the padded static graph path (capture off) th
 exactly the live rows (+ the scratch row for padded ones) and the commit writes no state at all.
 With our Triton kernels in the interpreter (the GPU's sequence: the in-place conv and the decode
 kernel) the engine's tokens equal the tree path's on the same kernels. A commit that still ran
-after an in-place verify (the state stepped twice) is caught."""
+after an in-place verify (the state stepped twice) is caught: a NONE server stepping in place
+keeps no stash (and plans none)."""
 
 import pytest
 import torch
@@ -45,22 +46,32 @@ def test_ar_in_place_equals_the_tree_path(toy_hybrid_pair, monkeypatch, strategy
     ran = set(backend.ran)
     assert ("decode_step", "reference") in ran and not any(op == "tree" for op, _ in ran)
     assert not any(op in ("replay", "commit") for op, _ in ran)  # no_buffer's replay: none
-    for name, t in llm.engine.runner.state_pool.stash.items():  # never written (zeros)
-        assert not t.any(), name
+    # a NONE server stepping in place keeps no stash at all (it would never be written), and plans
+    # none: the memory goes to KV and state rows
+    from ddtree.engine.config import GDNGeometry
+
+    pool = llm.engine.runner.state_pool
+    assert pool.stash and all(t.shape[2] == 0 for t in pool.stash.values())
+    geo = GDNGeometry.from_config(llm.engine.runner.target.config)
+    assert pool.stash_bytes == 0 == geo.stash_bytes(1, strategy, "float32", "float32")
+    off = _generate(toy_hybrid_pair, strategy, "0", monkeypatch, prompts[:1])[0]
+    assert off.engine.runner.state_pool.stash_bytes > 0  # the tree path's one-node stash
+    assert geo.stash_bytes(1, strategy, "float32", "float32") > 0
 
 
-def test_a_commit_after_the_in_place_verify_is_caught(toy_hybrid_pair, monkeypatch):
-    """Control: the commit told nothing of the verify's width replays the root again from the
-    (stale) stash, over the stepped state: the tokens change."""
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_commit_after_the_in_place_verify_is_caught(toy_hybrid_pair, monkeypatch, strategy):
+    """Control: a commit told nothing of the verify's width would replay the root from the stash,
+    over the state the verify already stepped. A NONE server stepping in place keeps no stash, so
+    that commit cannot run at all."""
     from ddtree.engine.state_pool import HybridStatePool
 
-    _, good = _generate(toy_hybrid_pair, "no_buffer", "1", monkeypatch)
     commit = HybridStatePool.commit
     monkeypatch.setattr(
         HybridStatePool, "commit", lambda self, s, p, a, nodes=None: commit(self, s, p, a)
     )
-    _, bad = _generate(toy_hybrid_pair, "no_buffer", "1", monkeypatch)
-    assert bad != good
+    with pytest.raises(IndexError):
+        _generate(toy_hybrid_pair, strategy, "1", monkeypatch)
 
 
 def _tensors(pool):

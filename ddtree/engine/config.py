@@ -33,6 +33,17 @@ def dtype_bytes(dtype) -> int:
 STASH_DTYPES = ("float32", "bfloat16", "float16")
 
 
+def stash_width(max_verify_width: int) -> int:
+    """Nodes per request the hybrid state pool's stash holds: none when every verify is one node
+    (NONE servers) and one-node verifies step the state in place (DDTREE_GDN_DECODE_KERNEL=1, the
+    default: no stash written, no commit), else the verify width."""
+    from ddtree import envs
+
+    if max_verify_width == 1 and envs.GDN_DECODE_KERNEL.binary():
+        return 0
+    return max_verify_width
+
+
 def stash_ssm_dtype(ssm_dtype) -> str:
     """The extra_buffer node-state stash's dtype (name): DDTREE_GDN_STASH_DTYPE, else
     --mamba-ssm-dtype's. Read by the memory plan and the state pool alike."""
@@ -264,9 +275,10 @@ class GDNGeometry:
         return sum(self.state_parts(ssm_dtype, dtype))
 
     def stash_bytes(self, width: int, strategy: str, ssm_dtype, dtype) -> int:
-        """Per-node tree-verify stash of one request over all GDN layers (`width` nodes):
-        extra_buffer keeps a full state per node, no_buffer the node's GDN inputs (pre/post-conv
-        q|k|v, fp32 gate, beta)."""
+        """Per-node tree-verify stash of one request over all GDN layers (`width` nodes, none
+        where `stash_width` says so): extra_buffer keeps a full state per node, no_buffer the
+        node's GDN inputs (pre/post-conv q|k|v, fp32 gate, beta)."""
+        width = stash_width(width)
         if strategy == "extra_buffer":
             per_node = self.state_bytes(stash_ssm_dtype(ssm_dtype), dtype) // self.num_layers
         else:

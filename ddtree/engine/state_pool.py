@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ddtree import envs
-from ddtree.engine.config import GDNGeometry, stash_ssm_dtype
+from ddtree.engine.config import GDNGeometry, stash_ssm_dtype, stash_width
 from ddtree.engine.state_contexts import ExtendContext, TreeContext
 from ddtree.kernels.gdn import replay_conv_path
 from ddtree.kernels.gdn.backend import (
@@ -100,7 +100,8 @@ class HybridStatePool:
         L, R, W, C, Km1 = (
             geo.num_layers,
             max_reqs + scratch_row,
-            max_verify_width,
+            # none for a NONE server whose one-node verifies step the rows in place
+            stash_width(max_verify_width),
             geo.conv_dim,
             geo.kernel - 1,
         )

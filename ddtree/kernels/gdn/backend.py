@@ -110,10 +110,7 @@ def tree_chunk_kernel(t: torch.Tensor, n: int) -> bool:
 
 def _binary_switch(var) -> bool:
     """A 0 / 1 switch (unset or empty: 1), checked: any other value raises naming it."""
-    flag = var.get().strip() or "1"
-    if flag not in ("0", "1"):
-        raise ValueError(f"{var.name}={flag!r}: use 0 or 1")
-    return flag == "1"
+    return var.binary()
 
 
 def commit_kernel_flag() -> bool:
