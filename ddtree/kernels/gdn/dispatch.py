@@ -23,7 +23,6 @@ from ddtree.kernels.gdn.backend import (
     use_tree_chunk,
     use_triton,
 )
-from ddtree.kernels.gdn.fused import GateInputs
 from ddtree.kernels.gdn.reference import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
@@ -98,7 +97,7 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, gate, ssm: Tensor, rows: Tensor
     if choose("decode_step", use_triton(v), "triton"):
         from ddtree.kernels.gdn.decode_triton import gated_delta_decode_triton
 
-        raw = gate if isinstance(gate, GateInputs) else gate.values()
+        raw = gate.inputs() if hasattr(gate, "inputs") else gate.values()
         return gated_delta_decode_triton(q, k, v, tuple(raw), ssm, rows)
     g, beta = gate.values()
     steps = (t[:, None] for t in (q, k, v, g, beta))  # [b, T = 1, ...]

@@ -141,6 +141,11 @@ class GateInputs(NamedTuple):
     def values(self) -> tuple[Tensor, Tensor]:
         return gdn_gating(self.a, self.b, self.A_log, self.dt_bias)
 
+    def inputs(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(a, b, A_log, dt_bias), for a kernel that gates inside (`dispatch.decode_step` asks
+        for this method, not the class: a reloaded module's GateInputs is another class)."""
+        return (self.a, self.b, self.A_log, self.dt_bias)
+
 
 def gated_rmsnorm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     """`reference.gated_rmsnorm` (x, z [..., H, D] at any token / head strides, weight [D]) in one
