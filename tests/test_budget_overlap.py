@@ -180,6 +180,9 @@ def test_planner_decides_the_next_round_under_the_verify():
     for _ in range(5):
         spec += _serve(planner, reqs, rng).width > 1
     assert calls["choose"] == 2 and calls["propose"] >= 25
+    reqs[3].slot = 7  # preempted and back in another slot: the proposal's slots are stale
+    spec += _serve(planner, reqs, rng).width > 1
+    assert calls["choose"] == 3 and planner._batch[0].tolist() == [0, 1, 2, 7]
     # proposals that never ran moved no clock: one speculative round, one tick
     assert pol.spec_rounds == spec
 

@@ -140,7 +140,6 @@ class BudgetPlanner:
                 return RoundPlan(cfg.verify_width, None)
             return RoundPlan(self.width_for(max(caps)), caps, cut=caps)
         nxt, self._next = self._next, None
-        d = None
         if nxt is not None and nxt[0] == _batch_key(reqs, caps):
             d = self.policy.commit(nxt[1])  # proposed while the last round's verify ran
             slots = self._batch[0]
@@ -232,8 +231,9 @@ class BudgetPlanner:
 
 
 def _batch_key(reqs: list[Req], caps: list[int]) -> tuple:
-    """A round's requests (by identity, in order) and their budget caps."""
-    return tuple(map(id, reqs)), tuple(caps)
+    """A round's requests (by identity, in order; the planner's `_batch` keeps them alive, so no
+    new request reuses an id), their slots (a preempted request comes back in another) and caps."""
+    return tuple((id(r), r.slot) for r in reqs), tuple(caps)
 
 
 def gain_columns(tree, chain: bool) -> torch.Tensor:
