@@ -203,8 +203,12 @@ class BudgetPlanner:
             cost, served = getattr(pol, "cost", None), self._last_served
             if served is not None and last.round_s > 0 and hasattr(cost, "observe"):
                 cost.observe(*served, last.round_s)  # what the last round really took
+        self._take_accepted()
+
+    def _take_accepted(self) -> None:
+        """The policy's calibration from a finished round's realised accept lengths, once."""
         if self._accepted is not None:
-            pol.observe_accepted(*self._accepted)
+            self.policy.observe_accepted(*self._accepted)
             self._accepted = None
 
     def observe(
@@ -219,8 +223,7 @@ class BudgetPlanner:
         predicted = [] if plan.predicted is None else plan.predicted.tolist()
         pol = self.policy
         if pol is not None and self._pending is not None:  # None: nothing to calibrate
-            if self._accepted is not None:  # a round before with no window to take it in
-                pol.observe_accepted(*self._accepted)
+            self._take_accepted()  # a round before with no window to take it in
             # taken in by `_catch_up`: under the next round's verify, or at its `plan` (before
             # any slot changes hands: `choose` claims slots after it)
             self._accepted = (self._pending, accepted)

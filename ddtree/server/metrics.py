@@ -6,6 +6,7 @@ rendered by the HTTP side, so the pool gauges always describe a state between tw
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 
@@ -407,8 +408,6 @@ async def probe_loop_lag(metrics: ServerMetrics, period: float = LOOP_PROBE_S) -
     """Runs on the HTTP event loop until cancelled: each `period` a timer, and how late it fired
     into `ddtree_http_loop_lag_seconds`. A request that reaches the server waits that long before
     its handler stamps its arrival (`bench serving`'s `client` share of TTFT)."""
-    import asyncio
-
     while True:
         t0 = time.monotonic()
         await asyncio.sleep(period)

@@ -108,20 +108,15 @@ def tree_chunk_kernel(t: torch.Tensor, n: int) -> bool:
     return supported(n)
 
 
-def _binary_switch(var) -> bool:
-    """A 0 / 1 switch (unset or empty: 1), checked: any other value raises naming it."""
-    return var.binary()
-
-
 def commit_kernel_flag() -> bool:
     """DDTREE_GDN_COMMIT_KERNEL (default 1)."""
-    return _binary_switch(envs.GDN_COMMIT_KERNEL)
+    return envs.GDN_COMMIT_KERNEL.binary()  # checked: a bad value raises naming it
 
 
 def decode_in_place_flag() -> bool:
     """DDTREE_GDN_DECODE_KERNEL (default 1). On: one-node rounds step the committed rows in place
     (`dispatch.decode_step`, the in-place tree conv)."""
-    return _binary_switch(envs.GDN_DECODE_KERNEL)
+    return envs.GDN_DECODE_KERNEL.binary()
 
 
 def commit_kernel(t: torch.Tensor) -> bool:
