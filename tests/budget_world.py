@@ -30,10 +30,12 @@ MS = {
 COST = CostTable(LADDER, BATCHES, (4096,), np.array([[MS[b]] for b in BATCHES]) / 1e3, chain=CHAIN)
 
 
-def profile(scale: dict[str, float]) -> CostTable:
-    """COST with some rungs' seconds scaled at every batch: a startup profile that is off."""
+def profile(scale: dict[str, float], minus_ms: float = 0.0) -> CostTable:
+    """COST with some rungs' seconds scaled at every batch, less `minus_ms` at every rung: a
+    startup profile that is off (the graph replays alone miss a served round's common overhead:
+    ~1-1.8 ms at the 8B shape, 2026-12-02)."""
     k = np.array([scale.get(n, 1.0) for n in NAMES])
-    return CostTable(LADDER, BATCHES, (4096,), COST.table * k, chain=CHAIN)
+    return CostTable(LADDER, BATCHES, (4096,), COST.table * k - minus_ms / 1e3, chain=CHAIN)
 
 
 # tau (tokens per round) per tree rung and the chain: the 8B run's DFLASH 6.8 / B16 7.5 / B64 9.5
@@ -50,6 +52,9 @@ class World:
     life: int = 16  # rounds a request lives (128 tokens at tau ~8)
     flat_last: bool = False  # a request's last round is depth-limited (max_tokens): no tail
     cost_noise: float = 0.03  # log-normal spread of a served round's seconds around COST's
+    # the drafter's belief in its chain over the truth (None: `optimism`). The 8B-shape run of
+    # 2026-12-02 saw the chain believed ~1.05-1.6x more than the trees (per-rung counters)
+    chain_optimism: float | None = None
 
 
 # the warm-up's synthetic prompts: drafts the drafter is unsure of, trees depth-limited by the
@@ -116,7 +121,8 @@ def run(policy, bs: int, world: World, rounds: int, seed: int = 0, warm: int = 0
             edge = np.repeat(belief[:, built - 1 : built], CAP - built, 1)
             curves = np.concatenate([belief[:, :built], edge], 1)
         accepted = np.minimum(rng.poisson(mean), CHAIN)  # capped at the block's depth
-        chain = None if d.width == 1 else world.optimism * chain_true
+        c_opt = world.optimism if world.chain_optimism is None else world.chain_optimism
+        chain = None if d.width == 1 else c_opt * chain_true
         kw = {} if deep.all() else {"full": deep}
         policy.observe(slots, budgets, curves, accepted, chain=chain, **kw)
         served = COST.seconds(bs, 1024)[r] * rng.lognormal(0.0, world.cost_noise)

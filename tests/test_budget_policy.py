@@ -68,8 +68,10 @@ def test_calibration_scales_an_optimistic_drafter():
         pol.observe(range(8), [16] * 8, np.tile(CURVE, (8, 1)), [CURVE[15] / 10] * 8)
     d = pol.choose(range(8), owners, [64] * 8, 1000)
     assert d.width == 1
-    g = pol.gains(np.arange(8))
-    assert g[:, 16] == pytest.approx(np.full(8, CURVE[15] / 10), rel=0.02)
+    # the tenth is the B=16 rung's factor (every request alike): the requests' ease stays ~1
+    b16 = list(pol.rung_budget).index(16)
+    g = pol.gains(np.arange(8)) * pol.rung_factors()[b16]
+    assert g[:, 16] == pytest.approx(np.full(8, CURVE[15] / 10), rel=0.05)
 
 
 def test_caps_and_new_requests_in_a_slot():
@@ -107,35 +109,45 @@ def test_analytic_cost_is_flat_then_compute_bound():
 
 
 def test_one_bad_first_round_does_not_switch_speculation_off():
-    """A new request's calibration starts from the server-wide ratio: a first round with nothing
-    accepted (e.g. right after the prompt) lowers its gain by the EMA weight, not to zero."""
+    """A new request's ease starts at 1: a first round with nothing accepted (e.g. right after
+    the prompt) lowers its gain by the EMA weight, not to zero."""
     pol, _ = seeded(1)
     new = [object()]
     pol.choose([1], new, [64], 1000)
     pol.observe([1], [64], CURVE[None, :], [0])
     g = pol.gains(np.array([1]))
     assert g[0, 64] == pytest.approx(0.75 * CURVE[-1], rel=0.01)
-    assert pol.choose([1], new, [64], 1000).width == 65
+    # the round also lowers the B=64 rung's factor, by one round against RUNG_PRIOR drafts
+    assert pol.rung_factors()[-1] > 0.7 * pol.rung_factors()[-2]
+    assert pol.choose([1], new, [64], 1000).width > 1
 
 
 def test_served_cost_corrects_the_profile():
     """Served rounds correct their rung at their batch bucket (EMA, a stalled round clipped); an
-    unserved rung takes the served rungs' mean correction only where that makes it cheaper."""
+    unserved rung takes its profile plus the bucket's common overhead (served - profile over
+    every rung served there; another bucket's where none was; never below the profile)."""
     from ddtree.engine.budget_policy import ServedCost
 
     cost = ServedCost(TABLE)
     base = TABLE.seconds(1, 1000)
     assert cost.seconds(1, 1000) == pytest.approx(base) and not cost.served(1, 4)
-    cost.observe(1, 1000, 4, 1.2 * base[4])  # B=64 served 20% dearer than profiled
+    cost.observe(1, 1000, 4, base[4] + 1e-3)  # B=64 served 1 ms dearer than profiled
     got = cost.seconds(1, 1000)
-    assert got[4] == pytest.approx(1.2 * base[4]) and cost.served(1, 4)
-    assert got[:4] == pytest.approx(base[:4])  # dearer only where measured
-    cost.observe(1, 1000, 1, 0.5 * base[1])  # B=8 cheaper: the unserved follow the mean (0.85)
+    assert got[4] == pytest.approx(base[4] + 1e-3) and cost.served(1, 4)
+    assert got[:4] == pytest.approx(base[:4] + 1e-3)  # the overhead, whatever the rung
+    cost.observe(1, 1000, 1, base[1] + 3e-3)  # B=8: 3 ms; the overhead's EMA moves 10% of it
     got = cost.seconds(1, 1000)
-    assert got[0] == pytest.approx(0.85 * base[0]) and got[1] == pytest.approx(0.5 * base[1])
+    assert got[1] == pytest.approx(base[1] + 3e-3)
+    assert got[0] == pytest.approx(base[0] + 1.2e-3)
+    r4 = cost.correction(1)[4]
     cost.observe(1, 1000, 4, 100.0)  # a stalled round moves the EMA by at most 10% of 2x
-    assert cost.seconds(1, 1000)[4] == pytest.approx((0.9 * 1.2 + 0.1 * 2.0) * base[4])
-    assert cost.seconds(8, 1000) == pytest.approx(TABLE.seconds(8, 1000))  # other buckets
+    assert cost.seconds(1, 1000)[4] == pytest.approx((0.9 * r4 + 0.1 * 2.0) * base[4])
+    # another bucket, none served there: its profile plus the nearest bucket's overhead
+    over = cost.overhead(1)
+    assert cost.seconds(8, 1000) == pytest.approx(TABLE.seconds(8, 1000) + over)
     assert cost.batches == TABLE.batches
     ratio = cost.correction(1)
-    assert np.isnan(ratio[[0, 2, 3]]).all() and ratio[1] == pytest.approx(0.5)
+    assert np.isnan(ratio[[0, 2, 3]]).all() and ratio[1] == pytest.approx(1 + 3e-3 / base[1])
+    fast = ServedCost(TABLE)
+    fast.observe(8, 1000, 2, 0.5 * TABLE.seconds(8, 1000)[2])  # served cheaper than profiled
+    assert fast.seconds(8, 1000)[0] == pytest.approx(TABLE.seconds(8, 1000)[0])  # not below

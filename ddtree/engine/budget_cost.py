@@ -110,17 +110,22 @@ class CostTable:
 
 
 class ServedCost:
-    """A `RoundCost` corrected by the rounds the server ran: per batch bucket and rung, an EMA of
-    served seconds over the estimate (the profile replays the graphs alone; a served round also
-    pays the policy, the read-back, launches and whatever else the device waits on). A rung not
-    served yet at a bucket takes the mean correction of the rungs that were, or none where that
-    would make it dearer: an unmeasured rung is never rated below its profile, so where it could
-    win it is tried (and the policy's exploration rounds try the rung above its best and the
-    chain)."""
+    """A `RoundCost` corrected by the rounds the server ran (the profile replays the graphs alone;
+    a served round also pays the policy, the read-back, launches and whatever else the device
+    waits on). Per batch bucket: per rung an EMA of served over estimated seconds, and over every
+    rung an EMA of served minus estimated seconds, the common overhead. A served rung takes its
+    own ratio; a rung not served at the bucket takes the profile plus the bucket's overhead (the
+    nearest served bucket's where none was served here; never less than the profile). At the
+    8B shape on the H200 that overhead is ~1-1.8 ms whatever the rung (2026-12-02: believed vs
+    served per rung): an unserved rung at its bare profile is rated too cheap by it, the
+    cheapest rungs most, and each level of `bench at-scale` opens a new bucket
+    (tests/test_budget_convergence.py, the short levels). The policy's exploration rounds still
+    try the rung above its best and the chain."""
 
     def __init__(self, base: RoundCost):
         self.base = base
-        self._corr: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # bucket -> (ratio, served)
+        # bucket -> (ratio [R], served [R], [overhead seconds])
+        self._corr: dict[int, tuple[np.ndarray, np.ndarray, list[float]]] = {}
 
     @property
     def batches(self) -> tuple[int, ...] | None:
@@ -132,13 +137,25 @@ class ServedCost:
             return min(int(np.searchsorted(b, bs)), len(b) - 1)
         return max(int(bs) - 1, 0).bit_length()  # powers of two
 
+    def overhead(self, bs: int) -> float:
+        """Seconds a served round pays over its profile at bs's bucket (the nearest served
+        bucket's, the lower on a tie; 0 before any served round; never negative)."""
+        if not self._corr:
+            return 0.0
+        k = self._bucket(bs)
+        near = min(self._corr, key=lambda j: (abs(j - k), j))
+        return max(self._corr[near][2][0], 0.0)
+
     def seconds(self, bs: int, ctx: int) -> np.ndarray:
         s = self.base.seconds(bs, ctx)
-        got = self._corr.get(self._bucket(bs))
-        if got is None:
+        if not self._corr:
             return s
-        ratio, served = got
-        return s * np.where(served, ratio, min(1.0, float(ratio[served].mean())))
+        got = self._corr.get(self._bucket(bs))
+        unserved = s + self.overhead(bs)
+        if got is None:
+            return unserved
+        ratio, served, _ = got
+        return np.where(served, s * ratio, unserved)
 
     def correction(self, bs: int) -> np.ndarray:
         """[R] served / estimated seconds at bs's bucket per rung (NaN: not served there)."""
@@ -158,10 +175,13 @@ class ServedCost:
         if est <= 0 or seconds <= 0:
             return
         k = self._bucket(bs)
+        x = float(np.clip(seconds / est, *SERVED_CLIP))
         if k not in self._corr:
             n = len(self.base.seconds(bs, ctx))
-            self._corr[k] = (np.ones(n), np.zeros(n, dtype=bool))
-        ratio, served = self._corr[k]
-        x = float(np.clip(seconds / est, *SERVED_CLIP))
+            self._corr[k] = (np.ones(n), np.zeros(n, dtype=bool), [(x - 1) * est])
+        else:
+            off = self._corr[k][2]
+            off[0] = (1 - SERVED_EMA) * off[0] + SERVED_EMA * (x - 1) * est
+        ratio, served, _ = self._corr[k]
         ratio[rung] = (1 - SERVED_EMA) * ratio[rung] + SERVED_EMA * x if served[rung] else x
         served[rung] = True

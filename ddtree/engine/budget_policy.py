@@ -6,9 +6,16 @@ Gain. A DDTree tree holds the drafter's most probable prefixes, so the sum of it
 probabilities is the drafter's own expected accepted length (DDTree Prop. 1), and the best-first
 order gives it for every smaller budget at once: `curve[b - 1]` = the prefix sum over the first b
 nodes (`DraftTree.path_probs`). The host reads each request's curve back with the round's tokens,
-so round k + 1 decides on round k's curve. The drafter is optimistic or pessimistic per request:
-its realised accepted drafts over its predicted ones (EMAs of both, started from the server-wide
-ratio) scale the curve; a request not seen yet takes the server-wide curve and ratio.
+so round k + 1 decides on round k's curve. Calibration has two factors. Per rung, server-wide
+(`rung_factors`): realised over the drafter's predicted accepted drafts in the rounds served at
+the rung lately (per-round means, discounted every round, shrunk by RUNG_PRIOR drafts to the
+server-wide ratio, an EMA over every rung: a rung not served for a while returns to it). The
+drafter is not equally sure of every rung: on the 8B-shape pair its chain was believed up to
+1.6x more than its trees (2026-12-02, the per-rung counters), and a rung is chosen when its
+prediction runs high, so what it realises when chosen is the figure to scale by. Per request:
+its ease, realised over rung-calibrated predicted accepted drafts (EMAs of both; 1 for a request
+not seen yet, which also takes the server-wide curve). Neither factor is learned from the other's
+output (a split that could drift): the rung's from the drafter's raw prediction.
 
 Rungs (`budget_cost.rungs`), by verify width W: plain AR (budget 0, W = 1: no draft runs), the
 ladder's trees (W = 1 + budget, each drafted by its own tree spec: the round builds at its rung,
@@ -69,6 +76,8 @@ EMA = 0.25  # weight of the newest round in the per-request calibration
 EXPLORE_AFTER = 32
 EXPLORE_EVERY = 16  # every this many speculative rounds, one round a rung above the best
 EXPLORE_MARGIN = 0.15  # ... when the policy rates that rung within this fraction of the best
+RUNG_DECAY = 0.95  # per speculative round, the discount of every rung's calibration sums
+RUNG_PRIOR = 16.0  # predicted drafts of pseudo-count pulling a rung's factor to the server's
 
 
 @dataclass(frozen=True)
@@ -104,7 +113,7 @@ class BudgetPolicy:
         self.chain_known = np.zeros(slots, dtype=bool)
         self.seen = np.zeros(slots, dtype=bool)  # the calibration EMAs hold a round
         self.real = np.zeros(slots)  # EMA of realised accepted drafts
-        self.pred = np.zeros(slots)  # EMA of the drafter's prediction for the same rounds
+        self.pred = np.zeros(slots)  # EMA of the rung-calibrated prediction for the same rounds
         self.reset()
 
     def reset(self) -> None:
@@ -114,7 +123,9 @@ class BudgetPolicy:
         self.prior_chain: float | None = None  # server-wide chain gain
         self.ar_streak = 0  # AR rounds chosen in a row
         self.spec_rounds = 0  # speculative rounds chosen (the exploration clock)
-        self.g_real = self.g_pred = 0.0  # server-wide EMAs: the calibration of new requests
+        self.g_real = self.g_pred = 0.0  # server-wide EMAs: a rung's factor before it serves
+        n = len(self.rung_budget)  # per rung: discounted sums of realised and predicted drafts
+        self.rung_real, self.rung_pred = np.zeros(n), np.zeros(n)
         self.owner = [None] * len(self.owner)
         # (slots, `_raw_curves(slots)`) computed by `observe_curves` while the verify runs, for
         # the next `choose` when it has the same requests (dropped by `_claim`, used once)
@@ -128,11 +139,20 @@ class BudgetPolicy:
                 self.n_read[s] = 0
                 self.real[s] = self.pred[s] = 0.0
 
+    def _g(self) -> float:
+        return self.g_real / self.g_pred if self.g_pred > 0 else 1.0
+
     def _ratio(self, slots: np.ndarray) -> np.ndarray:
-        """[b] realised / predicted accepted drafts (the server-wide ratio for new requests)."""
-        g = self.g_real / self.g_pred if self.g_pred > 0 else 1.0
+        """[b] each request's ease: realised / rung-calibrated predicted accepted drafts (1 for
+        a request not seen yet)."""
         pred = self.pred[slots]
-        return np.where(pred > 0, self.real[slots] / np.maximum(pred, 1e-9), g)
+        return np.where(pred > 0, self.real[slots] / np.maximum(pred, 1e-9), 1.0)
+
+    def rung_factors(self) -> np.ndarray:
+        """[R] per rung: realised over the drafter's predicted accepted drafts in the rounds
+        served there lately, shrunk towards the server-wide ratio."""
+        g = self._g()
+        return (self.rung_real + RUNG_PRIOR * g) / (self.rung_pred + RUNG_PRIOR)
 
     def _raw_curves(self, slots: np.ndarray) -> np.ndarray:
         """[b, B] the drafter's own curves: read back up to the slot's built rung, grown past it
@@ -148,7 +168,8 @@ class BudgetPolicy:
         return np.where(n > 0, out, base)
 
     def gains(self, slots: np.ndarray) -> np.ndarray:
-        """[b, B + 1] calibrated expected accepted drafts for budgets 0..B."""
+        """[b, B + 1] the drafter's expected accepted drafts for budgets 0..B times each
+        request's ease (the rung factor is `_rates`')."""
         raw, self._raw = self._raw, None
         if raw is None or raw[0] != slots.tobytes():
             raw = (b"", self._raw_curves(slots))
@@ -161,7 +182,7 @@ class BudgetPolicy:
         return np.where(self.chain_known[slots], self.chain[slots], unseen)
 
     def chain_gains(self, slots: np.ndarray) -> np.ndarray:
-        """[b] calibrated expected accepted drafts of the DFLASH chain."""
+        """[b] the drafter's expected accepted drafts of the DFLASH chain times the ease."""
         return self._chain_raw(slots) * self._ratio(slots)
 
     def choose(self, slots, owners: list[object], caps, ctx: int, extra_s: float = 0.0) -> Decision:
@@ -233,6 +254,7 @@ class BudgetPolicy:
         gain = g[np.arange(len(per))[:, None], per]  # take_along_axis: 3x the host time
         if self.chain_depth:
             gain[:, self.rung_chain] = self.chain_gains(slots)[:, None]
+        gain *= self.rung_factors()[None, :]
         tokens = len(slots) + gain.sum(0)
         rate = tokens / (self.cost.seconds(len(slots), ctx) + extra_s)
         if self.chain_depth and len(caps) and caps.min() < self.chain_depth:
@@ -273,11 +295,12 @@ class BudgetPolicy:
         if chain is not None:
             ch = np.asarray(chain, dtype=np.float64)[ran]
         if curves is None:  # a chain round: the chain's own prediction
-            predicted = ch
+            predicted, rung = ch, int(np.flatnonzero(self.rung_chain)[0])
         else:
             c = np.asarray(curves, dtype=np.float64)[ran]
             predicted = c[np.arange(len(c)), budgets[ran] - 1]
             built = self._built(budgets)
+            rung = int(np.flatnonzero((self.rung_budget == built) & ~self.rung_chain)[0])
             self.curve[s] = c
             self.n_read[s] = built
             if deep is None:
@@ -293,24 +316,33 @@ class BudgetPolicy:
                 self.prior_chain = m if pc is None else (1 - w) * pc + w * m
         # the next round's curves, if it has the same requests (nothing else changes them)
         self._raw = (slots.tobytes(), self._raw_curves(slots))
-        return s, ran, predicted
+        return s, ran, predicted, rung
 
     def observe_accepted(self, pending: tuple | None, accepted) -> None:
         """The other half (after the read-back): the calibration, realised accepted drafts
-        against the drafter's prediction. pending: `observe_curves`' return."""
+        against the drafter's prediction, per rung and per request. pending: `observe_curves`'
+        return."""
         if pending is None:
             return
-        s, ran, predicted = pending
+        s, ran, predicted, rung = pending
         real = np.asarray(accepted, dtype=np.float64)[ran]
-        # a request's first round starts its EMAs from the server-wide ratio (one round with
-        # nothing accepted must not switch its speculation off for good)
+        # the request's ease against what the rung's factor expected before this round
+        cal = self.rung_factors()[rung] * predicted
+        w = ema_weight(PRIOR_EMA, len(s)) if self.g_pred > 0 else 1.0
+        self.g_real = (1 - w) * self.g_real + w * float(real.mean())
+        self.g_pred = (1 - w) * self.g_pred + w * float(predicted.mean())
+        # one sample per round whatever its batch (a batch of 64 must not outweigh the rounds
+        # that follow it for 30 rounds)
+        self.rung_real *= RUNG_DECAY
+        self.rung_pred *= RUNG_DECAY
+        self.rung_real[rung] += float(real.mean())
+        self.rung_pred[rung] += float(predicted.mean())
+        predicted = cal
+        # a request's first round starts its EMAs at ease 1 (one round with nothing accepted
+        # must not switch its speculation off for good)
         first = ~self.seen[s]
-        g = self.g_real / self.g_pred if self.g_pred > 0 else 1.0
-        real0 = np.where(first, g * predicted, self.real[s])
+        real0 = np.where(first, predicted, self.real[s])
         pred0 = np.where(first, predicted, self.pred[s])
         self.real[s] = (1 - EMA) * real0 + EMA * real
         self.pred[s] = (1 - EMA) * pred0 + EMA * predicted
         self.seen[s] = True
-        w = ema_weight(PRIOR_EMA, len(s)) if self.g_pred > 0 else 1.0
-        self.g_real = (1 - w) * self.g_real + w * float(real.mean())
-        self.g_pred = (1 - w) * self.g_pred + w * float(predicted.mean())
