@@ -14,7 +14,17 @@ MS = {1: [5.76, 8.0, 8.3, 8.12, 8.15, 8.20], 8: [6.16, 9.2, 11.0, 9.71, 12.5, 18
 TABLE = CostTable(LADDER, (1, 8), (1024,), np.array([[MS[b]] for b in (1, 8)]) / 1e3, chain=15)
 # expected accepted drafts per budget 1..64 (the embedded pair's, as tests/test_budget_policy.py)
 CURVE = np.interp(np.arange(1, 65), [0, 8, 16, 32, 64], [0, 4.3, 5.22, 5.9, 6.3])
-STATE = ("curve", "n_read", "chain", "chain_known", "seen", "real", "pred")
+STATE = (
+    "curve",
+    "n_read",
+    "chain",
+    "chain_known",
+    "seen",
+    "real",
+    "pred",
+    "rung_real",
+    "rung_pred",
+)
 
 
 def rounds(n=120, slots=8, seed=0):
