@@ -76,6 +76,34 @@ def test_uniform_round_drafts_and_verifies_as_the_fixed_tree(toy_pair, ar):
     assert set(a_widths) == set(f_widths) == {9}
 
 
+def test_uniform_round_accepts_as_the_fixed_server_round_for_round(toy_pair):
+    """auto with every round at rung b is the fixed B=b server, round for round: the same accept
+    length for every request of every round (so a rung's realised τ in auto's mix differs from
+    the fixed server's only by where its rounds fall: bench/rung_mix_tau.py)."""
+    from ddtree import SamplingParams
+
+    def lengths(**kw) -> list[tuple[int, ...]]:
+        policy = kw.pop("policy", None)
+        llm = make_llm(toy_pair, "DDTREE", max_running_requests=3, **kw)
+        if policy is not None:
+            llm.engine.decoder.budgets.policy = policy
+        eng, out, seen = llm.engine, [], None
+        for p in PROMPTS:
+            eng.add_request(list(p), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+            rec = eng.last_round
+            if rec is not None and rec is not seen:
+                seen = rec
+                out.append(tuple(rec.accepted))
+        return out
+
+    fixed = lengths(speculative_ddtree_budget=8)
+    assert fixed == lengths(policy=Fixed([8]), **AUTO)
+    assert sum(map(sum, fixed)) > len(fixed)  # drafts really accepted
+    assert fixed != lengths(policy=Fixed([4]), **AUTO)  # the check can fail
+
+
 def test_mixed_budgets_build_at_the_rounds_largest_rung(toy_pair, ar):
     tokens, drafts, widths = run(toy_pair, policy=Fixed([3, 8, 5]), **AUTO)
     assert tokens == ar
