@@ -8,8 +8,12 @@ order gives it for every smaller budget at once: `curve[b - 1]` = the prefix sum
 nodes (`DraftTree.path_probs`). The host reads each request's curve back with the round's tokens,
 so round k + 1 decides on round k's curve. Calibration has two factors. Per rung, server-wide
 (`rung_factors`): realised over the drafter's predicted accepted drafts in the rounds served at
-the rung lately (per-round means, discounted every round, shrunk by RUNG_PRIOR drafts to the
-server-wide ratio, an EMA over every rung: a rung not served for a while returns to it). The
+the rung lately (per-round means, discounted every round, shrunk by RUNG_PRIOR drafts to its
+family's: a rung not served for a while returns to it). The families, the trees and the chain,
+keep the same sums discounted only when they serve, shrunk to the server-wide ratio (an EMA over
+every rung): after a load where only the chain served, the server-wide ratio is the chain's, and
+trees rated by it stayed below the exploration margin when the load fell (0.80 of the best fixed
+rung in tests/test_budget_convergence.py's world, 0.99 with the families). The
 drafter is not equally sure of every rung: on the 8B-shape pair its chain was believed up to
 1.6x more than its trees (2026-12-02, the per-rung counters), and a rung is chosen when its
 prediction runs high, so what it realises when chosen is the figure to scale by. Per request:
@@ -77,7 +81,7 @@ EXPLORE_AFTER = 32
 EXPLORE_EVERY = 16  # every this many speculative rounds, one round a rung above the best
 EXPLORE_MARGIN = 0.15  # ... when the policy rates that rung within this fraction of the best
 RUNG_DECAY = 0.95  # per speculative round, the discount of every rung's calibration sums
-RUNG_PRIOR = 16.0  # predicted drafts of pseudo-count pulling a rung's factor to the server's
+RUNG_PRIOR = 16.0  # predicted drafts of pseudo-count pulling a factor to the one above it
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,8 @@ class BudgetPolicy:
         self.g_real = self.g_pred = 0.0  # server-wide EMAs: a rung's factor before it serves
         n = len(self.rung_budget)  # per rung: discounted sums of realised and predicted drafts
         self.rung_real, self.rung_pred = np.zeros(n), np.zeros(n)
+        # per family (trees, the chain): the same, discounted only when the family serves
+        self.fam_real, self.fam_pred = np.zeros(2), np.zeros(2)
         self.owner = [None] * len(self.owner)
         # (slots, `_raw_curves(slots)`) computed by `observe_curves` while the verify runs, for
         # the next `choose` when it has the same requests (dropped by `_claim`, used once)
@@ -150,9 +156,12 @@ class BudgetPolicy:
 
     def rung_factors(self) -> np.ndarray:
         """[R] per rung: realised over the drafter's predicted accepted drafts in the rounds
-        served there lately, shrunk towards the server-wide ratio."""
+        served there lately, shrunk towards its family's (trees, chain), which is shrunk towards
+        the server-wide ratio."""
         g = self._g()
-        return (self.rung_real + RUNG_PRIOR * g) / (self.rung_pred + RUNG_PRIOR)
+        fam = (self.fam_real + RUNG_PRIOR * g) / (self.fam_pred + RUNG_PRIOR)
+        prior = fam[self.rung_chain.astype(np.int64)]
+        return (self.rung_real + RUNG_PRIOR * prior) / (self.rung_pred + RUNG_PRIOR)
 
     def _raw_curves(self, slots: np.ndarray) -> np.ndarray:
         """[b, B] the drafter's own curves: read back up to the slot's built rung, grown past it
@@ -337,6 +346,9 @@ class BudgetPolicy:
         self.rung_pred *= RUNG_DECAY
         self.rung_real[rung] += float(real.mean())
         self.rung_pred[rung] += float(predicted.mean())
+        f = int(self.rung_chain[rung])
+        self.fam_real[f] = RUNG_DECAY * self.fam_real[f] + float(real.mean())
+        self.fam_pred[f] = RUNG_DECAY * self.fam_pred[f] + float(predicted.mean())
         predicted = cal
         # a request's first round starts its EMAs at ease 1 (one round with nothing accepted
         # must not switch its speculation off for good)
