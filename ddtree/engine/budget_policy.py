@@ -337,24 +337,24 @@ class BudgetPolicy:
         real = np.asarray(accepted, dtype=np.float64)[ran]
         # the request's ease against what the rung's factor expected before this round
         cal = self.rung_factors()[rung] * predicted
-        w = ema_weight(PRIOR_EMA, len(s)) if self.g_pred > 0 else 1.0
-        self.g_real = (1 - w) * self.g_real + w * float(real.mean())
-        self.g_pred = (1 - w) * self.g_pred + w * float(predicted.mean())
         # one sample per round whatever its batch (a batch of 64 must not outweigh the rounds
         # that follow it for 30 rounds)
+        r_mean, p_mean = float(real.mean()), float(predicted.mean())
+        w = ema_weight(PRIOR_EMA, len(s)) if self.g_pred > 0 else 1.0
+        self.g_real = (1 - w) * self.g_real + w * r_mean
+        self.g_pred = (1 - w) * self.g_pred + w * p_mean
         self.rung_real *= RUNG_DECAY
         self.rung_pred *= RUNG_DECAY
-        self.rung_real[rung] += float(real.mean())
-        self.rung_pred[rung] += float(predicted.mean())
-        f = int(self.rung_chain[rung])
-        self.fam_real[f] = RUNG_DECAY * self.fam_real[f] + float(real.mean())
-        self.fam_pred[f] = RUNG_DECAY * self.fam_pred[f] + float(predicted.mean())
-        predicted = cal
+        self.rung_real[rung] += r_mean
+        self.rung_pred[rung] += p_mean
+        f = int(self.rung_chain[rung])  # the family's sums decay only when it serves
+        self.fam_real[f] = RUNG_DECAY * self.fam_real[f] + r_mean
+        self.fam_pred[f] = RUNG_DECAY * self.fam_pred[f] + p_mean
         # a request's first round starts its EMAs at ease 1 (one round with nothing accepted
         # must not switch its speculation off for good)
         first = ~self.seen[s]
-        real0 = np.where(first, predicted, self.real[s])
-        pred0 = np.where(first, predicted, self.pred[s])
+        real0 = np.where(first, cal, self.real[s])
+        pred0 = np.where(first, cal, self.pred[s])
         self.real[s] = (1 - EMA) * real0 + EMA * real
-        self.pred[s] = (1 - EMA) * pred0 + EMA * predicted
+        self.pred[s] = (1 - EMA) * pred0 + EMA * cal
         self.seen[s] = True
