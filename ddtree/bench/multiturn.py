@@ -144,24 +144,26 @@ async def run_conversation(http, url, system, turns, ns) -> list[TurnResult]:
 async def run_level(url: str, convs, concurrency: int, ns) -> dict:
     """One level: `concurrency` conversations at a time; `serving.level_summary`'s keys plus
     `ttft_later_turns_ms` (turns after the first: the ones a conversation's own history can hit)."""
-    import httpx
-
     from ddtree.bench.serving import level_summary, summary, ttft_breakdown
+    from ddtree.bench.stream_client import Lanes
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 8)
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=ns.timeout, limits=limits, headers=headers) as http:
+    lanes = Lanes(headers, ns.timeout)  # one connection per conversation in flight
+    try:
 
         async def gated(system, turns):
-            async with gate:
+            async with gate, lanes.lane() as http:
                 return await run_conversation(http, url, system, turns, ns)
 
         for _ in range(ns.warmup):
-            await one_turn(http, url, [ns.token_id_min] * 8, ns, 0)
+            async with lanes.lane() as http:
+                await one_turn(http, url, [ns.token_id_min] * 8, ns, 0)
         t0 = time.perf_counter()
         runs = await asyncio.gather(*(gated(s, t) for s, t in convs))
         duration = time.perf_counter() - t0
+    finally:
+        await lanes.aclose()
     results = [r for run in runs for r in run]
     requests = (
         [{k: v for k, v in asdict(r).items() if k != "output_ids"} for r in results]

@@ -1,4 +1,4 @@
-"""`ddtree bench serving`: drive a running server with the openai async client and report serving metrics.
+"""`ddtree bench serving`: drive a running server with streamed OpenAI requests and report serving metrics.
 
 For each concurrency level (one run may sweep several) it sends the prompt set with at most that many requests
 in flight, optionally paced by Poisson arrivals at --request-rate, all streamed with usage. It reports request
@@ -8,7 +8,9 @@ the prefix-cache hit rate (usage.prompt_tokens_details.cached_tokens / prompt to
 /metrics (when it runs with --enable-metrics), the chosen-budget histogram, rounds per verify width,
 predicted vs realised accept length and the per-round host time (`serving_metrics.py`). `--workload
 multiturn` runs multi-turn conversations over a shared system prompt instead (`ddtree/bench/multiturn.py`).
-Results go to a JSON file and PNG plots next to it.
+Each level also reports the client's own load (`stream_client.ClientLoad`: its event-loop lag and
+CPU share), so a client that cannot keep up is seen, not booked as server time. Results go to a JSON
+file and PNG plots next to it.
 """
 
 from __future__ import annotations
@@ -100,36 +102,31 @@ def jsonl_items(path: str) -> list[Item]:
 
 
 async def one_request(client, model: str, item: Item, ns) -> Result:
-    kw = dict(
-        model=model,
-        max_tokens=item.max_tokens or ns.max_tokens,
-        temperature=ns.temperature,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True} if ns.ignore_eos else None,
-    )
+    """One streamed request through `client` (`stream_client.HttpxStreams` or `OpenAIStreams`:
+    both yield the OpenAI chunk objects as dicts)."""
+    from ddtree.bench.stream_client import request_body
+
     chat = item.messages is not None or (ns.chat and isinstance(item.prompt, str))
+    body = request_body(model, item, ns, chat)
     t0 = time.perf_counter()
     res = Result(ok=False)
     try:
-        if chat:
-            messages = item.messages or [{"role": "user", "content": item.prompt}]
-            stream = await client.chat.completions.create(messages=messages, **kw)
-        else:
-            stream = await client.completions.create(prompt=item.prompt, **kw)
-        async for chunk in stream:
-            if chunk.choices and not res.ttft:
-                c = chunk.choices[0]
-                if c.delta.content if chat else c.text:
+        async for chunk in client.chunks(body, chat):
+            choices = chunk.get("choices")
+            if choices and not res.ttft:
+                c = choices[0]
+                if (c.get("delta") or {}).get("content") if chat else c.get("text"):
                     res.ttft = time.perf_counter() - t0
-            if chunk.usage is not None:
+            usage = chunk.get("usage")
+            if usage:
                 res.completion_tokens, res.prompt_tokens = (
-                    chunk.usage.completion_tokens,
-                    chunk.usage.prompt_tokens,
+                    usage["completion_tokens"],
+                    usage["prompt_tokens"],
                 )
-                details = chunk.usage.prompt_tokens_details
-                res.cached_tokens = (details and details.cached_tokens) or 0
-            ext = (chunk.model_extra or {}).get("ddtree")
+                res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens"
+                ) or 0
+            ext = chunk.get("ddtree")
             if ext:
                 res.rounds, res.mean_accept_length = (
                     ext.get("rounds", 0),
@@ -199,16 +196,21 @@ async def _run_level(client, model: str, items: list[Item], concurrency: int, ns
         async with gate:
             return await one_request(client, model, item, ns)
 
-    t0 = time.perf_counter()
-    tasks = []
-    for item in items:
-        tasks.append(asyncio.create_task(gated(item)))
-        if ns.request_rate != float("inf"):
-            await asyncio.sleep(rng.expovariate(ns.request_rate))
-    results = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - t0
+    from ddtree.bench.stream_client import ClientLoad
+
+    async with ClientLoad() as load:
+        t0 = time.perf_counter()
+        tasks = []
+        for item in items:
+            tasks.append(asyncio.create_task(gated(item)))
+            if ns.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(ns.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
     requests = [asdict(r) for r in results] if ns.save_requests else None
-    return level_summary(concurrency, ns.request_rate, results, duration, requests)
+    row = level_summary(concurrency, ns.request_rate, results, duration, requests)
+    row["client"] = {"kind": ns.client, **load.report()}
+    return row
 
 
 def level_summary(
@@ -248,21 +250,12 @@ def level_summary(
 
 
 async def run(ns, items: list[Item]) -> dict:
-    import httpx
-    from openai import AsyncOpenAI
-
-    limits = httpx.Limits(max_connections=max(ns.concurrency) + 8)
-    client = AsyncOpenAI(
-        base_url=ns.base_url.rstrip("/") + "/v1",
-        api_key=ns.api_key or "none",
-        max_retries=0,
-        timeout=ns.timeout,
-        http_client=httpx.AsyncClient(limits=limits, timeout=ns.timeout),
-    )
     from ddtree.bench import multiturn
+    from ddtree.bench.stream_client import make_client
 
+    client = make_client(ns.client, ns.base_url, ns.api_key, ns.timeout)
     try:
-        model = ns.model or (await client.models.list()).data[0].id
+        model = ns.model or await client.model()
         if ns.warmup:
             await asyncio.gather(*(one_request(client, model, it, ns) for it in items[: ns.warmup]))
         levels = [
@@ -280,6 +273,7 @@ async def run(ns, items: list[Item]) -> dict:
         "max_tokens": ns.max_tokens,
         "temperature": ns.temperature,
         "dataset": ns.dataset_path or "synthetic",
+        "client": ns.client,
         "results": levels,
     }
 
@@ -386,6 +380,22 @@ def format_breakdown(levels: list[dict]) -> str | None:
     return "\n".join(lines)
 
 
+def format_client(levels: list[dict]) -> str | None:
+    """The client's own load per level (`stream_client.ClientLoad`), or None when not measured."""
+    rows = [(r["concurrency"], r.get("client")) for r in levels]
+    if not any(c for _, c in rows):
+        return None
+    lines = ["client load: event-loop lag (ms, mean / p99 / max) and CPU share of one core"]
+    for conc, c in rows:
+        if c:
+            lag = c["loop_lag_ms"]
+            lines.append(
+                f" {conc:>6} {c['kind']:>7}  lag {lag['mean']:.2f} / {lag['p99']:.2f} / "
+                f"{lag['max']:.1f}  cpu {c['cpu_share']:.2f}"
+            )
+    return "\n".join(lines)
+
+
 def make_parser() -> argparse.ArgumentParser:
     from ddtree.bench.cli import DefaultsFormatter
 
@@ -422,6 +432,13 @@ def make_parser() -> argparse.ArgumentParser:
         "--ignore-eos", action="store_true", help="generate exactly max_tokens (ddtree extension)"
     )
     p.add_argument("--chat", action="store_true", help="send text prompts to /v1/chat/completions")
+    p.add_argument(
+        "--client",
+        choices=("httpx", "openai"),
+        default="httpx",
+        help="httpx: POST + SSE parsed with json (light, as SGLang's and vLLM's benchmarks); "
+        "openai: the AsyncOpenAI SDK (checks the server against it; more client CPU per chunk)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="requests sent once before measuring")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic set and the arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
@@ -485,5 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     breakdown = format_breakdown(report["results"])
     if breakdown:
         print(breakdown)
+    load = format_client(report["results"])
+    if load:
+        print(load)
     print(f"wrote {ns.output} and {png}")
     return 1 if any(r["failed"] for r in report["results"]) else 0
