@@ -5,21 +5,25 @@ maximises the batch's expected emitted tokens per second. Pure host math on smal
 Gain. A DDTree tree holds the drafter's most probable prefixes, so the sum of its nodes' path
 probabilities is the drafter's own expected accepted length (DDTree Prop. 1), and the best-first
 order gives it for every smaller budget at once: `curve[b - 1]` = the prefix sum over the first b
-nodes (`DraftTree.path_probs`). The host reads each request's curve back with the round's tokens,
-so round k + 1 decides on round k's curve. Calibration has two factors. Per rung, server-wide
-(`rung_factors`): realised over the drafter's predicted accepted drafts in the rounds served at
-the rung lately (per-round means, discounted every round, shrunk by RUNG_PRIOR drafts to its
-family's: a rung not served for a while returns to it). The families, the trees and the chain,
-keep the same sums discounted only when they serve, shrunk to the server-wide ratio (an EMA over
-every rung): after a load where only the chain served, the server-wide ratio is the chain's, and
-trees rated by it stayed below the exploration margin when the load fell (0.80 of the best fixed
-rung in tests/test_budget_convergence.py's world, 0.99 with the families). The
-drafter is not equally sure of every rung: on the 8B-shape pair its chain was believed up to
-1.6x more than its trees (2026-12-02, the per-rung counters), and a rung is chosen when its
-prediction runs high, so what it realises when chosen is the figure to scale by. Per request:
+nodes (`DraftTree.path_probs`). The host reads each round's curves back with its tokens. They
+teach the server-wide curve (`CurveShape` times the mean chain gain), and that curve, not a
+request's own last one, is what a decision rates: last round's draft forecasts this round's
+accepts poorly (correlation 0.48-0.55 on the embedded pair, `bench/counterfactual_rungs.py`), a
+rung chosen on it is chosen where the forecast ran high, and per round the best rung moves
+little (the per-round oracle beats the best fixed rung by 0.4-3.4% there, while rungs chosen on
+the forecast lost 0-1.0%). Calibration has two factors. Per rung, server-wide
+(`rung_factors`): realised over the drafter's predicted accepted drafts (the served round's own
+draft) in the rounds served at the rung lately (per-round means, discounted every round, shrunk
+by RUNG_PRIOR drafts to its family's: a rung not served for a while returns to it). The families,
+the trees and the chain, keep the same sums discounted only when they serve, shrunk to the
+server-wide ratio (an EMA over every rung): after a load where only the chain served, the
+server-wide ratio is the chain's, and trees rated by it stayed below the exploration margin when
+the load fell (tests/test_budget_convergence.py). The drafter is not equally sure of every rung:
+on the 8B-shape pair its chain was believed up to 1.6x more than its trees (2026-12-02, the
+per-rung counters, then learned where each rung was chosen on its own forecast). Per request:
 its ease, realised over rung-calibrated predicted accepted drafts (EMAs of both; 1 for a request
-not seen yet, which also takes the server-wide curve). Neither factor is learned from the other's
-output (a split that could drift): the rung's from the drafter's raw prediction.
+not seen yet). Neither factor is learned from the other's output (a split that could drift): the
+rung's from the drafter's raw prediction.
 
 Rungs (`budget_cost.rungs`), by verify width W: plain AR (budget 0, W = 1: no draft runs), the
 ladder's trees (W = 1 + budget, each drafted by its own tree spec: the round builds at its rung,
@@ -176,12 +180,25 @@ class BudgetPolicy:
             base = np.arange(1, out.shape[1] + 1, dtype=np.float64)[None, :]
         return np.where(n > 0, out, base)
 
+    def _decision_curves(self, slots: np.ndarray) -> np.ndarray:
+        """[b, B] the curves a decision rates: the server-wide curve for every request once a
+        tree round taught it (the per-request curves before that). A request's own curve is
+        last round's draft, a weak forecast of this round's (correlation 0.48-0.55 with the
+        accepts, against 0.83-0.86 for the round's own draft; `bench/counterfactual_rungs.py`):
+        choosing the rung on it picks a rung where its forecast ran high, which cost 0-1.0% of
+        the best fixed rung there even with unbiased factors, and it biased the rung factors
+        (a rung's realised over predicted, learned where it was chosen)."""
+        if self.prior_chain is None:
+            return self._raw_curves(slots)
+        base = self.shape.base(np.full(len(slots), self.prior_chain))
+        return self._raw_curves(slots) if base is None else base
+
     def gains(self, slots: np.ndarray) -> np.ndarray:
-        """[b, B + 1] the drafter's expected accepted drafts for budgets 0..B times each
-        request's ease (the rung factor is `_rates`')."""
+        """[b, B + 1] the drafter's expected accepted drafts for budgets 0..B (the server-wide
+        curve, `_decision_curves`) times each request's ease (the rung factor is `_rates`')."""
         raw, self._raw = self._raw, None
         if raw is None or raw[0] != slots.tobytes():
-            raw = (b"", self._raw_curves(slots))
+            raw = (b"", self._decision_curves(slots))
         curve = raw[1] * self._ratio(slots)[:, None]
         return np.concatenate([np.zeros((len(slots), 1)), curve], 1)
 
@@ -191,8 +208,11 @@ class BudgetPolicy:
         return np.where(self.chain_known[slots], self.chain[slots], unseen)
 
     def chain_gains(self, slots: np.ndarray) -> np.ndarray:
-        """[b] the drafter's expected accepted drafts of the DFLASH chain times the ease."""
-        return self._chain_raw(slots) * self._ratio(slots)
+        """[b] the drafter's expected accepted drafts of the DFLASH chain (server-wide once
+        known, as `_decision_curves`) times the ease."""
+        if self.prior_chain is None:
+            return self._chain_raw(slots) * self._ratio(slots)
+        return self.prior_chain * self._ratio(slots)
 
     def choose(self, slots, owners: list[object], caps, ctx: int, extra_s: float = 0.0) -> Decision:
         """slots [b] block-table rows, owners [b] the request objects (identity marks a new
@@ -324,7 +344,7 @@ class BudgetPolicy:
                 m, pc, w = float(d.mean()), self.prior_chain, ema_weight(PRIOR_EMA, len(d))
                 self.prior_chain = m if pc is None else (1 - w) * pc + w * m
         # the next round's curves, if it has the same requests (nothing else changes them)
-        self._raw = (slots.tobytes(), self._raw_curves(slots))
+        self._raw = (slots.tobytes(), self._decision_curves(slots))
         return s, ran, predicted, rung
 
     def observe_accepted(self, pending: tuple | None, accepted) -> None:
