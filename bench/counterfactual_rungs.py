@@ -5,14 +5,20 @@ tree of budget b is the b most probable nodes, ancestor-closed, so its accepted 
 path's prefix inside it; the DFLASH chain is the tree's spine, its accept the path's prefix along
 the spine). The chain's is censored where the path runs off the tree's spine end.
 
+`--check` runs the fixed B=16, B=32 and DFLASH servers on the same prompts: where one starts a
+round at the same position, its accept equals the inferred one (16 prompts: 82 of 82, 123 of
+123, 87 of 87 uncensored; tests/test_counterfactual_rungs.py).
+
 Per request-round it records the drafter's predictions the policy would see (this round's and the
 previous round's curve and chain gain) and the realised accepts, then answers offline:
 1. calibration: realised / predicted per rung, by the predictor (last round's prediction, as
-   `BudgetPolicy` decides, against this round's), and by prediction decile;
-2. decisions: rung choice per round over batches of concurrent requests with the 8B-shape served
-   round costs (BENCHMARKS, 2026-12-02) against every fixed rung and the per-round oracle.
+   `BudgetPolicy` decided before fef400e, against this round's), and by prediction quintile;
+2. decisions: one rung per round for the round's batch, with the 8B-shape served round costs
+   (BENCHMARKS, 2026-12-02) at batch 1, 4, 8 and 16, each fixed rung, the per-round oracle (it
+   knows the round's accepts) and rungs chosen on the forecasts, as throughput over the chain's.
 
-    PYTHONPATH=. python3 bench/counterfactual_rungs.py --prompts 48 --conc 8 --output cf.json
+    PYTHONPATH=. python3 bench/counterfactual_rungs.py --prompts 64 --conc 8 --max-tokens 128 \
+        --output cf.json                    # 1258 request-rounds, ~3 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -126,8 +132,16 @@ def collect(n_prompts: int, conc: int, max_tokens: int) -> list[dict]:
 
     dec.accept_tree = accept_tree
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    todo = prompts(eng.tokenizer, n_prompts)[::-1]
-    live = [eng.add_request(todo.pop(), sp) for _ in range(conc)]
+    todo = list(enumerate(prompts(eng.tokenizer, n_prompts)))[::-1]
+    index: dict[str, int] = {}
+
+    def add():
+        i, ids = todo.pop()
+        r = eng.add_request(ids, sp)
+        index[r.rid] = i
+        return r
+
+    live = [add() for _ in range(conc)]
     rows, rnd = [], 0
     try:
         while eng.has_unfinished():
@@ -141,6 +155,8 @@ def collect(n_prompts: int, conc: int, max_tokens: int) -> list[dict]:
                     {
                         "round": rnd,
                         "rid": r.rid,
+                        "prompt": index[r.rid],
+                        "pos": len(r.output_ids) - int(grab["k"][i]) - 1,  # tokens before it
                         "k": int(grab["k"][i]),
                         "accept": acc[i].tolist(),
                         "chain": int(ch[i]),
@@ -153,10 +169,58 @@ def collect(n_prompts: int, conc: int, max_tokens: int) -> list[dict]:
             for r in [r for r in live if r.is_finished]:
                 live.remove(r)
                 if todo:
-                    live.append(eng.add_request(todo.pop(), sp))
+                    live.append(add())
     finally:
         dec.accept_tree = walk
     return rows
+
+
+def served_accepts(config: dict, n_prompts: int, conc: int, max_tokens: int) -> dict:
+    """{(prompt, tokens before the round): accepted drafts} of a fixed server's rounds (the
+    offline engine, the same prompts and order): what the counterfactual must equal where both
+    runs started a round at the same position."""
+    import torch
+
+    from ddtree import LLM, SamplingParams
+
+    torch.set_num_threads(2)
+    eng = LLM(None, device="cpu", max_running_requests=conc, **config).engine
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    todo = list(enumerate(prompts(eng.tokenizer, n_prompts)))[::-1]
+    reqs = {}
+    while todo or eng.has_unfinished():
+        while todo and eng.scheduler.num_unfinished < conc:
+            i, ids = todo.pop()
+            reqs[i] = eng.add_request(ids, sp)
+        eng.step()
+    out = {}
+    for i, r in reqs.items():
+        pos = 1  # the prefill's token
+        for n in r.stats.accept_lengths:  # emitted per round: accepted drafts + 1
+            out[(i, pos)] = n - 1
+            pos += n
+    return out
+
+
+def check(rows: list[dict], n_prompts: int, conc: int, max_tokens: int) -> dict:
+    """Per rung: the rounds both runs started at the same position, and the share whose
+    counterfactual accept equals the fixed server's (fp32: all, up to near-ties)."""
+    configs = {
+        "tree16": (1, dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16)),
+        "tree32": (2, dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=32)),
+        "chain": (None, dict(speculative_algorithm="DFLASH")),
+    }
+    out = {}
+    for name, (col, cfg) in configs.items():
+        got = served_accepts(cfg, n_prompts, conc, max_tokens)
+        pairs = [
+            (r["chain"] if col is None else r["accept"][col], got[(r["prompt"], r["pos"])])
+            for r in rows
+            if (r["prompt"], r["pos"]) in got and not (col is None and r["censored"])
+        ]
+        same = sum(a == b for a, b in pairs)
+        out[name] = {"rounds": len(pairs), "equal": same}
+    return out
 
 
 # served round ms at the 8B shape (BENCHMARKS 2026-12-02, /metrics of the fixed servers and auto's
@@ -253,12 +317,19 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rows", help="reuse a JSON of rows written by --output")
     p.add_argument("--output", help="JSON: the rows and the analysis")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also run fixed B=16, B=32 and DFLASH and compare at the positions both ran",
+    )
     a = p.parse_args(argv)
     if a.rows:
         rows = json.load(open(a.rows, encoding="utf-8"))["rows"]
     else:
         rows = collect(a.prompts, a.conc, a.max_tokens)
     res = analyse(rows, a.conc)
+    if a.check:
+        res["check"] = check(rows, a.prompts, a.conc, a.max_tokens)
     print(json.dumps(res, indent=1))
     if a.output:
         with open(a.output, "w", encoding="utf-8") as f:

@@ -1,0 +1,28 @@
+"""`bench/counterfactual_rungs.py`: the accepts it infers for the smaller rungs and the chain from
+a B=64 round are exactly what the fixed B=16, B=32 and DFLASH servers accept where they start a
+round at the same position (T=0, fp32, the embedded pair), and its analysis runs on them."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+
+import counterfactual_rungs as cf  # noqa: E402
+
+
+def test_counterfactual_accepts_equal_the_fixed_servers():
+    rows = cf.collect(8, 4, 48)
+    assert rows and all(r["accept"][-1] == r["k"] for r in rows)  # B=64: the run's own
+    assert all(a <= b for r in rows for a, b in zip(r["accept"], r["accept"][1:]))
+    assert all(0 <= r["chain"] <= cf.CHAIN for r in rows)
+    # the rungs differ somewhere (else the check below could not fail)
+    assert any(r["accept"][0] != r["k"] for r in rows)
+    assert any(r["chain"] != r["k"] for r in rows if not r["censored"])
+    got = cf.check(rows, 8, 4, 48)
+    for name, c in got.items():
+        assert c["rounds"] >= 15, (name, c)
+        assert c["equal"] == c["rounds"], (name, c)
+    res = cf.analyse(rows, 4)
+    assert set(res["calibration"]) == {"tree8", "tree16", "tree32", "tree64", "chain"}
+    for at in res["decisions_vs_chain"].values():
+        assert at["fixed"]["chain"] == 1.0 and {"oracle", "last", "now"} <= set(at)
