@@ -142,12 +142,16 @@ class SpecDecoder:
         lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
         runner.commit(reqs, res.path, res.accept_length, vo.taps)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
-        self._while_device_runs()
         if gain is not None:  # the draft's half of the policy's observe, under the verify
             host_gain, ready = gain
             if ready is not None:
                 ready.synchronize()  # the draft and the copy, not the verify behind them
             self.budgets.observe_curves(plan, host_gain.numpy())
+        # after the policy's host work, not before: the server's hook hands the previous round's
+        # outputs to its event-loop thread, which then holds the GIL for a while (SSE for every
+        # stream); the policy's numpy behind it waited for it, past the verify's end (auto's
+        # served rounds 0.5 ms over the fixed server's at batch 1, 1.3 ms at 8, 2026-12-02)
+        self._while_device_runs()
         host_t, lp_rows = logprobs.read_back_tensor(reqs, out, lp)  # the round's blocking copy
         self.times.add("commit", t)
         w = res.out_tokens.shape[1] + 1
