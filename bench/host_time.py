@@ -4,8 +4,9 @@ finish), with an optional cProfile of the whole loop. Each level keeps `conc` re
 finished one is replaced until 2 x conc have run), like `bench serving`.
 
 Configs: NONE, DFLASH, a fixed budget (16), auto, and auto with its policy forced to one rung
-(auto@16: every request budget 16 every round; auto@chain: the DFLASH chain), so an auto round
-is timed beside the fixed round of the budget it picks (issue 20: same draft, verify, commit).
+(auto@16: every request budget 16 every round; auto@chain: the DFLASH chain; auto@chain+16: the
+two in turn), so an auto round is timed beside the fixed round of the budget it picks (issue 20:
+same draft, verify, commit), and a mix beside its rungs alone.
 
     PYTHONPATH=. python3 bench/host_time.py --configs auto,16 --conc 1,8,32,64 --max-tokens 48
     PYTHONPATH=. python3 bench/host_time.py --device cuda --model-path inflate:qwen3-8b \
@@ -25,19 +26,24 @@ import time
 
 
 class Forced:
-    """A budget-policy stub: every request the same budget (or the chain) every round."""
+    """A budget-policy stub: every request the same budget (or the chain) every round; rungs
+    joined by '+' (auto@chain+16) take turns, one round each (what switching rungs costs)."""
 
     def __init__(self, rung: str, chain_depth: int):
-        self.chain = rung == "chain"
-        self.budget = chain_depth if self.chain else int(rung)
+        self.cycle = [
+            (r == "chain", chain_depth if r == "chain" else int(r)) for r in rung.split("+")
+        ]
+        self.turn = 0
 
     def choose(self, slots, owners, caps, ctx, extra_s=0.0):
         import numpy as np
 
         from ddtree.engine.budget_policy import Decision
 
-        b = np.full(len(slots), self.budget, dtype=np.int64)
-        return Decision(1 + self.budget, b, np.zeros(len(slots)), 0.0, self.chain)
+        chain, budget = self.cycle[self.turn % len(self.cycle)]
+        self.turn += 1  # one call a round: `propose` under the verify, or `choose` in `plan`
+        b = np.full(len(slots), budget, dtype=np.int64)
+        return Decision(1 + budget, b, np.zeros(len(slots)), 0.0, chain)
 
     # the planner proposes the next round's decision under the verify, as with the real policy
     propose = choose
