@@ -17,12 +17,12 @@ prompt tokens) beside the usual throughput and latency numbers.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
 
 from ddtree.bench.serving import Result
+from ddtree.bench.stream_client import sse_chunks
 from ddtree.engine.step_stats import StepStats, step_metric, summarize
 
 
@@ -102,17 +102,9 @@ async def one_turn(http, url: str, ids: list[int], ns, turn: int) -> TurnResult:
     t0 = time.perf_counter()
     last = None
     try:
-        async with http.stream("POST", url + "/generate", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                last = json.loads(line[6:])
-                if "error" in last:
-                    raise RuntimeError(str(last["error"])[:200])
-                if not res.ttft and last.get("output_ids"):
-                    res.ttft = time.perf_counter() - t0
+        async for last in sse_chunks(http, url + "/generate", body):
+            if not res.ttft and last.get("output_ids"):
+                res.ttft = time.perf_counter() - t0
         res.latency = time.perf_counter() - t0
         meta = last["meta_info"]
         res.output_ids = list(last["output_ids"])

@@ -44,6 +44,21 @@ def request_body(model: str, item, ns, chat: bool) -> dict:
     return body
 
 
+async def sse_chunks(http, url: str, body: dict) -> AsyncIterator[dict]:
+    """POST `body` to `url` and yield each SSE `data:` object (up to `[DONE]`); a non-200 status
+    or an error object in the stream raises, with the server's reason."""
+    async with http.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:  # an error the server met after the stream began
+                raise RuntimeError(f"stream error: {str(chunk['error'])[:300]}")
+            yield chunk
+
+
 class Lanes:
     """One keep-alive connection per request in flight: a request takes a free lane (an
     `httpx.AsyncClient` of one connection, made on first need) and gives it back when its stream
@@ -105,15 +120,8 @@ class HttpxStreams:
 
     async def chunks(self, body: dict, chat: bool) -> AsyncIterator[dict]:
         path = "/chat/completions" if chat else "/completions"
-        async with self.lanes.lane() as http, http.stream("POST", self.url + path, json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:  # an error the server met after the stream began
-                    raise RuntimeError(f"stream error: {str(chunk['error'])[:300]}")
+        async with self.lanes.lane() as http:
+            async for chunk in sse_chunks(http, self.url + path, body):
                 yield chunk
 
     async def close(self) -> None:
