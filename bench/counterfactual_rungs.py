@@ -10,7 +10,8 @@ round at the same position, its accept equals the inferred one (16 prompts: 82 o
 123, 87 of 87 uncensored; tests/test_counterfactual_rungs.py).
 
 Per request-round it records the drafter's predictions the policy would see (this round's and the
-previous round's curve and chain gain) and the realised accepts, then answers offline:
+previous round's curve and chain gain; the full curve over budgets 1..64, for `bench/replay_policy.py`)
+and the realised accepts, then answers offline:
 1. calibration: realised / predicted per rung, by the predictor (last round's prediction, as
    `BudgetPolicy` decided before fef400e, against this round's), and by prediction quintile;
 2. decisions: one rung per round for the round's batch, with the 8B-shape served round costs
@@ -162,6 +163,7 @@ def collect(n_prompts: int, conc: int, max_tokens: int) -> list[dict]:
                         "chain": int(ch[i]),
                         "censored": bool(cens[i]),
                         "curve": grab["curve"][i, [b - 1 for b in TREES]].tolist(),
+                        "curve64": grab["curve"][i].round(4).tolist(),  # budgets 1..64
                         "chain_pred": float(grab["chain_pred"][i]),
                     }
                 )
