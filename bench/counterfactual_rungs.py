@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from host_time import prompts  # noqa: E402
+from host_time import keep_running, prompts  # noqa: E402
 
 TREES = (8, 16, 32, 64)
 CHAIN = 15
@@ -133,45 +133,33 @@ def collect(n_prompts: int, conc: int, max_tokens: int) -> list[dict]:
 
     dec.accept_tree = accept_tree
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    todo = list(enumerate(prompts(eng.tokenizer, n_prompts)))[::-1]
-    index: dict[str, int] = {}
+    rows = []
 
-    def add():
-        i, ids = todo.pop()
-        r = eng.add_request(ids, sp)
-        index[r.rid] = i
-        return r
+    def on_step(advanced, index):
+        if "cf" not in grab:  # a prefill step
+            return
+        acc, ch, cens = grab["cf"]
+        rnd = rows[-1]["round"] + 1 if rows else 0
+        for i, r in enumerate(advanced):
+            rows.append(
+                {
+                    "round": rnd,
+                    "rid": r.rid,
+                    "prompt": index[r.rid],
+                    "pos": len(r.output_ids) - int(grab["k"][i]) - 1,  # tokens before it
+                    "k": int(grab["k"][i]),
+                    "accept": acc[i].tolist(),
+                    "chain": int(ch[i]),
+                    "censored": bool(cens[i]),
+                    "curve": grab["curve"][i, [b - 1 for b in TREES]].tolist(),
+                    "curve64": grab["curve"][i].round(4).tolist(),  # budgets 1..64
+                    "chain_pred": float(grab["chain_pred"][i]),
+                }
+            )
+        grab.clear()
 
-    live = [add() for _ in range(conc)]
-    rows, rnd = [], 0
     try:
-        while eng.has_unfinished():
-            grab.clear()
-            reqs = list(eng.step())
-            if "cf" not in grab:
-                continue
-            acc, ch, cens = grab["cf"]
-            for i, r in enumerate(reqs):
-                rows.append(
-                    {
-                        "round": rnd,
-                        "rid": r.rid,
-                        "prompt": index[r.rid],
-                        "pos": len(r.output_ids) - int(grab["k"][i]) - 1,  # tokens before it
-                        "k": int(grab["k"][i]),
-                        "accept": acc[i].tolist(),
-                        "chain": int(ch[i]),
-                        "censored": bool(cens[i]),
-                        "curve": grab["curve"][i, [b - 1 for b in TREES]].tolist(),
-                        "curve64": grab["curve"][i].round(4).tolist(),  # budgets 1..64
-                        "chain_pred": float(grab["chain_pred"][i]),
-                    }
-                )
-            rnd += 1
-            for r in [r for r in live if r.is_finished]:
-                live.remove(r)
-                if todo:
-                    live.append(add())
+        keep_running(eng, prompts(eng.tokenizer, n_prompts), conc, sp, on_step)
     finally:
         dec.accept_tree = walk
     return rows
@@ -188,13 +176,7 @@ def served_accepts(config: dict, n_prompts: int, conc: int, max_tokens: int) -> 
     torch.set_num_threads(2)
     eng = LLM(None, device="cpu", max_running_requests=conc, **config).engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    todo = list(enumerate(prompts(eng.tokenizer, n_prompts)))[::-1]
-    reqs = {}
-    while todo or eng.has_unfinished():
-        while todo and eng.scheduler.num_unfinished < conc:
-            i, ids = todo.pop()
-            reqs[i] = eng.add_request(ids, sp)
-        eng.step()
+    reqs = keep_running(eng, prompts(eng.tokenizer, n_prompts), conc, sp)
     out = {}
     for i, r in reqs.items():
         pos = 1  # the prefill's token

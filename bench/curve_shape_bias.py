@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from host_time import prompts  # noqa: E402
+from host_time import keep_running, prompts  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -52,14 +52,15 @@ def main(argv=None) -> int:
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     ratios, pred, real = [], [], []
     print(f"{'prompt':>6} {'base/mean, budget 1':>20} {'budget 8':>9} {'budget 16':>10}")
+
+    def on_step(advanced, index):
+        rec = eng.last_round
+        if rec is not None and rec.predicted:
+            pred.append(rec.predicted[0])
+            real.append(rec.accepted[0])
+
     for i, ids in enumerate(prompts(eng.tokenizer, a.prompts)):
-        eng.add_request(ids, sp)
-        while eng.has_unfinished():
-            eng.step()
-            rec = eng.last_round
-            if rec is not None and rec.predicted:
-                pred.append(rec.predicted[0])
-                real.append(rec.accepted[0])
+        keep_running(eng, [ids], 1, sp, on_step)  # one prompt, then its curves
         if pol.prior_chain is None or seen["ema"] is None:
             continue
         base = pol.shape.base(np.array([pol.prior_chain]))

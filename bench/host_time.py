@@ -40,10 +40,15 @@ class Forced:
 
         from ddtree.engine.budget_policy import Decision
 
-        chain, budget = self.cycle[self.turn % len(self.cycle)]
-        self.turn += 1  # one call a round: `propose` under the verify, or `choose` in `plan`
+        chain, budget = self.pick()
         b = np.full(len(slots), budget, dtype=np.int64)
         return Decision(1 + budget, b, np.zeros(len(slots)), 0.0, chain)
+
+    def pick(self) -> tuple[bool, int]:
+        """This round's (chain, budget): the next in turn."""
+        got = self.cycle[self.turn % len(self.cycle)]
+        self.turn += 1  # one call a round: `propose` under the verify, or `choose` in `plan`
+        return got
 
     # the planner proposes the next round's decision under the verify, as with the real policy
     propose = choose
@@ -61,6 +66,17 @@ class Forced:
         pass
 
 
+# the H200 8B-shape per-round ms of BENCHMARKS (round + host; NONE: its TPOT), verify width ->
+# ms per concurrency H200_CONC
+H200_CONC = (1, 2, 4, 8, 16, 32, 64)
+H200_MS = {
+    1: (5.72, 5.81, 5.85, 6.16, 6.14, 6.67, 8.34),
+    16: (7.47, 7.64, 8.13, 9.54, 11.65, 17.18, 28.14),
+    17: (8.27, 8.57, 9.34, 10.65, 13.71, 19.54, 37.31),
+    65: (8.35, 8.93, 11.17, 15.83, 25.74, 45.75, 74.44),
+}
+
+
 def h200_costs(spec):
     """The H200 8B-shape per-round ms of BENCHMARKS (round + host; NONE: its TPOT), as a cost
     table over auto's rungs (other tree rungs interpolated in width), so that on the CPU the
@@ -69,13 +85,7 @@ def h200_costs(spec):
 
     from ddtree.engine.budget_policy import CostTable, rung_widths
 
-    conc = (1, 2, 4, 8, 16, 32, 64)
-    ms = {  # width -> ms per concurrency
-        1: (5.72, 5.81, 5.85, 6.16, 6.14, 6.67, 8.34),
-        16: (7.47, 7.64, 8.13, 9.54, 11.65, 17.18, 28.14),
-        17: (8.27, 8.57, 9.34, 10.65, 13.71, 19.54, 37.31),
-        65: (8.35, 8.93, 11.17, 15.83, 25.74, 45.75, 74.44),
-    }
+    conc, ms = H200_CONC, H200_MS
     ladder = tuple(sorted({0, 8, 16, 32, spec.budget}))
     w = rung_widths(ladder, spec.chain_rung)
     known = sorted(ms)
@@ -123,37 +133,59 @@ def time_planner(planner) -> list[float]:
     return spent
 
 
+def keep_running(eng, prompt_ids: list, conc: int, sp, on_step=None) -> dict:
+    """Serve `prompt_ids` in order through the offline engine with `conc` requests in flight (a
+    finished one is replaced by the next prompt after the step), as `bench serving`'s closed loop
+    does. on_step(advanced, index) after every step: the requests it advanced and {rid: prompt
+    index}. Returns {prompt index: Req}."""
+    todo = list(enumerate(prompt_ids))[::-1]
+    reqs, index, live = {}, {}, []
+
+    def top_up():
+        while todo and len(live) < conc:
+            i, ids = todo.pop()
+            r = eng.add_request(ids, sp)
+            reqs[i], index[r.rid] = r, i
+            live.append(r)
+
+    top_up()
+    while eng.has_unfinished():
+        advanced = eng.step()
+        if on_step is not None:
+            on_step(advanced, index)
+        live[:] = [r for r in live if not r.is_finished]
+        top_up()
+    return reqs
+
+
 def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
     from ddtree import SamplingParams
 
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    todo = prompts(eng.tokenizer, 2 * conc)
-    live = [eng.add_request(todo.pop(), sp) for _ in range(conc)]
-    host, rounds, policy, steps = [], [], [], 0
-    t0 = time.perf_counter()
-    if profile is not None:
-        profile.enable()
-    while eng.has_unfinished():
-        eng.step()
-        steps += 1
+    host, rounds, policy, steps = [], [], [], [0]
+
+    def on_step(advanced, index):
+        steps[0] += 1
         rec = eng.last_round
         if rec is not None:
             host.append(rec.host_s)
             rounds.append(rec.round_s)
             policy.append(spent[0])
         spent[0] = 0.0
-        for r in [r for r in live if r.is_finished]:
-            live.remove(r)
-            if todo:
-                live.append(eng.add_request(todo.pop(), sp))
+
+    t0 = time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    # the last prompt first, as before
+    keep_running(eng, prompts(eng.tokenizer, 2 * conc)[::-1], conc, sp, on_step)
     if profile is not None:
         profile.disable()
     wall = time.perf_counter() - t0
     return {
         "conc": conc,
         "rounds": len(rounds),
-        "steps": steps,
+        "steps": steps[0],
         "host_ms_mean": 1e3 * statistics.fmean(host),
         "host_ms_p50": 1e3 * statistics.median(host),
         "host_ms_max": 1e3 * max(host),

@@ -19,17 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from counterfactual_rungs import MS as SERVED_MS  # noqa: E402
+from host_time import H200_CONC, H200_MS  # noqa: E402
+
+RUNG_NAMES = ("ar", "tree8", "chain", "tree16", "tree32", "tree64")
 LADDER, CHAIN, CAP, MAX_TOKENS = (0, 8, 16, 32, 64), 15, 64, 128
-# served ms per rung (AR, tree8, chain, tree16, tree32, tree64): the fixed servers' /metrics at
-# the 8B shape (counterfactual_rungs.MS; AR: `bench/host_time.py`'s H200 table)
+# served ms per rung in `rungs` order (AR, tree8, chain, tree16, tree32, tree64): the fixed
+# servers' /metrics at the 8B shape (counterfactual_rungs.MS), AR from host_time's H200 table
 MS = {
-    1: (5.72, 7.70, 7.75, 8.16, 7.75, 8.02),
-    4: (5.85, 8.40, 8.44, 8.76, 8.93, 9.90),
-    8: (6.16, 9.35, 9.47, 9.69, 11.22, 14.50),
-    16: (6.14, 11.20, 11.91, 12.76, 16.34, 25.00),
+    bs: (H200_MS[1][H200_CONC.index(bs)], *(SERVED_MS[bs][n] for n in RUNG_NAMES[1:]))
+    for bs in SERVED_MS
 }
 
 
@@ -45,6 +49,7 @@ def replay(reqs: list[list[dict]], bs: int, rounds: int, seed: int = 0) -> dict:
 
     rng = np.random.default_rng(seed)
     names = ["chain" if c else (f"tree{b}" if b else "ar") for b, c in rungs(LADDER, CHAIN)]
+    assert tuple(names) == RUNG_NAMES  # MS's column order
     true = np.array(MS[bs]) / 1e3
     table = np.array([[np.array(MS[b]) / 1e3 * 0.88] for b in sorted(MS)])
     cost = ServedCost(CostTable(LADDER, tuple(sorted(MS)), (4096,), table, chain=CHAIN))

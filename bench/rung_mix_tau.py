@@ -19,8 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # host_time's prompts and configs
 
-import numpy as np  # noqa: E402
-from host_time import Forced, config_kwargs, prompts  # noqa: E402
+from host_time import Forced, config_kwargs, keep_running, prompts  # noqa: E402
 
 RUNGS = ("16", "32", "64", "chain")
 
@@ -29,18 +28,11 @@ class RandomRung(Forced):
     """A policy stub drawing one of RUNGS for every round (the same for the whole batch)."""
 
     def __init__(self, chain_depth: int, seed: int = 0):
-        self.rng, self.chain_depth = random.Random(seed), chain_depth
+        super().__init__("+".join(RUNGS), chain_depth)
+        self.rng = random.Random(seed)
 
-    def choose(self, slots, owners, caps, ctx, extra_s=0.0):
-        from ddtree.engine.budget_policy import Decision
-
-        r = self.rng.choice(RUNGS)
-        chain = r == "chain"
-        b = self.chain_depth if chain else int(r)
-        budgets = np.full(len(slots), b, dtype=np.int64)
-        return Decision(1 + b, budgets, np.zeros(len(slots)), 0.0, chain)
-
-    propose = choose
+    def pick(self) -> tuple[bool, int]:
+        return self.rng.choice(self.cycle)
 
 
 def per_rung_tau(name: str, conc: int, n: int, max_tokens: int, mix: bool) -> dict[str, tuple]:
@@ -52,22 +44,16 @@ def per_rung_tau(name: str, conc: int, n: int, max_tokens: int, mix: bool) -> di
     if mix:
         eng.decoder.budgets.policy = RandomRung(eng.spec.chain_rung)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    todo = prompts(eng.tokenizer, n)[::-1]
-    live = [eng.add_request(todo.pop(), sp) for _ in range(conc)]
     per: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    seen = None
-    while eng.has_unfinished():
-        eng.step()
-        rec = eng.last_round
-        if rec is not None and rec is not seen:
-            seen = rec
+
+    def on_step(advanced, index):
+        rec = eng.last_round  # None after a prefill step
+        if rec is not None:
             key = rec.rung or ("chain" if name == "DFLASH" else f"tree{rec.width - 1}")
             per[key][0] += len(rec.accepted)
             per[key][1] += sum(rec.accepted)
-        for r in [r for r in live if r.is_finished]:
-            live.remove(r)
-            if todo:
-                live.append(eng.add_request(todo.pop(), sp))
+
+    keep_running(eng, prompts(eng.tokenizer, n), conc, sp, on_step)
     return {k: (v[0], v[1] / v[0] + 1) for k, v in per.items()}
 
 

@@ -25,6 +25,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from ddtree.bench.stream_client import ClientLoad, make_client, request_body
+
 SYNTHETIC_TOPICS = (
     "a stack",
     "a queue",
@@ -104,8 +106,6 @@ def jsonl_items(path: str) -> list[Item]:
 async def one_request(client, model: str, item: Item, ns) -> Result:
     """One streamed request through `client` (`stream_client.HttpxStreams` or `OpenAIStreams`:
     both yield the OpenAI chunk objects as dicts)."""
-    from ddtree.bench.stream_client import request_body
-
     chat = item.messages is not None or (ns.chat and isinstance(item.prompt, str))
     body = request_body(model, item, ns, chat)
     t0 = time.perf_counter()
@@ -196,8 +196,6 @@ async def _run_level(client, model: str, items: list[Item], concurrency: int, ns
         async with gate:
             return await one_request(client, model, item, ns)
 
-    from ddtree.bench.stream_client import ClientLoad
-
     async with ClientLoad() as load:
         t0 = time.perf_counter()
         tasks = []
@@ -251,7 +249,6 @@ def level_summary(
 
 async def run(ns, items: list[Item]) -> dict:
     from ddtree.bench import multiturn
-    from ddtree.bench.stream_client import make_client
 
     client = make_client(ns.client, ns.base_url, ns.api_key, ns.timeout)
     try:

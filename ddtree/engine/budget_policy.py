@@ -137,7 +137,7 @@ class BudgetPolicy:
         # per family (trees, the chain): the same, discounted only when the family serves
         self.fam_real, self.fam_pred = np.zeros(2), np.zeros(2)
         self.owner = [None] * len(self.owner)
-        # (slots, `_raw_curves(slots)`) computed by `observe_curves` while the verify runs, for
+        # (slots, `_decision_curves(slots)`) computed by `observe_curves` while the verify runs, for
         # the next `choose` when it has the same requests (dropped by `_claim`, used once)
         self._raw: tuple[bytes, np.ndarray] | None = None
 
