@@ -163,7 +163,7 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
 
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    host, rounds, policy, steps = [], [], [], [0]
+    host, rounds, policy, steps, device, idle = [], [], [], [0], [], []
 
     def on_step(advanced, index):
         steps[0] += 1
@@ -172,6 +172,10 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
             host.append(rec.host_s)
             rounds.append(rec.round_s)
             policy.append(spent[0])
+            if rec.device_s is not None:  # the GPU's clock (engine/round_clock.py)
+                device.append(rec.device_s)
+            if rec.idle_s is not None:
+                idle.append(rec.idle_s)
         spent[0] = 0.0
 
     t0 = time.perf_counter()
@@ -192,6 +196,8 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
         "round_ms_mean": 1e3 * statistics.fmean(rounds),
         "round_ms_p50": 1e3 * statistics.median(rounds),
         "policy_ms_p50": 1e3 * statistics.median(policy),
+        "device_ms_p50": 1e3 * statistics.median(device) if device else None,
+        "idle_ms_p50": 1e3 * statistics.median(idle) if idle else None,
         "wall_s": wall,
     }
 
@@ -243,7 +249,12 @@ def main(argv=None) -> None:
                 f"{name:>6} conc {c:>3}: host {row['host_ms_mean']:.2f} ms/round (p50 "
                 f"{row['host_ms_p50']:.2f}, max {row['host_ms_max']:.1f}), round "
                 f"{row['round_ms_mean']:.2f} ms, policy {row['policy_ms_p50']:.3f} ms (p50), "
-                f"{row['rounds']} rounds",
+                f"{row['rounds']} rounds"
+                + (
+                    f", device {row['device_ms_p50']:.2f} ms, idle {row['idle_ms_p50']:.2f} ms (p50)"
+                    if row["device_ms_p50"] is not None and row["idle_ms_p50"] is not None
+                    else ""
+                ),
                 flush=True,
             )
         if prof is not None:

@@ -180,6 +180,18 @@ TP_TIMEOUT_S = EnvVar(
     "--tp-size > 1: seconds a model collective waits for the other ranks before it fails (and a "
     "rank starting up for the others)",
 )
+ROUND_CLOCK = EnvVar(
+    "DDTREE_ROUND_CLOCK",
+    "1",
+    "0: no CUDA events at a decode round's phase boundaries (the device / idle round times in "
+    "/metrics and the batch log, engine/round_clock.py)",
+)
+SWITCH_INTERVAL_MS = EnvVar(
+    "DDTREE_SWITCH_INTERVAL_MS",
+    "",
+    "the server's Python thread switch interval in ms (sys.setswitchinterval): how long the engine "
+    "thread waits for the GIL held by the HTTP event-loop thread (unset: the server's default)",
+)
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",
     "",
@@ -213,6 +225,8 @@ TABLE: dict[str, EnvVar] = {
         PEER_CHECKOUT,
         TOY_HYBRID,
         TP_TIMEOUT_S,
+        ROUND_CLOCK,
+        SWITCH_INTERVAL_MS,
         TRITON_INTERPRET,
     )
 }

@@ -111,7 +111,15 @@ def test_configs_are_data(tmp_path):
 
     extra = tmp_path / "more.json"
     flags = ["--speculative-ddtree-budget", "32", "--speculative-ddtree-shadow-linear"]
-    extra.write_text(json.dumps([{"name": "DDTREE shadow", "algorithm": "ddtree", "flags": flags}]))
+    env = {"DDTREE_SWITCH_INTERVAL_MS": "0.5"}
+    extra.write_text(
+        json.dumps(
+            [
+                {"name": "DDTREE shadow", "algorithm": "ddtree", "flags": flags},
+                {"name": "DFLASH 0.5", "algorithm": "dflash", "env": env},
+            ]
+        )
+    )
     cfgs = load_configs("NONE,DFLASH,DDTREE16,DDTREEauto", str(extra))
     assert [c.name for c in cfgs] == [
         "NONE",
@@ -119,8 +127,10 @@ def test_configs_are_data(tmp_path):
         "DDTREE B=16",
         "DDTREE B=auto",
         "DDTREE shadow",
+        "DFLASH 0.5",
     ]
-    assert [c.budget for c in cfgs] == [None, None, "16", "auto", "32"]
+    assert [c.budget for c in cfgs] == [None, None, "16", "auto", "32", None]
+    assert [dict(c.env) for c in cfgs] == [{}] * 5 + [env]
     ns = argparse.Namespace(
         port=1,
         device="cuda",
@@ -139,6 +149,35 @@ def test_configs_are_data(tmp_path):
         extra.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="--config-json"):
             load_configs("", str(extra))
+
+
+def test_a_configs_env_reaches_its_server_alone(tmp_path, monkeypatch):
+    """A config's "env" goes to its server's process on top of ours; a config without one
+    inherits ours unchanged."""
+    import argparse
+    import subprocess
+
+    from ddtree.bench import at_scale_serve
+
+    seen = []
+
+    class Exited:
+        returncode = 3
+
+        def __init__(self, argv, env=None, **kw):
+            seen.append(env)
+
+        def poll(self):
+            return 3
+
+    monkeypatch.setattr(subprocess, "Popen", Exited)
+    monkeypatch.setenv("DDTREE_OURS", "1")
+    ns = argparse.Namespace(port=1, server_timeout_s=5)
+    for env in ((("DDTREE_SWITCH_INTERVAL_MS", "0.5"),), ()):
+        with pytest.raises(RuntimeError, match="server exited with 3"):
+            at_scale_serve.Server(ns, ["x"], str(tmp_path / "log"), env).__enter__()
+    assert seen[0]["DDTREE_SWITCH_INTERVAL_MS"] == "0.5" and seen[0]["DDTREE_OURS"] == "1"
+    assert seen[1] is None  # inherits ours
 
 
 def test_smoke_end_to_end(tmp_path):

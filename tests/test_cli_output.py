@@ -91,9 +91,11 @@ def test_serving_table_has_units():
     )
     assert len(header) == len(units) == len(row)
     assert row.split()[11] == "5.50" and "512.0" in row  # after "cache hit" (-: not reported)
-    assert row.split()[-4:] == ["-"] * 4  # no server metrics in this level
-    full = format_table([_level(mean_budget=12.5, predicted_accept_length=3.25, host_ms=0.4)])
-    assert full.splitlines()[2].split()[-4:] == ["12.5", "3.25", "-", "0.40"]
+    assert row.split()[-6:] == ["-"] * 6  # no server metrics in this level
+    full = format_table(
+        [_level(mean_budget=12.5, predicted_accept_length=3.25, host_ms=0.4, idle_ms=1.25)]
+    )
+    assert full.splitlines()[2].split()[-6:] == ["12.5", "3.25", "-", "0.40", "-", "1.25"]
 
 
 def test_serving_level_reads_budgets_from_metrics():
@@ -107,8 +109,19 @@ def test_serving_level_reads_budgets_from_metrics():
         RoundRecord(17, [16, 16], [3.0, 5.0], [2, 4], round_s=0.008, host_s=0.001), 0.0005, 0.0002
     )
     before = parse(m.render().decode())
+    ph = {"draft": 0.001, "verify": 0.003, "commit": 0.0005}
     m.on_round(
-        RoundRecord(9, [8, 8, 8], [2.0, 2.0, 2.0], [1, 3, 2], round_s=0.006, host_s=0.002),
+        RoundRecord(
+            9,
+            [8, 8, 8],
+            [2.0, 2.0, 2.0],
+            [1, 3, 2],
+            round_s=0.006,
+            host_s=0.002,
+            device_s=0.0045,
+            idle_s=0.001,
+            device_phases=ph,
+        ),
         0.001,
         0.0,
     )
@@ -123,6 +136,10 @@ def test_serving_level_reads_budgets_from_metrics():
     assert d["mean_budget"] == 4.0
     assert d["predicted_accept_length"] == 2.0 and d["realised_accept_length"] == 2.0
     assert abs(d["round_ms"] - 5.0) < 1e-9 and abs(d["host_ms"] - 3.0) < 1e-9
+    # the GPU's clock: only the round that carried it (a CPU round has none, not zeros)
+    assert d["device_ms"] == pytest.approx(4.5) and d["idle_ms"] == pytest.approx(1.0)
+    assert d["device_phase_ms"] == pytest.approx({"draft": 1.0, "verify": 3.0, "commit": 0.5})
+    assert d["per_rung"] == {}  # a fixed budget: no rung
     assert delta(None, before) is None
 
 

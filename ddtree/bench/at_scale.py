@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             slug = "".join(ch if ch.isalnum() else "_" for ch in cfg.name)
             log = os.path.join(ns.out, f"server_{slug}.log")
             try:
-                with Server(ns, server_argv(ns, tdir, ddir, cfg), log) as srv:
+                with Server(ns, server_argv(ns, tdir, ddir, cfg), log, cfg.env) as srv:
                     print(f"# {cfg.name}: server up in {srv.startup_s:.1f} s", flush=True)
                     report.setdefault("startup_s", {})[cfg.name] = srv.startup_s
                     report["serving"][cfg.name] = serve_levels(ns, srv.url, base)
@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     path = save(report, ns)
     print(f"\n{ns.shape}: {ns.max_tokens} output tokens per request, held-out prompts, T=0")
     rep.print_table(rows)
+    rep.print_round_split(report["serving"])
     rep.print_ceiling(report["ceiling"])
     rep.print_validity(report["rounds_ratios"], report["tau"])
     if rows:

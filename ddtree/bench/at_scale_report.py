@@ -155,8 +155,34 @@ def rung_summary(per_rung: dict[str, dict]) -> str:
         if v.get("realised_accept_length") is not None:
             p = v.get("predicted_accept_length")
             tau = f", tau {p:.2f} / {v['realised_accept_length']:.2f}" if p else ""
-        parts.append(f"{rung} {v['rounds']} rd, b {v['batch']:.1f}, {v['round_ms']:.2f} ms{tau}")
+        dev = f" (device {v['device_ms']:.2f})" if v.get("device_ms") else ""
+        parts.append(
+            f"{rung} {v['rounds']} rd, b {v['batch']:.1f}, {v['round_ms']:.2f} ms{dev}{tau}"
+        )
     return "; ".join(parts) + " (tau: predicted / realised)"
+
+
+def print_round_split(serving: dict[str, list[dict]]) -> None:
+    """Per config and level, a decode round's wall time beside the GPU's clock of it
+    (engine/round_clock.py): device = the round's span on the GPU, idle = the GPU idle before it,
+    host = the engine and server time outside the round (which `idle` shows unhidden)."""
+    print(
+        f"{'conc':>4} {'config':>14} {'batch':>6} {'round':>7} {'device':>7} {'idle':>6} "
+        f"{'host':>6}  (ms per decode round)"
+    )
+
+    def ms(v):
+        return f"{v:.2f}" if v is not None else "-"
+
+    for name, levels in serving.items():
+        for lv in levels:
+            srv, steps = lv.get("server") or {}, lv.get("steps") or {}
+            batch = steps.get("mean_decode_batch")
+            print(
+                f"{lv['concurrency']:>4} {name:>14} {ms(batch):>6} {ms(srv.get('round_ms')):>7} "
+                f"{ms(srv.get('device_ms')):>7} {ms(srv.get('idle_ms')):>6} "
+                f"{ms(srv.get('host_ms')):>6}"
+            )
 
 
 def print_table(rows: list[dict]) -> None:

@@ -3,13 +3,15 @@
 A config is data: a table name, an algorithm and the `ddtree serve` flags that make it
 (`ServeConfig`). `--configs` names them (NONE, DFLASH, DDTREE<budget>: `DDTREE64`, and any value
 `--speculative-ddtree-budget` takes, e.g. `DDTREEauto` once that lands); `--config-json FILE` gives
-a list of {"name", "algorithm", "flags"} objects for anything else (a new policy is a new entry,
-not new code). Every server gets the run's `--server-flags` after the config's own flags.
+a list of {"name", "algorithm", "flags", "env"} objects for anything else (a new policy is a new
+entry, not new code; "env": DDTREE_* switches for that server alone, an A/B of one switch in one
+run). Every server gets the run's `--server-flags` after the config's own flags.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -24,6 +26,7 @@ class ServeConfig:
     name: str  # the table's column; "DDTREE ..." configs are compared with DFLASH, DFLASH with NONE
     algorithm: str
     flags: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # environment the server starts with (on top of ours)
 
     @property
     def budget(self) -> str | None:
@@ -49,13 +52,18 @@ def load_configs(names: str, json_path: str | None) -> list[ServeConfig]:
             with open(json_path, encoding="utf-8") as f:
                 items = json.load(f)
             extra = [
-                ServeConfig(str(c["name"]), str(c["algorithm"]).upper(), tuple(c.get("flags", ())))
+                ServeConfig(
+                    str(c["name"]),
+                    str(c["algorithm"]).upper(),
+                    tuple(c.get("flags", ())),
+                    tuple((str(k), str(v)) for k, v in c.get("env", {}).items()),
+                )
                 for c in items
             ]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(
                 f"--config-json {json_path}: {e}; give a list of "
-                '{"name": ..., "algorithm": NONE|DFLASH|DDTREE, "flags": [...]}'
+                '{"name": ..., "algorithm": NONE|DFLASH|DDTREE, "flags": [...], "env": {...}}'
             ) from e
         configs += extra
     bad = [c.algorithm for c in configs if c.algorithm not in ALGORITHMS]
@@ -94,15 +102,16 @@ def server_argv(ns, target: str, drafter: str | None, cfg: ServeConfig) -> list[
 class Server:
     """One config's server, log in --out; `with` waits for /health."""
 
-    def __init__(self, ns, argv: list[str], log: str):
-        self.argv, self.log_path, self.ns = argv, log, ns
+    def __init__(self, ns, argv: list[str], log: str, env: tuple[tuple[str, str], ...] = ()):
+        self.argv, self.log_path, self.ns, self.env = argv, log, ns, dict(env)
         self.url = f"http://127.0.0.1:{ns.port}"
 
     def __enter__(self):
         import httpx
 
         self.log = open(self.log_path, "w", encoding="utf-8")
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < self.ns.server_timeout_s:
             if self.proc.poll() is not None:

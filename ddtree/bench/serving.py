@@ -183,7 +183,14 @@ async def run_level(client, model: str, items: list[Item], concurrency: int, ns)
     row = await _run_level(client, model, items, concurrency, ns)
     server = serving_metrics.delta(before, await serving_metrics.scrape(ns.base_url, ns.api_key))
     row["server"] = server  # None without --enable-metrics on the server
-    for key in ("mean_budget", "predicted_accept_length", "round_ms", "host_ms"):
+    for key in (
+        "mean_budget",
+        "predicted_accept_length",
+        "round_ms",
+        "host_ms",
+        "device_ms",
+        "idle_ms",
+    ):
         row[key] = None if server is None else server[key]
     return row
 
@@ -332,11 +339,13 @@ TABLE_COLUMNS = (
     ("accept", "tok/round", "mean_accept_length", None, 2),
     # from the server's /metrics (- without --enable-metrics): budget per request-round, the
     # policy's predicted accept length, and per decode round its wall time and the host time
-    # outside it
+    # outside it; on the GPU's clock (CUDA) the round's span and the GPU idle before it
     ("budget", "nodes", "mean_budget", None, 1),
     ("pred acc", "tok/round", "predicted_accept_length", None, 2),
     ("round", "ms", "round_ms", None, 2),
     ("host", "ms/round", "host_ms", None, 2),
+    ("device", "ms", "device_ms", None, 2),
+    ("idle", "ms/round", "idle_ms", None, 2),
 )
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ddtree.engine.round_clock import DEVICE_PARTS, PHASES
+
 
 def parse(text: str) -> dict[tuple[str, tuple], float]:
     """Prometheus text -> {(sample name, sorted labels): value}."""
@@ -77,6 +79,7 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
             "rounds": n,
             "batch": req / n,
             "round_ms": 1e3 * one("ddtree_spec_rung_round_seconds_total", rung=rung) / n,
+            "device_ms": 1e3 * one("ddtree_spec_rung_device_seconds_total", rung=rung) / n,
             "predicted_accept_length": 1
             + one("ddtree_spec_rung_predicted_drafts_total", rung=rung) / req
             if req
@@ -94,7 +97,7 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
     count = one("ddtree_spec_budget_count")
     pred_n = one("ddtree_spec_predicted_request_rounds_total")
     parts = {}
-    for part in ("round", "host", "server", "hidden"):
+    for part in ("round", "host", "server", "hidden", *DEVICE_PARTS):
         n = one("ddtree_round_seconds_count", part=part)
         parts[part] = 1e3 * one("ddtree_round_seconds_sum", part=part) / n if n else None
     host = parts["host"]
@@ -118,6 +121,11 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         "round_ms": parts["round"],
         "host_ms": None if host is None else host + (parts["server"] or 0.0),
         "hidden_ms": parts["hidden"],
+        # on the GPU's clock (CUDA; engine/round_clock.py): a round's device span, the GPU idle
+        # before it (host work between rounds nothing hid), and the span's phases
+        "device_ms": parts["device"],
+        "idle_ms": parts["idle"],
+        "device_phase_ms": {p: parts[f"device_{p}"] for p in PHASES},
         # the HTTP loop's lag (a 10 ms timer's lateness): mean ms, and the share of probes >10 ms late
         "loop_lag_ms": 1e3 * one("ddtree_http_loop_lag_seconds_sum") / lag_n if lag_n else None,
         "loop_lag_over_10ms": 1 - late / lag_n if lag_n else None,

@@ -15,7 +15,7 @@ and keeps the round's `RoundRecord` for the metrics and the log.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -60,6 +60,11 @@ class RoundRecord:
     round_s: float = 0.0  # wall time of SpecDecoder.round (launches + the wait for the device)
     host_s: float = 0.0  # the engine step's time outside the round (schedule, emit, stops)
     server_s: float = 0.0  # the server loop's time outside the step (publish, commands, metrics)
+    # engine/round_clock.py (CUDA only, else None / {}): the GPU's span of the round, its idle time
+    # since the previous round's last op, and the span per phase (draft, verify, commit)
+    device_s: float | None = None
+    idle_s: float | None = None
+    device_phases: dict[str, float] = field(default_factory=dict)
 
 
 class BudgetPlanner:

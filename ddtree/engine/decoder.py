@@ -27,6 +27,7 @@ from ddtree.engine.budget import BudgetPlanner, RoundPlan, gain_columns
 from ddtree.engine.config import SpecConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
+from ddtree.engine.round_clock import RoundClock
 from ddtree.engine.sampler import sample_nodes
 from ddtree.kernels import tree_build
 from ddtree.speculative.accept import accept_tree
@@ -65,6 +66,7 @@ class SpecDecoder:
         self.times = times if times is not None else PhaseTimes()
         self.target_override = target_override
         self.budgets = BudgetPlanner(cfg, runner.cfg.max_running_requests)
+        self.clock = RoundClock(runner.device)  # the round's device and idle time (CUDA events)
         # set by the server: host work to overlap with each round's device work
         self.while_device_runs: Callable[[], None] | None = None
         if cfg.algorithm != "NONE":
@@ -93,12 +95,14 @@ class SpecDecoder:
     def round(self, reqs: list[Req], max_context: int) -> list[list[int]]:
         """Run one round; returns the tokens each request emits (accepted drafts then the bonus token)."""
         runner, cfg, t = self.runner, self.cfg, self.times.start()
+        self.clock.start()
         # one host->device copy with the round's lengths and slots
         meta = runner.round_meta(reqs)
         roots = meta.roots
         if cfg.algorithm == "NONE":
             emitted = self._ar_round(reqs, roots, t)
             self.budgets.observe(RoundPlan(1, None), len(reqs), [1] * len(reqs), None)
+            self._read_clock()
             return emitted
         plan = self.budgets.plan(reqs, max(meta.kv_lens))
         if plan.width == 1:  # the policy chose AR for the batch: no draft
@@ -116,6 +120,7 @@ class SpecDecoder:
                 tree = self._build(roots, draft_logits, limits, plan)
             tree = tree.narrow(plan.width)
             t = self.times.add("tree", t)
+        self.clock.mark()  # the draft's device work ends here
         gain = None
         if self.budgets.observes and tree.chain_probs is not None:
             # the gain curves need only the draft: queued before the verify and copied to the
@@ -123,6 +128,7 @@ class SpecDecoder:
             gain = _to_host_async(gain_columns(tree, plan.chain))
         vo = runner.verify_nodes(reqs, tree)
         t = self.times.add("verify", t)
+        self.clock.mark()
         params = [r.params for r in reqs]
         if (
             vo.greedy_accept is not None
@@ -142,6 +148,7 @@ class SpecDecoder:
         lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
         runner.commit(reqs, res.path, res.accept_length, vo.taps)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
+        self.clock.mark()  # the last op before the read-back
         if gain is not None:  # the draft's half of the policy's observe, under the verify
             host_gain, ready = gain
             if ready is not None:
@@ -162,7 +169,13 @@ class SpecDecoder:
         for r, lp_row, toks in zip(reqs, lp_rows, emitted):
             logprobs.append(r, lp_row, toks)
         self.budgets.observe(plan, len(reqs), [row[0] for row in host])
+        self._read_clock()
         return emitted
+
+    def _read_clock(self) -> None:
+        """The round's device and idle seconds into its RoundRecord (after the read-back)."""
+        rec = self.budgets.last
+        rec.device_s, rec.idle_s, rec.device_phases = self.clock.read()
 
     def _while_device_runs(self) -> None:
         """The round's device work is launched and the read-back has not waited for it yet: host
@@ -204,6 +217,7 @@ class SpecDecoder:
         # no KV moves; hybrid: the verify already stepped the GDN state (or, with
         # DDTREE_GDN_DECODE_KERNEL=0, this commits the root's)
         runner.commit(reqs, zeros[:, None], zeros, None)
+        self.clock.mark()
         self._while_device_runs()
         host, lp_rows = logprobs.read_back(reqs, tokens, lp)
         self.times.add("commit", t)

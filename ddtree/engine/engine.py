@@ -149,6 +149,7 @@ class LLMEngine:
                     self.emitter.emit(r, toks)
                     r.times.first_token = r.times.first_token or now
             self.batch_log.prefill(batch.q_lens)
+            self.decoder.clock.forget()  # the next round's idle time would hold this step
         else:
             self.runner.step_stats.on_decode(len(batch.reqs))
             t1 = time.perf_counter()

@@ -19,6 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from ddtree.engine.round_clock import DEVICE_PARTS
 from ddtree.engine.step_stats import StepStats, step_metric
 
 THROUGHPUT_WINDOW_S = 5.0
@@ -249,6 +250,12 @@ class ServerMetrics:
             ["rung"],
             registry=r,
         )
+        self.rung_device_seconds = Counter(
+            "ddtree_spec_rung_device_seconds",
+            "Decoder round seconds on the GPU's clock per rung (the round's device span)",
+            ["rung"],
+            registry=r,
+        )
         self.loop_lag = Histogram(
             "ddtree_http_loop_lag_seconds",
             "How late the HTTP event loop ran a timer due every LOOP_PROBE_S: what every request's "
@@ -262,7 +269,8 @@ class ServerMetrics:
             "Per decode round: round = the decoder round's wall time (launches + device wait); host "
             "= the engine step outside it (schedule, emit, detokenise, stops); server = the loop "
             "outside the step (publish, commands, metrics); hidden = publishing run under the "
-            "device's work",
+            "device's work; on the GPU's clock (CUDA): device = the round's span, idle = the GPU idle "
+            "since the previous round, device_<phase> = the span's draft / verify / commit",
             ["part"],
             buckets=ROUND_BUCKETS,
             registry=r,
@@ -310,6 +318,8 @@ class ServerMetrics:
             self.rung_accepted.labels(rec.rung).inc(sum(rec.accepted))
             self.rung_predicted.labels(rec.rung).inc(sum(rec.predicted))
             self.rung_seconds.labels(rec.rung).inc(rec.round_s)
+            if rec.device_s is not None:
+                self.rung_device_seconds.labels(rec.rung).inc(rec.device_s)
         if rec.predicted:
             self.predicted.inc(sum(rec.predicted))
             self.realised.inc(sum(rec.accepted))
@@ -317,6 +327,11 @@ class ServerMetrics:
         parts = (rec.round_s, rec.host_s, server_s, hidden_s)
         for name, value in zip(ROUND_PARTS, parts):
             self.round_time.labels(name).observe(value)
+        ph = rec.device_phases
+        device = (rec.device_s, rec.idle_s, ph.get("draft"), ph.get("verify"), ph.get("commit"))
+        for name, value in zip(DEVICE_PARTS, device):
+            if value is not None:
+                self.round_time.labels(name).observe(value)
 
     def set_round_costs(self, costs: dict[int, dict[str, float]]) -> None:
         """`BudgetPlanner.round_costs()`: what the policy believes each rung's round costs."""

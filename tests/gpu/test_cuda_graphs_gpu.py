@@ -70,6 +70,9 @@ def test_graphs_match_eager(pair, dtype, algo, budget):
     assert graphs is not None, "CUDA graphs were not enabled (see the log)"
     counts: dict = {}
     _count_replays(graphs, counts)
+    decoder, recs = llm.engine.decoder, []
+    read_clock = decoder._read_clock
+    decoder._read_clock = lambda: read_clock() or recs.append(decoder.budgets.last)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     try:
         for b in (1, 5):
@@ -78,8 +81,10 @@ def test_graphs_match_eager(pair, dtype, algo, budget):
             eager = [o.token_ids for o in llm.generate(prompts, params)]
             runner.graphs = graphs
             counts.clear()
+            recs.clear()
             outs = llm.generate(prompts, params)
             graph = [o.token_ids for o in outs]
+            _check_round_clock(recs, phases=algo != "NONE")
             assert counts.get("verify"), f"b={b}: no verify replay {counts}"
             if algo != "NONE":
                 assert counts.get("draft_tree") and counts.get("accept"), f"b={b}: {counts}"
@@ -93,3 +98,18 @@ def test_graphs_match_eager(pair, dtype, algo, budget):
         runner.graphs = graphs
         del llm
         torch.cuda.empty_cache()
+
+
+def _check_round_clock(recs, phases: bool) -> None:
+    """engine/round_clock.py: every graphed round has its device span, inside its host wall time;
+    the idle time is known after a decode round; the phases cut the span."""
+    assert recs and all(r.device_s is not None and r.device_s > 0 for r in recs)
+    assert all(r.device_s <= r.round_s + 1e-4 for r in recs), [
+        (r.device_s, r.round_s) for r in recs
+    ]
+    idle = [r.idle_s for r in recs if r.idle_s is not None]
+    assert len(idle) >= len(recs) // 2 and min(idle) >= 0, idle
+    if phases:
+        for r in recs:
+            assert set(r.device_phases) == {"draft", "verify", "commit"}
+            assert sum(r.device_phases.values()) == pytest.approx(r.device_s, abs=1e-5)
