@@ -163,7 +163,8 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
 
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    host, rounds, policy, steps, device, idle = [], [], [], [0], [], []
+    host, rounds, policy, steps, device, idle, phases = [], [], [], [0], [], [], {}
+    launch0 = dict(eng.decoder.times.seconds)  # the decoder's host clock per phase (PhaseTimes)
 
     def on_step(advanced, index):
         steps[0] += 1
@@ -176,6 +177,8 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
                 device.append(rec.device_s)
             if rec.idle_s is not None:
                 idle.append(rec.idle_s)
+            for k, v in rec.device_phases.items():
+                phases.setdefault(k, []).append(v)
         spent[0] = 0.0
 
     t0 = time.perf_counter()
@@ -186,6 +189,10 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
     if profile is not None:
         profile.disable()
     wall = time.perf_counter() - t0
+    launch = {
+        k: 1e3 * (v - launch0.get(k, 0.0)) / max(len(rounds), 1)
+        for k, v in eng.decoder.times.seconds.items()
+    }
     return {
         "conc": conc,
         "rounds": len(rounds),
@@ -198,6 +205,10 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
         "policy_ms_p50": 1e3 * statistics.median(policy),
         "device_ms_p50": 1e3 * statistics.median(device) if device else None,
         "idle_ms_p50": 1e3 * statistics.median(idle) if idle else None,
+        # per round: the device span's phases (p50), and the decoder's host time per phase (mean:
+        # with CUDA graphs the launches; `commit` holds the wait for the device)
+        "device_phase_ms_p50": {k: 1e3 * statistics.median(v) for k, v in phases.items()},
+        "host_phase_ms_mean": launch,
         "wall_s": wall,
     }
 
@@ -257,6 +268,12 @@ def main(argv=None) -> None:
                 ),
                 flush=True,
             )
+            dev, hst = row["device_phase_ms_p50"], row["host_phase_ms_mean"]
+            if dev:
+                print(
+                    "        device phases ms: " + ", ".join(f"{k} {v:.2f}" for k, v in dev.items())
+                )
+            print("        host phases ms: " + ", ".join(f"{k} {v:.2f}" for k, v in hst.items()))
         if prof is not None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
         del llm

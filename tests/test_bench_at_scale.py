@@ -171,12 +171,12 @@ def test_a_configs_env_reaches_its_server_alone(tmp_path, monkeypatch):
             return 3
 
     monkeypatch.setattr(subprocess, "Popen", Exited)
-    monkeypatch.setenv("DDTREE_OURS", "1")
+    monkeypatch.setenv("AT_SCALE_TEST_OURS", "1")
     ns = argparse.Namespace(port=1, server_timeout_s=5)
     for env in ((("DDTREE_SWITCH_INTERVAL_MS", "0.5"),), ()):
         with pytest.raises(RuntimeError, match="server exited with 3"):
             at_scale_serve.Server(ns, ["x"], str(tmp_path / "log"), env).__enter__()
-    assert seen[0]["DDTREE_SWITCH_INTERVAL_MS"] == "0.5" and seen[0]["DDTREE_OURS"] == "1"
+    assert seen[0]["DDTREE_SWITCH_INTERVAL_MS"] == "0.5" and seen[0]["AT_SCALE_TEST_OURS"] == "1"
     assert seen[1] is None  # inherits ours
 
 
