@@ -184,7 +184,7 @@ ROUND_CLOCK = EnvVar(
     "DDTREE_ROUND_CLOCK",
     "1",
     "0: no CUDA events at a decode round's phase boundaries (the device / idle round times in "
-    "/metrics and the batch log, engine/round_clock.py)",
+    "/metrics, engine/round_clock.py)",
 )
 SWITCH_INTERVAL_MS = EnvVar(
     "DDTREE_SWITCH_INTERVAL_MS",

@@ -136,3 +136,27 @@ def test_run_detokenisation_equals_one_token_at_a_time():
         i += n
     assert split  # some chunk ended inside a character
     assert one.ids == many.ids
+
+
+def test_an_idle_engine_publishes_what_waited_for_a_round_before_it_blocks():
+    """A decode step's publishing waits for the next round (finished requests included); when no
+    round comes (the other requests were aborted) the loop publishes it before it blocks for
+    commands, not after the poll."""
+    from ddtree.server.async_engine import AsyncEngine
+
+    class Idle:
+        def has_unfinished(self):
+            return False
+
+    aeng = AsyncEngine(Idle(), overlap=True)
+    calls = []
+    aeng._publish_guarded = lambda send=True: calls.append("publish")
+
+    def run_commands(block):
+        calls.append(("commands", block))
+        aeng._stop.set()
+
+    aeng._run_commands = run_commands
+    aeng._unpublished = True
+    aeng._loop()
+    assert calls[:2] == ["publish", ("commands", True)], calls

@@ -9,8 +9,8 @@ op and this round's first, i.e. the host work between rounds (read-back, emissio
 publishing, planning) that nothing hid; None after a prefill step (its work sits in between).
 `phases`: the span cut at the draft's and the verify's last ops (device seconds each).
 
-On the CPU (or with DDTREE_ROUND_CLOCK=0) every call is a no-op and the fields stay None: events
-cost ~2 us each, a round records four.
+On the CPU (or with DDTREE_ROUND_CLOCK=0) every call is a no-op and the fields stay None. A round
+records four events and reads their times after its one blocking read-back (no extra sync).
 """
 
 from __future__ import annotations
