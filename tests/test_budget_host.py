@@ -150,7 +150,7 @@ def test_an_idle_engine_publishes_what_waited_for_a_round_before_it_blocks():
 
     aeng = AsyncEngine(Idle(), overlap=True)
     calls = []
-    aeng._publish_guarded = lambda send=True: calls.append("publish")
+    aeng._publish_guarded = lambda: calls.append("publish")
 
     def run_commands(block):
         calls.append(("commands", block))

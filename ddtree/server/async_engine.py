@@ -96,8 +96,9 @@ class Outbox:
     thread, and the engine thread then waits for it back until that thread blocks again or the
     switch interval (5 ms) runs out: one call per stream per round put the engine thread behind
     the HTTP side once per stream (issue 20: 6.4 ms host per round at concurrency 32), so there is
-    one call per publish, and after a decode step with rounds to come it is made under the next
-    round's device work (on the CPU at concurrency 32 this hand-off was ~90% of the publish)."""
+    one call per publish, at its end; after a decode step with rounds to come the whole publish
+    waits under the next round's device work (on the CPU at concurrency 32 this hand-off was ~90%
+    of the publish)."""
 
     def __init__(self):
         self.pending: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
@@ -236,8 +237,8 @@ class AsyncEngine:
         while not self._stop.is_set():
             t0 = self._tick = time.monotonic()
             idle = not self.engine.has_unfinished()
-            if idle and (self._outbox.pending or self._unpublished):  # no round to come
-                self._publish_guarded()  # (the rest aborted): send now
+            if idle and self._unpublished:  # no round to come (the rest aborted): publish now
+                self._publish_guarded()
             self._run_commands(block=idle)
             step_s, self._hidden_s, rec = 0.0, 0.0, None
             if self.engine.has_unfinished():
@@ -250,8 +251,6 @@ class AsyncEngine:
                     self._fail_running(e)
                 step_s = time.monotonic() - t1
                 rec = getattr(self.engine, "last_round", None)
-                if self._outbox.pending:  # a step without a round (prefill) did not send them
-                    self._outbox.send()
             # after a decode step with rounds to come, finished requests included, publishing
             # and the hand-off wait under the next round's device work (`Outbox`: the hand-off
             # may cost the engine thread a switch interval; publishing every stream at once sat
@@ -274,22 +273,17 @@ class AsyncEngine:
     def _publish_under_round(self) -> None:
         """The decoder's hook: the previous decode step's outputs, published while this round's
         device work runs."""
-        if self._unpublished or self._outbox.pending:
+        if self._unpublished:
             t0 = time.monotonic()
-            if self._unpublished:
-                self._publish_guarded()
-            else:
-                self._outbox.send()
+            self._publish_guarded()
             self._hidden_s += time.monotonic() - t0
 
-    def _publish_guarded(self, send: bool = True) -> None:
-        """Publish every stream's new output; `send`: hand it to the event loop now (else the
-        next round's `while_device_runs`, or the next step's end, sends it)."""
+    def _publish_guarded(self) -> None:
+        """Publish every stream's new output and hand it to the event loop."""
         self._unpublished = False
         try:
             self._publish()
-            if send:
-                self._outbox.send()
+            self._outbox.send()
         except Exception as e:  # noqa: BLE001 - a publishing bug fails the requests, not the server
             self._outbox.send()  # what was published goes out before the failures below
             logger.exception("publishing outputs failed; failing every request")
