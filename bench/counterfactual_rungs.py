@@ -96,7 +96,19 @@ def counterfactual(tree, draft_logits, res) -> tuple[np.ndarray, np.ndarray, np.
     return torch.stack(accepts, 1).numpy(), chain.numpy(), censored.numpy()
 
 
-def collect(n_prompts: int, conc: int, max_tokens: int) -> list[dict]:
+def prompt_ids(tokenizer, n: int, prompt_set: str = "textwrap") -> list[list[int]]:
+    """n prompts: `textwrap` (host_time's slices of a stdlib module) or `heldout` (`bench
+    at-scale`'s served set: `bench acceptance`'s held-out prompts cycled, tokenised as the
+    server's completions endpoint does)."""
+    if prompt_set == "textwrap":
+        return prompts(tokenizer, n)
+    from ddtree.bench.acceptance import DEFAULT_PROMPTS
+
+    base = [tokenizer.encode(p, add_special_tokens=False) for p in DEFAULT_PROMPTS]
+    return [base[i % len(base)] for i in range(n)]
+
+
+def collect(n_prompts: int, conc: int, max_tokens: int, prompt_set: str = "textwrap") -> list[dict]:
     import torch
 
     import ddtree.engine.decoder as dec
@@ -159,13 +171,15 @@ def collect(n_prompts: int, conc: int, max_tokens: int) -> list[dict]:
         grab.clear()
 
     try:
-        keep_running(eng, prompts(eng.tokenizer, n_prompts), conc, sp, on_step)
+        keep_running(eng, prompt_ids(eng.tokenizer, n_prompts, prompt_set), conc, sp, on_step)
     finally:
         dec.accept_tree = walk
     return rows
 
 
-def served_accepts(config: dict, n_prompts: int, conc: int, max_tokens: int) -> dict:
+def served_accepts(
+    config: dict, n_prompts: int, conc: int, max_tokens: int, prompt_set: str = "textwrap"
+) -> dict:
     """{(prompt, tokens before the round): accepted drafts} of a fixed server's rounds (the
     offline engine, the same prompts and order): what the counterfactual must equal where both
     runs started a round at the same position."""
@@ -176,7 +190,7 @@ def served_accepts(config: dict, n_prompts: int, conc: int, max_tokens: int) -> 
     torch.set_num_threads(2)
     eng = LLM(None, device="cpu", max_running_requests=conc, **config).engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    reqs = keep_running(eng, prompts(eng.tokenizer, n_prompts), conc, sp)
+    reqs = keep_running(eng, prompt_ids(eng.tokenizer, n_prompts, prompt_set), conc, sp)
     out = {}
     for i, r in reqs.items():
         pos = 1  # the prefill's token
@@ -186,7 +200,9 @@ def served_accepts(config: dict, n_prompts: int, conc: int, max_tokens: int) -> 
     return out
 
 
-def check(rows: list[dict], n_prompts: int, conc: int, max_tokens: int) -> dict:
+def check(
+    rows: list[dict], n_prompts: int, conc: int, max_tokens: int, prompt_set: str = "textwrap"
+) -> dict:
     """Per rung: the rounds both runs started at the same position, and the share whose
     counterfactual accept equals the fixed server's (fp32: all, up to near-ties)."""
     configs = {
@@ -196,7 +212,7 @@ def check(rows: list[dict], n_prompts: int, conc: int, max_tokens: int) -> dict:
     }
     out = {}
     for name, (col, cfg) in configs.items():
-        got = served_accepts(cfg, n_prompts, conc, max_tokens)
+        got = served_accepts(cfg, n_prompts, conc, max_tokens, prompt_set)
         pairs = [
             (r["chain"] if col is None else r["accept"][col], got[(r["prompt"], r["pos"])])
             for r in rows
@@ -299,6 +315,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=48)
     p.add_argument("--conc", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--prompt-set",
+        choices=("textwrap", "heldout"),
+        default="textwrap",
+        help="textwrap: slices of a stdlib module; heldout: bench at-scale's served prompts",
+    )
     p.add_argument("--rows", help="reuse a JSON of rows written by --output")
     p.add_argument("--output", help="JSON: the rows and the analysis")
     p.add_argument(
@@ -310,10 +332,10 @@ def main(argv=None) -> int:
     if a.rows:
         rows = json.load(open(a.rows, encoding="utf-8"))["rows"]
     else:
-        rows = collect(a.prompts, a.conc, a.max_tokens)
+        rows = collect(a.prompts, a.conc, a.max_tokens, a.prompt_set)
     res = analyse(rows, a.conc)
     if a.check:
-        res["check"] = check(rows, a.prompts, a.conc, a.max_tokens)
+        res["check"] = check(rows, a.prompts, a.conc, a.max_tokens, a.prompt_set)
     print(json.dumps(res, indent=1))
     if a.output:
         with open(a.output, "w", encoding="utf-8") as f:

@@ -192,6 +192,13 @@ SWITCH_INTERVAL_MS = EnvVar(
     "the server's Python thread switch interval in ms (sys.setswitchinterval): how long the engine "
     "thread waits for the GIL held by the HTTP event-loop thread (unset: the server's default)",
 )
+POLICY_TRACE = EnvVar(
+    "DDTREE_POLICY_TRACE",
+    "",
+    "--speculative-ddtree-budget auto: a file the budget policy appends one JSON line per round "
+    "to (every rung's expected tokens, seconds and rate; the round before's realised accept and "
+    "times; engine/policy_trace.py; unset: none)",
+)
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",
     "",
@@ -226,6 +233,7 @@ TABLE: dict[str, EnvVar] = {
         TOY_HYBRID,
         TP_TIMEOUT_S,
         ROUND_CLOCK,
+        POLICY_TRACE,
         SWITCH_INTERVAL_MS,
         TRITON_INTERPRET,
     )

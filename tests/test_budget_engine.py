@@ -223,3 +223,32 @@ def test_detokenisation_is_deferred_without_stop_strings():
     while eng.has_unfinished():
         eng.step()
     assert plain.text == stops.text == eng.tokenizer.decode(plain.output_ids)
+
+
+def test_policy_trace_records_every_auto_round(toy_pair, ar_tokens, tmp_path, monkeypatch):
+    """DDTREE_POLICY_TRACE: one line per auto round with every rung's rating as the policy
+    compared them (rate = expected tokens / (seconds + host time)) and the round before's
+    realised accept; the choice is the best rated rung except on exploration rounds."""
+    import json
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("DDTREE_POLICY_TRACE", str(path))
+    outs, planner = generate(toy_pair, accepted_prompts(), stub=False)
+    planner.trace.close()
+    assert tokens_of(outs) == ar_tokens
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rounds = max(len(o.accept_lengths) for o in outs)
+    assert rounds <= len(rows) <= sum(len(o.accept_lengths) for o in outs)
+    names = rows[0]["rungs"]
+    assert names[0] == "ar" and "chain" in names and len(rows[0]["rate"]) == len(names)
+    for r in rows:
+        assert r["rung"] in names and 1 <= r["bs"] <= 8
+        for tok, ms, rate in zip(r["tokens"], r["ms"], r["rate"]):
+            if rate >= 0:
+                assert rate == pytest.approx(tok / (ms + r["host_ms"]) * 1e3, rel=1e-2, abs=0.2)
+    best = [r for r in rows if not r["explore"] and r["rate"][names.index(r["rung"])] >= 0]
+    agree = sum(r["rate"][names.index(r["rung"])] >= max(r["rate"]) - 0.11 for r in best)
+    assert agree >= 0.8 * len(best)  # proposed under the round before: its state moved since
+    last = [r["last"] for r in rows[1:]]
+    assert all(x["bs"] >= 1 and x["round_ms"] > 0 for x in last)
+    assert any(x["accepted"] > 0 for x in last)

@@ -22,6 +22,7 @@ import torch
 
 from ddtree.engine.budget_policy import BudgetPolicy, RoundCost, ServedCost
 from ddtree.engine.config import SpecConfig, budget_ladder
+from ddtree.engine.policy_trace import PolicyTrace
 from ddtree.engine.request import Req
 
 CURVE_SCALE = 1 << 20  # gain curves ride the round's int64 read-back in fixed point
@@ -83,6 +84,7 @@ class BudgetPlanner:
         self._served: tuple[int, int, int] | None = None  # the last auto round's (bs, ctx, rung)
         self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
         self._pending: tuple | None = None  # observe_curves' return, for `observe`
+        self.trace = PolicyTrace() if self.policy is not None else PolicyTrace("")
         self._clear_overlap()
 
     def _clear_overlap(self) -> None:
@@ -153,6 +155,8 @@ class BudgetPlanner:
             slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
             d = self.policy.choose(slots, reqs, caps, max_ctx, self.host_s)
         self._batch = (slots, reqs, caps, max_ctx)
+        if self.trace.on:
+            self.trace.write(self.policy, d, slots, caps, max_ctx, self.host_s, self.last)
         self._served = (len(reqs), max_ctx, d.rung) if d.rung >= 0 else None
         budgets = d.budgets.tolist()
         if d.chain:
