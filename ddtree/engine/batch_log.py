@@ -16,8 +16,8 @@ budget policy's mean prediction of the same accept len (`-` without `auto`), and
 engine step's time outside it (scheduling, emission, detokenisation, stop checks), `server` the
 server loop's time outside the step (publishing / streaming, commands, metrics; 0 offline).
 
-`#cached-token` is always 0 (there is no prefix cache); `token usage` is the fraction of KV pages in
-use.
+`#cached-token` counts the prompt tokens the prefix cache served to the batch's new requests;
+`token usage` is the fraction of KV pages in use.
 """
 
 from __future__ import annotations
