@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -274,7 +275,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--model-path", help="e.g. inflate:qwen3-8b (default: the embedded pair)")
-    p.add_argument("--table", help="reuse a JSON written by --output")
+    p.add_argument("--table", help="reuse a JSON (or .json.gz) written by --output")
     p.add_argument("--output", help="JSON: the table, the check and the replay")
     p.add_argument("--check", action="store_true", help="walk vs the engine's fixed runs")
     p.add_argument("--batches", default="1,4,8,16")
@@ -286,7 +287,8 @@ def main(argv=None) -> int:
     )
     a = p.parse_args(argv)
     if a.table:
-        with open(a.table, encoding="utf-8") as f:
+        opener = gzip.open if a.table.endswith(".gz") else open
+        with opener(a.table, "rt", encoding="utf-8") as f:
             reqs = json.load(f)["requests"]
     else:
         reqs = record(a.prompts, a.max_tokens, a.prompt_set, a.device, a.dtype, a.model_path)
