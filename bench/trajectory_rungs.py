@@ -267,6 +267,63 @@ def simulate(
     }
 
 
+def tau_summary(reqs: list[dict], max_tokens: int) -> dict:
+    """Per rung: tokens per round over its own trajectory and over every position."""
+    out = {}
+    for name in ("chain", "tree16", "tree32", "tree64"):
+        r = RUNG_NAMES.index(name)
+        own = [n for q in reqs for n in walk_fixed(q, r, max_tokens)]
+        every = np.mean([accepts(q)[:, r].mean() + 1 for q in reqs])
+        out[name] = {"own": float(np.mean(own)), "every_pos": float(every)}
+    return out
+
+
+def fixed_rates(reqs, bs: int, rounds: int, max_tokens: int, seed: int) -> dict[str, float]:
+    return {
+        n: simulate(reqs, bs, rounds, max_tokens, RUNG_NAMES.index(n), seed)["tok_per_s"]
+        for n in RUNG_NAMES[1:]
+    }
+
+
+def replay_batches(reqs, batches, rounds: int, max_tokens: int, seeds: int) -> dict:
+    """Per batch: every fixed rung and a fresh policy, each over `seeds` draws."""
+    out = {}
+    for bs in batches:
+        runs = [fixed_rates(reqs, bs, rounds, max_tokens, s) for s in range(seeds)]
+        fixed = {n: float(np.mean([x[n] for x in runs])) for n in runs[0]}
+        auto = [simulate(reqs, bs, rounds, max_tokens, None, s) for s in range(seeds)]
+        rate = float(np.mean([x["tok_per_s"] for x in auto]))
+        best = max(fixed, key=fixed.get)
+        out[bs] = {
+            "fixed_over_chain": {n: round(v / fixed["chain"], 3) for n, v in fixed.items()},
+            "auto_over_chain": round(rate / fixed["chain"], 3),
+            "auto_of_best": round(rate / fixed[best], 3),
+            "best": best,
+            "picks": auto[0]["picks"],
+        }
+    return out
+
+
+def replay_levels(reqs, levels, rounds: int, max_tokens: int, seeds: int, overhead_s: float):
+    """One policy through the batches in turn (as `bench at-scale` runs one server), per draw:
+    its share of the best fixed rung at each level."""
+    out: dict[int, list] = {}
+    for s in range(seeds):
+        pol = None
+        for bs in levels:
+            fixed = fixed_rates(reqs, bs, rounds, max_tokens, s)
+            got = simulate(reqs, bs, rounds, max_tokens, None, s, overhead_s, pol)
+            pol, best = got["policy"], max(fixed, key=fixed.get)
+            out.setdefault(bs, []).append(
+                {
+                    "auto_of_best": round(got["tok_per_s"] / fixed[best], 3),
+                    "best": best,
+                    "picks": got["picks"],
+                }
+            )
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=8)
@@ -292,60 +349,16 @@ def main(argv=None) -> int:
             reqs = json.load(f)["requests"]
     else:
         reqs = record(a.prompts, a.max_tokens, a.prompt_set, a.device, a.dtype, a.model_path)
-    res: dict = {}
-    for name in ("chain", "tree16", "tree32", "tree64"):
-        walked = [n for r in reqs for n in walk_fixed(r, RUNG_NAMES.index(name), a.max_tokens)]
-        at_all = accepts(reqs[0]).shape[0] and np.mean(
-            [accepts(r)[:, RUNG_NAMES.index(name)].mean() + 1 for r in reqs]
-        )
-        res.setdefault("tau", {})[name] = {"own": float(np.mean(walked)), "every_pos": at_all}
+    res: dict = {"tau": tau_summary(reqs, a.max_tokens)}
     if a.check:
         res["check"] = check(reqs, a.prompt_set, a.max_tokens)
-    replay = {}
-    for bs in (int(x) for x in a.batches.split(",")):
-        fixed = {
-            n: np.mean(
-                [
-                    simulate(reqs, bs, a.rounds, a.max_tokens, RUNG_NAMES.index(n), s)["tok_per_s"]
-                    for s in range(a.seeds)
-                ]
-            )
-            for n in RUNG_NAMES[1:]
-        }
-        auto = [simulate(reqs, bs, a.rounds, a.max_tokens, None, s) for s in range(a.seeds)]
-        best = max(fixed, key=fixed.get)
-        replay[bs] = {
-            "fixed_over_chain": {n: round(v / fixed["chain"], 3) for n, v in fixed.items()},
-            "auto_over_chain": round(np.mean([x["tok_per_s"] for x in auto]) / fixed["chain"], 3),
-            "auto_of_best": round(np.mean([x["tok_per_s"] for x in auto]) / fixed[best], 3),
-            "best": best,
-            "picks": auto[0]["picks"],
-        }
-        for x in auto:
-            x.pop("policy")
-    res["replay"] = replay
-    if a.levels:  # one policy through the levels in turn, as `bench at-scale` runs one server
-        levels = {}
-        for s_ in range(a.seeds):
-            pol = None
-            for bs in (int(x) for x in a.levels.split(",")):
-                fixed = {
-                    n: simulate(reqs, bs, a.rounds, a.max_tokens, RUNG_NAMES.index(n), s_)[
-                        "tok_per_s"
-                    ]
-                    for n in RUNG_NAMES[1:]
-                }
-                got = simulate(reqs, bs, a.rounds, a.max_tokens, None, s_, a.overhead_ms / 1e3, pol)
-                pol = got["policy"]
-                best = max(fixed, key=fixed.get)
-                levels.setdefault(bs, []).append(
-                    {
-                        "auto_of_best": round(got["tok_per_s"] / fixed[best], 3),
-                        "best": best,
-                        "picks": got["picks"],
-                    }
-                )
-        res["levels"] = levels
+    batches = [int(x) for x in a.batches.split(",")]
+    res["replay"] = replay_batches(reqs, batches, a.rounds, a.max_tokens, a.seeds)
+    if a.levels:
+        levels = [int(x) for x in a.levels.split(",")]
+        res["levels"] = replay_levels(
+            reqs, levels, a.rounds, a.max_tokens, a.seeds, a.overhead_ms / 1e3
+        )
     print(json.dumps(res, indent=1))
     if a.output:
         with open(a.output, "w", encoding="utf-8") as f:
