@@ -14,6 +14,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 
+from ddtree import envs
 from ddtree.config_checks import check_pair, check_tp, load_model_config
 from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
 from ddtree.inflate.source import drafter_path_for, is_inflate_path, tokenizer_dir
@@ -512,6 +513,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
             "--tp-size 1, or write it with `ddtree inflate` and load the directory"
         )
     _resolve_speculative(args, t, d, upd, p)
+    _check_policy_trace(args, upd, p)
     if not args.is_speculative and args.max_running_requests is None:
         upd["max_running_requests"] = DEFAULT_MAX_RUNNING_REQUESTS
         logger.info("Max running requests is set to %d.", DEFAULT_MAX_RUNNING_REQUESTS)
@@ -530,6 +532,23 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     if p:
         raise ConfigError(p)
     return dataclasses.replace(args, target_config=t, drafter_config=d, **upd)
+
+
+def _check_policy_trace(a: ServerArgs, upd: dict, p: list[str]) -> None:
+    """DDTREE_POLICY_TRACE traces the auto budget policy: refused for any other config (it would
+    write nothing) and where its file cannot be created, before the weights load."""
+    path = envs.POLICY_TRACE.get().strip()
+    if not path:
+        return
+    name = envs.POLICY_TRACE.name
+    budget = upd.get("speculative_ddtree_budget", a.speculative_ddtree_budget)
+    if a.speculative_algorithm != "DDTREE" or budget != AUTO_BUDGET:
+        p.append(
+            f"{name}={path}: traces --speculative-ddtree-budget auto only; unset it, or pass "
+            "--speculative-algorithm DDTREE --speculative-ddtree-budget auto"
+        )
+    elif not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        p.append(f"{name}={path}: its directory does not exist; create it or name another file")
 
 
 def _check_tp_devices(tp: int, device: str, p: list[str]) -> None:

@@ -468,3 +468,23 @@ def test_budget_auto_nonsense_is_refused_before_weights(dense, capsys):
                 speculative_ddtree_budget="most",
             )
         )
+
+
+def test_policy_trace_is_refused_where_it_would_trace_nothing(dense, tmp_path, monkeypatch):
+    """DDTREE_POLICY_TRACE traces the auto budget policy: with a fixed budget or in a
+    directory that does not exist the config is refused before the weights load; with auto and a
+    writable place it resolves."""
+    monkeypatch.setenv("DDTREE_POLICY_TRACE", str(tmp_path / "trace.jsonl"))
+    one_problem(
+        ddtree_argv(dense, "--speculative-ddtree-budget", "16"),
+        "DDTREE_POLICY_TRACE",
+        "--speculative-ddtree-budget auto",
+    )
+    args = prepare_server_args(ddtree_argv(dense, "--speculative-ddtree-budget", "auto"))
+    assert args.speculative_ddtree_budget == "auto"
+    monkeypatch.setenv("DDTREE_POLICY_TRACE", str(tmp_path / "no" / "trace.jsonl"))
+    one_problem(
+        ddtree_argv(dense, "--speculative-ddtree-budget", "auto"),
+        "DDTREE_POLICY_TRACE",
+        "directory does not exist",
+    )
