@@ -199,6 +199,12 @@ POLICY_TRACE = EnvVar(
     "to (every rung's expected tokens, seconds and rate; the round before's realised accept and "
     "times; engine/policy_trace.py; unset: none)",
 )
+GC_FREEZE = EnvVar(
+    "DDTREE_GC_FREEZE",
+    "1",
+    "0: the server does not freeze its start-up heap after the warm-up (gc.freeze: full "
+    "collections then walk only what serving allocated; server/gc_watch.py)",
+)
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",
     "",
@@ -235,6 +241,7 @@ TABLE: dict[str, EnvVar] = {
         ROUND_CLOCK,
         POLICY_TRACE,
         SWITCH_INTERVAL_MS,
+        GC_FREEZE,
         TRITON_INTERPRET,
     )
 }

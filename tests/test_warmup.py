@@ -95,3 +95,29 @@ def test_warm_up_runs_on_cuda_unless_skipped(device, skip, on):
     engine = SimpleNamespace(device=torch.device(device))
     args = SimpleNamespace(skip_server_warmup=skip)
     assert (warmup_of(engine, args) is not None) == on
+
+
+@pytest.mark.parametrize("gc_freeze", [True, False])
+def test_the_start_up_heap_is_frozen_after_the_warm_up(gc_freeze):
+    """server/gc_watch.py: with gc_freeze the engine thread freezes the heap after the warm-up and
+    before /health turns green (the CLI's default, DDTREE_GC_FREEZE); without it, not at all."""
+    import gc
+
+    frozen_at_warm_up = []
+    ae = AsyncEngine(
+        _IdleEngine(),
+        warmup=lambda: frozen_at_warm_up.append(gc.get_freeze_count()),
+        gc_freeze=gc_freeze,
+    )
+    ae.start()
+    try:
+        for _ in range(200):
+            if ae.health_problem() is None:
+                break
+            time.sleep(0.01)
+        assert ae.health_problem() is None
+        assert frozen_at_warm_up == [0]
+        assert (gc.get_freeze_count() > 0) == gc_freeze
+    finally:
+        ae.shutdown()
+        gc.unfreeze()

@@ -32,6 +32,7 @@ from typing import Callable
 
 from ddtree.engine.detokenizer import stop_holdback
 from ddtree.engine.request import Req, SamplingParams
+from ddtree.server.gc_watch import GcWatch, freeze_startup_heap
 from ddtree.server.logprob_format import LogprobEntry, decode_entries
 
 logger = logging.getLogger("ddtree")
@@ -129,8 +130,12 @@ class AsyncEngine:
         metrics=None,
         warmup: Callable[[], object] | None = None,
         overlap: bool = True,
+        gc_freeze: bool = False,
     ):
         self.engine, self.metrics = engine, metrics
+        # after the warm-up: full collections walk only what serving allocates (gc_watch.py)
+        self.gc_freeze = gc_freeze
+        self.gc_watch = GcWatch(metrics.on_gc_pause if metrics is not None else None)
         # run on the engine thread before the loop; /health says "warming up" (503) until it ends
         self._warmup = warmup
         self._warming = warmup is not None
@@ -151,11 +156,13 @@ class AsyncEngine:
 
     # ---- handler side (event loop) ---------------------------------------------------------------------
     def start(self) -> None:
+        self.gc_watch.start()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
             self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        self.gc_watch.stop()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -232,6 +239,9 @@ class AsyncEngine:
                 self._warmup()
             except Exception:  # noqa: BLE001 - a failed warm-up costs the first requests, no more
                 logger.exception("warm-up failed; serving without it")
+        if self.gc_freeze:
+            freeze_startup_heap()
+        if self._warmup is not None:
             self._tick = time.monotonic()
             self._warming = False
         while not self._stop.is_set():

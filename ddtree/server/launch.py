@@ -18,6 +18,7 @@ import threading
 
 from ddtree import envs
 from ddtree.configs import ConfigError
+from ddtree.server.gc_watch import gc_freeze_on
 from ddtree.server_args import ServerArgs, make_parser, resolve_server_args
 
 logger = logging.getLogger("ddtree")
@@ -47,8 +48,10 @@ def thread_switch_interval() -> float | None:
     return ms / 1e3
 
 
-def build_app(args: ServerArgs, **app_kw):
-    """(FastAPI app, AsyncEngine) for resolved args; loads the weights. The engine thread starts with the app."""
+def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
+    """(FastAPI app, AsyncEngine) for resolved args; loads the weights. The engine thread starts with
+    the app. gc_freeze: freeze the start-up heap after the warm-up (server/gc_watch.py; the CLI's
+    default, DDTREE_GC_FREEZE; off for servers built inside another process, e.g. the tests)."""
     from ddtree.engine.engine import LLMEngine
     from ddtree.server.api import create_app
     from ddtree.server.async_engine import AsyncEngine
@@ -65,6 +68,7 @@ def build_app(args: ServerArgs, **app_kw):
         metrics,
         warmup=warmup_of(engine, args),
         overlap=not args.disable_overlap_schedule,
+        gc_freeze=gc_freeze,
     )
     return create_app(aengine, args, metrics, **app_kw), aengine
 
@@ -126,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = resolve_server_args(ServerArgs(**vars(ns)))
         switch_interval_s = thread_switch_interval()
+        gc_freeze = gc_freeze_on()
     except ConfigError as e:
         for problem in e.problems:
             print(f"error: invalid configuration: {problem}", file=sys.stderr)
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddtree.server.http import uvicorn_kwargs
 
-    app, aengine = build_app(args)
+    app, aengine = build_app(args, gc_freeze=gc_freeze)
     logger.info(
         "serving %s (%s) on http://%s:%d",
         args.served_model_name,

@@ -152,6 +152,13 @@ class ServerMetrics:
             registry=r,
         )
         self.engine_errors = Counter("ddtree_engine_errors", "Engine steps that raised", registry=r)
+        self.gc_pause = Histogram(  # server/gc_watch.py: every collection, any thread
+            "ddtree_gc_pause_seconds",
+            "Python garbage-collector pauses by generation (each stops the engine and HTTP loops)",
+            ["generation"],
+            buckets=TTFT_PART_BUCKETS,
+            registry=r,
+        )
         self.kv_cached = Gauge(
             "ddtree_kv_pages_cached", "KV pages held by the prefix cache", registry=r
         )
@@ -277,6 +284,9 @@ class ServerMetrics:
         )
         self._window: deque[tuple[float, int]] = deque()
         self._window_tokens = 0
+
+    def on_gc_pause(self, generation: int, seconds: float) -> None:
+        self.gc_pause.labels(generation=str(generation)).observe(seconds)
 
     def on_admit(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

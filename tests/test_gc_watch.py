@@ -1,0 +1,69 @@
+"""server/gc_watch.py: the start-up heap frozen after the warm-up (a full collection then walks only
+what serving allocated), every collection timed into /metrics with long ones logged, and
+DDTREE_GC_FREEZE checked before the weights load."""
+
+import gc
+import logging
+
+import pytest
+
+from ddtree.server.gc_watch import GcWatch, freeze_startup_heap, gc_freeze_on
+
+
+def test_a_collection_is_timed_reported_and_a_long_one_logged(caplog):
+    seen = []
+    watch = GcWatch(lambda g, s: seen.append((g, s)), warn_s=0.0)
+    watch.start()
+    watch.start()  # once only
+    try:
+        with caplog.at_level(logging.WARNING, logger="ddtree"):
+            gc.collect()
+    finally:
+        watch.stop()
+    assert [g for g, _ in seen] == [2] and seen[0][1] > 0
+    assert watch.pauses[2][0] == 1 and watch.pauses[2][2] == seen[0][1]
+    assert "GC pause: generation 2" in caplog.text
+    gc.collect()  # stopped: no longer timed
+    assert len(seen) == 1 and watch._callback not in gc.callbacks
+
+
+def test_freezing_leaves_a_full_collection_only_what_came_after():
+    before = len(gc.get_objects())
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() > 0.9 * before
+        assert len(gc.get_objects()) < 0.1 * before  # what the next full collection walks
+    finally:
+        gc.unfreeze()
+
+
+def test_the_freeze_switch(monkeypatch):
+    from ddtree.configs import ConfigError
+
+    monkeypatch.delenv("DDTREE_GC_FREEZE", raising=False)
+    assert gc_freeze_on()
+    monkeypatch.setenv("DDTREE_GC_FREEZE", "0")
+    assert not gc_freeze_on()
+    monkeypatch.setenv("DDTREE_GC_FREEZE", "yes")
+    with pytest.raises(ConfigError, match="DDTREE_GC_FREEZE"):
+        gc_freeze_on()
+
+
+def test_a_bad_freeze_switch_fails_before_weights_load(monkeypatch, capsys, tmp_path):
+    from ddtree.server import launch
+
+    monkeypatch.setenv("DDTREE_GC_FREEZE", "2")
+    monkeypatch.setattr(launch, "build_app", lambda *a, **k: pytest.fail("weights loaded"))
+    assert launch.main(["--device", "cpu"]) == 2
+    assert "DDTREE_GC_FREEZE" in capsys.readouterr().err
+
+
+def test_gc_pauses_reach_the_metrics():
+    from ddtree.server.metrics import ServerMetrics
+
+    m = ServerMetrics("DDTREE", 16)
+    m.on_gc_pause(2, 0.12)
+    m.on_gc_pause(0, 0.0004)
+    text = m.render().decode()
+    assert 'ddtree_gc_pause_seconds_count{generation="2"} 1.0' in text
+    assert 'ddtree_gc_pause_seconds_sum{generation="0"} 0.0004' in text
