@@ -156,7 +156,6 @@ class AsyncEngine:
 
     # ---- handler side (event loop) ---------------------------------------------------------------------
     def start(self) -> None:
-        self.gc_watch.start()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
             self._thread.start()
@@ -241,6 +240,7 @@ class AsyncEngine:
                 logger.exception("warm-up failed; serving without it")
         if self.gc_freeze:
             freeze_startup_heap()
+        self.gc_watch.start()  # after the freeze's own full collection (start-up, not serving)
         if self._warmup is not None:
             self._tick = time.monotonic()
             self._warming = False
