@@ -135,7 +135,7 @@ class AsyncEngine:
         self.engine, self.metrics = engine, metrics
         # after the warm-up: full collections walk only what serving allocates (gc_watch.py)
         self.gc_freeze = gc_freeze
-        self.gc_watch = GcWatch(metrics.on_gc_pause if metrics is not None else None)
+        self.gc_watch = GcWatch()
         # run on the engine thread before the loop; /health says "warming up" (503) until it ends
         self._warmup = warmup
         self._warming = warmup is not None
@@ -272,6 +272,8 @@ class AsyncEngine:
                 self._publish_guarded()
             if self.metrics is not None:
                 self.metrics.on_pools(self.engine)
+                for generation, seconds in self.gc_watch.drain():
+                    self.metrics.on_gc_pause(generation, seconds)
             if rec is not None:
                 server_s = rec.server_s = time.monotonic() - t0 - step_s
                 self.engine.batch_log.server_time(server_s)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
 
 from ddtree import envs
 from ddtree.configs import ConfigError
@@ -48,12 +47,20 @@ def freeze_startup_heap() -> int:
 
 
 class GcWatch:
-    """Times every collection; `on_pause(generation, seconds)` gets each (e.g. the metrics)."""
+    """Times every collection, whichever thread it stops. The callback only records (a list
+    append): it takes no lock a collection could have interrupted (the metrics' are taken by the
+    engine thread, which `drain`s the pauses after each step, as it writes every metric)."""
 
-    def __init__(self, on_pause: Callable[[int, float], None] | None = None, warn_s=GC_WARN_S):
-        self.on_pause, self.warn_s = on_pause, warn_s
+    def __init__(self, warn_s: float = GC_WARN_S):
+        self.warn_s = warn_s
         self._t0 = 0.0
         self.pauses: dict[int, list] = {0: [0, 0.0, 0.0], 1: [0, 0.0, 0.0], 2: [0, 0.0, 0.0]}
+        self._pending: list[tuple[int, float]] = []
+
+    def drain(self) -> list[tuple[int, float]]:
+        """The (generation, seconds) of the collections since the last drain."""
+        out, self._pending = self._pending, []
+        return out
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -62,9 +69,8 @@ class GcWatch:
         s, g = time.perf_counter() - self._t0, int(info.get("generation", 2))
         p = self.pauses.setdefault(g, [0, 0.0, 0.0])  # collections, seconds, the longest
         p[0], p[1], p[2] = p[0] + 1, p[1] + s, max(p[2], s)
-        if self.on_pause is not None:
-            self.on_pause(g, s)
-        if s >= self.warn_s:
+        self._pending.append((g, s))
+        if s >= self.warn_s:  # logging's handler locks are reentrant
             logger.warning(
                 "GC pause: generation %d collection took %.0f ms (%d collected)",
                 g,
