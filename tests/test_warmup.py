@@ -52,6 +52,14 @@ class _IdleEngine:
         return False
 
 
+def wait_healthy(ae, tries: int = 200) -> None:
+    """Until /health is green (the warm-up over), at most tries x 10 ms."""
+    for _ in range(tries):
+        if ae.health_problem() is None:
+            return
+        time.sleep(0.01)
+
+
 def test_health_says_warming_up_until_the_warm_up_ends():
     release = threading.Event()
     ae = AsyncEngine(_IdleEngine(), warmup=release.wait)
@@ -60,10 +68,7 @@ def test_health_says_warming_up_until_the_warm_up_ends():
         time.sleep(0.05)
         assert ae.health_problem() == WARMING_UP
         release.set()
-        for _ in range(100):
-            if ae.health_problem() is None:
-                break
-            time.sleep(0.01)
+        wait_healthy(ae)
         assert ae.health_problem() is None
     finally:
         release.set()
@@ -77,10 +82,7 @@ def test_a_failing_warm_up_still_serves():
     ae = AsyncEngine(_IdleEngine(), warmup=boom)
     ae.start()
     try:
-        for _ in range(100):
-            if ae.health_problem() is None:
-                break
-            time.sleep(0.01)
+        wait_healthy(ae)
         assert ae.health_problem() is None and ae.alive
     finally:
         ae.shutdown()
@@ -111,10 +113,7 @@ def test_the_start_up_heap_is_frozen_after_the_warm_up(gc_freeze):
     )
     ae.start()
     try:
-        for _ in range(200):
-            if ae.health_problem() is None:
-                break
-            time.sleep(0.01)
+        wait_healthy(ae)
         assert ae.health_problem() is None
         assert frozen_at_warm_up == [0]
         assert (gc.get_freeze_count() > 0) == gc_freeze
