@@ -270,9 +270,10 @@ class AsyncEngine:
                 self._unpublished = True
             else:
                 self._publish_guarded()
+            pauses = self.gc_watch.drain()  # every step: without metrics it would only grow
             if self.metrics is not None:
                 self.metrics.on_pools(self.engine)
-                for generation, seconds in self.gc_watch.drain():
+                for generation, seconds in pauses:
                     self.metrics.on_gc_pause(generation, seconds)
             if rec is not None:
                 server_s = rec.server_s = time.monotonic() - t0 - step_s

@@ -54,7 +54,6 @@ class GcWatch:
     def __init__(self, warn_s: float = GC_WARN_S):
         self.warn_s = warn_s
         self._t0 = 0.0
-        self.pauses: dict[int, list] = {0: [0, 0.0, 0.0], 1: [0, 0.0, 0.0], 2: [0, 0.0, 0.0]}
         self._pending: list[tuple[int, float]] = []
 
     def drain(self) -> list[tuple[int, float]]:
@@ -67,8 +66,6 @@ class GcWatch:
             self._t0 = time.perf_counter()
             return
         s, g = time.perf_counter() - self._t0, int(info.get("generation", 2))
-        p = self.pauses.setdefault(g, [0, 0.0, 0.0])  # collections, seconds, the longest
-        p[0], p[1], p[2] = p[0] + 1, p[1] + s, max(p[2], s)
         self._pending.append((g, s))
         if s >= self.warn_s:  # logging's handler locks are reentrant
             logger.warning(
