@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ddtree.engine.budget_policy import BudgetPolicy, RoundCost, ServedCost
+from ddtree.engine.budget_policy import BudgetPolicy, RoundCost, ServedCost, rung_name
 from ddtree.engine.config import SpecConfig, budget_ladder
 from ddtree.engine.policy_trace import PolicyTrace
 from ddtree.engine.request import Req
@@ -43,9 +43,7 @@ class RoundPlan:
     @property
     def rung(self) -> str:
         """The metrics' name of the round's choice: ar, chain or tree<B> (B: the built budget)."""
-        if self.width == 1:
-            return "ar"
-        return "chain" if self.chain else f"tree{self.width - 1}"
+        return rung_name(self.width - 1, self.chain)
 
 
 @dataclass
@@ -121,12 +119,10 @@ class BudgetPlanner:
         if pol is None:
             return {}
         cost = getattr(pol.cost, "base", pol.cost)
-        names = [
-            "chain" if c else (f"tree{b}" if b else "ar")
-            for b, c in zip(pol.rung_budget.tolist(), pol.rung_chain.tolist())
-        ]
         batches = getattr(cost, "batches", None) or (1, 2, 4, 8, 16, 32, 64)
-        return {int(bs): dict(zip(names, cost.seconds(int(bs), 0).tolist())) for bs in batches}
+        return {
+            int(bs): dict(zip(pol.rung_names, cost.seconds(int(bs), 0).tolist())) for bs in batches
+        }
 
     def set_cost(self, cost: RoundCost) -> None:
         """The policy's round costs: `cost` (the startup profile or estimate) corrected by the

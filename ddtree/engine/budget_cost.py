@@ -12,7 +12,15 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["AnalyticCost", "CostTable", "RoundCost", "ServedCost", "rung_widths", "rungs"]
+__all__ = [
+    "AnalyticCost",
+    "CostTable",
+    "RoundCost",
+    "ServedCost",
+    "rung_name",
+    "rung_widths",
+    "rungs",
+]
 
 SERVED_EMA = 0.1  # weight of one served round in ServedCost's correction
 SERVED_CLIP = (0.5, 2.0)  # one round's served / estimated seconds, clipped (a stalled round)
@@ -24,6 +32,11 @@ def rungs(ladder: tuple[int, ...], chain: int = 0) -> tuple[tuple[int, bool], ..
     same width). Every `RoundCost` returns its seconds in this order."""
     out = [(int(b), False) for b in ladder] + ([(int(chain), True)] if chain else [])
     return tuple(sorted(out, key=lambda r: (r[0], not r[1])))
+
+
+def rung_name(budget: int, chain: bool) -> str:
+    """The metrics' name of a rung: ar (budget 0), chain, or tree<budget>."""
+    return "chain" if chain else (f"tree{budget}" if budget else "ar")
 
 
 def rung_widths(ladder: tuple[int, ...], chain: int = 0) -> np.ndarray:

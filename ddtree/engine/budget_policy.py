@@ -60,6 +60,7 @@ from ddtree.engine.budget_cost import (
     CostTable,
     RoundCost,
     ServedCost,
+    rung_name,
     rung_widths,
     rungs,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "RoundCost",
     "ServedCost",
     "budget_ladder",
+    "rung_name",
     "rung_widths",
     "rungs",
 ]
@@ -111,6 +113,7 @@ class BudgetPolicy:
         r = rungs(tuple(ladder), chain)
         self.rung_budget = np.asarray([b for b, _ in r], dtype=np.int64)
         self.rung_chain = np.asarray([c for _, c in r], dtype=bool)
+        self.rung_names = tuple(rung_name(b, c) for b, c in r)  # the metrics' names, rung order
         self.chain_depth = chain
         B = max(self.max_budget, 1)
         self.shape = CurveShape(self.ladder, B)  # server-wide, past the built rung

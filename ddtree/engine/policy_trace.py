@@ -30,10 +30,7 @@ class PolicyTrace:
             return
         slots, caps = np.asarray(slots, dtype=np.int64), np.asarray(caps, dtype=np.int64)
         _, gain, rate = policy._rates(slots, caps, ctx, extra_s)
-        names = [
-            "chain" if c else (f"tree{b}" if b else "ar")
-            for b, c in zip(policy.rung_budget.tolist(), policy.rung_chain.tolist())
-        ]
+        names = list(policy.rung_names)
         cost = policy.cost
         row = {
             "bs": len(slots),
