@@ -37,6 +37,24 @@ MS = {
 }
 
 
+def observe_round(pol, slots, d, rows: list[dict], accepted, full) -> None:
+    """Feed `pol` a recorded round as `BudgetPlanner` does: the tree's curve read back up to the
+    rung it built (its edge value past it; none for a chain round), every row's chain gain, and
+    the drafts accepted. rows: the round's records (`curve64`, `chain_pred`); d: the decision."""
+    if d.width <= 1:  # AR: nothing drafted, nothing to learn
+        return
+    budgets = np.asarray(d.budgets)
+    curves = None
+    if not d.chain:
+        built = LADDER[int(np.searchsorted(LADDER, budgets.max()))]
+        c = np.array([row["curve64"] for row in rows])
+        curves = np.concatenate(
+            [c[:, :built], np.repeat(c[:, built - 1 : built], CAP - built, 1)], 1
+        )
+    chain = np.array([row["chain_pred"] for row in rows])
+    pol.observe_accepted(pol.observe_curves(slots, budgets, curves, chain, full), accepted)
+
+
 def requests(rows: list[dict]) -> list[list[dict]]:
     by: dict[str, list[dict]] = {}
     for r in rows:
@@ -45,10 +63,10 @@ def requests(rows: list[dict]) -> list[list[dict]]:
 
 
 def replay(reqs: list[list[dict]], bs: int, rounds: int, seed: int = 0) -> dict:
-    from ddtree.engine.budget_policy import BudgetPolicy, CostTable, ServedCost, rungs
+    from ddtree.engine.budget_policy import BudgetPolicy, CostTable, ServedCost, rung_name, rungs
 
     rng = np.random.default_rng(seed)
-    names = ["chain" if c else (f"tree{b}" if b else "ar") for b, c in rungs(LADDER, CHAIN)]
+    names = [rung_name(b, c) for b, c in rungs(LADDER, CHAIN)]
     assert tuple(names) == RUNG_NAMES  # MS's column order
     true = np.array(MS[bs]) / 1e3
     table = np.array([[np.array(MS[b]) / 1e3 * 0.88] for b in sorted(MS)])
@@ -74,19 +92,7 @@ def replay(reqs: list[list[dict]], bs: int, rounds: int, seed: int = 0) -> dict:
         )
         # columns: ar, tree8, chain, tree16, tree32, tree64 (the rung order)
         full = [MAX_TOKENS - row["pos"] > 16 for row in rows]
-        chain = np.array([row["chain_pred"] for row in rows])
-        budgets = np.asarray(d.budgets)
-        if d.width > 1:
-            if d.chain:
-                curves = None
-            else:
-                built = LADDER[int(np.searchsorted(LADDER, budgets.max()))]
-                c = np.array([row["curve64"] for row in rows])
-                curves = np.concatenate(
-                    [c[:, :built], np.repeat(c[:, built - 1 : built], CAP - built, 1)], 1
-                )
-            pending = pol.observe_curves(slots, budgets, curves, chain, full)
-            pol.observe_accepted(pending, acc[:, r])
+        observe_round(pol, slots, d, rows, acc[:, r], full)
         cost.observe(bs, 1024, r, true[r] * rng.lognormal(0.0, 0.03))
         gained = acc.sum(0) + bs
         tok += gained[r]

@@ -30,9 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from counterfactual_rungs import MS, counterfactual, prompt_ids  # noqa: E402
 from host_time import keep_running  # noqa: E402
-
-CHAIN, CAP = 15, 64
-RUNG_NAMES = ("ar", "tree8", "chain", "tree16", "tree32", "tree64")  # budget_cost.rungs order
+from replay_policy import CAP, CHAIN, RUNG_NAMES, observe_round  # noqa: E402
 
 
 def record(
@@ -190,21 +188,23 @@ def simulate(
     bs: int,
     rounds: int,
     max_tokens: int,
-    policy=None,
+    rung=None,
     seed=0,
     overhead=None,
     pol=None,
 ) -> dict:
     """bs requests in flight over `rounds` rounds (a finished one replaced by the next, cycling
-    the table from a random start), one rung per round: `policy` = a rung index (fixed) or None
-    for `BudgetPolicy` (`--speculative-ddtree-budget auto`). Costs: the 8B shape's served ms."""
+    the table from a random start), one rung per round: `rung` = a rung index (fixed) or None
+    for `BudgetPolicy` (`--speculative-ddtree-budget auto`: `pol`, one carried over from an
+    earlier level, else a fresh one whose profile is `overhead` seconds, or 12%, under the served
+    costs). Costs: the 8B shape's served ms."""
     from ddtree.engine.budget_policy import BudgetPolicy, CostTable, ServedCost
 
     rng = np.random.default_rng(seed)
     true = np.array([0.0] + [MS[bs][n] for n in RUNG_NAMES[1:]]) / 1e3
     true[0] = true[RUNG_NAMES.index("chain")] * 0.85  # AR: never the pick at these acceptances
     cost = None
-    if policy is None and pol is None:
+    if rung is None and pol is None:
         # the startup profile: 12% under the served rounds, or `overhead` seconds under them
         batches = tuple(sorted(MS))
         prof = (
@@ -232,24 +232,14 @@ def simulate(
     for _ in range(rounds):
         rows = [reqs[cur[i]]["positions"][pos[i] - 1] for i in range(bs)]
         a = np.array([acc[cur[i]][pos[i] - 1] for i in range(bs)])
-        if policy is not None:
-            r = int(policy)
+        if rung is not None:
+            r = int(rung)
         else:
             caps = [min(CAP, max_tokens - pos[i] - 1) for i in range(bs)]
             d = pol.choose(slots, owners, caps, 1024)
-            r, budgets = d.rung, np.asarray(d.budgets)
+            r = d.rung
             full = [max_tokens - pos[i] > 16 for i in range(bs)]
-            chain = np.array([row["chain_pred"] for row in rows])
-            curves = None
-            if d.width > 1 and not d.chain:
-                c = np.array([row["curve64"] for row in rows])
-                built = (8, 16, 32, 64)[int(np.searchsorted((8, 16, 32, 64), budgets.max()))]
-                curves = np.concatenate(
-                    [c[:, :built], np.repeat(c[:, built - 1 : built], CAP - built, 1)], 1
-                )
-            if d.width > 1:
-                pending = pol.observe_curves(slots, budgets, curves, chain, full)
-                pol.observe_accepted(pending, np.minimum(a[:, r], budgets))
+            observe_round(pol, slots, d, rows, np.minimum(a[:, r], d.budgets), full)
             cost.observe(bs, 1024, r, true[r] * rng.lognormal(0.0, 0.03))
         picks[r] += 1
         sec += true[r]
