@@ -69,6 +69,25 @@ def test_gc_pauses_reach_the_metrics():
     assert 'ddtree_gc_pause_seconds_sum{generation="0"} 0.0004' in text
 
 
+def test_a_serving_level_reports_the_gc_pauses_it_saw():
+    """`bench serving`'s level (the /metrics delta): per generation the collections, their ms and
+    those over 50 ms, counting only what happened during the level."""
+    from ddtree.bench import serving_metrics
+    from ddtree.server.metrics import ServerMetrics
+
+    m = ServerMetrics("DDTREE", 16)
+    m.on_gc_pause(2, 0.2)  # before the level
+    before = serving_metrics.parse(m.render().decode())
+    m.on_gc_pause(2, 0.12)
+    m.on_gc_pause(2, 0.01)
+    m.on_gc_pause(0, 0.0004)
+    level = serving_metrics.delta(before, serving_metrics.parse(m.render().decode()))
+    assert level["gc_pauses"]["2"]["count"] == 2 and level["gc_pauses"]["2"]["over_50ms"] == 1
+    assert level["gc_pauses"]["2"]["total_ms"] == pytest.approx(130.0)
+    assert level["gc_pauses"]["0"] == {"count": 1, "total_ms": pytest.approx(0.4), "over_50ms": 0}
+    assert "1" not in level["gc_pauses"]
+
+
 def test_a_server_without_metrics_drains_its_pauses_too():
     """The engine loop drains the watch every pass, metrics or not: without metrics the pauses
     would pile up for the server's whole life."""

@@ -140,11 +140,13 @@ def serve_levels(ns, url: str, base: list) -> list[dict]:
         levels.append(res)
         sv = res.get("server") or {}
         lag = sv.get("loop_lag_ms")
+        gc_ms = sum(g["total_ms"] for g in (sv.get("gc_pauses") or {}).values())
         cl = res["client"]
         print(
             f"#   c={c}: {res['completed']} ok, {res['output_throughput']:.0f} tok/s, "
             f"tau {res['mean_accept_length']:.2f}"
             + (f", HTTP loop lag {lag:.2f} ms" if lag is not None else "")
+            + (f", GC {gc_ms:.0f} ms" if sv else "")
             + f", client loop lag p99 {cl['loop_lag_ms']['p99']:.1f} ms, cpu {cl['cpu_share']:.2f}",
             flush=True,
         )

@@ -3,7 +3,8 @@ level (servers started with --enable-metrics; None otherwise): the chosen-budget
 rounds per verify width and per policy rung (ar / chain / tree<B>; of them the exploration rounds,
 a rung above the policy's best), the budget policy's predicted vs the realised accept length, the
 round ms per rung the policy believes (auto), and the per-round host time (engine step and server
-loop outside the round; publishing hidden under it), and the HTTP event loop's lag.
+loop outside the round; publishing hidden under it), the HTTP event loop's lag and the Python
+garbage collector's pauses.
 """
 
 from __future__ import annotations
@@ -103,6 +104,17 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
     host = parts["host"]
     lag_n = one("ddtree_http_loop_lag_seconds_count")
     late = one("ddtree_http_loop_lag_seconds_bucket", le="0.01")
+    gc_pauses = {}  # server/gc_watch.py: generation -> collections, their ms, those over 50 ms
+    for (n, lab), v in d.items():
+        if n == "ddtree_gc_pause_seconds_count" and v:
+            g = dict(lab)["generation"]
+            gc_pauses[g] = {
+                "count": int(v),
+                "total_ms": 1e3 * one("ddtree_gc_pause_seconds_sum", generation=g),
+                "over_50ms": int(
+                    v - one("ddtree_gc_pause_seconds_bucket", generation=g, le="0.05")
+                ),
+            }
     return {
         "budget_histogram": hist,  # budget bucket upper bound -> request-rounds
         "verify_width_rounds": widths,
@@ -129,4 +141,5 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         # the HTTP loop's lag (a 10 ms timer's lateness): mean ms, and the share of probes >10 ms late
         "loop_lag_ms": 1e3 * one("ddtree_http_loop_lag_seconds_sum") / lag_n if lag_n else None,
         "loop_lag_over_10ms": 1 - late / lag_n if lag_n else None,
+        "gc_pauses": gc_pauses,
     }
