@@ -109,7 +109,7 @@ def test_serving_level_reads_budgets_from_metrics():
         RoundRecord(17, [16, 16], [3.0, 5.0], [2, 4], round_s=0.008, host_s=0.001), 0.0005, 0.0002
     )
     before = parse(m.render().decode())
-    ph = {"draft": 0.001, "verify": 0.003, "commit": 0.0005}
+    ph = {"plan": 0.0002, "draft": 0.001, "verify": 0.003, "commit": 0.0005}
     m.on_round(
         RoundRecord(
             9,
@@ -138,7 +138,9 @@ def test_serving_level_reads_budgets_from_metrics():
     assert abs(d["round_ms"] - 5.0) < 1e-9 and abs(d["host_ms"] - 3.0) < 1e-9
     # the GPU's clock: only the round that carried it (a CPU round has none, not zeros)
     assert d["device_ms"] == pytest.approx(4.5) and d["idle_ms"] == pytest.approx(1.0)
-    assert d["device_phase_ms"] == pytest.approx({"draft": 1.0, "verify": 3.0, "commit": 0.5})
+    assert d["device_phase_ms"] == pytest.approx(
+        {"plan": 0.2, "draft": 1.0, "verify": 3.0, "commit": 0.5}
+    )
     assert d["per_rung"] == {}  # a fixed budget: no rung
     assert delta(None, before) is None
 

@@ -4,6 +4,8 @@ reach with this pair (`ceiling_rows`), the validity lines, and the PNG."""
 
 from __future__ import annotations
 
+from ddtree.engine.round_clock import PHASES
+
 
 def ratio_base(config: str) -> str | None:
     return "DFLASH" if config.startswith("DDTREE") else "NONE" if config == "DFLASH" else None
@@ -164,11 +166,13 @@ def rung_summary(per_rung: dict[str, dict]) -> str:
 
 def print_round_split(serving: dict[str, list[dict]]) -> None:
     """Per config and level, a decode round's wall time beside the GPU's clock of it
-    (engine/round_clock.py): device = the round's span on the GPU, idle = the GPU idle before it,
-    host = the engine and server time outside the round (which `idle` shows unhidden)."""
+    (engine/round_clock.py): device = the round's span on the GPU, cut into its phases (plan: up
+    to the draft's launch), idle = the GPU idle before it, host = the engine and server time outside
+    the round (which `idle` shows unhidden)."""
     print(
-        f"{'conc':>4} {'config':>14} {'batch':>6} {'round':>7} {'device':>7} {'idle':>6} "
-        f"{'host':>6}  (ms per decode round)"
+        f"{'conc':>4} {'config':>14} {'batch':>6} {'round':>7} {'device':>7} "
+        + "".join(f"{p:>7}" for p in PHASES)
+        + f" {'idle':>6} {'host':>6}  (ms per decode round)"
     )
 
     def ms(v):
@@ -178,10 +182,12 @@ def print_round_split(serving: dict[str, list[dict]]) -> None:
         for lv in levels:
             srv, steps = lv.get("server") or {}, lv.get("steps") or {}
             batch = steps.get("mean_decode_batch")
+            phases = srv.get("device_phase_ms") or {}
             print(
                 f"{lv['concurrency']:>4} {name:>14} {ms(batch):>6} {ms(srv.get('round_ms')):>7} "
-                f"{ms(srv.get('device_ms')):>7} {ms(srv.get('idle_ms')):>6} "
-                f"{ms(srv.get('host_ms')):>6}"
+                f"{ms(srv.get('device_ms')):>7} "
+                + "".join(f"{ms(phases.get(p)):>7}" for p in PHASES)
+                + f" {ms(srv.get('idle_ms')):>6} {ms(srv.get('host_ms')):>6}"
             )
 
 

@@ -105,6 +105,7 @@ class SpecDecoder:
             self._read_clock()
             return emitted
         plan = self.budgets.plan(reqs, max(meta.kv_lens))
+        self.clock.mark()  # the host's part before the draft launch ends here
         if plan.width == 1:  # the policy chose AR for the batch: no draft
             tree = _root_only(roots)
         else:

@@ -7,10 +7,12 @@ launches late (the GIL held by the server's event-loop thread, a slow policy) sh
 span than the same round offline. `idle_s`: the GPU idle between the previous decode round's last
 op and this round's first, i.e. the host work between rounds (read-back, emission, scheduling,
 publishing, planning) that nothing hid; None after a prefill step (its work sits in between).
-`phases`: the span cut at the draft's and the verify's last ops (device seconds each).
+`phases`: the span cut where the draft is launched (`plan`: the round's metadata copy, the budget
+planner's decision and the draft's inputs, the GPU waiting on the host), at the draft's last op and
+at the verify's (device seconds each).
 
 On the CPU (or with DDTREE_ROUND_CLOCK=0) every call is a no-op and the fields stay None. A round
-records four events and reads their times after its one blocking read-back (no extra sync).
+records five events and reads their times after its one blocking read-back (no extra sync).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from ddtree import envs
 
-PHASES = ("draft", "verify", "commit")
+PHASES = ("plan", "draft", "verify", "commit")
 # the names /metrics' ddtree_round_seconds gives them (server/metrics.py, bench/serving_metrics.py)
 DEVICE_PARTS = ("device", "idle", *(f"device_{p}" for p in PHASES))
 

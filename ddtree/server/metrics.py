@@ -19,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ddtree.engine.round_clock import DEVICE_PARTS
+from ddtree.engine.round_clock import DEVICE_PARTS, PHASES
 from ddtree.engine.step_stats import StepStats, step_metric
 
 THROUGHPUT_WINDOW_S = 5.0
@@ -338,7 +338,7 @@ class ServerMetrics:
         for name, value in zip(ROUND_PARTS, parts):
             self.round_time.labels(name).observe(value)
         ph = rec.device_phases
-        device = (rec.device_s, rec.idle_s, ph.get("draft"), ph.get("verify"), ph.get("commit"))
+        device = (rec.device_s, rec.idle_s, *(ph.get(p) for p in PHASES))
         for name, value in zip(DEVICE_PARTS, device):
             if value is not None:
                 self.round_time.labels(name).observe(value)

@@ -111,5 +111,5 @@ def _check_round_clock(recs, phases: bool) -> None:
     assert len(idle) >= len(recs) // 2 and min(idle) >= 0, idle
     if phases:
         for r in recs:
-            assert set(r.device_phases) == {"draft", "verify", "commit"}
+            assert set(r.device_phases) == {"plan", "draft", "verify", "commit"}
             assert sum(r.device_phases.values()) == pytest.approx(r.device_s, abs=1e-5)
