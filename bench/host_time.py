@@ -203,6 +203,7 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
         "round_ms_mean": 1e3 * statistics.fmean(rounds),
         "round_ms_p50": 1e3 * statistics.median(rounds),
         "policy_ms_p50": 1e3 * statistics.median(policy),
+        "policy_ms_mean": 1e3 * statistics.fmean(policy),
         "device_ms_p50": 1e3 * statistics.median(device) if device else None,
         "idle_ms_p50": 1e3 * statistics.median(idle) if idle else None,
         # per round: the device span's phases (p50), and the decoder's host time per phase (mean:
@@ -228,6 +229,10 @@ def main(argv=None) -> None:
         help="auto's round costs: the device's own, or the H200 8B table (CPU runs choose as there)",
     )
     p.add_argument("--profile", type=int, default=0, help="print the top N cProfile rows")
+    p.add_argument("--profile-sort", default="tottime", help="pstats sort key (e.g. cumulative)")
+    p.add_argument(
+        "--profile-filter", default=None, help="only rows matching this regex (e.g. budget)"
+    )
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     import torch
@@ -259,7 +264,8 @@ def main(argv=None) -> None:
             print(
                 f"{name:>6} conc {c:>3}: host {row['host_ms_mean']:.2f} ms/round (p50 "
                 f"{row['host_ms_p50']:.2f}, max {row['host_ms_max']:.1f}), round "
-                f"{row['round_ms_mean']:.2f} ms, policy {row['policy_ms_p50']:.3f} ms (p50), "
+                f"{row['round_ms_mean']:.2f} ms, policy {row['policy_ms_p50']:.3f} ms (p50; "
+                f"mean {row['policy_ms_mean']:.3f}), "
                 f"{row['rounds']} rounds"
                 + (
                     f", device {row['device_ms_p50']:.2f} ms, idle {row['idle_ms_p50']:.2f} ms (p50)"
@@ -275,7 +281,9 @@ def main(argv=None) -> None:
                 )
             print("        host phases ms: " + ", ".join(f"{k} {v:.2f}" for k, v in hst.items()))
         if prof is not None:
-            pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
+            stats = pstats.Stats(prof).sort_stats(a.profile_sort)
+            # a filter (a regex on the file:function line) first, then the top N of those
+            stats.print_stats(*([a.profile_filter] if a.profile_filter else []), a.profile)
         del llm
         gc.collect()
         if a.device == "cuda":
