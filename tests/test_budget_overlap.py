@@ -128,8 +128,8 @@ def test_decoder_observes_curves_before_the_blocking_read_back(monkeypatch):
     eng.add_request(eng.tokenizer.encode("def f(x):\n    return", add_special_tokens=False), sp)
     while eng.has_unfinished():
         eng.step()
-    spec = [order[i : i + 4] for i in range(len(order)) if order[i] == "gain"]
-    assert spec and all(r == ["gain", "verify", "curves", "read"] for r in spec)
+    spec = [order[i - 1 : i + 3] for i in range(len(order)) if order[i] == "gain"]
+    assert spec and all(r == ["verify", "gain", "curves", "read"] for r in spec)
     assert planner.last is not None and planner._pending is None
 
 

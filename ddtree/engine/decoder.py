@@ -3,8 +3,8 @@ draft -> build tree -> verify -> sample at every node -> accept walk -> commit.
 
 NONE (plain AR) is the one-node tree; DFLASH is the drafter's top-1 chain; DDTREE the best-first tree.
 The host reads back only the emitted tokens and their count, once per round; with
-`--speculative-ddtree-budget auto` also the trees' gain curves, copied as soon as the draft is done (the copy is
-queued before the verify), so the policy learns from them while the verify runs.
+`--speculative-ddtree-budget auto` also the trees' gain curves, copied on a side stream as soon as the draft is
+done (`GainReadBack`), so the policy learns from them while the verify runs.
 
 With CUDA graphs the draft replay goes from the roots to the finished tree (drafter, LM head, tree build, each
 request cut to its budget) and the verify replay from the tree to the greedy accept walk (target, LM head, argmax,
@@ -67,6 +67,7 @@ class SpecDecoder:
         self.target_override = target_override
         self.budgets = BudgetPlanner(cfg, runner.cfg.max_running_requests)
         self.clock = RoundClock(runner.device)  # the round's device and idle time (CUDA events)
+        self.gains = GainReadBack(runner.device)
         # set by the server: host work to overlap with each round's device work
         self.while_device_runs: Callable[[], None] | None = None
         if cfg.algorithm != "NONE":
@@ -122,12 +123,13 @@ class SpecDecoder:
             tree = tree.narrow(plan.width)
             t = self.times.add("tree", t)
         self.clock.mark()  # the draft's device work ends here
+        self.gains.draft_launched()
+        vo = runner.verify_nodes(reqs, tree)
         gain = None
         if self.budgets.observes and tree.chain_probs is not None:
-            # the gain curves need only the draft: queued before the verify and copied to the
-            # host while it runs, so the policy learns from them off the critical path
-            gain = _to_host_async(gain_columns(tree, plan.chain))
-        vo = runner.verify_nodes(reqs, tree)
+            # the gain curves need only the draft: read back while the verify runs, so the
+            # policy learns from them off the critical path
+            gain = self.gains.read_back(tree, plan.chain)
         t = self.times.add("verify", t)
         self.clock.mark()
         params = [r.params for r in reqs]
@@ -228,15 +230,40 @@ class SpecDecoder:
         return host
 
 
-def _to_host_async(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """(host copy of x, the event it is ready at: None on the CPU, where the copy is done)."""
-    if x.device.type != "cuda":
-        return x, None
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+class GainReadBack:
+    """The round's gain columns (`gain_columns`) to the host beside the verify. On the GPU a side
+    stream waits for the draft (an event recorded before the verify is launched), computes the
+    columns and copies them while the verify runs: the verify's launch waits for none of it (the
+    columns' small launches, queued before the verify on one stream, had sat between the draft
+    and the verify with the GPU idle). On the CPU the columns are computed in place."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+            self.draft_done = torch.cuda.Event()
+
+    def draft_launched(self) -> None:
+        """After the draft's last launch, before the verify's."""
+        if self.cuda:
+            self.draft_done.record()
+
+    def read_back(self, tree, chain: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """(host columns, the event they are ready at: None on the CPU, where they are)."""
+        if not self.cuda:
+            return gain_columns(tree, chain), None
+        s = self.stream
+        s.wait_event(self.draft_done)
+        with torch.cuda.stream(s):
+            cols = gain_columns(tree, chain)
+            host = torch.empty(cols.shape, dtype=cols.dtype, pin_memory=True)
+            host.copy_(cols, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(s)
+        for x in (tree.path_probs, tree.chain_probs):  # eager trees: not freed under the stream
+            if x is not None:
+                x.record_stream(s)
+        return host, ready
 
 
 def _root_only(roots: torch.Tensor) -> DraftTree:
