@@ -53,6 +53,15 @@ class Forced:
     # the planner proposes the next round's decision under the verify, as with the real policy
     propose = choose
 
+    def carry(self, d, prev_owners, owners, caps):
+        """The proposed rung for a batch that changed, as the policy's `carry`."""
+        import numpy as np
+
+        from ddtree.engine.budget_policy import Decision
+
+        b = np.full(len(owners), int(d.budgets.max(initial=0)), dtype=np.int64)
+        return Decision(d.width, b, np.zeros(len(owners)), 0.0, d.chain)
+
     def commit(self, d):
         return d
 

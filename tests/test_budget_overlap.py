@@ -166,10 +166,11 @@ def _serve(planner, reqs, rng, ctx=1000):
 
 def test_planner_decides_the_next_round_under_the_verify():
     """Same requests round after round: the policy's decision is proposed while the verify runs
-    and `plan` only commits it (no `choose` on the critical path); a new request in the batch
-    discards the proposal (one `choose`), and the clocks advance once per round that ran."""
+    and `plan` only commits it (no `choose` on the critical path); a batch that changed (a new
+    request, one back in another slot) takes the proposal's rung (`carry`: still no `choose`),
+    and the clocks advance once per round that ran."""
     planner, pol = _planner()
-    calls = {"choose": 0, "propose": 0}
+    calls = {"choose": 0, "propose": 0, "carry": 0}
     for name in calls:
         fn = getattr(pol, name)
 
@@ -183,24 +184,55 @@ def test_planner_decides_the_next_round_under_the_verify():
     spec = 0
     for _ in range(20):
         spec += _serve(planner, reqs, rng).width > 1
-    assert calls["choose"] == 1  # the first round only
+    assert calls["choose"] == 1 and calls["carry"] == 0  # the first round only
+    proposed = planner._next[1]
     reqs[2] = _req(2)  # a request finished, a new one took its slot
-    spec += _serve(planner, reqs, rng).width > 1
-    assert calls["choose"] == 2
+    plan = _serve(planner, reqs, rng)
+    spec += plan.width > 1
+    assert calls["choose"] == 1 and calls["carry"] == 1
+    assert plan.rung == pol.rung_names[proposed.rung]
+    assert plan.budgets == proposed.budgets.tolist()
     for _ in range(5):
         spec += _serve(planner, reqs, rng).width > 1
-    assert calls["choose"] == 2 and calls["propose"] >= 25
+    assert calls["choose"] == 1 and calls["propose"] >= 25
     reqs[3].slot = 7  # preempted and back in another slot: the proposal's slots are stale
-    spec += _serve(planner, reqs, rng).width > 1
-    assert calls["choose"] == 3 and planner._batch[0].tolist() == [0, 1, 2, 7]
+    plan = _serve(planner, reqs, rng)
+    spec += plan.width > 1
+    assert calls["choose"] == 1 and calls["carry"] == 2
+    assert planner._batch[0].tolist() == [0, 1, 2, 7] and plan.slots.tolist() == [0, 1, 2, 7]
     # proposals that never ran moved no clock: one speculative round, one tick
     assert pol.spec_rounds == spec
+
+
+def test_a_carried_decision_keeps_the_rung_within_each_cap_or_declines():
+    """`carry`: the proposal's rung for a changed batch, each budget capped by its request's
+    cap and a new request predicted at the proposal's mean; declined (the planner decides) for
+    the chain under a cap below its drafts, and before the policy rates the server-wide curve."""
+    from ddtree.engine.budget_policy import Decision
+
+    planner, pol = _planner()
+    a, b, c = object(), object(), object()
+    tree = int(np.flatnonzero(~pol.rung_chain & (pol.rung_budget == 32))[0])
+    d = Decision(33, np.array([32, 32]), np.array([4.0, 6.0]), 1.0, False, False, tree, (0, 3))
+    assert pol.carry(d, [a, b], [b, c], [64, 64]) is None  # nothing learned yet
+    pol.prior_chain = 5.0
+    got = pol.carry(d, [a, b], [b, c], [64, 16])
+    assert got.budgets.tolist() == [32, 16] and got.width == 33 and got.rung == tree
+    assert got.predicted.tolist() == [6.0, 5.0] and got.clocks == (0, 3)
+    chain = int(np.flatnonzero(pol.rung_chain)[0])
+    dc = Decision(16, np.array([15, 15]), np.array([4.0, 6.0]), 1.0, True, False, chain, (0, 3))
+    assert pol.carry(dc, [a, b], [b, c], [64, 64]).chain
+    assert pol.carry(dc, [a, b], [b, c], [64, 8]) is None  # c's cap is below the chain's drafts
 
 
 def test_calibration_never_reaches_a_new_request_in_the_slot():
     """The last round's realised accept lengths are taken in later (under the next verify, or in
     `plan` before its `choose` claims the slots): a request that takes a finished one's slot
-    starts from the server-wide calibration, as with the in-line observe."""
+    starts from the server-wide calibration, as with the in-line observe. With the proposal
+    carried to the changed batch, the slot is claimed under the verify, after the finished
+    request's accepts were taken in."""
+    from ddtree.engine.budget import CURVE_SCALE
+
     planner, pol = _planner()
     rng = np.random.default_rng(1)
     reqs = [_req(s) for s in range(2)]
@@ -208,10 +240,34 @@ def test_calibration_never_reaches_a_new_request_in_the_slot():
         _serve(planner, reqs, rng)
     assert pol.seen[:2].all()
     new = _req(1)
-    plan = planner.plan([reqs[0], new], 1000)  # the batch changed: decided here
+    plan = planner.plan([reqs[0], new], 1000)  # the batch changed: the proposal carried
+    assert planner._accepted is not None  # nothing taken in on the critical path
+    assert pol.owner[1] is reqs[1] and pol.seen[1]
+    curve = rng.uniform(0.3, 1.0, (2, 1)) * CURVE
+    cols = np.concatenate([curve, curve[:, 14:15]], 1)
+    planner.observe_curves(plan, np.round(cols * CURVE_SCALE).astype(np.int64))  # under the verify
+    assert planner._accepted is None  # the finished request's accepts were taken in first
     assert pol.owner[1] is new and not pol.seen[1] and pol.real[1] == 0 and pol.pred[1] == 0
     assert pol.seen[0] and plan.width >= 1
-    assert planner._accepted is None  # the last round's accept lengths were taken in first
+    planner.observe(plan, 2, [3, 4])
+    planner.plan([reqs[0], new], 1000)  # the same batch: the new request's round taken in
+    planner._catch_up()
+    assert pol.seen[1] and pol.real[1] > 0
+
+
+def test_a_changed_batch_is_decided_in_plan_before_the_server_wide_curve():
+    """Before a decision rates the server-wide curve (no chain gain read yet) `carry` declines,
+    and `plan` takes in the last round's accepts and then claims the slot in its `choose`."""
+    planner, pol = _planner()
+    rng = np.random.default_rng(3)
+    reqs = [_req(s) for s in range(2)]
+    for _ in range(3):
+        _serve(planner, reqs, rng)
+    assert planner._next is not None and planner._accepted is not None
+    pol.prior_chain = None  # as before any chain gain was read back
+    new = _req(1)
+    planner.plan([reqs[0], new], 1000)
+    assert pol.owner[1] is new and not pol.seen[1] and planner._accepted is None
 
 
 def test_the_proposal_is_what_choose_would_decide():

@@ -143,9 +143,15 @@ class BudgetPlanner:
                 return RoundPlan(cfg.verify_width, None)
             return RoundPlan(self.width_for(max(caps)), caps, cut=caps)
         nxt, self._next = self._next, None
-        if nxt is not None and nxt[0] == _batch_key(reqs, caps):
-            d = self.policy.commit(nxt[1])  # proposed while the last round's verify ran
-            slots = self._batch[0]
+        d = None
+        if nxt is not None:
+            if nxt[0] == _batch_key(reqs, caps):  # proposed while the last round's verify ran
+                d, slots = nxt[1], self._batch[0]
+            else:  # the batch changed: the proposal's rung for the new requests
+                d = self.policy.carry(nxt[1], self._batch[1], reqs, caps)
+                slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
+        if d is not None:
+            d = self.policy.commit(d)
         else:
             self._catch_up()
             slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))

@@ -252,6 +252,32 @@ class BudgetPolicy:
             width, budgets, gain[:, best], rate_best, chain, explore, best, (streak, spec)
         )
 
+    def carry(self, d: Decision, prev_owners: list[object], owners: list[object], caps):
+        """`d`, proposed for the last round's requests (`prev_owners`), for a batch that changed
+        (requests left or joined): the same rung, each request's budget capped by its own cap,
+        the kept requests' predictions and the proposal's mean for a new one. Nothing is rated
+        again and no slot is claimed here (the next proposal, under the verify, claims them
+        after taking in the last round's accepts): the rung rated for a batch one or two
+        requests away, one round late, against a critical-path decision (`choose`, with the
+        last round's calibration taken in first) that in the server cost auto's rounds 0.1-0.7
+        ms at concurrency 8-32. None where it cannot serve (the chain under a smaller cap, no
+        rung, or before the decisions rate the server-wide curve, where a slot's own curve,
+        which the claim resets, is what a decision rates): the planner decides."""
+        if d.rung < 0 or self.prior_chain is None:
+            return None
+        caps = np.asarray(caps, dtype=np.int64)
+        chain = bool(self.rung_chain[d.rung])
+        if chain and len(caps) and caps.min() < self.chain_depth:
+            return None
+        budgets = np.minimum(self.rung_budget[d.rung], caps)
+        at = {id(o): i for i, o in enumerate(prev_owners)}
+        fill = float(d.predicted.mean()) if len(d.predicted) else 0.0
+        predicted = np.asarray([d.predicted[at[id(o)]] if id(o) in at else fill for o in owners])
+        width = 1 + int(budgets.max(initial=0))
+        return Decision(
+            width, budgets, predicted, d.tokens_per_s, chain, d.explore, d.rung, d.clocks
+        )
+
     def commit(self, d: Decision) -> Decision:
         """The proposed decision runs: its clocks become the policy's."""
         if d.clocks is not None:
