@@ -229,7 +229,7 @@ class BudgetPolicy:
     ) -> Decision:
         """`choose`'s decision without advancing its clocks (the AR streak, the exploration
         clock): the planner proposes the next round's decision while this round's verify runs
-        and `commit`s it only if the next round has the same requests."""
+        and `commit`s it if the next round has the same requests (`carry` it otherwise)."""
         slots, caps = np.asarray(slots, dtype=np.int64), np.asarray(caps, dtype=np.int64)
         self._claim(slots, owners)
         per, gain, rate = self._rates(slots, caps, ctx, extra_s)
@@ -258,11 +258,12 @@ class BudgetPolicy:
         the kept requests' predictions and the proposal's mean for a new one. Nothing is rated
         again and no slot is claimed here (the next proposal, under the verify, claims them
         after taking in the last round's accepts): the rung rated for a batch one or two
-        requests away, one round late, against a critical-path decision (`choose`, with the
-        last round's calibration taken in first) that in the server cost auto's rounds 0.1-0.7
-        ms at concurrency 8-32. None where it cannot serve (the chain under a smaller cap, no
-        rung, or before the decisions rate the server-wide curve, where a slot's own curve,
-        which the claim resets, is what a decision rates): the planner decides."""
+        requests away, one round late, in place of a decision on the critical path (`choose`,
+        the last round's calibration taken in first; at concurrency 8-32 a request finishes or
+        joins almost every round, and in the server auto's plan phase ran 0.2-0.7 ms over
+        DFLASH's with it: BENCHMARKS). None where it cannot serve (the chain under a smaller
+        cap, no rung, or before the decisions rate the server-wide curve, where a slot's own
+        curve, which the claim resets, is what a decision rates): the planner decides."""
         if d.rung < 0 or self.prior_chain is None:
             return None
         caps = np.asarray(caps, dtype=np.int64)
