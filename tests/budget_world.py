@@ -85,9 +85,12 @@ def _curve() -> tuple[np.ndarray, np.ndarray]:
     return np.minimum(g, g[15]), np.maximum(g - g[15], 0.0)
 
 
-def run(policy, bs: int, world: World, rounds: int, seed: int = 0, warm: int = 0) -> Result:
+def run(
+    policy, bs: int, world: World, rounds: int, seed: int = 0, warm: int = 0, planner=False
+) -> Result:
     """`warm` + `rounds` rounds at batch bs; the last `rounds` are scored, in expectation given
-    each request's easiness (not the Poisson draws the policy sees): low variance."""
+    each request's easiness (not the Poisson draws the policy sees): low variance. `planner`:
+    each round's decision as `BudgetPlanner.plan` takes it (`decide`), not `choose` in line."""
     rng = np.random.default_rng(seed)
     head, tail = _curve()
     slots, owners = np.arange(bs), [object() for _ in range(bs)]
@@ -98,11 +101,15 @@ def run(policy, bs: int, world: World, rounds: int, seed: int = 0, warm: int = 0
     fixed_tokens, fixed_seconds = np.zeros(len(RUNGS)), np.zeros(len(RUNGS))
     picks: dict[str, int] = {}
     explored = 0
+    proposal = None  # planner: (the requests it was proposed for, the Decision)
     for k in range(warm + rounds):
         for i in np.flatnonzero(age >= world.life):  # finished: a new request takes the slot
             owners[i], age[i] = object(), 0
             easy[:, i] = rng.lognormal(mu_r, world.request_sigma, 2)
-        d = policy.choose(slots, owners, [CAP] * bs, 1024)
+        if planner:
+            d = decide(policy, slots, owners, proposal)
+        else:
+            d = policy.choose(slots, owners, [CAP] * bs, 1024)
         deep = ~(world.flat_last & (age == world.life - 1))  # rows drafted at full depth
         u, v = rng.lognormal(mu, world.sigma, (2, bs)) * easy
         v = np.where(deep, v, 0.0)
@@ -128,6 +135,8 @@ def run(policy, bs: int, world: World, rounds: int, seed: int = 0, warm: int = 0
         served = COST.seconds(bs, 1024)[r] * rng.lognormal(0.0, world.cost_noise)
         if hasattr(getattr(policy, "cost", None), "observe"):  # as BudgetPlanner.plan does
             policy.cost.observe(bs, 1024, r, served)
+        if planner:  # under the verify (here after the round's accepts too)
+            proposal = (list(owners), policy.propose(slots, owners, [CAP] * bs, 1024))
         age += 1
         picks[NAMES[r]] = picks.get(NAMES[r], 0) + 1
         explored += bool(getattr(d, "explore", False))
@@ -150,6 +159,20 @@ def run(policy, bs: int, world: World, rounds: int, seed: int = 0, warm: int = 0
         fixed_tokens += bs + per_rung
         fixed_seconds += cost
     return Result(tokens / seconds, fixed_tokens / fixed_seconds, picks, explored)
+
+
+def decide(policy, slots, owners: list, proposal: tuple | None):
+    """As `BudgetPlanner.plan`: the decision proposed after the last round committed when the
+    requests are the same, carried (`BudgetPolicy.carry`) when the batch changed, `choose`
+    where it declines or before any proposal."""
+    caps = [CAP] * len(slots)
+    if proposal is not None:
+        prev, d = proposal
+        if any(a is not b for a, b in zip(prev, owners)):
+            d = policy.carry(d, prev, owners, caps)
+        if d is not None:
+            return policy.commit(d)
+    return policy.choose(slots, owners, caps, 1024)
 
 
 def _rung_index(d) -> int:

@@ -65,6 +65,30 @@ def test_reaches_the_best_fixed_rung(scenario, bs):
     assert r.of_best >= 0.97, (r.of_best, r.best, r.picks)
 
 
+@pytest.mark.parametrize("bs", BATCHES)
+@pytest.mark.parametrize("scenario", ["fresh", "after_synthetic_warmup"])
+def test_decisions_carried_to_a_changed_batch_still_reach_the_best_rung(scenario, bs):
+    """As the planner serves: the decision proposed after each round, carried (`carry`) to the
+    next when a request left or joined (a request's life is 16 rounds, so from batch 16 up the
+    batch changes nearly every round and the rung lags the batch by a round)."""
+    world, warmup = SCENARIOS[scenario]
+    pol = BudgetPolicy(LADDER, ServedCost(COST), 64, CHAIN)
+    if warmup:
+        run(pol, 1, SYNTHETIC, 6, seed=100, planner=True)
+        run(pol, 64, SYNTHETIC, 6, seed=100, planner=True)
+    calls = {"carry": 0}
+    carry = pol.carry
+
+    def counted(*a, **k):
+        calls["carry"] += 1
+        return carry(*a, **k)
+
+    pol.carry = counted
+    r = run(pol, bs, world, ROUNDS, seed=1, warm=WARM, planner=True)
+    assert r.of_best >= 0.97, (r.of_best, r.best, r.picks)
+    assert calls["carry"] > (ROUNDS // 2 if bs >= 16 else 0)  # the carry path really served
+
+
 @pytest.mark.parametrize("order", [BATCHES, BATCHES[::-1]])
 def test_one_server_through_the_levels(order):
     """`bench at-scale`'s protocol: one server (its policy state carried) through every level,
