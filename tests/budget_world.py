@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.engine.budget_policy import CostTable, rungs
+from ddtree.engine.budget_policy import CostTable, rung_name, rungs
 
 LADDER, CHAIN, CAP = (0, 8, 16, 32, 64), 15, 64
 BATCHES = (1, 4, 16, 64)
 RUNGS = rungs(LADDER, CHAIN)  # AR, B8, chain, B16, B32, B64
-NAMES = tuple("chain" if c else (f"tree{b}" if b else "ar") for b, c in RUNGS)
+NAMES = tuple(rung_name(b, c) for b, c in RUNGS)
 # round ms per rung (RUNGS order). AR, chain, B16, B64: the fixed servers' /metrics round ms of
 # the 8B-shape run (BENCHMARKS, 2026-12-01; AR: NONE's TPOT); B8 from auto's B8 rounds at 64, B32
 # between B16 and B64 by verify rows.
