@@ -144,18 +144,16 @@ class BudgetPlanner:
                 return RoundPlan(cfg.verify_width, None)
             return RoundPlan(self.width_for(max(caps)), caps, cut=caps)
         nxt, self._next = self._next, None
+        same = nxt is not None and nxt[0] == _batch_key(reqs, caps)
+        slots = self._batch[0] if same else np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
         d = None
-        if nxt is not None:
-            if nxt[0] == _batch_key(reqs, caps):  # proposed while the last round's verify ran
-                d, slots = nxt[1], self._batch[0]
-            else:  # the batch changed: the proposal's rung for the new requests
-                d = self.policy.carry(nxt[1], self._batch[1], reqs, caps)
-                slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
+        if nxt is not None:  # proposed while the last round's verify ran; a changed batch
+            # takes the proposal's rung (None: it cannot, and `choose` decides here)
+            d = nxt[1] if same else self.policy.carry(nxt[1], self._batch[1], reqs, caps)
         if d is not None:
             d = self.policy.commit(d)
         else:
             self._catch_up()
-            slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
             d = self.policy.choose(slots, reqs, caps, max_ctx, self.host_s)
         self._batch = (slots, reqs, caps, max_ctx)
         if self.trace.on:

@@ -241,9 +241,8 @@ class AsyncEngine:
         if self.gc_freeze:
             freeze_startup_heap()
         self.gc_watch.start()  # after the freeze's own full collection (start-up, not serving)
-        if self._warmup is not None:
-            self._tick = time.monotonic()
-            self._warming = False
+        # /health serves from here: after the warm-up and the freeze
+        self._tick, self._warming = time.monotonic(), False
         while not self._stop.is_set():
             t0 = self._tick = time.monotonic()
             idle = not self.engine.has_unfinished()
