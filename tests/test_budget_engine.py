@@ -110,9 +110,17 @@ def test_changing_budgets_check_can_fail(toy_pair, ar_tokens, monkeypatch):
     assert tokens_of(outs) != ar_tokens
 
 
-def test_auto_policy_is_lossless_and_learns(toy_pair, ar_tokens):
+def test_auto_policy_is_lossless_and_learns(toy_pair, ar_tokens, monkeypatch):
+    from ddtree.engine.budget_policy import BudgetPolicy
+
+    carried = []  # decisions carried to a batch that changed (requests finishing)
+    real = BudgetPolicy.carry
+    monkeypatch.setattr(
+        BudgetPolicy, "carry", lambda self, *a: carried.append(real(self, *a)) or carried[-1]
+    )
     outs, planner = generate(toy_pair, accepted_prompts(), stub=False)
     assert tokens_of(outs) == ar_tokens and mean_accept(outs) > 2
+    assert any(d is not None for d in carried)  # lossless with the carried decisions too
     pol = planner.policy
     assert (
         pol.shape.head is not None and pol.prior_chain > 1
