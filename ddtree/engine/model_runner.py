@@ -507,6 +507,10 @@ class ModelRunner:
         """Trim to `keep_tokens` cached tokens, or free everything (then it caches nothing; with the
         prefix cache its full pages stay cached for later requests)."""
         if keep_tokens is None:
+            # A finish inside an accepted block (stop string or id, EOS, max_tokens) drops the
+            # block's later tokens, whose KV the round already wrote: what the request commits is
+            # its tokens, so the KV it hands the cache ends with them.
+            req.kv_len = min(req.kv_len, req.seq_len)
             tokens = req.token_slice(0, req.kv_len) if self.bm.cache is not None else None
             self.bm.free(req, tokens, req.kv_len)
             req.kv_len = 0
