@@ -146,7 +146,9 @@ class BlockManager:
         (same tokens, same positions: the same KV). Returns the deepest cached node."""
         if self.cache is None or req.slot < 0:
             return None
-        assert len(tokens) >= num_tokens, f"{req.rid}: {num_tokens} cached tokens, {len(tokens)} ids"
+        assert len(tokens) >= num_tokens, (
+            f"{req.rid}: {num_tokens} cached tokens, {len(tokens)} ids"
+        )
         slot, p = req.slot, self.page_size
         pages, done, node = self.pages[slot], self.shared[slot], self.node[slot]
         full = min(num_tokens // p, len(pages))
