@@ -66,6 +66,11 @@ class ServerArgs:
     max_running_requests: int | None = _opt(
         None, "max concurrent requests; default 48 speculative, 256 otherwise"
     )
+    max_queued_requests: int | None = _opt(
+        None,
+        "requests that may wait for a slot; past it a new request gets 503 with Retry-After "
+        "(back-pressure); default: no limit",
+    )
     max_total_tokens: int | None = _opt(
         None, "cap on KV cache tokens; default: what fits in memory"
     )
@@ -313,6 +318,7 @@ def _check_scalars(a: ServerArgs, p: list[str]) -> None:
 _MINIMUMS = {
     "context_length": 1,
     "max_running_requests": 1,
+    "max_queued_requests": 1,
     "max_total_tokens": 1,
     "max_prefill_tokens": 1,
     "page_size": 1,

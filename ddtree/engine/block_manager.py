@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.engine.faults import PoolCorrupted
 from ddtree.engine.prefix_cache import CacheStats, Node, PrefixMatch, RadixCache
 from ddtree.engine.request import Req
 
@@ -232,14 +233,16 @@ class BlockManager:
         if req.slot < 0:
             return
         slot = req.slot
-        if self.cache is not None and tokens is not None:
-            self.cache_prefix(req, tokens, num_tokens)
-        node, shared = self.node.pop(slot), self.shared.pop(slot)
-        if node is not None:
-            self.cache.unlock(node)
-        self.free_pages.extend(self.pages.pop(slot)[shared:])
-        self.free_slots.append(slot)
-        req.slot = -1
+        try:
+            if self.cache is not None and tokens is not None:
+                self.cache_prefix(req, tokens, num_tokens)
+        finally:  # a failed insertion still frees the slot and the private pages
+            node, shared = self.node.pop(slot), self.shared.pop(slot)
+            if node is not None:
+                self.cache.unlock(node)
+            self.free_pages.extend(self.pages.pop(slot)[shared:])
+            self.free_slots.append(slot)
+            req.slot = -1
 
     # ---- checks ----------------------------------------------------------------------------------
     def check_writes(self, slots: torch.Tensor) -> None:
@@ -248,7 +251,16 @@ class BlockManager:
             return
         pages = set((slots.flatten() // self.page_size).unique().tolist())
         bad = pages & self.cache.page_owner.keys()
-        assert not bad, f"a KV write reaches shared cached pages {sorted(bad)[:8]}"
+        if bad:
+            raise PoolCorrupted(f"a KV write reaches shared cached pages {sorted(bad)[:8]}")
+
+    def check_slots(self, running: Sequence[Req]) -> None:
+        """Every request slot is free or held by exactly one running request (cheap: O(slots))."""
+        held = [r.slot for r in running if r.slot >= 0]
+        every = held + list(self.free_slots)
+        assert len(every) == len(set(every)), "a request slot is owned twice"
+        assert len(every) == self.block_table.shape[0], "request slots leaked"
+        assert set(held) == self.pages.keys(), "pages held by a slot no running request has"
 
     def check_integrity(self) -> None:
         private = [p for s, ps in self.pages.items() for p in ps[self.shared[s] :]]

@@ -13,6 +13,7 @@ from ddtree.engine import logprobs
 from ddtree.engine.batch_log import BatchLog
 from ddtree.engine.config import prefill_chunk_tokens, spec_config
 from ddtree.engine.decoder import SpecDecoder
+from ddtree.engine.faults import EngineDead, FaultIsolation, describe
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes
@@ -61,6 +62,7 @@ class LLMEngine:
         self._seeds = random.Random(args.random_seed)
         self.requests: dict[str, Req] = {}
         self.last_round = None  # RoundRecord of the latest decode step (None after a prefill)
+        self.faults = FaultIsolation(tensor_parallel=self.tp is not None)
         if self.tp is not None:
             self.tp.started()  # every rank built its engine
 
@@ -92,6 +94,13 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        bm, width = self.runner.bm, self.scheduler.verify_width
+        if bm.pages_for(len(ids) + width) > min(bm.num_pages, bm.max_pages_per_req):
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; with a round's {width} tree rows it needs more "
+                f"KV cache than the server has ({min(bm.num_pages, bm.max_pages_per_req)} pages "
+                f"of {bm.page_size} tokens a request)"
+            )
         req = Req(prompt_ids=ids, params=params, **({"rid": rid} if rid else {}))
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
@@ -121,68 +130,161 @@ class LLMEngine:
     def step(self) -> list[Req]:
         """One scheduling step; returns the requests that advanced (finished ones included). A
         decode step leaves its timing in `last_round` (host = the step's time outside
-        `SpecDecoder.round`: scheduling, emission, detokenisation, stop checks)."""
+        `SpecDecoder.round`: scheduling, emission, detokenisation, stop checks). A failure fails
+        only the requests it can be pinned on (`engine/faults.py`); one that cannot be isolated
+        raises EngineDead, and every later step raises it again."""
+        if self.faults.dead is not None:
+            raise EngineDead(self.faults.dead)
         if self.tp is not None:  # every rank runs this step on rank 0's inputs
             self.tp.sync(self)
         t0 = time.perf_counter()
         self.last_round = None
-        batch = self.scheduler.schedule()
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as e:  # noqa: BLE001 - isolated below
+            self._schedule_failed(e)
+            return []
         self.runner.step_stats.schedule_s += time.perf_counter() - t0
         if batch is None:
             self._starved()
             return []
+        try:
+            if batch.is_prefill:
+                emitted = self._prefill(batch)
+            else:
+                self.runner.step_stats.on_decode(len(batch.reqs))
+                t1 = time.perf_counter()
+                emitted = dict(zip(batch.reqs, self.decoder.round(batch.reqs, self.max_context)))
+                t2 = time.perf_counter()
+        except Exception as e:  # noqa: BLE001 - isolated below
+            self._batch_failed(batch, e)
+            return batch.reqs
+        self.faults.succeeded()
+        for r, toks in emitted.items():
+            try:
+                if not batch.is_prefill:
+                    r.stats.rounds += 1
+                    r.stats.accept_lengths.append(len(toks))
+                    r.suspect = False  # a round of its own succeeded (a suspect decodes alone)
+                self.emitter.emit(r, toks)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                self._fail_request(r, e)
+        for r in batch.reqs:
+            if r.finish_reason is not None and not r.is_finished:
+                try:
+                    logprobs.trim(r)
+                    self._finish(r)
+                except Exception as e:  # noqa: BLE001 - this request's own failure
+                    self._fail_request(r, e)
         if batch.is_prefill:
-            logits = self.runner.prefill(batch.reqs, batch.q_lens)
-            _stamp_chunks(batch.reqs)
-            ready = [
-                i for i, r in enumerate(batch.reqs) if not r.needs_prefill and not r.output_ids
-            ]
-            if ready:
-                reqs = [batch.reqs[i] for i in ready]
-                rows = logits[ready][:, None]
-                first = sample_nodes(rows, [r.params for r in reqs], [r.generator for r in reqs])
-                lp = logprobs.node_logprobs(reqs, rows, torch.zeros_like(first), first)
-                host, lp_rows = logprobs.read_back(reqs, first, lp)
-                now = time.monotonic()
-                for r, toks, lp_row in zip(reqs, host, lp_rows):
-                    logprobs.append(r, lp_row, toks)
-                    self.emitter.emit(r, toks)
-                    r.times.first_token = r.times.first_token or now
             self.batch_log.prefill(batch.q_lens)
             self.decoder.clock.forget()  # the next round's idle time would hold this step
         else:
-            self.runner.step_stats.on_decode(len(batch.reqs))
-            t1 = time.perf_counter()
-            emitted = self.decoder.round(batch.reqs, self.max_context)
-            t2 = time.perf_counter()
-            for r, toks in zip(batch.reqs, emitted):
-                r.stats.rounds += 1
-                r.stats.accept_lengths.append(len(toks))
-                self.emitter.emit(r, toks)
-        for r in batch.reqs:
-            if r.finish_reason is not None and not r.is_finished:
-                logprobs.trim(r)
-                self.scheduler.finish(r)
-                self.requests.pop(r.rid, None)
-        if not batch.is_prefill:
             rec = self.last_round = self.decoder.budgets.last
             rec.round_s = t2 - t1
             rec.host_s = time.perf_counter() - t0 - rec.round_s
-            self.batch_log.decode(emitted, rec)
+            self.batch_log.decode(list(emitted.values()), rec)
         return batch.reqs
 
+    def _prefill(self, batch) -> dict[Req, list[int]]:
+        """The prefill forward; the first token of each request whose prompt is now complete."""
+        logits = self.runner.prefill(batch.reqs, batch.q_lens)
+        _stamp_chunks(batch.reqs)
+        ready = [i for i, r in enumerate(batch.reqs) if not r.needs_prefill and not r.output_ids]
+        if not ready:
+            return {}
+        reqs = [batch.reqs[i] for i in ready]
+        rows = logits[ready][:, None]
+        first = sample_nodes(rows, [r.params for r in reqs], [r.generator for r in reqs])
+        lp = logprobs.node_logprobs(reqs, rows, torch.zeros_like(first), first)
+        host, lp_rows = logprobs.read_back(reqs, first, lp)
+        now = time.monotonic()
+        for r, toks, lp_row in zip(reqs, host, lp_rows):
+            logprobs.append(r, lp_row, toks)
+            r.times.first_token = r.times.first_token or now
+        return dict(zip(reqs, host))
+
+    def _finish(self, req: Req) -> None:
+        self.scheduler.finish(req)
+        self.requests.pop(req.rid, None)
+
+    # ---- failures (engine/faults.py) --------------------------------------------------------------
+    def _fail_request(self, req: Req, exc: BaseException) -> None:
+        """`req`'s own host work raised: it alone fails (finish reason abort, `req.error` set) and
+        everything it held is released; the pools are checked."""
+        logger.exception("request %s failed; the others go on", req.rid)
+        self.faults.stats.isolated += 1
+        req.error = req.error or f"internal engine error: {describe(exc)}"
+        req.finish_reason = "abort"
+        self.emitter.drop(req.rid)
+        if not req.is_finished:
+            try:
+                self._finish(req)
+            except Exception:  # noqa: BLE001 - its slot and pages are freed all the same
+                logger.exception("releasing failed request %s raised", req.rid)
+        self.requests.pop(req.rid, None)
+        self.check_pools()
+
+    def _batch_failed(self, batch, exc: BaseException) -> None:
+        """A batched step raised: a batch of one names its culprit; a larger one is rolled back
+        and its requests run alone until the culprit fails alone."""
+        self.last_round = None
+        self.runner.abandon_round()
+        reqs = list(batch.reqs)
+        self.faults.stats.batch_failures += 1
+        self.faults.failed(exc, [r.rid for r in reqs])  # EngineDead if it cannot be isolated
+        if len(reqs) == 1:
+            self._fail_request(reqs[0], exc)
+            return
+        logger.warning(
+            "a %s step of %d requests failed (%s); rolling them back to run alone",
+            "prefill" if batch.is_prefill else "decode",
+            len(reqs),
+            describe(exc),
+        )
+        self.faults.stats.rolled_back += len(reqs)
+        for r in reqs:  # the tokens a request keeps are those it emitted before this step
+            logprobs.trim(r)
+        self.scheduler.roll_back(reqs)
+        self.check_pools()
+
+    def _schedule_failed(self, exc: BaseException) -> None:
+        """Scheduling raised: the queue's head is the likely culprit (admission looks at it)."""
+        head = self.scheduler.waiting[0] if self.scheduler.waiting else None
+        self.faults.failed(exc, [head.rid] if head is not None else [])
+        if head is None:
+            raise EngineDead(f"scheduling failed with no request to blame: {describe(exc)}")
+        self._fail_request(head, exc)
+
+    def check_pools(self) -> None:
+        """Pool integrity after a failure (O(pages)): the KV pages, the prefix cache's ref
+        counts, the request slots. A failure makes the engine dead (EngineDead)."""
+        try:
+            self.runner.bm.check_integrity()
+            self.runner.bm.check_slots(self.scheduler.running)
+        except AssertionError as e:
+            self.faults.checked(False, str(e))
+        else:
+            self.faults.checked(True)
+
     def _starved(self) -> None:
-        """Nothing could be scheduled although requests wait: the head request can never fit."""
+        """Nothing could be scheduled although requests wait and none runs: the head request can
+        never fit (admission refuses a prompt larger than the pool; a preempted request's
+        output can outgrow it). It ends with what it has: 'length' after some output, an error
+        before any (never an empty 'length')."""
         if self.scheduler.waiting and not self.scheduler.running:
             req = self.scheduler.waiting[0]
-            logger.warning(
-                "request %s does not fit in the KV cache; finishing it with reason 'length'",
-                req.rid,
-            )
+            logger.warning("request %s does not fit in the KV cache; finishing it", req.rid)
             self.emitter.flush(req)
-            req.finish_reason = "length"
-            self.scheduler.finish(req)
-            self.requests.pop(req.rid, None)
+            if req.output_ids:
+                req.finish_reason = "length"
+            else:
+                req.finish_reason = "abort"
+                req.error = (
+                    f"the request needs more KV cache than the server has "
+                    f"({self.runner.bm.num_pages} pages of {self.runner.bm.page_size} tokens)"
+                )
+            self._finish(req)
 
     def tp_problem(self) -> str | None:
         """Why tensor parallelism cannot go on (a rank died), or None."""

@@ -503,6 +503,10 @@ class ModelRunner:
             r.kv_len += k
             self.bm.trim(r, r.kv_len)
 
+    def abandon_round(self) -> None:
+        """A round failed before its commit: its RoundMeta is stale."""
+        self._round = None
+
     def release(self, req: Req, keep_tokens: int | None = None) -> None:
         """Trim to `keep_tokens` cached tokens, or free everything (then it caches nothing; with the
         prefix cache its full pages stay cached for later requests)."""

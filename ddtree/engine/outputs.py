@@ -26,6 +26,7 @@ class RequestOutput:
     accept_lengths: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # per token_ids entry, when SamplingParams.logprobs
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    error: str | None = None  # why serving it failed (finish_reason "abort"), engine/faults.py
 
     @property
     def mean_accept_length(self) -> float:
@@ -43,6 +44,7 @@ class RequestOutput:
             list(req.stats.accept_lengths),
             list(req.logprobs) if req.params.logprobs else None,
             req.cached_tokens,
+            req.error,
         )
 
 

@@ -129,6 +129,10 @@ class Req:
     stop_hit: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
     times: ReqTimes = field(default_factory=ReqTimes)
+    # why serving it failed (it finished with reason "abort"), or None (engine/faults.py)
+    error: str | None = None
+    # a batched step it was in failed: it runs alone until a decoding round of its own succeeds
+    suspect: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

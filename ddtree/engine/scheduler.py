@@ -108,6 +108,9 @@ class Scheduler:
         share = budget // 2 if admissible else budget
         self.last_cached_tokens = 0
         reqs, q_lens = [], []
+        suspect = next((r for r in self.running if r.needs_prefill and r.suspect), None)
+        if suspect is not None:  # fault isolation: a suspect's chunk runs alone
+            return Batch(True, [suspect], [self._chunk(suspect, budget)])
         for r in self.running:  # unfinished chunked prefills first
             if r.needs_prefill and share > 0:
                 q = self._chunk(r, share)
@@ -117,6 +120,8 @@ class Scheduler:
                 share -= q
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             r = self.waiting[0]
+            if r.suspect and reqs:
+                break  # a suspect is prefilled alone, in a step of its own
             hit = self.runner.match_prefix(r)
             # admit only when the whole prompt plus one verify width fits, so admission never
             # thrashes
@@ -133,6 +138,8 @@ class Scheduler:
             reqs.append(r)
             q_lens.append(q)
             budget -= q
+            if r.suspect:
+                break
         return Batch(True, reqs, q_lens) if reqs else None
 
     def _chunk(self, r: Req, budget: int) -> int:
@@ -145,6 +152,9 @@ class Scheduler:
 
     def _schedule_decode(self) -> Batch | None:
         ready = [r for r in self.running if not r.needs_prefill]
+        suspect = next((r for r in ready if r.suspect), None)
+        if suspect is not None:  # fault isolation: a suspect decodes alone, one at a time
+            ready = [suspect]
         while ready:
             need = sum(self.bm.extra_pages(r, r.kv_len + self.verify_width) for r in ready)
             if need <= self.bm.num_available_pages:
@@ -154,16 +164,30 @@ class Scheduler:
         return Batch(False, ready, [self.verify_width] * len(ready)) if ready else None
 
     def preempt(self, req: Req) -> None:
+        self._requeue(req)
+        self.num_preemptions += 1
+
+    def _requeue(self, req: Req) -> None:
         self.running.remove(req)
         self.runner.release(req)  # frees the pages and sets kv_len to 0
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
-        self.num_preemptions += 1
 
     def finish(self, req: Req) -> None:
+        """The request leaves for good (its pages and slot are freed even when caching its prefix
+        raises: `BlockManager.free`)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.runner.release(req)
         req.status = ReqStatus.FINISHED
+        self.runner.release(req)
+
+    def roll_back(self, reqs: list[Req]) -> None:
+        """A batched step failed with `reqs` in it (all running): each is requeued at the head
+        with its KV, recurrent state and slot freed (recomputed from its tokens when admitted
+        again) and runs alone until a round of its own succeeds (engine/faults.py)."""
+        for r in reversed(reqs):  # each goes to the queue's head: keep their order
+            r.suspect = True
+            if r in self.running:
+                self._requeue(r)

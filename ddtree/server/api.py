@@ -49,7 +49,7 @@ VALUE_ERRORS = frozenset(
 
 
 def json_error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def pick_error(errors: list[dict]) -> dict:

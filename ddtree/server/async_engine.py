@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ddtree.engine.detokenizer import stop_holdback
+from ddtree.engine.faults import EngineDead
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.server.gc_watch import GcWatch, freeze_startup_heap
 from ddtree.server.logprob_format import LogprobEntry, decode_entries
@@ -45,8 +46,13 @@ WARMING_UP = "warming up"  # /health's 503 while the start-up warm-up runs (engi
 
 
 class EngineUnavailable(Exception):
-    """The engine takes no new request: its thread is gone or the server is shutting down (HTTP
-    503)."""
+    """The engine takes no new request (HTTP 503): its thread is gone, it cannot go on
+    (`EngineDead`), the server is shutting down, or the queue is full (back-pressure: then
+    `retry_after` seconds go out as the Retry-After header)."""
+
+    def __init__(self, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -131,8 +137,10 @@ class AsyncEngine:
         warmup: Callable[[], object] | None = None,
         overlap: bool = True,
         gc_freeze: bool = False,
+        max_queued: int | None = None,
     ):
         self.engine, self.metrics = engine, metrics
+        self.max_queued = max_queued  # waiting requests past which a new one gets a 503
         # after the warm-up: full collections walk only what serving allocates (gc_watch.py)
         self.gc_freeze = gc_freeze
         self.gc_watch = GcWatch()
@@ -151,6 +159,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closing = False  # set by fail_all: no new request is admitted
+        self._dead: str | None = None  # the engine cannot go on (EngineDead): why
         self._tick = time.monotonic()
         self.stall_timeout_s = STALL_TIMEOUT_S
 
@@ -176,6 +185,8 @@ class AsyncEngine:
         tp_problem = getattr(self.engine, "tp_problem", None)  # a dead tensor-parallel rank
         if tp_problem is not None and tp_problem():
             return tp_problem()
+        if self._dead is not None:
+            return f"the engine cannot go on: {self._dead}"
         if not self.alive:
             return "the engine is not running"
         if self._warming:
@@ -217,6 +228,15 @@ class AsyncEngine:
         def add() -> Stream:
             if self._closing:
                 raise EngineUnavailable(SHUTTING_DOWN)
+            if self._dead is not None:
+                raise EngineUnavailable(f"the engine cannot go on: {self._dead}")
+            waiting = len(self.engine.scheduler.waiting)
+            if self.max_queued is not None and waiting >= self.max_queued:
+                raise EngineUnavailable(
+                    f"the server is at capacity: {waiting} requests wait for a slot "
+                    f"(--max-queued-requests {self.max_queued}); retry later",
+                    retry_after=1,
+                )
             ids, params = prepare(self.engine)
             req = self.engine.add_request(ids, params, arrival=arrival)
             st = Stream(req.rid, req.num_prompt_tokens, q, loop, req, time.monotonic())
@@ -245,15 +265,17 @@ class AsyncEngine:
         self._tick, self._warming = time.monotonic(), False
         while not self._stop.is_set():
             t0 = self._tick = time.monotonic()
-            idle = not self.engine.has_unfinished()
+            idle = self._dead is not None or not self.engine.has_unfinished()
             if idle and self._unpublished:  # no round to come (the rest aborted): publish now
                 self._publish_guarded()
             self._run_commands(block=idle)
             step_s, self._hidden_s, rec = 0.0, 0.0, None
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() and self._dead is None:
                 t1 = time.monotonic()
                 try:
-                    self.engine.step()
+                    self.engine.step()  # isolates what it can (engine/faults.py)
+                except EngineDead as e:
+                    self._on_dead(str(e))
                 except Exception as e:  # noqa: BLE001 - the loop must survive; the batch is failed instead
                     logger.exception("engine step failed; failing the running requests")
                     self.engine.last_round = None
@@ -327,39 +349,50 @@ class AsyncEngine:
     def _publish(self) -> None:
         flush = getattr(getattr(self.engine, "emitter", None), "flush", None)
         for rid, st in list(self._streams.items()):
-            req = st.req
-            if flush is not None:  # deferred detokenisation: under the next round with overlap
-                flush(req)
-            done = req.finish_reason is not None
-            if done:
-                safe = len(req.text)
-            elif len(req.text) != st.held_for:  # new text: what may still become a stop is held
-                st.held_for = len(req.text)
-                safe = len(req.text) - stop_holdback(req.text, req.params.stop)
-            else:
-                safe = st.sent_chars
-            text = req.text[st.sent_chars : safe] if safe > st.sent_chars else ""
-            st.sent_chars = max(st.sent_chars, safe)
-            n_tok, rounds = req.num_output_tokens, req.stats.accept_lengths
-            new_ids = req.output_ids[st.seen_tokens : n_tok]
-            lps = req.logprobs[st.seen_tokens : n_tok]
-            lps = decode_entries(self.engine.tokenizer, lps) if lps else []
-            if st.seen_tokens == 0 and n_tok:  # the first token reaches its stream now
-                req.times.published = time.monotonic()
-                if self.metrics is not None:
-                    self.metrics.on_first_token(req.times)
-            if self.metrics is not None and (
-                n_tok > st.seen_tokens or len(rounds) > st.seen_rounds
-            ):
-                self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds :])
-            st.seen_tokens, st.seen_rounds = n_tok, len(rounds)
-            if done:
-                self._streams.pop(rid)
-                self._outbox.put(st, self._final(req, text, token_ids=new_ids, logprobs=lps))
-                if self.metrics is not None:
-                    self.metrics.on_finish(req.finish_reason, time.monotonic() - st.added)
-            elif text or new_ids:
-                self._outbox.put(st, Delta(text=text, token_ids=new_ids, logprobs=lps))
+            try:
+                self._publish_one(rid, st, flush)
+            except Exception as e:  # noqa: BLE001 - a publishing bug fails its request alone
+                logger.exception("publishing request %s failed", rid)
+                self._fail(rid, f"internal server error: {type(e).__name__}: {e}")
+
+    def _publish_one(self, rid: str, st: Stream, flush) -> None:
+        req = st.req
+        if req.error is not None:  # the engine failed it alone (engine/faults.py)
+            self._streams.pop(rid, None)
+            self._outbox.put(st, self._final(req, "", error=req.error))
+            if self.metrics is not None:
+                self.metrics.on_finish("error", time.monotonic() - st.added)
+            return
+        if flush is not None:  # deferred detokenisation: under the next round with overlap
+            flush(req)
+        done = req.finish_reason is not None
+        if done:
+            safe = len(req.text)
+        elif len(req.text) != st.held_for:  # new text: what may still become a stop is held
+            st.held_for = len(req.text)
+            safe = len(req.text) - stop_holdback(req.text, req.params.stop)
+        else:
+            safe = st.sent_chars
+        text = req.text[st.sent_chars : safe] if safe > st.sent_chars else ""
+        st.sent_chars = max(st.sent_chars, safe)
+        n_tok, rounds = req.num_output_tokens, req.stats.accept_lengths
+        new_ids = req.output_ids[st.seen_tokens : n_tok]
+        lps = req.logprobs[st.seen_tokens : n_tok]
+        lps = decode_entries(self.engine.tokenizer, lps) if lps else []
+        if st.seen_tokens == 0 and n_tok:  # the first token reaches its stream now
+            req.times.published = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.on_first_token(req.times)
+        if self.metrics is not None and (n_tok > st.seen_tokens or len(rounds) > st.seen_rounds):
+            self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds :])
+        st.seen_tokens, st.seen_rounds = n_tok, len(rounds)
+        if done:
+            self._streams.pop(rid)
+            self._outbox.put(st, self._final(req, text, token_ids=new_ids, logprobs=lps))
+            if self.metrics is not None:
+                self.metrics.on_finish(req.finish_reason, time.monotonic() - st.added)
+        elif text or new_ids:
+            self._outbox.put(st, Delta(text=text, token_ids=new_ids, logprobs=lps))
 
     @staticmethod
     def _final(req: Req, text: str, error: str | None = None, **extra) -> Delta:
@@ -382,7 +415,10 @@ class AsyncEngine:
 
     def _release(self, rid: str) -> Stream | None:
         st = self._streams.pop(rid, None)
-        self.engine.abort(rid)
+        try:
+            self.engine.abort(rid)
+        except Exception:  # noqa: BLE001 - its stream still ends (the engine checks its pools)
+            logger.exception("releasing request %s failed", rid)
         # NOTE: LLMEngine.abort leaves the request's incremental detokenizer behind; drop it here
         self.engine.emitter.drop(rid)
         return st
@@ -405,9 +441,19 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.on_finish("error", time.monotonic() - st.added)
 
+    def _on_dead(self, reason: str) -> None:
+        """The engine cannot go on (logged once by the engine, with the request that caused it):
+        /health turns 503, every in-flight request ends with a 503 and no new one is admitted."""
+        self._dead = reason
+        if self.metrics is not None:
+            self.metrics.engine_errors.inc()
+        for rid in list(self._streams):
+            self._fail(rid, f"the engine cannot go on: {reason}", 503, "engine_dead")
+
     def _fail_running(self, exc: Exception) -> None:
-        """A step raised: its batch (a subset of the running requests) may hold half-written KV, so every
-        running request is failed and freed. If none ran, the head of the queue is the likely culprit."""
+        """A step raised outside the engine's own isolation (a bug in the step itself): every
+        running request is failed and freed (if none ran, the head of the queue is the likely
+        culprit), then the pools are checked; broken pools make the engine dead."""
         if self.metrics is not None:
             self.metrics.engine_errors.inc()
         sched = self.engine.scheduler
@@ -417,3 +463,9 @@ class AsyncEngine:
                 self._fail(rid, f"internal engine error: {type(exc).__name__}: {exc}")
             else:
                 self._release(rid)
+        check = getattr(self.engine, "check_pools", None)
+        try:
+            if check is not None:
+                check()
+        except EngineDead as e:
+            self._on_dead(str(e))

@@ -69,6 +69,7 @@ def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
         warmup=warmup_of(engine, args),
         overlap=not args.disable_overlap_schedule,
         gc_freeze=gc_freeze,
+        max_queued=args.max_queued_requests,
     )
     return create_app(aengine, args, metrics, **app_kw), aengine
 

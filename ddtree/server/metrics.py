@@ -152,6 +152,30 @@ class ServerMetrics:
             registry=r,
         )
         self.engine_errors = Counter("ddtree_engine_errors", "Engine steps that raised", registry=r)
+        # fault isolation (engine/faults.py)
+        self.failed_alone = Counter(
+            "ddtree_requests_failed_alone",
+            "Requests failed by a fault of their own while the others went on",
+            registry=r,
+        )
+        self.batch_failures = Counter(
+            "ddtree_batch_failures",
+            "Batched steps that raised and were rolled back to isolate the culprit",
+            registry=r,
+        )
+        self.integrity_checks = Counter(
+            "ddtree_pool_integrity_checks", "Pool integrity checks run after failures", registry=r
+        )
+        self.integrity_ok = Gauge(
+            "ddtree_pool_integrity",
+            "1 while the last pool integrity check passed (KV pages, cache ref counts, slots)",
+            registry=r,
+        )
+        self.engine_dead = Gauge(
+            "ddtree_engine_dead", "1 when the engine cannot go on (/health answers 503)", registry=r
+        )
+        self.integrity_ok.set(1)
+        self._faults_seen = (0, 0, 0)
         self.gc_pause = Histogram(  # server/gc_watch.py: every collection, any thread
             "ddtree_gc_pause_seconds",
             "Python garbage-collector pauses by generation (each stops the engine and HTTP loops)",
@@ -365,6 +389,7 @@ class ServerMetrics:
         self.kv_used.set(bm.num_pages - bm.num_available_pages)
         self.kv_usage.set((bm.num_pages - bm.num_available_pages) / max(bm.num_pages, 1))
         self._on_cache(bm)
+        self._on_faults(getattr(engine, "faults", None))
         for name, value in runner.step_stats.as_dict().items():
             seen = self._steps_seen.get(name, 0)
             if value > seen:
@@ -378,6 +403,19 @@ class ServerMetrics:
         self.state_total.set(slots if has_state else 0)
         self.state_used.set(slots - bm.num_free_slots if has_state else 0)
         self._update_throughput()
+
+    def _on_faults(self, faults) -> None:
+        if faults is None:
+            return
+        st = faults.stats
+        now = (st.isolated, st.batch_failures, st.integrity_checks)
+        counters = (self.failed_alone, self.batch_failures, self.integrity_checks)
+        for counter, new, old in zip(counters, now, self._faults_seen):
+            if new > old:
+                counter.inc(new - old)
+        self._faults_seen = now
+        self.integrity_ok.set(1 if st.last_integrity_ok else 0)
+        self.engine_dead.set(1 if faults.dead is not None else 0)
 
     def _on_cache(self, bm) -> None:
         self.kv_cached.set(bm.num_cached_pages)
@@ -408,9 +446,11 @@ def pool_snapshot(engine) -> dict:
     sched, bm, runner = engine.scheduler, engine.runner.bm, engine.runner
     try:
         bm.check_integrity()
+        bm.check_slots(sched.running)
         integrity = "ok"
     except AssertionError as e:
         integrity = f"FAILED: {e}"
+    faults = getattr(engine, "faults", None)
     slots = runner.cfg.max_running_requests
     return {
         "num_running_requests": len(sched.running),
@@ -426,6 +466,9 @@ def pool_snapshot(engine) -> dict:
         "state_pool_slots_total": slots if runner.state_pool is not None else 0,
         "state_pool_slots_free": bm.num_free_slots if runner.state_pool is not None else 0,
         "kv_integrity": integrity,
+        "requests_failed_alone": faults.stats.isolated if faults else 0,
+        "batch_failures": faults.stats.batch_failures if faults else 0,
+        "engine_dead": faults.dead if faults else None,
     }
 
 

@@ -187,7 +187,7 @@ class OpenAIServing:
                 return_exceptions=True,
             )
         except EngineUnavailable as err:
-            raise APIError(503, str(err), code="engine_unavailable") from err
+            raise unavailable(err) from err
         except ValueError as err:  # the engine's own admission checks
             raise APIError(400, f"{param}: {err}", param=param) from err
         streams += [r for r in results if isinstance(r, Stream)]
@@ -195,6 +195,8 @@ class OpenAIServing:
         if failed:
             for st in streams:
                 self.aengine.abort(st.rid)
+            if isinstance(failed[0], EngineUnavailable):  # the queue filled up under the n
+                raise unavailable(failed[0])
             raise APIError(500, f"admitting choice {len(streams)} of {n} failed: {failed[0]}")
         return streams
 
@@ -387,3 +389,9 @@ class OpenAIServing:
             for i, d in enumerate(ds)
         ]
         return head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}
+
+
+def unavailable(err: EngineUnavailable) -> APIError:
+    """503; with Retry-After when it is back-pressure (the queue is full), not a dead engine."""
+    headers = None if err.retry_after is None else {"Retry-After": str(err.retry_after)}
+    return APIError(503, str(err), code="engine_unavailable", headers=headers)

@@ -48,10 +48,12 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers  # e.g. Retry-After on a 503 for back-pressure
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
