@@ -214,3 +214,38 @@ def test_a_prompt_larger_than_the_pool_is_refused_at_admission(toy_pair, one_tor
     with pytest.raises(ValueError, match="more KV cache than the server has"):
         llm.engine.add_request(list(range(5, 5 + bm.num_pages * bm.page_size)), GREEDY)
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "no_buffer"])
+def test_a_rolled_back_hybrid_batch_recomputes_its_state(
+    toy_hybrid_pair, one_torch_thread, monkeypatch, strategy
+):
+    """Hybrid target: a batched round that raised after the recurrent state moved is rolled back
+    to the tokens; the innocent requests' state is recomputed and their tokens are unchanged."""
+    llm = make_llm(
+        toy_hybrid_pair, "DDTREE", speculative_ddtree_budget=8, mamba_scheduler_strategy=strategy
+    )
+    engine = llm.engine
+    prompts = [list(p) for p in accepted_prompts(4)]
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    real = engine.decoder.round
+    state = {}
+
+    def round_(reqs, max_context):
+        out = real(reqs, max_context)  # the state and KV have moved: fail after the commit
+        if state.get("culprit") in reqs and len(state["culprit"].output_ids) >= 4:
+            raise RuntimeError("injected failure after the commit")
+        return out
+
+    monkeypatch.setattr(engine.decoder, "round", round_)
+    reqs = [engine.add_request(p, GREEDY) for p in prompts]
+    state["culprit"] = reqs[2]
+    for _ in range(400):
+        if all(r.is_finished for r in reqs):
+            break
+        engine.step()
+    assert reqs[2].error and "injected" in reqs[2].error
+    for i in (0, 1, 3):
+        assert reqs[i].error is None and reqs[i].output_ids == expected[i], f"request {i}"
+    assert engine.faults.stats.rolled_back >= 4
+    assert_clean(engine)
