@@ -22,10 +22,10 @@ def _commands():
         "generate": ("ddtree.generate", "main"),
         "check-config": ("ddtree.check_config", "main"),
         "serve": ("ddtree.server.launch", "main"),
-        "train-target": ("ddtree.train.cli", "main"),
-        "train-drafter": ("ddtree.train.cli", "main"),
+        "train-target": ("ddtree.tools.train.cli", "main"),
+        "train-drafter": ("ddtree.tools.train.cli", "main"),
         "bench": ("ddtree.bench.cli", "main"),
-        "inflate": ("ddtree.inflate.cli", "main"),
+        "inflate": ("ddtree.tools.inflate.cli", "main"),
     }
 
 

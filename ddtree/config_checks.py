@@ -8,7 +8,7 @@ import os
 
 from ddtree import configs
 from ddtree.configs import DrafterConfig, TargetConfig
-from ddtree.inflate.source import is_inflate_path, resolve_config
+from ddtree.model_sources import source_for
 from ddtree.models.tp_layout import tp_problems
 
 logger = logging.getLogger("ddtree")
@@ -30,8 +30,9 @@ def hf_cache_dir(path: str) -> str | None:
 
 def load_model_config(path: str, is_target: bool, p: list[str]):
     """(resolved dir, parsed config or None); every problem found is appended to p."""
-    if is_inflate_path(path):  # built in memory by the engine: configs from the inflation's plan
-        return resolve_config(path, is_target, p)
+    source = source_for(path)
+    if source is not None:  # e.g. inflate: built in memory by the engine, configs from its plan
+        return source.resolve_config(path, is_target, p)
     name = "--model-path" if is_target else "--speculative-draft-model-path"
     cached = hf_cache_dir(path)
     if cached:

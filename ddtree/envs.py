@@ -80,7 +80,7 @@ FUSED_KERNELS_INTERPRET = EnvVar(
     "DDTREE_FUSED_KERNELS_INTERPRET",
     "",
     "1 (with TRITON_INTERPRET=1): the fused, the GDN tree / tree-conv and the tree-build Triton "
-    "kernels run on the CPU in Triton's interpreter (tests, ddtree.bench.op_count)",
+    "kernels run on the CPU in Triton's interpreter (tests, ddtree.tools.studies.op_count)",
 )
 FORCE_REFERENCE_GDN = EnvVar(
     "DDTREE_FORCE_REFERENCE_GDN",
@@ -149,12 +149,6 @@ GDN_STASH_DTYPE = EnvVar(
     "extra_buffer's per-node GDN state stash: unset = --mamba-ssm-dtype; bfloat16 = written by the "
     "tree kernel in bf16 (half the bytes; children read rounded parent states)",
 )
-EAGER_EXTEND = EnvVar(
-    "DDTREE_EAGER_EXTEND",
-    "",
-    "1: every prefill extend runs eagerly (no extend CUDA graphs captured; the A/B of the graphed "
-    "short extend)",
-)
 CACHE = EnvVar(
     "DDTREE_CACHE", "", "directory for the embedded / toy model pairs (unset: ~/.cache/ddtree)"
 )
@@ -172,7 +166,7 @@ PEER_CHECKOUT = EnvVar(
 TOY_HYBRID = EnvVar(
     "DDTREE_TOY_HYBRID",
     "out/toy_hybrid_pair",
-    "bench/gpu_gdn_tree.py: directory of the toy hybrid pair",
+    "studies/gpu_gdn_tree.py: directory of the toy hybrid pair",
 )
 TP_TIMEOUT_S = EnvVar(
     "DDTREE_TP_TIMEOUT_S",
@@ -185,12 +179,6 @@ ROUND_CLOCK = EnvVar(
     "1",
     "0: no CUDA events at a decode round's phase boundaries (the device / idle round times in "
     "/metrics, engine/round_clock.py)",
-)
-SWITCH_INTERVAL_MS = EnvVar(
-    "DDTREE_SWITCH_INTERVAL_MS",
-    "",
-    "the server's Python thread switch interval in ms (sys.setswitchinterval): how long the engine "
-    "thread waits for the GIL held by the HTTP event-loop thread (unset: the server's default)",
 )
 POLICY_TRACE = EnvVar(
     "DDTREE_POLICY_TRACE",
@@ -232,7 +220,6 @@ TABLE: dict[str, EnvVar] = {
         GDN_TREE_BV,
         GDN_TREE_WARPS,
         GDN_STASH_DTYPE,
-        EAGER_EXTEND,
         CACHE,
         BUDGET_PROFILE_DIR,
         PEER_CHECKOUT,
@@ -240,7 +227,6 @@ TABLE: dict[str, EnvVar] = {
         TP_TIMEOUT_S,
         ROUND_CLOCK,
         POLICY_TRACE,
-        SWITCH_INTERVAL_MS,
         GC_FREEZE,
         TRITON_INTERPRET,
     )

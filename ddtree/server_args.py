@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from ddtree import envs
 from ddtree.config_checks import check_pair, check_tp, load_model_config
 from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
-from ddtree.inflate.source import drafter_path_for, is_inflate_path, tokenizer_dir
+from ddtree.engine.config import (
+    DEFAULT_CUDA_GRAPH_MAX_BS,
+    DEFAULT_MAMBA_STRATEGY,
+    MAMBA_STRATEGIES,
+    SpecConfig,
+    cuda_available,
+    spec_config,
+)
+from ddtree.model_sources import source_for
 
 logger = logging.getLogger("ddtree")
 
@@ -25,13 +33,11 @@ SPECULATIVE_ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex")
 IMPLEMENTED_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-MAMBA_STRATEGIES = ("no_buffer", "extra_buffer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 DEFAULT_DDTREE_BUDGET = 64
 AUTO_BUDGET = "auto"  # --speculative-ddtree-budget auto: the load-aware policy picks per round
-DEFAULT_CUDA_GRAPH_MAX_BS = 16
 
 
 def _opt(default, help: str, choices=None, aliases=()):
@@ -174,6 +180,8 @@ class ServerArgs:
     drafter_config: DrafterConfig | None = field(
         default=None, compare=False, repr=False, metadata={"cli": False}
     )
+    # the speculative settings, derived once by resolve_server_args (engine/config.spec_config)
+    spec: SpecConfig | None = field(default=None, compare=False, metadata={"cli": False})
 
     def __post_init__(self):
         object.__setattr__(
@@ -249,17 +257,6 @@ CONVERTERS = {"speculative_algorithm": str.upper, "speculative_ddtree_budget": b
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:
     return resolve_server_args(ServerArgs(**vars(make_parser().parse_args(argv))))
-
-
-def cuda_available() -> bool:
-    """Imports torch only when a GPU driver node exists, so CPU-only planning stays fast."""
-    if not any(
-        os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")
-    ):
-        return False
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def triton_available() -> bool:
@@ -451,10 +448,7 @@ def _resolve_mamba(a: ServerArgs, t: TargetConfig, upd: dict, p: list[str]) -> N
             upd["mamba_scheduler_strategy"] = None
         return
     if a.is_speculative and strategy is None:
-        # no_buffer by measurement (BENCHMARKS.md, hybrid rounds): with the chunk-form tree kernel its
-        # DDTREE B=64 round is the faster one at batch 1 and 8 on the 27B shape, and it keeps no
-        # per-node state (extra_buffer's fp32 stash holds 3 requests at B=64 there)
-        upd["mamba_scheduler_strategy"] = "no_buffer"
+        upd["mamba_scheduler_strategy"] = DEFAULT_MAMBA_STRATEGY
         logger.info(
             "Mamba scheduler strategy is set to no_buffer: the hybrid target %s keeps no per-node "
             "recurrent states for %s; after each verify the accepted path is replayed. Pass "
@@ -470,7 +464,7 @@ def _resolve_mamba(a: ServerArgs, t: TargetConfig, upd: dict, p: list[str]) -> N
             a.speculative_algorithm,
         )
     elif strategy is None:
-        upd["mamba_scheduler_strategy"] = "no_buffer"
+        upd["mamba_scheduler_strategy"] = DEFAULT_MAMBA_STRATEGY
         logger.info("Mamba scheduler strategy is set to no_buffer (no speculative decoding).")
 
 
@@ -497,7 +491,9 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
             )
             if args.is_speculative and drafter_path is None:
                 drafter_path = default_drafter
-    drafter_path = drafter_path_for(target_path, drafter_path, args.is_speculative, p)
+    source = source_for(target_path) or source_for(drafter_path)
+    if source is not None:  # a source may bring its own drafter (an inflated pair does)
+        drafter_path = source.drafter_path_for(target_path, drafter_path, args.is_speculative, p)
     if args.is_speculative and drafter_path is None:
         p.append(
             f"--speculative-draft-model-path is required for --speculative-algorithm "
@@ -513,7 +509,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     if t is not None and d is not None:
         check_pair(t, d, p)
     check_tp(args.tp_size, t, d, p)
-    if args.tp_size > 1 and is_inflate_path(args.model_path):
+    if args.tp_size > 1 and source_for(args.model_path) is not None:
         p.append(
             f"--model-path {args.model_path}: an inflate: pair is built whole on one device; use "
             "--tp-size 1, or write it with `ddtree inflate` and load the directory"
@@ -534,10 +530,14 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     _resolve_attention_backend(args, upd, device, p)
     _resolve_cuda_graph(args, upd, device)
     upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
-    upd["tokenizer_path"] = args.tokenizer_path or tokenizer_dir(upd.get("model_path"))
+    model_source = source_for(upd.get("model_path"))
+    upd["tokenizer_path"] = args.tokenizer_path or (
+        model_source.tokenizer_dir(upd["model_path"]) if model_source else upd.get("model_path")
+    )
     if p:
         raise ConfigError(p)
-    return dataclasses.replace(args, target_config=t, drafter_config=d, **upd)
+    resolved = dataclasses.replace(args, target_config=t, drafter_config=d, **upd)
+    return dataclasses.replace(resolved, spec=spec_config(resolved))
 
 
 def _check_policy_trace(a: ServerArgs, upd: dict, p: list[str]) -> None:

@@ -6,10 +6,10 @@
 # 1. GPU checks of this session's kernels against their references (the in-place GDN decode step
 #    and conv, the one-launch tree build, the fused and GDN kernels now launched with PDL) and the
 #    dense graphs-vs-eager test;
-# 2. bench/gpu_profile_round.py at the 27B shape: AR / DFLASH / DDTREE B=64 (batch 1 and 8, 1k and
+# 2. studies/gpu_profile_round.py at the 27B shape: AR / DFLASH / DDTREE B=64 (batch 1 and 8, 1k and
 #    16k), with A/B cases for the in-place decode (DDTREE_GDN_DECODE_KERNEL=0), PDL
 #    (DDTREE_NO_PDL=1) and an attention tile variant (DDTREE_ATTENTION_WIDE_TILES); one table;
-# 3. bench/gpu_tree_build.py (the tree build alone, torch vs the kernel);
+# 3. studies/gpu_tree_build.py (the tree build alone, torch vs the kernel);
 # 4. the hybrid graphs-vs-eager GPU test (toy hybrid pair, fp32, both strategies);
 # then the Triton cache packed into OUT. BUDGET_S (default 560) bounds the whole run.
 set -uo pipefail
@@ -35,11 +35,11 @@ D=DDTREE_GDN_DECODE_KERNEL=0 P=DDTREE_NO_PDL=1 W=DDTREE_ATTENTION_WIDE_TILES
 CASES=NONE:0:1:no_buffer,NONE:0:1:no_buffer@$D,NONE:0:1:no_buffer@$P,DFLASH:0:1:no_buffer
 CASES+=,DDTREE:64:1:no_buffer,DDTREE:64:1:no_buffer@$P,DDTREE:64:1:no_buffer@$W=64,32,4,3
 CASES+=,DDTREE:64:8:no_buffer,DDTREE:64:1:no_buffer:16384
-timeout "$(($(left) - 170))" python3 bench/gpu_profile_round.py --shape qwen3.6-27b \
+timeout "$(($(left) - 170))" python3 studies/gpu_profile_round.py --shape qwen3.6-27b \
   --skip-gemm-chain --rounds 5 --top 40 --cases "$CASES" >"$OUT/profile.txt" 2>&1 || status=1
 grep "^| " "$OUT/profile.txt"
 # 3. the tree build alone
-OUT="$OUT" timeout 40 python3 bench/gpu_tree_build.py --budgets 64 --batches 1,8 --warps 1,4 \
+OUT="$OUT" timeout 40 python3 studies/gpu_tree_build.py --budgets 64 --batches 1,8 --warps 1,4 \
   >"$OUT/tree_build.log" 2>&1 || status=1
 tail -8 "$OUT/tree_build.log"
 # 4. hybrid graphs vs eager vs AR (toy hybrid pair, fp32)

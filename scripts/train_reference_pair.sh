@@ -27,7 +27,7 @@ fi
 python3 - "$OUT" <<'PY'
 import sys
 from transformers import AutoTokenizer
-from ddtree.train import data
+from ddtree.tools.train import data
 out = sys.argv[1]
 tok = AutoTokenizer.from_pretrained(f"{out}/target")
 files, _ = data.stdlib_files()

@@ -1,6 +1,6 @@
-"""Running a bench/*_compile_report.py script from a test: in a clean subprocess (the test process
+"""Running a studies/*_compile_report.py script from a test: in a clean subprocess (the test process
 may run Triton's interpreter, which cannot compile), its JSON lines parsed. The scripts compile for
-sm_90 on the CPU (bench/sm90_compile.py)."""
+sm_90 on the CPU (studies/sm90_compile.py)."""
 
 import json
 import os
@@ -24,7 +24,7 @@ def run_report(script: str, *args: str) -> list[dict]:
     """The JSON rows bench/`script` prints for `args`; the script must exit 0."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", script), *args],
+        [sys.executable, os.path.join(ROOT, "studies", script), *args],
         capture_output=True,
         text=True,
         env=env,

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 def toy_pair(tmp_path_factory):
     """(target_dir, drafter_dir): a tiny target and DFlash drafter trained in seconds on a regular synthetic
     corpus, so drafts are really accepted. Cached across sessions in $DDTREE_CACHE when set."""
-    from ddtree.train.toy import build_toy_pair
+    from ddtree.tools.train.toy import build_toy_pair
 
     root = envs.CACHE.get()
     out = os.path.join(root, "toy_pair") if root else str(tmp_path_factory.mktemp("toy_pair"))
@@ -29,7 +29,7 @@ def toy_pair(tmp_path_factory):
 def toy_hybrid_pair(tmp_path_factory):
     """(target_dir, drafter_dir) like `toy_pair`, with a hybrid Qwen3.5 target (3 Gated DeltaNet layers + 1
     gated full-attention layer). Cached across sessions in $DDTREE_CACHE when set."""
-    from ddtree.train.toy import build_toy_hybrid_pair
+    from ddtree.tools.train.toy import build_toy_hybrid_pair
 
     root = envs.CACHE.get()
     out = (

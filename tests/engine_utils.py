@@ -12,7 +12,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 @functools.lru_cache(maxsize=None)
 def toy_prompts(n: int = 6, seed: int = 123) -> tuple[tuple[int, ...], ...]:
     """Prompts of different lengths cut from the synthetic corpus the toy pair was trained on."""
-    from ddtree.train.data import synthetic_sequences
+    from ddtree.tools.train.data import synthetic_sequences
 
     seqs = synthetic_sequences(n, 48, 64, seed)
     lengths = [5, 9, 14, 20, 27, 33, 11, 17]
@@ -23,8 +23,8 @@ def toy_pattern(kind: str, start: int, n: int, stride: int = 1) -> list[int]:
     """`n` tokens of one clean segment of the synthetic corpus (no noise): an arithmetic progression
     mod the regular range ("prog", `stride`) or a walk of the fixed successor permutation ("walk").
     The toy drafters are accepted on these (mean accepted length 3-7 after ~8 tokens of context)."""
-    from ddtree.train.data import NUM_SPECIAL, successor_table
-    from ddtree.train.toy import VOCAB
+    from ddtree.tools.train.data import NUM_SPECIAL, successor_table
+    from ddtree.tools.train.toy import VOCAB
 
     regular = VOCAB - NUM_SPECIAL
     if kind == "prog":
@@ -46,7 +46,7 @@ def accepted_prompts(n: int = 6, lengths: tuple[int, ...] = (9, 14, 20, 27, 33, 
     """Ragged prompts the toy drafters are really accepted on: `<|bos|>` + a clean corpus segment
     (`toy_pattern`). For the lossless tests, whose comparisons only exercise speculation when drafts
     are accepted (`mean_accept(outs) > 2`); `toy_prompts`' short noisy cuts accept ~1.1-2.4."""
-    from ddtree.train.data import BOS_ID
+    from ddtree.tools.train.data import BOS_ID
 
     return tuple(
         tuple([BOS_ID] + toy_pattern(k, s, lengths[i % len(lengths)] - 1, d))

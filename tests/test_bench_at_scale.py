@@ -24,7 +24,7 @@ def _level(c, tput, tau=1.0):
 
 
 def test_table_ratios():
-    from ddtree.bench.at_scale_report import table_rows
+    from ddtree.tools.studies.at_scale_report import table_rows
 
     rows = table_rows(
         {
@@ -44,7 +44,7 @@ def test_table_ratios():
 def test_ceiling_is_the_best_fixed_config_per_level():
     """The oracle fixed budget per concurrency from the run's own configs (auto is not fixed),
     the ratio /metrics' rounds predict, and auto against both."""
-    from ddtree.bench.at_scale_report import ceiling_rows
+    from ddtree.tools.studies.at_scale_report import ceiling_rows
 
     def lv(c, tput, tau, round_ms, host_ms=0.5):
         return {**_level(c, tput, tau), "round_ms": round_ms, "host_ms": host_ms}
@@ -89,14 +89,14 @@ def test_ceiling_is_the_best_fixed_config_per_level():
 def test_level_sizes_scale_with_concurrency():
     import argparse
 
-    from ddtree.bench.at_scale import level_items
+    from ddtree.tools.studies.at_scale import level_items
 
     ns = argparse.Namespace(min_prompts=4, waves=2)
     assert [len(level_items(list("abc"), c, ns)) for c in (1, 2, 4, 64)] == [4, 4, 8, 128]
 
 
 def test_bad_config_is_refused(capsys):
-    from ddtree.bench.at_scale import main
+    from ddtree.tools.studies.at_scale import main
 
     assert main(["--configs", "EAGLE"]) == 2
     assert "--configs" in capsys.readouterr().err
@@ -107,11 +107,11 @@ def test_configs_are_data(tmp_path):
     its own drafter, --server-flags go last."""
     import argparse
 
-    from ddtree.bench.at_scale_serve import load_configs, server_argv
+    from ddtree.tools.studies.at_scale_serve import load_configs, server_argv
 
     extra = tmp_path / "more.json"
     flags = ["--speculative-ddtree-budget", "32", "--speculative-ddtree-shadow-linear"]
-    env = {"DDTREE_SWITCH_INTERVAL_MS": "0.5"}
+    env = {"DDTREE_GC_FREEZE": "0"}
     extra.write_text(
         json.dumps(
             [
@@ -157,7 +157,7 @@ def test_a_configs_env_reaches_its_server_alone(tmp_path, monkeypatch):
     import argparse
     import subprocess
 
-    from ddtree.bench import at_scale_serve
+    from ddtree.tools.studies import at_scale_serve
 
     seen = []
 
@@ -173,10 +173,10 @@ def test_a_configs_env_reaches_its_server_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", Exited)
     monkeypatch.setenv("AT_SCALE_TEST_OURS", "1")
     ns = argparse.Namespace(port=1, server_timeout_s=5)
-    for env in ((("DDTREE_SWITCH_INTERVAL_MS", "0.5"),), ()):
+    for env in ((("DDTREE_GC_FREEZE", "0"),), ()):
         with pytest.raises(RuntimeError, match="server exited with 3"):
             at_scale_serve.Server(ns, ["x"], str(tmp_path / "log"), env).__enter__()
-    assert seen[0]["DDTREE_SWITCH_INTERVAL_MS"] == "0.5" and seen[0]["AT_SCALE_TEST_OURS"] == "1"
+    assert seen[0]["DDTREE_GC_FREEZE"] == "0" and seen[0]["AT_SCALE_TEST_OURS"] == "1"
     assert seen[1] is None  # inherits ours
 
 
@@ -184,7 +184,7 @@ def test_smoke_end_to_end(tmp_path):
     """The tiny hybrid shape served from memory (each server gets --model-path inflate:SHAPE and
     builds the pair itself, nothing written), one config, one level, through launch_server and the
     serving client, τ compared with the small pair: the machinery of the H200 27B run."""
-    from ddtree.bench.at_scale import main
+    from ddtree.tools.studies.at_scale import main
 
     spec = tmp_path / "tiny.json"
     spec.write_text(json.dumps({k: v for k, v in shape("hybrid").items() if k != "drafter"}))
@@ -224,7 +224,7 @@ def test_smoke_end_to_end(tmp_path):
 def test_store_resolves_from_the_shape(tmp_path):
     """auto: disk for a dense shape, memory for a hybrid one (the inflate: spec, and nothing built or
     written without the rounds part)."""
-    from ddtree.bench.at_scale import build, make_parser, resolve_store
+    from ddtree.tools.studies.at_scale import build, make_parser, resolve_store
 
     for kind, store, flags in (("dense", "disk", ""), ("hybrid", "memory", "no_buffer")):
         spec = tmp_path / f"{kind}.json"
@@ -244,7 +244,7 @@ def test_store_resolves_from_the_shape(tmp_path):
 
 
 def test_auto_budget_config():
-    from ddtree.bench.at_scale_serve import parse_config
+    from ddtree.tools.studies.at_scale_serve import parse_config
 
     cfg = parse_config("ddtreeauto")
     assert cfg.name == "DDTREE B=auto" and cfg.algorithm == "DDTREE" and cfg.budget == "auto"
@@ -258,7 +258,7 @@ def test_the_next_config_is_expected_to_take_the_fastest_time_so_far():
     illustrative)."""
     from types import SimpleNamespace
 
-    from ddtree.bench.at_scale import config_need_s, over
+    from ddtree.tools.studies.at_scale import config_need_s, over
 
     assert config_need_s([]) == 0.0
     assert config_need_s([62.0, 114.0]) == 62.0

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_walk_tau_follows_the_rounds():
-    from ddtree.bench.at_scale_precision import walk_tau
+    from ddtree.tools.studies.at_scale_precision import walk_tau
 
     # anchors 0..5: accept 2 at 0 -> next round at 3 (accept 0) -> at 4 (accept 1) -> done at 6
     assert walk_tau(torch.tensor([2, 9, 9, 0, 1, 9])) == pytest.approx((3 + 1 + 2) / 3)
@@ -21,7 +21,7 @@ def test_walk_tau_follows_the_rounds():
 
 
 def test_fp32_inflated_equals_small_on_fixed_text(tmp_path):
-    from ddtree.bench.at_scale_precision import main
+    from ddtree.tools.studies.at_scale_precision import main
 
     spec = tmp_path / "dense.json"
     spec.write_text(json.dumps(shape("dense")))

@@ -235,7 +235,7 @@ def test_a_noisy_round_forecast_does_not_pick_the_rung(monkeypatch):
     ease), batch 1 stays on B=64 at every draw; rated on each request's last curve, as before
     (`_raw_curves`), it followed the noise: 0.75-0.98 of B=64 over five draws, 0.89 mean. On the
     embedded pair's real drafts the last-round forecast correlated 0.48-0.55 with the accepts
-    (`bench/counterfactual_rungs.py`)."""
+    (`studies/counterfactual_rungs.py`)."""
     world = World(sigma=1.0)
 
     def draws() -> list[float]:

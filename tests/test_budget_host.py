@@ -86,7 +86,7 @@ def test_rung_counter():
     assert t8["predicted_accept_length"] == pytest.approx(1 + 7 / 3)
     assert t8["realised_accept_length"] == pytest.approx(1 + 5 / 3)
     assert level["per_rung"]["tree64"]["realised_accept_length"] == pytest.approx(4.0)
-    from ddtree.bench.at_scale_report import rung_summary
+    from ddtree.tools.studies.at_scale_report import rung_summary
 
     assert rung_summary(level["per_rung"]).startswith("tree8 2 rd, b 1.5, 7.00 ms, tau 3.33 / 2.67")
 

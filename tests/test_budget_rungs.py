@@ -79,7 +79,7 @@ def test_uniform_round_drafts_and_verifies_as_the_fixed_tree(toy_pair, ar):
 def test_uniform_round_accepts_as_the_fixed_server_round_for_round(toy_pair):
     """auto with every round at rung b is the fixed B=b server, round for round: the same accept
     length for every request of every round (so a rung's realised τ in auto's mix differs from
-    the fixed server's only by where its rounds fall: bench/rung_mix_tau.py)."""
+    the fixed server's only by where its rounds fall: studies/rung_mix_tau.py)."""
     from ddtree import SamplingParams
 
     def lengths(**kw) -> list[tuple[int, ...]]:

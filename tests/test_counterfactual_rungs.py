@@ -1,11 +1,11 @@
-"""`bench/counterfactual_rungs.py`: the accepts it infers for the smaller rungs and the chain from
+"""`studies/counterfactual_rungs.py`: the accepts it infers for the smaller rungs and the chain from
 a B=64 round are exactly what the fixed B=16, B=32 and DFLASH servers accept where they start a
 round at the same position (T=0, fp32, the embedded pair), and its analysis runs on them."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
 
 import counterfactual_rungs as cf  # noqa: E402
 
@@ -29,7 +29,7 @@ def test_counterfactual_accepts_equal_the_fixed_servers():
 
 
 def test_replayed_policy_reaches_the_best_fixed_rung_on_real_drafts():
-    """`bench/replay_policy.py`: auto's policy on the embedded pair's recorded rounds under the
+    """`studies/replay_policy.py`: auto's policy on the embedded pair's recorded rounds under the
     8B shape's H200 round costs. On the 96-prompt recording it reached 0.992-0.996 of the best
     fixed rung at batch 1-16 (BENCHMARKS); on this short one, at batch 4 (B=32 best there)."""
     import replay_policy as rp

@@ -94,7 +94,7 @@ def test_the_accept_check_can_fail(toy_pair, tmp_path, one_torch_thread):
     accepted: the toy target with a random-weight drafter, on the prompts the toy drafter accepts."""
     from pair_fixtures import save_random_drafter
 
-    from ddtree.train.data import MASK_ID
+    from ddtree.tools.train.data import MASK_ID
 
     target, drafter = toy_pair
     save_random_drafter(target, tmp_path, block_size=8, mask_token_id=MASK_ID, layer_ids=[0, 1])

@@ -18,7 +18,7 @@ RAW_READ = re.compile(r"(environ\.get\(|environ\[|getenv\()\s*[\"']DDTREE_")
 
 
 def _files(exts):
-    for top in ("ddtree", "tests", "bench", "docs"):
+    for top in ("ddtree", "tests", "studies", "docs"):
         for d, _, names in os.walk(os.path.join(ROOT, top)):
             yield from (os.path.join(d, n) for n in names if n.endswith(exts))
     yield os.path.join(ROOT, "README.md")

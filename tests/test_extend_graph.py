@@ -12,7 +12,7 @@ import torch
 from engine_utils import make_llm, mean_accept, toy_pattern, toy_prompts
 from triton_utils import cpu_interpreter_only
 
-from ddtree import SamplingParams, envs
+from ddtree import SamplingParams
 from ddtree.engine.config import extend_widths, runner_config
 from ddtree.engine.cuda_graph import CudaGraphRunner
 from ddtree.engine.extend_graph import plan_passes
@@ -49,8 +49,6 @@ def test_extend_widths_are_derived_once(monkeypatch):
     assert runner_config(args, pools, "cpu").extend_widths == ()
     off = dataclasses.replace(args, disable_cuda_graph=True)
     assert runner_config(off, pools, "cuda").extend_widths == ()
-    monkeypatch.setenv(envs.EAGER_EXTEND.name, "1")
-    assert runner_config(args, pools, "cuda").extend_widths == ()
 
 
 def _engine(pair, algorithm, graphs, **kw):
@@ -267,11 +265,11 @@ def _as_one_launch(run, counter):
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_a_graphed_pass_launches_little_outside_its_replay(toy_pair, toy_hybrid_pair, hybrid):
-    """Host-side launches of a one-pass prefill of two prompts (ddtree.bench.op_count's counter):
+    """Host-side launches of a one-pass prefill of two prompts (ddtree.tools.studies.op_count's counter):
     the pass's loads around one replay, against the eager extend's per-layer ops."""
     from engine_utils import accepted_prompts
 
-    from ddtree.bench.op_count import LaunchCounter
+    from ddtree.tools.studies.op_count import LaunchCounter
 
     counts = {}
     for graphed in (False, True):

@@ -8,7 +8,7 @@ from ddtree.configs import DrafterConfig, TargetConfig
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.loader import load_drafter, load_target, save_model
 from ddtree.models.qwen3 import Qwen3ForCausalLM
-from ddtree.train.lm import qwen3_config
+from ddtree.tools.train.lm import qwen3_config
 
 
 def tiny_target():

@@ -7,7 +7,7 @@ import torch
 
 from ddtree.configs import TargetConfig
 from ddtree.models.gated_deltanet import IN_PROJ_PARTS, GatedDeltaNet
-from ddtree.train.toy import toy_hybrid_target_config
+from ddtree.tools.train.toy import toy_hybrid_target_config
 
 
 def _layer(seed=0):

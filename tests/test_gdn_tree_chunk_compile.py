@@ -1,7 +1,7 @@
 """The no_buffer tree verify's Triton kernel, compiled for sm_90 without a GPU (ptxas from Triton's
 package) at its default launch for a 65-node tree (27B heads, bf16): no register spills
 (a 64-row block sits at 255 registers; a wider column tile or a 128-row block spills), and the
-64-row block's dots on Hopper's wgmma. Runs bench/gdn_tree_chunk_compile_report.py in a clean
+64-row block's dots on Hopper's wgmma. Runs studies/gdn_tree_chunk_compile_report.py in a clean
 subprocess (the test process runs Triton's interpreter, which cannot compile)."""
 
 import pytest

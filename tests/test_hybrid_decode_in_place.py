@@ -15,10 +15,10 @@ from engine_utils import GREEDY, make_llm, toy_prompts
 from triton_utils import cpu_interpreter_only
 
 from ddtree import SamplingParams, envs
+from ddtree.engine.config import MAMBA_STRATEGIES as STRATEGIES  # noqa: E402
 from ddtree.engine.cuda_graph import attach_uncaptured
 from ddtree.kernels.gdn import backend
 
-STRATEGIES = ("extra_buffer", "no_buffer")
 PROMPTS = [list(p) for p in toy_prompts(4)]  # lengths 5..20
 # ragged: the live batch shrinks 4 -> 1, so graph rounds pad
 RAGGED = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 3, 14, 8)]

@@ -40,7 +40,7 @@ def test_target_exports_for_transformers_and_ar_matches_training_generate(
 
     from ddtree.models.loader import load_target
     from ddtree.models.qwen3_5 import Qwen3_5ForCausalLM
-    from ddtree.train.lm import generate
+    from ddtree.tools.train.lm import generate
 
     ours = load_target(toy_hybrid_pair[0], torch.float32)
     assert isinstance(ours, Qwen3_5ForCausalLM) and ours.config.is_hybrid

@@ -15,7 +15,8 @@ from ddtree.engine.cuda_graph import CudaGraphRunner
 PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 2, 20, 12)]
 PROMPTS = [list(p) for p in accepted_prompts(4)]  # the toy drafter accepts these (> 2 a round)
 ALGOS = ["NONE", "DFLASH", "DDTREE"]
-STRATEGIES = ["extra_buffer", "no_buffer"]
+from ddtree.engine.config import MAMBA_STRATEGIES as STRATEGIES  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

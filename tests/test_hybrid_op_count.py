@@ -1,4 +1,4 @@
-"""Regression guard on the kernels a hybrid round launches per decoder layer (`ddtree.bench.op_count`:
+"""Regression guard on the kernels a hybrid round launches per decoder layer (`ddtree.tools.studies.op_count`:
 aten ops that do work + Triton launches + one per attention call, counted on the CPU with our kernels
 in Triton's interpreter, the engine's CUDA-graph path with capture off). Main at 4938d7d counted 17 per
 GDN layer and 11 per gated-attention layer in an AR step and a DDTREE verify; the bounds are the
@@ -16,7 +16,7 @@ from engine_utils import make_llm, toy_prompts
 from triton_utils import cpu_interpreter_only
 
 from ddtree import envs
-from ddtree.bench.op_count import count_round, layer_ops, summarize
+from ddtree.tools.studies.op_count import count_round, layer_ops, summarize
 
 pytestmark = [cpu_interpreter_only, pytest.mark.usefixtures("one_torch_thread")]
 

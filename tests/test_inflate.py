@@ -1,4 +1,4 @@
-"""`ddtree.inflate`: the widened pair computes the small pair's function (fp32, tiny shapes)."""
+"""`ddtree.tools.inflate`: the widened pair computes the small pair's function (fp32, tiny shapes)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def small():
 
 @pytest.fixture(scope="module", params=["dense", "hybrid"])
 def pair(request, small):
-    from ddtree.inflate import inflate_pair
+    from ddtree.tools.inflate import inflate_pair
 
     return request.param, inflate_pair(
         small[0], small[1], shape(request.param), dtype=torch.float32
@@ -100,7 +100,7 @@ def test_taps_sit_on_carriers(small, pair):
 
 
 def test_shape_too_small_is_refused(small):
-    from ddtree.inflate import InflateError, inflate_pair
+    from ddtree.tools.inflate import InflateError, inflate_pair
 
     bad = shape("dense")
     bad["num_key_value_heads"] = 1
@@ -114,7 +114,7 @@ def test_shape_too_small_is_refused(small):
 
 def test_named_shapes_resolve():
     from ddtree.configs import TargetConfig
-    from ddtree.inflate.shapes import resolve_shape
+    from ddtree.shapes import resolve_shape
 
     t8, d8 = resolve_shape("qwen3-8b")
     assert (
@@ -132,8 +132,8 @@ def test_named_shapes_resolve():
 def test_written_pair_loads_and_matches(small, pair, tmp_path):
     """OUT/target and OUT/drafter: sharded safetensors, config, tokenizer + chat template; our
     loader reads them back to the same function."""
-    from ddtree.inflate import write_pair
     from ddtree.models.loader import load_drafter, load_target
+    from ddtree.tools.inflate import write_pair
 
     kind, p = pair
     tdir, ddir = write_pair(p, str(tmp_path / "out"), shard_bytes=8 << 20)

@@ -17,7 +17,7 @@ POOL = dict(max_total_tokens=1024, max_running_requests=4)
 def pairs(tmp_path_factory):
     """{"small": (target, drafter), "dense": ..., "hybrid": ...} as model directories."""
     from ddtree.assets import default_model_paths
-    from ddtree.inflate import inflate_pair, write_pair
+    from ddtree.tools.inflate import inflate_pair, write_pair
 
     t, d = default_model_paths()
     out = {"small": (t, d)}

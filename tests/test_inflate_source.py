@@ -35,7 +35,7 @@ def spec(tmp_path_factory):
 def written(spec, tmp_path_factory):
     """The same inflation written to disk: (target_dir, drafter_dir)."""
     from ddtree.assets import default_model_paths
-    from ddtree.inflate import inflate_pair, write_pair
+    from ddtree.tools.inflate import inflate_pair, write_pair
 
     pair = inflate_pair(*default_model_paths(), spec.removeprefix("inflate:"), dtype=torch.float32)
     return write_pair(pair, str(tmp_path_factory.mktemp("written")))
@@ -123,9 +123,9 @@ def test_check_config_plans_the_built_weights(spec, tmp_path):
     """The plan's weight bytes (from the shape) are what the engine builds; and check-config stays
     torch-free on an inflate: path."""
     from ddtree.engine.setup import module_bytes
-    from ddtree.inflate.source import build_pair
     from ddtree.memory_plan import memory_plan
     from ddtree.server_args import ServerArgs, resolve_server_args
+    from ddtree.tools.inflate.source import build_pair
 
     args = resolve_server_args(
         ServerArgs(model_path=spec, speculative_algorithm="DFLASH", device="cpu", dtype="bfloat16")

@@ -2,7 +2,7 @@
 kernel ahead of it (griddepcontrol.wait) before its first global load or store, in the PTX Triton
 makes for sm_90 (no GPU needed): a PDL kernel may be scheduled while the one ahead still runs, so a
 memory access ahead of the wait would race, and the interpreter cannot show it. Runs
-bench/pdl_compile_report.py in a clean subprocess (the test process may run the interpreter)."""
+studies/pdl_compile_report.py in a clean subprocess (the test process may run the interpreter)."""
 
 import pytest
 from compile_reports import run_report

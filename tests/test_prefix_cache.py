@@ -135,7 +135,7 @@ def _level(ttft, tput, hit=0.0, failed=0):
 
 
 def test_bench_prefix_cache_checks_the_targets():
-    from ddtree.bench.prefix_cache import format_report, make_parser, verdict
+    from ddtree.tools.studies.prefix_cache import format_report, make_parser, verdict
 
     ns = make_parser().parse_args(["--model-path", "m"])
     res = {

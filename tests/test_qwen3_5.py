@@ -16,7 +16,7 @@ from ddtree.models.qwen3_5 import Qwen3_5ForCausalLM
 from ddtree.speculative.tree import DraftTree
 
 TOL = dict(rtol=1e-4, atol=1e-4)
-STRATEGIES = ("extra_buffer", "no_buffer")
+from ddtree.engine.config import MAMBA_STRATEGIES as STRATEGIES  # noqa: E402
 
 
 @pytest.fixture(scope="module")

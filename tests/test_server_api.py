@@ -23,7 +23,7 @@ from server_fixtures import (
 )
 
 PROMPT = "def add(a, b):"
-HAS_TOY_PAIR = importlib.util.find_spec("ddtree.train.toy") is not None
+HAS_TOY_PAIR = importlib.util.find_spec("ddtree.tools.train.toy") is not None
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +319,7 @@ def in_block_stop(llm, prompt, out):
 
 
 @pytest.mark.skipif(
-    not HAS_TOY_PAIR, reason="ddtree.train.toy (the trained toy pair) is not available yet"
+    not HAS_TOY_PAIR, reason="ddtree.tools.train.toy (the trained toy pair) is not available yet"
 )
 def test_stop_inside_accepted_block_on_toy_pair(toy_pair):
     """The toy pair really accepts drafts: pick a stop string that completes strictly inside an accepted DDTREE

@@ -514,25 +514,6 @@ def test_new_flags_are_refused_before_weights_load(pair, flags, fragment):
     assert fragment in str(info.value)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "5000"])
-def test_a_bad_switch_interval_fails_before_weights_load(pair, monkeypatch, capsys, value):
-    from ddtree.server import launch
-
-    monkeypatch.setenv("DDTREE_SWITCH_INTERVAL_MS", value)
-    monkeypatch.setattr(launch, "build_app", lambda *a, **k: pytest.fail("weights loaded"))
-    assert launch.main(["--model-path", pair[0], "--device", "cpu"]) == 2
-    assert "DDTREE_SWITCH_INTERVAL_MS" in capsys.readouterr().err
-
-
-def test_switch_interval_is_read_in_milliseconds(monkeypatch):
-    from ddtree.server.launch import thread_switch_interval
-
-    monkeypatch.delenv("DDTREE_SWITCH_INTERVAL_MS", raising=False)
-    assert thread_switch_interval() is None  # Python's own
-    monkeypatch.setenv("DDTREE_SWITCH_INTERVAL_MS", "0.5")
-    assert thread_switch_interval() == pytest.approx(0.0005)
-
-
 # ---- 8: liveness and head-of-line blocking
 # ---------------------------------------------------------------
 def test_health_turns_503_while_the_engine_loop_is_stuck(server, http, pair, monkeypatch):

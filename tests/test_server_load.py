@@ -133,8 +133,8 @@ def test_concurrent_streams_match_batch_of_one(request, target, algorithm):
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("ddtree.train.toy") is None,
-    reason="ddtree.train.toy not available yet",
+    importlib.util.find_spec("ddtree.tools.train.toy") is None,
+    reason="ddtree.tools.train.toy not available yet",
 )
 @pytest.mark.parametrize(
     "target,algorithm", [("dense", "DFLASH"), ("dense", "DDTREE"), ("hybrid", "DDTREE")]
@@ -142,7 +142,7 @@ def test_concurrent_streams_match_batch_of_one(request, target, algorithm):
 def test_concurrent_streams_on_toy_pair_accept_and_match(request, target, algorithm):
     """Same check on the trained toy pairs, where rounds really accept several drafted tokens per
     request (the random pairs above accept ~1 a round: they check the plumbing)."""
-    from ddtree.train.toy import toy_prompts as toy_prompt_ids
+    from ddtree.tools.train.toy import toy_prompts as toy_prompt_ids
 
     toy_pair = request.getfixturevalue("toy_pair" if target == "dense" else "toy_hybrid_pair")
 

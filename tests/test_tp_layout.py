@@ -34,13 +34,13 @@ def test_tp_problems_replicate_kv_heads_and_refuse_the_rest(target_27b):
 
 @pytest.fixture
 def target_27b():
-    from ddtree.inflate.shapes import QWEN36_27B
+    from ddtree.shapes import QWEN36_27B
 
     return TargetConfig.from_dict(QWEN36_27B)
 
 
 def drafter_27b(t: TargetConfig) -> DrafterConfig:
-    from ddtree.inflate.shapes import QWEN36_27B_DRAFTER
+    from ddtree.shapes import QWEN36_27B_DRAFTER
 
     keys = {k: v for k, v in QWEN36_27B_DRAFTER.items() if k != "num_taps"}
     ids = [1, 16, 31, 46, 61]

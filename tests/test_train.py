@@ -12,8 +12,8 @@ import torch
 from ddtree.configs import DrafterConfig, TargetConfig
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.loader import load_drafter, load_target
-from ddtree.train import data
-from ddtree.train.drafter import (
+from ddtree.tools.train import data
+from ddtree.tools.train.drafter import (
     acceptance_lengths,
     block_acceptance,
     chain_acceptance,
@@ -21,7 +21,7 @@ from ddtree.train.drafter import (
     drafter_config_for,
     train_drafter,
 )
-from ddtree.train.lm import generate, init_weights, qwen3_config, train_lm
+from ddtree.tools.train.lm import generate, init_weights, qwen3_config, train_lm
 
 P, T = 16, 48
 
@@ -246,7 +246,7 @@ def test_bpe_tokenizer_and_packing(tmp_path):
 
 
 def test_cli_train_target_and_drafter(tmp_path):
-    from ddtree.train.cli import main
+    from ddtree.tools.train.cli import main
 
     tgt, drf = str(tmp_path / "t"), str(tmp_path / "d")
     assert (
@@ -324,7 +324,7 @@ def test_cli_train_target_and_drafter(tmp_path):
 def test_toy_pair_accepts_and_caches(toy_pair):
     """On the session's pair (one build per suite): its recorded acceptance, a cache hit on a second
     call, and the same acceptance re-measured from the saved weights."""
-    from ddtree.train.toy import MARKER, build_toy_pair, evaluate_pair
+    from ddtree.tools.train.toy import MARKER, build_toy_pair, evaluate_pair
 
     target_dir, drafter_dir = toy_pair
     root = os.path.dirname(target_dir)
@@ -344,7 +344,7 @@ def test_toy_pair_accepts_and_caches(toy_pair):
 
 
 def test_block_loss_uses_same_position_labels_and_chunks(tiny):
-    from ddtree.train.drafter import anchor_valid, block_embeds, block_loss, sample_anchors
+    from ddtree.tools.train.drafter import anchor_valid, block_embeds, block_loss, sample_anchors
 
     cfg, target, (ids, mask), held, dcfg = tiny
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""`bench/trajectory_rungs.py`: a table of every rung's accept at every position (B=64 rounds cut
+"""`studies/trajectory_rungs.py`: a table of every rung's accept at every position (B=64 rounds cut
 to the bonus token) walks each fixed rung's own trajectory exactly as the engine runs it (T=0,
 fp32, the embedded pair), and the policy replayed over it reaches the best fixed rung."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
 
 import trajectory_rungs as tr  # noqa: E402
 

@@ -2,7 +2,7 @@
 properties their H200 timings rest on (BENCHMARKS.md, issue 7): no register spills, at least one program per SM,
 and K/V loads still in flight while a tile is computed. The last one broke silently before: at 3-4 pipeline
 stages Triton 3.6 waits for every tile's own loads (the block-table load takes a stage), which cost up to 12%
-on the H200. Runs bench/tree_attention_compile_report.py in a clean subprocess (the test process runs Triton's
+on the H200. Runs studies/tree_attention_compile_report.py in a clean subprocess (the test process runs Triton's
 interpreter, which cannot compile)."""
 
 import json
@@ -39,7 +39,7 @@ def reports():
     proc = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "bench", "tree_attention_compile_report.py"),
+            os.path.join(ROOT, "studies", "tree_attention_compile_report.py"),
             "--defaults",
             "--json",
         ],

@@ -17,10 +17,10 @@ from triton_utils import DEV, cpu_interpreter_only
 pytest.importorskip("triton")
 
 from ddtree import envs  # noqa: E402
-from ddtree.bench.op_count import LaunchCounter  # noqa: E402
 from ddtree.engine.config import budget_ladder  # noqa: E402
 from ddtree.kernels import tree_build  # noqa: E402
 from ddtree.speculative.tree import build_tree  # noqa: E402
+from ddtree.tools.studies.op_count import LaunchCounter  # noqa: E402
 
 FIELDS = ("tokens", "parents", "depths", "valid", "tree_mask", "path_probs", "chain_probs")
 
@@ -162,7 +162,7 @@ def test_dispatch_and_switch(monkeypatch):
 def test_one_launch_and_no_host_sync(monkeypatch):
     """The build's launches (CPU count: aten ops that do work + Triton launches): ~200 with the
     PyTorch selection at B = 64, D = 15 (17 sorts), a dozen with the kernel, and no read-back."""
-    from ddtree.bench.op_count import _triton_launches
+    from ddtree.tools.studies.op_count import _triton_launches
 
     roots, logits, limits, g = inputs(1, 1, 15, 256, dtype=torch.bfloat16)
     budgets = torch.full((1,), 64)

@@ -4,7 +4,7 @@ and at 1: it compiles, does not spill, no load takes the read-only (non-coherent
 could miss the program's own workspace writes, and its six CTA barriers (the workspace hand-offs:
 table, depth 0, the depth loop, node map, outputs, ancestors) survive; at 1 warp the sorting
 network needs no barrier of its own, so exactly those six remain. Runs
-bench/tree_build_compile_report.py in a clean subprocess (the test process runs Triton's
+studies/tree_build_compile_report.py in a clean subprocess (the test process runs Triton's
 interpreter, which cannot compile)."""
 
 import pytest

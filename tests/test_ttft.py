@@ -137,7 +137,7 @@ def test_multiturn_heldout_prompts_are_in_distribution_text():
 def test_prefix_bench_takes_an_inflate_spec_without_a_drafter(monkeypatch, tmp_path):
     """The 27B hybrid run: `--model-path inflate:qwen3.6-27b` brings its own drafter; a plain dir
     still needs one."""
-    from ddtree.bench import prefix_cache
+    from ddtree.tools.studies import prefix_cache
 
     seen = []
 

@@ -22,12 +22,12 @@ BENCHES = {
         "drive a running server: throughput, TTFT, TPOT, latency, accept length",
     ),
     "prefix-cache": (
-        "ddtree.bench.prefix_cache",
+        "ddtree.tools.studies.prefix_cache",
         "the prefix cache on vs --disable-radix-cache: multi-turn (shared system prompt) and "
         "no-sharing workloads against two servers; TTFT / throughput targets checked",
     ),
     "at-scale": (
-        "ddtree.bench.at_scale",
+        "ddtree.tools.studies.at_scale",
         "on the GPU: inflate the embedded pair to a production "
         "shape, serve NONE / DFLASH / DDTREE, sweep concurrency; one table + JSON + PNG",
     ),

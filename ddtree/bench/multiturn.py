@@ -6,7 +6,7 @@ A conversation is a system prompt of --system-prompt-tokens (shared by every con
 output_1 + ... + user_t, so a prefix cache can reuse everything but the new user turn. --concurrency
 conversations run at once (--num-prompts conversations in all), each turn after the previous one
 finished. Prompts are held-out in-distribution text by default (--prompt-source heldout: the Python
-standard library modules the embedded pair's corpus leaves out, `train.data.stdlib_files`, through
+standard library modules the embedded pair's corpus leaves out, `bench.corpus.stdlib_files`, through
 --tokenizer; the shared system prompt is the text's start, every other piece a window at a seeded
 offset, distinct system prompts at distinct offsets), so drafts are accepted as in real use; with
 --prompt-source random, token ids are drawn from [--token-id-min, --token-id-max). Per turn the
@@ -35,14 +35,14 @@ class TurnResult(Result):
 
 
 def heldout_tokens(tokenizer: str | None) -> list[int]:
-    """The held-out stdlib modules (`train.data.stdlib_files`: never in the embedded pair's
+    """The held-out stdlib modules (`bench.corpus.stdlib_files`: never in the embedded pair's
     training corpus) as one token-id sequence, through `tokenizer` (a dir with tokenizer.json or
     the file; default: the embedded pair's)."""
     import os
 
     from tokenizers import Tokenizer
 
-    from ddtree.train.data import read_texts, stdlib_files
+    from ddtree.bench.corpus import read_texts, stdlib_files
 
     if tokenizer is None:
         from ddtree.assets import default_model_paths

@@ -1,21 +1,30 @@
-"""PNG plots for the benchmarks (matplotlib, headless)."""
+"""PNG plots for the benchmarks (matplotlib, headless). matplotlib is optional (`pip install
+'ddtree[tools]'`): without it every plot is skipped with one line on stderr and the JSON results
+are written as always."""
 
 from __future__ import annotations
 
 import collections
+import sys
 
 
-def _plt():
-    import matplotlib
-
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (a note on stderr) when it is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install 'ddtree[tools]'): no PNG", file=sys.stderr)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def tau_vs_budget(rows: list[dict], path: str) -> None:
-    plt = _plt()
+def tau_vs_budget(rows: list[dict], path: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
     fig, ax = plt.subplots(figsize=(6, 4))
     groups = collections.defaultdict(list)
     for r in rows:
@@ -46,10 +55,13 @@ def tau_vs_budget(rows: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
-def accept_histograms(hists: dict[str, list[int]], path: str) -> None:
-    plt = _plt()
+def accept_histograms(hists: dict[str, list[int]], path: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
     n = len(hists)
     fig, axes = plt.subplots(n, 1, figsize=(6, 1.6 * n + 0.5), sharex=True, squeeze=False)
     for ax, (label, lengths) in zip(axes[:, 0], hists.items()):
@@ -62,11 +74,14 @@ def accept_histograms(hists: dict[str, list[int]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
-def round_costs(rows: list[dict], floor_ms: float, phases: tuple[str, ...], path: str) -> None:
+def round_costs(rows: list[dict], floor_ms: float, phases: tuple[str, ...], path: str) -> bool:
     """Per-round time of each benchmark row as stacked stage bars (ms), with the memory floor marked."""
-    plt = _plt()
+    plt = pyplot()
+    if plt is None:
+        return False
     labels = [
         f"{r['config']} b{r['batch']} ctx{r['context']}"
         + (f" acc={r['forced_accept']}" if r.get("forced_accept") is not None else "")
@@ -88,3 +103,4 @@ def round_costs(rows: list[dict], floor_ms: float, phases: tuple[str, ...], path
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

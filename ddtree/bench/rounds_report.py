@@ -3,8 +3,6 @@ targets, the printed table and the plot."""
 
 from __future__ import annotations
 
-import sys
-
 PHASES = ("draft", "tree", "verify", "accept", "commit")
 
 
@@ -94,10 +92,7 @@ def print_row(r: dict) -> None:
 
 
 def plot(rows: list[dict], floor: dict, path: str) -> None:
-    try:
-        from ddtree.bench.plots import round_costs
-    except ImportError as e:  # matplotlib missing
-        print(f"no plot: {e}", file=sys.stderr)
-        return
-    round_costs([r for r in rows if r.get("ms")], floor["floor_ms"], PHASES, path)
-    print(f"wrote {path}")
+    from ddtree.bench.plots import round_costs
+
+    if round_costs([r for r in rows if r.get("ms")], floor["floor_ms"], PHASES, path):
+        print(f"wrote {path}")

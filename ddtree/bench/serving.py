@@ -282,11 +282,12 @@ async def run(ns, items: list[Item]) -> dict:
     }
 
 
-def plot(report: dict, path: str) -> None:
-    import matplotlib
+def plot(report: dict, path: str) -> bool:
+    from ddtree.bench.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return False
 
     levels = report["results"]
     xs = [r["concurrency"] for r in levels]
@@ -310,6 +311,7 @@ def plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def finite(obj):
@@ -503,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(ns.output, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, allow_nan=False)  # strict JSON: no Infinity / NaN
     png = os.path.splitext(ns.output)[0] + ".png"
-    plot(report, png)
+    wrote = [ns.output] + ([png] if plot(report, png) else [])
     print(format_table(report["results"]))
     breakdown = format_breakdown(report["results"])
     if breakdown:
@@ -511,5 +513,5 @@ def main(argv: list[str] | None = None) -> int:
     load = format_client(report["results"])
     if load:
         print(load)
-    print(f"wrote {ns.output} and {png}")
+    print(f"wrote {' and '.join(wrote)}")
     return 1 if any(r["failed"] for r in report["results"]) else 0

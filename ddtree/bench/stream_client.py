@@ -62,12 +62,10 @@ async def sse_chunks(http, url: str, body: dict) -> AsyncIterator[dict]:
 class Lanes:
     """One keep-alive connection per request in flight: a request takes a free lane (an
     `httpx.AsyncClient` of one connection, made on first need) and gives it back when its stream
-    is closed. A shared pool instead (one `AsyncClient`, `max_connections` ≥ the concurrency)
-    starts requests late on reused connections: at 64 streams against a stub server, a request's
-    headers left the client up to 0.61 s after it was issued on the H200's host (p99; lanes:
-    0.04 s, the first wave's connects included; `bench/client_pool_delay.py`), the event loop
-    idle. The server booked that as `client` time in the TTFT breakdown and ran a smaller batch
-    than the concurrency."""
+    is closed. A shared pool instead (one `AsyncClient`, `max_connections` >= the concurrency)
+    starts requests late on reused connections at high concurrency, with the event loop idle: the
+    server books that as `client` time in the TTFT breakdown and runs a smaller batch than the
+    concurrency (BENCHMARKS.md's history has the measurement)."""
 
     def __init__(self, headers: dict, timeout: float, wrap=None):
         import ssl

@@ -91,7 +91,7 @@ class BudgetPlanner:
         # next round's decision for the same requests; `plan` takes it when the batch is the
         # same, carries its rung to a batch that changed (`BudgetPolicy.carry`), and decides
         # there only where it cannot. The policy's host time (~0.4 ms a round on the H200's
-        # host, bench/host_time.py) would otherwise sit between rounds with the device idle.
+        # host, studies/host_time.py) would otherwise sit between rounds with the device idle.
         self._batch: tuple | None = None  # the current round's (slots, reqs, caps, ctx)
         self._next: tuple | None = None  # (batch key, proposed Decision) for the next round
         self._accepted: tuple | None = None  # (pending, accepted) of a finished round

@@ -8,7 +8,7 @@ order gives it for every smaller budget at once: `curve[b - 1]` = the prefix sum
 nodes (`DraftTree.path_probs`). The host reads each round's curves back with its tokens. They
 teach the server-wide curve (`CurveShape` times the mean chain gain), and that curve, not a
 request's own last one, is what a decision rates: last round's draft forecasts this round's
-accepts poorly (correlation 0.48-0.55 on the embedded pair, `bench/counterfactual_rungs.py`), a
+accepts poorly (correlation 0.48-0.55 on the embedded pair, `studies/counterfactual_rungs.py`), a
 rung chosen on it is chosen where the forecast ran high, and per round the best rung moves
 little (the per-round oracle beats the best fixed rung by 0.4-3.4% there, while rungs chosen on
 the forecast lost 0-1.0%). Calibration has two factors. Per rung, server-wide
@@ -187,7 +187,7 @@ class BudgetPolicy:
         """[b, B] the curves a decision rates: the server-wide curve for every request once a
         tree round taught it (the per-request curves before that). A request's own curve is
         last round's draft, a weak forecast of this round's (correlation 0.48-0.55 with the
-        accepts, against 0.83-0.86 for the round's own draft; `bench/counterfactual_rungs.py`):
+        accepts, against 0.83-0.86 for the round's own draft; `studies/counterfactual_rungs.py`):
         choosing the rung on it picks a rung where its forecast ran high, which cost 0-1.0% of
         the best fixed rung there even with unbiased factors, and it biased the rung factors
         (a rung's realised over predicted, learned where it was chosen)."""

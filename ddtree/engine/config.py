@@ -13,11 +13,28 @@ import os
 from dataclasses import dataclass
 
 from ddtree.models.tp_layout import shard_drafter, shard_target
-from ddtree.server_args import DEFAULT_CUDA_GRAPH_MAX_BS, cuda_available
+
+# defaults and choices that flags, plans and pools share: defined here once
+DEFAULT_CUDA_GRAPH_MAX_BS = 16
+MAMBA_STRATEGIES = ("no_buffer", "extra_buffer")
+# no_buffer by measurement (BENCHMARKS.md, hybrid rounds): its rounds are the faster ones with the
+# chunk-form tree kernel, and it keeps no per-node recurrent state
+DEFAULT_MAMBA_STRATEGY = "no_buffer"
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU path is for tests and small models: cap its KV pool
 MIN_PAGES = 2  # the engine always gets a KV pool, even one no request fits in (the plan warns then)
+
+
+def cuda_available() -> bool:
+    """Imports torch only when a GPU driver node exists, so CPU-only planning stays fast."""
+    if not any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")
+    ):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def dtype_bytes(dtype) -> int:
@@ -161,7 +178,7 @@ class RunnerConfig:
     max_verify_width: int = 65  # most tree nodes (root included) one request verifies at once
     verify_widths: tuple[int, ...] = ()  # widths with verify graphs (empty: max_verify_width)
     attention_backend: str = "torch"
-    mamba_strategy: str = "extra_buffer"
+    mamba_strategy: str = DEFAULT_MAMBA_STRATEGY
     mamba_ssm_dtype: str = "float32"
     enable_cuda_graph: bool = (
         False  # graphs for verify and draft (CUDA, triton backend, dense target)
@@ -173,7 +190,7 @@ class RunnerConfig:
         False  # radix cache over full KV pages (--disable-radix-cache turns it off)
     )
     state_checkpoints: int = 0  # hybrid: recurrent-state checkpoint rows for cached prefixes
-    # graphed short extends (with CUDA graphs; empty: every prefill eager, DDTREE_EAGER_EXTEND=1)
+    # graphed short extends (with CUDA graphs; empty: every prefill eager)
     extend_widths: tuple[int, ...] = ()
     extend_max_bs: int = EXTEND_BATCHES[-1]  # largest extend batch bucket (<= cuda_graph_max_bs)
 
@@ -333,7 +350,7 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     t, d, tp = args.target_config, args.drafter_config, args.tp_size
     t_rank = shard_target(t, tp)
     d_rank = None if d is None else shard_drafter(d, tp)
-    spec = spec_config(args)
+    spec = args.spec
     width, n_req = spec.verify_width, args.max_running_requests
     static = int(device_bytes * args.mem_fraction_static)
     workspace = n_req * verify_buffer_bytes(t, d, width, spec.block_size, args.dtype)
@@ -404,9 +421,7 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
 
 
 def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:
-    from ddtree import envs
-
-    spec = spec_config(args)
+    spec = args.spec
     graphs = device == "cuda" and not args.disable_cuda_graph
     # the most new tokens one prefill step gives a request (the scheduler's prefill budget)
     caps = (prefill_chunk_tokens(args), args.max_prefill_tokens, args.context_length)
@@ -420,11 +435,11 @@ def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:
         max_verify_width=spec.verify_width,
         verify_widths=spec.verify_widths,
         attention_backend=args.attention_backend,
-        mamba_strategy=args.mamba_scheduler_strategy or RunnerConfig.mamba_strategy,
+        mamba_strategy=args.mamba_scheduler_strategy or DEFAULT_MAMBA_STRATEGY,
         mamba_ssm_dtype=args.mamba_ssm_dtype,
         enable_cuda_graph=graphs,
         cuda_graph_max_bs=args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS,
         prefix_cache=not args.disable_radix_cache,
         state_checkpoints=pools.checkpoint_rows,
-        extend_widths=extend_widths(longest) if graphs and not envs.EAGER_EXTEND.on() else (),
+        extend_widths=extend_widths(longest) if graphs else (),
     )

@@ -11,7 +11,7 @@ import torch
 
 from ddtree.engine import logprobs
 from ddtree.engine.batch_log import BatchLog
-from ddtree.engine.config import prefill_chunk_tokens, spec_config
+from ddtree.engine.config import prefill_chunk_tokens
 from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine.faults import EngineDead, FaultIsolation, describe
 from ddtree.engine.outputs import TokenEmitter
@@ -43,7 +43,7 @@ class LLMEngine:
             if self.tp is not None and tp_rank is None:
                 self.tp.close()  # not ready yet: ends the ranks it started, no collective
             raise
-        self.spec = spec_config(args)  # the derivation that sized the runner's pools and widths
+        self.spec = args.spec  # derived once by resolve_server_args; it sized the pools and widths
         self.decoder = SpecDecoder(self.runner, self.spec)
         cfg = self.runner.cfg
         self.scheduler = Scheduler(

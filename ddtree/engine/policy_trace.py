@@ -1,7 +1,7 @@
 """`DDTREE_POLICY_TRACE=<file>`: one JSON line per auto round with what the budget policy saw when
 it chose (per rung: expected tokens, seconds, tokens / s, calibration factor) and what the round
 before it realised (its rung, accepted drafts, wall and device seconds). A diagnostic for the
-policy's decisions in a running server (`bench/policy_trace.py` summarises a file); off by
+policy's decisions in a running server (`studies/policy_trace.py` summarises a file); off by
 default, and it costs a second rating of every rung per round when on."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 from ddtree import envs
 
 PHASES = ("plan", "draft", "verify", "commit")
-# the names /metrics' ddtree_round_seconds gives them (server/metrics.py, bench/serving_metrics.py)
+# the names /metrics' ddtree_round_seconds gives them (server/metrics.py, ddtree/bench/serving_metrics.py)
 DEVICE_PARTS = ("device", "idle", *(f"device_{p}" for p in PHASES))
 
 

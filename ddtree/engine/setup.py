@@ -13,9 +13,9 @@ import torch
 from ddtree.configs import ConfigError
 from ddtree.engine.config import device_memory_bytes, plan_pools, runner_config
 from ddtree.engine.model_runner import ModelRunner
-from ddtree.inflate.source import is_inflate_path
 from ddtree.kernels.gdn import backend as gdn_backend
 from ddtree.kernels.tree_attention.tuning import wide_tiles
+from ddtree.model_sources import source_for
 from ddtree.models.layers import torch_dtype
 from ddtree.models.loader import load_drafter, load_target
 
@@ -52,16 +52,16 @@ def module_bytes(*modules) -> int:
     return sum(p.numel() * p.element_size() for p in seen.values())
 
 
-def inflated_models(args, dtype: torch.dtype, device: torch.device):
-    """(target, drafter) of an `inflate:` model path, built in memory on the device in the serving
-    dtype (no files: the 27B pair does not fit the device's disk); (None, None) otherwise."""
-    if not is_inflate_path(args.model_path):
+def sourced_models(args, dtype: torch.dtype, device: torch.device):
+    """(target, drafter) of a model path that names a source (`ddtree.model_sources`, e.g.
+    `inflate:`: built in memory on the device in the serving dtype, no files); (None, None) for a
+    directory."""
+    source = source_for(args.model_path)
+    if source is None:
         return None, None
-    # --tp-size > 1 with an inflate: path is refused by resolve_server_args, before any rank starts
-    from ddtree.inflate.source import build_pair
-
-    logger.info("Building the inflated pair %s on %s in %s.", args.model_path, device, dtype)
-    return build_pair(args.model_path, args.is_speculative, dtype, device)
+    # --tp-size > 1 with a sourced path is refused by resolve_server_args, before any rank starts
+    logger.info("Building the pair %s on %s in %s.", args.model_path, device, dtype)
+    return source.build_pair(args.model_path, args.is_speculative, dtype, device)
 
 
 def _same_plan_on_every_rank(cfg, tp) -> None:
@@ -87,7 +87,7 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
     group = None if tp is None else tp.group
     gdn_backend.check_switches()  # a bad GDN kernel switch fails before the weights load
     wide_tiles(decode=False)  # and a bad attention tile switch (every part is parsed)
-    target, drafter = inflated_models(args, dtype, device)
+    target, drafter = sourced_models(args, dtype, device)
     if target is None:
         target = load_target(args.model_path, dtype, str(device), group)
     if args.is_speculative and drafter is None:

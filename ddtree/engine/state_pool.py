@@ -31,7 +31,13 @@ import torch
 from torch import Tensor
 
 from ddtree import envs
-from ddtree.engine.config import GDNGeometry, stash_ssm_dtype, stash_width
+from ddtree.engine.config import (
+    DEFAULT_MAMBA_STRATEGY,
+    MAMBA_STRATEGIES,
+    GDNGeometry,
+    stash_ssm_dtype,
+    stash_width,
+)
 from ddtree.engine.state_contexts import ExtendContext, TreeContext
 from ddtree.kernels.gdn import replay_conv_path
 from ddtree.kernels.gdn.backend import (
@@ -42,7 +48,6 @@ from ddtree.kernels.gdn.backend import (
 )
 from ddtree.kernels.gdn.dispatch import replay
 
-STRATEGIES = ("extra_buffer", "no_buffer")
 # no_buffer commit: the most fp32 state one group of layers gathers at a time
 REPLAY_GROUP_BYTES = 512 << 20
 _SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,14 +80,15 @@ class HybridStatePool:
         max_reqs: int,
         max_verify_width: int,
         device,
-        strategy: str = "extra_buffer",
+        strategy: str = DEFAULT_MAMBA_STRATEGY,
         ssm_dtype="float32",
         dtype=torch.bfloat16,
         scratch_row: bool = False,
     ):
-        if strategy not in STRATEGIES:
+        if strategy not in MAMBA_STRATEGIES:
             raise ValueError(
-                f"--mamba-scheduler-strategy {strategy!r} is not supported; choose one of {STRATEGIES}"
+                f"--mamba-scheduler-strategy {strategy!r} is not supported; choose one of "
+                f"{MAMBA_STRATEGIES}"
             )
         check_switches()  # a bad GDN switch (envs.GDN_TREE_BV, GDN_TREE_CHUNK ...) fails at startup
         self.geo, self.strategy, self.width = geo, strategy, max_verify_width

@@ -3,7 +3,7 @@
 A full (generation 2) collection walks every tracked object. After start-up that is mostly what
 start-up made: modules, the tokenizer's vocabulary, the model's Python objects, the CUDA graphs'
 wrappers (a CPU server of the embedded pair, app built: 372k objects, one full collection 124-138
-ms on the 2-core CPU, 0.0 ms after `gc.freeze()`: `bench/gc_pause.py`). Serving allocates request,
+ms on the 2-core CPU, 0.0 ms after `gc.freeze()`: `studies/gc_pause.py`). Serving allocates request,
 JSON and asyncio objects; now and then that triggers a full collection, which stops both threads,
 the engine loop's and the HTTP loop's, for that long. `freeze_startup_heap` (after the warm-up, as
 vLLM's warm-up ends in `freeze_gc_heap`; SGLang has `freeze_gc`) moves the start-up heap to the

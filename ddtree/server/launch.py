@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 
-from ddtree import envs
 from ddtree.configs import ConfigError
 from ddtree.server.gc_watch import gc_freeze_on
 from ddtree.server_args import ServerArgs, make_parser, resolve_server_args
@@ -28,24 +27,6 @@ def prepare_args(argv: list[str]) -> ServerArgs:
     """Parse and resolve server flags; raises ConfigError (every problem at once) before loading weights."""
     ns = make_parser("ddtree serve").parse_args(argv)
     return resolve_server_args(ServerArgs(**vars(ns)))
-
-
-def thread_switch_interval() -> float | None:
-    """DDTREE_SWITCH_INTERVAL_MS in seconds (None: unset, Python's own). The engine thread and the
-    HTTP event-loop thread share the GIL: a torch call that released it waits for the loop to
-    block again or for this interval (Python's 5 ms) to run out before it goes on."""
-    raw = envs.SWITCH_INTERVAL_MS.get().strip()
-    if not raw:
-        return None
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = float("nan")
-    if not 0 < ms <= 1000:
-        raise ConfigError(
-            [f"{envs.SWITCH_INTERVAL_MS.name}={raw!r}: give milliseconds in (0, 1000], e.g. 0.5"]
-        )
-    return ms / 1e3
 
 
 def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
@@ -130,14 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()), format="[ddtree] %(message)s")
     try:
         args = resolve_server_args(ServerArgs(**vars(ns)))
-        switch_interval_s = thread_switch_interval()
         gc_freeze = gc_freeze_on()
     except ConfigError as e:
         for problem in e.problems:
             print(f"error: invalid configuration: {problem}", file=sys.stderr)
         return 2
-    if switch_interval_s is not None:
-        sys.setswitchinterval(switch_interval_s)
     import uvicorn
 
     from ddtree.server.http import uvicorn_kwargs

@@ -1,7 +1,7 @@
 """CUDA graphs vs eager on the device, on the embedded pair: token-identical outputs for greedy AR
 (NONE), DFLASH and DDTREE, fp32 and bf16, batch 1 and a ragged batch of 5, and the graph path really
 replayed (verify; for DFLASH / DDTREE the fused draft -> tree and the in-graph accept walk).
-Formerly the check of bench/gpu_cuda_graphs.py, which now only times."""
+Formerly the check of studies/gpu_cuda_graphs.py, which now only times."""
 
 import inspect
 

@@ -1,6 +1,6 @@
 """The graphed short extend on the device (captured CUDA graphs, fp32): multi-turn conversations
 over a cached system prompt give the same tokens with the extend graphs as with
-DDTREE_EAGER_EXTEND=1 (every other graph on in both), and the extend graphs really replay, in more
+every prefill eager (no extend widths; every other graph on in both), and the extend graphs really replay, in more
 than one pass for a long turn and at batch > 1. The embedded pair (AR / DFLASH / DDTREE) and the
 toy hybrid pair (extra_buffer and no_buffer).
 
@@ -22,7 +22,7 @@ ALGOS = [("NONE", None), ("DFLASH", None), ("DDTREE", 16)]
 
 @pytest.fixture(scope="module")
 def hybrid_pair(tmp_path_factory):
-    from ddtree.train.toy import build_toy_hybrid_pair
+    from ddtree.tools.train.toy import build_toy_hybrid_pair
 
     out = envs.TOY_HYBRID.get() or (
         os.path.join(envs.CACHE.get(), "toy_hybrid_pair")
@@ -53,11 +53,13 @@ def _llm(target, drafter, algo, budget, **kw):
 
 def _run(make, convs_of, monkeypatch, eager: bool):
     """(outputs, extend passes [(width, live rows)]) of one engine's conversation."""
-    if eager:
-        monkeypatch.setenv(envs.EAGER_EXTEND.name, "1")
-    else:
-        monkeypatch.delenv(envs.EAGER_EXTEND.name, raising=False)
+    import ddtree.engine.config as engine_config
+
+    # every prefill eager: no extend widths to capture (the graphs of the other steps stay)
+    real = engine_config.extend_widths
+    monkeypatch.setattr(engine_config, "extend_widths", (lambda longest: ()) if eager else real)
     llm = make()
+    monkeypatch.setattr(engine_config, "extend_widths", real)
     graphs = llm.engine.runner.graphs
     assert graphs is not None, "CUDA graphs were not enabled (see the log)"
     assert (graphs.extend is None) == eager, "the extend graphs failed to capture (see the log)"

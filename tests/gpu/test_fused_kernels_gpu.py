@@ -1,6 +1,6 @@
 """The fused decoder-layer kernels (ddtree/kernels/fused) on the device against their references, at
 Qwen3-8B shapes (bf16), M = 1, 65, 520 tokens, and a 2-layer Qwen3-8B-shaped target forward through
-the model code. Formerly the check of bench/gpu_fused_kernels.py, which now only times."""
+the model code. Formerly the check of studies/gpu_fused_kernels.py, which now only times."""
 
 import pytest
 import torch

@@ -2,7 +2,7 @@
 Triton tree kernel (outputs and node states; chains, bushy and random trees, a padded request; fp32
 and bf16), the chunk-form tree verify (outputs and the accepted node's state) and its Triton kernel
 (outputs, stash rows, CUDA graph replay, launch options). Formerly the
-checks of bench/gpu_gdn_tree.py sections (a) and (b), which now only time."""
+checks of studies/gpu_gdn_tree.py sections (a) and (b), which now only time."""
 
 import pytest
 import torch
@@ -161,7 +161,7 @@ def test_tree_chunk_kernel_matches_reference(dtype, b, kind, form):
 )
 @pytest.mark.parametrize("form", ["split", "one"])
 def test_tree_chunk_kernel_launch_options_match_reference(block_v, block_k, warps, precision, form):
-    """Every launch option bench/gpu_gdn_tree.py (e) times compiles and keeps the numbers (tf32: its
+    """Every launch option studies/gpu_gdn_tree.py (e) times compiles and keeps the numbers (tf32: its
     10-bit mantissa in the dots, a looser bound)."""
     pytest.importorskip("triton")
     tree_chunk_triton = _chunk_form(form)
@@ -177,7 +177,7 @@ def test_tree_chunk_kernel_launch_options_match_reference(block_v, block_k, warp
 def test_chunk_and_recurrent_dispatch_match_reference(dtype):
     """Prefill (varlen chunk rule, initial states) and decode continuing from its final state,
     through the dispatch (fla on CUDA where installed, else the reference), against the reference.
-    Formerly section (d) of bench/gpu_gdn_tree.py (which still times it)."""
+    Formerly section (d) of studies/gpu_gdn_tree.py (which still times it)."""
     from ddtree.kernels.gdn import dispatch, reference
 
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(11)
@@ -205,7 +205,7 @@ def test_no_buffer_commit_rule_matches_reference(b, acc):
     """The no_buffer commit's rule part on 48 layers' accepted chains (what HybridStatePool._replay
     hands the dispatch): the dispatch replay (fla fused recurrent where installed) and the
     chunk-form state of the chain's last node vs reference.replay_path. Formerly section (c') of
-    bench/gpu_gdn_tree.py."""
+    studies/gpu_gdn_tree.py."""
     pytest.importorskip("triton")
     from ddtree.kernels.gdn import dispatch, reference
     from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule
@@ -385,8 +385,8 @@ def test_strided_gating_norm_and_sigmoid_gate_match_reference(dtype):
 def test_gdn_layer_one_gemm_matches_four():
     """A 27B-shaped GatedDeltaNet: inference's one in_proj GEMM == HF's four (training's path)."""
     from ddtree.configs import TargetConfig
-    from ddtree.inflate.shapes import resolve_shape
     from ddtree.models.gated_deltanet import IN_PROJ_PARTS, GatedDeltaNet
+    from ddtree.shapes import resolve_shape
 
     cfg = TargetConfig.from_dict(resolve_shape("qwen3.6-27b")[0])
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(23)

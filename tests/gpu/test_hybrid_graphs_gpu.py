@@ -3,9 +3,9 @@ fp32: token-identical outputs for greedy AR (NONE), DFLASH and DDTREE, under bot
 (extra_buffer, no_buffer), batch 1 and a ragged batch of 5, with the graphs really replayed (verify,
 commit, and for DFLASH / DDTREE the fused draft -> tree). Speculative runs also match AR (lossless on
 the GPU paths: fla prefill / replay, the Triton tree kernel, the chunk-form tree rule). Issue 19's GPU
-correctness target; formerly section (e) of bench/gpu_gdn_tree.py.
+correctness target; formerly section (e) of studies/gpu_gdn_tree.py.
 
-The pair: $DDTREE_TOY_HYBRID when set (bench/gpu_gdn_tree.py's convention), else built (~1 min on the
+The pair: $DDTREE_TOY_HYBRID when set (studies/gpu_gdn_tree.py's convention), else built (~1 min on the
 CPU) in $DDTREE_CACHE or a temporary directory."""
 
 import os
@@ -24,7 +24,7 @@ STRATEGIES = ["extra_buffer", "no_buffer"]
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     from ddtree import envs
-    from ddtree.train.toy import build_toy_hybrid_pair
+    from ddtree.tools.train.toy import build_toy_hybrid_pair
 
     out = envs.TOY_HYBRID.get() or (
         os.path.join(envs.CACHE.get(), "toy_hybrid_pair")

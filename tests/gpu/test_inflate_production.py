@@ -26,7 +26,7 @@ def _small():
 
 @torch.no_grad()
 def test_qwen3_8b_fp32_logits_equal_small():
-    from ddtree.inflate import inflate_pair
+    from ddtree.tools.inflate import inflate_pair
 
     t, d, small = _small()
     pair = inflate_pair(t, d, "qwen3-8b", "cuda", torch.float32)
@@ -50,7 +50,7 @@ def test_qwen3_8b_fp32_logits_equal_small():
 
 @torch.no_grad()
 def test_qwen36_27b_bf16_builds_and_tracks_small():
-    from ddtree.inflate import inflate_pair
+    from ddtree.tools.inflate import inflate_pair
 
     t, d, small = _small()
     pair = inflate_pair(t, d, "qwen3.6-27b", "cuda", torch.bfloat16)

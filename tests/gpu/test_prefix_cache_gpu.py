@@ -82,7 +82,7 @@ def test_hybrid_cache_matches_no_cache_on_the_device(toy_hybrid_pair, strategy):
     """The toy hybrid pair on CUDA (fp32, the device GDN kernels): state checkpoints restore the
     exact recurrent state, so cache on == cache off, and the second turn hits."""
     from ddtree import LLM, SamplingParams
-    from ddtree.train.data import synthetic_sequences
+    from ddtree.tools.train.data import synthetic_sequences
 
     target, drafter = toy_hybrid_pair
     seqs = synthetic_sequences(4, 48, 64, 7)

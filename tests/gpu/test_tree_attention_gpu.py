@@ -3,7 +3,7 @@ reference on random ragged batches (trees, causal chains, decode, prefill; conte
 of 16 and 1), output poisoned with NaN first, at the serving shape (32 query heads, 8 KV heads, head
 dim 128, bf16), and at the hybrid Qwen3.6-27B target's gated attention (24 query heads, 4 KV heads,
 head dim 256: the Triton kernel, every tile config its timing sweep tries). Formerly the
-correctness passes of bench/gpu_tree_attention.py and bench/gpu_tree_attention_hopper.py."""
+correctness passes of studies/gpu_tree_attention.py and studies/gpu_tree_attention_hopper.py."""
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ or one (`tree_chunk_triton`, both per column tile).
 
 On the CPU our Triton kernels (tree rule, tree conv) run in Triton's interpreter when both
 TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1 (the fused kernels' switch: engine tests and
-`ddtree.bench.op_count` then run the GPU's kernel sequence on CPU tensors); fla stays CUDA-only.
+`ddtree.tools.studies.op_count` then run the GPU's kernel sequence on CPU tensors); fla stays CUDA-only.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def tree_rule(
                 from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton as kernel
             if tree_mask is None:
                 tree_mask = tree_ancestor_mask(parents, depths >= 0 if valid is None else valid)
-            # launch switches (form, column tile, dot precision): timed by bench/gpu_gdn_tree.py (e)
+            # launch switches (form, column tile, dot precision): timed by studies/gpu_gdn_tree.py (e)
             o = kernel(
                 q,
                 k,
@@ -196,7 +196,7 @@ def tree_rule(
         from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton
 
         # launch switches (tile, warps, prefetch): same math (warps / tile: the fp32 reduction order
-        # may differ), timed by bench/gpu_gdn_tree.py
+        # may differ), timed by studies/gpu_gdn_tree.py
         return tree_gated_delta_rule_triton(*args, **bufs, **tree_kernel_options())
     return tree_gated_delta_rule_rows(*args, **bufs)
 

@@ -14,7 +14,7 @@ e = e^G iq, f = d0 iq (Q k_0); ik / iq the rows' inverse norms, d0 the root colu
    a per-(request, head) scratch.
 2. `_output_kernel`, grid (b, Hv, cdiv(dv, BV)): K S0 and Q S0 over dk, u_0 and o_0, then one
    [BT, BT] @ [BT, BV] dot for the block's outputs. 225 registers at 4 warps: two programs per SM
-   (bench/gdn_tree_chunk_compile_report.py --split). Folding K S0 into the solve's scratch instead
+   (studies/gdn_tree_chunk_compile_report.py --split). Folding K S0 into the solve's scratch instead
    (Z = e Q - (M a) K, outputs Z S0 + M V: 140 registers, three per SM) measured 5-15% slower on
    the H200, the longer solve outweighing it.
 Same inputs, outputs and padding rules as `tree_chunk_triton` (its wrapper's checks are shared);
@@ -203,7 +203,7 @@ def launch_config(
 ) -> dict[str, dict[str, int]]:
     """Both launches' tiles for n nodes: the solve (BT, BK, its dk chunk BKC, warps) and the
     outputs (the same BT / BK, its own BKC, the column tile BV, warps); the defaults are what
-    bench/gpu_gdn_tree.py (e) timed best on the H200."""
+    studies/gpu_gdn_tree.py (e) timed best on the H200."""
     bt = block_rows(n)
     BK = max(16, triton.next_power_of_2(dk))
     chunk = max(16, min(block_k or 32, BK))

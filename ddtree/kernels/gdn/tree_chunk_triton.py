@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 # sm_90 (2.8 KB of stack at 8 warps): longer trees / chains keep the PyTorch chunk form
 MAX_BLOCK = 64
 # auto: tf32 for 16-bit inputs (what fla's chunk kernels use; the outputs are rounded to 16 bits
-# after: bench/gpu_gdn_tree.py (e) measures the added error), tf32x3 (~fp32) for fp32 inputs
+# after: studies/gpu_gdn_tree.py (e) measures the added error), tf32x3 (~fp32) for fp32 inputs
 PRECISIONS = ("auto", "tf32x3", "ieee", "tf32")
 
 if triton is not None:
@@ -298,7 +298,7 @@ def launch_config(
     n: int, dk: int, dv: int, block_v=None, block_k: int = 16, num_warps=None
 ) -> dict[str, int]:
     """The launch for n nodes: block rows BT, padded dk BK, its chunk BKC, column tile BV, warps
-    (the defaults: what bench/gdn_tree_chunk_compile_report.py checks for spills)."""
+    (the defaults: what studies/gdn_tree_chunk_compile_report.py checks for spills)."""
     bt = block_rows(n)
     BK = max(16, triton.next_power_of_2(dk))  # tl.dot takes >= 16 (zero-padded loads)
     return dict(
@@ -373,7 +373,7 @@ def tree_chunk_triton(
     (`DraftTree.tree_mask`, any row / column strides with unit last stride). Nodes topological
     (parents[i] < i), n <= MAX_BLOCK + 1. stash (optional): (node_g [R, W >= n, Hv], node_beta
     [R, W, Hv], rows [b]): g and beta also land in rows[i]'s first n stash rows.
-    block_v / block_k / num_warps / precision: launch overrides (bench/gpu_gdn_tree.py), the
+    block_v / block_k / num_warps / precision: launch overrides (studies/gpu_gdn_tree.py), the
     same math. Returns o [b, n, Hv, dv] in q's dtype. No host syncs."""
     q, k, v, g, beta, depths, valid, mask, s0, gs, bs, st_rows, precision = checked_inputs(
         q, k, v, g, beta, depths, initial_state, tree_mask, valid, initial_rows, stash, precision

@@ -333,7 +333,7 @@ def tree_gated_delta_rule_triton(
       rounds along the tree. Returned as is.
     initial_rows [b]: initial_state is a pool [R, Hv, dk, dv] and request i starts from row initial_rows[i].
     block_v / num_warps: tile overrides. prefetch: issue node i + 1's loads before node i's math (same
-    arithmetic, so the same results; whether it is faster is bench/gpu_gdn_tree.py (b)'s to say).
+    arithmetic, so the same results; whether it is faster is studies/gpu_gdn_tree.py (b)'s to say).
     Requires parents[b, i] < i for valid nodes. No host syncs."""
     if triton is None or force_reference():
         return tree_gated_delta_rule_rows(

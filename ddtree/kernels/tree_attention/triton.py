@@ -16,7 +16,7 @@ tiles, beside the context splits instead of after one of them. With one split th
 otherwise it writes a normalised partial and its log-sum-exp, and `merge.combine` merges them. The mask stays a
 plain bool tensor (read as uint8), gathered only on the TREE_N-wide tiles: with 64-wide masked tiles the gather
 made the kernel spill on sm_90 (255 regs + 224 B stack); with 16 it does not (see
-bench/tree_attention_compile_report.py).
+studies/tree_attention_compile_report.py).
 All launch shapes depend only on host ints (batch, max q_len, num_splits); per-request lengths are read on the
 device, so the calls are CUDA-graph capturable with static metadata tensors (launch once before capturing:
 the first call compiles).

@@ -38,8 +38,8 @@ def default_config(rows_per_request: int, head_dim: int = 128, max_kv_len: int =
     num_stages 5: the K/V tile load hangs off the block-table load, which takes a pipeline stage of its own; at
     3 or 4 stages Triton 3.6 keeps one K/V tile in flight and waits for it at the top of every tile (the load
     latency is exposed once per tile), at 5 it keeps 2-3 in flight. The choices are the winners of the H200
-    sweep in bench/gpu_tree_attention.py (BENCHMARKS.md); registers / shared memory per config on sm_90 are in
-    bench/tree_attention_compile_report.py."""
+    sweep in studies/gpu_tree_attention.py (BENCHMARKS.md); registers / shared memory per config on sm_90 are in
+    studies/tree_attention_compile_report.py."""
     small_head = head_dim <= 128
     if not small_head:
         fixed = wide_tiles(rows_per_request <= 16)
@@ -77,10 +77,10 @@ def wide_tiles(decode: bool) -> KernelConfig | None:
 
 
 def wide_head_candidates(rows_per_request: int) -> list[KernelConfig]:
-    """Tile configs for head dim 256 that bench/gpu_tree_attention.py --shape qwen3.6-27b times and
+    """Tile configs for head dim 256 that studies/gpu_tree_attention.py --shape qwen3.6-27b times and
     tests/gpu/test_tree_attention_gpu.py checks against the reference (besides `default_config`'s).
     A K + V tile of 64 positions is 64 KB there, so 64-wide tiles fit at most 3 stages in the 227 KB
-    of shared memory (bench/tree_attention_compile_report.py: registers, spills, programs per SM)."""
+    of shared memory (studies/tree_attention_compile_report.py: registers, spills, programs per SM)."""
     if rows_per_request <= 16:
         return [
             KernelConfig(16, 64, 4, 3, tail_split=False),
