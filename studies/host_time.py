@@ -24,8 +24,10 @@ import pstats
 import statistics
 import time
 
+from ddtree.engine.budget import ScriptedPolicy
 
-class Forced:
+
+class Forced(ScriptedPolicy):
     """A budget-policy stub: every request the same budget (or the chain) every round; rungs
     joined by '+' (auto@chain+16) take turns, one round each (what switching rungs costs)."""
 
@@ -261,10 +263,10 @@ def main(argv=None) -> None:
         if name == "auto" and a.costs == "h200":
             # pinned, not through set_cost: the served-round correction (ServedCost) would
             # learn this machine's round times and choose as this machine, not the H200
-            llm.engine.decoder.budgets.policy.cost = h200_costs(llm.engine.spec)
+            llm.engine.set_budget_policy(None, cost=h200_costs(llm.engine.spec))
         if name.startswith("auto@"):
             spec = llm.engine.spec
-            llm.engine.decoder.budgets.policy = Forced(name[5:], spec.chain_rung)
+            llm.engine.set_budget_policy(Forced(name[5:], spec.chain_rung))
         spent = time_planner(llm.engine.decoder.budgets)
         prof = cProfile.Profile() if a.profile else None
         for c in conc:

@@ -42,7 +42,7 @@ def per_rung_tau(name: str, conc: int, n: int, max_tokens: int, mix: bool) -> di
     llm = LLM(None, device="cpu", max_running_requests=conc, **config_kwargs(name))
     eng = llm.engine
     if mix:
-        eng.decoder.budgets.policy = RandomRung(eng.spec.chain_rung)
+        eng.set_budget_policy(RandomRung(eng.spec.chain_rung))
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     per: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 

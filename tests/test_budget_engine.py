@@ -9,6 +9,7 @@ import pytest
 from engine_utils import GREEDY, accepted_prompts, make_llm, mean_accept
 from test_engine_sampling import first_tokens, same_distribution
 
+from ddtree.engine.budget import ScriptedPolicy
 from ddtree.engine.budget_policy import Decision
 
 AUTO = dict(speculative_ddtree_budget="auto", speculative_ddtree_max_budget=16)
@@ -17,7 +18,7 @@ CYCLE = (0, 16, 3, 8, 1, 0, 5, 16, 2)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-class CyclingPolicy:
+class CyclingPolicy(ScriptedPolicy):
     """Budgets that change every round and differ between requests; every fourth round is all-AR."""
 
     def __init__(self):
@@ -46,7 +47,7 @@ def generate(pair, prompts, params=GREEDY, stub=True, graphs=False, **kw):
     llm = make_llm(pair, "DDTREE", max_running_requests=8, **AUTO, **kw)
     planner = llm.engine.decoder.budgets
     if stub:
-        planner.policy = CyclingPolicy()
+        llm.engine.set_budget_policy(CyclingPolicy())
     if graphs:
         from test_cuda_graph import attach_graphs
 
@@ -180,7 +181,7 @@ def test_hybrid_changing_budgets_are_lossless(toy_hybrid_pair, graphs, monkeypat
 def test_changing_budgets_keep_the_sampling_distribution(toy_pair):
     ar = first_tokens(make_llm(toy_pair, "NONE", max_running_requests=256), seed0=1000, n=800)
     llm = make_llm(toy_pair, "DDTREE", max_running_requests=256, **AUTO)
-    llm.engine.decoder.budgets.policy = CyclingPolicy()
+    llm.engine.set_budget_policy(CyclingPolicy())
     dd = first_tokens(llm, seed0=100_000, n=800)
     assert same_distribution(ar, dd) > 1e-3
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from engine_utils import GREEDY, make_llm, toy_prompts
 
+from ddtree.engine.budget import ScriptedPolicy
 from ddtree.engine.budget_policy import Decision
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -15,7 +16,7 @@ PROMPTS = toy_prompts(3)
 CAP = 16
 
 
-class Fixed:
+class Fixed(ScriptedPolicy):
     """A policy stub: every round the same per-request budgets (or the chain)."""
 
     def __init__(self, budgets, chain=False):
@@ -41,7 +42,7 @@ def run(pair, algorithm="DDTREE", policy=None, max_tokens=12, **kw):
 
     llm = make_llm(pair, algorithm, max_running_requests=4, **kw)
     if policy is not None:
-        llm.engine.decoder.budgets.policy = policy
+        llm.engine.set_budget_policy(policy)
     g = attach_graphs(llm, 4)
     drafts, widths = [], []
     draft_tree, verify = g.draft_tree, g.verify
@@ -86,7 +87,7 @@ def test_uniform_round_accepts_as_the_fixed_server_round_for_round(toy_pair):
         policy = kw.pop("policy", None)
         llm = make_llm(toy_pair, "DDTREE", max_running_requests=3, **kw)
         if policy is not None:
-            llm.engine.decoder.budgets.policy = policy
+            llm.engine.set_budget_policy(policy)
         eng, out, seen = llm.engine, [], None
         for p in PROMPTS:
             eng.add_request(list(p), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

@@ -16,16 +16,68 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from ddtree.engine.budget_policy import BudgetPolicy, RoundCost, ServedCost, rung_name
+from ddtree.engine.budget_policy import BudgetPolicy, Decision, RoundCost, ServedCost, rung_name
 from ddtree.engine.config import SpecConfig, budget_ladder
 from ddtree.engine.policy_trace import PolicyTrace
 from ddtree.engine.request import Req
 
 CURVE_SCALE = 1 << 20  # gain curves ride the round's int64 read-back in fixed point
+
+
+class Policy(Protocol):
+    """What the planner asks of a budget policy (`BudgetPolicy`, or a bench's or test's scripted
+    one: `ScriptedPolicy`). `propose` / `carry` run under the verify and may return None: the
+    planner then calls `choose` at the next round's plan."""
+
+    cost: RoundCost | None
+
+    def choose(self, slots, owners, caps, ctx: int, extra_s: float = 0.0) -> Decision: ...
+
+    def propose(self, slots, owners, caps, ctx: int, extra_s: float = 0.0) -> Decision | None: ...
+
+    def carry(self, d: Decision, prev_owners, owners, caps) -> Decision | None: ...
+
+    def commit(self, d: Decision) -> Decision: ...
+
+    def observe_curves(self, slots, budgets, curves, chain=None, full=None) -> tuple | None: ...
+
+    def observe_accepted(self, pending: tuple | None, accepted) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class ScriptedPolicy:
+    """A policy that decides each round at plan time from a script of its own (`choose`) and
+    learns nothing: benches that force rungs, tests that vary budgets. Install it with
+    `LLMEngine.set_budget_policy`."""
+
+    cost: RoundCost | None = None
+
+    def choose(self, slots, owners, caps, ctx: int, extra_s: float = 0.0) -> Decision:
+        raise NotImplementedError
+
+    def propose(self, slots, owners, caps, ctx: int, extra_s: float = 0.0) -> Decision | None:
+        return None
+
+    def carry(self, d: Decision, prev_owners, owners, caps) -> Decision | None:
+        return None
+
+    def commit(self, d: Decision) -> Decision:
+        return d
+
+    def observe_curves(self, slots, budgets, curves, chain=None, full=None) -> tuple | None:
+        return None
+
+    def observe_accepted(self, pending: tuple | None, accepted) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
 
 
 @dataclass
@@ -75,7 +127,7 @@ class BudgetPlanner:
             if cfg.adaptive
             else sorted(cfg.verify_widths)
         )
-        self.policy: BudgetPolicy | None = None
+        self.policy: Policy | None = None
         if cfg.adaptive:
             self.policy = BudgetPolicy(budget_ladder(cfg.budget), cost, slots, cfg.chain_rung)
         self.last: RoundRecord | None = None
@@ -117,19 +169,29 @@ class BudgetPlanner:
         corrects it) per batch bucket and rung (the metrics' rung names), at the shortest
         context ({} without the policy)."""
         pol = self.policy
-        if pol is None:
+        if not isinstance(pol, BudgetPolicy):
             return {}
-        cost = getattr(pol.cost, "base", pol.cost)
+        cost = pol.cost.base if isinstance(pol.cost, ServedCost) else pol.cost
         batches = getattr(cost, "batches", None) or (1, 2, 4, 8, 16, 32, 64)
         return {
             int(bs): dict(zip(pol.rung_names, cost.seconds(int(bs), 0).tolist())) for bs in batches
         }
 
-    def set_cost(self, cost: RoundCost) -> None:
-        """The policy's round costs: `cost` (the startup profile or estimate) corrected by the
-        rounds served (`ServedCost`)."""
+    def set_cost(self, cost: RoundCost, served: bool = True) -> None:
+        """The policy's round costs: `cost` (the startup profile or estimate), corrected by the
+        rounds served (`ServedCost`) unless `served` is False (a bench pinning another
+        machine's costs)."""
         if self.policy is not None:
-            self.policy.cost = ServedCost(cost)
+            self.policy.cost = ServedCost(cost) if served else cost
+
+    def set_policy(self, policy: Policy) -> None:
+        """Serve `cfg.adaptive` rounds with another policy (a bench's forced rungs, a test's
+        script); what the planner overlapped for the old one is dropped."""
+        if not self.cfg.adaptive:
+            raise ValueError("a budget policy needs --speculative-ddtree-budget auto")
+        self.policy = policy
+        self.trace = PolicyTrace() if isinstance(policy, BudgetPolicy) else PolicyTrace("")
+        self._clear_overlap()
 
     def width_for(self, budget: int) -> int:
         return self.widths[bisect.bisect_left(self.widths, 1 + budget)]
@@ -194,11 +256,11 @@ class BudgetPlanner:
         budgets = plan.budgets or [plan.width - 1] * c.shape[0]
         self._pending = pol.observe_curves(plan.slots, budgets, tree, c[:, -1], plan.full)
         self._catch_up()
-        if self._batch is not None and hasattr(pol, "propose"):
+        if self._batch is not None:
             slots, reqs, caps, ctx = self._batch
             # the next round's contexts are at most one block longer
             d = pol.propose(slots, reqs, caps, ctx + self.cfg.block_size, self.host_s)
-            self._next = (_batch_key(reqs, caps), d)
+            self._next = None if d is None else (_batch_key(reqs, caps), d)
 
     def _catch_up(self) -> None:
         """Take in what finished rounds left (the last record's host and served seconds, a
@@ -210,8 +272,8 @@ class BudgetPlanner:
         if last is not None and last is not self._absorbed:  # host / server times are in now
             self._absorbed = last
             self.host_s = 0.9 * self.host_s + 0.1 * (last.host_s + last.server_s)
-            cost, served = getattr(pol, "cost", None), self._last_served
-            if served is not None and last.round_s > 0 and hasattr(cost, "observe"):
+            cost, served = pol.cost, self._last_served
+            if served is not None and last.round_s > 0 and isinstance(cost, ServedCost):
                 cost.observe(*served, last.round_s)  # what the last round really took
         self._take_accepted()
 

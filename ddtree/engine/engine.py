@@ -123,6 +123,15 @@ class LLMEngine:
             self.emitter.drop(rid)
             self.scheduler.finish(req)
 
+    def set_budget_policy(self, policy, cost=None) -> None:
+        """Serve `--speculative-ddtree-budget auto` rounds with `policy` (an
+        `engine.budget.Policy`: a bench's forced rungs, a test's script), or keep the policy and
+        pin its round costs to `cost` (not corrected by served rounds)."""
+        if policy is not None:
+            self.decoder.budgets.set_policy(policy)
+        if cost is not None:
+            self.decoder.budgets.set_cost(cost, served=False)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

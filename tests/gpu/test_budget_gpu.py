@@ -9,6 +9,8 @@ import pytest
 import torch
 from engine_utils import mean_accept
 
+from ddtree.engine.budget import ScriptedPolicy
+
 pytestmark = pytest.mark.gpu
 
 MAX_TOKENS = 32
@@ -17,7 +19,7 @@ MAX_TOKENS = 32
 CYCLE = (0, 64, 3, 16, 1, 0, 32, 8, 2)
 
 
-class Cycling:
+class Cycling(ScriptedPolicy):
     def __init__(self):
         self.k = 0
 
@@ -101,7 +103,7 @@ def test_auto_graphs_profile_and_lossless(pair, tmp_path, monkeypatch):
     widths = []
     verify = g.verify
     g.verify = lambda meta, tree: widths.append(tree.num_nodes) or verify(meta, tree)
-    llm.engine.decoder.budgets.policy = Cycling()
+    llm.engine.set_budget_policy(Cycling())
     outs = llm.generate(prompts, sp)
     cycled = [o.token_ids for o in outs]
     assert mean_accept(outs) > 2, [o.accept_lengths for o in outs]  # AR rounds included

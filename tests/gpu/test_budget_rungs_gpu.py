@@ -9,10 +9,12 @@ rung replays the chain's; all T=0 token-identical to AR.
 import numpy as np
 import pytest
 
+from ddtree.engine.budget import ScriptedPolicy
+
 pytestmark = pytest.mark.gpu
 
 
-class Forced:
+class Forced(ScriptedPolicy):
     def __init__(self, budget: int, chain: bool = False):
         self.budget, self.chain = budget, chain
 
@@ -86,12 +88,12 @@ def test_rungs_replay_their_own_draft_graphs(pair, tmp_path, monkeypatch):
     ar_tokens = [o.token_ids for o in ar.generate(prompts, sp)]
     fixed = _llm(pair, speculative_ddtree_budget=16)
     f_tokens, f_specs, f_widths = _run(fixed, prompts)
-    auto.engine.decoder.budgets.policy = Forced(16)
+    auto.engine.set_budget_policy(Forced(16))
     a_tokens, a_specs, a_widths = _run(auto, prompts)
     assert a_tokens == f_tokens == ar_tokens
     assert a_specs == f_specs == {spec.tree_spec(16)} and a_widths == f_widths == {17}
     D = spec.block_size - 1
-    auto.engine.decoder.budgets.policy = Forced(D, chain=True)
+    auto.engine.set_budget_policy(Forced(D, chain=True))
     c_tokens, c_specs, c_widths = _run(auto, prompts)
     assert c_tokens == ar_tokens
     assert c_specs == {spec.tree_spec(chain=True)} and c_widths == {1 + D}
