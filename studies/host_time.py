@@ -181,14 +181,14 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
         steps[0] += 1
         rec = eng.last_round
         if rec is not None:
-            host.append(rec.host_s)
-            rounds.append(rec.round_s)
+            host.append(rec.timing.host_s)
+            rounds.append(rec.timing.round_s)
             policy.append(spent[0])
-            if rec.device_s is not None:  # the GPU's clock (engine/round_clock.py)
-                device.append(rec.device_s)
-            if rec.idle_s is not None:
-                idle.append(rec.idle_s)
-            for k, v in rec.device_phases.items():
+            if rec.timing.device_s is not None:  # the GPU's clock (engine/round_clock.py)
+                device.append(rec.timing.device_s)
+            if rec.timing.idle_s is not None:
+                idle.append(rec.timing.idle_s)
+            for k, v in rec.timing.device_phases.items():
                 phases.setdefault(k, []).append(v)
         spent[0] = 0.0
 

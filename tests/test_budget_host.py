@@ -48,6 +48,7 @@ def test_rung_counter():
     from prometheus_client import generate_latest
 
     from ddtree.engine.budget import RoundPlan, RoundRecord
+    from ddtree.engine.round_clock import RoundTiming
     from ddtree.server.metrics import ServerMetrics
 
     assert RoundPlan(1, None).rung == "ar"
@@ -68,8 +69,10 @@ def test_rung_counter():
     before = serving_metrics.parse(text)
     m.set_round_costs({1: {"chain": 0.007, "tree64": 0.0085}, 8: {"chain": 0.009}})
     m.on_round(RoundRecord(65, [64], [1.0], [3], "tree64", explore=True), 0.0, 0.0)
-    m.on_round(RoundRecord(9, [8, 8], [2.0, 1.5], [4, 0], "tree8", round_s=0.006), 0.0, 0.0)
-    m.on_round(RoundRecord(9, [8], [3.5], [1], "tree8", round_s=0.008), 0.0, 0.0)
+    m.on_round(
+        RoundRecord(9, [8, 8], [2.0, 1.5], [4, 0], "tree8", timing=RoundTiming(0.006)), 0.0, 0.0
+    )
+    m.on_round(RoundRecord(9, [8], [3.5], [1], "tree8", timing=RoundTiming(0.008)), 0.0, 0.0)
     level = serving_metrics.delta(
         before, serving_metrics.parse(generate_latest(m.registry).decode())
     )

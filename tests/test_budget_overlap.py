@@ -160,7 +160,7 @@ def _serve(planner, reqs, rng, ctx=1000):
         planner.observe_curves(plan, np.round(cols * CURVE_SCALE).astype(np.int64))
     emitted = [1 + int(x) for x in rng.integers(0, 8, len(reqs))]
     planner.observe(plan, len(reqs), emitted)
-    planner.last.round_s = 0.008
+    planner.last.timing.round_s = 0.008
     return plan
 
 

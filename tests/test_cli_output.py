@@ -102,11 +102,14 @@ def test_serving_level_reads_budgets_from_metrics():
     """bench serving's server-side columns: the /metrics delta of one level."""
     from ddtree.bench.serving_metrics import delta, parse
     from ddtree.engine.budget import RoundRecord
+    from ddtree.engine.round_clock import RoundTiming
     from ddtree.server.metrics import ServerMetrics
 
     m = ServerMetrics("DDTREE", 16)
     m.on_round(
-        RoundRecord(17, [16, 16], [3.0, 5.0], [2, 4], round_s=0.008, host_s=0.001), 0.0005, 0.0002
+        RoundRecord(17, [16, 16], [3.0, 5.0], [2, 4], timing=RoundTiming(0.008, 0.001)),
+        0.0005,
+        0.0002,
     )
     before = parse(m.render().decode())
     ph = {"plan": 0.0002, "draft": 0.001, "verify": 0.003, "commit": 0.0005}
@@ -116,17 +119,13 @@ def test_serving_level_reads_budgets_from_metrics():
             [8, 8, 8],
             [2.0, 2.0, 2.0],
             [1, 3, 2],
-            round_s=0.006,
-            host_s=0.002,
-            device_s=0.0045,
-            idle_s=0.001,
-            device_phases=ph,
+            timing=RoundTiming(0.006, 0.002, device_s=0.0045, idle_s=0.001, device_phases=ph),
         ),
         0.001,
         0.0,
     )
     m.on_round(
-        RoundRecord(1, [0, 0, 0], [0.0, 0.0, 0.0], [0, 0, 0], round_s=0.004, host_s=0.002),
+        RoundRecord(1, [0, 0, 0], [0.0, 0.0, 0.0], [0, 0, 0], timing=RoundTiming(0.004, 0.002)),
         0.001,
         0.0,
     )

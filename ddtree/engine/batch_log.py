@@ -78,8 +78,8 @@ class BatchLog:
             self.budget_sum += sum(rec.budgets)
             self.pred_sum += sum(rec.predicted) + len(rec.predicted)
             self.pred_n += len(rec.predicted)
-            self.round_s += rec.round_s
-            self.host_s += rec.host_s
+            self.round_s += rec.timing.round_s
+            self.host_s += rec.timing.host_s
             self.timed += 1
         if self.steps % self.interval:
             return

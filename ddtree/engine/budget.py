@@ -25,6 +25,7 @@ from ddtree.engine.budget_policy import BudgetPolicy, Decision, RoundCost, Serve
 from ddtree.engine.config import SpecConfig, budget_ladder
 from ddtree.engine.policy_trace import PolicyTrace
 from ddtree.engine.request import Req
+from ddtree.engine.round_clock import RoundTiming
 
 CURVE_SCALE = 1 << 20  # gain curves ride the round's int64 read-back in fixed point
 
@@ -108,14 +109,7 @@ class RoundRecord:
     accepted: list[int]  # accepted drafts per request (emitted - 1)
     rung: str = ""  # RoundPlan.rung (auto), else ""
     explore: bool = False  # RoundPlan.explore
-    round_s: float = 0.0  # wall time of SpecDecoder.round (launches + the wait for the device)
-    host_s: float = 0.0  # the engine step's time outside the round (schedule, emit, stops)
-    server_s: float = 0.0  # the server loop's time outside the step (publish, commands, metrics)
-    # engine/round_clock.py (CUDA only, else None / {}): the GPU's span of the round, its idle time
-    # since the previous round's last op, and the span per phase (draft, verify, commit)
-    device_s: float | None = None
-    idle_s: float | None = None
-    device_phases: dict[str, float] = field(default_factory=dict)
+    timing: RoundTiming = field(default_factory=RoundTiming)  # filled as the layers measure it
 
 
 class BudgetPlanner:
@@ -271,10 +265,11 @@ class BudgetPlanner:
             return
         if last is not None and last is not self._absorbed:  # host / server times are in now
             self._absorbed = last
-            self.host_s = 0.9 * self.host_s + 0.1 * (last.host_s + last.server_s)
+            t = last.timing
+            self.host_s = 0.9 * self.host_s + 0.1 * (t.host_s + t.server_s)
             cost, served = pol.cost, self._last_served
-            if served is not None and last.round_s > 0 and isinstance(cost, ServedCost):
-                cost.observe(*served, last.round_s)  # what the last round really took
+            if served is not None and t.round_s > 0 and isinstance(cost, ServedCost):
+                cost.observe(*served, t.round_s)  # what the last round really took
         self._take_accepted()
 
     def _take_accepted(self) -> None:

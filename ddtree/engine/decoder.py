@@ -178,7 +178,7 @@ class SpecDecoder:
     def _read_clock(self) -> None:
         """The round's device and idle seconds into its RoundRecord (after the read-back)."""
         rec = self.budgets.last
-        rec.device_s, rec.idle_s, rec.device_phases = self.clock.read()
+        self.clock.read(rec.timing)
 
     def _while_device_runs(self) -> None:
         """The round's device work is launched and the read-back has not waited for it yet: host

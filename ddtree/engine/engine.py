@@ -118,9 +118,9 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.publish(("abort", rid))
         req = self.requests.pop(rid, None)
+        self.emitter.drop(rid)
         if req is not None and not req.is_finished:
             req.finish_reason = "abort"
-            self.emitter.drop(rid)
             self.scheduler.finish(req)
 
     def set_budget_policy(self, policy, cost=None) -> None:
@@ -131,6 +131,20 @@ class LLMEngine:
             self.decoder.budgets.set_policy(policy)
         if cost is not None:
             self.decoder.budgets.set_cost(cost, served=False)
+
+    def set_host_work_hook(self, fn) -> None:
+        """`fn()` runs inside every decoding round once its device work is launched and before
+        its one read-back: host work that needs nothing of the round (the server publishing the
+        previous round's outputs) hides under the device's."""
+        self.decoder.while_device_runs = fn
+
+    def round_costs(self) -> dict[int, dict[str, float]]:
+        """The budget policy's start-up round seconds per batch bucket and rung ({} unless auto)."""
+        return self.decoder.budgets.round_costs()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -190,8 +204,8 @@ class LLMEngine:
             self.decoder.clock.forget()  # the next round's idle time would hold this step
         else:
             rec = self.last_round = self.decoder.budgets.last
-            rec.round_s = t2 - t1
-            rec.host_s = time.perf_counter() - t0 - rec.round_s
+            rec.timing.round_s = t2 - t1
+            rec.timing.host_s = time.perf_counter() - t0 - rec.timing.round_s
             self.batch_log.decode(list(emitted.values()), rec)
         return batch.reqs
 

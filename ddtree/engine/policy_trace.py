@@ -56,8 +56,10 @@ class PolicyTrace:
                 "bs": len(last.accepted),
                 "accepted": float(np.mean(last.accepted)) if last.accepted else 0.0,
                 "predicted": float(np.mean(last.predicted)) if last.predicted else None,
-                "round_ms": round(last.round_s * 1e3, 3),
-                "device_ms": None if last.device_s is None else round(last.device_s * 1e3, 3),
+                "round_ms": round(last.timing.round_s * 1e3, 3),
+                "device_ms": None
+                if last.timing.device_s is None
+                else round(last.timing.device_s * 1e3, 3),
             }
         self._f.write(json.dumps(row) + "\n")
 

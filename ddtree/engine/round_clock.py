@@ -17,6 +17,8 @@ records five events and reads their times after its one blocking read-back (no e
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ddtree import envs
@@ -24,6 +26,22 @@ from ddtree import envs
 PHASES = ("plan", "draft", "verify", "commit")
 # the names /metrics' ddtree_round_seconds gives them (server/metrics.py, ddtree/bench/serving_metrics.py)
 DEVICE_PARTS = ("device", "idle", *(f"device_{p}" for p in PHASES))
+
+
+@dataclass
+class RoundTiming:
+    """Where one decode round's time went: one object, handed along the layers that measure it
+    (the decoder's clock: device; the engine: round and host; the server: its loop), read by the
+    budget planner (its host-time EMA, served-round costs), the metrics and the batch log."""
+
+    round_s: float = 0.0  # wall time of SpecDecoder.round (launches + the wait for the device)
+    host_s: float = 0.0  # the engine step's time outside the round (schedule, emit, stops)
+    server_s: float = 0.0  # the server loop's time outside the step (publish, commands, metrics)
+    # CUDA only (else None / {}): the GPU's span of the round, its idle time since the previous
+    # round's last op, and the span per phase (PHASES)
+    device_s: float | None = None
+    idle_s: float | None = None
+    device_phases: dict[str, float] = field(default_factory=dict)
 
 
 class RoundClock:
@@ -48,16 +66,16 @@ class RoundClock:
         """A step that was not a decode round ran: the next round's idle time is not known."""
         self._prev_end = None
 
-    def read(self) -> tuple[float | None, float | None, dict[str, float]]:
-        """(device_s, idle_s, {phase: device seconds}) of the round just read back (its events
-        have completed: the read-back waited for everything before it)."""
+    def read(self, timing: RoundTiming) -> None:
+        """The device span, idle time and phases of the round just read back into `timing` (its
+        events have completed: the read-back waited for everything before it)."""
         marks, prev = self._marks, self._prev_end
         if not self.on or len(marks) < 2:
-            return None, None, {}
+            return
         self._prev_end = marks[-1]
-        device = marks[0].elapsed_time(marks[-1]) / 1e3
-        idle = None if prev is None else max(prev.elapsed_time(marks[0]) / 1e3, 0.0)
-        phases = {}
+        timing.device_s = marks[0].elapsed_time(marks[-1]) / 1e3
+        timing.idle_s = None if prev is None else max(prev.elapsed_time(marks[0]) / 1e3, 0.0)
         if len(marks) == len(PHASES) + 1:
-            phases = {p: a.elapsed_time(b) / 1e3 for p, a, b in zip(PHASES, marks[:-1], marks[1:])}
-        return device, idle, phases
+            timing.device_phases = {
+                p: a.elapsed_time(b) / 1e3 for p, a, b in zip(PHASES, marks[:-1], marks[1:])
+            }

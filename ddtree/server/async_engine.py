@@ -150,9 +150,9 @@ class AsyncEngine:
         self.overlap = overlap
         self._unpublished = False  # outputs of the latest decode step wait for the next round
         self._hidden_s = 0.0  # publishing time spent inside the latest round
-        decoder = getattr(engine, "decoder", None)
-        if overlap and decoder is not None:
-            decoder.while_device_runs = self._publish_under_round
+        hook = getattr(engine, "set_host_work_hook", None)  # absent on the tests' stub engines
+        if overlap and hook is not None:
+            hook(self._publish_under_round)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
         self._outbox = Outbox()  # engine thread: a publish's deltas, sent once per loop
@@ -230,7 +230,7 @@ class AsyncEngine:
                 raise EngineUnavailable(SHUTTING_DOWN)
             if self._dead is not None:
                 raise EngineUnavailable(f"the engine cannot go on: {self._dead}")
-            waiting = len(self.engine.scheduler.waiting)
+            waiting = self.engine.num_waiting
             if self.max_queued is not None and waiting >= self.max_queued:
                 raise EngineUnavailable(
                     f"the server is at capacity: {waiting} requests wait for a slot "
@@ -297,7 +297,7 @@ class AsyncEngine:
                 for generation, seconds in pauses:
                     self.metrics.on_gc_pause(generation, seconds)
             if rec is not None:
-                server_s = rec.server_s = time.monotonic() - t0 - step_s
+                server_s = rec.timing.server_s = time.monotonic() - t0 - step_s
                 self.engine.batch_log.server_time(server_s)
                 if self.metrics is not None:
                     self.metrics.on_round(rec, server_s, self._hidden_s)
@@ -419,8 +419,6 @@ class AsyncEngine:
             self.engine.abort(rid)
         except Exception:  # noqa: BLE001 - its stream still ends (the engine checks its pools)
             logger.exception("releasing request %s failed", rid)
-        # NOTE: LLMEngine.abort leaves the request's incremental detokenizer behind; drop it here
-        self.engine.emitter.drop(rid)
         return st
 
     def _abort(self, rid: str) -> None:

@@ -43,7 +43,7 @@ def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
     if args.enable_metrics:
         longest_round = engine.spec.block_size if args.is_speculative else 1
         metrics = ServerMetrics(args.speculative_algorithm, longest_round)
-        metrics.set_round_costs(engine.decoder.budgets.round_costs())
+        metrics.set_round_costs(engine.round_costs())
     aengine = AsyncEngine(
         engine,
         metrics,

@@ -351,18 +351,18 @@ class ServerMetrics:
             self.rung_request_rounds.labels(rec.rung).inc(len(rec.accepted))
             self.rung_accepted.labels(rec.rung).inc(sum(rec.accepted))
             self.rung_predicted.labels(rec.rung).inc(sum(rec.predicted))
-            self.rung_seconds.labels(rec.rung).inc(rec.round_s)
-            if rec.device_s is not None:
-                self.rung_device_seconds.labels(rec.rung).inc(rec.device_s)
+            self.rung_seconds.labels(rec.rung).inc(rec.timing.round_s)
+            if rec.timing.device_s is not None:
+                self.rung_device_seconds.labels(rec.rung).inc(rec.timing.device_s)
         if rec.predicted:
             self.predicted.inc(sum(rec.predicted))
             self.realised.inc(sum(rec.accepted))
             self.predicted_rounds.inc(len(rec.predicted))
-        parts = (rec.round_s, rec.host_s, server_s, hidden_s)
+        parts = (rec.timing.round_s, rec.timing.host_s, server_s, hidden_s)
         for name, value in zip(ROUND_PARTS, parts):
             self.round_time.labels(name).observe(value)
-        ph = rec.device_phases
-        device = (rec.device_s, rec.idle_s, *(ph.get(p) for p in PHASES))
+        ph = rec.timing.device_phases
+        device = (rec.timing.device_s, rec.timing.idle_s, *(ph.get(p) for p in PHASES))
         for name, value in zip(DEVICE_PARTS, device):
             if value is not None:
                 self.round_time.labels(name).observe(value)

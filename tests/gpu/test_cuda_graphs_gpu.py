@@ -103,13 +103,15 @@ def test_graphs_match_eager(pair, dtype, algo, budget):
 def _check_round_clock(recs, phases: bool) -> None:
     """engine/round_clock.py: every graphed round has its device span, inside its host wall time;
     the idle time is known after a decode round; the phases cut the span."""
-    assert recs and all(r.device_s is not None and r.device_s > 0 for r in recs)
-    assert all(r.device_s <= r.round_s + 1e-4 for r in recs), [
-        (r.device_s, r.round_s) for r in recs
+    assert recs and all(r.timing.device_s is not None and r.timing.device_s > 0 for r in recs)
+    assert all(r.timing.device_s <= r.timing.round_s + 1e-4 for r in recs), [
+        (r.timing.device_s, r.timing.round_s) for r in recs
     ]
-    idle = [r.idle_s for r in recs if r.idle_s is not None]
+    idle = [r.timing.idle_s for r in recs if r.timing.idle_s is not None]
     assert len(idle) >= len(recs) // 2 and min(idle) >= 0, idle
     if phases:
         for r in recs:
-            assert set(r.device_phases) == {"plan", "draft", "verify", "commit"}
-            assert sum(r.device_phases.values()) == pytest.approx(r.device_s, abs=1e-5)
+            assert set(r.timing.device_phases) == {"plan", "draft", "verify", "commit"}
+            assert sum(r.timing.device_phases.values()) == pytest.approx(
+                r.timing.device_s, abs=1e-5
+            )
