@@ -128,10 +128,9 @@ class ServedCost:
     waits on). Per batch bucket: per rung an EMA of served over estimated seconds, and over every
     rung an EMA of served minus estimated seconds, the common overhead. A served rung takes its
     own ratio; a rung not served at the bucket takes the profile plus the bucket's overhead (the
-    nearest served bucket's where none was served here; never less than the profile). At the
-    8B shape on the H200 that overhead is ~1-1.8 ms whatever the rung (2026-12-02: believed vs
-    served per rung): an unserved rung at its bare profile is rated too cheap by it, the
-    cheapest rungs most, and each level of `bench at-scale` opens a new bucket
+    nearest served bucket's where none was served here; never less than the profile). The
+    overhead is about the same whatever the rung: an unserved rung at its bare profile would be
+    rated too cheap by it, the cheapest rungs most, and each level of `bench at-scale` opens a new bucket
     (tests/test_budget_convergence.py, the short levels). The policy's exploration rounds still
     try the rung above its best and the chain."""
 

@@ -18,9 +18,8 @@ by RUNG_PRIOR drafts to its family's: a rung not served for a while returns to i
 the trees and the chain, keep the same sums discounted only when they serve, shrunk to the
 server-wide ratio (an EMA over every rung): after a load where only the chain served, the
 server-wide ratio is the chain's, and trees rated by it stayed below the exploration margin when
-the load fell (tests/test_budget_convergence.py). The drafter is not equally sure of every rung:
-on the 8B-shape pair its chain was believed up to 1.6x more than its trees (2026-12-02, the
-per-rung counters, then learned where each rung was chosen on its own forecast). Per request:
+the load fell (tests/test_budget_convergence.py). The drafter is not equally sure of every rung
+(its chain can be believed well above its trees), hence a factor per rung. Per request:
 its ease, realised over rung-calibrated predicted accepted drafts (EMAs of both; 1 for a request
 not seen yet). Neither factor is learned from the other's output (a split that could drift): the
 rung's from the drafter's raw prediction.

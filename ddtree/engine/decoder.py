@@ -158,9 +158,8 @@ class SpecDecoder:
                 ready.synchronize()  # the draft and the copy, not the verify behind them
             self.budgets.observe_curves(plan, host_gain.numpy())
         # after the policy's host work, not before: the server's hook hands the previous round's
-        # outputs to its event-loop thread, whose SSE work then competes for the GIL with the
-        # policy's numpy behind it (H200, 8B shape, batch 1: auto's tree64 rounds 8.40 ms
-        # against the B=64 server's 7.91 with the hook first, 8.14 against 8.19 after; 2026-12-02)
+        # outputs to its event-loop thread, whose SSE work would then compete for the GIL with
+        # the policy's numpy behind it (measured in BENCHMARKS.md's history)
         self._while_device_runs()
         host_t, lp_rows = logprobs.read_back_tensor(reqs, out, lp)  # the round's blocking copy
         self.times.add("commit", t)

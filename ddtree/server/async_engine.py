@@ -285,8 +285,7 @@ class AsyncEngine:
             # after a decode step with rounds to come, finished requests included, publishing
             # and the hand-off wait under the next round's device work (`Outbox`: the hand-off
             # may cost the engine thread a switch interval; publishing every stream at once sat
-            # on the critical path: H200, 8B shape, DFLASH at concurrency 32, where most steps
-            # finish a request, host time per round 1.70 -> 0.49 ms, 2026-12-02)
+            # on the critical path where most steps finish a request: BENCHMARKS.md, host time)
             if self.overlap and rec is not None and self.engine.has_unfinished():
                 self._unpublished = True
             else:
