@@ -203,3 +203,18 @@ def test_generate_json_prints_only_json_on_stdout(tmp_path):
     rows = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line parses
     assert [r["prompt"] for r in rows] == ["ab", "cd"] and all("token_ids" in r for r in rows)
     assert "speed-up DDTREE over AR at batch 1" in proc.stderr  # the statistics went to stderr
+
+
+def test_plots_are_optional(monkeypatch, tmp_path, capsys):
+    """Without matplotlib (`pip install .`, no tools extra) a bench skips its PNG with one line and
+    writes its JSON as always."""
+    import sys
+
+    from ddtree.bench import plots, serving
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert plots.pyplot() is None
+    assert "ddtree[tools]" in capsys.readouterr().err
+    report = {"results": [], "model": "m", "num_prompts": 0, "max_tokens": 1}
+    assert serving.plot(report, str(tmp_path / "x.png")) is False
+    assert not (tmp_path / "x.png").exists()
