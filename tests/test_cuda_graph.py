@@ -464,6 +464,7 @@ def test_fused_check_catches_dropped_depth_limits(toy_pair, one_torch_thread):
     llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=8, max_running_requests=8)
     attach_graphs(llm, 4)
     _check_rounds(llm, [], drop_limits=True)
+    llm.engine.faults.raise_errors = True  # the check's failure, not a request isolated from it
     with pytest.raises(AssertionError, match="tokens|parents|depths|valid|tree_mask"):
         llm.generate([list(p) for p in accepted_prompts(3)], [FUSED_PARAMS[i] for i in (0, 3, 4)])
 

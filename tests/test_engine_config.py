@@ -216,7 +216,7 @@ def test_kv_len_has_one_owner():
                 isinstance(t, ast.Attribute) and t.attr == "kv_len" for t in targets
             ):
                 writers.add(path.relative_to(root).as_posix())
-    assert writers - {"studies/rounds.py"} == {"engine/model_runner.py"}
+    assert writers - {"bench/rounds.py"} == {"engine/model_runner.py"}
     assert "engine/model_runner.py" in writers
 
 

@@ -75,14 +75,14 @@ def test_stash_dtype_switch_sizes_pool_and_plan(monkeypatch):
 
     geo = GDNGeometry(num_layers=2, hk=HK, dk=D, hv=HV, dv=D, kernel=4)
     fp32 = geo.stash_bytes(5, "extra_buffer", "float32", "bfloat16")
-    pool = HybridStatePool(geo, 2, 5, "cpu")
+    pool = HybridStatePool(geo, 2, 5, "cpu", strategy="extra_buffer")
     assert pool.stash["node_ssm"].dtype == torch.float32 and pool.stash_in_kernel
     monkeypatch.setenv(envs.GDN_STASH_DTYPE.name, "bfloat16")
     assert stash_ssm_dtype("float32") == "bfloat16"
     half = geo.stash_bytes(5, "extra_buffer", "float32", "bfloat16")
     conv = 2 * 5 * geo.conv_dim * 3 * 2
     assert half - conv == (fp32 - conv) // 2
-    pool = HybridStatePool(geo, 2, 5, "cpu")
+    pool = HybridStatePool(geo, 2, 5, "cpu", strategy="extra_buffer")
     assert pool.stash["node_ssm"].dtype == torch.bfloat16 and pool.stash_in_kernel
     assert pool.ssm.dtype == torch.float32 and pool.stash_bytes == half * 2
     monkeypatch.setenv(envs.GDN_STASH_DTYPE.name, "int8")

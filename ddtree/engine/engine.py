@@ -235,6 +235,8 @@ class LLMEngine:
     def _fail_request(self, req: Req, exc: BaseException) -> None:
         """`req`'s own host work raised: it alone fails (finish reason abort, `req.error` set) and
         everything it held is released; the pools are checked."""
+        if self.faults.raise_errors:
+            raise exc
         logger.exception("request %s failed; the others go on", req.rid)
         self.faults.stats.isolated += 1
         req.error = req.error or f"internal engine error: {describe(exc)}"

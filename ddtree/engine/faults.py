@@ -70,6 +70,9 @@ class FaultIsolation:
 
     def __init__(self, tensor_parallel: bool = False):
         self.tensor_parallel = tensor_parallel
+        # re-raise every failure instead of isolating it: for checks that instrument a step
+        # (tests comparing graphs with eager builds) and for debugging
+        self.raise_errors = False
         self.stats = FaultStats()
         self.streak = 0
         self.dead: str | None = None
@@ -81,6 +84,8 @@ class FaultIsolation:
         """A step failed with the requests `rids` in it; raises EngineDead if it cannot be
         isolated."""
         self.streak += 1
+        if self.raise_errors:
+            raise exc
         who = ", ".join(rids[:4]) + (" ..." if len(rids) > 4 else "") if rids else "no request"
         if self.tensor_parallel:
             self.die(f"a tensor-parallel step failed ({who}): {describe(exc)}")
