@@ -1,3 +1,4 @@
+import ast
 import dataclasses
 import os
 import subprocess
@@ -339,33 +340,36 @@ def test_check_config_main_bad_flag(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-def _run_check_config(tmp_path, prelude: str) -> float:
+# what makes a check-config run take seconds: none of it is imported (checked, not timed)
+HEAVY = ("torch", "transformers", "triton", "numpy", "safetensors", "tokenizers", "fastapi")
+
+
+def _run_check_config(tmp_path, prelude: str) -> list[str]:
+    """The heavy packages a check-config run imported (in a fresh interpreter)."""
     target, drafter = hybrid_pair(tmp_path)
     code = (
-        prelude
-        + "import sys, time; t = time.perf_counter(); from ddtree.check_config import main; "
+        prelude + "import sys; from ddtree.check_config import main; "
         f"rc = main(['--model-path', {target!r}, '--speculative-algorithm', 'DDTREE', "
         f"'--speculative-draft-model-path', {drafter!r}, '--device', 'cuda', "
         "'--device-memory-gib', '140']); "
-        "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch imported'; "
-        "print(time.perf_counter() - t)"
+        f"assert rc == 0, rc; print([m for m in {HEAVY!r} if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    return float(out.stdout.strip().splitlines()[-1])
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
 
 
-def test_check_config_modules_are_fast_and_torch_free(tmp_path):
+def test_check_config_modules_are_light_and_torch_free(tmp_path):
     # a bare `ddtree` package object isolates these modules from whatever ddtree/__init__.py imports
     prelude = (
         "import sys, types; pkg = types.ModuleType('ddtree'); "
         f"pkg.__path__ = [{os.path.join(REPO, 'ddtree')!r}]; sys.modules['ddtree'] = pkg; "
     )
-    assert _run_check_config(tmp_path, prelude) < 1.0
+    assert _run_check_config(tmp_path, prelude) == []
 
 
 def test_ddtree_check_config_cli_path_is_torch_free(tmp_path):
-    assert _run_check_config(tmp_path, "") < 1.0
+    assert _run_check_config(tmp_path, "") == []
 
 
 def test_cpu_tensor_parallel_ranks_share_the_host_memory(tmp_path, capsys):
