@@ -329,7 +329,7 @@ def test_toy_pair_accepts_and_caches(toy_pair):
     root = os.path.dirname(target_dir)
     info = json.load(open(os.path.join(root, MARKER)))
     assert info["tau"] > 3 and info["chain_tau"] > 2.5, info
-    from ddtree.train import toy
+    from ddtree.tools.train import toy
 
     def no_training(*a, **k):
         raise AssertionError("the cached pair was trained again")
