@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import sys
 
-from ddtree.config_checks import weight_problems
 from ddtree.configs import ConfigError
 from ddtree.memory_plan import MemoryPlan, memory_plan
+from ddtree.model_sources import weight_problems
 from ddtree.server_args import (
     ServerArgs,
     cli_fields,

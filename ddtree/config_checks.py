@@ -2,8 +2,8 @@
 to a list as one line that names the flag and the fix; `resolve_server_args` raises them together.
 
 Parsing and planning read config.json only, so a directory holding just the configs (before a 55 GB
-download) validates and plans; whether the weights are there is `weight_problems`, asked where they
-are about to load (`serve`'s start, the engine)."""
+download) validates and plans; whether the weights are there is `model_sources.weight_problems`,
+asked where they are about to load (`serve`'s start, the engine)."""
 
 from __future__ import annotations
 
@@ -74,32 +74,6 @@ def load_model_config(path: str, is_target: bool, p: list[str]):
             f"{name} {path}: config.json is unreadable or lacks key {e}; fix or re-download the config"
         )
     return path, None
-
-
-def has_weights(path: str) -> bool:
-    """What the loader reads is there: `model.safetensors.index.json` or a `*.safetensors` file."""
-    try:
-        files = os.listdir(path)
-    except OSError:
-        return False
-    return "model.safetensors.index.json" in files or any(f.endswith(".safetensors") for f in files)
-
-
-def weight_problems(args) -> list[str]:
-    """One line per model directory of resolved args that has config.json but no weights (an
-    inflate: pair is built in memory and has none to check)."""
-    p = []
-    dirs = [("--model-path", args.model_path)]
-    if args.is_speculative:
-        dirs.append(("--speculative-draft-model-path", args.speculative_draft_model_path))
-    for name, path in dirs:
-        if path and source_for(path) is None and not has_weights(path):
-            p.append(
-                f"{name} {path}: no *.safetensors weights, only config.json (enough for "
-                "check-config and prepare_server_args, not to serve); pass the directory holding "
-                "the full checkpoint (e.g. hf download REPO --local-dir DIR)"
-            )
-    return p
 
 
 def check_pair(t: TargetConfig, d: DrafterConfig, p: list[str]) -> None:

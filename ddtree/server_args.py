@@ -274,6 +274,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "enable_metrics",
         "metrics_no_auth",
         "graceful_shutdown_timeout",
+        "max_queued_requests",
         "skip_server_warmup",
         "disable_overlap_schedule",
     ),

@@ -119,8 +119,8 @@ def test_config_only_dirs_resolve_and_plan_weights_are_checked_at_load(tmp_path,
     (`serve`'s start: exit 2 before any engine is built; the engine itself: a ConfigError)."""
     from config_fixtures import qwen36_27b_config, qwen36_27b_dflash_config
 
-    from ddtree.config_checks import weight_problems
     from ddtree.engine.setup import build_runner
+    from ddtree.model_sources import weight_problems
     from ddtree.server import launch
 
     target = write_model_dir(tmp_path, "Qwen3.6-27B", qwen36_27b_config(), weights=False)
@@ -164,7 +164,7 @@ def test_config_only_dirs_resolve_and_plan_weights_are_checked_at_load(tmp_path,
 
 
 def test_sharded_index_counts_as_weights(tmp_path):
-    from ddtree.config_checks import weight_problems
+    from ddtree.model_sources import weight_problems
 
     target = write_model_dir(tmp_path, "sharded", qwen3_8b_config(), weights=False)
     assert weight_problems(prepare_server_args(["--model-path", target]))

@@ -10,13 +10,12 @@ import os
 
 import torch
 
-from ddtree.config_checks import weight_problems
 from ddtree.configs import ConfigError
 from ddtree.engine.config import device_memory_bytes, plan_pools, runner_config
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.kernels.gdn import backend as gdn_backend
 from ddtree.kernels.tree_attention.tuning import wide_tiles
-from ddtree.model_sources import source_for
+from ddtree.model_sources import source_for, weight_problems
 from ddtree.models.layers import torch_dtype
 from ddtree.models.loader import load_drafter, load_target
 

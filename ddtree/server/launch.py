@@ -16,8 +16,8 @@ import signal
 import sys
 import threading
 
-from ddtree.config_checks import weight_problems
 from ddtree.configs import ConfigError
+from ddtree.model_sources import weight_problems
 from ddtree.server.gc_watch import gc_freeze_on
 from ddtree.server_args import ServerArgs, make_parser, resolve_server_args
 
