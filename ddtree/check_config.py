@@ -17,6 +17,7 @@ import sys
 
 from ddtree.configs import ConfigError
 from ddtree.memory_plan import MemoryPlan, memory_plan
+from ddtree.model_sources import weight_problems
 from ddtree.server_args import (
     ServerArgs,
     cli_fields,
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_resolved(args))
     print(planned_for(args, plan, device_gib))
     print(plan.format())
+    for line in weight_problems(args):  # planned from config.json; serving will need them
+        print(f"note: {line}")
     problems = cannot_serve(plan)
     if problems:
         print("error: this configuration resolves but cannot serve:", file=sys.stderr)

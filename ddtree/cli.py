@@ -7,7 +7,7 @@ import sys
 USAGE = """usage: ddtree <command> [flags]
 
 commands:
-  generate        generate text offline (server flags + sampling flags; --help for all)
+  generate        generate text offline (engine flags + generation flags; --help)
   check-config    validate a configuration and print its memory plan, without loading weights
   serve           run the OpenAI-compatible HTTP server (same as python -m ddtree.launch_server)
   train-target    pretrain a small Qwen3 target from a corpus

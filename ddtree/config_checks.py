@@ -1,5 +1,9 @@
 """Checks of model directories and of a target/drafter pair, from config.json alone. Each problem is appended
-to a list as one line that names the flag and the fix; `resolve_server_args` raises them together."""
+to a list as one line that names the flag and the fix; `resolve_server_args` raises them together.
+
+Parsing and planning read config.json only, so a directory holding just the configs (before a 55 GB
+download) validates and plans; whether the weights are there is `model_sources.weight_problems`,
+asked where they are about to load (`serve`'s start, the engine)."""
 
 from __future__ import annotations
 
@@ -64,25 +68,12 @@ def load_model_config(path: str, is_target: bool, p: list[str]):
                 "pass a DFlash drafter (e.g. z-lab/Qwen3-8B-DFlash-b16)"
             )
         else:
-            check_weights(path, name, p)
             return path, (TargetConfig if is_target else DrafterConfig).from_dict(raw)
     except (OSError, KeyError, TypeError, ValueError) as e:
         p.append(
             f"{name} {path}: config.json is unreadable or lacks key {e}; fix or re-download the config"
         )
     return path, None
-
-
-def check_weights(path: str, name: str, p: list[str]) -> None:
-    """The loader reads `model.safetensors.index.json` or every `*.safetensors` file: a directory
-    with neither would pass every config check, then fail at weight load; it is refused here."""
-    files = os.listdir(path)
-    if "model.safetensors.index.json" in files or any(f.endswith(".safetensors") for f in files):
-        return
-    p.append(
-        f"{name} {path}: no *.safetensors weights, only config.json; pass the directory "
-        "holding the full checkpoint (e.g. hf download REPO --local-dir DIR)"
-    )
 
 
 def check_pair(t: TargetConfig, d: DrafterConfig, p: list[str]) -> None:

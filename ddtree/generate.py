@@ -18,11 +18,35 @@ DEFAULT_PROMPTS = (
 )
 
 
+DESCRIPTION = (
+    "Offline generation: the engine's flags (the server's, without its HTTP ones)\n"
+    "plus the generation flags below."
+)
+
+
 def make_parser() -> argparse.ArgumentParser:
+    """Every flag generate takes: the engine's (server_args.FLAG_GROUPS but the HTTP server's,
+    which would not act here and are refused) and its own. `--help` prints the short help
+    (`print_help`); `--help=all` every flag's, `--help=GROUP` one group's."""
+    from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUP
     from ddtree.server_args import make_parser as server_parser
 
-    p = server_parser("ddtree generate")
-    g = p.add_argument_group("generation")
+    engine = tuple(g for g in FLAG_GROUPS if g != SERVER_ONLY_GROUP)
+    p = server_parser("ddtree generate", engine, DESCRIPTION, add_help=False)
+    p.add_argument(
+        "-h",
+        "--help",
+        nargs="?",
+        const="short",
+        metavar="all|GROUP",
+        help="this help; --help=all: every flag's help; --help=GROUP: one group's (e.g. "
+        "--help=speculative)",
+    )
+    add_generation_flags(p.add_argument_group("generation"))
+    return p
+
+
+def add_generation_flags(g) -> None:
     g.add_argument(
         "--prompt",
         action="append",
@@ -79,7 +103,57 @@ def make_parser() -> argparse.ArgumentParser:
         help="print only JSON on stdout, one object per output; the statistics go to "
         "stderr (default: off)",
     )
-    return p
+
+
+def print_help(parser: argparse.ArgumentParser, which: str) -> int:
+    """`--help`: generate's own flags in full and the engine's flags by group, names only;
+    `--help=all`: every flag's help; `--help=GROUP`: the groups whose title starts with GROUP."""
+    import textwrap
+
+    from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUP, flag
+
+    engine = [g for g in FLAG_GROUPS if g != SERVER_ONLY_GROUP]
+    if which == "all":
+        parser.print_help()
+        return 0
+    if which != "short":
+        from ddtree.server_args import make_parser as server_parser
+
+        picked = tuple(g for g in engine if g.lower().startswith(which.lower()))
+        if not picked:
+            print(
+                f"ddtree generate: --help={which}: no such group; groups: "
+                + ", ".join(g.split()[0].lower() for g in engine),
+                file=sys.stderr,
+            )
+            return 2
+        server_parser("ddtree generate", picked, DESCRIPTION, add_help=False).print_help()
+        return 0
+    lines = []
+    for title in engine:
+        names = " ".join(flag(n) for n in FLAG_GROUPS[title])
+        lines.append(
+            textwrap.fill(
+                names,
+                width=100,
+                initial_indent=f"  {title}: ",
+                subsequent_indent="      ",
+                break_on_hyphens=False,
+            )
+        )
+    short = argparse.ArgumentParser(
+        prog="ddtree generate",
+        usage="%(prog)s [generation flags] [engine flags]",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+        allow_abbrev=False,
+        epilog="engine flags (the server's; --help=all for each one's help, --help=GROUP for one "
+        "group's, e.g. --help=speculative):\n" + "\n".join(lines),
+    )
+    add_generation_flags(short.add_argument_group("generation"))
+    short.print_help()
+    return 0
 
 
 def load_prompts(ns) -> list[str]:
@@ -139,7 +213,10 @@ def main(argv: list[str]) -> int:
     from ddtree.engine.request import SamplingParams
     from ddtree.server_args import ServerArgs, resolve_server_args
 
-    ns = make_parser().parse_args(argv)
+    parser = make_parser()
+    ns = parser.parse_args(argv)
+    if ns.help is not None:
+        return print_help(parser, ns.help)
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()), format="[ddtree] %(message)s")
     if ns.compare_ar and ns.max_running_requests is None:
         # The speed-up the docs quote is batch 1: at larger batches AR amortises its weight reads.
@@ -148,7 +225,7 @@ def main(argv: list[str]) -> int:
             "--compare-ar: timing both runs at batch 1 (--max-running-"
             "requests 1); pass --max-running-requests N for batch N"
         )
-    server_fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    server_fields = {f.name for f in dataclasses.fields(ServerArgs)} - {"help"}
     try:
         args = resolve_server_args(
             ServerArgs(**{k: v for k, v in vars(ns).items() if k in server_fields})

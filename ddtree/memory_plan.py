@@ -160,17 +160,18 @@ class MemoryPlan:
     state_checkpoints: int = 0  # hybrid prefix cache: recurrent-state checkpoint rows
     checkpoint_bytes: int = 0
     prefix_cache: bool = True
+    shared_by_ranks: bool = False  # CPU tensor parallelism: the ranks split the host's RAM
 
     @property
     def fits(self) -> bool:
         return self.kv_tokens > 0 and self.requests_at_context > 0
 
     def format(self) -> str:
+        static = f"static pool {_gib(self.static_bytes)}"
+        if self.shared_by_ranks:
+            static += f" per rank (the {self.tp_size} ranks share it: 1/{self.tp_size} each)"
         rows = [
-            (
-                "device",
-                f"{self.device_name}: {_gib(self.device_bytes)}, static pool {_gib(self.static_bytes)}",
-            ),
+            ("device", f"{self.device_name}: {_gib(self.device_bytes)}, {static}"),
             (
                 "target weights",
                 f"{self.target_params / 1e9:.2f} B params, {self.target_weight_bytes / 1e9:.2f} GB",
@@ -227,6 +228,35 @@ def _kib(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
+def no_buffer_hint(args: ServerArgs, device_bytes: int, weights: int, pools, at_ctx: int):
+    """A hybrid target under extra_buffer keeps a recurrent state per tree node; when that starves
+    the pools (fewer requests than --max-running-requests, or not one at the context length) and
+    no_buffer would serve more, the line that says so with both plans' numbers, else None."""
+    t = args.target_config
+    if not (t.is_hybrid and args.mamba_scheduler_strategy == "extra_buffer"):
+        return None
+    if pools.max_running_requests >= args.max_running_requests and at_ctx > 0:
+        return None
+    alt_args = dataclasses.replace(args, mamba_scheduler_strategy="no_buffer")
+    alt = plan_pools(alt_args, device_bytes, weights, args.device)
+    alt_at_ctx = min(alt.kv_tokens // args.context_length, alt.state_rows)
+    if (alt.max_running_requests, alt_at_ctx, alt.kv_tokens) <= (
+        pools.max_running_requests,
+        at_ctx,
+        pools.kv_tokens,
+    ):
+        return None
+    return (
+        f"--mamba-scheduler-strategy extra_buffer keeps a recurrent state for every tree node: "
+        f"{_gib(pools.spec_state_bytes_per_request)} per request at verify width {pools.width}, "
+        f"so the state pool holds {pools.state_rows} requests and the KV pool "
+        f"{pools.kv_tokens:,} tokens ({at_ctx} requests at context); "
+        "--mamba-scheduler-strategy no_buffer (replays the accepted path instead) needs "
+        f"{_gib(alt.spec_state_bytes_per_request)} per request: {alt.state_rows} requests, "
+        f"{alt.kv_tokens:,} KV tokens ({alt_at_ctx} requests at context)"
+    )
+
+
 def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan:
     """The engine's pools (`ddtree.engine.config.plan_pools`, the function the engine sizes itself
     with) for computed weight bytes, beside the weights, KV per token and requests at full context."""
@@ -246,6 +276,9 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
     if pools.state_rows is not None:
         at_ctx = min(at_ctx, pools.state_rows)
     warnings = list(pools.warnings)
+    hint = no_buffer_hint(args, device_bytes, weights, pools, at_ctx)
+    if hint is not None:
+        warnings.insert(0, hint)
     rest = pools.static_bytes - weights - pools.workspace_bytes
     if at_ctx == 0 and rest > 0:
         warnings.append(
@@ -283,4 +316,5 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         state_checkpoints=pools.checkpoint_rows,
         checkpoint_bytes=pools.checkpoint_bytes,
         prefix_cache=not args.disable_radix_cache,
+        shared_by_ranks=args.device == "cpu" and tp > 1,
     )

@@ -10,6 +10,7 @@ path names its scheme, so the tools stay out of its import graph.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Protocol
 
 # scheme -> module whose `SOURCE` implements ModelSource
@@ -45,3 +46,29 @@ def scheme_of(path: str | None) -> str | None:
 def source_for(path: str | None) -> ModelSource | None:
     scheme = scheme_of(path)
     return None if scheme is None else importlib.import_module(_MODULES[scheme]).SOURCE
+
+
+def has_weights(path: str) -> bool:
+    """What the loader reads is there: `model.safetensors.index.json` or a `*.safetensors` file."""
+    try:
+        files = os.listdir(path)
+    except OSError:
+        return False
+    return "model.safetensors.index.json" in files or any(f.endswith(".safetensors") for f in files)
+
+
+def weight_problems(args) -> list[str]:
+    """One line per model directory of resolved args that has config.json but no weights (an
+    inflate: pair is built in memory and has none to check)."""
+    p = []
+    dirs = [("--model-path", args.model_path)]
+    if args.is_speculative:
+        dirs.append(("--speculative-draft-model-path", args.speculative_draft_model_path))
+    for name, path in dirs:
+        if path and source_for(path) is None and not has_weights(path):
+            p.append(
+                f"{name} {path}: no *.safetensors weights, only config.json (enough for "
+                "check-config and prepare_server_args, not to serve); pass the directory holding "
+                "the full checkpoint (e.g. hf download REPO --local-dir DIR)"
+            )
+    return p

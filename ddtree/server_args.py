@@ -38,6 +38,9 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 DEFAULT_DDTREE_BUDGET = 64
 AUTO_BUDGET = "auto"  # --speculative-ddtree-budget auto: the load-aware policy picks per round
+# CPU threads by default: one per this many parameters (target + drafter); a small model's matmuls
+# are too small to split across threads, which then only wait for each other (README, CPU threads)
+CPU_PARAMS_PER_THREAD = 200_000_000
 
 
 def _opt(default, help: str, choices=None, aliases=()):
@@ -174,6 +177,14 @@ class ServerArgs:
     max_mamba_cache_size: int | None = _opt(
         None, "hybrid targets: pin the state pool to this many requests"
     )
+    cpu_threads: int | None = _opt(
+        None,
+        "torch threads for the engine's CPU work (torch.set_num_threads); default on the CPU: "
+        "OMP_NUM_THREADS when set, else one thread per "
+        f"{CPU_PARAMS_PER_THREAD // 10**6}M model parameters (1 for a small model, whose ops are "
+        "too small to split) up to the cores this process may use, divided among --tp-size "
+        "ranks; on a GPU: torch's own",
+    )
     target_config: TargetConfig | None = field(
         default=None, compare=False, repr=False, metadata={"cli": False}
     )
@@ -209,35 +220,109 @@ def cli_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(ServerArgs) if f.metadata.get("cli", True)]
 
 
-def make_parser(prog: str = "ddtree serve") -> argparse.ArgumentParser:
+# every flag in one group (tests/test_server_args.py checks the cover): --help lists them by
+# concern, and `ddtree generate` leaves out the HTTP server's (flags that would not act there)
+FLAG_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": (
+        "model_path",
+        "tokenizer_path",
+        "trust_remote_code",
+        "dtype",
+        "kv_cache_dtype",
+        "context_length",
+        "random_seed",
+    ),
+    "speculative decoding": (
+        "speculative_algorithm",
+        "speculative_draft_model_path",
+        "speculative_dflash_block_size",
+        "speculative_num_draft_tokens",
+        "speculative_ddtree_budget",
+        "speculative_ddtree_max_budget",
+        "speculative_ddtree_topk_cap",
+        "speculative_ddtree_shadow_linear",
+    ),
+    "memory and scheduling": (
+        "mem_fraction_static",
+        "max_running_requests",
+        "max_total_tokens",
+        "max_prefill_tokens",
+        "chunked_prefill_size",
+        "page_size",
+        "disable_radix_cache",
+    ),
+    "hybrid targets (Gated DeltaNet)": (
+        "mamba_scheduler_strategy",
+        "mamba_full_memory_ratio",
+        "mamba_ssm_dtype",
+        "max_mamba_cache_size",
+    ),
+    "device and kernels": (
+        "device",
+        "tp_size",
+        "cpu_threads",
+        "attention_backend",
+        "disable_cuda_graph",
+        "cuda_graph_max_bs",
+    ),
+    "logging": ("log_level", "decode_log_interval"),
+    "HTTP server": (
+        "host",
+        "port",
+        "api_key",
+        "served_model_name",
+        "enable_metrics",
+        "metrics_no_auth",
+        "graceful_shutdown_timeout",
+        "max_queued_requests",
+        "skip_server_warmup",
+        "disable_overlap_schedule",
+    ),
+}
+SERVER_ONLY_GROUP = "HTTP server"
+
+
+def make_parser(
+    prog: str = "ddtree serve",
+    groups: tuple[str, ...] | None = None,
+    description: str = "DDTree / DFlash speculative decoding server",
+    add_help: bool = True,
+) -> argparse.ArgumentParser:
+    """The server flags, by FLAG_GROUPS (all of them, or the `groups` named); abbreviations are
+    refused (`--speculative-ddtree-bud 8` is a typo, not a flag)."""
     parser = argparse.ArgumentParser(
-        prog=prog, description="DDTree / DFlash speculative decoding server"
+        prog=prog, description=description, allow_abbrev=False, add_help=add_help
     )
     hints = typing.get_type_hints(ServerArgs)
-    for f in cli_fields():
-        names = [flag(f.name), *f.metadata["aliases"]]
-        kind = next(
-            (a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name]
-        )
-        if kind is bool:
-            parser.add_argument(
-                *names,
-                dest=f.name,
-                default=f.default,
-                help=f.metadata["help"],
-                action=argparse.BooleanOptionalAction if f.default else "store_true",
-            )
-            continue
-        convert = CONVERTERS.get(f.name, kind)
+    fields = {f.name: f for f in cli_fields()}
+    for title in groups or tuple(FLAG_GROUPS):
+        group = parser.add_argument_group(title)
+        for name in FLAG_GROUPS[title]:
+            _add_flag(group, fields[name], hints)
+    return parser
+
+
+def _add_flag(parser, f: dataclasses.Field, hints: dict) -> None:
+    names = [flag(f.name), *f.metadata["aliases"]]
+    kind = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+    if kind is bool:
         parser.add_argument(
             *names,
             dest=f.name,
-            type=convert,
             default=f.default,
-            choices=f.metadata["choices"],
-            help=f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else ""),
+            help=f.metadata["help"],
+            action=argparse.BooleanOptionalAction if f.default else "store_true",
         )
-    return parser
+        return
+    convert = CONVERTERS.get(f.name, kind)
+    parser.add_argument(
+        *names,
+        dest=f.name,
+        type=convert,
+        default=f.default,
+        choices=f.metadata["choices"],
+        help=f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else ""),
+    )
 
 
 def budget_value(text: str) -> int | str:
@@ -527,6 +612,7 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         _resolve_target_defaults(args, t, d, upd, upd.get("device", args.device), p)
     device = upd.get("device", args.device)
     _check_tp_devices(args.tp_size, device, p)
+    _resolve_cpu_threads(args, t, d, upd, device, p)
     _resolve_attention_backend(args, upd, device, p)
     _resolve_cuda_graph(args, upd, device)
     upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
@@ -555,6 +641,45 @@ def _check_policy_trace(a: ServerArgs, upd: dict, p: list[str]) -> None:
         )
     elif not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         p.append(f"{name}={path}: its directory does not exist; create it or name another file")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask; a container's CPU set)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _resolve_cpu_threads(
+    a: ServerArgs, t: TargetConfig | None, d: DrafterConfig | None, upd: dict, device: str, p
+) -> None:
+    """--cpu-threads as given; on the CPU by default OMP_NUM_THREADS, else by model size (see
+    CPU_PARAMS_PER_THREAD), at most this process's share of the cores."""
+    if a.cpu_threads is not None:
+        if a.cpu_threads < 1:
+            p.append(f"--cpu-threads {a.cpu_threads}: give at least 1 (or leave it out: automatic)")
+        return
+    if device != "cpu" or t is None:
+        return
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) >= 1:
+        upd["cpu_threads"] = int(omp)
+        logger.info("CPU threads are set to %d from OMP_NUM_THREADS.", int(omp))
+        return
+    from ddtree.memory_plan import drafter_param_count, target_param_count
+
+    params = target_param_count(t) + (drafter_param_count(d) if d is not None else 0)
+    share = max(1, available_cores() // max(a.tp_size, 1))  # a bad --tp-size is reported apart
+    n = max(1, min(share, -(-params // CPU_PARAMS_PER_THREAD)))
+    upd["cpu_threads"] = n
+    logger.info(
+        "CPU threads are set to %d (%.0fM parameters, %d cores per rank; --cpu-threads or "
+        "OMP_NUM_THREADS to choose).",
+        n,
+        params / 1e6,
+        share,
+    )
 
 
 def _check_tp_devices(tp: int, device: str, p: list[str]) -> None:

@@ -311,7 +311,7 @@ def analyse(rows: list[dict], conc: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=48)
     p.add_argument("--conc", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)

@@ -177,7 +177,9 @@ def run_config(pair_name, target, drafter, dtype, algo, budget, rows, failures):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False,
+    )
     ap.add_argument("--only", default="default,toy", help="pairs to run: default,toy")
     ap.add_argument(
         "--budget-s", type=float, default=125, help="skip remaining configs after this many seconds"

@@ -80,7 +80,9 @@ def set_reference(on: bool):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(
+        allow_abbrev=False,
+    )
     p.add_argument("--reps", type=int, default=20)
     ns = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -473,7 +473,9 @@ def section_d(gen):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False,
+    )
     ap.add_argument("--only", default="b,c,e,d", help="sections to run, e.g. b,d")
     ap.add_argument(
         "--deadline-s", type=float, default=170, help="skip the sections not started by then"

@@ -162,7 +162,9 @@ def table(rows, floor_ms: float) -> list[str]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(
+        allow_abbrev=False,
+    )
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--context", type=int, default=1024)

@@ -451,7 +451,7 @@ def main():
     global HQ, HKV, D, POINTS
     import argparse
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     shape = ap.parse_args().shape
     HQ, HKV, D = SHAPES[shape]  # module globals: Problem and bench_point read them

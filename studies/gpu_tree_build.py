@@ -79,7 +79,7 @@ def case(B: int, b: int, warps: list[int], reps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="16,32,64")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--warps", default="1,2,4,8")

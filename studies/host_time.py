@@ -226,7 +226,7 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None, help="target (default: the embedded pair)")
     p.add_argument("--configs", default="auto,16", help="auto, a fixed budget, DFLASH, NONE")
     p.add_argument("--conc", default="1,8,32,64")

@@ -80,7 +80,7 @@ def summarise(rows: list[dict], batches: list[int] | None = None) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="a DDTREE_POLICY_TRACE file (.jsonl or .jsonl.gz)")
     p.add_argument("--batches", help="comma list of batch sizes (default: all)")
     a = p.parse_args(argv)

@@ -118,7 +118,7 @@ def replay(reqs: list[list[dict]], bs: int, rounds: int, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("rows", help="counterfactual_rungs.py --output JSON (with curve64)")
     p.add_argument("--batches", default="1,4,8,16")
     p.add_argument("--rounds", type=int, default=400)

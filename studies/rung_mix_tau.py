@@ -58,7 +58,7 @@ def per_rung_tau(name: str, conc: int, n: int, max_tokens: int, mix: bool) -> di
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--conc", type=int, default=4)
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -315,7 +315,7 @@ def replay_levels(reqs, levels, rounds: int, max_tokens: int, seeds: int, overhe
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-set", choices=("textwrap", "heldout"), default="heldout")
     p.add_argument("--max-tokens", type=int, default=128)

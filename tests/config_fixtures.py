@@ -205,8 +205,9 @@ def qwen36_27b_dflash_config(dflash_overrides: dict | None = None, **overrides) 
 
 
 def write_model_dir(root, name: str, cfg: dict, weights: bool = True) -> str:
-    """With `weights`, an empty `model.safetensors` placeholder too: config resolution refuses a
-    directory without weight files, and nothing that reads these directories loads weights."""
+    """With `weights`, an empty `model.safetensors` placeholder too: serving refuses a directory
+    without weight files (`config_checks.weight_problems`), and nothing that reads these
+    directories loads weights."""
     path = os.path.join(str(root), name)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:

@@ -113,27 +113,64 @@ def test_resolved_backend_is_never_auto(dense):
     assert args.attention_backend in ("torch", "triton")
 
 
-@pytest.mark.parametrize("is_target", [True, False])
-def test_config_only_dir_fails_at_resolution(tmp_path, is_target):
-    target, drafter = dense_pair(tmp_path)
-    bare = write_model_dir(tmp_path / "bare", "model", qwen3_8b_config(), weights=False)
-    if not is_target:
-        from config_fixtures import qwen3_8b_dflash_config
+def test_config_only_dirs_resolve_and_plan_weights_are_checked_at_load(tmp_path, capsys):
+    """Validating the Qwen3.6-27B + DFlash flags before the 55 GB download: the config.json files
+    are all that parsing and planning read; the missing weights are named where they would load
+    (`serve`'s start: exit 2 before any engine is built; the engine itself: a ConfigError)."""
+    from config_fixtures import qwen36_27b_config, qwen36_27b_dflash_config
 
-        bare = write_model_dir(
-            tmp_path / "bare", "drafter", qwen3_8b_dflash_config(), weights=False
-        )
-    pair = (bare, drafter) if is_target else (target, bare)
-    problems = problems_of(ddtree_argv(pair))
-    flag = "--model-path" if is_target else "--speculative-draft-model-path"
-    hits = [p for p in problems if p.startswith(f"{flag} {bare}: no *.safetensors")]
-    assert len(hits) == 1 and len(problems) == 1, problems
+    from ddtree.engine.setup import build_runner
+    from ddtree.model_sources import weight_problems
+    from ddtree.server import launch
+
+    target = write_model_dir(tmp_path, "Qwen3.6-27B", qwen36_27b_config(), weights=False)
+    drafter = write_model_dir(
+        tmp_path, "Qwen3.6-27B-DFlash", qwen36_27b_dflash_config(), weights=False
+    )
+    argv = [
+        "--model-path",
+        target,
+        "--speculative-algorithm",
+        "DDTREE",
+        "--speculative-draft-model-path",
+        drafter,
+        "--speculative-ddtree-budget",
+        "16",
+        "--device",
+        "cuda",
+    ]
+    args = prepare_server_args(argv)
+    assert args.target_config.is_hybrid and args.drafter_config.block_size > 1
+    problems = weight_problems(args)
+    assert len(problems) == 2
+    assert problems[0].startswith(f"--model-path {target}: no *.safetensors weights")
+    assert problems[1].startswith(f"--speculative-draft-model-path {drafter}: no *.safetensors")
+    cpu_args = prepare_server_args(argv[:-1] + ["cpu"])
+    with pytest.raises(ConfigError) as info:
+        build_runner(cpu_args, __import__("torch").device("cpu"))
+    assert info.value.problems == weight_problems(cpu_args)
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was built for a directory without weights")
+
+    old = launch.build_app
+    launch.build_app = no_engine
+    try:
+        assert launch.main(argv[:-1] + ["cpu"]) == 2
+    finally:
+        launch.build_app = old
+    err = capsys.readouterr().err
+    assert f"--model-path {target}: no *.safetensors weights" in err and drafter in err
 
 
 def test_sharded_index_counts_as_weights(tmp_path):
+    from ddtree.model_sources import weight_problems
+
     target = write_model_dir(tmp_path, "sharded", qwen3_8b_config(), weights=False)
+    assert weight_problems(prepare_server_args(["--model-path", target]))
     (tmp_path / "sharded" / "model.safetensors.index.json").write_text("{}")
-    assert prepare_server_args(["--model-path", target]).model_path == target
+    args = prepare_server_args(["--model-path", target])
+    assert args.model_path == target and weight_problems(args) == []
 
 
 def test_smaller_block_than_trained_is_warned(dense, caplog):

@@ -124,8 +124,14 @@ def test_dispatch_reference_path_is_in_place(monkeypatch):
     live = GateInputs(gate[0][:3], gate[1][:3], *gate[2:])
     o = dispatch.decode_step(q[:3], k[:3], v[:3], live, ssm, rows[:3])
     assert backend.ran == {("decode_step", "reference"): 1}
-    ro, rS = _reference(q[:3], k[:3], v[:3], g[:3], beta[:3], before, rows[:3])
+    # bit for bit against the same functions on the same inputs: the gate's values as the dispatch
+    # takes them (`live.values()`: 3 contiguous rows), then the recurrence
+    ro, rS = _reference(q[:3], k[:3], v[:3], *live.values(), before, rows[:3])
     assert torch.equal(o, ro) and torch.equal(ssm[rows[:3]], rS)
+    # and the gate computed over the whole strided batch (other vector / scalar splits of exp):
+    # the same numbers up to fp32 rounding
+    ro_all, rS_all = _reference(q[:3], k[:3], v[:3], g[:3], beta[:3], before, rows[:3])
+    assert rel(o, ro_all) < 1e-6 and rel(ssm[rows[:3]], rS_all) < 1e-6
     assert torch.equal(ssm[R - 1], before[R - 1])  # no padded row in this call
     monkeypatch.setenv("DDTREE_FUSED_KERNELS_INTERPRET", "1")
     kept = ssm.clone()

@@ -226,8 +226,17 @@ def test_stop_strings_and_token_ids(client, pair):
         extra_body={"ignore_eos": True, "stop_token_ids": [tok]},
     )
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
-    # like vLLM, a non-special stop token's text is kept
-    assert r.choices[0].text == full[: first + 1]
+    # as in vLLM and SGLang, the stop token counts but its text is left out, unless asked for
+    assert r.choices[0].text == full[:first]
+    for keep in ({"include_stop_str_in_output": True}, {"no_stop_trim": True}):
+        r = client.completions.create(
+            model=pair[0],
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True, "stop_token_ids": [tok]} | keep,
+        )
+        assert r.choices[0].text == full[: first + 1], keep
 
 
 def test_sampling_parameters(client, pair):

@@ -2,7 +2,6 @@
 bounded by the stop bounds (server/limits.py) and independent of how long the output already is."""
 
 import random
-import time
 
 from ddtree.engine.detokenizer import StopMatcher, find_stop, stop_holdback
 from ddtree.server.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -56,27 +55,48 @@ def test_old_cases():
     assert find_stop("xxSTOP", 1, ("STOP",)) == 2 and find_stop("xxSTOPy", 1, ("STOP",)) == -1
 
 
-def per_token_us(matcher: StopMatcher, prefix_len: int) -> float:
-    """Microseconds per appended character for find + holdback, after a prefix of prefix_len
-    characters."""
+class Window:
+    """The matcher's regex, recording how many characters each search scans."""
+
+    def __init__(self, pattern):
+        self.pattern, self.scanned = pattern, []
+
+    def search(self, text, pos):
+        self.scanned.append(len(text) - pos)
+        return self.pattern.search(text, pos)
+
+
+class Lookups(frozenset):
+    """The matcher's prefix hashes, counting the lookups."""
+
+    def __contains__(self, item):
+        self.count = getattr(self, "count", 0) + 1
+        return frozenset.__contains__(self, item)
+
+
+def work_per_token(stops: tuple[str, ...], prefix_len: int) -> tuple[int, float]:
+    """(most characters one find scans, hash lookups per holdback) over 500 appended characters
+    after a prefix of prefix_len: the matcher's work, counted instead of timed."""
+    m = StopMatcher(stops)
+    m.pattern, m.prefix_hashes = Window(m.pattern), Lookups(m.prefix_hashes)
     text = "q" * prefix_len
-    t0 = time.perf_counter()
     for i in range(500):
         text += "xy"[i % 2]
-        assert matcher.find(text, 1) == -1
-        matcher.holdback(text)
-    return (time.perf_counter() - t0) / 500 * 1e6
+        assert m.find(text, 1) == -1
+        m.holdback(text)
+    return max(m.pattern.scanned), m.prefix_hashes.count / 500
 
 
-def test_per_token_cost_is_bounded_and_independent_of_output_length():
+def test_per_token_work_is_bounded_and_independent_of_output_length():
     # the worst case the limits allow: every stop is max length and shares a long prefix with the
     # output
     stops = tuple(
-        ("xy" * MAX_STOP_CHARS)[: MAX_STOP_CHARS - 1] + str(i % 10) + chr(65 + i)
+        ("xy" * MAX_STOP_CHARS)[: MAX_STOP_CHARS - 2] + str(i % 10) + chr(65 + i)
         for i in range(MAX_STOP_STRINGS)
     )
-    m = StopMatcher(tuple(s[:MAX_STOP_CHARS] for s in stops))
-    short, long = per_token_us(m, 100), per_token_us(m, 200_000)
-    # generous for a loaded 2-core CI box; the old per-stop loop took ~50x this with 10k stops
-    assert short < 2000 and long < 2000, (short, long)
-    assert long < 5 * short + 200, (short, long)
+    short, long = work_per_token(stops, 1_000), work_per_token(stops, 200_000)
+    assert short == long, (short, long)
+    scanned, lookups = long
+    # a find scans the new character and the max_len - 1 before it; a holdback looks up at most
+    # max_len - 1 suffixes (the old per-stop loop scanned the whole output for each of 10k stops)
+    assert scanned == MAX_STOP_CHARS and lookups <= MAX_STOP_CHARS - 1, (scanned, lookups)

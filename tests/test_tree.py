@@ -1,6 +1,5 @@
 import itertools
 import random
-import time
 
 import pytest
 import torch
@@ -224,12 +223,9 @@ def test_large_shape_smoke():
     torch.manual_seed(0)
     logits = torch.randn(2, 15, 151936).bfloat16()
     roots = torch.tensor([1, 2])
-    t0 = time.perf_counter()
     tree = build_tree(roots, logits, 256, 256, True)
-    elapsed = time.perf_counter() - t0
     assert tree.tokens.shape == (2, 257) and tree.valid.all()
     assert (tree.depths.max(1).values == 15).all()  # shadow chain reaches full depth
-    assert elapsed < 5.0, elapsed
     assert torch.equal(
         tree.positions(torch.tensor([10, 20])), torch.tensor([[10], [20]]) + tree.depths
     )

@@ -26,7 +26,9 @@ DEFAULT_PROMPTS = (  # held-out code prompts: modules the embedded pair's corpus
 def make_parser() -> argparse.ArgumentParser:
     from ddtree.bench.cli import DefaultsFormatter
 
-    p = argparse.ArgumentParser(prog="ddtree bench acceptance", formatter_class=DefaultsFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="ddtree bench acceptance", formatter_class=DefaultsFormatter
+    )
     p.add_argument("--model-path", default=None, help="target dir; default: the embedded pair")
     p.add_argument(
         "--speculative-draft-model-path",

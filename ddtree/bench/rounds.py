@@ -33,7 +33,9 @@ from ddtree.bench.rounds_report import (
 def make_parser() -> argparse.ArgumentParser:
     from ddtree.bench.cli import DefaultsFormatter
 
-    p = argparse.ArgumentParser(prog="ddtree bench rounds", formatter_class=DefaultsFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="ddtree bench rounds", formatter_class=DefaultsFormatter
+    )
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU; finishes in seconds"
     )

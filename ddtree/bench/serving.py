@@ -408,6 +408,7 @@ def make_parser() -> argparse.ArgumentParser:
     from ddtree.bench.cli import DefaultsFormatter
 
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="ddtree bench serving",
         description=__doc__.split("\n\n")[0],
         formatter_class=DefaultsFormatter,

@@ -341,13 +341,22 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def rank_device_bytes(device_bytes: int, device: str, tp: int) -> int:
+    """A rank's memory: its own GPU's, or on the CPU its share of the host RAM that every rank's
+    process allocates from."""
+    return device_bytes // tp if device == "cpu" else device_bytes
+
+
 def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolPlan:
     """The pools of resolved ServerArgs on a device of `device_bytes` holding `weight_bytes` of
-    weights (both per device: under --tp-size one rank's shard). The KV pool gets what the state
-    pool leaves, at most what max_running_requests requests at full context use (and
-    CPU_KV_BUDGET_BYTES on the CPU); --max-total-tokens caps it. KV and state are those of one
-    rank's local heads (`tp_layout.shard_target`: replicated KV heads count on every rank)."""
+    weights (per device: under --tp-size one rank's shard; on the CPU the ranks share the host's
+    RAM, so a rank plans against its 1/tp of it, `rank_device_bytes`). The KV pool gets what the
+    state pool leaves, at most what max_running_requests requests at full context use (and
+    CPU_KV_BUDGET_BYTES on the CPU, shared by the ranks); --max-total-tokens caps it. KV and state
+    are those of one rank's local heads (`tp_layout.shard_target`: replicated KV heads count on
+    every rank)."""
     t, d, tp = args.target_config, args.drafter_config, args.tp_size
+    device_bytes = rank_device_bytes(device_bytes, device, tp)
     t_rank = shard_target(t, tp)
     d_rank = None if d is None else shard_drafter(d, tp)
     spec = args.spec
@@ -357,9 +366,15 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     rest = static - weight_bytes - workspace
     warnings = []
     if rest <= 0:
+        shared = (
+            f" (on the CPU the {tp} ranks share the host's RAM: each plans with 1/{tp} of it; "
+            "a smaller --tp-size leaves each more)"
+            if device == "cpu" and tp > 1
+            else ""
+        )
         warnings.append(
             f"weights ({_gib(weight_bytes)}) and verify buffers ({_gib(workspace)}) exceed the "
-            f"static pool ({_gib(static)}); raise --mem-fraction-static, lower "
+            f"static pool ({_gib(static)}){shared}; raise --mem-fraction-static, lower "
             "--max-running-requests or use a device with more memory"
         )
     rest = max(rest, 0)
@@ -390,7 +405,7 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     running = n_req if rows is None else max(min(n_req, rows), 0)
     kv_pool = rest - state_pool
     per_token = sum(kv_bytes_per_token(t_rank, d_rank, args.kv_cache_dtype))
-    budget = min(kv_pool, CPU_KV_BUDGET_BYTES) if device == "cpu" else kv_pool
+    budget = min(kv_pool, CPU_KV_BUDGET_BYTES // tp) if device == "cpu" else kv_pool
     want = running * (args.context_length + width)
     pages = min(budget // per_token, want) // args.page_size
     if args.max_total_tokens is not None:  # the user's cap, rounded up to whole pages

@@ -8,16 +8,26 @@ import re
 
 
 class IncrementalDetokenizer:
-    """Emits text as tokens arrive; holds back bytes of an unfinished UTF-8 character (U+FFFD)."""
+    """Emits text as tokens arrive; holds back bytes of an unfinished UTF-8 character (U+FFFD).
+    `skip_special_tokens` / `spaces_between_special_tokens`: the request's (SamplingParams)."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ):
         self.tok = tokenizer
         self.ids: list[int] = list(prompt_ids[-6:]) if prompt_ids else []
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self.kw = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:  # the default of every tokenizer that has the knob
+            self.kw["spaces_between_special_tokens"] = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tok.decode(ids, clean_up_tokenization_spaces=False, **self.kw)
 
     def append(self, token: int) -> str:
         self.ids.append(token)
@@ -69,10 +79,15 @@ class StopMatcher:
     def find(self, text: str, new_len: int) -> int:
         """Index where the earliest stop string begins among matches that overlap the last `new_len`
         characters; -1 if none. (Earlier text holds no stop: it would have finished the request.)"""
+        hit = self.match(text, new_len)
+        return -1 if hit is None else hit[0]
+
+    def match(self, text: str, new_len: int) -> tuple[int, str] | None:
+        """(index, stop string) of the earliest match overlapping the last `new_len` characters."""
         if self.pattern is None:
-            return -1
+            return None
         m = self.pattern.search(text, max(0, len(text) - new_len - self.max_len + 1))
-        return m.start() if m else -1
+        return (m.start(), m.group()) if m else None
 
     def holdback(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string:
@@ -98,6 +113,11 @@ def find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> int:
     """Index in `text` where the earliest stop string begins, considering only matches that overlap
     the last `new_len` characters; -1 if none."""
     return stop_matcher(tuple(stops)).find(text, new_len)
+
+
+def match_stop(text: str, new_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """`find_stop`'s match as (index, the stop string that matched), or None."""
+    return stop_matcher(tuple(stops)).match(text, new_len)
 
 
 def stop_holdback(text: str, stops: tuple[str, ...]) -> int:

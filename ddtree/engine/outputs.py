@@ -1,6 +1,11 @@
 """Appending a round's tokens to a request: EOS, stop tokens, stop strings and max_tokens are checked token
 by token, so a stop that falls inside an accepted block cuts the output exactly there.
 
+What stopped a request stays in its token ids but not in its text, as in vLLM and SGLang: a stop
+string cuts the text where it begins, a stop / EOS token is not detokenised; with
+`include_stop_str_in_output` (SGLang: `no_stop_trim`) the text ends after the stop string, or with
+the stop token's text.
+
 Detokenisation is deferred for requests without stop strings (their text decides nothing): `emit`
 only appends the ids, and `flush` brings `req.text` up to date when something reads it (the server's
 publishing, which runs under the next round's device work, or the finish). A request with stop strings
@@ -10,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddtree.engine.detokenizer import IncrementalDetokenizer, find_stop
+from ddtree.engine.detokenizer import IncrementalDetokenizer, match_stop
 from ddtree.engine.logprobs import TokenLogprob
 from ddtree.engine.request import Req
 
@@ -56,7 +61,13 @@ class TokenEmitter:
 
     def start(self, req: Req) -> None:
         if self.tokenizer is not None:
-            self.detok[req.rid] = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+            p = req.params
+            self.detok[req.rid] = IncrementalDetokenizer(
+                self.tokenizer,
+                req.prompt_ids,
+                p.skip_special_tokens,
+                p.spaces_between_special_tokens,
+            )
 
     def flush(self, req: Req) -> None:
         """Detokenise the request's deferred tokens into `req.text`."""
@@ -70,6 +81,13 @@ class TokenEmitter:
         detok = self.detok.get(req.rid)
         defer = detok is not None and not p.stop
         for tok in tokens:
+            stop_token = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
+            if stop_token and not p.include_stop_str_in_output:
+                self._finish(
+                    req, "stop"
+                )  # the text so far (deferred: the lagging tokens before it)
+                req.output_ids.append(tok)  # counted, never detokenised
+                return
             req.output_ids.append(tok)
             if defer:
                 self.lag[req.rid] = self.lag.get(req.rid, 0) + 1
@@ -77,13 +95,14 @@ class TokenEmitter:
                 new = detok.append(tok)
                 req.text += new
                 if p.stop and new:
-                    cut = find_stop(req.text, len(new), p.stop)
-                    if cut >= 0:
-                        req.stop_hit = req.text[cut:]
-                        req.text = req.text[:cut]
+                    hit = match_stop(req.text, len(new), p.stop)
+                    if hit is not None:
+                        cut, req.stop_hit = hit
+                        keep = cut + len(req.stop_hit) if p.include_stop_str_in_output else cut
+                        req.text = req.text[:keep]
                         self._finish(req, "stop")
                         return
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            if stop_token:
                 self._finish(req, "stop")
                 return
             if req.num_output_tokens >= p.max_tokens or req.seq_len >= self.max_context:

@@ -30,6 +30,13 @@ class SamplingParams:
     )
     logprobs: bool = False  # report each emitted token's target log-prob (RequestOutput.logprobs)
     top_logprobs: int = 0  # and the k most likely tokens at its position (implies logprobs)
+    # the text keeps what stopped the request: the stop string (cut after it, not before) or the
+    # stop / EOS token's text; by default both are left out, as in vLLM and SGLang (`no_stop_trim`)
+    include_stop_str_in_output: bool = False
+    # detokenisation (vLLM's and SGLang's names): special tokens are left out of the text unless
+    # skip_special_tokens is False; spaces_between_special_tokens acts on tokenizers that use it
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         if self.temperature < 0:

@@ -4,7 +4,8 @@ SGLang's native `/generate` and `/get_model_info` (`ddtree.server.native_api`),
 `/metrics` (Prometheus, with --enable-metrics), `/get_server_info` (pool counts and allocator
 integrity, read between two engine steps). With --api-key every route needs the key except /health
 (and /metrics with --metrics-no-auth): server/http.py. Every failure is an OpenAI-style `{"error":
-{message, type, param, code}}` body.
+{message, type, param, code}}` body. Every GET route answers HEAD too; a trailing slash is
+served as the path without it (no redirects).
 The `ddtree` response extension is documented in `ddtree.server.openai_serving`.
 """
 
@@ -27,6 +28,8 @@ from ddtree.server.http import (
     ApiKeyAuth,
     BodyLimit,
     CatchAll,
+    NoSlashRedirect,
+    get,
 )
 from ddtree.server.metrics import pool_snapshot, probe_loop_lag
 from ddtree.server.native_api import native_router
@@ -119,14 +122,16 @@ def create_app(
         if probe is not None:
             probe.cancel()
         aengine.shutdown()
+        serving.close()
 
-    app = FastAPI(title="ddtree", lifespan=lifespan)
+    app = FastAPI(title="ddtree", lifespan=lifespan, redirect_slashes=False)
     # added last = outermost: the key is checked before the body is read; CatchAll sits inside
     # FastAPI's ServerErrorMiddleware, which would re-raise and make uvicorn drop the connection
     app.add_middleware(CatchAll)
     app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout)
     open_paths = ("/health", "/metrics") if args.metrics_no_auth else ("/health",)
     app.add_middleware(ApiKeyAuth, api_key=args.api_key, open_paths=open_paths)
+    app.add_middleware(NoSlashRedirect)  # outermost: the key check sees the served path
     add_error_handlers(app)
 
     v1 = APIRouter(prefix="/v1")
@@ -139,7 +144,7 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
-    @v1.get("/models")
+    @get(v1, "/models")
     async def models():
         card = {
             "id": serving.model_name,
@@ -154,14 +159,14 @@ def create_app(
     app.include_router(v1)
     app.include_router(native_router(serving, args, engine))  # behind ApiKeyAuth like every route
 
-    @app.get("/health")
+    @get(app, "/health")
     async def health():
         problem = aengine.health_problem()
         if problem is not None:
             return json_error(APIError(503, problem, code="engine_unavailable"))
         return Response(status_code=200)
 
-    @app.get("/get_server_info")
+    @get(app, "/get_server_info")
     async def server_info():
         pools = await aengine.call(lambda: pool_snapshot(engine))
         return pools | {
@@ -172,7 +177,7 @@ def create_app(
             "speculative_ddtree_budget": args.speculative_ddtree_budget,
         }
 
-    @app.get("/metrics")
+    @get(app, "/metrics")
     async def prometheus():
         if metrics is None:
             raise APIError(404, "metrics are disabled; start the server with --enable-metrics")

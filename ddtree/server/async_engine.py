@@ -68,6 +68,7 @@ class Delta:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     completion_tokens: int = 0
+    # the request's decoding rounds so far and its mean tokens per round (every Delta: running)
     rounds: int = 0
     mean_accept_length: float = 0.0
     token_ids: list[int] = field(default_factory=list)  # tokens emitted since the previous Delta
@@ -89,6 +90,7 @@ class Stream:
     held_for: int = -1  # len(req.text) when the stop holdback was last computed
     seen_tokens: int = 0
     seen_rounds: int = 0
+    seen_accepted: int = 0  # tokens of the first seen_rounds rounds (a running sum)
 
     def put(self, delta: Delta) -> None:
         try:
@@ -384,6 +386,7 @@ class AsyncEngine:
                 self.metrics.on_first_token(req.times)
         if self.metrics is not None and (n_tok > st.seen_tokens or len(rounds) > st.seen_rounds):
             self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds :])
+        st.seen_accepted += sum(rounds[st.seen_rounds :])
         st.seen_tokens, st.seen_rounds = n_tok, len(rounds)
         if done:
             self._streams.pop(rid)
@@ -391,7 +394,17 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.on_finish(req.finish_reason, time.monotonic() - st.added)
         elif text or new_ids:
-            self._outbox.put(st, Delta(text=text, token_ids=new_ids, logprobs=lps))
+            mean = st.seen_accepted / st.seen_rounds if st.seen_rounds else 0.0
+            self._outbox.put(
+                st,
+                Delta(
+                    text,
+                    token_ids=new_ids,
+                    logprobs=lps,
+                    rounds=st.seen_rounds,
+                    mean_accept_length=mean,
+                ),
+            )
 
     @staticmethod
     def _final(req: Req, text: str, error: str | None = None, **extra) -> Delta:

@@ -3,7 +3,11 @@ last-resort 500.
 
 Pure ASGI middlewares (no BaseHTTPMiddleware: it buffers streams) and one uvicorn protocol subclass:
 - `ApiKeyAuth`: with --api-key every route needs `Authorization: Bearer <key>`, except /health
-  (liveness probes) and /metrics when --metrics-no-auth is given. Checked before the body is read.
+  (liveness probes) and /metrics when --metrics-no-auth is given. Checked before the body is read;
+  a request with two Authorization headers is refused whatever they hold (proxies disagree on
+  which one counts).
+- `NoSlashRedirect`: a path with a trailing slash is served as the path without it; Starlette
+  would redirect it to an absolute URL built from the Host header, which a client controls.
 - `BodyLimit`: a body over the limit gets 413, one that stops arriving gets 408; both close the
   connection.
 - `CatchAll`: an exception no handler claimed becomes a JSON 500 and is logged once, and the
@@ -53,13 +57,48 @@ class ApiKeyAuth:
     async def __call__(self, scope, receive, send):
         if self.expected is None or scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        given = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(given) > 1:
+            return await send_error(
+                APIError(401, "send one Authorization header, not several", code="invalid_api_key"),
+                send,
+            )
         # constant time: the key does not leak by timing
-        if not hmac.compare_digest(given, self.expected):
+        if not hmac.compare_digest(given[0] if given else b"", self.expected):
             return await send_error(
                 APIError(401, "invalid or missing API key", code="invalid_api_key"), send
             )
         await self.app(scope, receive, send)
+
+
+class NoSlashRedirect:
+    """`/v1/models/` is `/v1/models`: served, never redirected (api.py also turns Starlette's
+    slash redirects off, so no response echoes the Host header)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            bare = path.rstrip("/") or "/"
+            raw = scope.get("raw_path")
+            scope = dict(scope, path=bare)
+            if raw is not None:
+                scope["raw_path"] = raw.rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)
+
+
+def get(router, path: str):
+    """A GET route that answers HEAD too (as Starlette's own routes do; FastAPI's do not); the HEAD
+    twin stays out of the OpenAPI schema."""
+
+    def register(endpoint):
+        router.add_api_route(path, endpoint, methods=["GET"])
+        router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
+        return endpoint
+
+    return register
 
 
 class BodyLimit:

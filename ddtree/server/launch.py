@@ -17,6 +17,7 @@ import sys
 import threading
 
 from ddtree.configs import ConfigError
+from ddtree.model_sources import weight_problems
 from ddtree.server.gc_watch import gc_freeze_on
 from ddtree.server_args import ServerArgs, make_parser, resolve_server_args
 
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = resolve_server_args(ServerArgs(**vars(ns)))
         gc_freeze = gc_freeze_on()
+        if weight_problems(args):  # serving needs the weights; planning did not
+            raise ConfigError(weight_problems(args))
     except ConfigError as e:
         for problem in e.problems:
             print(f"error: invalid configuration: {problem}", file=sys.stderr)

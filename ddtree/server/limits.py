@@ -1,19 +1,24 @@
-"""Request bounds and value checks, declared on the request schemas (server/protocol.py).
+"""Request bounds and value checks, declared on the request schemas (server/protocol.py for the
+OpenAI routes, server/native_protocol.py for `/generate`: the same bounds on both).
 
 Every list and string field of a request has a limit; a request over it, a non-finite number or a
 string with a lone UTF-16 surrogate gets a 400 naming the field (api.py renders pydantic's errors).
 The limits keep the host work one request causes bounded, so a hostile request cannot slow the
 others: stop strings are checked on the engine thread at every step (engine/detokenizer.py's
-StopMatcher, O(max stop length) per token).
+StopMatcher, O(max stop length) per token). Tokenizing and chat-template rendering run on the
+server's tokenizer threads (openai_serving.py), never on the engine thread.
 
 | field                                        | limit                                           |
 |----------------------------------------------|-------------------------------------------------|
-| `stop`                                       | MAX_STOP_STRINGS strings of 1..MAX_STOP_CHARS   |
+| `stop` (`sampling_params.stop`)              | MAX_STOP_STRINGS strings of 1..MAX_STOP_CHARS   |
 | `stop_token_ids`                             | MAX_STOP_TOKEN_IDS ids                          |
 | `messages`                                   | MAX_MESSAGES messages, MAX_CONTENT_PARTS parts  |
-| prompt / message text                        | PROMPT_CHARS_PER_TOKEN x context length chars   |
+| prompt / message / `text` characters         | PROMPT_CHARS_PER_TOKEN x context length chars   |
 |                                              | (checked before tokenizing), then context tokens |
-| `model`, `user`, other names                 | MAX_NAME_CHARS characters                       |
+| `n`                                          | protocol.MAX_N                                  |
+| `/generate` batch: prompts x `n`             | MAX_BATCH_REQUESTS requests (and as many        |
+|                                              | `sampling_params` / `rid` entries)              |
+| `model`, `user`, `rid`, other names          | MAX_NAME_CHARS characters                       |
 | the whole body                               | 8 MiB (server/http.py's BodyLimit)              |
 """
 
@@ -29,6 +34,9 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256
 MAX_NAME_CHARS = 256
+# requests one /generate call admits (prompts x n): one call is one client's work, and admitting it
+# holds the engine thread for one hop; a larger batch is split by the client
+MAX_BATCH_REQUESTS = 256
 # a prompt string longer than this many characters per context token cannot fit once tokenized (no
 # tokenizer packs more into one token in practice); refused before the engine thread spends time
 # tokenizing

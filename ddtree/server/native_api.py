@@ -19,9 +19,27 @@ from fastapi import APIRouter, Request
 
 from ddtree.server import protocol
 from ddtree.server.async_engine import Delta
+from ddtree.server.http import get
 from ddtree.server.logprob_format import native_logprobs
-from ddtree.server.native_protocol import GenerateRequest, check_native, native_sampling_params
-from ddtree.server.openai_serving import Interleaved, OpenAIServing, SSEResponse, sse, tokenize
+from ddtree.server.native_protocol import (
+    GenerateRequest,
+    check_batch,
+    check_native,
+    native_sampling_params,
+)
+from ddtree.server.openai_serving import (
+    Interleaved,
+    OpenAIServing,
+    SSEResponse,
+    check_prompt_chars,
+    sse,
+    tokenize,
+)
+
+
+def _at(param: str, i: int, batch: bool) -> str:
+    """The field a prompt's error names: `text` of one prompt, `text.3` of a batch's fourth."""
+    return f"{param}.{i}" if batch else param
 
 
 def finish_reason(d: Delta) -> dict | None:
@@ -69,24 +87,29 @@ class NativeServing:
         started = time.monotonic()  # e2e_latency counts from the request's arrival
         prompts, batch = body.prompts()
         sps = body.params_for(len(prompts))
+        check_batch(body, prompts, sps)
         for sp in sps:
             check_native(body, sp)
         param = "text" if body.text is not None else "input_ids"
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                check_prompt_chars(len(prompt), self.serving.max_context, _at(param, i, batch))
         vocab = self.serving.vocab_size
-        streams = []
-        try:
-            for prompt, sp in zip(prompts, sps):
+        prepared = []
+        # prompt by prompt on a tokenizer thread; a client that left stops the batch here, before
+        # any of it reaches the engine
+        for i, (prompt, sp) in enumerate(zip(prompts, sps)):
 
-                def prepare(e, prompt=prompt, sp=sp):
-                    ids = tokenize(e, prompt, param) if isinstance(prompt, str) else list(prompt)
-                    protocol.check_prompt_ids(ids, vocab, e.max_context, param)
-                    return ids, native_sampling_params(body, sp, len(ids), e.max_context)
+            def prepare(e, prompt=prompt, sp=sp, name=_at(param, i, batch)):
+                ids = tokenize(e, prompt, name) if isinstance(prompt, str) else list(prompt)
+                protocol.check_prompt_ids(ids, vocab, e.max_context, name)
+                return ids, native_sampling_params(body, sp, len(ids), e.max_context)
 
-                streams += await self.serving.submit_n(prepare, sp.n, param, started)
-        except BaseException:
-            for st in streams:
-                self.serving.aengine.abort(st.rid)
-            raise
+            ids, params = await self.serving.prepare(prepare)
+            prepared.append((ids, params, sp.n))
+            if await request.is_disconnected():
+                raise protocol.APIError(499, "client disconnected")
+        streams = await self.serving.admit(prepared, param, started)
         rids = self._rids(body, streams)
         if body.stream:
             return self._stream(body, streams, rids, started)
@@ -158,7 +181,7 @@ def native_router(serving: OpenAIServing, args, engine) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request):
         return await native.generate(body, request)
 
-    @router.get("/get_model_info")
+    @get(router, "/get_model_info")
     async def get_model_info():
         return native.model_info(engine)
 

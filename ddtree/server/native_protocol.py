@@ -3,48 +3,69 @@
 
 Accepted: `text` or `input_ids` (one prompt or a batch), `sampling_params` (one dict or one per
 prompt: max_new_tokens [128], temperature, top_p, top_k, stop, stop_token_ids, ignore_eos, n,
-sampling_seed, plus our `ddtree_budget`), `stream`, `return_logprob`, `top_logprobs_num`,
-`return_text_in_logprobs`, `rid`. SGLang options this engine cannot honour (penalties, min_p,
-min_new_tokens, constrained decoding, input log-probs) are refused with a 400 naming the field when
-set to anything but their neutral value.
+sampling_seed, no_stop_trim, skip_special_tokens, spaces_between_special_tokens, plus our
+`ddtree_budget`), `stream`, `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`, `rid`.
+SGLang options this engine cannot honour (penalties, min_p, min_new_tokens, logit_bias, stop_regex,
+constrained decoding, input log-probs; request_fields.GENERATE_REFUSED at the top level) are refused
+with a 400 naming the field when set to anything but their neutral value; a `sampling_params` key
+SGLang does not know either is refused, as SGLang does. Bounds are the OpenAI routes'
+(server/limits.py), plus MAX_BATCH_REQUESTS prompts x n per call.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
 from ddtree.engine.request import SamplingParams
+from ddtree.server import request_fields
+from ddtree.server.limits import (
+    MAX_BATCH_REQUESTS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    Finite,
+    Name,
+    StopString,
+    Text,
+)
 from ddtree.server.protocol import MAX_N, MAX_SEED, APIError, invalid
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
+Batch = Field(max_length=MAX_BATCH_REQUESTS)
+
 
 class NativeSamplingParams(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # undeclared keys are kept (model_extra) and refused by check_native
+    model_config = ConfigDict(extra="allow")
 
     max_new_tokens: StrictInt | None = DEFAULT_MAX_NEW_TOKENS
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
+    temperature: Finite | None = None
+    top_p: Finite | None = None
     top_k: StrictInt | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False
     n: StrictInt = 1
     sampling_seed: StrictInt | None = None
     ddtree_budget: StrictInt | None = None
     skip_special_tokens: StrictBool = True
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
+    spaces_between_special_tokens: StrictBool = True
+    no_stop_trim: StrictBool = False
+    stream_interval: StrictInt | None = None  # SGLang's streaming cadence: every token here
+    min_p: Finite | None = None
+    frequency_penalty: Finite | None = None
+    presence_penalty: Finite | None = None
+    repetition_penalty: Finite | None = None
     min_new_tokens: int | None = None
+    logit_bias: dict | None = None
+    stop_regex: str | list[str] | None = None
+    custom_params: dict | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
-    no_stop_trim: bool | None = None
 
     UNSUPPORTED: ClassVar[tuple] = (
         ("min_p", (None, 0)),
@@ -52,26 +73,30 @@ class NativeSamplingParams(BaseModel):
         ("presence_penalty", (None, 0)),
         ("repetition_penalty", (None, 1)),
         ("min_new_tokens", (None, 0)),
+        ("logit_bias", (None, {})),
+        ("stop_regex", (None, [], "")),
+        ("custom_params", (None, {})),
         ("json_schema", (None,)),
         ("regex", (None,)),
         ("ebnf", (None,)),
-        ("no_stop_trim", (None, False)),
-        ("skip_special_tokens", (True,)),
     )
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # undeclared fields are kept (model_extra) for request_fields
+    model_config = ConfigDict(extra="allow")
 
-    text: str | list[str] | None = None
-    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
-    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
+    text: Text | Annotated[list[Text], Batch] | None = None
+    input_ids: list[StrictInt] | Annotated[list[list[StrictInt]], Batch] | None = None
+    sampling_params: NativeSamplingParams | Annotated[list[NativeSamplingParams], Batch] | None = (
+        None
+    )
     stream: StrictBool = False
     return_logprob: StrictBool = False
     top_logprobs_num: StrictInt = 0
     return_text_in_logprobs: StrictBool = False
     logprob_start_len: StrictInt = -1
-    rid: str | list[str] | None = None
+    rid: Name | Annotated[list[Name], Batch] | None = None
 
     def prompts(self) -> tuple[list, bool]:
         """(prompts: strings or token-id lists, whether the request was a batch)."""
@@ -96,6 +121,26 @@ class GenerateRequest(BaseModel):
         return [sp or NativeSamplingParams()] * n_prompts
 
 
+def check_batch(req: GenerateRequest, prompts: list, sps: list[NativeSamplingParams]) -> None:
+    """One call admits at most MAX_BATCH_REQUESTS requests (prompts x n), checked before any is
+    tokenized; the top-level fields SGLang has and this server cannot honour are refused."""
+    name = request_fields.refused_field(
+        req.model_extra, request_fields.GENERATE_REFUSED, "/generate"
+    )
+    if name is not None:
+        raise invalid(
+            name, "is not supported by this server; leave it unset", "unsupported_parameter"
+        )
+    total = sum(max(sp.n, 1) for sp in sps)
+    if total > MAX_BATCH_REQUESTS:
+        param = "text" if req.text is not None else "input_ids"
+        raise invalid(
+            param,
+            f"{len(prompts)} prompts x n make {total} requests; at most {MAX_BATCH_REQUESTS} "
+            "per call (split the batch)",
+        )
+
+
 def check_native(req: GenerateRequest, sp: NativeSamplingParams) -> None:
     if req.logprob_start_len != -1:
         raise invalid(
@@ -114,6 +159,12 @@ def check_native(req: GenerateRequest, sp: NativeSamplingParams) -> None:
                 "is not supported by this server; leave it unset",
                 code="unsupported_parameter",
             )
+    for name in sp.model_extra or {}:
+        raise invalid(
+            f"sampling_params.{name}",
+            "is not a sampling parameter of this server (nor of SGLang's /generate)",
+            code="unsupported_parameter",
+        )
     if not 1 <= sp.n <= MAX_N:
         raise invalid("sampling_params.n", f"must be in 1..{MAX_N} (got {sp.n})")
     seed = sp.sampling_seed
@@ -168,6 +219,9 @@ def native_sampling_params(
             ddtree_budget=sp.ddtree_budget,
             logprobs=req.return_logprob,
             top_logprobs=req.top_logprobs_num if req.return_logprob else 0,
+            include_stop_str_in_output=sp.no_stop_trim,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from e

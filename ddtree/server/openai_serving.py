@@ -16,10 +16,12 @@ import dataclasses
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from ddtree.engine.request import SamplingParams
 from ddtree.server import limits, protocol
 from ddtree.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Stream
 from ddtree.server.logprob_format import chat_logprobs, completion_logprobs
@@ -29,6 +31,9 @@ DEFAULT_COMPLETION_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the context
 )
 DISCONNECT_POLL_S = 0.5
+# threads that tokenize prompts and render chat templates, off the engine thread (a long prompt
+# tokenized there stalled every stream); the tokenizer releases the GIL while it encodes
+TOKENIZE_THREADS = 2
 
 
 class SSEResponse(StreamingResponse):
@@ -76,12 +81,28 @@ def prompt_chars(body) -> int:
     return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
 
 
-def tokenize(engine, text: str, param: str) -> list[int]:
+def check_prompt_chars(chars: int, max_context: int, param: str) -> None:
+    """A prompt too long to fit the context whatever the tokenizer does is refused before it is
+    tokenized (limits.PROMPT_CHARS_PER_TOKEN)."""
+    if chars > limits.prompt_chars_limit(max_context):
+        raise APIError(
+            400,
+            f"{param}: has {chars} characters; this model's context length is {max_context} "
+            f"tokens (at most {limits.PROMPT_CHARS_PER_TOKEN} characters per token are accepted "
+            "before tokenizing)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def tokenize(engine, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
+    """On a tokenizer thread (`OpenAIServing.prepare`): the engine's tokenizer is read-only after
+    start-up, and encoding does not change it."""
     if engine.tokenizer is None:
         raise protocol.invalid(
             param, "this model has no tokenizer; send the prompt as a list of token ids"
         )
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 class Interleaved:
@@ -126,6 +147,10 @@ class OpenAIServing:
         self.algorithm = args.speculative_algorithm
         self.vocab_size = aengine.engine.runner.target.config.vocab_size
         self.max_context = aengine.engine.max_context
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "ddtree-tokenize")
+
+    def close(self) -> None:
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def ext(self, ds: list[Delta]) -> dict:
         """The `ddtree` extension over one or more choices (accept length weighted by rounds;
@@ -138,67 +163,63 @@ class OpenAIServing:
     async def start(
         self, body, prompt_of, param: str, default_max_tokens: int | None
     ) -> list[Stream]:
-        """Validate, tokenize (on the engine thread: prompt_of(engine) -> ids) and admit body.n
+        """Validate, tokenize (on a tokenizer thread: prompt_of(engine) -> ids) and admit body.n
         requests; failures are APIErrors. `model` picks nothing: the one served model answers any
         name, as in SGLang."""
         arrival = time.monotonic()  # the request's time to first token starts here
         protocol.check_supported(body)
-        chars = prompt_chars(body)
-        if chars > limits.prompt_chars_limit(self.max_context):
-            per_token = limits.PROMPT_CHARS_PER_TOKEN
-            raise APIError(
-                400,
-                f"{param}: has {chars} characters; this model's context length is "
-                f"{self.max_context} tokens (at most {per_token} characters per token "
-                "are accepted before tokenizing)",
-                param=param,
-                code="context_length_exceeded",
-            )
+        check_prompt_chars(prompt_chars(body), self.max_context, param)
 
         def prepare(e):
             ids = prompt_of(e)
             protocol.check_prompt_ids(ids, self.vocab_size, e.max_context, param)
             return ids, protocol.sampling_params(body, len(ids), e.max_context, default_max_tokens)
 
-        return await self.submit_n(prepare, body.n or 1, param, arrival)
+        ids, params = await self.prepare(prepare)
+        return await self.admit([(ids, params, body.n or 1)], param, arrival)
 
-    async def submit_n(
-        self, prepare, n: int, param: str, arrival: float | None = None
+    async def prepare(self, fn):
+        """fn(engine) on a tokenizer thread: the request's host work before admission
+        (tokenizing, rendering the chat template, checking the ids), off the engine thread, which
+        then only admits. fn reads only what is fixed after start-up (tokenizer, max_context)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenize_pool, fn, self.aengine.engine)
+
+    async def admit(
+        self, prepared: list[tuple[list[int], SamplingParams, int]], param: str, arrival: float
     ) -> list[Stream]:
-        """n independent requests for one prompt. The first admission validates and tokenizes; the
-        other n - 1 reuse its ids and params (seed + i when a seed is given) and are admitted
-        together, in one engine-thread hop."""
-        first = {}
-
-        def prepare_first(e):
-            first["out"] = prepare(e)
-            return first["out"]
-
-        def nth(i: int):
-            ids, params = first["out"]
-            if params.seed is not None:
-                params = dataclasses.replace(params, seed=params.seed + i)
-            return lambda e: (ids, params)
-
-        try:
-            streams = [await self.aengine.submit(prepare_first, arrival)]
-            results = await asyncio.gather(
-                *(self.aengine.submit(nth(i), arrival) for i in range(1, n)),
-                return_exceptions=True,
-            )
-        except EngineUnavailable as err:
-            raise unavailable(err) from err
-        except ValueError as err:  # the engine's own admission checks
-            raise APIError(400, f"{param}: {err}", param=param) from err
-        streams += [r for r in results if isinstance(r, Stream)]
+        """Admit, for each (prompt ids, params, n), n independent requests (choice i samples with
+        seed + i when a seed is given), all at once: every admission is queued before the engine
+        thread runs them, so they join between the same two steps. If one fails, none stays."""
+        jobs = []
+        for ids, params, n in prepared:
+            for i in range(n):
+                if i and params.seed is not None:
+                    jobs.append((ids, dataclasses.replace(params, seed=params.seed + i)))
+                else:
+                    jobs.append((ids, params))
+        results = await asyncio.gather(
+            *(self.aengine.submit(lambda e, job=job: job, arrival) for job in jobs),
+            return_exceptions=True,
+        )
+        streams = [r for r in results if isinstance(r, Stream)]
         failed = [r for r in results if not isinstance(r, Stream)]
-        if failed:
-            for st in streams:
-                self.aengine.abort(st.rid)
-            if isinstance(failed[0], EngineUnavailable):  # the queue filled up under the n
-                raise unavailable(failed[0])
-            raise APIError(500, f"admitting choice {len(streams)} of {n} failed: {failed[0]}")
-        return streams
+        if not failed:
+            return streams
+        for st in streams:
+            self.aengine.abort(st.rid)
+        err = failed[0]
+        if isinstance(err, APIError):
+            raise err
+        if isinstance(err, EngineUnavailable):  # dead, shutting down, or the queue is full
+            raise unavailable(err) from err
+        if isinstance(err, ValueError):  # the engine's own admission checks
+            raise APIError(400, f"{param}: {err}", param=param) from err
+        if isinstance(err, asyncio.CancelledError):
+            raise err
+        raise APIError(
+            500, f"admitting request {len(streams) + 1} of {len(jobs)} failed: {err}"
+        ) from err
 
     async def final_delta(self, st: Stream, request: Request) -> Delta:
         """All of a request's deltas joined into one; the request is aborted if the client goes away first."""
@@ -273,7 +294,7 @@ class OpenAIServing:
         prompt = protocol.completion_prompt(body)
         want_logprobs, _ = protocol.logprob_fields(body)
         ids_of = (
-            (lambda e: tokenize(e, prompt, "prompt"))
+            (lambda e: tokenize(e, prompt, "prompt", body.add_special_tokens))
             if isinstance(prompt, str)
             else (lambda e: list(prompt))
         )
@@ -327,9 +348,12 @@ class OpenAIServing:
                     "messages", "this model's tokenizer has no chat template; use /v1/completions"
                 )
             text = e.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
             )
-            return tokenize(e, text, "messages")
+            return tokenize(e, text, "messages", body.add_special_tokens)
 
         streams = await self.start(body, render, "messages", None)
         head = {

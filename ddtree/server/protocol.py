@@ -1,11 +1,15 @@
 """OpenAI request schemas, OpenAI-style error bodies, and the translation of a request into SamplingParams.
 
-Fields outside the schema are ignored, except the parameters this server cannot honour (OpenAI's,
-vLLM's and SGLang's): they are rejected with 400 naming the field when set to anything but their
-neutral value, so a client never gets unconstrained text for a constrained request. `seed` is
-honoured, `user` accepted. Sizes and value checks of every field: server/limits.py. Extensions
-beyond OpenAI: `top_k`,
-`stop_token_ids`, `ignore_eos`, `ddtree_budget` (this request's DDTree budget; values above the server's
+Parameters this server cannot honour (OpenAI's, vLLM's and SGLang's) are rejected with 400 naming
+the field when set to anything but their neutral value, so a client never gets unconstrained text
+for a constrained request: the declared ones below (UNSUPPORTED), the rest in
+server/request_fields.py, which also says what happens to a field nobody knows (ignored, with a
+warning). `seed` is honoured, `user` accepted. Sizes and value checks of every field:
+server/limits.py. Extensions beyond OpenAI (vLLM's and SGLang's names): `top_k`,
+`stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` (SGLang: `no_stop_trim`),
+`skip_special_tokens`, `spaces_between_special_tokens`, `add_special_tokens` (default false: the
+prompt is tokenized as given), chat's `add_generation_prompt` and `continue_final_message`, and
+`ddtree_budget` (this request's DDTree budget; values above the server's
 `--speculative-ddtree-budget` are capped at it).
 
 `logprobs` (completions: an int, the top-k per position; chat: a bool, with `top_logprobs`) report
@@ -23,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
 from ddtree.engine.request import SamplingParams
+from ddtree.server import request_fields
 from ddtree.server.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
@@ -69,10 +74,12 @@ def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM / SGLang: usage in every chunk (refused)
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # undeclared fields are kept (model_extra) for request_fields.check_extra
+    model_config = ConfigDict(extra="allow")
 
     model: Name | None = None
     max_tokens: StrictInt | None = None
@@ -83,6 +90,11 @@ class _SamplingFields(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    no_stop_trim: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool = False
     ddtree_budget: StrictInt | None = None
     n: StrictInt | None = 1
     stream: StrictBool = False
@@ -143,6 +155,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     tools: list | None = None
@@ -190,6 +204,25 @@ def check_supported(req: _SamplingFields) -> None:
                 "is not supported by this server; leave it unset",
                 code="unsupported_parameter",
             )
+    chat = isinstance(req, ChatCompletionRequest)
+    refused = request_fields.CHAT_REFUSED if chat else request_fields.SAMPLING_REFUSED
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    name = request_fields.refused_field(req.model_extra, refused, route)
+    if name is not None:
+        raise invalid(
+            name, "is not supported by this server; leave it unset", "unsupported_parameter"
+        )
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise invalid(
+            "stream_options.continuous_usage_stats",
+            "is not supported by this server; use include_usage (one usage chunk at the end)",
+            code="unsupported_parameter",
+        )
+    if chat and req.add_generation_prompt and req.continue_final_message:
+        raise invalid(
+            "continue_final_message",
+            "cannot be used with add_generation_prompt: true (set it to false)",
+        )
 
 
 def logprob_fields(req: _SamplingFields) -> tuple[bool, int]:
@@ -305,6 +338,9 @@ def sampling_params(
             ddtree_budget=req.ddtree_budget,
             logprobs=want_logprobs,
             top_logprobs=top_logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from e

@@ -11,6 +11,7 @@ USAGE_PATHS = "give OUT_DIR (the embedded pair is the source) or SRC_TARGET SRC_
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="ddtree inflate",
         description="Widen a trained small (target, DFlash drafter) pair to a production shape "
         "with the same "

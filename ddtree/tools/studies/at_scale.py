@@ -34,7 +34,9 @@ PARTS = ("rounds", "serving", "tau")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddtree bench at-scale", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="ddtree bench at-scale", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument(
         "--shape",
         default="qwen3-8b",

@@ -37,7 +37,9 @@ VARIANTS = {
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m ddtree.tools.studies.at_scale_precision")
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python3 -m ddtree.tools.studies.at_scale_precision"
+    )
     p.add_argument("--shape", default="qwen3-8b", help="inflation shape (name or config.json)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=96, help="reference continuation length")

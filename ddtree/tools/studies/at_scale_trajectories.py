@@ -19,7 +19,9 @@ import torch
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m ddtree.tools.studies.at_scale_trajectories")
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python3 -m ddtree.tools.studies.at_scale_trajectories"
+    )
     p.add_argument("--shape", required=True, help="inflation shape (name or config.json)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=96)

@@ -199,7 +199,7 @@ def interpreter_env() -> dict[str, str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--algorithm", default="both", choices=["NONE", "DFLASH", "DDTREE", "both"])
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument(

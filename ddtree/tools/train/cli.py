@@ -38,10 +38,12 @@ def _dtype(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddtree")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="ddtree")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
-        "train-target", help="pretrain a small Qwen3 target from scratch (HF format out)"
+        "train-target",
+        allow_abbrev=False,
+        help="pretrain a small Qwen3 target from scratch (HF format out)",
     )
     t.add_argument(
         "--corpus",
@@ -73,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(t, steps=2000, lr=3e-3, batch=32)
 
     d = sub.add_parser(
-        "train-drafter", help="train a DFlash drafter for a target (z-lab format out)"
+        "train-drafter",
+        allow_abbrev=False,
+        help="train a DFlash drafter for a target (z-lab format out)",
     )
     d.add_argument("--model-path", required=True, help="target model directory")
     d.add_argument(
