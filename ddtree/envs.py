@@ -56,14 +56,6 @@ NO_PDL = EnvVar(
     "1: our Triton kernels (the decoder layer's fused kernels, the GDN kernels, the split-KV "
     "merge) launch as ordinary kernels, not programmatic dependents (PDL, kernels/pdl.py)",
 )
-ATTENTION_WIDE_TILES = EnvVar(
-    "DDTREE_ATTENTION_WIDE_TILES",
-    "auto",
-    "the Triton tree-attention kernel's tiles at head dims > 128 (the hybrid targets' gated "
-    "attention): auto (tuning.default_config), or BLOCK_M,BLOCK_N,WARPS,STAGES for tree / chain / "
-    "block rows, optionally ;BLOCK_M,BLOCK_N,WARPS,STAGES for decode rows (<= 16); timed by bench/"
-    "gpu_tree_attention.py --shape qwen3.6-27b",
-)
 FORCE_REFERENCE_KERNELS = EnvVar(
     "DDTREE_FORCE_REFERENCE_KERNELS",
     "",
@@ -87,67 +79,11 @@ FORCE_REFERENCE_GDN = EnvVar(
     "",
     "1: every Gated DeltaNet op runs the PyTorch reference (not fla, not our Triton kernels)",
 )
-GDN_TREE_CHUNK = EnvVar(
-    "DDTREE_GDN_TREE_CHUNK",
-    "auto",
-    "the chunk-form GDN tree verify (no_buffer): auto = on CUDA, 1 = everywhere (CPU tests), "
-    "torch = everywhere as the PyTorch form (the Triton kernel's reference), 0 = never; the "
-    "Triton kernel runs where our Triton kernels do and the tree has <= 65 nodes",
-)
-GDN_COMMIT_KERNEL = EnvVar(
-    "DDTREE_GDN_COMMIT_KERNEL",
-    "1",
-    "no_buffer commit: 1 = the in-place replay kernel (kernels/gdn/commit_triton.py) where our "
-    "Triton kernels run; 0 = gathers + fla's fused recurrent / the reference + index_put",
-)
-GDN_DECODE_KERNEL = EnvVar(
-    "DDTREE_GDN_DECODE_KERNEL",
-    "1",
-    "one-node rounds (AR, auto's width-1 rounds): 1 = the GDN conv and rule step the committed "
-    "state rows in place at verify (kernels/gdn/decode_triton.py + the in-place tree conv where "
-    "our Triton kernels run, the PyTorch step elsewhere) and the round's commit leaves the GDN "
-    "state alone; 0 = the tree verify (stash) + commit, as wider trees",
-)
-GDN_TREE_CHUNK_FORM = EnvVar(
-    "DDTREE_GDN_TREE_CHUNK_FORM",
-    "split",
-    "the chunk-form GDN tree kernel's launches: split = the solve once per head, then the "
-    "outputs per column tile (tree_chunk_split_triton); one = both in one launch per column tile",
-)
-GDN_TREE_CHUNK_BV = EnvVar(
-    "DDTREE_GDN_TREE_CHUNK_BV",
-    "auto",
-    "the chunk-form GDN tree kernel's value-column tile (programs per head = dv / BV): auto, 16, "
-    "32, 64 or 128",
-)
-GDN_TREE_CHUNK_PRECISION = EnvVar(
-    "DDTREE_GDN_TREE_CHUNK_PRECISION",
-    "auto",
-    "the chunk-form GDN tree kernel's fp32 dot precision: auto (tf32 for 16-bit inputs, as fla's "
-    "chunk kernels; tf32x3 for fp32), tf32x3 (~fp32), tf32 (10-bit mantissa inputs) or ieee (no "
-    "tensor cores)",
-)
-GDN_TREE_PREFETCH = EnvVar(
-    "DDTREE_GDN_TREE_PREFETCH",
+GDN_TREE_GATE_LAUNCH = EnvVar(
+    "DDTREE_GDN_TREE_GATE_LAUNCH",
     "",
-    "1: the tree GDN kernel issues node i + 1's loads before node i's math (same arithmetic)",
-)
-GDN_TREE_BV = EnvVar(
-    "DDTREE_GDN_TREE_BV",
-    "auto",
-    "the tree GDN kernel's state column tile (programs per head = dv / BV): auto, or a power of "
-    "two 4..128",
-)
-GDN_TREE_WARPS = EnvVar(
-    "DDTREE_GDN_TREE_WARPS",
-    "4",
-    "warps per program of the tree GDN kernel: 1, 2, 4 or 8 (1: its reductions stay in one warp)",
-)
-GDN_STASH_DTYPE = EnvVar(
-    "DDTREE_GDN_STASH_DTYPE",
-    "",
-    "extra_buffer's per-node GDN state stash: unset = --mamba-ssm-dtype; bfloat16 = written by the "
-    "tree kernel in bf16 (half the bytes; children read rounded parent states)",
+    "1: the no_buffer tree verify as before issue 43, for its A/B (scripts/device/tree_cost.sh): "
+    "g / beta from the separate gating launch, the chunk kernel's outputs loading after its solve",
 )
 CACHE = EnvVar(
     "DDTREE_CACHE", "", "directory for the embedded / toy model pairs (unset: ~/.cache/ddtree)"
@@ -205,21 +141,11 @@ TABLE: dict[str, EnvVar] = {
         FORCE_REFERENCE_ATTENTION,
         NO_HOPPER_ATTENTION,
         NO_PDL,
-        ATTENTION_WIDE_TILES,
         FORCE_REFERENCE_KERNELS,
         FORCE_REFERENCE_TREE_BUILD,
         FUSED_KERNELS_INTERPRET,
         FORCE_REFERENCE_GDN,
-        GDN_TREE_CHUNK,
-        GDN_COMMIT_KERNEL,
-        GDN_DECODE_KERNEL,
-        GDN_TREE_CHUNK_FORM,
-        GDN_TREE_CHUNK_BV,
-        GDN_TREE_CHUNK_PRECISION,
-        GDN_TREE_PREFETCH,
-        GDN_TREE_BV,
-        GDN_TREE_WARPS,
-        GDN_STASH_DTYPE,
+        GDN_TREE_GATE_LAUNCH,
         CACHE,
         BUDGET_PROFILE_DIR,
         PEER_CHECKOUT,

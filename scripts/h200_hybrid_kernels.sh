@@ -27,11 +27,7 @@ if [ "${BEFORE:-0}" = 1 ] && [ -d .old/ddtree ]; then
     "${PROFILE[@]}" --cases NONE:0:1,DFLASH:0:1,DDTREE:64:1 2>&1 | tail -40) \
     | tee "$OUT/profile_before.log" || status=1
 fi
-S=DDTREE_GDN_STASH_DTYPE=bfloat16
-CASES=NONE:0:1,DFLASH:0:1,DDTREE:64:1
-CASES+=,DDTREE:64:1@DDTREE_GDN_TREE_PREFETCH=1,DDTREE:64:1@DDTREE_GDN_TREE_WARPS=1
-CASES+=,DDTREE:64:1@DDTREE_GDN_TREE_BV=8+DDTREE_GDN_TREE_WARPS=1+DDTREE_GDN_TREE_PREFETCH=1
-CASES+=,DDTREE:64:1@$S,DDTREE:64:8:no_buffer,DDTREE:64:8@$S,DDTREE:64:1::16384
+CASES=NONE:0:1,DFLASH:0:1,DDTREE:64:1,DDTREE:64:8:no_buffer,DDTREE:64:1::16384
 timeout 280 python3 studies/gpu_profile_round.py "${PROFILE[@]}" --cases "$CASES" 2>&1 \
   | tee "$OUT/profile.log" || status=1
 exit $status

@@ -14,10 +14,10 @@ Qwen3.6-27B-shaped GDN layer (config: Hk=16, Hv=48, dk=dv=128, conv kernel 4; 48
     state, and the full verify + commit per layer for both strategies (with (b)'s verify times).
 (d) fla chunk (prefill: varlen, initial states) and fused recurrent (decode, continuing from the chunk's final
     state) vs the reference: rel err and time.
-(e) the no_buffer verify's Triton kernel, both forms (tree_chunk_split_triton: solve + outputs;
-    tree_chunk_triton: one launch) vs the PyTorch chunk form vs the extra_buffer recurrence, B=64,
-    batch 1 / 8, bushy tree, chain and flat (depth 1): CUDA graph us per layer, each form's launch
-    options swept, rel err vs the reference (`--only e`: about two minutes).
+(e) the no_buffer verify's Triton kernel (tree_chunk_triton: the solve, then the outputs) vs the
+    PyTorch chunk form vs the extra_buffer recurrence, B=64,
+    batch 1 / 8, bushy tree, chain and flat (depth 1): CUDA graph us per layer, launch options
+    swept, rel err vs the reference (`--only e`: about two minutes).
 Timing only: the pass / fail checks are tests/gpu (python3 -m pytest -m gpu tests/gpu): test_gdn_gpu.py for
 (a)-(d), test_hybrid_graphs_gpu.py for the former (e) (the toy hybrid pair end to end, graphs vs eager and
 vs AR). The exit code is 1 only if a section crashed or was skipped.
@@ -132,14 +132,12 @@ def section_b(gen):
             (32, 8),
             (64, 8),
         )
-        # prefetch: node i + 1's loads issued before node i's math; bf16: the node-state stash in
-        # bf16 (DDTREE_GDN_STASH_DTYPE=bfloat16)
-        variants = [(c, False, "fp32") for c in sweep] + [(c, True, "fp32") for c in sweep[:6]]
-        variants += [(c, pf, "bf16") for c in sweep[:6] for pf in (False, True)]
-        for (bv, nw), pf, sd in variants:
+        # bf16: a bf16 node-state buffer (children re-read rounded parents)
+        variants = [(c, "fp32") for c in sweep] + [(c, "bf16") for c in sweep[:6]]
+        for (bv, nw), sd in variants:
             buf = bufs[sd]
 
-            def fn(bv=bv, nw=nw, pf=pf, buf=buf):
+            def fn(bv=bv, nw=nw, buf=buf):
                 tree_gated_delta_rule_triton(
                     q,
                     k,
@@ -152,7 +150,6 @@ def section_b(gen):
                     node_states=buf,
                     block_v=bv,
                     num_warps=nw,
-                    prefetch=pf,
                 )
 
             try:
@@ -165,12 +162,11 @@ def section_b(gen):
                 f"b={b}",
                 f"block_v={bv or 'auto'}",
                 f"warps={nw}",
-                f"prefetch={int(pf)}",
                 f"stash={sd}",
                 f"{t:8.1f} us",
                 f"node-state write {buf.numel() * buf.element_size() / t / 1e6:.2f} TB/s",
             )
-            rec_sweep.append(dict(bv=bv, warps=nw, prefetch=pf, stash=sd, us=t))
+            rec_sweep.append(dict(bv=bv, warps=nw, stash=sd, us=t))
         ref = (
             time_eager(
                 lambda: reference.tree_gated_delta_rule(
@@ -241,11 +237,8 @@ def section_e(gen):
     """The no_buffer verify's Triton kernel vs the PyTorch chunk form vs the extra_buffer recurrence
     (which also writes every node's fp32 state), one layer, B=64, CUDA graphs; the kernel's launch
     options swept (tile columns, dk chunk, warps, dot precision)."""
-    from ddtree.kernels.gdn.tree_chunk_split_triton import tree_chunk_split_triton
     from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
     from ddtree.speculative.tree import DraftTree
-
-    forms = {"split": tree_chunk_split_triton, "one": tree_chunk_triton}
 
     print(
         "(e) no_buffer tree verify, B=64 (65 nodes), one GDN layer, CUDA graph us: the chunk kernel"
@@ -281,35 +274,33 @@ def section_e(gen):
                 f"recurrence {rec['recurrence_us']:8.1f}",
                 f"torch chunk {rec['torch_chunk_us']:8.1f}",
             )
-            # the defaults first (split: the dispatch's default form), then each form's options
-            sweep = [("split", None, None, None, "auto"), ("one", None, 16, None, "auto")]
-            sweep += [("split", bv, 32, 4, "tf32x3") for bv in (16, 64)]
-            sweep += [("split", 32, 64, 4, "tf32x3"), ("split", 32, 32, 8, "tf32x3")]
-            sweep += [("split", 32, 32, 4, "tf32"), ("one", 32, 16, 8, "tf32")]
-            if kind == "flat":  # the random-weight pairs' trees: the defaults only
-                sweep = sweep[:2]
-            for form, bv, bk, nw, prec in sweep:
+            # the default first, then launch options (studies/gdn_tree_chunk_compile_report.py
+            # --variants: which of them spill)
+            sweep = [(None, None, None, "auto"), (16, 32, 4, "auto"), (64, 32, 8, "auto")]
+            sweep += [(32, 32, 8, "auto"), (32, 32, 4, "tf32x3")]
+            if kind == "flat":  # the random-weight pairs' trees: the default only
+                sweep = sweep[:1]
+            for bv, bk, nw, prec in sweep:
                 kw = dict(block_v=bv, block_k=bk, num_warps=nw, precision=prec)
 
-                def fn(kw=kw, form=form):
-                    return forms[form](q, k, v, g, beta, depths, s0, mask, **kw)
+                def fn(kw=kw):
+                    return tree_chunk_triton(q, k, v, g, beta, depths, s0, mask, **kw)
 
                 try:
                     err = rel(fn(), ro)
                     t = time_graph(fn, reps=20) * 1e6
                 except Exception as e:  # noqa: BLE001 - an option that does not compile is skipped
-                    row(f"b={b} {kind}", form, str(kw), f"failed: {type(e).__name__}: {e}"[:160])
+                    row(f"b={b} {kind}", str(kw), f"failed: {type(e).__name__}: {e}"[:160])
                     continue
-                row(f"b={b} {kind}", f"{form:5s} {kw}", f"{t:8.1f} us", f"rel err {err:.1e}")
-                rec["sweep"].append(dict(kw, form=form, us=t, err=err))
+                row(f"b={b} {kind}", f"{kw}", f"{t:8.1f} us", f"rel err {err:.1e}")
+                rec["sweep"].append(dict(kw, us=t, err=err))
             if rec["sweep"]:
                 best = min(rec["sweep"], key=lambda r: r["us"])
                 rec["kernel_default_us"] = rec["sweep"][0]["us"]
-                one = [r["us"] for r in rec["sweep"] if r["form"] == "one"][:1]
                 row(
                     f"b={b} {kind}",
-                    f"kernel default {rec['kernel_default_us']:.1f} us (one launch "
-                    f"{one[0] if one else float('nan'):.1f}), best {best['us']:.1f} us ({best})",
+                    f"kernel default {rec['kernel_default_us']:.1f} us, best {best['us']:.1f} us "
+                    f"({best})",
                     f"x48 layers: {48 * rec['kernel_default_us'] / 1e3:.2f} ms vs torch chunk "
                     f"{48 * rec['torch_chunk_us'] / 1e3:.2f} ms vs recurrence "
                     f"{48 * rec['recurrence_us'] / 1e3:.2f} ms",
@@ -384,8 +375,9 @@ def section_c_rule(gen):
             last = torch.full((N,), acc, device=DEV)
             want = reference.replay_path(q, k, v, g, beta, path, s0)
 
-            def by_replay():
-                return dispatch.replay(q, k, v, g, beta, path, s0)
+            def by_replay():  # fla's fused recurrent where installed
+                ins = reference.path_inputs(q, k, v, g, beta, path)
+                return dispatch.recurrent_rule(*ins, s0, op="replay")[1]
 
             def by_formula():
                 return tree_chunk_gated_delta_rule(

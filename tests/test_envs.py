@@ -1,5 +1,6 @@
 """The environment switches: every `DDTREE_*` name in the code, tests, bench/ and docs is in
-`envs.TABLE`, and only ddtree/envs.py reads one from `os.environ`."""
+`envs.TABLE` (the history pages, docs/history and docs/results, keep the names of switches that are
+gone), and only ddtree/envs.py reads one from `os.environ`."""
 
 import io
 import os
@@ -17,10 +18,14 @@ NAME = re.compile(r"(?<![A-Za-z0-9_$])\$?(DDTREE_[A-Z0-9_]+)")
 RAW_READ = re.compile(r"(environ\.get\(|environ\[|getenv\()\s*[\"']DDTREE_")
 
 
+HISTORY = tuple(os.path.join(ROOT, "docs", d) for d in ("history", "results"))
+
+
 def _files(exts):
     for top in ("ddtree", "tests", "studies", "docs"):
         for d, _, names in os.walk(os.path.join(ROOT, top)):
-            yield from (os.path.join(d, n) for n in names if n.endswith(exts))
+            if not d.startswith(HISTORY):
+                yield from (os.path.join(d, n) for n in names if n.endswith(exts))
     yield os.path.join(ROOT, "README.md")
 
 
@@ -77,5 +82,5 @@ def test_flag_values(monkeypatch, value, want):
     monkeypatch.setenv(envs.NO_PDL.name, value)
     assert envs.NO_PDL.on() is want
     monkeypatch.delenv(envs.NO_PDL.name)
-    assert envs.NO_PDL.on() is False and envs.GDN_TREE_CHUNK.get() == "auto"
+    assert envs.NO_PDL.on() is False and envs.ROUND_CLOCK.get() == "1"
     assert all(v.help for v in envs.TABLE.values()) and "DDTREE_NO_PDL=<unset>" in envs.describe()

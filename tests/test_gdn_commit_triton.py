@@ -1,7 +1,7 @@
 """no_buffer's in-place commit kernel (ddtree/kernels/gdn/commit_triton.py) against the pool's reference
-commit (gathers + replay + index_put, `DDTREE_GDN_COMMIT_KERNEL=0`): every layer, ragged accept lengths
+commit (gathers + replay + index_put, where our kernels do not run): every layer, ragged accept lengths
 (the root alone up to past the conv window), GQA, a dv of a partial tile, conv windows of 1 and 3, a bf16
-state pool, slots in any order with rows no request owns untouched, garbage past each path; the switch;
+state pool, slots in any order with rows no request owns untouched, garbage past each path; the dispatch;
 and the hybrid engine (no_buffer DDTREE) token-identical to AR with the kernel in the loop. Without a GPU
 the kernel runs in Triton's CPU interpreter."""
 
@@ -50,7 +50,7 @@ def test_matches_the_reference_commit(geo, ssm_dtype, monkeypatch):
     path = torch.tensor([[0, 2, 5, 6, 9, 9], [0, -7, 3, 3, 3, 3], [0, 1, 2, 3, 4, 6]], device=DEV)
     acc = torch.tensor([2, 0, 5], device=DEV)
     want, got, before = (_pool(geo, ssm_dtype, seed=1) for _ in range(3))
-    monkeypatch.setenv(envs.GDN_COMMIT_KERNEL.name, "0")
+    monkeypatch.setenv(envs.FORCE_REFERENCE_GDN.name, "1")  # the pool's reference commit
     want.commit(slots, path.clamp(min=0), acc)
     _commit(got, slots, path, acc)
     tol = 1e-5 if ssm_dtype == "float32" else 1e-2
@@ -65,22 +65,16 @@ def test_matches_the_reference_commit(geo, ssm_dtype, monkeypatch):
 
 
 @cpu_interpreter_only
-def test_switch_and_dispatch(monkeypatch):
+def test_dispatch(monkeypatch):
+    """The kernel where our Triton kernels run, the reference under DDTREE_FORCE_REFERENCE_GDN."""
     geo = GDNGeometry(num_layers=2, hk=1, dk=16, hv=2, dv=16, kernel=4)
     slots, path, acc = torch.tensor([1]), torch.tensor([[0, 1, 2]]), torch.tensor([2])
     monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, "1")
-    monkeypatch.delenv(backend.FORCE_ENV, raising=False)
-    for flag, want in (("1", {("commit", "triton"): 1}), ("0", {("replay", "reference"): 1})):
-        monkeypatch.setenv(envs.GDN_COMMIT_KERNEL.name, flag)
+    for force, want in (("", {("commit", "triton"): 1}), ("1", {("replay", "reference"): 1})):
+        monkeypatch.setenv(backend.FORCE_ENV, force)
         backend.ran.clear()
         _pool(geo, "float32", 0).commit(slots, path, acc)
-        assert dict(backend.ran) == want, (flag, backend.ran)
-    monkeypatch.setenv(backend.FORCE_ENV, "1")  # the reference switch wins
-    monkeypatch.setenv(envs.GDN_COMMIT_KERNEL.name, "1")
-    assert not backend.commit_kernel(torch.empty(0))
-    monkeypatch.setenv(envs.GDN_COMMIT_KERNEL.name, "yes")
-    with pytest.raises(ValueError, match=envs.GDN_COMMIT_KERNEL.name):
-        backend.check_switches()
+        assert dict(backend.ran) == want, (force, backend.ran)
 
 
 @cpu_interpreter_only
@@ -89,23 +83,20 @@ def test_switch_and_dispatch(monkeypatch):
 def test_hybrid_no_buffer_lossless_with_the_commit_kernel(
     toy_hybrid_pair, monkeypatch, algorithm, chunk
 ):
-    """The commit kernel in the interpreter (with chunk: the split verify kernel too, CUDA's
-    no_buffer pair of kernels; the rest on the references), 2 requests, T=0 == AR."""
+    """The commit kernel in the interpreter (with chunk: the verify kernel too, CUDA's no_buffer
+    pair of kernels; the rest on the references), 2 requests, T=0 == AR."""
     from engine_utils import accepted_prompts, mean_accept, run
 
     from ddtree import SamplingParams
-    from ddtree.kernels.gdn import dispatch, tree_chunk_triton
+    from ddtree.kernels.gdn import dispatch
 
     prompts = accepted_prompts(2)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ar = [o.token_ids for o in run(toy_hybrid_pair, prompts, params)]
     monkeypatch.setattr(state_pool, "commit_kernel", lambda t: True)
     if chunk:
-        monkeypatch.setenv(backend.TREE_CHUNK_ENV, "1")
         monkeypatch.delenv(backend.FORCE_ENV, raising=False)
-        monkeypatch.setattr(
-            dispatch, "tree_chunk_kernel", lambda t, n: tree_chunk_triton.supported(n)
-        )
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
     backend.ran.clear()
     kw = dict(speculative_ddtree_budget=16) if algorithm == "DDTREE" else {}
     outs = run(

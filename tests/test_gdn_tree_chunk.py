@@ -1,12 +1,13 @@
 """The chunk-form tree rule (ddtree/kernels/gdn/tree_chunk.py) against the per-node tree reference: outputs
 and the post-state of a chosen node (the commit without per-node states) on chains, bushy and random trees
-(depth up to 15, up to 65 nodes, requests with different trees and padding); its dispatch switch; and the
-hybrid engine's no_buffer strategy staying lossless with the chunk form forced on the CPU."""
+(depth up to 15, up to 65 nodes, requests with different trees and padding); the dispatch off our kernels;
+and the hybrid engine's no_buffer strategy staying lossless with the chunk form in the loop on the CPU."""
 
 import pytest
 import torch
 from test_gdn_reference import chain, pad_trees, rel, rule_inputs
 
+from ddtree.engine import state_contexts
 from ddtree.kernels.gdn import backend, dispatch
 from ddtree.kernels.gdn.reference import replay_path, tree_gated_delta_rule
 from ddtree.kernels.gdn.tree_chunk import tree_ancestor_mask, tree_chunk_gated_delta_rule
@@ -108,36 +109,46 @@ def test_ancestor_mask():
         assert M[i].nonzero().flatten().tolist() == anc
 
 
-def test_dispatch_switch(monkeypatch):
+def test_dispatch_off_the_kernels_is_the_reference(monkeypatch):
+    """Where our Triton kernels do not run (this CPU, not interpreting) every tree verify takes the
+    reference, node states or not; the chunk form is only the kernel's reference (tests)."""
     ins, parents, depths, S0 = case([([-1, 0, 0, 1], [0, 1, 1, 2]), ([-1, 0], [0, 1])], seed=3)
     ref, _ = tree_gated_delta_rule(*ins, parents, depths, S0)
     monkeypatch.delenv(backend.FORCE_ENV, raising=False)
-    monkeypatch.delenv("DDTREE_FUSED_KERNELS_INTERPRET", raising=False)  # CPU: the PyTorch form
-    for mode, want in (
-        ("auto", "reference"),
-        ("0", "reference"),
-        ("1", "chunk_torch"),
-        ("torch", "chunk_torch"),
-    ):
-        monkeypatch.setenv(backend.TREE_CHUNK_ENV, mode)
+    monkeypatch.delenv("DDTREE_FUSED_KERNELS_INTERPRET", raising=False)
+    for states in (False, True):
         backend.ran.clear()
-        o, st = dispatch.tree_rule(*ins, parents, depths, S0, max_depth=2)
-        assert st is None and rel(o, ref) < TOL and backend.ran == {("tree", want): 1}
-        assert backend.describe("cpu")["tree_no_states"] == want
-    backend.ran.clear()  # node states wanted (extra_buffer): never the chunk form
-    _, st = dispatch.tree_rule(*ins, parents, depths, S0, return_node_states=True)
-    assert st is not None and backend.ran == {("tree", "reference"): 1}
-    monkeypatch.setenv(backend.FORCE_ENV, "1")
-    assert not backend.use_tree_chunk(torch.empty(0))
+        o, st = dispatch.tree_rule(*ins, parents, depths, S0, return_node_states=states)
+        assert (st is not None) == states and rel(o, ref) < TOL
+        assert backend.ran == {("tree", "reference"): 1}
+    assert backend.describe("cpu")["tree_no_states"] == "reference"
 
 
 @pytest.fixture
 def chunk_forced(monkeypatch):
-    monkeypatch.setenv(backend.TREE_CHUNK_ENV, "1")
-    monkeypatch.delenv(backend.FORCE_ENV, raising=False)
-    backend.ran.clear()
+    """The no_buffer verify through the PyTorch chunk form (the kernel's reference) in the engine:
+    its algebra, lossless end to end on the CPU at any budget (the kernel's block stops at 65)."""
+    from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule
+
+    calls = []
+
+    def chunk_rule(q, k, v, g, beta, parents, depths, initial_state, return_node_states=False,
+                   valid=None, max_depth=None, node_states=None, initial_rows=None, state_rows=None,
+                   tree_mask=None, stash=None, gate=None):  # fmt: skip
+        assert not return_node_states and node_states is None  # no_buffer
+        if gate is not None:
+            g, beta = (t.view(*v.shape[:2], -1) for t in gate.values())
+        dispatch._write_stash(stash, g, beta)
+        calls.append(1)
+        o = tree_chunk_gated_delta_rule(
+            q, k, v, g, beta, parents, depths, initial_state, valid, max_depth, initial_rows,
+            mask=tree_mask,
+        )[0]  # fmt: skip
+        return o, None
+
+    monkeypatch.setattr(state_contexts, "tree_rule", chunk_rule)
     yield
-    assert backend.ran[("tree", "chunk_torch")] > 0 and backend.ran[("tree", "reference")] == 0
+    assert calls
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,12 @@
-"""One-node rounds stepping the GDN state in place (`HybridStatePool.in_place`,
-DDTREE_GDN_DECODE_KERNEL) through the real engine on the toy hybrid pair (fp32, CPU): NONE at T=0
-gives the same tokens with the switch on as off (the tree verify + stash + commit), under both
-strategies, batch 1 and 4; on, no stash row is ever written and no state commit runs (the verify
-already left the root's state). On the padded static graph path (capture off) the verify steps
-exactly the live rows (+ the scratch row for padded ones) and the commit writes no state at all.
-With our Triton kernels in the interpreter (the GPU's sequence: the in-place conv and the decode
-kernel) the engine's tokens equal the tree path's on the same kernels. A commit that still ran
-after an in-place verify (the state stepped twice) is caught: a NONE server stepping in place
-keeps no stash (and plans none)."""
+"""One-node rounds stepping the GDN state in place (`HybridStatePool.in_place`) through the real
+engine on the toy hybrid pair (fp32, CPU): NONE at T=0 gives DFLASH's tokens (its one-token root
+goes through the tree verify + stash + commit), under both strategies, batch 1 and 4; no stash row
+is ever written and no state commit runs (the verify already left the root's state). On the padded
+static graph path (capture off) the verify steps exactly the live rows (+ the scratch row for
+padded ones) and the commit writes no state at all. With our Triton kernels in the interpreter (the
+GPU's sequence: the in-place conv and the decode kernel) the engine's tokens equal the references'.
+A commit that still ran after an in-place verify (the state stepped twice) is caught: a NONE server
+stepping in place keeps no stash (and plans none)."""
 
 import pytest
 import torch
@@ -25,10 +24,8 @@ RAGGED = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _generate(pair, strategy, flag, monkeypatch, prompts=PROMPTS, params=GREEDY, graphs=False):
-    monkeypatch.setenv(envs.GDN_DECODE_KERNEL.name, flag)  # read once, when the pool is built
-    llm = make_llm(pair, "NONE", mamba_scheduler_strategy=strategy, max_running_requests=4)
-    assert llm.engine.runner.state_pool.decode_in_place == (flag == "1")
+def _generate(pair, strategy, prompts=PROMPTS, params=GREEDY, graphs=False, algorithm="NONE"):
+    llm = make_llm(pair, algorithm, mamba_scheduler_strategy=strategy, max_running_requests=4)
     if graphs:
         attach_uncaptured(llm.engine, max_bs=4)
     backend.ran.clear()
@@ -37,12 +34,12 @@ def _generate(pair, strategy, flag, monkeypatch, prompts=PROMPTS, params=GREEDY,
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_ar_in_place_equals_the_tree_path(toy_hybrid_pair, monkeypatch, strategy, batch):
+def test_ar_in_place_equals_the_tree_path(toy_hybrid_pair, strategy, batch):
     prompts = PROMPTS[:batch]
-    _, off = _generate(toy_hybrid_pair, strategy, "0", monkeypatch, prompts)
-    assert backend.ran[("tree", "reference")] and not backend.ran[("decode_step", "reference")]
-    llm, on = _generate(toy_hybrid_pair, strategy, "1", monkeypatch, prompts)
-    assert on == off and all(len(t) == GREEDY.max_tokens for t in on)
+    dflash, tree = _generate(toy_hybrid_pair, strategy, prompts, algorithm="DFLASH")
+    assert backend.ran[("tree", "reference")]
+    llm, on = _generate(toy_hybrid_pair, strategy, prompts)
+    assert on == tree and all(len(t) == GREEDY.max_tokens for t in on)
     ran = set(backend.ran)
     assert ("decode_step", "reference") in ran and not any(op == "tree" for op, _ in ran)
     assert not any(op in ("replay", "commit") for op, _ in ran)  # no_buffer's replay: none
@@ -54,9 +51,8 @@ def test_ar_in_place_equals_the_tree_path(toy_hybrid_pair, monkeypatch, strategy
     assert pool.stash and all(t.shape[2] == 0 for t in pool.stash.values())
     geo = GDNGeometry.from_config(llm.engine.runner.target.config)
     assert pool.stash_bytes == 0 == geo.stash_bytes(1, strategy, "float32", "float32")
-    off = _generate(toy_hybrid_pair, strategy, "0", monkeypatch, prompts[:1])[0]
-    assert off.engine.runner.state_pool.stash_bytes > 0  # the tree path's one-node stash
-    assert geo.stash_bytes(1, strategy, "float32", "float32") > 0
+    assert dflash.engine.runner.state_pool.stash_bytes > 0  # the tree path's stash
+    assert geo.stash_bytes(16, strategy, "float32", "float32") > 0
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -71,7 +67,7 @@ def test_a_commit_after_the_in_place_verify_is_caught(toy_hybrid_pair, monkeypat
         HybridStatePool, "commit", lambda self, s, p, a, nodes=None: commit(self, s, p, a)
     )
     with pytest.raises(IndexError):
-        _generate(toy_hybrid_pair, strategy, "1", monkeypatch)
+        _generate(toy_hybrid_pair, strategy)
 
 
 def _tensors(pool):
@@ -89,8 +85,7 @@ def _changed_rows(before, after) -> set[int]:
 def test_graph_path_steps_live_rows_at_verify_and_commits_no_state(
     toy_hybrid_pair, monkeypatch, strategy
 ):
-    _, want = _generate(toy_hybrid_pair, strategy, "0", monkeypatch, params=RAGGED)
-    monkeypatch.setenv(envs.GDN_DECODE_KERNEL.name, "1")
+    _, want = _generate(toy_hybrid_pair, strategy, params=RAGGED)
     llm = make_llm(toy_hybrid_pair, "NONE", mamba_scheduler_strategy=strategy)
     g = attach_uncaptured(llm.engine, max_bs=4)
     pool = llm.engine.runner.state_pool
@@ -126,24 +121,17 @@ def test_graph_path_steps_live_rows_at_verify_and_commits_no_state(
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_kernels_in_the_engine_loop(toy_hybrid_pair, monkeypatch, strategy):
     """Every kernel of the GPU's round in the interpreter (graph path, capture off): the in-place
-    conv and the decode kernel give the tree path's tokens on the same kernels."""
+    conv and the decode kernel give the references' tokens."""
     if not envs.TRITON_INTERPRET.on():
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py)")
+    prompts, params = PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    _, want = _generate(toy_hybrid_pair, strategy, prompts, params, graphs=True)
     monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, "1")
     monkeypatch.delenv(envs.FORCE_REFERENCE_GDN.name, raising=False)
-    prompts, params = PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    _, off = _generate(toy_hybrid_pair, strategy, "0", monkeypatch, prompts, params, graphs=True)
-    assert backend.ran[("tree", "triton")] and backend.ran[("tree_conv", "triton")]
-    _, on = _generate(toy_hybrid_pair, strategy, "1", monkeypatch, prompts, params, graphs=True)
-    assert on == off
+    _, on = _generate(toy_hybrid_pair, strategy, prompts, params, graphs=True)
+    assert on == want
     assert backend.ran[("decode_step", "triton")] and backend.ran[("tree_conv", "triton")]
     assert not any(name == "reference" for op, name in backend.ran if op != "prefill")
-
-
-def test_switch_is_checked_at_startup(monkeypatch):
-    monkeypatch.setenv(envs.GDN_DECODE_KERNEL.name, "yes")
-    with pytest.raises(ValueError, match=envs.GDN_DECODE_KERNEL.name):
-        backend.check_switches()
 
 
 def test_budget_profile_replays_touch_no_request_row(toy_hybrid_pair, monkeypatch):
@@ -174,18 +162,16 @@ def test_budget_profile_replays_touch_no_request_row(toy_hybrid_pair, monkeypatc
     assert _changed_rows(before, _tensors(pool)) <= {pool.scratch_row}
 
 
-def test_budget_profile_key_names_the_state_path(toy_hybrid_pair, monkeypatch):
-    """A cached round-cost table is per strategy and per width-1 path (in place is cheaper): a
-    table measured on another is never read back."""
+def test_budget_profile_key_names_the_state_path(toy_hybrid_pair):
+    """A cached round-cost table is per strategy (their commits cost differently): a table
+    measured on another is never read back."""
     from test_budget_engine import AUTO
 
     from ddtree.engine import budget_profile
 
     keys = set()
     for strategy in STRATEGIES:
-        for flag in ("0", "1"):
-            monkeypatch.setenv(envs.GDN_DECODE_KERNEL.name, flag)
-            llm = make_llm(toy_hybrid_pair, "DDTREE", mamba_scheduler_strategy=strategy, **AUTO)
-            attach_uncaptured(llm.engine, max_bs=1)
-            keys.add(budget_profile.profile_key(llm.engine.runner, llm.engine.spec))
-    assert len(keys) == 4
+        llm = make_llm(toy_hybrid_pair, "DDTREE", mamba_scheduler_strategy=strategy, **AUTO)
+        attach_uncaptured(llm.engine, max_bs=1)
+        keys.add(budget_profile.profile_key(llm.engine.runner, llm.engine.spec))
+    assert len(keys) == 2

@@ -1,8 +1,8 @@
 """The hybrid engine end to end on the GPU code paths, run on the CPU: the Triton tree kernel (interpreter) for
 verify with node states (extra_buffer), the tree conv kernel, the chunk-form tree rule's kernel for
-verify without them (no_buffer), and
-fla's call signatures (a stand-in built from the reference) for prefill and replay. DFLASH and
-DDTREE stay token-identical to AR (all-reference) under both commit strategies."""
+verify without them (no_buffer, the gate inside) and no_buffer's commit kernel, and fla's call
+signature (a stand-in built from the reference) for prefill. DDTREE stays token-identical to AR
+(all-reference) under both commit strategies."""
 
 import pytest
 from engine_utils import accepted_prompts, mean_accept, run
@@ -14,7 +14,9 @@ from ddtree import SamplingParams
 load_kernel_module("ddtree.kernels.gdn.triton_tree")
 tree_conv = load_kernel_module("ddtree.kernels.gdn.tree_conv")
 load_kernel_module("ddtree.kernels.gdn.tree_chunk_triton")
+load_kernel_module("ddtree.kernels.gdn.commit_triton")
 
+from ddtree.engine import state_pool  # noqa: E402
 from ddtree.kernels.gdn import backend, dispatch  # noqa: E402
 
 PROMPTS = accepted_prompts(2)  # accepted by the toy drafter (toy_prompts(2): 1.6 a round)
@@ -34,8 +36,7 @@ def ar_tokens(toy_hybrid_pair):
 def test_gpu_paths_are_lossless(monkeypatch, toy_hybrid_pair, ar_tokens, strategy):
     calls = []
     monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
-    monkeypatch.setattr(dispatch, "use_tree_chunk", lambda t: True)
-    monkeypatch.setattr(dispatch, "tree_chunk_kernel", lambda t, n: True)  # the Triton chunk form
+    monkeypatch.setattr(state_pool, "commit_kernel", lambda t: True)
     monkeypatch.setattr(dispatch, "use_fla", lambda t: True)
     monkeypatch.setattr(dispatch, "fla_ops", lambda: _fake_fla(calls))
     monkeypatch.setattr(tree_conv, "use_triton", lambda t: True)
@@ -59,4 +60,4 @@ def test_gpu_paths_are_lossless(monkeypatch, toy_hybrid_pair, ar_tokens, strateg
     assert backend.ran[("tree_conv", "triton")] and not backend.ran[("tree_conv", "reference")]
     assert not any(name == "reference" for _, name in backend.ran)
     if strategy == "no_buffer":
-        assert backend.ran[("replay", "fla")] and "fused" in calls
+        assert backend.ran[("commit", "triton")]

@@ -598,22 +598,3 @@ def test_dispatch_plan_is_frozen_and_names_its_fallback(monkeypatch):
     assert (
         dispatch.plan(tree, cpu, num_splits=1).kernel == "triton"
     )  # one split: no partials, no Gluon
-
-
-def test_wide_head_tile_switch(monkeypatch):
-    """DDTREE_ATTENTION_WIDE_TILES fixes the Triton tiles at head dims > 128 only (tree rows, and
-    decode rows when a second spec is given), and a malformed value raises naming the variable."""
-    from ddtree import envs
-    from ddtree.kernels.tree_attention.tuning import KernelConfig, default_config
-
-    auto = [default_config(r, d, 1024) for r in (6, 390) for d in (128, 256)]
-    monkeypatch.setenv(envs.ATTENTION_WIDE_TILES.name, "64,32,4,3")
-    assert default_config(390, 256, 1024) == KernelConfig(64, 32, 4, 3)
-    assert default_config(6, 256, 1024) == auto[1]  # decode rows: no second spec, auto
-    assert default_config(390, 128, 1024) == auto[2] and default_config(6, 128, 1024) == auto[0]
-    monkeypatch.setenv(envs.ATTENTION_WIDE_TILES.name, "64,32,4,3;16,16,4,6")
-    assert default_config(6, 256, 1024) == KernelConfig(16, 16, 4, 6, tail_split=False)
-    for bad in ("64,32", "64,32,4,3;1,2", "a,b,c,d", "64,32,4,0"):
-        monkeypatch.setenv(envs.ATTENTION_WIDE_TILES.name, bad)
-        with pytest.raises(ValueError, match=envs.ATTENTION_WIDE_TILES.name):
-            default_config(390, 256, 1024)

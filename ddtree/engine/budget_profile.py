@@ -168,8 +168,8 @@ def profile_key(runner, spec: SpecConfig) -> str:
     parts += [spec.block_size, spec.budget, spec.topk_cap, spec.shadow_linear, spec.chain_rung]
     parts += ["per-rung drafts"]  # tables before each rung had its own draft spec are stale
     pool = runner.state_pool
-    if pool is not None:  # hybrid: the state commit's cost, and width 1 stepping it in place
-        parts += [pool.strategy, str(pool.ssm_dtype), f"in-place width 1: {pool.decode_in_place}"]
+    if pool is not None:  # hybrid: the state commit's cost
+        parts += [pool.strategy, str(pool.ssm_dtype)]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 

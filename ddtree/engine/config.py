@@ -47,31 +47,11 @@ def dtype_bytes(dtype) -> int:
     return DTYPE_BYTES[name]
 
 
-STASH_DTYPES = ("float32", "bfloat16", "float16")
-
-
 def stash_width(max_verify_width: int) -> int:
     """Nodes per request the hybrid state pool's stash holds: none when every verify is one node
-    (NONE servers) and one-node verifies step the state in place (DDTREE_GDN_DECODE_KERNEL=1, the
-    default: no stash written, no commit), else the verify width."""
-    from ddtree import envs
-
-    if max_verify_width == 1 and envs.GDN_DECODE_KERNEL.binary():
-        return 0
-    return max_verify_width
-
-
-def stash_ssm_dtype(ssm_dtype) -> str:
-    """The extra_buffer node-state stash's dtype (name): DDTREE_GDN_STASH_DTYPE, else
-    --mamba-ssm-dtype's. Read by the memory plan and the state pool alike."""
-    from ddtree import envs
-
-    name = envs.GDN_STASH_DTYPE.get().strip()
-    if not name:
-        return str(ssm_dtype).removeprefix("torch.")
-    if name not in STASH_DTYPES:
-        raise ValueError(f"{envs.GDN_STASH_DTYPE.name}={name!r}: use one of {STASH_DTYPES}")
-    return name
+    (NONE servers: one-node verifies step the state in place, no stash written, no commit), else
+    the verify width."""
+    return 0 if max_verify_width == 1 else max_verify_width
 
 
 def verify_width(algorithm: str, block_size: int, budget: int) -> int:
@@ -297,7 +277,7 @@ class GDNGeometry:
         node's GDN inputs (pre/post-conv q|k|v, fp32 gate, beta)."""
         width = stash_width(width)
         if strategy == "extra_buffer":
-            per_node = self.state_bytes(stash_ssm_dtype(ssm_dtype), dtype) // self.num_layers
+            per_node = self.state_bytes(ssm_dtype, dtype) // self.num_layers
         else:
             per_node = 2 * self.conv_dim * dtype_bytes(dtype) + self.hv * (4 + dtype_bytes(dtype))
         return self.num_layers * width * per_node

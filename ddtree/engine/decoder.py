@@ -216,8 +216,7 @@ class SpecDecoder:
         t = self.times.add("accept", t)
         zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
         lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)
-        # no KV moves; hybrid: the verify already stepped the GDN state (or, with
-        # DDTREE_GDN_DECODE_KERNEL=0, this commits the root's)
+        # no KV moves; hybrid: the verify already stepped the GDN state
         runner.commit(reqs, zeros[:, None], zeros, None)
         self.clock.mark()
         self._while_device_runs()

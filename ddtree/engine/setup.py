@@ -13,8 +13,6 @@ import torch
 from ddtree.configs import ConfigError
 from ddtree.engine.config import device_memory_bytes, plan_pools, runner_config
 from ddtree.engine.model_runner import ModelRunner
-from ddtree.kernels.gdn import backend as gdn_backend
-from ddtree.kernels.tree_attention.tuning import wide_tiles
 from ddtree.model_sources import source_for, weight_problems
 from ddtree.models.layers import torch_dtype
 from ddtree.models.loader import load_drafter, load_target
@@ -89,8 +87,6 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
         raise ConfigError(weight_problems(args))
     if args.cpu_threads is not None:  # resolved: --cpu-threads, OMP_NUM_THREADS or by model size
         torch.set_num_threads(args.cpu_threads)
-    gdn_backend.check_switches()  # a bad GDN kernel switch fails before the weights load
-    wide_tiles(decode=False)  # and a bad attention tile switch (every part is parsed)
     target, drafter = sourced_models(args, dtype, device)
     if target is None:
         target = load_target(args.model_path, dtype, str(device), group)

@@ -110,13 +110,13 @@ class TreeContext:
     def rule(self, j, q, k, v, gate):
         if self.in_place:  # one token per request: [b, ...] rows, the state stepped in place
             return decode_step(q, k, v, gate, self.pool.ssm[j], self.slots)
-        g, beta = gate.values()
-        qb, kb, vb, gb, bb = (t.view(self.b, self.n, *t.shape[1:]) for t in (q, k, v, g, beta))
-        # an fp32 stash takes the node states in place (the kernel re-reads parents from it), and so
-        # does a DDTREE_GDN_STASH_DTYPE one (rounded parents: the switch's trade); a --mamba-ssm-dtype
-        # stash goes through an fp32 scratch, so the tree itself never runs on rounded states
-        direct = self.extra and self.pool.stash_in_kernel
-        # no_buffer: g and beta go to the replay's stash rows inside the chunk kernel
+        qb, kb, vb = (t.view(self.b, self.n, *t.shape[1:]) for t in (q, k, v))
+        # an fp32 stash takes the node states in place (the kernel re-reads parents from it); a
+        # --mamba-ssm-dtype stash goes through an fp32 scratch, so the tree itself never runs on
+        # rounded states
+        direct = self.extra and self.pool.stash_dtype == torch.float32
+        # no_buffer: g and beta go to the replay's stash rows inside the chunk kernel, which also
+        # gates (the layer's raw gate: no gating launch)
         stash = None
         if not self.extra:
             stash = (self.pool.stash["node_g"][j], self.pool.stash["node_beta"][j], self.slots)
@@ -124,8 +124,8 @@ class TreeContext:
             qb,
             kb,
             vb,
-            gb,
-            bb,
+            None,
+            None,
             self.parents,
             self.depths,
             self.pool.ssm[j],
@@ -137,6 +137,7 @@ class TreeContext:
             state_rows=self.slots if direct else None,
             tree_mask=self.tree_mask,
             stash=stash,
+            gate=gate,
         )
         if self.extra and not direct:
             self._stash("node_ssm", j, node_states)

@@ -18,11 +18,10 @@ inside the conv and rule kernels (no index_put per layer), and no_buffer's commi
 accepted path in place (kernels/gdn/commit_triton.py, all layers in one launch).
 
 One-node verifies (AR rounds, auto's width-1 rounds) are the exception, under either strategy
-(`in_place`, DDTREE_GDN_DECODE_KERNEL=1, the default): their root is the state's next token
-whatever the round accepts, so the verify steps `conv` / `ssm` in place (the tree conv's in-place
-mode, kernels/gdn/decode_triton.py: the state read and written once, two launches per layer) and
-writes no stash, and their commit (`commit(..., nodes=1)`, eager or in the commit graph) leaves
-the GDN state alone. The switch is read once, here, so a verify and its commit always agree.
+(`in_place`): their root is the state's next token whatever the round accepts, so the verify steps
+`conv` / `ssm` in place (the tree conv's in-place mode, kernels/gdn/decode_triton.py: the state
+read and written once, two launches per layer) and writes no stash, and their commit
+(`commit(..., nodes=1)`, eager or in the commit graph) leaves the GDN state alone.
 """
 
 from __future__ import annotations
@@ -30,22 +29,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddtree import envs
 from ddtree.engine.config import (
     DEFAULT_MAMBA_STRATEGY,
     MAMBA_STRATEGIES,
     GDNGeometry,
-    stash_ssm_dtype,
     stash_width,
 )
 from ddtree.engine.state_contexts import ExtendContext, TreeContext
 from ddtree.kernels.gdn import replay_conv_path
-from ddtree.kernels.gdn.backend import (
-    check_switches,
-    choose,
-    commit_kernel,
-    decode_in_place_flag,
-)
+from ddtree.kernels.gdn.backend import choose, commit_kernel
 from ddtree.kernels.gdn.dispatch import replay
 
 # no_buffer commit: the most fp32 state one group of layers gathers at a time
@@ -90,17 +82,12 @@ class HybridStatePool:
                 f"--mamba-scheduler-strategy {strategy!r} is not supported; choose one of "
                 f"{MAMBA_STRATEGIES}"
             )
-        check_switches()  # a bad GDN switch (envs.GDN_TREE_BV, GDN_TREE_CHUNK ...) fails at startup
         self.geo, self.strategy, self.width = geo, strategy, max_verify_width
         self.ssm_dtype, self.dtype = _dtype(ssm_dtype), _dtype(dtype)
-        # the node-state stash: --mamba-ssm-dtype, or DDTREE_GDN_STASH_DTYPE; an explicit dtype is
-        # written by the tree kernel in place (children re-read rounded parent states: half the
-        # bytes of fp32 at bf16, tests/test_gdn_stash_dtype.py bounds the error)
-        self.stash_dtype = _dtype(stash_ssm_dtype(self.ssm_dtype))
-        explicit = bool(envs.GDN_STASH_DTYPE.get().strip())
-        self.stash_in_kernel = self.stash_dtype == torch.float32 or explicit
-        # DDTREE_GDN_DECODE_KERNEL, read once: one-node verifies step the committed rows in place
-        self.decode_in_place = decode_in_place_flag()
+        # extra_buffer's node-state stash is --mamba-ssm-dtype's: fp32 takes the node states in
+        # place (the tree kernel re-reads parents from it); a 16-bit one goes through an fp32
+        # scratch, so the tree itself never runs on rounded states (state_contexts.py)
+        self.stash_dtype = self.ssm_dtype
         # the scratch row (padded graph rows) sits past the requests' rows
         self.scratch_row = max_reqs if scratch_row else None
         L, R, W, C, Km1 = (
@@ -184,9 +171,9 @@ class HybridStatePool:
         return TreeContext(self, self._slots(slots), tree)
 
     def in_place(self, nodes: int | None) -> bool:
-        """Whether a verify of `nodes`-node trees steps the committed rows itself (one node, the
-        switch on): its commit then has nothing to do."""
-        return nodes == 1 and self.decode_in_place
+        """Whether a verify of `nodes`-node trees steps the committed rows itself (one node): its
+        commit then has nothing to do."""
+        return nodes == 1
 
     def commit(
         self, slots: Tensor, path: Tensor, accept_length: Tensor, nodes: int | None = None

@@ -8,6 +8,13 @@ buys is the launch gap: a CUDA-graph replay of a hybrid 27B round is ~1,000-1,50
 ~1.4 us of idle GPU each on the H200. A kernel that calls `gdc_launch_dependents()` lets its own
 dependent start even earlier (the split-KV merge: tree_attention/merge.py). Captured graphs keep the
 programmatic edges. DDTREE_NO_PDL=1 launches everything as ordinary kernels (the A/B).
+
+Reading ahead of the wait: when the kernel ahead calls `gdc_launch_dependents()` only after its own
+`gdc_wait()`, every kernel before that one has ended by the time the dependent is launched, so the
+dependent may read their outputs before its own wait (never the outputs of the kernel right ahead,
+and nothing may be written before the wait). The no_buffer tree verify's output kernel does this to
+overlap its solve (kernels/gdn/tree_chunk_triton.py); studies/pdl_compile_report.py checks, in the
+PTX, that every other kernel waits before any memory access and that one stores nothing early.
 """
 
 from __future__ import annotations

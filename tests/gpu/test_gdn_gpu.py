@@ -1,7 +1,7 @@
 """Gated DeltaNet kernels on the device against the PyTorch reference (ddtree/kernels/gdn): the
 Triton tree kernel (outputs and node states; chains, bushy and random trees, a padded request; fp32
 and bf16), the chunk-form tree verify (outputs and the accepted node's state) and its Triton kernel
-(outputs, stash rows, CUDA graph replay, launch options). Formerly the
+(outputs, stash rows, the gate inside, CUDA graph replay behind the tree conv, launch options). Formerly the
 checks of studies/gpu_gdn_tree.py sections (a) and (b), which now only time."""
 
 import pytest
@@ -107,27 +107,17 @@ def _chunk_kernel_case(b, kind, dtype, seed):
     return (q, k, v, g, beta, depths, pool, mask, depths >= 0, rows), want
 
 
-def _chunk_form(form):
-    if form == "split":
-        from ddtree.kernels.gdn.tree_chunk_split_triton import tree_chunk_split_triton
-
-        return tree_chunk_split_triton
-    from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
-
-    return tree_chunk_triton
-
-
-@pytest.mark.parametrize("form", ["split", "one"])
 @pytest.mark.parametrize("kind", ["bushy", "random", "chain"])
 @pytest.mark.parametrize("b", [1, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tree_chunk_kernel_matches_reference(dtype, b, kind, form):
-    """The no_buffer verify's Triton kernel, both forms (kernels/gdn/tree_chunk_split_triton.py,
-    tree_chunk_triton.py) at the 27B head shape (48 value heads over 16 key heads, dk = dv = 128),
-    B=64 trees, batch 1 and 8: outputs vs the per-node reference (fp32 math on the same inputs),
-    g / beta in the stash rows, and a CUDA graph replay equal to the eager call."""
+def test_tree_chunk_kernel_matches_reference(dtype, b, kind):
+    """The no_buffer verify's Triton kernel (kernels/gdn/tree_chunk_triton.py: the solve, then the
+    outputs overlapping it as programmatic dependents) at the 27B head shape (48 value heads over 16
+    key heads, dk = dv = 128), B=64 trees, batch 1 and 8: outputs vs the per-node reference (fp32
+    math on the same inputs), g / beta in the stash rows, and a CUDA graph replay equal to the eager
+    call (the graph keeps the programmatic edges)."""
     pytest.importorskip("triton")
-    tree_chunk_triton = _chunk_form(form)
+    from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
 
     args, want = _chunk_kernel_case(b, kind, dtype, seed=b + len(kind))
     q, k, v, g, beta, depths, pool, mask, valid, rows = args
@@ -148,27 +138,98 @@ def test_tree_chunk_kernel_matches_reference(dtype, b, kind, form):
     assert torch.equal(static, tree_chunk_triton(*args))
 
 
+@pytest.mark.parametrize("b", [1, 8])
+def test_tree_chunk_kernel_gates_inside_after_the_conv_in_a_graph(b):
+    """The engine's sequence in one CUDA graph, fresh inputs every replay: the in_proj slices ->
+    the tree conv (a programmatic-dependent kernel writing q / k / v) -> the chunk kernel with the
+    raw gate (its output kernel loads q, k, v and the state rows before it waits for the solve).
+    Every replay equals the reference on that replay's inputs (a load that ran ahead of its
+    producer would not), and the stash holds `gdn_gating`'s g / beta."""
+    pytest.importorskip("triton")
+    from ddtree.kernels.gdn import reference
+    from ddtree.kernels.gdn.fused import gdn_gating
+    from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
+    from ddtree.kernels.gdn.tree_conv import conv
+    from ddtree.speculative.tree import DraftTree
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(40 + b)
+    n, C = 65, 2 * HK * DK + HV * DV
+    parents, depths = tree(b, n, "bushy", gen, dev)
+    mask = DraftTree.from_parents(torch.zeros_like(parents), parents).tree_mask
+    proj = torch.empty(b * n, C + 2 * HV, device=dev, dtype=torch.bfloat16)
+    weight = (torch.randn(C, 4, generator=gen) * 0.5).to(dev, torch.bfloat16)
+    rows = torch.arange(b, device=dev) + 1
+    conv_state = torch.zeros(b + 1, C, 3, device=dev, dtype=torch.bfloat16)
+    ssm = torch.zeros(b + 1, HV, DK, DV, device=dev)
+    A_log = torch.rand(HV, generator=gen).add(0.1).log().to(dev)
+    dt_bias = torch.randn(HV, generator=gen).to(dev)
+    node_g = torch.zeros(b + 1, n, HV, device=dev)
+    node_beta = torch.zeros(b + 1, n, HV, device=dev, dtype=torch.bfloat16)
+
+    def step():
+        y, _ = conv(proj[:, :C].view(b, n, C), parents, conv_state, weight, None, state_rows=rows)
+        y = y.view(b * n, C)
+        q = y[:, : HK * DK].view(b, n, HK, DK)
+        k = y[:, HK * DK : 2 * HK * DK].view(b, n, HK, DK)
+        v = y[:, 2 * HK * DK :].view(b, n, HV, DV)
+        raw = (proj[:, C : C + HV], proj[:, C + HV :], A_log, dt_bias)
+        stash = (node_g, node_beta, rows)
+        o = tree_chunk_triton(q, k, v, None, None, depths, ssm, mask, None, rows, stash, raw)
+        return o, y
+
+    def fill():
+        proj.copy_(torch.randn(proj.shape, generator=gen).to(dev))
+        conv_state.copy_((torch.randn(conv_state.shape, generator=gen)).to(dev))
+        ssm.copy_(torch.randn(ssm.shape, generator=gen).to(dev) * 0.1)
+
+    fill()
+    step()  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_o, static_y = step()
+    for _ in range(3):
+        fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        y = static_y
+        q = y[:, : HK * DK].view(b, n, HK, DK).float()
+        k = y[:, HK * DK : 2 * HK * DK].view(b, n, HK, DK).float()
+        v = y[:, 2 * HK * DK :].view(b, n, HV, DV).float()
+        g, beta = gdn_gating(proj[:, C : C + HV], proj[:, C + HV :], A_log, dt_bias)
+        g, beta = g.view(b, n, HV), beta.view(b, n, HV)
+        want, _ = reference.tree_gated_delta_rule(
+            q, k, v, g, beta.float(), parents, depths, ssm[rows]
+        )
+        assert rel(static_o, want) < 1e-2, rel(static_o, want)
+        assert rel(node_g[rows], g) < 1e-5 and rel(node_beta[rows].float(), beta.float()) < 1e-2
+
+
 @pytest.mark.parametrize(
-    "block_v,block_k,warps,precision",
+    "block_v,block_k,warps,solve_warps,precision",
     [
-        (16, 16, 8, "tf32x3"),
-        (64, 16, 8, "tf32x3"),
-        (32, 32, 8, "tf32x3"),
-        (32, 16, 4, "tf32x3"),
-        (32, 16, 8, "tf32"),
-        (32, 16, 8, "ieee"),
+        (16, 16, 8, None, "tf32x3"),
+        (64, 16, 8, None, "tf32x3"),
+        (32, 32, 4, 4, "tf32x3"),
+        (32, 64, 4, None, "tf32"),
+        (32, 16, 8, None, "ieee"),
     ],
 )
-@pytest.mark.parametrize("form", ["split", "one"])
-def test_tree_chunk_kernel_launch_options_match_reference(block_v, block_k, warps, precision, form):
-    """Every launch option studies/gpu_gdn_tree.py (e) times compiles and keeps the numbers (tf32: its
-    10-bit mantissa in the dots, a looser bound)."""
+def test_tree_chunk_kernel_launch_options_match_reference(
+    block_v, block_k, warps, solve_warps, precision
+):
+    """Every launch option studies/gpu_gdn_tree.py (e) and studies/gpu_tree_cost.py time compiles and
+    keeps the numbers (tf32: its 10-bit mantissa in the dots, a looser bound)."""
     pytest.importorskip("triton")
-    tree_chunk_triton = _chunk_form(form)
+    from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
 
     args, want = _chunk_kernel_case(8, "bushy", torch.float32, seed=3)
     o = tree_chunk_triton(
-        *args, block_v=block_v, block_k=block_k, num_warps=warps, precision=precision
+        *args,
+        block_v=block_v,
+        block_k=block_k,
+        num_warps=warps,
+        solve_warps=solve_warps,
+        precision=precision,
     )
     assert rel(o, want) < (5e-3 if precision == "tf32" else 1e-4), rel(o, want)
 
@@ -203,11 +264,10 @@ def test_chunk_and_recurrent_dispatch_match_reference(dtype):
 @pytest.mark.parametrize("b,acc", [(1, 1), (1, 16), (8, 8)])
 def test_no_buffer_commit_rule_matches_reference(b, acc):
     """The no_buffer commit's rule part on 48 layers' accepted chains (what HybridStatePool._replay
-    hands the dispatch): the dispatch replay (fla fused recurrent where installed) and the
-    chunk-form state of the chain's last node vs reference.replay_path. Formerly section (c') of
-    studies/gpu_gdn_tree.py."""
+    hands the reference replay): the chunk-form state of the chain's last node vs
+    reference.replay_path. Formerly section (c') of studies/gpu_gdn_tree.py."""
     pytest.importorskip("triton")
-    from ddtree.kernels.gdn import dispatch, reference
+    from ddtree.kernels.gdn import reference
     from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule
 
     dev, P = torch.device("cuda"), 17
@@ -223,7 +283,6 @@ def test_no_buffer_commit_rule_matches_reference(b, acc):
     par = torch.where(path > 0, step - 1, -1)
     dep = torch.where(path >= 0, step, -1)
     want = reference.replay_path(q, k, v, g, beta, path, s0)
-    assert rel(dispatch.replay(q, k, v, g, beta, path, s0), want) < 5e-3
     last = torch.full((N,), acc, device=dev)
     got = tree_chunk_gated_delta_rule(q, k, v, g, beta, par, dep, s0, max_depth=16, last=last)[1]
     assert rel(got, want) < 1e-4
@@ -286,35 +345,10 @@ def test_tree_conv_kernel_matches_reference(b, n):
 # --- issue 19's kernel cuts and switches (hybrid2) ---------------------------------------------------
 
 
-@pytest.mark.parametrize("b", [1, 8])
-def test_bf16_stash_within_its_error_bound(b):
-    """The tree kernel writing a bf16 node-state stash (DDTREE_GDN_STASH_DTYPE=bfloat16) at the 27B
-    head shape, B=64: every node within tests/gdn_stash_fixtures.py's bound of the fp32 reference."""
-    pytest.importorskip("triton")
-    from gdn_stash_fixtures import check_bound
-
-    from ddtree.kernels.gdn.reference import tree_gated_delta_rule
-    from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton
-
-    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(10 + b)
-    parents, depths = tree(b, 65, "bushy", gen, dev)
-    q, k, v, g, beta, s0 = inputs(b, 65, torch.float32, gen, dev)
-    s0 = s0 * 10  # states of realistic size
-    buf = torch.empty(b, 65, HV, DK, DV, device=dev, dtype=torch.bfloat16)
-    o, st = tree_gated_delta_rule_triton(
-        q, k, v, g, beta, parents, depths, s0, return_node_states=True, node_states=buf
-    )
-    ro, rst = tree_gated_delta_rule(q, k, v, g, beta, parents, depths, s0, return_node_states=True)
-    for i in range(b):
-        sl = slice(i, i + 1)
-        check_bound(st[sl], rst[sl], o[sl], ro[sl], depths[sl].cpu(), DK**-0.5)
-
-
-@pytest.mark.parametrize(
-    "bv,warps,prefetch", [(4, 1, False), (8, 1, True), (16, 1, False), (16, 2, True), (64, 8, True)]
-)
-def test_tree_kernel_launch_switches_match_reference(bv, warps, prefetch):
-    """DDTREE_GDN_TREE_BV / _WARPS / _PREFETCH values on the device (fp32, B=64, b=2)."""
+@pytest.mark.parametrize("bv,warps", [(4, 1), (8, 1), (16, 2), (64, 8)])
+def test_tree_kernel_launch_options_match_reference(bv, warps):
+    """The Triton recurrence's tile overrides (studies/gpu_gdn_tree.py (b)) on the device (fp32, B=64,
+    b=2)."""
     pytest.importorskip("triton")
     from ddtree.kernels.gdn.reference import tree_gated_delta_rule
     from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton
@@ -323,9 +357,7 @@ def test_tree_kernel_launch_switches_match_reference(bv, warps, prefetch):
     parents, depths = tree(2, 65, "random", gen, dev)
     args = (*inputs(2, 65, torch.float32, gen, dev)[:5], parents, depths)
     s0 = inputs(2, 65, torch.float32, gen, dev)[5]
-    o, st = tree_gated_delta_rule_triton(
-        *args, s0, True, block_v=bv, num_warps=warps, prefetch=prefetch
-    )
+    o, st = tree_gated_delta_rule_triton(*args, s0, True, block_v=bv, num_warps=warps)
     ro, rst = tree_gated_delta_rule(*args, s0, return_node_states=True)
     assert rel(o, ro) < 1e-4 and rel(st, rst) < 1e-4
 
@@ -405,7 +437,7 @@ def test_gdn_layer_one_gemm_matches_four():
 def test_commit_kernel_matches_the_reference_commit(ssm_dtype, monkeypatch):
     """no_buffer's in-place commit kernel (kernels/gdn/commit_triton.py) at the 27B head shape, 8
     layers, batch 8 with ragged accept lengths (0..16) and permuted slots, against the pool's
-    reference commit (gathers + fla's replay + index_put); rows no request owns untouched; a CUDA
+    reference commit (gathers + the reference replay + index_put); rows no request owns untouched; a CUDA
     graph replay of the kernel equal to the eager call."""
     pytest.importorskip("triton")
     from ddtree import envs
@@ -429,9 +461,9 @@ def test_commit_kernel_matches_the_reference_commit(ssm_dtype, monkeypatch):
     path = torch.stack([torch.randperm(64, generator=gen)[:17] + 1 for _ in range(8)]).cuda()
     path[:, 0] = 0
     want, got, before = pool(), pool(), pool()
-    monkeypatch.setenv(envs.GDN_COMMIT_KERNEL.name, "0")
+    monkeypatch.setenv(envs.FORCE_REFERENCE_GDN.name, "1")
     want.commit(slots, path, acc)
-    monkeypatch.setenv(envs.GDN_COMMIT_KERNEL.name, "1")
+    monkeypatch.delenv(envs.FORCE_REFERENCE_GDN.name)
     got.commit(slots, path, acc)
     assert rel(got.ssm.float(), want.ssm.float()) < (1e-5 if ssm_dtype == "float32" else 1e-2)
     assert torch.equal(got.conv, want.conv)
@@ -448,7 +480,7 @@ def test_commit_kernel_matches_the_reference_commit(ssm_dtype, monkeypatch):
     assert torch.equal(again.ssm, got.ssm) and torch.equal(again.conv, got.conv)
 
 
-# --- one-node rounds in place (DDTREE_GDN_DECODE_KERNEL) ---------------------------------------------
+# --- one-node rounds in place ---------------------------------------------
 
 
 def _decode_case(b, ssm_dtype, gen, dev, R=12):

@@ -3,13 +3,10 @@ PyTorch reference everywhere else. One switch, DDTREE_FORCE_REFERENCE_GDN=1, for
 GDN kernel (fla's and ours). `ran` counts the (op, backend) pairs taken, so a GPU check can print which
 paths really ran.
 
-A tree verify that keeps no per-node states (no_buffer) runs the chunk form where
-DDTREE_GDN_TREE_CHUNK allows it: "auto" (default) on CUDA, "1" everywhere (CPU tests), "torch"
-everywhere as the PyTorch form, "0" never; DDTREE_FORCE_REFERENCE_GDN=1 still wins. The chunk form
-is the Triton kernel wherever our Triton kernels run and the tree fits its block (<= 65 nodes), the
-PyTorch form (`tree_chunk`, its reference) else; DDTREE_GDN_TREE_CHUNK_FORM picks the kernel's
-launches: split (default: `tree_chunk_split_triton`, the solve once per head, then the outputs)
-or one (`tree_chunk_triton`, both per column tile).
+One tree-verify path per `--mamba-scheduler-strategy` where our Triton kernels run
+(`dispatch.tree_rule`): no_buffer (no per-node states) the chunk-form kernel
+(`tree_chunk_triton`, trees up to 65 nodes), extra_buffer (and longer no_buffer trees) the Triton
+recurrence (`triton_tree`); the reference everywhere else.
 
 On the CPU our Triton kernels (tree rule, tree conv) run in Triton's interpreter when both
 TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1 (the fused kernels' switch: engine tests and
@@ -26,7 +23,6 @@ import torch
 from ddtree import envs
 
 FORCE_ENV = envs.FORCE_REFERENCE_GDN.name
-TREE_CHUNK_ENV = envs.GDN_TREE_CHUNK.name
 ran: collections.Counter = collections.Counter()
 
 
@@ -80,104 +76,10 @@ def use_triton(t: torch.Tensor) -> bool:
     return (t.is_cuda or interpreted()) and not force_reference() and triton_ok()
 
 
-TREE_CHUNK_MODES = ("auto", "1", "torch", "0")
-
-
-def tree_chunk_mode() -> str:
-    """DDTREE_GDN_TREE_CHUNK, checked: a bad value raises naming the variable and its values."""
-    mode = envs.GDN_TREE_CHUNK.get().strip().lower() or "auto"
-    if mode not in TREE_CHUNK_MODES:
-        raise ValueError(f"{TREE_CHUNK_ENV}={mode!r}: use one of {TREE_CHUNK_MODES}")
-    return mode
-
-
-def use_tree_chunk(t: torch.Tensor) -> bool:
-    """The chunk-form tree rule for a verify that needs no node states (see the module docstring)."""
-    mode = tree_chunk_mode()
-    if force_reference() or mode == "0":
-        return False
-    return mode in ("1", "torch") or t.is_cuda
-
-
-def tree_chunk_kernel(t: torch.Tensor, n: int) -> bool:
-    """Whether the chunk form runs as the Triton kernel (else the PyTorch form) for n nodes."""
-    if tree_chunk_mode() == "torch" or not use_triton(t):
-        return False
-    from ddtree.kernels.gdn.tree_chunk_triton import supported
-
-    return supported(n)
-
-
-def commit_kernel_flag() -> bool:
-    """DDTREE_GDN_COMMIT_KERNEL (default 1)."""
-    return envs.GDN_COMMIT_KERNEL.binary()  # checked: a bad value raises naming it
-
-
-def decode_in_place_flag() -> bool:
-    """DDTREE_GDN_DECODE_KERNEL (default 1). On: one-node rounds step the committed rows in place
-    (`dispatch.decode_step`, the in-place tree conv)."""
-    return envs.GDN_DECODE_KERNEL.binary()
-
-
 def commit_kernel(t: torch.Tensor) -> bool:
-    """no_buffer's commit as the in-place replay kernel: the switch on, where our kernels run."""
-    return commit_kernel_flag() and use_triton(t)
-
-
-_CHUNK_BV = (16, 32, 64, 128)
-_CHUNK_PRECISIONS = ("auto", "tf32x3", "tf32", "ieee")
-_CHUNK_FORMS = ("split", "one")
-
-
-def tree_chunk_form() -> str:
-    """DDTREE_GDN_TREE_CHUNK_FORM, checked: split (tree_chunk_split_triton) or one."""
-    form = envs.GDN_TREE_CHUNK_FORM.get().strip().lower() or "split"
-    if form not in _CHUNK_FORMS:
-        raise ValueError(f"{envs.GDN_TREE_CHUNK_FORM.name}={form!r}: use one of {_CHUNK_FORMS}")
-    return form
-
-
-def tree_chunk_options() -> dict:
-    """The chunk-form tree kernel's launch switches (DDTREE_GDN_TREE_CHUNK_BV / _PRECISION) as its
-    wrapper's keywords; a bad value raises naming the variable and the values it takes."""
-    bv = envs.GDN_TREE_CHUNK_BV.get().strip().lower()
-    prec = envs.GDN_TREE_CHUNK_PRECISION.get().strip().lower() or "auto"
-    if bv not in ("", "auto") and (not bv.isdigit() or int(bv) not in _CHUNK_BV):
-        raise ValueError(f"{envs.GDN_TREE_CHUNK_BV.name}={bv!r}: use auto or one of {_CHUNK_BV}")
-    if prec not in _CHUNK_PRECISIONS:
-        raise ValueError(
-            f"{envs.GDN_TREE_CHUNK_PRECISION.name}={prec!r}: use one of {_CHUNK_PRECISIONS}"
-        )
-    return dict(block_v=int(bv) if bv not in ("", "auto") else None, precision=prec)
-
-
-def check_switches() -> None:
-    """Every GDN switch's value, checked at startup (before weights load): raises naming it."""
-    tree_chunk_mode()
-    tree_chunk_form()
-    commit_kernel_flag()
-    decode_in_place_flag()
-    tree_chunk_options()
-    tree_kernel_options()
-
-
-_BV = (4, 8, 16, 32, 64, 128)
-_WARPS = (1, 2, 4, 8)
-
-
-def tree_kernel_options() -> dict:
-    """The tree GDN kernel's launch switches (DDTREE_GDN_TREE_BV / _WARPS / _PREFETCH) as the Triton
-    wrapper's keywords; a bad value raises naming the variable and the values it takes."""
-    bv, warps = envs.GDN_TREE_BV.get().strip().lower(), envs.GDN_TREE_WARPS.get().strip()
-    if bv not in ("", "auto") and (not bv.isdigit() or int(bv) not in _BV):
-        raise ValueError(f"{envs.GDN_TREE_BV.name}={bv!r}: use auto or one of {_BV}")
-    if not warps.isdigit() or int(warps) not in _WARPS:
-        raise ValueError(f"{envs.GDN_TREE_WARPS.name}={warps!r}: use one of {_WARPS}")
-    return dict(
-        block_v=int(bv) if bv not in ("", "auto") else None,
-        num_warps=int(warps),
-        prefetch=envs.GDN_TREE_PREFETCH.on(),
-    )
+    """no_buffer's commit as the in-place replay kernel (kernels/gdn/commit_triton.py): where our
+    Triton kernels run (the gathers + replay + index_put reference elsewhere)."""
+    return use_triton(t)
 
 
 def choose(op: str, fast: bool, name: str) -> bool:
@@ -190,17 +92,14 @@ def describe(device) -> dict[str, str]:
     """The backend each op would take on `device` now."""
     t = torch.empty(0, device=device)
     fla = "fla" if use_fla(t) else "reference"
+    ours = "triton" if use_triton(t) else "reference"
     return {
         "prefill": fla,
         "decode": fla,
         "replay": fla,
-        "tree": "triton" if use_triton(t) else "reference",
-        "tree_no_states": (
-            ("chunk" if tree_chunk_kernel(t, 2) else "chunk_torch")
-            if use_tree_chunk(t)
-            else ("triton" if use_triton(t) else "reference")
-        ),
-        "tree_conv": "triton" if use_triton(t) else "reference",
-        "decode_step": "triton" if use_triton(t) else "reference",
-        "commit": "triton" if commit_kernel(t) else ("fla" if use_fla(t) else "reference"),
+        "tree": ours,
+        "tree_no_states": "chunk" if use_triton(t) else "reference",
+        "tree_conv": ours,
+        "decode_step": ours,
+        "commit": ours,
     }

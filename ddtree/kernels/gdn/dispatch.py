@@ -12,24 +12,16 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ddtree.kernels.gdn.backend import (
-    choose,
-    fla_ops,
-    tree_chunk_form,
-    tree_chunk_kernel,
-    tree_chunk_options,
-    tree_kernel_options,
-    use_fla,
-    use_tree_chunk,
-    use_triton,
-)
+from ddtree import envs
+from ddtree.kernels.gdn.backend import choose, fla_ops, use_fla, use_triton
 from ddtree.kernels.gdn.reference import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
-    path_inputs,
     replay_path,
     tree_gated_delta_rule_rows,
 )
+from ddtree.kernels.gdn.tree_chunk import tree_ancestor_mask
+from ddtree.kernels.gdn.tree_chunk_triton import supported
 
 
 def _state(initial_state: Tensor | None) -> Tensor | None:
@@ -109,10 +101,8 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, gate, ssm: Tensor, rows: Tensor
 def replay(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, initial_state: Tensor
 ) -> Tensor:
-    """Commit by replay: `reference.replay_path` (path [b, L], -1 padded; returns the state fp32). The
-    accepted path is short (<= depth + 1), so fla's fused recurrent beats its chunk kernels here."""
-    if use_fla(v):
-        return recurrent_rule(*path_inputs(q, k, v, g, beta, path), initial_state, op="replay")[1]
+    """Commit by replay, the reference commit's rule (`HybridStatePool.commit` where the commit
+    kernel does not run): `reference.replay_path` (path [b, L], -1 padded; returns the state fp32)."""
     choose("replay", False, "fla")
     return replay_path(q, k, v, g, beta, path, initial_state)
 
@@ -121,8 +111,8 @@ def tree_rule(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    g: Tensor,
-    beta: Tensor,
+    g: Tensor | None,
+    beta: Tensor | None,
     parents: Tensor,
     depths: Tensor,
     initial_state: Tensor,
@@ -134,70 +124,46 @@ def tree_rule(
     state_rows: Tensor | None = None,
     tree_mask: Tensor | None = None,
     stash: tuple[Tensor, Tensor, Tensor] | None = None,
+    gate=None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Tree verify: `reference.tree_gated_delta_rule_rows` (the Triton wrapper's arguments). Without node
-    states (no_buffer: return_node_states False, no node_states buffer) the chunk form runs where
-    `backend.use_tree_chunk` allows (CUDA by default): it writes no per-node states at all; as the
-    Triton kernel where `backend.tree_chunk_kernel` allows. tree_mask [b, >= n, >= n]: the round's
-    ancestors-and-self mask (built per call when None). stash (node_g, node_beta, rows): g and beta
-    written into those stash rows (no_buffer's replay inputs; inside the kernel when it runs)."""
-    if not return_node_states and node_states is None and use_tree_chunk(v):
-        if tree_chunk_kernel(v, v.shape[1]):
-            choose("tree", True, "chunk")
-            from ddtree.kernels.gdn.tree_chunk import tree_ancestor_mask
+    """Tree verify: `reference.tree_gated_delta_rule_rows` (the Triton wrapper's arguments). One path
+    per strategy where our Triton kernels run: without node states (no_buffer: return_node_states
+    False, no node_states buffer) the chunk-form kernel (`tree_chunk_triton`, <= 65 nodes: it
+    writes no per-node states at all); with them (extra_buffer), or a longer tree, the Triton
+    recurrence (`triton_tree`). tree_mask [b, >= n, >= n]: the round's ancestors-and-self mask
+    (built per call when None). stash (node_g, node_beta, rows): g and beta written into those
+    stash rows (no_buffer's replay inputs; inside the chunk kernel). gate: the layer's raw decay
+    gate (`fused.GateInputs`) in place of g / beta (None): the chunk kernel gates inside, the other
+    paths take `gate.values()`."""
+    ours = use_triton(v)
+    no_states = not return_node_states and node_states is None
+    if ours and no_states and supported(v.shape[1]):
+        choose("tree", True, "chunk")
+        from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton
 
-            if tree_chunk_form() == "split":
-                from ddtree.kernels.gdn.tree_chunk_split_triton import (
-                    tree_chunk_split_triton as kernel,
-                )
-            else:
-                from ddtree.kernels.gdn.tree_chunk_triton import tree_chunk_triton as kernel
-            if tree_mask is None:
-                tree_mask = tree_ancestor_mask(parents, depths >= 0 if valid is None else valid)
-            # launch switches (form, column tile, dot precision): timed by studies/gpu_gdn_tree.py (e)
-            o = kernel(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                depths,
-                initial_state,
-                tree_mask,
-                valid,
-                initial_rows,
-                stash,
-                **tree_chunk_options(),
-            )
-            return o, None
-        choose("tree", True, "chunk_torch")
-        from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule
-
-        _write_stash(stash, g, beta)
-        o = tree_chunk_gated_delta_rule(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            parents,
-            depths,
-            initial_state,
-            valid,
-            max_depth,
-            initial_rows,
-            mask=tree_mask,
-        )[0]
+        if tree_mask is None:
+            tree_mask = tree_ancestor_mask(parents, depths >= 0 if valid is None else valid)
+        # the raw gate where the caller has it (`fused.GateInputs`), else its values
+        raw, early = gate.inputs() if hasattr(gate, "inputs") else None, True
+        if gate is not None and raw is None:
+            g, beta = (t.view(*v.shape[:2], -1) for t in gate.values())
+        if raw is not None and envs.GDN_TREE_GATE_LAUNCH.on():  # issue 43's A/B: the old form
+            g, beta = (t.view(*v.shape[:2], -1) for t in gate.values())
+            raw, early = None, False
+        o = tree_chunk_triton(
+            q, k, v, g, beta, depths, initial_state, tree_mask, valid, initial_rows, stash, raw,
+            early=early,
+        )  # fmt: skip
         return o, None
+    if gate is not None:
+        g, beta = (t.view(*v.shape[:2], -1) for t in gate.values())
     _write_stash(stash, g, beta)
     args = (q, k, v, g, beta, parents, depths, initial_state, return_node_states, valid, max_depth)
     bufs = dict(node_states=node_states, initial_rows=initial_rows, state_rows=state_rows)
-    if choose("tree", use_triton(v), "triton"):
+    if choose("tree", ours, "triton"):
         from ddtree.kernels.gdn.triton_tree import tree_gated_delta_rule_triton
 
-        # launch switches (tile, warps, prefetch): same math (warps / tile: the fp32 reduction order
-        # may differ), timed by studies/gpu_gdn_tree.py
-        return tree_gated_delta_rule_triton(*args, **bufs, **tree_kernel_options())
+        return tree_gated_delta_rule_triton(*args, **bufs)
     return tree_gated_delta_rule_rows(*args, **bufs)
 
 

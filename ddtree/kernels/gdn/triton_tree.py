@@ -127,7 +127,6 @@ if triton is not None:
         L2NORM: tl.constexpr,
         S0_ROWS: tl.constexpr,
         ST_ROWS: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         pid_b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -154,109 +153,21 @@ if triton is not None:
         )  # node i's tile at st_base + i * st_n
         node_base = pid_b * n  # row of [b, n] tensors
         S_prev = s0
-        # with PREFETCH, node i + 1's loads (its parent's state included, unless the parent is node
-        # i) are issued before node i's math, so their latency hides behind it: the walk is a chain
-        # of dependent steps, latency-bound at small batch. Same arithmetic either way.
+        # node i + 1's loads (its parent's state included, unless the parent is node i) are
+        # issued before node i's math, so their latency hides behind it: the walk is a chain of
+        # dependent steps, latency-bound at small batch (the faster form on the H200: BENCHMARKS)
         nxt = _node_inputs(
-            0,
-            n,
-            node_base,
-            valid_ptr,
-            par_ptr,
-            st_base,
-            st_n,
-            mk,
-            mv,
-            mtile,
-            q_ptr,
-            k_ptr,
-            v_ptr,
-            g_ptr,
-            beta_ptr,
-            pid_b,
-            h,
-            hk,
-            rk,
-            rv,
-            sq_b,
-            sq_n,
-            sq_h,
-            sk_b,
-            sk_n,
-            sk_h,
-            sv_b,
-            sv_n,
-            sv_h,
-            HV,
-        )
+            0, n, node_base, valid_ptr, par_ptr, st_base, st_n, mk, mv, mtile, q_ptr,
+            k_ptr, v_ptr, g_ptr, beta_ptr, pid_b, h, hk, rk, rv, sq_b, sq_n, sq_h, sk_b,
+            sk_n, sk_h, sv_b, sv_n, sv_h, HV,
+        )  # fmt: skip
         for i in range(n):
-            if PREFETCH:
-                cur = nxt
-                nxt = _node_inputs(
-                    i + 1,
-                    n,
-                    node_base,
-                    valid_ptr,
-                    par_ptr,
-                    st_base,
-                    st_n,
-                    mk,
-                    mv,
-                    mtile,
-                    q_ptr,
-                    k_ptr,
-                    v_ptr,
-                    g_ptr,
-                    beta_ptr,
-                    pid_b,
-                    h,
-                    hk,
-                    rk,
-                    rv,
-                    sq_b,
-                    sq_n,
-                    sq_h,
-                    sk_b,
-                    sk_n,
-                    sk_h,
-                    sv_b,
-                    sv_n,
-                    sv_h,
-                    HV,
-                )
-            else:
-                cur = _node_inputs(
-                    i,
-                    n,
-                    node_base,
-                    valid_ptr,
-                    par_ptr,
-                    st_base,
-                    st_n,
-                    mk,
-                    mv,
-                    mtile,
-                    q_ptr,
-                    k_ptr,
-                    v_ptr,
-                    g_ptr,
-                    beta_ptr,
-                    pid_b,
-                    h,
-                    hk,
-                    rk,
-                    rv,
-                    sq_b,
-                    sq_n,
-                    sq_h,
-                    sk_b,
-                    sk_n,
-                    sk_h,
-                    sv_b,
-                    sv_n,
-                    sv_h,
-                    HV,
-                )
+            cur = nxt
+            nxt = _node_inputs(
+                i + 1, n, node_base, valid_ptr, par_ptr, st_base, st_n, mk, mv,
+                mtile, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pid_b, h, hk, rk, rv,
+                sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, HV,
+            )  # fmt: skip
             ok, par, has_par, S, q, k, v, g, beta = cur
             # parent's post-state: written earlier by this very program (parent < i); a parent
             # just before its child (chains) is still in registers and is not re-read
@@ -323,7 +234,6 @@ def tree_gated_delta_rule_triton(
     state_rows: Tensor | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
-    prefetch: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Same arguments and returns as `reference.tree_gated_delta_rule` (max_depth is unused here), plus:
     node_states: optional buffer the node post-states are written to (the kernel always needs one, since
@@ -332,8 +242,7 @@ def tree_gated_delta_rule_triton(
       re-read their parent's state from it (unless it is the node just before), so anything but fp32
       rounds along the tree. Returned as is.
     initial_rows [b]: initial_state is a pool [R, Hv, dk, dv] and request i starts from row initial_rows[i].
-    block_v / num_warps: tile overrides. prefetch: issue node i + 1's loads before node i's math (same
-    arithmetic, so the same results; whether it is faster is studies/gpu_gdn_tree.py (b)'s to say).
+    block_v / num_warps: tile overrides (studies/gpu_gdn_tree.py (b)).
     Requires parents[b, i] < i for valid nodes. No host syncs."""
     if triton is None or force_reference():
         return tree_gated_delta_rule_rows(
@@ -415,7 +324,6 @@ def tree_gated_delta_rule_triton(
             L2NORM=bool(use_qk_l2norm),
             S0_ROWS=initial_rows is not None,
             ST_ROWS=state_rows is not None,
-            PREFETCH=bool(prefetch),
             num_warps=num_warps,
         )
     return out, node_states if return_node_states else None

@@ -41,39 +41,12 @@ def default_config(rows_per_request: int, head_dim: int = 128, max_kv_len: int =
     sweep in studies/gpu_tree_attention.py (BENCHMARKS.md); registers / shared memory per config on sm_90 are in
     studies/tree_attention_compile_report.py."""
     small_head = head_dim <= 128
-    if not small_head:
-        fixed = wide_tiles(rows_per_request <= 16)
-        if fixed is not None:
-            return fixed
     if rows_per_request <= 16:  # decode: memory-bound; 128-wide tiles halve the per-tile latencies
         block_n = (128 if max_kv_len >= 8192 else 64) if small_head else 32
         return KernelConfig(16, block_n, 4, 5, tail_split=False)
     if rows_per_request <= 32:
         return KernelConfig(32, 64 if small_head else 32, 4, 5)
     return KernelConfig(64, 64 if small_head else 32, 4, 5)
-
-
-def wide_tiles(decode: bool) -> KernelConfig | None:
-    """The tiles DDTREE_ATTENTION_WIDE_TILES fixes for head dims > 128 (decode rows or the rest),
-    or None (auto); a malformed value raises naming the variable."""
-    value = envs.ATTENTION_WIDE_TILES.get().strip().lower()
-    if value in ("", "auto"):
-        return None
-    parts = value.split(";")
-    try:
-        specs = [tuple(int(x) for x in p.split(",")) for p in parts]
-        if len(specs) > 2 or any(len(t) != 4 or min(t) < 1 for t in specs):
-            raise ValueError
-    except ValueError:
-        raise ValueError(
-            f"{envs.ATTENTION_WIDE_TILES.name}={value!r}: use auto or "
-            "BLOCK_M,BLOCK_N,WARPS,STAGES[;BLOCK_M,BLOCK_N,WARPS,STAGES] (the second for decode rows)"
-        ) from None
-    if decode:
-        if len(specs) < 2:
-            return None
-        return KernelConfig(*specs[1], tail_split=False)
-    return KernelConfig(*specs[0])
 
 
 def wide_head_candidates(rows_per_request: int) -> list[KernelConfig]:

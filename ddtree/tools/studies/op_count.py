@@ -11,8 +11,7 @@ everything else to "other" (drafter, tree build, LM head, accept walk, commit).
     python3 -m ddtree.tools.studies.op_count [--algorithm NONE|DFLASH|DDTREE] [--budget 8] [--ops]
 
 NONE's one-node rounds step the GDN state in place (the in-place conv + the decode kernel, the
-gate inside; no state commit); DDTREE_GDN_DECODE_KERNEL=0 counts them as a one-node tree verify +
-commit instead.
+gate inside; no state commit).
 """
 
 from __future__ import annotations
@@ -186,16 +185,10 @@ def count_round(llm, prompt: list[int], decode_steps: int = 1) -> LaunchCounter:
 
 
 def interpreter_env() -> dict[str, str]:
-    """What must be set before ddtree / triton are imported for the GPU's kernel sequence on CPU
-    (the chunk-form tree verify too: CUDA's `auto`, unless the caller set the switch)."""
+    """What must be set before ddtree / triton are imported for the GPU's kernel sequence on CPU."""
     from ddtree import envs
 
-    chunk = os.environ.get(envs.GDN_TREE_CHUNK.name, "1")
-    return {
-        envs.TRITON_INTERPRET.name: "1",
-        envs.FUSED_KERNELS_INTERPRET.name: "1",
-        envs.GDN_TREE_CHUNK.name: chunk,
-    }
+    return {envs.TRITON_INTERPRET.name: "1", envs.FUSED_KERNELS_INTERPRET.name: "1"}
 
 
 def main(argv=None) -> int:
