@@ -93,7 +93,7 @@ def point(name, b, n, ctx, bw):
     row.update(best_us=best[0], best_splits=best[1], variants={})
     for c in VARIANTS:
         r = run(c, None)
-        name_c = f"m{c.block_m}n{c.block_n}s{c.stages}t{c.tail_n}{'' if c.masked_tail else ' Triton tail'}"
+        name_c = f"m{c.block_m}n{c.block_n}s{c.stages}t{c.tail_n}"
         row["variants"][name_c] = (r[0], r[1])
     print(
         f"    {name} variants: "

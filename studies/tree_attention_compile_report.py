@@ -87,7 +87,6 @@ def report(
         EXTRA=False,
         SPLIT=split,
         DOT=0,
-        CTX_DONE=False,
         PDL=True,
     )
     sig, cvals, attrs = {}, {}, {}
@@ -198,7 +197,6 @@ def hopper_report(
         cfg.block_n,
         cfg.stages,
         mode,
-        cfg.masked_tail,
         hopper.tail_n(cfg, group),
         pdl,
     )

@@ -390,7 +390,7 @@ def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
 
 
-@pytest.mark.parametrize("cfg", ["default", "triton last split", "pingpong"])
+@pytest.mark.parametrize("cfg", ["default", "pingpong"])
 @pytest.mark.parametrize(
     "q_lens,kv_lens,tree,splits",
     [
@@ -431,23 +431,13 @@ def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
 )
 def test_hopper_context_handoff(monkeypatch, q_lens, kv_lens, tree, splits, cfg):
     """The Gluon kernel's contract (hopper.py), without a GPU: with its PyTorch oracle standing in for it, the
-    combine (and with masked_tail=False the Triton launch of the last split only) give the full attention; with
-    PINGPONG's 128-row blocks too (a warpgroup with no rows only keeps the slot protocol)."""
+    combine gives the full attention; with PINGPONG's 128-row blocks too (a warpgroup with no rows only keeps
+    the slot protocol)."""
     from ddtree.kernels.tree_attention import reference
 
     hop = kernel_module.hopper
     monkeypatch.setattr(hop, "launch_splits", reference.split_partials_reference)
-    cfg = {
-        "default": hop.DEFAULT,
-        "triton last split": hop.HopperConfig(masked_tail=False),
-        "pingpong": hop.PINGPONG,
-    }[cfg]
-    if (
-        not cfg.masked_tail and max(q_lens) * 2 <= 32
-    ):  # decode-sized rows: no 64-row Triton blocks for the last split
-        with pytest.raises(ValueError, match="masked_tail=True"):
-            check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
-        return
+    cfg = {"default": hop.DEFAULT, "pingpong": hop.PINGPONG}[cfg]
     plan = check(q_lens, kv_lens, 16, torch.float32, tree, num_splits=splits, hopper_ctx=cfg)
     assert plan.kernel == "hopper" and plan.hopper == cfg and plan.num_splits == splits
 
@@ -494,9 +484,6 @@ def test_hopper_config_rules():
     with pytest.raises(AssertionError):
         # 128-wide tiles only with two warpgroups: one would not fit two per SM
         HopperConfig(64, 128, 3)
-    # the Triton last split continues 64-row blocks of 64-wide tiles only
-    with pytest.raises(AssertionError):
-        HopperConfig(128, 128, 3, masked_tail=False)
 
 
 def test_hopper_kernel_failure_falls_back(monkeypatch, caplog):

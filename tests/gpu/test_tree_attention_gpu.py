@@ -161,7 +161,6 @@ def _hopper_configs():
         HopperConfig(128, 128, 3),
         HopperConfig(128, 64, 3),
         HopperConfig(tail_n=0),
-        HopperConfig(masked_tail=False),
     ]
 
 
@@ -169,21 +168,15 @@ def _hopper_configs():
 @pytest.mark.parametrize("ci", [i for i, c in enumerate(CASES) if c[2] == 16])
 def test_hopper_kernel_matches_reference(ci, variant):
     """The default dispatch (the Gluon kernel where `dispatch.gluon_unsupported` gives no reason),
-    forced split counts, and every timed HopperConfig (masked_tail=False needs 64-row blocks: > 32
-    rows)."""
+    forced split counts, and every timed HopperConfig."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is sm_90 only")
     q_lens, kv_lens, page, tree = CASES[ci]
     p = problem(q_lens, kv_lens, page, tree, 100 + ci)
     if variant == "configs":
         for cfg in _hopper_configs():
-            if cfg.masked_tail or max(q_lens) * HQ // HKV > 32:
-                err, plan = run(p, hopper_ctx=cfg)
-                assert plan.kernel == "hopper" and plan.hopper == cfg and err < TOL, (
-                    cfg,
-                    plan,
-                    err,
-                )
+            err, plan = run(p, hopper_ctx=cfg)
+            assert plan.kernel == "hopper" and plan.hopper == cfg and err < TOL, (cfg, plan, err)
         return
     splits = None if variant == "default" else int(variant.split()[1])
     err, plan = run(p, num_splits=splits, hopper_ctx=True)

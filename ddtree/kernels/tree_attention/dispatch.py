@@ -1,15 +1,14 @@
 """Which kernel runs a paged-attention call, with which tiles, splits and PDL: a frozen `LaunchPlan`
 from the call's host shape (`AttentionShape`) and the device, decided here once, launched by
-`triton.launch` (the Triton kernel, the Gluon kernel of `hopper.py` for the context splits, the
-split merge).
+`triton.launch` (the Triton kernel or the Gluon kernel of `hopper.py` for the splits, the split
+merge).
 
 The rules (the H200 measurements behind them are in BENCHMARKS.md):
 - tiles: `tuning.default_config` from rows per request (q tokens x GQA group), head dim and context;
-- the Gluon kernel (`gluon_unsupported` says where not) does the context splits of tree / chain
-  rows (> 32 rows) and decode rows, `gluon_config_for` picks its config; never with `new_kv` (the
+- the Gluon kernel (`gluon_unsupported` says where not) does every split of tree / chain rows
+  (> 32 rows) and decode rows, `gluon_config_for` picks its config; never with `new_kv` (the
   drafter's block) or a sliding window (the Triton kernel masks it per row), never with one split
-  asked for, and with a Triton config only when the Triton
-  last split can follow it;
+  asked for;
 - splits: the fewest that fill the GPU's resident slots (`tuning.choose_num_splits`), unless fixed
   by the caller (a CUDA graph fixes them per bucket); the Gluon kernel always has >= 2 (its last
   split is the masked one);
@@ -88,10 +87,10 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """kernel: "hopper" (Gluon context splits, then the Triton last split unless
-    hopper.masked_tail, then the merge), "triton" (split kernel, then the merge when num_splits > 1)
-    or "reference" (PyTorch). config: the Triton tiles (its kernel, the last split, the merge's
-    warps); fallback: why not Gluon (or why the reference), None where nothing was refused."""
+    """kernel: "hopper" (the Gluon kernel's splits, then the merge), "triton" (split kernel, then
+    the merge when num_splits > 1) or "reference" (PyTorch). config: the Triton tiles (its kernel,
+    the merge's warps); fallback: why not Gluon (or why the reference), None where nothing was
+    refused."""
 
     kernel: str
     config: KernelConfig | None = None
@@ -120,17 +119,14 @@ def plan(
     triton_slots: Callable[[KernelConfig], int] | None = None,
 ) -> LaunchPlan:
     """The plan of one call. num_splits: fixed (None: chosen here); config: fixed Triton tiles;
-    hopper_ctx: True / None (Gluon wherever supported), False (never), or a HopperConfig (that one;
-    ValueError where the Triton last split cannot follow it). triton_slots(config): resident Triton
+    hopper_ctx: True / None (Gluon wherever supported), False (never), or a HopperConfig (that
+    one). triton_slots(config): resident Triton
     programs on the device (the launcher's compiled variant); needed only when the Triton kernel's
     split count is chosen here."""
     from ddtree.kernels.tree_attention import hopper, merge
 
     rows = shape.rows
     cfg = config or default_config(rows, shape.head_dim, shape.max_kv_len)
-    # the Triton kernel can run the last split after the Gluon kernel's context splits: same 64-row
-    # blocks
-    triton_last_split_ok = cfg.tail_split and cfg.block_m == 64
     why = None
     hop = hopper_ctx
     if hop is None or hop is True:
@@ -141,8 +137,6 @@ def plan(
             if shape.window
             else "one split asked for"
             if num_splits == 1
-            else "a Triton config that cannot run the last split"
-            if config is not None and not triton_last_split_ok
             else gluon_unsupported(shape, device)
         )
         hop = gluon_config_for(rows) if why is None else None
@@ -151,11 +145,6 @@ def plan(
     if hop is not None and shape.window:
         raise ValueError(f"hopper_ctx={hop}: the Gluon kernel has no sliding window")
     if hop is not None:
-        if not hop.masked_tail and not triton_last_split_ok:
-            raise ValueError(
-                f"hopper_ctx={hop}: the Triton last split needs 64-row tail-split blocks like "
-                f"the Gluon kernel's, not {cfg}; use masked_tail=True"
-            )
         if num_splits is None:
             slots = hop.programs_per_sm(shape.head_dim) * hopper.sm_count(device)
             num_splits = choose_num_splits(

@@ -26,10 +26,10 @@ and the wgmma waits among them). This kernel runs the same split-KV scheme the w
   runs); a 4k + 1-node tree keeps
   the 64-row blocks and the swapped tail.
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
-full context tiles every row of the block sees, unmasked; the last split (`masked_tail`) takes the partial
-context tile and the new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial
-and its base-2 log-sum-exp, and the Triton `merge.combine` merges (`reference.split_partials_reference` is the
-oracle). With masked_tail=False the Triton kernel runs the last split instead (measured slower, kept for A/B).
+full context tiles every row of the block sees, unmasked; the last split takes the partial context tile and the
+new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial and its base-2
+log-sum-exp, and the Triton `merge.combine` merges (`reference.split_partials_reference` is the oracle). (The
+Triton kernel running that last split instead measured slower and is gone: BENCHMARKS.md.)
 Rows past the request's length in a tile read finite pool data (the engine's pools are zero-initialised) that
 the mask gives weight 0. Written for sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8
 and divides or is divided by 64 (TMA boxes of min(page, 64) rows) and no `new_kv` (the drafter's block); the
@@ -71,9 +71,6 @@ class HopperConfig:
     )
     block_n: int = 64  # KV positions per tile (a multiple of the TMA box, min(page, block_n))
     stages: int = 3  # ring slots
-    masked_tail: bool = (
-        True  # the last split (partial context tile + masked new tokens) here, not in Triton
-    )
     tail_n: int = (
         8  # a last row block of <= tail_n rows runs swapped (S^T = K Q^T, N = tail_n); 0 = off
     )
@@ -86,9 +83,6 @@ class HopperConfig:
         # issued in turn (ping-pong), one program per SM
         assert self.block_m in (64, 128) and self.block_n in (64, 128) and self.stages >= 2, self
         assert self.block_n == 64 or self.block_m == 128, self
-        # the Triton kernel's last split continues 64-row blocks of 64-wide tiles (causal rows' full tiles end at
-        # their block's first token), so only that shape may leave it the masked tiles
-        assert self.masked_tail or (self.block_m == 64 and self.block_n == 64), self
         assert self.tail_n in (0, 8, 16), self
 
     @property
@@ -198,7 +192,6 @@ if not _disabled:  # Gluon imported
         BN: gl.constexpr,
         NS: gl.constexpr,
         MODE: gl.constexpr,
-        MASKED_TAIL: gl.constexpr,
         TN: gl.constexpr,
         PDL: gl.constexpr,
         num_warps: gl.constexpr,
@@ -226,7 +219,7 @@ if not _disabled:  # Gluon imported
         kv_len = gl.load(kv_lens + b).to(gl.int32)
         ctx = kv_len - q_len
         # [0, free_end): seen by every row of the block; [free_end, kv_end): the masked rest (MODE 0 causal,
-        # 1 tree mask, 2 all new tokens), done by the last split when MASKED_TAIL, else by the Triton kernel
+        # 1 tree mask, 2 all new tokens), done by the last split
         free_end = ctx
         kv_end = kv_len
         if MODE == 0:
@@ -236,10 +229,7 @@ if not _disabled:  # Gluon imported
         per_split = (n_full + num_splits - 2) // (num_splits - 1)
         tile_lo = split * per_split
         n_tiles = gl.minimum(tile_lo + per_split, n_full) - tile_lo
-        if MASKED_TAIL:
-            masked = split == num_splits - 1
-        else:
-            masked = split < 0  # never, but a run-time flag like the other branch's
+        masked = split == num_splits - 1
         if masked:
             tile_lo = n_full
             n_tiles = (kv_end + BN - 1) // BN - n_full
@@ -523,16 +513,16 @@ def launch_splits(
     cfg: HopperConfig = DEFAULT,
     pdl: bool = False,
 ) -> None:
-    """Splits 0 .. num_splits - 2 of every row, and the last (masked) one too with cfg.masked_tail (see the
-    module docstring). mode: 0 causal, 1 tree mask (uint8 [b, n, n] `mask`), 2 all new tokens visible. pdl: the
-    merge that follows is launched as a programmatic dependent, so trigger it."""
+    """Every split of every row: 0 .. num_splits - 2 over the full context tiles, the last over the masked
+    rest (see the module docstring). mode: 0 causal, 1 tree mask (uint8 [b, n, n] `mask`), 2 all new
+    tokens visible. pdl: the merge that follows is launched as a programmatic dependent, so trigger it."""
     assert num_splits >= 2
     hkv, d = k_pool.shape[1], k_pool.shape[2]
     group = q.shape[1] // hkv
     q_blocks = -(-(max_q_len * group) // cfg.block_m)
     box = min(page_size, cfg.block_n)
     b = qo_indptr.shape[0] - 1
-    _split_attn[(q_blocks, b * hkv, num_splits - 1 + cfg.masked_tail)](
+    _split_attn[(q_blocks, b * hkv, num_splits)](
         q,
         _descriptor(k_pool, box),
         _descriptor(v_pool, box),
@@ -559,7 +549,6 @@ def launch_splits(
         BN=cfg.block_n,
         NS=cfg.stages,
         MODE=mode,
-        MASKED_TAIL=cfg.masked_tail,
         TN=tail_n(cfg, group),
         PDL=pdl,
         num_warps=4,

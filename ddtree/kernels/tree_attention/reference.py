@@ -104,8 +104,8 @@ def split_partials_reference(
     """Oracle for `hopper.launch_splits` (same signature; `pdl` is a launch detail, ignored here). A row block
     of cfg.block_m rows (token r // G, query head r % G of its KV head) splits [0, free_end) into block_n tiles,
     free_end = ctx (+ the block's first token under causal mode 0), and split s < num_splits - 1 takes tiles
-    [s * per, min((s + 1) * per, n_full)), per = ceil(n_full / (num_splits - 1)). With cfg.masked_tail the last
-    split takes [n_full * block_n, kv_len) under the mode's visibility (0 causal, 1 the tree `mask`, 2 all).
+    [s * per, min((s + 1) * per, n_full)), per = ceil(n_full / (num_splits - 1)), and the last split takes
+    [n_full * block_n, kv_len) under the mode's visibility (0 causal, 1 the tree `mask`, 2 all).
     Writes the normalised partial [T, Hq, S, D] and its base-2 log-sum-exp (-inf and zeros where a split sees
     nothing), as the kernels' split stores. A block of <= cfg.tail_n rows, which the kernel computes swapped
     (S^T = K Q^T), has the same splits."""
@@ -130,7 +130,7 @@ def split_partials_reference(
             rows = torch.arange(row0, min(row0 + bm, n * group), device=q.device)
             tok = rows // group
             vis = vis_req[tok]
-            for split in range(num_splits - 1 + bool(cfg.masked_tail)):
+            for split in range(num_splits):
                 lo, hi = split * per * bn, min((split + 1) * per, n_full) * bn
                 if split == num_splits - 1:
                     lo, hi = n_full * bn, kv_len

@@ -501,7 +501,6 @@ def _split_kv_attn(
     SPLIT: tl.constexpr,
     TAIL_SPLIT: tl.constexpr,
     DOT: tl.constexpr,
-    CTX_DONE: tl.constexpr,
     PDL: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
@@ -511,9 +510,6 @@ def _split_kv_attn(
     b = tl.program_id(1) // HKV
     kvh = tl.program_id(1) % HKV
     split = tl.program_id(2)
-    if CTX_DONE:
-        # hopper.launch_splits wrote the context splits: this grid is the last one
-        split += num_splits - 1
     q_start = tl.load(qo_indptr + b)
     q_len = (tl.load(qo_indptr + b + 1) - q_start).to(tl.int32)
     n_rows = q_len * G
@@ -772,7 +768,7 @@ def triton_slots(shape: AttentionShape, cfg: KernelConfig, device: torch.device,
         device,
         key,
         lambda: _split_kv_attn.warmup(
-            *args(2, f32, f32), grid=(1,), SPLIT=True, CTX_DONE=False, PDL=pdl_ok(device), **consts
+            *args(2, f32, f32), grid=(1,), SPLIT=True, PDL=pdl_ok(device), **consts
         ),
     )
 
@@ -855,19 +851,11 @@ def launch(
             hop,
             pdl,
         )
-    if not (hop and hop.masked_tail):
+    else:
         q_blocks = -(-shape.rows // cfg.block_m)
-        grid = (
-            q_blocks,
-            shape.batch * shape.num_kv_heads,
-            1 if hop else num_splits,
-        )  # hopper: last split only
+        grid = (q_blocks, shape.batch * shape.num_kv_heads, num_splits)
         _split_kv_attn[grid](
-            *args(num_splits, part_o, part_lse),
-            SPLIT=split,
-            CTX_DONE=bool(hop),
-            PDL=pdl,
-            **_consts(shape, cfg),
+            *args(num_splits, part_o, part_lse), SPLIT=split, PDL=pdl, **_consts(shape, cfg)
         )
     if split:
         combine[(T, hq)](
