@@ -62,18 +62,14 @@ if HAVE_GLUON:
     def _mask_tile(
         s,
         tile,
-        row0,
-        n_rows,
-        ctx,
-        kv_len,
-        mask_row,
-        stride_mt,
+        blk,
         G: gl.constexpr,
         BM: gl.constexpr,
         BN: gl.constexpr,
         MODE: gl.constexpr,
         s_layout: gl.constexpr,
     ):
+        row0, n_rows, ctx, kv_len, mask_row, stride_mt = blk
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
         j = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         vis = _visible(rows[:, None], j[None, :], n_rows, ctx, kv_len, mask_row, stride_mt, G, MODE)
@@ -85,28 +81,11 @@ if HAVE_GLUON:
         stride_qt,
         stride_qh,
         q_smem,
-        k_bufs,
-        v_bufs,
-        full,
-        empty,
-        turn_mine,
-        turn_other,
-        tile_lo,
-        n_tiles,
-        masked,
-        qk_scale,
-        part_o,
-        part_lse,
-        row0,
-        n_rows,
-        q_start,
-        kvh,
-        split,
-        num_splits,
-        ctx,
-        kv_len,
-        mask_row,
-        stride_mt,
+        ring,
+        turns,
+        job,
+        blk,
+        dest,
         HKV: gl.constexpr,
         G: gl.constexpr,
         D: gl.constexpr,
@@ -119,8 +98,16 @@ if HAVE_GLUON:
         FIRST: gl.constexpr,
         num_warps: gl.constexpr,
     ):
+        # the bundles `hopper._split_attn` builds once for every partition: ring = the K / V slots
+        # and their full / empty barriers; turns = this warpgroup's and the other's ping-pong
+        # barriers; job = (first tile, tiles, masked split, scale); blk = the row block and what
+        # it sees (first row, rows, context, KV length, tree-mask row, its stride); dest = where
+        # the partial goes (part_o, part_lse, first token, KV head, split, splits)
+        row0, n_rows, q_start, kvh = blk[0], blk[1], dest[2], dest[3]
         if PP:  # a ping-pong warpgroup whose rows are all past the request's end keeps only the slot / turn protocol
             if row0 >= n_rows:
+                full, empty, n_tiles = ring[2], ring[3], job[1]
+                turn_mine, turn_other = turns
                 for j in range(n_tiles - 1):
                     mbarrier.wait(full.index((j + 1) % NS), ((j + 1) // NS) & 1)
                     mbarrier.wait(turn_mine, (j & 1) ^ FIRST)
@@ -147,108 +134,18 @@ if HAVE_GLUON:
         if TN > 0:
             if n_rows - row0 <= TN:
                 _consume_swapped(
-                    q_smem,
-                    k_bufs,
-                    v_bufs,
-                    full,
-                    empty,
-                    tile_lo,
-                    n_tiles,
-                    masked,
-                    qk_scale,
-                    part_o,
-                    part_lse,
-                    row0,
-                    n_rows,
-                    q_start,
-                    kvh,
-                    split,
-                    num_splits,
-                    ctx,
-                    kv_len,
-                    mask_row,
-                    stride_mt,
-                    HKV,
-                    G,
-                    D,
-                    BN,
-                    TN,
-                    NS,
-                    MODE,
-                    num_warps,
+                    q_smem, ring, job, blk, dest, HKV, G, D, BN, TN, NS, MODE, num_warps
                 )
             else:
                 _consume_rows(
-                    q_smem,
-                    k_bufs,
-                    v_bufs,
-                    full,
-                    empty,
-                    turn_mine,
-                    turn_other,
-                    tile_lo,
-                    n_tiles,
-                    masked,
-                    qk_scale,
-                    part_o,
-                    part_lse,
-                    row0,
-                    n_rows,
-                    q_start,
-                    kvh,
-                    split,
-                    num_splits,
-                    ctx,
-                    kv_len,
-                    mask_row,
-                    stride_mt,
-                    HKV,
-                    G,
-                    D,
-                    BM,
-                    BN,
-                    NS,
-                    MODE,
-                    PP,
-                    FIRST,
+                    q_smem, ring, turns, job, blk, dest, HKV, G, D, BM, BN, NS, MODE, PP, FIRST,
                     num_warps,
-                )
+                )  # fmt: skip
         else:
             _consume_rows(
-                q_smem,
-                k_bufs,
-                v_bufs,
-                full,
-                empty,
-                turn_mine,
-                turn_other,
-                tile_lo,
-                n_tiles,
-                masked,
-                qk_scale,
-                part_o,
-                part_lse,
-                row0,
-                n_rows,
-                q_start,
-                kvh,
-                split,
-                num_splits,
-                ctx,
-                kv_len,
-                mask_row,
-                stride_mt,
-                HKV,
-                G,
-                D,
-                BM,
-                BN,
-                NS,
-                MODE,
-                PP,
-                FIRST,
+                q_smem, ring, turns, job, blk, dest, HKV, G, D, BM, BN, NS, MODE, PP, FIRST,
                 num_warps,
-            )
+            )  # fmt: skip
 
     @gluon.jit
     def _softmax_cols(
@@ -258,12 +155,7 @@ if HAVE_GLUON:
         tile,
         masked,
         qk_scale,
-        row0,
-        n_rows,
-        ctx,
-        kv_len,
-        mask_row,
-        stride_mt,
+        blk,
         G: gl.constexpr,
         BN: gl.constexpr,
         TN: gl.constexpr,
@@ -272,6 +164,7 @@ if HAVE_GLUON:
     ):
         # the online softmax of a swapped tile S^T [BN, TN]: one column per row
         if masked:
+            row0, n_rows, ctx, kv_len, mask_row, stride_mt = blk
             rows = row0 + gl.arange(0, TN, layout=gl.SliceLayout(0, st_layout))
             kv = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, st_layout))
             vis = _visible(
@@ -286,26 +179,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _consume_swapped(
         q_smem,
-        k_bufs,
-        v_bufs,
-        full,
-        empty,
-        tile_lo,
-        n_tiles,
-        masked,
-        qk_scale,
-        part_o,
-        part_lse,
-        row0,
-        n_rows,
-        q_start,
-        kvh,
-        split,
-        num_splits,
-        ctx,
-        kv_len,
-        mask_row,
-        stride_mt,
+        ring,
+        job,
+        blk,
+        dest,
         HKV: gl.constexpr,
         G: gl.constexpr,
         D: gl.constexpr,
@@ -315,6 +192,10 @@ if HAVE_GLUON:
         MODE: gl.constexpr,
         num_warps: gl.constexpr,
     ):
+        k_bufs, v_bufs, full, empty = ring
+        tile_lo, n_tiles, masked, qk_scale = job
+        row0, n_rows = blk[0], blk[1]
+        part_o, part_lse, q_start, kvh, split, num_splits = dest
         # <= TN rows (the one-node tail of a 4k+1-node tree, or a decode token's GQA group): a 64-row wgmma would
         # be >= 87% padding, so the product is swapped: S^T = K Q^T ([BN, TN], KV positions as wgmma's M) and
         # O^T = V^T P^T ([D, TN], P^T through shared memory); the softmax runs down the columns
@@ -344,12 +225,7 @@ if HAVE_GLUON:
                 tile_lo,
                 masked,
                 qk_scale,
-                row0,
-                n_rows,
-                ctx,
-                kv_len,
-                mask_row,
-                stride_mt,
+                blk,
                 G,
                 BN,
                 TN,
@@ -392,12 +268,7 @@ if HAVE_GLUON:
                     tile_lo + j + 1,
                     masked,
                     qk_scale,
-                    row0,
-                    n_rows,
-                    ctx,
-                    kv_len,
-                    mask_row,
-                    stride_mt,
+                    blk,
                     G,
                     BN,
                     TN,
@@ -436,28 +307,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _consume_rows(
         q_smem,
-        k_bufs,
-        v_bufs,
-        full,
-        empty,
-        turn_mine,
-        turn_other,
-        tile_lo,
-        n_tiles,
-        masked,
-        qk_scale,
-        part_o,
-        part_lse,
-        row0,
-        n_rows,
-        q_start,
-        kvh,
-        split,
-        num_splits,
-        ctx,
-        kv_len,
-        mask_row,
-        stride_mt,
+        ring,
+        turns,
+        job,
+        blk,
+        dest,
         HKV: gl.constexpr,
         G: gl.constexpr,
         D: gl.constexpr,
@@ -469,6 +323,11 @@ if HAVE_GLUON:
         FIRST: gl.constexpr,
         num_warps: gl.constexpr,
     ):
+        k_bufs, v_bufs, full, empty = ring
+        turn_mine, turn_other = turns
+        tile_lo, n_tiles, masked, qk_scale = job
+        row0, n_rows = blk[0], blk[1]
+        part_o, part_lse, q_start, kvh, split, num_splits = dest
         # online softmax over the tiles as they land in `full` slots; each slot goes back through `empty`
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
@@ -505,12 +364,7 @@ if HAVE_GLUON:
                 s = _mask_tile(
                     s,
                     tile_lo,
-                    row0,
-                    n_rows,
-                    ctx,
-                    kv_len,
-                    mask_row,
-                    stride_mt,
+                    blk,
                     G,
                     BM,
                     BN,
@@ -546,12 +400,7 @@ if HAVE_GLUON:
                     s = _mask_tile(
                         s,
                         tile_lo + j + 1,
-                        row0,
-                        n_rows,
-                        ctx,
-                        kv_len,
-                        mask_row,
-                        stride_mt,
+                        blk,
                         G,
                         BM,
                         BN,
