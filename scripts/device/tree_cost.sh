@@ -20,7 +20,7 @@
 # kernels, launch gaps, launches) and the GEMMs' rows line. BUDGET_S (default 300) bounds steps 2-3
 # (cases past it are skipped, named in the output). FULL=1 adds the GDN kernel's launch variants
 # (one layer, CUDA graph us) and more GEMM rows; CHECKS=kernel runs only the kernel's checks in
-# step 1 (CHECKS=none: none); C27=... replaces step 2's cases.
+# step 1 (CHECKS=none: none), CHECKS_S (default 170) bounds them; C27=... replaces step 2's cases.
 set -uo pipefail
 OUT=${1:-${OUT:-tree_cost_out}}
 # shellcheck source=scripts/device_env.sh
@@ -35,7 +35,7 @@ TESTS=(tests/gpu/test_gdn_gpu.py -k tree_chunk_kernel)
 [ "$CHECKS" = all ] && TESTS=(tests/gpu/test_gdn_gpu.py tests/gpu/test_hybrid_graphs_gpu.py
   -k "tree_chunk_kernel or hybrid_graphs_match_eager")
 if [ "$CHECKS" != none ]; then
-  timeout 170 "${PYTEST[@]}" "${TESTS[@]}" >"$OUT/gpu_tests.log" 2>&1 || status=1
+  timeout "${CHECKS_S:-170}" "${PYTEST[@]}" "${TESTS[@]}" >"$OUT/gpu_tests.log" 2>&1 || status=1
   tail -3 "$OUT/gpu_tests.log"
 fi
 echo "checks: $(($(date +%s) - T0)) s"
