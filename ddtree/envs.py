@@ -85,9 +85,9 @@ FUSED_KERNELS_INTERPRET = EnvVar(
 FP8_GEMM = EnvVar(
     "DDTREE_FP8_GEMM",
     "auto",
-    "block-FP8 linears (kernels/fp8): auto (the measured choice per row count), fused (one Triton "
-    "launch, activations quantized in registers), triton (group-quant kernel + Triton GEMM), "
-    "cublas (group-quant kernel + torch._scaled_mm block scaling) or reference (PyTorch)",
+    "block-FP8 linears (kernels/fp8): auto (the measured choice per shape and row count), triton "
+    "(group-quant kernel + Triton GEMM), cublas (group-quant kernel + torch._scaled_mm block "
+    "scaling) or reference (PyTorch)",
 )
 FP8_GEMM_CONFIG = EnvVar(
     "DDTREE_FP8_GEMM_CONFIG",

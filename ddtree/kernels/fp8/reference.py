@@ -20,6 +20,14 @@ FP8_MAX = 448.0
 EPS = 1e-10  # an all-zero group gets a tiny scale (its values quantize to 0), never a division by 0
 
 
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """max(amax, EPS) / 448, the IEEE quotient on every device: CUDA's division by a Python scalar
+    multiplies by its reciprocal (off by an ulp in about half the cases, which moves the fp8
+    values of the whole group), so the divisor is a tensor."""
+    amax = amax.clamp(min=EPS)
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -28,7 +36,7 @@ def group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
     """x [M, K] -> (q [M, K] float8_e4m3fn, scales [M, ceil(K / group)] float32)."""
     M, K = x.shape
     xf = F.pad(x.float(), (0, -K % group)).view(M, -1, group)
-    scale = xf.abs().amax(-1).clamp(min=EPS) / FP8_MAX
+    scale = _scale(xf.abs().amax(-1))
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(M, -1)[:, :K], scale
 
@@ -50,7 +58,7 @@ def quantize_weight(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     N, K = w.shape
     wf = F.pad(w.float(), (0, -K % bk, 0, -N % bn))
     blocks = wf.view(_cdiv(N, bn), bn, _cdiv(K, bk), bk)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=EPS) / FP8_MAX
+    scale = _scale(blocks.abs().amax(dim=(1, 3)))
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(wf.shape)[:N, :K].contiguous(), scale
 

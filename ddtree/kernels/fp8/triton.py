@@ -6,10 +6,11 @@
 - `gemm`: C [M, N] = dequant(A) @ dequant(B)^T with B the weight [N, K] (row scale group g, bk
   columns a block): each bk-wide K step is one fp8 tensor-core dot accumulated in float32 and scaled
   by the A row scales and the B block scales; one K block per step, so every output element sums
-  its K blocks in the same order whatever the tile shape. `quantize_a=True` takes A in the model dtype
-  and quantizes each [BLOCK_M, bk] tile in registers (the same arithmetic as `group_quant`, so the
-  same fp8 values): one launch for the whole linear, which decode-sized GEMMs (few rows: weight
-  bound) want; every N tile re-quantizes its rows, which costs tensor-core time at many rows.
+  its K blocks in the same order whatever the tile shape.
+
+A variant that quantized the activation tile in registers inside the GEMM (one launch per linear)
+lost on the H200 at every row count, 3-10x slower than the two launches (bench/gpu_fp8_gemm.py,
+2026-12): deleted.
 
 No host sync, shapes fixed by the inputs: CUDA-graph capturable (launch once before capture to
 compile).
@@ -27,6 +28,8 @@ from ddtree.kernels.fp8.tuning import GemmConfig
 
 # TRITON_INTERPRET is read when a kernel is decorated; the dispatch reloads this module for the other mode
 _decorated_interpreted = envs.TRITON_INTERPRET.on()
+_EPS = tl.constexpr(EPS)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -51,8 +54,8 @@ def _group_quant_kernel(
         x = tl.load(x_ptr + row * stride_xm + cols, mask=row < M, other=0.0).to(tl.float32)
     else:
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 0), EPS), FP8_MAX)
-    q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 0), _EPS), _FP8_MAX)
+    q = tl.clamp(tl.div_rn(x, scale), -_FP8_MAX, _FP8_MAX).to(q_ptr.dtype.element_ty)
     if EVEN_K:
         tl.store(q_ptr + row * stride_qm + cols, q)
     else:
@@ -110,7 +113,6 @@ def _gemm_kernel(
     stride_bsn,
     stride_bsk,
     GROUP_N: tl.constexpr,
-    QUANT_A: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -145,12 +147,7 @@ def _gemm_kernel(
             k_left = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
-        if QUANT_A:  # group_quant's arithmetic, in registers
-            af = a.to(tl.float32)
-            a_s = tl.div_rn(tl.maximum(tl.max(tl.abs(af), 1), EPS), FP8_MAX)
-            a = tl.clamp(tl.div_rn(af, a_s[:, None]), -FP8_MAX, FP8_MAX).to(b.dtype)
-        else:
-            a_s = tl.load(as_ptrs + kb * stride_ask, mask=mask_m, other=0.0)
+        a_s = tl.load(as_ptrs + kb * stride_ask, mask=mask_m, other=0.0)
         b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=mask_n, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
@@ -163,7 +160,7 @@ def _gemm_kernel(
 
 def gemm(
     a: torch.Tensor,
-    a_scale: torch.Tensor | None,
+    a_scale: torch.Tensor,
     w: torch.Tensor,
     w_scale: torch.Tensor,
     group_n: int,
@@ -173,17 +170,16 @@ def gemm(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """a [M, K] float8_e4m3fn with a_scale [M, ceil(K / group_k)] (any strides), or a_scale None: a
-    in the model dtype, quantized inside; w [N, K] float8_e4m3fn, w_scale [ceil(N / group_n),
-    ceil(K / group_k)] -> [M, N] in out_dtype. Unit stride along K for a and w."""
+    """a [M, K] float8_e4m3fn with a_scale [M, ceil(K / group_k)] (any strides); w [N, K]
+    float8_e4m3fn, w_scale [ceil(N / group_n), ceil(K / group_k)] -> [M, N] in out_dtype. Unit
+    stride along K for a and w."""
     M, K = a.shape
     N = w.shape[0]
     c = torch.empty(M, N, dtype=out_dtype, device=a.device) if out is None else out
-    quant = a_scale is None
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     _gemm_kernel[grid](
         a,
-        a if quant else a_scale,
+        a_scale,
         w,
         w_scale,
         c,
@@ -194,12 +190,11 @@ def gemm(
         a.stride(0),
         w.stride(0),
         c.stride(0),
-        0 if quant else a_scale.stride(0),
-        0 if quant else a_scale.stride(1),
+        a_scale.stride(0),
+        a_scale.stride(1),
         w_scale.stride(0),
         w_scale.stride(1),
         GROUP_N=group_n,
-        QUANT_A=quant,
         HAS_BIAS=bias is not None,
         EVEN_K=K % group_k == 0,
         BLOCK_M=config.block_m,
