@@ -209,11 +209,13 @@ def save_model(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int | None = None,
     skip: tuple[str, ...] = (),
+    state_dict: dict | None = None,
 ) -> None:
-    """Write `config.json` and safetensors (sharded with an index when `max_shard_bytes` is given)."""
+    """Write `config.json` and safetensors (sharded with an index when `max_shard_bytes` is given);
+    `state_dict`: the tensors to write (default: the module's)."""
     os.makedirs(path, exist_ok=True)
     state = {}
-    for name, p in module.state_dict().items():
+    for name, p in (module.state_dict() if state_dict is None else state_dict).items():
         if skip and name.startswith(skip):
             continue
         state[name] = (p.to(dtype) if dtype is not None else p).detach().contiguous().cpu()

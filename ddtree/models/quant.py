@@ -235,3 +235,34 @@ def prepare(model: nn.Module) -> None:
 
 def fp8_modules(model: nn.Module) -> list[Fp8Linear]:
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict in the checkpoint layout: HF part names, and each part's scales in
+    blocks of bn rows (a fused projection holding one scale row per weight row keeps every bn-th)."""
+    state = model.state_dict()
+    for owner, attr, m, prefix in _linears(model, Fp8Linear):
+        if m.group_n != 1:
+            continue
+        stem = prefix[: -len(attr)]
+        for name, _ in _parts(owner, attr, m):
+            key = f"{stem}{name}.weight_scale_inv"
+            state[key] = state[key][:: m.block[0]]
+    return state
+
+
+def quantization_config(model: nn.Module, layout: Fp8Layout) -> dict:
+    """config.json's `quantization_config` for a model quantized by `layout` (Qwen's fields; its
+    other 2-D weights, kept in the model dtype, listed in modules_to_not_convert)."""
+    kept = sorted(
+        name[: -len(".weight")]
+        for name, t in model.state_dict().items()
+        if name.endswith(".weight") and t.dim() == 2 and t.dtype != R.FP8
+    )
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(layout.block),
+        "modules_to_not_convert": kept,
+    }
