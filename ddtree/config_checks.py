@@ -191,6 +191,11 @@ def check_quantization(
     fp8 = layouts[0] is not None or (
         layouts[1] is not None and a.speculative_draft_quantization != "unquant"
     )
+    if fp8 and device == "cpu":
+        logger.warning(
+            "FP8 on the CPU runs the PyTorch reference (weights dequantized at every call): "
+            "slower than --dtype; FP8 is for GPUs with FP8 tensor cores"
+        )
     if fp8 and device == "cuda" and capability is not None and capability < FP8_MIN_CAPABILITY:
         p.append(
             f"FP8 weights (--quantization fp8 / --speculative-draft-quantization fp8 / a block-FP8 "
