@@ -310,3 +310,36 @@ def test_tp_that_cuts_blocks_is_refused(fp8_pairs):
     ft, fd, t, d = fp8_pairs["dense"]
     with pytest.raises(ConfigError, match="--tp-size 2 cuts the FP8 weight blocks"):
         resolve_server_args(ServerArgs(model_path=ft, device="cpu", tp_size=2))
+
+
+def test_vlm_layout_fp8_checkpoint(tmp_path):
+    """Qwen3.5 / 3.6 FP8 checkpoints are VLM-shaped (`model.language_model.*`, a vision tower, an MTP
+    head, which may be FP8 too and are never loaded); the text model loads in FP8, bit for bit the
+    model-dtype VLM checkpoint quantized at load. (Not against the dequantized model: this random
+    tiny model moves its logits by ~25% under weight quantization alone, so a bound says nothing.)"""
+    from hybrid_fixtures import save_hf_qwen3_5_vlm
+
+    src = tmp_path / "vlm"
+    save_hf_qwen3_5_vlm(src)
+
+    def add_fp8_mtp(t):
+        w = torch.randn(64, 64)
+        t["mtp.fc.weight"], t["mtp.fc.weight_scale_inv"] = quantize_block(w, (128, 128))
+
+    path = write_fp8_checkpoint(str(src), str(tmp_path / "fp8"), edit_tensors=add_fp8_mtp)
+    with open(os.path.join(path, "config.json")) as f:
+        assert "model.language_model.lm_head" not in json.load(f)["quantization_config"]
+    args = resolve_server_args(ServerArgs(model_path=path, device="cpu"))
+    assert args.target_fp8 is not None and all(
+        n.startswith("model.layers.") for n in args.target_fp8.shapes
+    )
+    fp8, at_load = load_target(path), load_target(str(src), quantization="fp8")
+    assert sum(isinstance(m, Fp8Linear) for m in fp8.modules()) > 4
+    a, b = _parts(fp8), _parts(at_load)
+    assert a.keys() == b.keys()
+    assert all(
+        torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)) for k in a
+    )
+    ids = torch.randint(2, 64, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(fp8.forward_train(ids)[0], at_load.forward_train(ids)[0])
