@@ -3,8 +3,8 @@
 ptxas made of each: registers, stack (spills), shared memory, and SASS counts (QGMMA = Hopper's fp8
 warpgroup MMA, HGMMA / HMMA = bf16 / older MMA paths, LDL / STL = spills).
 
-    python3 bench/fp8_compile_report.py            # the tuning table's tiles
-    python3 bench/fp8_compile_report.py --json     # one JSON line per kernel (tests)
+    python3 studies/fp8_compile_report.py            # the tuning table's tiles
+    python3 studies/fp8_compile_report.py --json     # one JSON line per kernel (tests)
 
 Uses the ptxas / cuobjdump that Triton's package carries; runs on the CPU machine (no device time).
 """

@@ -1,8 +1,8 @@
-"""Issue 44's serving comparison from a `bench at-scale` JSON run with bench/configs/fp8_serving.json:
+"""Issue 44's serving comparison from a `bench at-scale` JSON run with studies/configs/fp8_serving.json:
 per concurrency, DDTREE `auto` over DFLASH with both at FP8, FP8 over bf16 per config (output
 tokens/s), and tau (accepted tokens a round) FP8 vs bf16.
 
-    python3 bench/fp8_serving_summary.py OUT/at_scale.json
+    python3 studies/fp8_serving_summary.py OUT/at_scale.json
 """
 
 from __future__ import annotations

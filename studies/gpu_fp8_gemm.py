@@ -2,7 +2,7 @@
 correctness against the PyTorch reference, then time per call against bf16 F.linear, with the weight
 floor (FP8 weight bytes / the copy bandwidth measured in the same run).
 
-    python3 bench/gpu_fp8_gemm.py [--rows 1,16,64,128,520,1040] [--shapes 8b,27b] [--sweep] [--out F]
+    python3 studies/gpu_fp8_gemm.py [--rows 1,16,64,128,520,1040] [--shapes 8b,27b] [--sweep] [--out F]
 
 Each variant is timed as the median replay of a CUDA graph of calls over rotating weight copies (at
 least 256 MB of weights, so a small GEMM reads its weight from HBM, not the 60 MB L2), divided by the

@@ -288,11 +288,11 @@ def test_memory_plan_counts_the_fp8_bytes_that_load(fp8_pairs):
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_rank_fp8_bytes_are_what_a_27b_rank_builds(tp):
     """check-config's per-rank FP8 weights = the parameters of the FP8 model a rank builds."""
-    from ddtree.inflate.shapes import QWEN36_27B
     from ddtree.models.loader import build_target
     from ddtree.models.parallel import TPGroup
     from ddtree.models.quant import to_fp8
     from ddtree.models.tp_layout import fp8_cuts, shard_target
+    from ddtree.shapes import QWEN36_27B
 
     t = TargetConfig.from_dict(QWEN36_27B)
     layout = at_load_layout(target_linear_shapes(t), ckpt.TARGET_LINEARS, None)

@@ -2,7 +2,7 @@
 of the tuning table, with the 16-divisibility a real launch specializes on: they
 compile, do not spill (no stack, no LDL / STL), and run their dots on the fp8 tensor cores (QGMMA,
 Hopper's fp8 warpgroup MMA, from BLOCK_M 64; the fp8 mma.sync, HMMA, below). ~15 s. Runs
-bench/fp8_compile_report.py in a clean subprocess (the test process runs Triton's interpreter)."""
+studies/fp8_compile_report.py in a clean subprocess (the test process runs Triton's interpreter)."""
 
 import pytest
 from compile_reports import needs_sass_tools, run_report

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def written(request, tmp_path_factory):
     """(kind, in-memory FP8 pair, FP8 dir, model-dtype dir)."""
     from ddtree.assets import default_model_paths
-    from ddtree.inflate import inflate_pair, write_pair
-    from ddtree.inflate.pair import quantize_pair
+    from ddtree.tools.inflate import inflate_pair, write_pair
+    from ddtree.tools.inflate.pair import quantize_pair
 
     t, d = default_model_paths()
     root = tmp_path_factory.mktemp(f"fp8_inflate_{request.param}")

@@ -3,7 +3,7 @@
 # uvicorn / pydantic / openai for the servers of part 4; scripts/fetch_device_wheels.sh):
 #   scripts/device/fp8.sh [OUT_DIR] [--only gemm,tests,rounds,serving] [--time-budget-s S]
 # Expected: ~6 minutes (gemm ~40 s, tests ~70 s, rounds ~60 s, serving the rest of the budget).
-# 1. gemm: bench/gpu_fp8_gemm.py at the 8B and 27B weight shapes, 1 .. 1040 rows: every variant
+# 1. gemm: studies/gpu_fp8_gemm.py at the 8B and 27B weight shapes, 1 .. 1040 rows: every variant
 #    against the reference (column "auto err": the engine's choice, bf16-output rounding ~1.7e-3;
 #    "quant" must say exact: the group-quant kernel == the reference bit for bit), us per call of
 #    bf16 F.linear / cuBLAS block-scaled / Triton / auto, the weight floor (FP8 bytes / the copy
@@ -16,8 +16,8 @@
 #    its weight bytes / copy bandwidth). Look at: AR b1 fp8 x its floor (issue goal <= 1.25) and
 #    DDTREE B=64 b8 fp8 ms / bf16 ms (goal <= 0.6).
 # 4. serving: `bench at-scale` on the 8B shape (pair written once to /tmp in bf16; the fp8 servers
-#    quantize at load), bench/configs/fp8_serving.json: DFLASH and DDTREE auto, each bf16 and fp8, at
-#    concurrency 1, 8, 64; then bench/fp8_serving_summary.py prints auto / DFLASH at fp8, fp8 / bf16
+#    quantize at load), studies/configs/fp8_serving.json: DFLASH and DDTREE auto, each bf16 and fp8, at
+#    concurrency 1, 8, 64; then studies/fp8_serving_summary.py prints auto / DFLASH at fp8, fp8 / bf16
 #    per config (output tok/s, same run) and tau fp8 vs bf16 (goals: auto >= 1.24x DFLASH at c 1-8,
 #    >= 1.10x at 16-64; fp8 >= 1.6x bf16 at c 64).
 # Results (<= 8 files): OUT/gemm.json, OUT/tests.log, OUT/rounds_{bf16,fp8}.json, OUT/rounds.log,
@@ -44,7 +44,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
 if has gemm; then
   echo "## 1. FP8 GEMMs vs bf16 / cuBLAS / the floor"
-  timeout 120 python3 bench/gpu_fp8_gemm.py --shapes 8b,27b --out "$OUT/gemm.json" > /tmp/gemm.log \
+  timeout 120 python3 studies/gpu_fp8_gemm.py --shapes 8b,27b --out "$OUT/gemm.json" > /tmp/gemm.log \
     2>&1 || status=1
   sed -n '/^per call/,$p' /tmp/gemm.log
 fi
@@ -72,11 +72,11 @@ if has serving; then
   else
     echo "## 4. 8B serving: DFLASH / DDTREE auto x bf16 / fp8, --time-budget-s $LEFT"
     python3 -m ddtree bench at-scale --shape qwen3-8b --model-store disk --parts serving \
-      --configs "" --config-json bench/configs/fp8_serving.json --concurrency 1,8,64 --waves 1 \
+      --configs "" --config-json studies/configs/fp8_serving.json --concurrency 1,8,64 --waves 1 \
       --time-budget-s "$LEFT" --work-dir /tmp/ddtree_at_scale --out "$OUT/at_scale" 2>&1 \
       | tee "$OUT/serving.log" | grep -v "^#" | tail -14 || status=1
     [ -f "$OUT/at_scale/at_scale.json" ] && mv "$OUT/at_scale/at_scale.json" "$OUT/at_scale.json" \
-      && python3 bench/fp8_serving_summary.py "$OUT/at_scale.json"
+      && python3 studies/fp8_serving_summary.py "$OUT/at_scale.json"
     rm -rf "$OUT/at_scale"  # server logs: the device returns at most 8 files
   fi
 fi

@@ -82,7 +82,7 @@ def toy(request, tmp_path_factory):
     import os
 
     from ddtree import envs
-    from ddtree.train.toy import build_toy_hybrid_pair, build_toy_pair
+    from ddtree.tools.train.toy import build_toy_hybrid_pair, build_toy_pair
 
     build = build_toy_pair if request.param == "dense" else build_toy_hybrid_pair
     name = "toy_pair" if request.param == "dense" else "toy_hybrid_pair"

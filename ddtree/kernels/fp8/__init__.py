@@ -6,7 +6,7 @@ token in groups of bk columns at run time (`reference.py` holds the math).
 - `cublas`: the group-quant kernel, then `torch._scaled_mm`'s block-scaled GEMM (cuBLASLt, CUDA >=
   12.9: 1x128 activation and 128x128 weight scales; bk = bn = 128 only);
 - `reference`: the PyTorch reference (dequantize, float32 matmul).
-auto (`choose`): measured on the H200 at the 8B and 27B shapes, 1 .. 1040 rows (bench/gpu_fp8_gemm.py,
+auto (`choose`): measured on the H200 at the 8B and 27B shapes, 1 .. 1040 rows (studies/gpu_fp8_gemm.py,
 2026-12): the Triton GEMM where it streams a wide weight at decode sizes (rows <= 64 and N >= K:
 q|k|v, o, gate|up, q|k|v|z; e.g. the 8B gate|up at 1 row 30.3 us vs cuBLAS 38.4), cuBLAS elsewhere
 (long-K projections such as down at every row count: 25.4 vs 35.8 us at 1 row; every shape from 128

@@ -9,7 +9,7 @@
   its K blocks in the same order whatever the tile shape.
 
 A variant that quantized the activation tile in registers inside the GEMM (one launch per linear)
-lost on the H200 at every row count, 3-10x slower than the two launches (bench/gpu_fp8_gemm.py,
+lost on the H200 at every row count, 3-10x slower than the two launches (studies/gpu_fp8_gemm.py,
 2026-12): deleted.
 
 No host sync, shapes fixed by the inputs: CUDA-graph capturable (launch once before capture to

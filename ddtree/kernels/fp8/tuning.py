@@ -1,7 +1,7 @@
 """Tiles of the Triton FP8 GEMM per row count (`gemm_config`), and the override switch for sweeps.
 
 A few rows stream the weight (bandwidth bound: small BLOCK_M, enough N tiles to fill the SMs); more
-rows take wgmma-sized tiles. The table is the H200 sweep's choice (`bench/gpu_fp8_gemm.py --sweep`
+rows take wgmma-sized tiles. The table is the H200 sweep's choice (`studies/gpu_fp8_gemm.py --sweep`
 on the 8B shapes, 2026-12; us per call at 1 / 16 / 64 / 520 rows, best in brackets):
 - <= 16 rows: 16x32 (qkv 15.5 / 16.9, o 14.1 / 14.7, down 35.8 / 37.9) beats 16x64 and 16x128
   except on the widest weights (gate|up: 16x64 30.3 / 33.3 vs 16x32 31.9 / 36.0): 16x64 from N >=
