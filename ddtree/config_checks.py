@@ -196,6 +196,8 @@ def check_quantization(
             "FP8 on the CPU runs the PyTorch reference (weights dequantized at every call): "
             "slower than --dtype; FP8 is for GPUs with FP8 tensor cores"
         )
+    if fp8 and device == "cuda" and capability is None:
+        capability = local_capability()
     if fp8 and device == "cuda" and capability is not None and capability < FP8_MIN_CAPABILITY:
         p.append(
             f"FP8 weights (--quantization fp8 / --speculative-draft-quantization fp8 / a block-FP8 "
@@ -204,3 +206,17 @@ def check_quantization(
             "--quantization; --speculative-draft-quantization unquant for an FP8 drafter)"
         )
     return layouts[0], layouts[1]
+
+
+def local_capability() -> tuple[int, int] | None:
+    """The local GPU's compute capability (None without a usable one: a plan for another machine)."""
+    from ddtree.engine.config import cuda_available
+
+    if not cuda_available():
+        return None
+    import torch
+
+    try:
+        return tuple(torch.cuda.get_device_capability())
+    except (RuntimeError, AssertionError):
+        return None

@@ -492,15 +492,6 @@ def _resolve_mamba(a: ServerArgs, t: TargetConfig, upd: dict, p: list[str]) -> N
         logger.info("Mamba scheduler strategy is set to no_buffer (no speculative decoding).")
 
 
-def cuda_capability() -> tuple[int, int] | None:
-    """The local GPU's compute capability (None without one)."""
-    if not cuda_available():
-        return None
-    import torch
-
-    return tuple(torch.cuda.get_device_capability())
-
-
 def resolve_server_args(args: ServerArgs, capability: tuple[int, int] | None = None) -> ServerArgs:
     """Fill derived defaults from the target/drafter config.json; raise one ConfigError listing every
     problem. `capability`: the GPU planned for (default: the local one's, on --device cuda)."""
@@ -560,8 +551,6 @@ def resolve_server_args(args: ServerArgs, capability: tuple[int, int] | None = N
         _resolve_mamba(args, t, upd, p)
         _resolve_target_defaults(args, t, d, upd, upd.get("device", args.device), p)
     device = upd.get("device", args.device)
-    if device == "cuda" and capability is None:
-        capability = cuda_capability()
     paths = (upd.get("model_path", target_path), upd.get("speculative_draft_model_path"))
     t_fp8, d_fp8 = check_quantization(args, t, d, paths, device, capability, p)
     _check_tp_devices(args.tp_size, device, p)

@@ -2,7 +2,9 @@
 # Issue 44 (block FP8) in one H200 device run, from the repository root, `.whl` carried (fastapi /
 # uvicorn / pydantic / openai for the servers of part 4; scripts/fetch_device_wheels.sh):
 #   scripts/device/fp8.sh [OUT_DIR] [--only gemm,tests,rounds,serving] [--time-budget-s S]
-# Expected: ~6 minutes (gemm ~40 s, tests ~70 s, rounds ~60 s, serving the rest of the budget).
+# Expected: ~6 minutes (gemm ~40 s, tests ~70 s, rounds ~60 s, serving the rest of the budget). The
+# GPU tests use the toy pairs: carry a `.toycache` holding toy_pair/ and toy_hybrid_pair/ (copies of
+# $DDTREE_CACHE's; `echo /.toycache/ >> .git/info/exclude`), else they are trained first (~1 min each).
 # 1. gemm: studies/gpu_fp8_gemm.py at the 8B and 27B weight shapes, 1 .. 1040 rows: every variant
 #    against the reference (column "auto err": the engine's choice, bf16-output rounding ~1.7e-3;
 #    "quant" must say exact: the group-quant kernel == the reference bit for bit), us per call of
@@ -35,6 +37,7 @@ while [ $# -gt 0 ]; do
 done
 # shellcheck source=scripts/device_env.sh
 . "$(dirname "$0")/../device_env.sh"  # the carried wheels, PYTHONPATH, the Triton cache
+[ -d .toycache ] && export DDTREE_CACHE="$PWD/.toycache"
 mkdir -p "$OUT"
 T0=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
