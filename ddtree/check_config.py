@@ -12,6 +12,7 @@ GPU (an H200) from any machine, in the target config's dtype. Exit status:
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -73,16 +74,24 @@ def main(argv: list[str] | None = None) -> int:
         "host RAM; with --device cuda, for a GPU from a machine without "
         "one (H200: 140)",
     )
+    parser.add_argument(
+        "--device-capability",
+        type=_capability,
+        default=None,
+        help="plan for a GPU of this compute capability (e.g. 9.0 for an H200, 8.0 for an A100: "
+        "FP8 needs >= 8.9); default: the local GPU's",
+    )
     try:
         ns = vars(parser.parse_args(argv))
     except SystemExit as e:
         return int(e.code or 0)
     device_gib = ns.pop("device_memory_gib")
+    capability = ns.pop("device_capability")
     handler, old_level = _log_handler(ns["log_level"]), logger.level
     logger.addHandler(handler)
     logger.setLevel(min(handler.level, logger.getEffectiveLevel()))
     try:
-        args = resolve_server_args(ServerArgs(**ns))
+        args = resolve_server_args(ServerArgs(**ns), capability)
     except ConfigError as e:
         print("error: invalid configuration:", file=sys.stderr)
         for line in e.problems:
@@ -112,6 +121,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {line}", file=sys.stderr)
         return 1
     return 0
+
+
+def _capability(text: str) -> tuple[int, int]:
+    try:
+        major, minor = (int(v) for v in text.split("."))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass MAJOR.MINOR, e.g. 9.0") from None
+    return major, minor
 
 
 def planned_for(args: ServerArgs, plan: MemoryPlan, device_gib: float | None) -> str:

@@ -11,9 +11,12 @@ import logging
 import os
 
 from ddtree import configs
-from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
 from ddtree.model_sources import source_for
-from ddtree.models.tp_layout import tp_problems
+from ddtree.models import checkpoint as ckpt
+from ddtree.models.tp_layout import fp8_cuts, tp_problems
+
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
 
 logger = logging.getLogger("ddtree")
 
@@ -69,6 +72,8 @@ def load_model_config(path: str, is_target: bool, p: list[str]):
             )
         else:
             return path, (TargetConfig if is_target else DrafterConfig).from_dict(raw)
+    except ConfigError as e:  # a quantization_config it cannot serve exactly
+        p.extend(f"{name} {path}: {line}" for line in e.problems)
     except (OSError, KeyError, TypeError, ValueError) as e:
         p.append(
             f"{name} {path}: config.json is unreadable or lacks key {e}; fix or re-download the config"
@@ -121,3 +126,88 @@ def check_tp(tp: int, t: TargetConfig | None, d: DrafterConfig | None, p: list[s
     """The split the engine really makes (`ddtree.models.tp_layout`): heads and widths divide by tp,
     KV-style heads divide or are replicated (a divisor of tp)."""
     p.extend(tp_problems(tp, t, d))
+
+
+def check_quantization(
+    a, t: TargetConfig | None, d: DrafterConfig | None, paths, device: str, capability, p: list[str]
+):
+    """(target, drafter) FP8 layouts (`checkpoint.Fp8Layout`, None: the model dtype) for
+    --quantization / --speculative-draft-quantization and what each checkpoint stores (its
+    safetensors headers: no weight loads), with every problem appended to p: a checkpoint whose
+    scales would be read wrongly, FP8 on a GPU without FP8 tensor cores, a --tp-size whose slices
+    cut weight blocks."""
+    layouts = []
+    for cfg, path, request, flag, linears, shapes in (
+        (
+            t,
+            paths[0],
+            a.quantization,
+            "--model-path",
+            ckpt.TARGET_LINEARS,
+            ckpt.target_linear_shapes,
+        ),
+        (
+            d,
+            paths[1],
+            a.speculative_draft_quantization,
+            "--speculative-draft-model-path",
+            ckpt.DRAFTER_LINEARS,
+            ckpt.drafter_linear_shapes,
+        ),
+    ):
+        layout = None
+        if cfg is not None and source_for(path) is not None:  # built in memory (inflate:)
+            if request == "fp8":
+                layout = ckpt.at_load_layout(shapes(cfg), linears, None)
+        elif cfg is not None:
+            rename = (
+                ckpt.target_rename(cfg.weight_prefix)
+                if isinstance(cfg, TargetConfig)
+                else ckpt.drafter_rename
+            )
+            q: list[str] = []
+            layout = ckpt.fp8_layout(path, cfg.quantization, rename, linears, request, q)
+            p.extend(f"{flag} {path}: {line}" for line in q)
+            if request == "unquant" and layout is not None:
+                logger.info("%s %s: FP8 weights are dequantized to --dtype at load.", flag, path)
+        if layout is not None and a.tp_size > 1:
+            cuts = fp8_cuts(cfg, a.tp_size, layout.shapes, layout.block)
+            if cuts:
+                p.append(
+                    f"--tp-size {a.tp_size} cuts the FP8 weight blocks {list(layout.block)} of "
+                    f"{flag}'s {', '.join(cuts)}; pass a --tp-size whose slices are whole blocks "
+                    "(or serve the model dtype)"
+                )
+        layouts.append(layout)
+    fp8 = layouts[0] is not None or (
+        layouts[1] is not None and a.speculative_draft_quantization != "unquant"
+    )
+    if fp8 and device == "cpu":
+        logger.warning(
+            "FP8 on the CPU runs the PyTorch reference (weights dequantized at every call): "
+            "slower than --dtype; FP8 is for GPUs with FP8 tensor cores"
+        )
+    if fp8 and device == "cuda" and capability is None:
+        capability = local_capability()
+    if fp8 and device == "cuda" and capability is not None and capability < FP8_MIN_CAPABILITY:
+        p.append(
+            f"FP8 weights (--quantization fp8 / --speculative-draft-quantization fp8 / a block-FP8 "
+            f"checkpoint) need FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell);"
+            f" this GPU is sm_{capability[0]}{capability[1]}: serve the bf16 checkpoint (drop "
+            "--quantization; --speculative-draft-quantization unquant for an FP8 drafter)"
+        )
+    return layouts[0], layouts[1]
+
+
+def local_capability() -> tuple[int, int] | None:
+    """The local GPU's compute capability (None without a usable one: a plan for another machine)."""
+    from ddtree.engine.config import cuda_available
+
+    if not cuda_available():
+        return None
+    import torch
+
+    try:
+        return tuple(torch.cuda.get_device_capability())
+    except (RuntimeError, AssertionError):
+        return None

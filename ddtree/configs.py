@@ -20,6 +20,20 @@ HYBRID_ARCHITECTURES = (
 )
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
 
+FP8_DEFAULT_BLOCK = (
+    128,
+    128,
+)  # Qwen's and DeepSeek's weight_block_size; --quantization fp8 uses it
+FP8_BLOCK_K = (32, 64, 128, 256)  # activation group / K block sizes the FP8 GEMMs take
+FP8_KEYS = (
+    "quant_method",
+    "fmt",
+    "activation_scheme",
+    "weight_block_size",
+    "modules_to_not_convert",
+    "ignored_layers",
+)
+
 
 class ConfigError(ValueError):
     """A configuration problem found before any weight is loaded; each line names the flag and the fix."""
@@ -27,6 +41,92 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str] | str):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(f"  - {p}" for p in self.problems))
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """Block-FP8 weights (Qwen's and DeepSeek's `quant_method: fp8` layout): every converted linear
+    stores a float8_e4m3fn `weight` [out, in] and a `weight_scale_inv` [ceil(out / bn), ceil(in / bk)]
+    (dequantized weight = weight x scale of its block); activations are quantized at run time per
+    token in groups of bk. `not_convert`: the checkpoint's `modules_to_not_convert` (kept in the
+    model dtype; what quantizing at load skips besides the defaults)."""
+
+    block: tuple[int, int] = FP8_DEFAULT_BLOCK
+    not_convert: tuple[str, ...] = ()
+
+    def skips(self, module: str) -> bool:
+        """Whether a `modules_to_not_convert` entry names `module` (a checkpoint module name such as
+        model.layers.0.mlp.down_proj): equal, a dotted prefix (a whole subtree) or a dotted suffix
+        (`lm_head`, `linear_attn.in_proj_a`: every layer's)."""
+        dotted = "." + module
+        return any(
+            e == module or module.startswith(e + ".") or dotted.endswith("." + e)
+            for e in self.not_convert
+        )
+
+
+def parse_quantization(cfg: dict) -> tuple[Fp8Config | None, list[str]]:
+    """config.json's `quantization_config` (top level, or the VLM text_config's) -> (Fp8Config or None,
+    problems). Only what ddtree serves exactly is accepted: block FP8, e4m3, dynamic activations;
+    anything else is a problem naming the field, so such a checkpoint is refused before any weight
+    loads rather than decoded with its scales ignored."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        q = (cfg.get("text_config") or {}).get("quantization_config")
+    if q is None:
+        return None, []
+    F = "config.json quantization_config"
+    fix = (
+        "serve the model's bf16 checkpoint (add --quantization fp8 to quantize it at load), or a "
+        "block-FP8 checkpoint (quant_method fp8, weight_block_size [128, 128])"
+    )
+    if not isinstance(q, dict):
+        return None, [f"{F} is {type(q).__name__}, not an object; {fix}"]
+    method = str(q.get("quant_method", "")).lower()
+    if method != "fp8":
+        return None, [f"{F}.quant_method {q.get('quant_method')!r} is not supported; {fix}"]
+    p: list[str] = []
+    unknown = sorted(set(q) - set(FP8_KEYS))
+    if unknown:
+        p.append(
+            f"{F} has fields ddtree does not know ({', '.join(unknown)}): the checkpoint may need "
+            f"them to be read correctly; {fix}"
+        )
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        p.append(f"{F}.fmt {fmt!r} is not supported (float8_e4m3fn weights only); {fix}")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        p.append(
+            f"{F}.activation_scheme {scheme!r} is not supported (activations are quantized per "
+            f"token at run time: dynamic); {fix}"
+        )
+    block = q.get("weight_block_size")
+    ok = (
+        isinstance(block, (list, tuple))
+        and len(block) == 2
+        and all(type(b) is int for b in block)
+        and block[0] >= 1
+        and block[0] & (block[0] - 1) == 0
+        and block[1] in FP8_BLOCK_K
+    )
+    if block is None:
+        p.append(
+            f"{F} has no weight_block_size: per-tensor / per-channel FP8 scales are not supported; "
+            f"{fix}"
+        )
+    elif not ok:
+        p.append(
+            f"{F}.weight_block_size {block!r} is not supported: [bn, bk] with bn a power of two "
+            f"and bk one of {', '.join(map(str, FP8_BLOCK_K))} (Qwen's: [128, 128]); {fix}"
+        )
+    skip = q.get("modules_to_not_convert", q.get("ignored_layers")) or []
+    if not isinstance(skip, (list, tuple)) or not all(isinstance(m, str) for m in skip):
+        p.append(f"{F}.modules_to_not_convert must be a list of module names; {fix}")
+        skip = []
+    if p:
+        return None, p
+    return Fp8Config(block=(block[0], block[1]), not_convert=tuple(skip)), []
 
 
 def read_config_json(path: str) -> dict:
@@ -88,6 +188,7 @@ class TargetConfig:
     linear_conv_kernel_dim: int = 0
     attn_output_gate: bool = False
     weight_prefix: str = "model."
+    quantization: Fp8Config | None = None  # the checkpoint's (config.json quantization_config)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -106,6 +207,10 @@ class TargetConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "TargetConfig":
+        """Raises ConfigError for a `quantization_config` ddtree cannot serve exactly."""
+        quant, problems = parse_quantization(cfg)
+        if problems:
+            raise ConfigError(problems)
         arch = (cfg.get("architectures") or ["?"])[0]
         text = cfg.get("text_config") or cfg
         prefix = "model.language_model." if "text_config" in cfg else "model."
@@ -157,6 +262,7 @@ class TargetConfig:
                 text.get("attn_output_gate", "qwen3_5" in str(text.get("model_type", "")))
             ),
             weight_prefix=prefix,
+            quantization=quant,
             raw=cfg,
         )
 
@@ -200,6 +306,7 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     dtype: str = "bfloat16"
+    quantization: Fp8Config | None = None  # the checkpoint's (config.json quantization_config)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def layer_is_causal(self, i: int) -> bool:
@@ -216,6 +323,10 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DrafterConfig":
+        """Raises ConfigError for a `quantization_config` ddtree cannot serve exactly."""
+        quant, problems = parse_quantization(cfg)
+        if problems:
+            raise ConfigError(problems)
         dcfg = cfg.get("dflash_config") or {}
 
         def pick(name, default=None):
@@ -262,6 +373,7 @@ class DrafterConfig:
             output_multiplier=float(pick("output_multiplier", 1.0)),
             final_logit_softcapping=None if softcap in (None, 0) else float(softcap),
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            quantization=quant,
             raw=cfg,
         )
 

@@ -71,8 +71,21 @@ FORCE_REFERENCE_TREE_BUILD = EnvVar(
 FUSED_KERNELS_INTERPRET = EnvVar(
     "DDTREE_FUSED_KERNELS_INTERPRET",
     "",
-    "1 (with TRITON_INTERPRET=1): the fused, the GDN tree / tree-conv and the tree-build Triton "
-    "kernels run on the CPU in Triton's interpreter (tests, ddtree.tools.studies.op_count)",
+    "1 (with TRITON_INTERPRET=1): the fused, the FP8, the GDN tree / tree-conv and the tree-build "
+    "Triton kernels run on the CPU in Triton's interpreter (tests, ddtree.tools.studies.op_count)",
+)
+FP8_GEMM = EnvVar(
+    "DDTREE_FP8_GEMM",
+    "auto",
+    "block-FP8 linears (kernels/fp8): auto (the measured choice per shape and row count), triton "
+    "(group-quant kernel + Triton GEMM), cublas (group-quant kernel + torch._scaled_mm block "
+    "scaling) or reference (PyTorch)",
+)
+FP8_GEMM_CONFIG = EnvVar(
+    "DDTREE_FP8_GEMM_CONFIG",
+    "",
+    "the Triton FP8 GEMM's tiles for every row count: BLOCK_M,BLOCK_N,WARPS,STAGES (default: "
+    "kernels/fp8/tuning.py's table per row count; for sweeps)",
 )
 FORCE_REFERENCE_GDN = EnvVar(
     "DDTREE_FORCE_REFERENCE_GDN",
@@ -144,6 +157,8 @@ TABLE: dict[str, EnvVar] = {
         FORCE_REFERENCE_KERNELS,
         FORCE_REFERENCE_TREE_BUILD,
         FUSED_KERNELS_INTERPRET,
+        FP8_GEMM,
+        FP8_GEMM_CONFIG,
         FORCE_REFERENCE_GDN,
         GDN_TREE_GATE_LAUNCH,
         CACHE,

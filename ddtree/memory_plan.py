@@ -21,7 +21,8 @@ from ddtree.engine.config import (
     kv_bytes_per_token,
     plan_pools,
 )
-from ddtree.models.tp_layout import shard_drafter, shard_target, vocab_rows
+from ddtree.models.checkpoint import Fp8Layout, fp8_weight_bytes
+from ddtree.models.tp_layout import ShardMap, shard_drafter, shard_target, vocab_rows
 from ddtree.server_args import ServerArgs, resolve_server_args
 
 __all__ = [
@@ -115,18 +116,44 @@ def recurrent_state_bytes(t: TargetConfig, act_bytes: int, ssm_bytes: int) -> tu
     return GDNGeometry.from_config(t).state_parts(ssm_bytes, act_bytes)
 
 
-def weight_bytes(t: TargetConfig, d: DrafterConfig | None, dtype) -> tuple[int, int]:
-    """(target, drafter) weight bytes of the whole model (all ranks)."""
+def served_fp8(args: ServerArgs) -> tuple[Fp8Layout | None, Fp8Layout | None]:
+    """The (target, drafter) FP8 layouts the engine serves (an FP8 drafter dequantized by
+    --speculative-draft-quantization unquant is served in --dtype)."""
+    drafter = None if args.speculative_draft_quantization == "unquant" else args.drafter_fp8
+    return args.target_fp8, drafter if args.is_speculative else None
+
+
+def _fp8_saving(cfg, layout: Fp8Layout | None, n: int, tp: int) -> int:
+    if layout is None:
+        return 0
+    local = None
+    if tp > 1:
+        shards = ShardMap(cfg, tp, 0)
+        local = lambda name, shape: shards.local_shape(name + ".weight", shape)  # noqa: E731
+    return fp8_weight_bytes(layout.shapes, layout.block, n, local)
+
+
+def weight_bytes(
+    t: TargetConfig, d: DrafterConfig | None, dtype, fp8=(None, None)
+) -> tuple[int, int]:
+    """(target, drafter) weight bytes of the whole model (all ranks); `fp8`: their FP8 layouts."""
     n = dtype_bytes(dtype)
-    return target_param_count(t) * n, drafter_param_count(d) * n if d is not None else 0
+    tw = target_param_count(t) * n - _fp8_saving(t, fp8[0], n, 1)
+    dw = drafter_param_count(d) * n - _fp8_saving(d, fp8[1], n, 1) if d is not None else 0
+    return tw, dw
 
 
-def rank_weight_bytes(t: TargetConfig, d: DrafterConfig | None, tp: int, dtype) -> int:
+def rank_weight_bytes(
+    t: TargetConfig, d: DrafterConfig | None, tp: int, dtype, fp8=(None, None)
+) -> int:
     """Weight bytes one tensor-parallel rank loads (target + drafter shards)."""
     if tp == 1:
-        return sum(weight_bytes(t, d, dtype))
+        return sum(weight_bytes(t, d, dtype, fp8))
+    n = dtype_bytes(dtype)
     local = dataclasses.replace(shard_target(t, tp), vocab_size=vocab_rows(t.vocab_size, tp))
-    return sum(weight_bytes(local, None if d is None else shard_drafter(d, tp), dtype))
+    total = sum(weight_bytes(local, None if d is None else shard_drafter(d, tp), dtype))
+    total -= _fp8_saving(t, fp8[0], n, tp)
+    return total - (_fp8_saving(d, fp8[1], n, tp) if d is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -161,6 +188,8 @@ class MemoryPlan:
     checkpoint_bytes: int = 0
     prefix_cache: bool = True
     shared_by_ranks: bool = False  # CPU tensor parallelism: the ranks split the host's RAM
+    target_fp8: str = ""  # "": the model dtype; else how the FP8 layout stands
+    drafter_fp8: str = ""
 
     @property
     def fits(self) -> bool:
@@ -174,11 +203,13 @@ class MemoryPlan:
             ("device", f"{self.device_name}: {_gib(self.device_bytes)}, {static}"),
             (
                 "target weights",
-                f"{self.target_params / 1e9:.2f} B params, {self.target_weight_bytes / 1e9:.2f} GB",
+                f"{self.target_params / 1e9:.2f} B params, {self.target_weight_bytes / 1e9:.2f} GB"
+                + (f" ({self.target_fp8})" if self.target_fp8 else ""),
             ),
             (
                 "drafter weights",
-                f"{self.drafter_params / 1e9:.2f} B params, {self.drafter_weight_bytes / 1e9:.2f} GB",
+                f"{self.drafter_params / 1e9:.2f} B params, {self.drafter_weight_bytes / 1e9:.2f} GB"
+                + (f" ({self.drafter_fp8})" if self.drafter_fp8 else ""),
             ),
             ("weights per device", f"{_gib(self.weight_bytes_per_device)} (tp {self.tp_size})"),
             (
@@ -267,8 +298,9 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         device_bytes, name = device_memory_bytes(args.device)
     else:
         name = "given"
-    tw, dw = weight_bytes(t, d, args.dtype)
-    weights = rank_weight_bytes(t, d, tp, args.dtype)
+    fp8 = served_fp8(args)
+    tw, dw = weight_bytes(t, d, args.dtype, fp8)
+    weights = rank_weight_bytes(t, d, tp, args.dtype, fp8)
     pools = plan_pools(args, device_bytes, weights, args.device)
     tkv, dkv = kv_bytes_per_token(t, d, args.kv_cache_dtype)
     ctx = args.context_length
@@ -285,14 +317,13 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
             f"not one request of --context-length {ctx} fits ({pools.kv_tokens:,} KV "
             "tokens); lower --context-length or free memory"
         )
-    act = dtype_bytes(args.dtype)
     return MemoryPlan(
         device_name=name,
         device_bytes=device_bytes,
         static_bytes=pools.static_bytes,
         tp_size=tp,
-        target_params=tw // act,
-        drafter_params=dw // act,
+        target_params=target_param_count(t),
+        drafter_params=drafter_param_count(d) if d is not None else 0,
         target_weight_bytes=tw,
         drafter_weight_bytes=dw,
         weight_bytes_per_device=weights,
@@ -317,4 +348,13 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         checkpoint_bytes=pools.checkpoint_bytes,
         prefix_cache=not args.disable_radix_cache,
         shared_by_ranks=args.device == "cpu" and tp > 1,
+        target_fp8=_fp8_label(fp8[0]),
+        drafter_fp8=_fp8_label(fp8[1]),
     )
+
+
+def _fp8_label(layout: Fp8Layout | None) -> str:
+    if layout is None:
+        return ""
+    how = "quantized at load" if layout.at_load else "stored"
+    return f"block FP8 {list(layout.block)}, {len(layout.shapes)} linears ({how})"

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 
 from ddtree import envs
-from ddtree.config_checks import check_pair, check_tp, load_model_config
+from ddtree.config_checks import check_pair, check_quantization, check_tp, load_model_config
 from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
 from ddtree.engine.config import (
     DEFAULT_CUDA_GRAPH_MAX_BS,
@@ -26,6 +26,7 @@ from ddtree.engine.config import (
     spec_config,
 )
 from ddtree.model_sources import source_for
+from ddtree.models.checkpoint import Fp8Layout
 
 logger = logging.getLogger("ddtree")
 
@@ -33,6 +34,8 @@ SPECULATIVE_ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex")
 IMPLEMENTED_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("fp8",)
+DRAFT_QUANTIZATIONS = ("fp8", "unquant")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
@@ -59,6 +62,14 @@ class ServerArgs:
         False, "accepted for SGLang compatibility; no remote code is ever run"
     )
     dtype: str = _opt("auto", "weight/activation dtype; auto = the target config's dtype", DTYPES)
+    quantization: str | None = _opt(
+        None,
+        "fp8: the target's decoder linears in block FP8, quantized at load (128x128 weight "
+        "blocks; activations per token in groups of 128; needs FP8 tensor cores, compute "
+        "capability >= 8.9); a block-FP8 checkpoint (quantization_config) is served as stored "
+        "without it",
+        QUANTIZATIONS,
+    )
     kv_cache_dtype: str = _opt(
         "auto", "KV cache dtype; auto = --dtype (the one implemented)", DTYPES
     )
@@ -143,6 +154,12 @@ class ServerArgs:
     speculative_draft_model_path: str | None = _opt(
         None, "DFlash drafter dir (or cached HF repo id)"
     )
+    speculative_draft_quantization: str | None = _opt(
+        None,
+        "the drafter's linears: fp8 (block FP8, quantized at load like --quantization fp8) or "
+        "unquant (an FP8 drafter dequantized to --dtype); default: as stored",
+        DRAFT_QUANTIZATIONS,
+    )
     speculative_dflash_block_size: int | None = _opt(
         None, "drafter block size incl. bonus; default: draft config"
     )
@@ -193,6 +210,13 @@ class ServerArgs:
     )
     # the speculative settings, derived once by resolve_server_args (engine/config.spec_config)
     spec: SpecConfig | None = field(default=None, compare=False, metadata={"cli": False})
+    # the FP8 layouts resolved from the flags and the checkpoints (`models.checkpoint.Fp8Layout`)
+    target_fp8: Fp8Layout | None = field(
+        default=None, compare=False, repr=False, metadata={"cli": False}
+    )
+    drafter_fp8: Fp8Layout | None = field(
+        default=None, compare=False, repr=False, metadata={"cli": False}
+    )
 
     def __post_init__(self):
         object.__setattr__(
@@ -229,12 +253,14 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "trust_remote_code",
         "dtype",
         "kv_cache_dtype",
+        "quantization",
         "context_length",
         "random_seed",
     ),
     "speculative decoding": (
         "speculative_algorithm",
         "speculative_draft_model_path",
+        "speculative_draft_quantization",
         "speculative_dflash_block_size",
         "speculative_num_draft_tokens",
         "speculative_ddtree_budget",
@@ -553,8 +579,9 @@ def _resolve_mamba(a: ServerArgs, t: TargetConfig, upd: dict, p: list[str]) -> N
         logger.info("Mamba scheduler strategy is set to no_buffer (no speculative decoding).")
 
 
-def resolve_server_args(args: ServerArgs) -> ServerArgs:
-    """Fill derived defaults from the target/drafter config.json; raise one ConfigError listing every problem."""
+def resolve_server_args(args: ServerArgs, capability: tuple[int, int] | None = None) -> ServerArgs:
+    """Fill derived defaults from the target/drafter config.json; raise one ConfigError listing every
+    problem. `capability`: the GPU planned for (default: the local one's, on --device cuda)."""
     p: list[str] = []
     upd: dict = {}
     _check_scalars(args, p)
@@ -611,6 +638,8 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
         _resolve_mamba(args, t, upd, p)
         _resolve_target_defaults(args, t, d, upd, upd.get("device", args.device), p)
     device = upd.get("device", args.device)
+    paths = (upd.get("model_path", target_path), upd.get("speculative_draft_model_path"))
+    t_fp8, d_fp8 = check_quantization(args, t, d, paths, device, capability, p)
     _check_tp_devices(args.tp_size, device, p)
     _resolve_cpu_threads(args, t, d, upd, device, p)
     _resolve_attention_backend(args, upd, device, p)
@@ -622,7 +651,9 @@ def resolve_server_args(args: ServerArgs) -> ServerArgs:
     )
     if p:
         raise ConfigError(p)
-    resolved = dataclasses.replace(args, target_config=t, drafter_config=d, **upd)
+    resolved = dataclasses.replace(
+        args, target_config=t, drafter_config=d, target_fp8=t_fp8, drafter_fp8=d_fp8, **upd
+    )
     return dataclasses.replace(resolved, spec=spec_config(resolved))
 
 

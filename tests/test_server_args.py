@@ -488,3 +488,11 @@ def test_policy_trace_is_refused_where_it_would_trace_nothing(dense, tmp_path, m
         "DDTREE_POLICY_TRACE",
         "directory does not exist",
     )
+
+
+def test_every_flag_is_in_one_group():
+    """A field added to ServerArgs without a FLAG_GROUPS entry would have no flag at all."""
+    from ddtree.server_args import FLAG_GROUPS, cli_fields
+
+    grouped = [name for names in FLAG_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in cli_fields())

@@ -81,6 +81,13 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="auto = cuda when available (cpu with --smoke)")
     p.add_argument("--dtype", default=None, help="default bfloat16; smoke float32")
+    p.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="fp8: both models' decoder linears in block FP8 (quantized after the random init, "
+        "as --quantization fp8 at load); the floor counts the FP8 bytes",
+    )
     p.add_argument("--attention-backend", default=None, help="default triton on GPU, torch on CPU")
     p.add_argument("--disable-cuda-graph", action="store_true", help="time eager rounds")
     p.add_argument(
@@ -212,6 +219,19 @@ def run_case(
     }
 
 
+def quantize_pair(target, drafter, tcfg, dcfg) -> None:
+    """--quantization fp8: the layouts `--quantization fp8 --speculative-draft-quantization fp8`
+    serve (every decoder linear but the GDN's b / a rows), quantized in place."""
+    from ddtree.models import checkpoint as ckpt
+    from ddtree.models.quant import quantize_model
+
+    for model, shapes, linears in (
+        (target, ckpt.target_linear_shapes(tcfg), ckpt.TARGET_LINEARS),
+        (drafter, ckpt.drafter_linear_shapes(dcfg), ckpt.DRAFTER_LINEARS),
+    ):
+        quantize_model(model, ckpt.at_load_layout(shapes, linears, None))
+
+
 def measure_floor(target, drafter, device, copy_bytes: int) -> dict:
     from ddtree.bench.random_pair import drafter_read_bytes, embedding_bytes, read_bytes
     from ddtree.bench.round_timing import copy_bandwidth
@@ -290,10 +310,13 @@ def run(ns) -> int:
             "qwen3.6-27b); drop it for this shape"
         )
     target, drafter = build_pair(tcfg, dcfg, device, dtype, ns.seed)
+    if ns.quantization == "fp8":
+        quantize_pair(target, drafter, tcfg, dcfg)
     floor = measure_floor(target, drafter, device, (ns.copy_mib or (16 if smoke else 2048)) << 20)
     clock = Clock(device)
     print(
-        f"device {device}, {dtype}, backend {ns.attention_backend}; target {tcfg.num_hidden_layers}L "
+        f"device {device}, {dtype}{' + block FP8' if ns.quantization else ''}, backend "
+        f"{ns.attention_backend}; target {tcfg.num_hidden_layers}L "
         f"h{tcfg.hidden_size} V{tcfg.vocab_size}, drafter {dcfg.num_hidden_layers}L taps {dcfg.target_layer_ids}"
     )
     print(
@@ -315,6 +338,7 @@ def run(ns) -> int:
     meta = {
         "device": str(device),
         "dtype": str(dtype),
+        "quantization": ns.quantization,
         "attention_backend": ns.attention_backend,
         "cuda_graph": False,
         "target": {

@@ -16,6 +16,7 @@ from ddtree.engine.model_runner import ModelRunner
 from ddtree.model_sources import source_for, weight_problems
 from ddtree.models.layers import torch_dtype
 from ddtree.models.loader import load_drafter, load_target
+from ddtree.models.quant import quantize_model
 
 logger = logging.getLogger("ddtree")
 
@@ -59,7 +60,14 @@ def sourced_models(args, dtype: torch.dtype, device: torch.device):
         return None, None
     # --tp-size > 1 with a sourced path is refused by resolve_server_args, before any rank starts
     logger.info("Building the pair %s on %s in %s.", args.model_path, device, dtype)
-    return source.build_pair(args.model_path, args.is_speculative, dtype, device)
+    target, drafter = source.build_pair(args.model_path, args.is_speculative, dtype, device)
+    for model, layout in ((target, args.target_fp8), (drafter, args.drafter_fp8)):
+        if model is not None and layout is not None:  # --quantization fp8: quantized in memory
+            quantize_model(model, layout)
+            logger.info(
+                "Quantized %s in memory to block FP8 %s.", type(model).__name__, layout.block
+            )
+    return target, drafter
 
 
 def _same_plan_on_every_rank(cfg, tp) -> None:
@@ -89,9 +97,15 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
         torch.set_num_threads(args.cpu_threads)
     target, drafter = sourced_models(args, dtype, device)
     if target is None:
-        target = load_target(args.model_path, dtype, str(device), group)
+        target = load_target(args.model_path, dtype, str(device), group, args.quantization)
     if args.is_speculative and drafter is None:
-        drafter = load_drafter(args.speculative_draft_model_path, dtype, str(device), group)
+        drafter = load_drafter(
+            args.speculative_draft_model_path,
+            dtype,
+            str(device),
+            group,
+            args.speculative_draft_quantization,
+        )
     pools = plan_pools(args, device_bytes(device), module_bytes(target, drafter), device.type)
     for w in pools.warnings:
         logger.warning("%s", w)

@@ -19,6 +19,7 @@ from ddtree.configs import DrafterConfig
 from ddtree.kernels.fused import qk_norm_rope
 from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding
 from ddtree.models.parallel import TPGroup
+from ddtree.models.quant import linear_rows
 from ddtree.models.qwen3 import Qwen3Attention
 
 # (layer, q [b,S,Hq,D], k_blk [b,S,Hkv,D], v_blk) -> [b,S,Hq,D]; the callable knows where the context is.
@@ -42,8 +43,7 @@ class DFlashAttention(Qwen3Attention):
 
     def kv(self, x, cos, sin):
         """Normed and rotated k, and v, of context rows x."""
-        w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        kv = F.linear(x, w[self.q_size :], None if b is None else b[self.q_size :])
+        kv = linear_rows(self.qkv_proj, x, self.q_size)
         shape = x.shape[:-1]
         k = kv[..., : self.kv_size].view(*shape, self.kv_heads, self.head_dim)
         v = kv[..., self.kv_size :].view(*shape, self.kv_heads, self.head_dim)
@@ -90,7 +90,7 @@ class DFlashDrafter(nn.Module):
         self, features: torch.Tensor, positions: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K, V) [..., T, Hkv, D] of new context rows (`features` = concatenated target taps)."""
-        ctx = self.fuse(features.to(self.fc.weight.dtype))
+        ctx = self.fuse(features.to(self.hidden_norm.weight.dtype))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 

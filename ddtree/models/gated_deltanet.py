@@ -17,6 +17,7 @@ from torch import nn
 from ddtree.configs import TargetConfig
 from ddtree.kernels.gdn.dispatch import chunk_rule
 from ddtree.kernels.gdn.fused import GateInputs, gated_rmsnorm
+from ddtree.models.layers import fuse_linears
 from ddtree.models.parallel import RowParallelLinear, TPGroup
 
 # HF's four input projections, in the row order of the one GEMM inference runs: q|k|v (conv input),
@@ -122,8 +123,39 @@ class GatedDeltaNet(nn.Module):
             self._fused = w
         return w
 
+    @staticmethod
+    def parts() -> tuple[str, ...]:
+        return IN_PROJ_PARTS
+
+    def regroup_in_proj(self) -> None:
+        """For block FP8 (`models/quant.py`): q|k|v|z become the rows of one linear, `in_proj_qkvz`
+        (quantized), and b|a of another, `in_proj_ba` (few rows: Qwen's FP8 checkpoints keep them in
+        the model dtype), each one GEMM; state-dict names stay HF's four (`fuse_linears`)."""
+        if "in_proj_qkvz" in self._modules:
+            return
+        for fused, names in (
+            ("in_proj_qkvz", IN_PROJ_PARTS[:2]),
+            ("in_proj_ba", IN_PROJ_PARTS[2:]),
+        ):
+            parts = [getattr(self, n) for n in names]
+            with torch.device("meta"):
+                lin = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), False)
+            lin.weight = nn.Parameter(
+                torch.cat([p.weight.detach() for p in parts]), requires_grad=False
+            )
+            for n in names:
+                delattr(self, n)
+            setattr(self, fused, lin)
+            fuse_linears(self, fused, tuple((n, p.out_features) for n, p in zip(names, parts)))
+        self._fused = None
+
     def _in_proj(self, x: torch.Tensor):
-        """(q|k|v pre-conv, z, b, a): one GEMM without autograd, HF's four with it."""
+        """(q|k|v pre-conv, z, b, a): one GEMM without autograd, HF's four with it; two when
+        regrouped for FP8."""
+        if "in_proj_qkvz" in self._modules:
+            mixed, z = torch.split(self.in_proj_qkvz(x), self.in_splits[:2], dim=-1)
+            b, a = torch.split(self.in_proj_ba(x), self.in_splits[2:], dim=-1)
+            return mixed, z, b, a
         if torch.is_grad_enabled() and self.in_proj_qkv.weight.requires_grad:
             return tuple(getattr(self, name)(x) for name in IN_PROJ_PARTS)
         return torch.split(F.linear(x, self.fused_in_proj()), self.in_splits, dim=-1)

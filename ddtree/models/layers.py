@@ -39,20 +39,32 @@ def fuse_linears(owner: nn.Module, fused: str, parts: Sequence[tuple[str, int]])
     table[fused] = tuple(parts)
 
 
+# a block-FP8 projection's scales are split by their rows per part (`models/quant.py`)
+_FUSED_SUFFIXES = ("weight", "bias", "weight_scale_inv")
+
+
+def _part_rows(module, fused: str, suffix: str, parts) -> list[int]:
+    rows = [r for _, r in parts]
+    if suffix == "weight_scale_inv":
+        return getattr(module, fused).part_scale_rows(rows)
+    return rows
+
+
 def _split_fused(module, state_dict, prefix, local_metadata):
     for fused, parts in module._fused_linears.items():
-        for suffix in ("weight", "bias"):
+        for suffix in _FUSED_SUFFIXES:
             key = f"{prefix}{fused}.{suffix}"
             if key not in state_dict:
                 continue
             t = state_dict.pop(key)
-            for (name, _), piece in zip(parts, t.split([rows for _, rows in parts], 0)):
+            sizes = _part_rows(module, fused, suffix, parts)
+            for (name, _), piece in zip(parts, t.split(sizes, 0)):
                 state_dict[f"{prefix}{name}.{suffix}"] = piece
 
 
 def _concat_fused(module, state_dict, prefix, *_):
     for fused, parts in module._fused_linears.items():
-        for suffix in ("weight", "bias"):
+        for suffix in _FUSED_SUFFIXES:
             keys = [f"{prefix}{name}.{suffix}" for name, _ in parts]
             if all(k in state_dict for k in keys):
                 state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat(

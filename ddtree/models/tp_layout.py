@@ -193,3 +193,28 @@ class ShardMap:
         out = list(shape)
         out[dim] = sum(stop - start for _, start, stop in pieces) + self.vocab_pad(name)
         return tuple(out)
+
+
+def fp8_cuts(cfg: TargetConfig | DrafterConfig, tp: int, shapes: dict, block) -> list[str]:
+    """The FP8 linears (state-dict module name -> full [out, in]) whose rank slices at `tp` cut a
+    weight block: a rank's rows must start and end on multiples of bn (or the weight's end), its
+    columns on multiples of bk (each rank quantizes its own activation columns in groups of bk, which
+    must be the blocks of its weight's scales). One example per kind of module (layer indices
+    dropped), empty when every slice is whole blocks."""
+    if tp <= 1:
+        return []
+    bad: dict[str, str] = {}
+    for name, shape in sorted(shapes.items()):
+        kind = re.sub(r"\.\d+\.", ".N.", name)
+        if kind in bad:
+            continue
+        for rank in range(tp):
+            for dim, start, stop in ShardMap(cfg, tp, rank).pieces(name + ".weight") or ():
+                b = block[0] if dim == 0 else block[1]
+                if start % b or (stop % b and stop != shape[dim]):
+                    what = "rows" if dim == 0 else "columns"
+                    bad[kind] = f"{kind} ({what} {start}..{stop} on rank {rank}, blocks of {b})"
+                    break
+            if kind in bad:
+                break
+    return list(bad.values())

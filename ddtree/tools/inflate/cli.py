@@ -28,7 +28,13 @@ def make_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="where to build: cpu, cuda, auto (the 8B pair builds in seconds on a GPU)",
     )
-    p.add_argument("--dtype", default="bfloat16", help="weights dtype: bfloat16, float16, float32")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="weights dtype: bfloat16, float16, float32, or fp8 (Qwen's block-FP8 checkpoint "
+        "layout: built in bfloat16, every decoder linear but the GDN's b / a quantized in 128x128 "
+        "blocks, the rest bfloat16)",
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the Gated DeltaNet layers' random weights"
     )
@@ -46,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.assets import default_model_paths
     from ddtree.models.layers import torch_dtype
     from ddtree.tools.inflate import InflateError, inflate_pair, write_pair
+    from ddtree.tools.inflate.pair import quantize_pair
 
+    fp8 = ns.dtype == "fp8"
     try:
-        dtype = torch_dtype(ns.dtype)
+        dtype = torch_dtype("bfloat16" if fp8 else ns.dtype)
     except ValueError as e:
         print(f"error: --dtype: {e}", file=sys.stderr)
         return 2
@@ -65,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     except (InflateError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if fp8:
+        quantize_pair(pair)
     t1 = time.perf_counter()
     tdir, ddir = write_pair(pair, ns.paths[-1], int(ns.shard_size_gb * (1 << 30)))
     n_t = sum(p.numel() for p in pair.target.parameters())
@@ -78,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         f"drafter {ddir}: {n_d / 1e9:.2f}B params, "
         f"taps {pair.drafter_config['dflash_config']['target_layer_ids']}"
     )
-    print(f"built in {t1 - t0:.1f} s on {device}, written in {time.perf_counter() - t1:.1f} s")
+    print(
+        f"built{' and quantized to block FP8' if fp8 else ''} in {t1 - t0:.1f} s on {device}, "
+        f"written in {time.perf_counter() - t1:.1f} s"
+    )
     return 0
 
 

@@ -59,6 +59,21 @@ def inflate_pair(
     )
 
 
+def quantize_pair(pair: InflatedPair) -> None:
+    """The pair in block FP8 ([128, 128] blocks, every decoder linear but the GDN's b / a rows, as
+    --quantization fp8 quantizes at load), its configs given the matching quantization_config."""
+    from ddtree.models import checkpoint as ckpt
+    from ddtree.models.quant import quantization_config, quantize_model
+
+    for model, config, shapes, linears in (
+        (pair.target, pair.target_config, ckpt.target_linear_shapes, ckpt.TARGET_LINEARS),
+        (pair.drafter, pair.drafter_config, ckpt.drafter_linear_shapes, ckpt.DRAFTER_LINEARS),
+    ):
+        layout = ckpt.at_load_layout(shapes(model.config), linears, None)
+        quantize_model(model, layout)
+        config["quantization_config"] = quantization_config(model, layout)
+
+
 def write_pair(pair: InflatedPair, out_dir: str, shard_bytes: int | None = None) -> tuple[str, str]:
     """OUT/target (weights, config, tokenizer, chat template) and OUT/drafter; their paths."""
     tdir, ddir = os.path.join(out_dir, "target"), os.path.join(out_dir, "drafter")

@@ -24,7 +24,13 @@ TOKENIZER_FILES = (
 
 
 def write_model(module: nn.Module, path: str, config: dict, shard_bytes: int = SHARD_BYTES) -> None:
-    save_model(module, path, config, max_shard_bytes=shard_bytes)
+    """An FP8 model (`models/quant.py`) is written in Qwen's block-FP8 checkpoint layout, its
+    config with the matching `quantization_config` (written by `fp8_pair`)."""
+    from ddtree.models.quant import checkpoint_state
+
+    save_model(
+        module, path, config, max_shard_bytes=shard_bytes, state_dict=checkpoint_state(module)
+    )
 
 
 def copy_tokenizer(src_dir: str, dst_dir: str) -> list[str]:

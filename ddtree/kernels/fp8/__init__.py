@@ -1,0 +1,159 @@
+"""Block-FP8 linears: y = x @ dequant(W)^T with W float8_e4m3fn and its block scales, x quantized per
+token in groups of bk columns at run time (`reference.py` holds the math).
+
+`linear` picks the implementation per call (`DDTREE_FP8_GEMM`, default auto):
+- `triton`: the group-quant kernel, then the Triton GEMM on fp8 activations;
+- `cublas`: the group-quant kernel, then `torch._scaled_mm`'s block-scaled GEMM (cuBLASLt, CUDA >=
+  12.9: 1x128 activation and 128x128 weight scales; bk = bn = 128 only);
+- `reference`: the PyTorch reference (dequantize, float32 matmul).
+auto (`choose`): measured on the H200 at the 8B and 27B shapes, 1 .. 1040 rows (studies/gpu_fp8_gemm.py,
+2026-12): the Triton GEMM where it streams a wide weight at decode sizes (rows <= 64 and N >= K:
+q|k|v, o, gate|up, q|k|v|z; e.g. the 8B gate|up at 1 row 30.3 us vs cuBLAS 38.4), cuBLAS elsewhere
+(long-K projections such as down at every row count: 25.4 vs 35.8 us at 1 row; every shape from 128
+rows: the 8B gate|up at 520 rows 122 vs 197 us). The reference on the CPU (or the kernels under
+Triton's interpreter with TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1, as the fused
+layer kernels) and with DDTREE_FORCE_REFERENCE_KERNELS=1.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from ddtree import envs
+from ddtree.kernels.fp8 import reference as R
+
+logger = logging.getLogger("ddtree")
+
+BACKENDS = ("auto", "triton", "cublas", "reference")
+TRITON_MAX_ROWS = 64  # auto: the Triton GEMM up to this many rows when N >= K
+
+_kernels = None
+
+
+def _triton(interpreted: bool = False):
+    """The Triton module (False without Triton); reloaded when the CPU interpreter is wanted and the
+    module was decorated without it."""
+    global _kernels
+    if _kernels is None or (interpreted and _kernels and not _kernels._decorated_interpreted):
+        try:
+            import importlib
+
+            from ddtree.kernels.fp8 import triton as mod
+
+            if interpreted and not mod._decorated_interpreted:
+                mod = importlib.reload(mod)
+        except ImportError:
+            mod = False
+        _kernels = mod
+    return _kernels
+
+
+def backend_switch() -> str:
+    """DDTREE_FP8_GEMM, checked: a bad value raises naming it."""
+    value = envs.FP8_GEMM.get().strip() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{envs.FP8_GEMM.name}={value!r}: use one of {', '.join(BACKENDS)}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def cublas_blockwise(device_index: int) -> bool:
+    """Whether this torch build's `torch._scaled_mm` runs 1x128 / 128x128 block scaling on the device
+    (cuBLASLt >= 12.9, sm_90+): one tiny GEMM, tried once per device (outside any graph capture:
+    `Fp8Linear.prepare`); False (and a log line) otherwise, and the Triton GEMM serves."""
+    dev = torch.device("cuda", device_index)
+    try:
+        a = torch.ones(4, 128, device=dev).to(R.FP8)
+        b = torch.ones(128, 128, device=dev).to(R.FP8)
+        sa = torch.ones(1, 4, device=dev).t()
+        sb = cublas_scale(torch.ones(1, 1, device=dev))
+        y = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16)
+        return bool((y == 128).all())
+    except (RuntimeError, TypeError, AttributeError) as e:
+        logger.info("FP8: torch._scaled_mm block scaling unavailable (%s); Triton GEMMs only.", e)
+        return False
+
+
+def cublas_ok(w: torch.Tensor, group_n: int, group_k: int) -> bool:
+    """Whether `torch._scaled_mm`'s block-scaled GEMM takes this weight: 128 x 128 blocks, widths
+    that are multiples of 16, a device where it runs."""
+    N, K = w.shape
+    return (
+        w.is_cuda
+        and group_n == 128
+        and group_k == 128
+        and N % 16 == 0
+        and K % 128 == 0
+        and cublas_blockwise(w.device.index or 0)
+    )
+
+
+def cublas_scale(w_scale: torch.Tensor) -> torch.Tensor:
+    """The weight scales in the layout cuBLAS's 128x128 block scaling reads: [K blocks padded to a
+    multiple of 4, N blocks], N-blocks contiguous (a transposed view)."""
+    nb, kb = w_scale.shape
+    padded = torch.ones(nb, -(-kb // 4) * 4, dtype=torch.float32, device=w_scale.device)
+    padded[:, :kb] = w_scale
+    return padded.t()
+
+
+def choose(rows: int, n: int, k: int, cublas: bool) -> str:
+    """The backend for a [rows, k] x [n, k]^T GEMM (`cublas`: whether cuBLAS takes the weight)."""
+    choice = backend_switch()
+    if choice == "auto":
+        choice = "triton" if rows <= TRITON_MAX_ROWS and n >= k else "cublas"
+    if choice == "cublas" and not cublas:
+        choice = "triton"
+    return choice
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    if envs.FORCE_REFERENCE_KERNELS.on() or backend_switch() == "reference":
+        return False
+    if x.device.type != "cuda" and not (
+        envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()
+    ):
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    return bool(_triton(interpreted=x.device.type != "cuda"))
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    group_n: int,
+    group_k: int,
+    bias: torch.Tensor | None = None,
+    scale_t: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] in the model dtype, w [N, K] float8_e4m3fn, w_scale [ceil(N / group_n), ceil(K /
+    group_k)] float32 -> [..., N] in x's dtype. `scale_t`: `cublas_scale(w_scale)`, when the cuBLAS
+    path may run (computed once by the caller, outside any graph capture)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    N = w.shape[0]
+    if not use_kernels(x2):
+        y = R.fp8_linear(x2, w, w_scale, group_n, group_k, bias)
+        return y.view(*x.shape[:-1], N)
+    from ddtree.kernels.fp8.tuning import gemm_config
+
+    T = _triton(interpreted=x2.device.type != "cuda")
+    M = x2.shape[0]
+    backend = choose(M, N, K, scale_t is not None and cublas_ok(w, group_n, group_k))
+    if backend == "cublas":
+        rows = -(-M // 4) * 4
+        q, s = T.group_quant(x2, group_k, rows=rows, column_major=True)
+        y = torch._scaled_mm(q, w.t(), s, scale_t, out_dtype=x.dtype)[:M]
+        if bias is not None:  # added after: cuBLAS's block-scaled path is measured without one
+            y = y + bias
+    else:
+        q, s = T.group_quant(x2, group_k)
+        y = T.gemm(q, s, w, w_scale, group_n, group_k, x.dtype, gemm_config(M, N, K), bias)
+    return y.view(*x.shape[:-1], N)
