@@ -92,12 +92,6 @@ FORCE_REFERENCE_GDN = EnvVar(
     "",
     "1: every Gated DeltaNet op runs the PyTorch reference (not fla, not our Triton kernels)",
 )
-GDN_TREE_GATE_LAUNCH = EnvVar(
-    "DDTREE_GDN_TREE_GATE_LAUNCH",
-    "",
-    "1: the no_buffer tree verify as before issue 43, for its A/B (scripts/device/tree_cost.sh): "
-    "g / beta from the separate gating launch, the chunk kernel's outputs loading after its solve",
-)
 CACHE = EnvVar(
     "DDTREE_CACHE", "", "directory for the embedded / toy model pairs (unset: ~/.cache/ddtree)"
 )
@@ -160,7 +154,6 @@ TABLE: dict[str, EnvVar] = {
         FP8_GEMM,
         FP8_GEMM_CONFIG,
         FORCE_REFERENCE_GDN,
-        GDN_TREE_GATE_LAUNCH,
         CACHE,
         BUDGET_PROFILE_DIR,
         PEER_CHECKOUT,

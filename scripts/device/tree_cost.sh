@@ -9,9 +9,8 @@
 #    strategies: the kernel in the loop is lossless);
 # 2. studies/gpu_tree_cost.py at the 27B shape: the GEMMs alone at the rows each verify runs (chain
 #    16 / tree 65 at batch 1; 128 / 136 / 264 at batch 8: B=16 / B=32), then DFLASH against
-#    DDTREE B=64 at batch 1 and B=16 / B=32 at batch 8, per kernel family and phase, with the A/B of
-#    this GDN cut (@DDTREE_GDN_TREE_GATE_LAUNCH=1: the separate gating launch, the outputs
-#    after the solve) on the tree and on the chain; AR (NONE) for "nothing else slower";
+#    DDTREE B=64 at batch 1 and B=16 / B=32 at batch 8, per kernel family and phase; AR (NONE) for
+#    "nothing else slower";
 # 3. the same at the 8B shape (dense: DFLASH, DDTREE B=64, batch 1);
 # 4. the Triton cache packed into OUT for the next run.
 # What to read: the last table ("x first": each case's round over the first case of its batch:
@@ -39,9 +38,7 @@ if [ "$CHECKS" != none ]; then
   tail -3 "$OUT/gpu_tests.log"
 fi
 echo "checks: $(($(date +%s) - T0)) s"
-A=DDTREE_GDN_TREE_GATE_LAUNCH=1
-DEFAULT27=DFLASH:0:1,DDTREE:64:1,DDTREE:64:1@$A,DFLASH:0:1@$A,NONE:0:1
-DEFAULT27+=,DFLASH:0:8,DDTREE:16:8,DDTREE:32:8,DDTREE:16:8@$A
+DEFAULT27=DFLASH:0:1,DDTREE:64:1,NONE:0:1,DFLASH:0:8,DDTREE:16:8,DDTREE:32:8
 C27=${C27:-$DEFAULT27}
 ROWS=16,65,128,136,264
 EXTRA=()

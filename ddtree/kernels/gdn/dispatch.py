@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ddtree import envs
 from ddtree.kernels.gdn.backend import choose, fla_ops, use_fla, use_triton
 from ddtree.kernels.gdn.reference import (
     gated_delta_rule_chunked,
@@ -147,9 +146,6 @@ def tree_rule(
         raw, early = gate.inputs() if hasattr(gate, "inputs") else None, True
         if gate is not None and raw is None:
             g, beta = (t.view(*v.shape[:2], -1) for t in gate.values())
-        if raw is not None and envs.GDN_TREE_GATE_LAUNCH.on():  # issue 43's A/B: the old form
-            g, beta = (t.view(*v.shape[:2], -1) for t in gate.values())
-            raw, early = None, False
         o = tree_chunk_triton(
             q, k, v, g, beta, depths, initial_state, tree_mask, valid, initial_rows, stash, raw,
             early=early,
