@@ -45,11 +45,12 @@ def prompts(tok, n: int) -> list:
 
 
 def run(llm, ps, fmt: str, max_tokens: int, concurrency: int) -> dict:
-    from ddtree import SamplingParams
+    from ddtree import SamplingParams, envs
     from ddtree.bench.serving import BENCH_SCHEMA
     from ddtree.grammar import GrammarSpec
 
-    os.environ["DDTREE_GRAMMAR_FORCED"] = "0" if fmt == "json-raw" else "1"
+    # the switch is read per round (engine/grammar_round.py): set for this run's rounds
+    os.environ[envs.GRAMMAR_FORCED.name] = "0" if fmt == "json-raw" else "1"
     grammar = None if fmt == "text" else GrammarSpec.json_schema(BENCH_SCHEMA)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, grammar=grammar)
     eng = llm.engine
