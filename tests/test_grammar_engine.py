@@ -113,3 +113,33 @@ def test_sampling_distribution_matches_ar(toy_pair, one_torch_thread):
     assert len(ar) > 5, "the test needs a spread-out distribution"
     assert all("0" not in str(t) for key in ar | dd for t in key)
     assert same_distribution(ar, dd) > 1e-3
+
+
+def test_a_rolled_back_batch_resyncs_the_matchers(toy_pair, prompts, ar, monkeypatch):
+    """A batched step that fails after the matchers took its tokens is rolled back (engine/
+    faults.py): each request keeps only what it had emitted, so its matcher must go back too, and
+    the requests, run again, produce what they would have."""
+    from ddtree.engine import grammar_round
+
+    constrained, _ = ar
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16)
+    real, state = grammar_round.GrammarBatch.advance, {"fails": 0}
+
+    def advance(self, emitted):
+        out = real(self, emitted)
+        if len(self.rows) > 1 and state["fails"] == 0 and self.reqs[0].num_output_tokens >= 4:
+            state["fails"] += 1
+            raise RuntimeError("injected failure after the grammar advanced")
+        return out
+
+    real_init, behind = grammar_round.GrammarBatch.__init__, []
+
+    def init(self, reqs, words, device):  # every round starts at the kept tokens' state
+        real_init(self, reqs, words, device)
+        behind.extend(r.grammar.accepted - r.num_output_tokens for r in reqs)
+
+    monkeypatch.setattr(grammar_round.GrammarBatch, "advance", advance)
+    monkeypatch.setattr(grammar_round.GrammarBatch, "__init__", init)
+    outs = llm.generate(prompts[:4], GREEDY)
+    assert state["fails"] == 1 and behind and set(behind) == {0}
+    assert tokens(outs) == constrained[:4] and all(o.finish_reason == "length" for o in outs)
