@@ -237,9 +237,9 @@ class SpecDecoder:
         runner = self.runner
         n = 1
         tree = _root_only(roots)
-        if gb is not None:  # the grammar rows' masks while the verify is launched
-            gb.root_masks()
         vo = runner.verify_nodes(reqs, tree)
+        if gb is not None:  # the grammar rows' masks, filled while the verify runs on a GPU
+            gb.root_masks()
         t = self.times.add("verify", t)
         params, generators = [r.params for r in reqs], [r.generator for r in reqs]
         sample = sample_nodes if gb is None else gb.target_tokens
