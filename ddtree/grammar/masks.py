@@ -5,6 +5,7 @@ kernel on CUDA, `apply_bitmask_reference` (plain PyTorch, the oracle) elsewhere 
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import numpy as np
@@ -34,10 +35,23 @@ def apply_bitmask_reference(logits: torch.Tensor, masks: torch.Tensor) -> None:
     logits.masked_fill_(~unpack(masks, logits.shape[-1]), float("-inf"))
 
 
-def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor) -> None:
-    if logits.device.type == "cuda" and not envs.FORCE_REFERENCE_GRAMMAR_MASK.on():
-        import xgrammar
+_KERNEL_FAILED: list[str] = []  # xgrammar's kernel could not run here (the reason, once)
 
-        xgrammar.apply_token_bitmask_inplace(logits, masks, vocab_size=logits.shape[-1])
-        return
+
+def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """logits [rows, V] fp32 contiguous, masks [rows, words] on its device: in place. A kernel
+    that cannot build or launch on this machine (its JIT needs a toolchain) falls back to the
+    reference for the process, with one warning."""
+    use_kernel = logits.device.type == "cuda" and not envs.FORCE_REFERENCE_GRAMMAR_MASK.on()
+    if use_kernel and not _KERNEL_FAILED:
+        try:
+            import xgrammar
+
+            xgrammar.apply_token_bitmask_inplace(logits, masks, vocab_size=logits.shape[-1])
+            return
+        except Exception as e:  # noqa: BLE001 - the reference computes the same
+            _KERNEL_FAILED.append(f"{type(e).__name__}: {e}")
+            logging.getLogger("ddtree").warning(
+                "xgrammar's bitmask kernel failed (%s); using the PyTorch reference", e
+            )
     apply_bitmask_reference(logits, masks)
