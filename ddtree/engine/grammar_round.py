@@ -23,6 +23,8 @@ without a grammar pay nothing: a batch without one never builds this object.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -60,8 +62,6 @@ class GrammarBatch:
     # ---- root-only steps: prefill's first token, AR rounds, width-1 rounds ----------------------------
     def root_masks(self) -> None:
         """Each grammar row's mask at its current state (a dead root is marked on its request)."""
-        import time
-
         t0 = time.perf_counter()
         host = self._host((len(self.rows), 1, self.words))
         for j, i in enumerate(self.rows):
@@ -88,8 +88,6 @@ class GrammarBatch:
     ) -> DraftTree:
         """The batch's tree with every grammar row rebuilt under its grammar (see the module
         docstring); budgets[i]: row i's drafted nodes at most."""
-        import time
-
         b, n = tree.tokens.shape
         D = tree.depth_bound
         rows = torch.tensor(self.rows, device=draft_logits.device)
