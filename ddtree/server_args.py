@@ -316,6 +316,8 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "max_queued_requests",
         "skip_server_warmup",
         "disable_overlap_schedule",
+        "reasoning_parser",
+        "tool_call_parser",
     ),
 }
 SERVER_ONLY_GROUP = "HTTP server"
