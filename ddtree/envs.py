@@ -142,6 +142,18 @@ TRITON_INTERPRET = EnvVar(
     "Triton's own: 1 runs Triton kernels on the CPU in its interpreter (the CPU tests)",
 )
 
+GRAMMAR_FORCED = EnvVar(
+    "DDTREE_GRAMMAR_FORCED",
+    "1",
+    "0: a draft tree under a grammar keeps the drafter's raw log-probs and drafts no forced token "
+    "the drafter missed (grammar/tree.py; to measure what forcing gains)",
+)
+FORCE_REFERENCE_GRAMMAR_MASK = EnvVar(
+    "DDTREE_FORCE_REFERENCE_GRAMMAR_MASK",
+    "",
+    "1: grammar bitmasks are applied to the logits by the PyTorch reference, not xgrammar's kernel",
+)
+
 TABLE: dict[str, EnvVar] = {
     v.name: v
     for v in (
@@ -163,6 +175,8 @@ TABLE: dict[str, EnvVar] = {
         POLICY_TRACE,
         GC_FREEZE,
         TRITON_INTERPRET,
+        GRAMMAR_FORCED,
+        FORCE_REFERENCE_GRAMMAR_MASK,
     )
 }
 

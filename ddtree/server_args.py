@@ -80,6 +80,19 @@ class ServerArgs:
     served_model_name: str | None = _opt(
         None, "model name reported by the API; default: --model-path"
     )
+    reasoning_parser: str | None = _opt(
+        None,
+        "split a thinking model's <think>...</think> into reasoning_content (chat) / reasoning_text "
+        "(/generate with separate_reasoning): qwen3 (reasoning only where the output or the "
+        "prompt opened <think>), deepseek-r1 (the output starts in reasoning)",
+        ("qwen3", "deepseek-r1"),
+    )
+    tool_call_parser: str | None = _opt(
+        None,
+        "parse tool calls out of chat outputs: hermes (Qwen3's <tool_call>{json}</tool_call>), "
+        "qwen3_coder (Qwen3.5 / 3.6's <tool_call><function=...><parameter=...>); `tools` need it",
+        ("hermes", "qwen3_coder"),
+    )
     mem_fraction_static: float = _opt(
         0.85, "fraction of device memory for weights, KV and state pools"
     )
@@ -303,6 +316,8 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "max_queued_requests",
         "skip_server_warmup",
         "disable_overlap_schedule",
+        "reasoning_parser",
+        "tool_call_parser",
     ),
 }
 SERVER_ONLY_GROUP = "HTTP server"

@@ -91,11 +91,20 @@ def test_serving_table_has_units():
     )
     assert len(header) == len(units) == len(row)
     assert row.split()[11] == "5.50" and "512.0" in row  # after "cache hit" (-: not reported)
-    assert row.split()[-6:] == ["-"] * 6  # no server metrics in this level
+    assert row.split()[-7:] == ["-"] * 7  # no server metrics in this level
     full = format_table(
-        [_level(mean_budget=12.5, predicted_accept_length=3.25, host_ms=0.4, idle_ms=1.25)]
+        [
+            _level(
+                mean_budget=12.5,
+                predicted_accept_length=3.25,
+                host_ms=0.4,
+                grammar_host_ms=0.75,
+                idle_ms=1.25,
+            )
+        ]
     )
-    assert full.splitlines()[2].split()[-6:] == ["12.5", "3.25", "-", "0.40", "-", "1.25"]
+    want = ["12.5", "3.25", "-", "0.40", "0.75", "-", "1.25"]
+    assert full.splitlines()[2].split()[-7:] == want
 
 
 def test_serving_level_reads_budgets_from_metrics():

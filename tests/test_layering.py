@@ -2,7 +2,8 @@
 floor or below; every import in every module is checked, function-level (lazy) imports included,
 and every module must have a floor (a new package is placed here on purpose, not by accident).
 
-    0  envs, configs, shapes, assets, model_sources, speculative (pure tree math)
+    0  envs, configs, shapes, assets, model_sources, speculative (pure tree math), grammar (grammar
+       specs, matchers and the draft tree under a grammar: host math beside speculative)
     1  kernels            2  attention           3  models          4  engine
     5  the configuration above the engine: server_args, config_checks, memory_plan, check_config
     6  server, llm, generate
@@ -26,6 +27,7 @@ FLOORS = {
     "assets": 0,
     "model_sources": 0,
     "speculative": 0,
+    "grammar": 0,
     "kernels": 1,
     "attention": 2,
     "models": 3,

@@ -311,7 +311,7 @@ def test_generate_stream_interleaves_choices(http):
         ({"text": "", "sampling_params": {}}, "text"),
         ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
         ({"text": "a", "sampling_params": {"temperature": -1.0}}, "sampling_params.temperature"),
-        ({"text": "a", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+        ({"text": "a", "sampling_params": {"regex": "(a"}}, "sampling_params.regex"),
         (
             {"text": "a", "sampling_params": {"frequency_penalty": 0.5}},
             "sampling_params.frequency_penalty",

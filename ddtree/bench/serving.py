@@ -188,6 +188,7 @@ async def run_level(client, model: str, items: list[Item], concurrency: int, ns)
         "predicted_accept_length",
         "round_ms",
         "host_ms",
+        "grammar_host_ms",
         "device_ms",
         "idle_ms",
     ):
@@ -276,6 +277,7 @@ async def run(ns, items: list[Item]) -> dict:
         "num_prompts": len(items),
         "max_tokens": ns.max_tokens,
         "temperature": ns.temperature,
+        "response_format": ns.response_format,
         "dataset": ns.dataset_path or "synthetic",
         "client": ns.client,
         "results": levels,
@@ -346,6 +348,7 @@ TABLE_COLUMNS = (
     ("pred acc", "tok/round", "predicted_accept_length", None, 2),
     ("round", "ms", "round_ms", None, 2),
     ("host", "ms/round", "host_ms", None, 2),
+    ("grammar", "ms/round", "grammar_host_ms", None, 2),
     ("device", "ms", "device_ms", None, 2),
     ("idle", "ms/round", "idle_ms", None, 2),
 )
@@ -404,6 +407,25 @@ def format_client(levels: list[dict]) -> str | None:
     return "\n".join(lines)
 
 
+# the default --json-schema: keys the grammar forces, bounded strings, an enum, numbers, an array
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 64},
+        "category": {"type": "string", "enum": ["news", "sports", "science", "other"]},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 4},
+        "summary": {"type": "string", "maxLength": 256},
+    },
+    "required": ["title", "category", "score", "tags", "summary"],
+}
+
+
+def _json_schema(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def make_parser() -> argparse.ArgumentParser:
     from ddtree.bench.cli import DefaultsFormatter
 
@@ -441,6 +463,20 @@ def make_parser() -> argparse.ArgumentParser:
         "--ignore-eos", action="store_true", help="generate exactly max_tokens (ddtree extension)"
     )
     p.add_argument("--chat", action="store_true", help="send text prompts to /v1/chat/completions")
+    p.add_argument(
+        "--response-format",
+        choices=("text", "json_object", "json_schema"),
+        default="text",
+        help="structured outputs for every request (json_schema: --json-schema's); the report's "
+        "grammar_host_ms is the host time grammar rows add per round",
+    )
+    p.add_argument(
+        "--json-schema",
+        type=_json_schema,
+        default=BENCH_SCHEMA,
+        help="the schema of --response-format json_schema: a JSON file (default: a built-in "
+        "object of strings, an enum, numbers and an array)",
+    )
     p.add_argument(
         "--client",
         choices=("httpx", "openai"),

@@ -98,7 +98,7 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
     count = one("ddtree_spec_budget_count")
     pred_n = one("ddtree_spec_predicted_request_rounds_total")
     parts = {}
-    for part in ("round", "host", "server", "hidden", *DEVICE_PARTS):
+    for part in ("round", "host", "server", "hidden", "grammar", *DEVICE_PARTS):
         n = one("ddtree_round_seconds_count", part=part)
         parts[part] = 1e3 * one("ddtree_round_seconds_sum", part=part) / n if n else None
     host = parts["host"]
@@ -133,6 +133,8 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         "round_ms": parts["round"],
         "host_ms": None if host is None else host + (parts["server"] or 0.0),
         "hidden_ms": parts["hidden"],
+        # host ms per round with grammar requests: their trees and masks (grammar_round.py)
+        "grammar_host_ms": parts["grammar"],
         # on the GPU's clock (CUDA; engine/round_clock.py): a round's device span, the GPU idle
         # before it (host work between rounds nothing hid), and the span's phases
         "device_ms": parts["device"],

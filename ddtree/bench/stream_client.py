@@ -37,6 +37,14 @@ def request_body(model: str, item, ns, chat: bool) -> dict:
     }
     if ns.ignore_eos:
         body["ignore_eos"] = True  # ddtree (and SGLang / vLLM) extension
+    fmt = getattr(ns, "response_format", "text")
+    if fmt == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt == "json_schema":
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": ns.json_schema},
+        }
     if chat:
         body["messages"] = item.messages or [{"role": "user", "content": item.prompt}]
     else:

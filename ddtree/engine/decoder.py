@@ -25,6 +25,7 @@ import torch
 from ddtree.engine import logprobs
 from ddtree.engine.budget import BudgetPlanner, RoundPlan, gain_columns
 from ddtree.engine.config import SpecConfig
+from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
 from ddtree.engine.round_clock import RoundClock
@@ -70,6 +71,9 @@ class SpecDecoder:
         self.gains = GainReadBack(runner.device)
         # set by the server: host work to overlap with each round's device work
         self.while_device_runs: Callable[[], None] | None = None
+        # int32 words of a next-token bitmask row (grammar requests, engine/grammar_round.py)
+        self.mask_words = (runner.target.config.vocab_size + 31) // 32
+        self.grammar_host_s = 0.0  # host seconds the grammar rows' trees and masks took
         if cfg.algorithm != "NONE":
             runner.set_tree_spec(cfg.algorithm, cfg.budget, cfg.topk_cap, cfg.shadow_linear)
             runner.add_tree_specs(self.budgets.tree_specs())  # auto: every rung's own draft
@@ -100,15 +104,18 @@ class SpecDecoder:
         # one host->device copy with the round's lengths and slots
         meta = runner.round_meta(reqs)
         roots = meta.roots
+        gb = GrammarBatch.of(reqs, self.mask_words, runner.device)
         if cfg.algorithm == "NONE":
-            emitted = self._ar_round(reqs, roots, t)
+            emitted = self._ar_round(reqs, roots, t, gb)
             self.budgets.observe(RoundPlan(1, None), len(reqs), [1] * len(reqs), None)
-            self._read_clock()
+            self._read_clock(gb)
             return emitted
         plan = self.budgets.plan(reqs, max(meta.kv_lens))
         self.clock.mark()  # the host's part before the draft launch ends here
         if plan.width == 1:  # the policy chose AR for the batch: no draft
             tree = _root_only(roots)
+            if gb is not None:
+                gb.root_masks()
         else:
             limits = self.depth_limits(reqs, max_context)
             if limits is not None:  # a depth-limited tree's curve teaches the policy no shape
@@ -120,6 +127,8 @@ class SpecDecoder:
             t = self.times.add("draft", t)
             if tree is None:  # eager: the same build
                 tree = self._build(roots, draft_logits, limits, plan)
+            if gb is not None:  # the grammar rows' trees rebuilt under their grammars
+                tree = self._grammar_tree(gb, tree, draft_logits, limits, plan)
             tree = tree.narrow(plan.width)
             t = self.times.add("tree", t)
         self.clock.mark()  # the draft's device work ends here
@@ -136,13 +145,13 @@ class SpecDecoder:
         if (
             vo.greedy_accept is not None
             and self.target_override is None
+            and gb is None
             and all(p.greedy for p in params)
         ):
             res = vo.greedy_accept  # walked inside the verify graph
         else:
-            target_tokens = sample_nodes(
-                vo.logits, params, [r.generator for r in reqs], vo.greedy_tokens
-            )
+            sample = sample_nodes if gb is None else gb.target_tokens
+            target_tokens = sample(vo.logits, params, [r.generator for r in reqs], vo.greedy_tokens)
             if self.target_override is not None:
                 target_tokens = self.target_override(tree, target_tokens)
             res = accept_tree(tree, target_tokens)
@@ -168,16 +177,21 @@ class SpecDecoder:
         # root + (k - 1) accepted drafts; the bonus is pending
         runner.advance(reqs, [row[0] for row in host])
         emitted = [row[1 : 1 + row[0]] for row in host]
+        if gb is not None:
+            emitted = gb.advance(emitted)
+            self.grammar_host_s += gb.host_s
         for r, lp_row, toks in zip(reqs, lp_rows, emitted):
             logprobs.append(r, lp_row, toks)
         self.budgets.observe(plan, len(reqs), [row[0] for row in host])
-        self._read_clock()
+        self._read_clock(gb)
         return emitted
 
-    def _read_clock(self) -> None:
-        """The round's device and idle seconds into its RoundRecord (after the read-back)."""
+    def _read_clock(self, gb: GrammarBatch | None = None) -> None:
+        """The round's device and idle seconds into its RoundRecord (after the read-back), and
+        the host seconds its grammar rows took."""
         rec = self.budgets.last
         self.clock.read(rec.timing)
+        rec.timing.grammar_s = None if gb is None else gb.host_s
 
     def _while_device_runs(self) -> None:
         """The round's device work is launched and the read-back has not waited for it yet: host
@@ -205,14 +219,31 @@ class SpecDecoder:
             select=tree_build.select_nodes,  # the draft graph's selection (kernels/tree_build)
         )
 
-    def _ar_round(self, reqs: list[Req], roots: torch.Tensor, t: float) -> list[list[int]]:
+    def _grammar_tree(self, gb: GrammarBatch, tree, draft_logits, limits, plan) -> DraftTree:
+        algorithm, budget, topk_cap, _ = plan.spec or self.cfg.tree_spec()
+        chain = algorithm == "DFLASH"
+        if chain:  # the chain's nodes: one per depth
+            budget = self.cfg.block_size - 1
+        cap = plan.width - 1
+        budgets = [
+            min(cap, budget if plan.cut is None or chain else plan.cut[i])
+            for i in range(len(gb.reqs))
+        ]
+        return gb.draft(tree, draft_logits, limits, budgets, chain, topk_cap)
+
+    def _ar_round(
+        self, reqs: list[Req], roots: torch.Tensor, t: float, gb: GrammarBatch | None = None
+    ) -> list[list[int]]:
         runner = self.runner
         n = 1
         tree = _root_only(roots)
         vo = runner.verify_nodes(reqs, tree)
+        if gb is not None:  # the grammar rows' masks, filled while the verify runs on a GPU
+            gb.root_masks()
         t = self.times.add("verify", t)
         params, generators = [r.params for r in reqs], [r.generator for r in reqs]
-        tokens = sample_nodes(vo.logits, params, generators, vo.greedy_tokens)[:, :1]
+        sample = sample_nodes if gb is None else gb.target_tokens
+        tokens = sample(vo.logits, params, generators, vo.greedy_tokens)[:, :1]
         t = self.times.add("accept", t)
         zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
         lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)
@@ -223,6 +254,9 @@ class SpecDecoder:
         host, lp_rows = logprobs.read_back(reqs, tokens, lp)
         self.times.add("commit", t)
         runner.advance(reqs, [n] * len(reqs))
+        if gb is not None:
+            host = gb.advance(host)
+            self.grammar_host_s += gb.host_s
         for r, lp_row, toks in zip(reqs, lp_rows, host):
             logprobs.append(r, lp_row, toks)
         return host

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 import weakref
 
@@ -14,6 +15,7 @@ from ddtree.engine.batch_log import BatchLog
 from ddtree.engine.config import prefill_chunk_tokens
 from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine.faults import EngineDead, FaultIsolation, describe
+from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes
@@ -60,6 +62,8 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.emitter = TokenEmitter(self.tokenizer, tuple(sorted(eos)), self.max_context)
         self._seeds = random.Random(args.random_seed)
+        self._grammars = None  # the grammar compiler and its cache, built on first use
+        self._grammars_lock = threading.Lock()
         self.requests: dict[str, Req] = {}
         self.last_round = None  # RoundRecord of the latest decode step (None after a prefill)
         self.faults = FaultIsolation(tensor_parallel=self.tp is not None)
@@ -75,6 +79,21 @@ class LLMEngine:
                 )
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return [int(t) for t in prompt]
+
+    @property
+    def grammars(self):
+        """The tokenizer's grammar compiler and cache (`ddtree.grammar.Grammars`); raises
+        GrammarUnavailable when the grammar engine cannot be imported, ValueError without a
+        tokenizer."""
+        with self._grammars_lock:  # the server's compile threads may build it first
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("grammars need a tokenizer; this model directory has none")
+                from ddtree.grammar import Grammars
+
+                vocab = self.runner.target.config.vocab_size
+                self._grammars = Grammars(self.tokenizer, vocab, self.emitter.eos_ids)
+            return self._grammars
 
     def add_request(
         self,
@@ -102,6 +121,8 @@ class LLMEngine:
                 f"of {bm.page_size} tokens a request)"
             )
         req = Req(prompt_ids=ids, params=params, **({"rid": rid} if rid else {}))
+        if params.grammar is not None:  # compiled once per spec (the server compiles ahead)
+            req.grammar = self.grammars.matcher(params.grammar)
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
             req.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -193,6 +214,8 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 self._fail_request(r, e)
         for r in batch.reqs:
+            if r.grammar_end is not None and r.finish_reason is None:
+                self.emitter.finish(r, r.grammar_end)  # the grammar ended it
             if r.finish_reason is not None and not r.is_finished:
                 try:
                     logprobs.trim(r)
@@ -218,9 +241,16 @@ class LLMEngine:
             return {}
         reqs = [batch.reqs[i] for i in ready]
         rows = logits[ready][:, None]
-        first = sample_nodes(rows, [r.params for r in reqs], [r.generator for r in reqs])
+        sample = sample_nodes
+        gb = GrammarBatch.of(reqs, self.decoder.mask_words, self.device)
+        if gb is not None:  # the first token under the grammar's start state
+            gb.root_masks()
+            sample = gb.target_tokens
+        first = sample(rows, [r.params for r in reqs], [r.generator for r in reqs], None)
         lp = logprobs.node_logprobs(reqs, rows, torch.zeros_like(first), first)
         host, lp_rows = logprobs.read_back(reqs, first, lp)
+        if gb is not None:
+            host = gb.advance(host)
         now = time.monotonic()
         for r, toks, lp_row in zip(reqs, host, lp_rows):
             logprobs.append(r, lp_row, toks)

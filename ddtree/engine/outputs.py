@@ -109,6 +109,10 @@ class TokenEmitter:
                 self._finish(req, "length")
                 return
 
+    def finish(self, req: Req, reason: str) -> None:
+        """End the request for a reason of its own (the grammar ended it)."""
+        self._finish(req, reason)
+
     def _finish(self, req: Req, reason: str) -> None:
         self.flush(req)
         req.finish_reason = reason

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from ddtree.grammar.backend import GrammarSpec, Matcher
 
 # Temperatures below this sample as greedy (argmax): dividing fp32 logits by a smaller one overflows to inf,
 # the softmax becomes NaN and every draw collapses onto token id 0. vLLM and SGLang use the same cut-off.
@@ -37,6 +38,9 @@ class SamplingParams:
     # skip_special_tokens is False; spaces_between_special_tokens acts on tokenizers that use it
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # constrain the output to a grammar (JSON schema, regex, EBNF, choice): every emitted token,
+    # drafted or not, is one the grammar allows (engine/grammar_round.py)
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -140,6 +144,8 @@ class Req:
     error: str | None = None
     # a batched step it was in failed: it runs alone until a decoding round of its own succeeds
     suspect: bool = False
+    grammar: Matcher | None = None  # the grammar state after output_ids (params.grammar)
+    grammar_end: str | None = None  # set when the grammar ends the request: "stop" / "grammar"
 
     @property
     def num_prompt_tokens(self) -> int:

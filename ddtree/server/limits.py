@@ -19,6 +19,11 @@ server's tokenizer threads (openai_serving.py), never on the engine thread.
 | `/generate` batch: prompts x `n`             | MAX_BATCH_REQUESTS requests (and as many        |
 |                                              | `sampling_params` / `rid` entries)              |
 | `model`, `user`, `rid`, other names          | MAX_NAME_CHARS characters                       |
+| a grammar (`response_format`'s schema,       | MAX_GRAMMAR_CHARS characters; compiled within   |
+| `json_schema`, `regex`, `ebnf`, `guided_*`,  | GRAMMAR_COMPILE_TIMEOUT_S on one of             |
+| `structured_outputs`, `tools`' grammar)      | GRAMMAR_COMPILE_WORKERS threads (server/structured.py) |
+| `tools`                                      | MAX_TOOLS functions                             |
+| `chat_template_kwargs`                       | MAX_TEMPLATE_KWARGS_CHARS characters as JSON    |
 | the whole body                               | 8 MiB (server/http.py's BodyLimit)              |
 """
 
@@ -37,6 +42,14 @@ MAX_NAME_CHARS = 256
 # requests one /generate call admits (prompts x n): one call is one client's work, and admitting it
 # holds the engine thread for one hop; a larger batch is split by the client
 MAX_BATCH_REQUESTS = 256
+MAX_GRAMMAR_CHARS = 65536
+# a grammar that has not compiled by then is refused (400); the compile thread finishes it into the
+# cache (xgrammar cannot be interrupted), so a run of such requests can keep the workers busy but
+# never the engine thread
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+GRAMMAR_COMPILE_WORKERS = 2
+MAX_TOOLS = 128
+MAX_TEMPLATE_KWARGS_CHARS = 16384  # `chat_template_kwargs` as JSON
 # a prompt string longer than this many characters per context token cannot fit once tokenized (no
 # tokenizer packs more into one token in practice); refused before the engine thread spends time
 # tokenizing

@@ -361,6 +361,8 @@ class ServerMetrics:
         parts = (rec.timing.round_s, rec.timing.host_s, server_s, hidden_s)
         for name, value in zip(ROUND_PARTS, parts):
             self.round_time.labels(name).observe(value)
+        if rec.timing.grammar_s is not None:  # rounds with grammar requests only
+            self.round_time.labels("grammar").observe(rec.timing.grammar_s)
         ph = rec.timing.device_phases
         device = (rec.timing.device_s, rec.timing.idle_s, *(ph.get(p) for p in PHASES))
         for name, value in zip(DEVICE_PARTS, device):

@@ -35,6 +35,8 @@ from ddtree.server.openai_serving import (
     sse,
     tokenize,
 )
+from ddtree.server.reasoning import ReasoningParser
+from ddtree.server.structured import grammar_spec
 
 
 def _at(param: str, i: int, batch: bool) -> str:
@@ -81,7 +83,13 @@ class NativeServing:
             meta |= {"spec_verify_ct": d.rounds, "spec_accept_length": d.mean_accept_length}
         if body.return_logprob:
             meta |= native_logprobs(lps, body.return_text_in_logprobs)
-        return {"text": text, "output_ids": ids, "meta_info": meta}
+        out = {"text": text, "output_ids": ids, "meta_info": meta}
+        parser = self.serving.reasoning_parser
+        if body.separate_reasoning and parser is not None:
+            prompt = body.text if isinstance(body.text, str) else ""
+            reasoning, out["text"] = ReasoningParser(parser, prompt).parse(text)
+            out["reasoning_text"] = reasoning or ""
+        return out
 
     async def generate(self, body: GenerateRequest, request: Request):
         started = time.monotonic()  # e2e_latency counts from the request's arrival
@@ -95,15 +103,18 @@ class NativeServing:
             if isinstance(prompt, str):
                 check_prompt_chars(len(prompt), self.serving.max_context, _at(param, i, batch))
         vocab = self.serving.vocab_size
+        grammars = [grammar_spec(sp.grammar_fields(), "sampling_params.") for sp in sps]
+        for g in grammars:
+            await self.serving.grammars.compile(g)  # off the engine thread
         prepared = []
         # prompt by prompt on a tokenizer thread; a client that left stops the batch here, before
         # any of it reaches the engine
-        for i, (prompt, sp) in enumerate(zip(prompts, sps)):
+        for i, (prompt, sp, g) in enumerate(zip(prompts, sps, grammars)):
 
-            def prepare(e, prompt=prompt, sp=sp, name=_at(param, i, batch)):
+            def prepare(e, prompt=prompt, sp=sp, g=g, name=_at(param, i, batch)):
                 ids = tokenize(e, prompt, name) if isinstance(prompt, str) else list(prompt)
                 protocol.check_prompt_ids(ids, vocab, e.max_context, name)
-                return ids, native_sampling_params(body, sp, len(ids), e.max_context)
+                return ids, native_sampling_params(body, sp, len(ids), e.max_context, g)
 
             ids, params = await self.serving.prepare(prepare)
             prepared.append((ids, params, sp.n))

@@ -4,9 +4,12 @@
 Accepted: `text` or `input_ids` (one prompt or a batch), `sampling_params` (one dict or one per
 prompt: max_new_tokens [128], temperature, top_p, top_k, stop, stop_token_ids, ignore_eos, n,
 sampling_seed, no_stop_trim, skip_special_tokens, spaces_between_special_tokens, plus our
-`ddtree_budget`), `stream`, `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`, `rid`.
+`ddtree_budget`; constrained decoding: `json_schema`, `regex`, `ebnf` and vLLM's `guided_*` /
+`structured_outputs`, server/structured.py), `stream`, `return_logprob`, `top_logprobs_num`,
+`return_text_in_logprobs`, `rid`, `separate_reasoning` (with --reasoning-parser:
+the think block as `reasoning_text`, `text` without it).
 SGLang options this engine cannot honour (penalties, min_p, min_new_tokens, logit_bias, stop_regex,
-constrained decoding, input log-probs; request_fields.GENERATE_REFUSED at the top level) are refused
+input log-probs; request_fields.GENERATE_REFUSED at the top level) are refused
 with a 400 naming the field when set to anything but their neutral value; a `sampling_params` key
 SGLang does not know either is refused, as SGLang does. Bounds are the OpenAI routes'
 (server/limits.py), plus MAX_BATCH_REQUESTS prompts x n per call.
@@ -14,12 +17,13 @@ SGLang does not know either is refused, as SGLang does. Bounds are the OpenAI ro
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
 from ddtree.engine.request import SamplingParams
+from ddtree.grammar import GrammarSpec
 from ddtree.server import request_fields
 from ddtree.server.limits import (
     MAX_BATCH_REQUESTS,
@@ -63,9 +67,28 @@ class NativeSamplingParams(BaseModel):
     logit_bias: dict | None = None
     stop_regex: str | list[str] | None = None
     custom_params: dict | None = None
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
+
+    GRAMMAR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "json_schema",
+        "regex",
+        "ebnf",
+        "guided_json",
+        "guided_regex",
+        "guided_grammar",
+        "guided_choice",
+        "structured_outputs",
+    )
+
+    def grammar_fields(self) -> dict:
+        return {name: getattr(self, name) for name in self.GRAMMAR_FIELDS}
 
     UNSUPPORTED: ClassVar[tuple] = (
         ("min_p", (None, 0)),
@@ -76,9 +99,6 @@ class NativeSamplingParams(BaseModel):
         ("logit_bias", (None, {})),
         ("stop_regex", (None, [], "")),
         ("custom_params", (None, {})),
-        ("json_schema", (None,)),
-        ("regex", (None,)),
-        ("ebnf", (None,)),
     )
 
 
@@ -97,6 +117,8 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: StrictBool = False
     logprob_start_len: StrictInt = -1
     rid: Name | Annotated[list[Name], Batch] | None = None
+    rid: str | list[str] | None = None
+    separate_reasoning: StrictBool = False
 
     def prompts(self) -> tuple[list, bool]:
         """(prompts: strings or token-id lists, whether the request was a batch)."""
@@ -173,7 +195,11 @@ def check_native(req: GenerateRequest, sp: NativeSamplingParams) -> None:
 
 
 def native_sampling_params(
-    req: GenerateRequest, sp: NativeSamplingParams, prompt_len: int, max_context: int
+    req: GenerateRequest,
+    sp: NativeSamplingParams,
+    prompt_len: int,
+    max_context: int,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     """Validated SamplingParams; each bad value raises a 400 naming its field."""
     room = max_context - prompt_len
@@ -222,6 +248,7 @@ def native_sampling_params(
             include_stop_str_in_output=sp.no_stop_trim,
             skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
+            grammar=grammar,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from e

@@ -24,8 +24,10 @@ from fastapi.responses import StreamingResponse
 from ddtree.engine.request import SamplingParams
 from ddtree.server import limits, protocol
 from ddtree.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Stream
+from ddtree.server.chat_tools import ChatOutput, ChatTools
 from ddtree.server.logprob_format import chat_logprobs, completion_logprobs
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ddtree.server.structured import GrammarCompiler, grammar_spec
 
 DEFAULT_COMPLETION_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the context
@@ -149,8 +151,13 @@ class OpenAIServing:
         self.max_context = aengine.engine.max_context
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "ddtree-tokenize")
 
+        self.grammars = GrammarCompiler(aengine.engine)  # off the engine thread
+        self.reasoning_parser = getattr(args, "reasoning_parser", None)
+        self.tool_call_parser = getattr(args, "tool_call_parser", None)
+
     def close(self) -> None:
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
 
     def ext(self, ds: list[Delta]) -> dict:
         """The `ddtree` extension over one or more choices (accept length weighted by rounds;
@@ -161,19 +168,32 @@ class OpenAIServing:
         return out | ({"timing": ds[0].timing} if ds and ds[0].timing is not None else {})
 
     async def start(
-        self, body, prompt_of, param: str, default_max_tokens: int | None
+        self,
+        body,
+        prompt_of,
+        param: str,
+        default_max_tokens: int | None,
+        grammar=None,
     ) -> list[Stream]:
-        """Validate, tokenize (on a tokenizer thread: prompt_of(engine) -> ids) and admit body.n
-        requests; failures are APIErrors. `model` picks nothing: the one served model answers any
-        name, as in SGLang."""
+        """Validate, compile the request's grammar (off the engine thread), tokenize (on a
+        tokenizer thread: prompt_of(engine) -> ids) and admit body.n requests; failures are
+        APIErrors. `model` picks nothing: the one served model answers any name, as in SGLang.
+        grammar: the grammar the caller derived (tools); else the body's structured-output
+        fields'."""
         arrival = time.monotonic()  # the request's time to first token starts here
         protocol.check_supported(body)
+        if grammar is None:
+            grammar = grammar_spec(body.grammar_fields())
         check_prompt_chars(prompt_chars(body), self.max_context, param)
+
+        await self.grammars.compile(grammar)
 
         def prepare(e):
             ids = prompt_of(e)
             protocol.check_prompt_ids(ids, self.vocab_size, e.max_context, param)
-            return ids, protocol.sampling_params(body, len(ids), e.max_context, default_max_tokens)
+            return ids, protocol.sampling_params(
+                body, len(ids), e.max_context, default_max_tokens, grammar
+            )
 
         ids, params = await self.prepare(prepare)
         return await self.admit([(ids, params, body.n or 1)], param, arrival)
@@ -279,7 +299,9 @@ class OpenAIServing:
                     yield sse(APIError(d.error_status, d.error, code=d.error_code).body())
                     break
                 if d.text or d.logprobs:
-                    yield sse(chunk_of(i, d, None) | tail)
+                    chunk = chunk_of(i, d, None)
+                    if chunk is not None:  # None: the choice's output held it all back
+                        yield sse(chunk | tail)
                 if d.finish_reason is not None:
                     finals[i] = d
                     yield sse(chunk_of(i, None, d.finish_reason) | {"ddtree": self.ext([d])} | tail)
@@ -341,21 +363,42 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         messages = protocol.chat_messages(body)
         want_logprobs, _ = protocol.logprob_fields(body)
+        tools = ChatTools.of(body, self.tool_call_parser)
+        grammar = grammar_spec(body.grammar_fields())
+        if tools is not None and tools.grammar() is not None:
+            if grammar is not None:
+                raise protocol.invalid(
+                    grammar.param, f"conflicts with tool_choice {tools.choice!r}: give one"
+                )
+            grammar = tools.grammar()
+        kwargs = chat_template_kwargs(body.chat_template_kwargs)
+        rendered = {}
 
         def render(e):
             if e.tokenizer is None or not getattr(e.tokenizer, "chat_template", None):
                 raise protocol.invalid(
                     "messages", "this model's tokenizer has no chat template; use /v1/completions"
                 )
-            text = e.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-            )
+            extra = {"tools": tools.render} if tools is not None and tools.render else {}
+            try:
+                text = e.tokenizer.apply_chat_template(
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    **extra,
+                    **kwargs,
+                )
+            except APIError:
+                raise
+            except Exception as err:  # noqa: BLE001 - jinja raises for what the template refuses
+                raise protocol.invalid("messages", f"the chat template failed: {err}") from err
+            rendered["prompt"] = text
             return tokenize(e, text, "messages", body.add_special_tokens)
 
-        streams = await self.start(body, render, "messages", None)
+        streams = await self.start(body, render, "messages", None, grammar)
+        reasoning = self.reasoning_parser if body.separate_reasoning else None
+        outputs = [ChatOutput(reasoning, tools, rendered.get("prompt", "")) for _ in streams]
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -373,22 +416,24 @@ class OpenAIServing:
             def chunk(i, d, reason):
                 if i is None:
                     return head | {"choices": []}
-                if d is None:
+                if d is None:  # the finish: what the parsers held back, then the reason
+                    out = outputs[i]
                     return head | {
                         "choices": [
-                            {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
+                            {
+                                "index": i,
+                                "delta": out.feed("", final=True),
+                                "logprobs": None,
+                                "finish_reason": out.finish_reason(reason),
+                            }
                         ]
                     }
-                delta = {"content": d.text}
+                delta = outputs[i].feed(d.text)
+                lp = logprobs_of(d)
+                if not delta and lp is None:
+                    return None
                 return head | {
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": delta,
-                            "logprobs": logprobs_of(d),
-                            "finish_reason": None,
-                        }
-                    ]
+                    "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}]
                 }
 
             role = {"role": "assistant", "content": ""}
@@ -403,15 +448,17 @@ class OpenAIServing:
             )
             return self.stream(streams, body, chunk, first)
         ds = await self.final_deltas(streams, request)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": d.text},
-                "logprobs": logprobs_of(d),
-                "finish_reason": d.finish_reason,
-            }
-            for i, d in enumerate(ds)
-        ]
+        choices = []
+        for i, (d, out) in enumerate(zip(ds, outputs)):
+            out.feed(d.text, final=True)
+            choices.append(
+                {
+                    "index": i,
+                    "message": out.message(),
+                    "logprobs": logprobs_of(d),
+                    "finish_reason": out.finish_reason(d.finish_reason),
+                }
+            )
         return head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}
 
 
@@ -419,3 +466,26 @@ def unavailable(err: EngineUnavailable) -> APIError:
     """503; with Retry-After when it is back-pressure (the queue is full), not a dead engine."""
     headers = None if err.retry_after is None else {"Retry-After": str(err.retry_after)}
     return APIError(503, str(err), code="engine_unavailable", headers=headers)
+
+
+RESERVED_TEMPLATE_KWARGS = (
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "tokenize",
+    "conversation",
+)
+
+
+def chat_template_kwargs(kwargs: dict | None) -> dict:
+    """`chat_template_kwargs`, checked: no key the server sets itself, a bounded size."""
+    if not kwargs:
+        return {}
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise protocol.invalid(f"chat_template_kwargs.{key}", "is set by the server")
+    if len(json.dumps(kwargs)) > limits.MAX_TEMPLATE_KWARGS_CHARS:
+        raise protocol.invalid(
+            "chat_template_kwargs", f"is over {limits.MAX_TEMPLATE_KWARGS_CHARS} characters"
+        )
+    return dict(kwargs)

@@ -5,7 +5,9 @@ the field when set to anything but their neutral value, so a client never gets u
 for a constrained request: the declared ones below (UNSUPPORTED), the rest in
 server/request_fields.py, which also says what happens to a field nobody knows (ignored, with a
 warning). `seed` is honoured, `user` accepted. Sizes and value checks of every field:
-server/limits.py. Extensions beyond OpenAI (vLLM's and SGLang's names): `top_k`,
+server/limits.py. Structured outputs (`response_format`, SGLang's `json_schema` / `regex` /
+`ebnf`, vLLM's `guided_*` and `structured_outputs`): server/structured.py; tools and reasoning:
+server/chat_tools.py. Extensions beyond OpenAI (vLLM's and SGLang's names): `top_k`,
 `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` (SGLang: `no_stop_trim`),
 `skip_special_tokens`, `spaces_between_special_tokens`, `add_special_tokens` (default false: the
 prompt is tokenized as given), chat's `add_generation_prompt` and `continue_final_message`, and
@@ -21,18 +23,21 @@ report the served name.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
 from ddtree.engine.request import SamplingParams
+from ddtree.grammar import GrammarSpec
 from ddtree.server import request_fields
 from ddtree.server.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
     Finite,
     Name,
     StopString,
@@ -106,10 +111,27 @@ class _SamplingFields(BaseModel):
     min_p: Finite | None = None
     min_tokens: StrictInt | None = None
     logit_bias: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: Any = None
     regex: Any = None
     json_schema: Any = None
     ebnf: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
+
+    GRAMMAR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "response_format",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "guided_json",
+        "guided_regex",
+        "guided_grammar",
+        "guided_choice",
+        "structured_outputs",
+    )
 
     # (field, neutral values): set to anything else, the request is rejected instead of silently ignored
     UNSUPPORTED: ClassVar[tuple] = (
@@ -119,11 +141,10 @@ class _SamplingFields(BaseModel):
         ("min_p", (None, 0)),
         ("min_tokens", (None, 0)),
         ("logit_bias", (None, {})),
-        ("response_format", (None, {"type": "text"})),
-        ("regex", (None,)),
-        ("json_schema", (None,)),
-        ("ebnf", (None,)),
     )
+
+    def grammar_fields(self) -> dict:
+        return {name: getattr(self, name) for name in self.GRAMMAR_FIELDS}
 
 
 class CompletionRequest(_SamplingFields):
@@ -150,6 +171,12 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    # an assistant turn's calls, a tool result's call id / name, a thinking turn's reasoning: passed
+    # to the chat template as they are (a call's JSON-string arguments as an object)
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: Name | None = None
+    name: Name | None = None
+    reasoning_content: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -163,14 +190,11 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     functions: list | None = None
     function_call: Any = None
-
-    # tool_choice / function_call "none" and "auto" without tools both mean plain text
-    UNSUPPORTED: ClassVar[tuple] = _SamplingFields.UNSUPPORTED + (
-        ("tools", (None, [])),
-        ("tool_choice", (None, "none", "auto")),
-        ("functions", (None, [])),
-        ("function_call", (None, "none", "auto")),
-    )
+    parallel_tool_calls: StrictBool | None = None
+    # passed to the tokenizer's chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
+    # with --reasoning-parser: reasoning_content apart from content (SGLang's default: true)
+    separate_reasoning: StrictBool = True
 
 
 def error_param(loc) -> str | None:
@@ -256,15 +280,39 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     return p
 
 
+def _call_for_template(call: dict, where: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise invalid(
+            where, "a tool call is {'id', 'type': 'function', 'function': {'name', 'arguments'}}"
+        )
+    args = fn.get("arguments", {})
+    if isinstance(args, str):  # templates iterate the arguments (Qwen3.5: `arguments|items`)
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as e:
+            raise invalid(f"{where}.function.arguments", f"is not valid JSON: {e}") from e
+    return dict(call, function=dict(fn, arguments=args))
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     if not req.messages:
         raise invalid("messages", "is empty")
     out = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        out.append({"role": m.role, "content": content or ""})
+        msg = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                _call_for_template(c, f"messages.{i}.tool_calls.{j}")
+                for j, c in enumerate(m.tool_calls)
+            ]
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        out.append(msg)
     return out
 
 
@@ -285,7 +333,11 @@ def check_prompt_ids(ids: list[int], vocab_size: int, max_context: int, param: s
 
 
 def sampling_params(
-    req: _SamplingFields, prompt_len: int, max_context: int, default_max_tokens: int | None
+    req: _SamplingFields,
+    prompt_len: int,
+    max_context: int,
+    default_max_tokens: int | None,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     """Validated SamplingParams; each bad value raises a 400 naming its field. default_max_tokens None means
     'up to the context length'."""
@@ -341,6 +393,7 @@ def sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
+            grammar=grammar,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from e

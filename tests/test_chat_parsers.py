@@ -1,0 +1,188 @@
+"""The reasoning and tool-call parsers against the real formats: the fixture templates
+(tests/qwen_templates.py) render the public Qwen3 / Qwen3.5 strings for tools, calls, tool results
+and thinking (checked here string for string), the parsers read back the calls those templates
+render, and every split of an output into stream chunks (tags cut anywhere) gives the same result
+as the whole output. ~2 s."""
+
+import json
+import random
+
+import pytest
+from qwen_templates import QWEN3, QWEN35
+
+from ddtree.assets import PACKAGE_PAIR
+from ddtree.server.reasoning import ReasoningParser, prompt_opens_reasoning
+from ddtree.server.tool_parsers import ToolParser
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+}
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    {"role": "tool", "tool_call_id": "call_2", "content": "sunny"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(f"{PACKAGE_PAIR}/target")
+
+
+def render(tok, template, messages, **kw):
+    return tok.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True, **kw
+    )
+
+
+TOOL_JSON = json.dumps(WEATHER, ensure_ascii=False)
+QWEN3_WANT = (
+    "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist "
+    "with the user query.\n\nYou are provided with function signatures within <tools></tools> "
+    f"XML tags:\n<tools>\n{TOOL_JSON}\n</tools>\n\nFor each function call, return a json object "
+    "with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+    '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+    '"days": 2}}\n</tool_call><|im_end|>\n'
+    '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response>\n<tool_response>\nsunny\n'
+    "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+)
+QWEN35_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def test_qwen3_template_renders_the_public_format(tok):
+    assert render(tok, QWEN3, CONVERSATION, tools=[WEATHER]) == QWEN3_WANT
+    plain = [{"role": "user", "content": "hi"}]
+    assert render(tok, QWEN3, plain) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert render(tok, QWEN3, plain, enable_thinking=False).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    past = [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2", "reasoning_content": "\nadd\n"},
+        {"role": "user", "content": "and 2+2?"},
+    ]
+    assert "<|im_start|>assistant\n<think>\nadd\n</think>\n\n2<|im_end|>" in render(
+        tok, QWEN3, past
+    )
+
+
+def test_qwen35_template_renders_the_public_format(tok):
+    text = render(tok, QWEN35, CONVERSATION, tools=[WEATHER])
+    assert text.startswith(
+        "<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n"
+        f"<tools>\n{TOOL_JSON}\n</tools>\n\nIf you choose to call a function ONLY reply in the "
+        "following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n"
+    )
+    assert "</tool_call>\n\nBe brief.<|im_end|>\n" in text
+    assert f"<|im_start|>assistant\n{QWEN35_CALL}<|im_end|>\n" in text
+    assert "<tool_response>\nsunny\n</tool_response><|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n<think>\n")
+    assert prompt_opens_reasoning(text)
+    off = render(tok, QWEN35, CONVERSATION[:2], enable_thinking=False)
+    assert off.endswith("<think>\n\n</think>\n\n") and not prompt_opens_reasoning(off)
+
+
+def assistant_text(rendered: str) -> str:
+    """The last assistant turn's body in a rendered conversation."""
+    body = rendered.rsplit("<|im_start|>assistant\n", 2)[-2]
+    return body.split("<|im_end|>")[0]
+
+
+@pytest.mark.parametrize("template,kind", [(QWEN3, "hermes"), (QWEN35, "qwen3_coder")])
+def test_parser_reads_what_the_template_renders(tok, template, kind):
+    two = dict(CALL, function={"name": "get_weather", "arguments": {"city": "Rome"}})
+    msgs = CONVERSATION[:2] + [
+        {"role": "assistant", "content": "Checking.", "tool_calls": [CALL, two]}
+    ]
+    text = assistant_text(render(tok, template, msgs, tools=[WEATHER]))
+    p = ToolParser(kind, [WEATHER])
+    content, _ = p.feed(text, final=True)
+    assert content == "Checking.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in p.calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_weather", {"city": "Rome"}),
+    ]
+
+
+def streamed_tools(kind, text, rng):
+    p, content, names, args, i = ToolParser(kind, [WEATHER]), "", {}, {}, 0
+    while i <= len(text):
+        j = i + rng.randint(1, 6)
+        c, deltas = p.feed(text[i:j], final=j > len(text))
+        content, i = content + c, j
+        for d in deltas:
+            if "id" in d:
+                assert d["function"]["arguments"] == "" and d["index"] not in names
+                names[d["index"]] = d["function"]["name"]
+            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
+    return content, [(names[k], args[k]) for k in sorted(names)]
+
+
+@pytest.mark.parametrize(
+    "kind,text",
+    [
+        (
+            "hermes",
+            'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "a}b\\""}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+        ),
+        ("hermes", "<tool_call>\nnot json\n</tool_call> so text"),
+        ("hermes", "a <tool_ b <tool_call"),
+        ("qwen3_coder", "x\n" + QWEN35_CALL + "\n" + QWEN35_CALL),
+        ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon"),
+    ],
+)
+def test_tool_stream_equals_whole(kind, text):
+    p = ToolParser(kind, [WEATHER])
+    content, _ = p.feed(text, final=True)
+    whole = (content, [(c.name, c.arguments) for c in p.calls])
+    for seed in range(40):
+        assert streamed_tools(kind, text, random.Random(seed)) == whole
+    for _, a in whole[1]:
+        json.loads(a)  # a qwen3_coder call cut by the end is closed after its whole parameters
+
+
+@pytest.mark.parametrize(
+    "kind,prompt,text,want",
+    [
+        ("qwen3", "", "<think>\nStep one.\n</think>\n\nFour.", ("Step one.", "Four.")),
+        ("qwen3", "<|im_start|>assistant\n<think>\n", "hm\n</think>\n\nYes", ("hm", "Yes")),
+        ("qwen3", "", "No block <think>x</think>", (None, "No block <think>x</think>")),
+        ("qwen3", "", "<think>cut by max_tok", ("cut by max_tok", "")),
+        ("qwen3", "<think>\n\n</think>\n\n", "Direct.", (None, "Direct.")),
+        ("deepseek-r1", "", "reasoning</think>answer", ("reasoning", "answer")),
+        ("qwen3", "", "<thi", (None, "<thi")),
+    ],
+)
+def test_reasoning_split_and_stream(kind, prompt, text, want):
+    assert ReasoningParser(kind, prompt).parse(text) == want
+    for seed in range(40):
+        rng, p, r, c, i = random.Random(seed), ReasoningParser(kind, prompt), "", "", 0
+        while i <= len(text):
+            j = i + rng.randint(1, 4)
+            dr, dc = p.feed(text[i:j], final=j > len(text))
+            r, c, i = r + dr, c + dc, j
+        assert ((r if p.saw_reasoning else None), c) == want

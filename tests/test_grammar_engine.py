@@ -1,0 +1,145 @@
+"""Grammars inside speculation, on the toy pairs: DFLASH / DDTREE (fixed and auto) == AR under the
+same grammar token for token at T=0 (fp32) on prompts whose drafts are accepted, the grammar
+really changes the output, a mixed batch leaves the other requests alone, the distribution at
+T>0 matches AR's (chi-square), and a grammar's dead end ends the request. ~60 s on one thread."""
+
+import collections
+
+import pytest
+from engine_utils import accepted_prompts, make_llm, mean_accept
+from test_engine_sampling import same_distribution
+
+from ddtree import SamplingParams
+from ddtree.grammar import GrammarSpec
+
+# toy tokens are the numbers 4..63 as text: this forbids the ones with a 0 (10, 20, ... 60), which
+# the clean corpus segments run through, so the grammar bites while drafts stay accepted
+NO_ZERO = GrammarSpec.regex(r"[1-9]*")
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, grammar=NO_ZERO)
+FREE = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [list(p) for p in accepted_prompts(6)]
+
+
+@pytest.fixture(scope="module")
+def ar(toy_pair, prompts, one_torch_thread):
+    llm = make_llm(toy_pair, "NONE")
+    return tokens(llm.generate(prompts, GREEDY)), tokens(llm.generate(prompts, FREE))
+
+
+@pytest.mark.parametrize(
+    "algorithm,kw",
+    [
+        ("DFLASH", {}),
+        ("DDTREE", {"speculative_ddtree_budget": 16}),
+        ("DDTREE", {"speculative_ddtree_budget": "auto"}),
+    ],
+    ids=["dflash", "ddtree16", "auto"],
+)
+def test_speculative_equals_ar_under_grammar(toy_pair, prompts, ar, algorithm, kw):
+    constrained, free = ar
+    assert sum(a != b for a, b in zip(constrained, free)) >= 3, "the grammar must bite"
+    assert all(all("0" not in str(t) for t in seq) for seq in constrained)
+    outs = make_llm(toy_pair, algorithm, **kw).generate(prompts, GREEDY)
+    assert tokens(outs) == constrained
+    assert mean_accept(outs) > 2
+
+
+def test_hybrid_ddtree_equals_ar_under_grammar(toy_hybrid_pair, prompts, one_torch_thread):
+    ar = make_llm(toy_hybrid_pair, "NONE").generate(prompts[:3], GREEDY)
+    outs = make_llm(toy_hybrid_pair, "DDTREE", speculative_ddtree_budget=16).generate(
+        prompts[:3], GREEDY
+    )
+    assert tokens(outs) == tokens(ar)
+    assert mean_accept(outs) > 2
+
+
+def test_mixed_batch(toy_pair, prompts, ar):
+    """Grammar and plain requests in one batch: each gets what it gets alone."""
+    constrained, free = ar
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16)
+    params = [GREEDY if i % 2 else FREE for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    want = [constrained[i] if i % 2 else free[i] for i in range(len(prompts))]
+    assert tokens(outs) == want
+    assert mean_accept(outs) > 2
+
+
+def test_dead_end_finishes_the_request(toy_pair, prompts):
+    """No toy token spells a letter: the grammar's start state allows nothing."""
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16)
+    sp = SamplingParams(temperature=0, max_tokens=20, grammar=GrammarSpec.regex("[a-z]+"))
+    out = llm.generate(prompts[:2] + prompts[:1], [sp, FREE, sp])
+    assert [o.finish_reason for o in out] == ["grammar", "length", "grammar"]
+    assert out[0].token_ids == [] and len(out[1].token_ids) == 40
+
+
+def test_grammar_end_is_a_stop(toy_pair, prompts):
+    """A grammar that ends after two tokens: its mask then allows only EOS (the stop token)."""
+    llm = make_llm(toy_pair, "DFLASH")
+    sp = SamplingParams(temperature=0, max_tokens=20, grammar=GrammarSpec.regex(r"[1-9]{2,4}"))
+    (out,) = llm.generate(prompts[:1], sp)
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 1
+    text = "".join(str(t) for t in out.token_ids[:-1])
+    assert 2 <= len(text) <= 4 and "0" not in text
+
+
+def first_tokens(llm, seed0, n, k=2):
+    sp = [
+        SamplingParams(
+            temperature=1.5, max_tokens=k, ignore_eos=True, seed=seed0 + i, grammar=NO_ZERO
+        )
+        for i in range(n)
+    ]
+    outs = llm.generate([list(accepted_prompts(1)[0][:6])] * n, sp)
+    return collections.Counter(tuple(o.token_ids[:k]) for o in outs)
+
+
+def test_sampling_distribution_matches_ar(toy_pair, one_torch_thread):
+    n = 600
+    ar = first_tokens(make_llm(toy_pair, "NONE", max_running_requests=128), 1000, n)
+    dd = first_tokens(
+        make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16, max_running_requests=128),
+        100_000,
+        n,
+    )
+    assert len(ar) > 5, "the test needs a spread-out distribution"
+    assert all("0" not in str(t) for key in ar | dd for t in key)
+    assert same_distribution(ar, dd) > 1e-3
+
+
+def test_a_rolled_back_batch_resyncs_the_matchers(toy_pair, prompts, ar, monkeypatch):
+    """A batched step that fails after the matchers took its tokens is rolled back (engine/
+    faults.py): each request keeps only what it had emitted, so its matcher must go back too, and
+    the requests, run again, produce what they would have."""
+    from ddtree.engine import grammar_round
+
+    constrained, _ = ar
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16)
+    real, state = grammar_round.GrammarBatch.advance, {"fails": 0}
+
+    def advance(self, emitted):
+        out = real(self, emitted)
+        if len(self.rows) > 1 and state["fails"] == 0 and self.reqs[0].num_output_tokens >= 4:
+            state["fails"] += 1
+            raise RuntimeError("injected failure after the grammar advanced")
+        return out
+
+    real_init, behind = grammar_round.GrammarBatch.__init__, []
+
+    def init(self, reqs, words, device):  # every round starts at the kept tokens' state
+        real_init(self, reqs, words, device)
+        behind.extend(r.grammar.accepted - r.num_output_tokens for r in reqs)
+
+    monkeypatch.setattr(grammar_round.GrammarBatch, "advance", advance)
+    monkeypatch.setattr(grammar_round.GrammarBatch, "__init__", init)
+    outs = llm.generate(prompts[:4], GREEDY)
+    assert state["fails"] == 1 and behind and set(behind) == {0}
+    assert tokens(outs) == constrained[:4] and all(o.finish_reason == "length" for o in outs)
