@@ -394,7 +394,7 @@ def run_shape(shape, cases, ns, deadline, out):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--shape", action="append", help="qwen3.6-27b, qwen3-8b (repeatable)")
     p.add_argument("--cases", action="append", help="one list per --shape (see the docstring)")
     p.add_argument("--rounds", type=int, default=10)
