@@ -143,13 +143,12 @@ def tree_rule(
         if tree_mask is None:
             tree_mask = tree_ancestor_mask(parents, depths >= 0 if valid is None else valid)
         # the raw gate where the caller has it (`fused.GateInputs`), else its values
-        raw, early = gate.inputs() if hasattr(gate, "inputs") else None, True
+        raw = gate.inputs() if hasattr(gate, "inputs") else None
         if gate is not None and raw is None:
             g, beta = (t.view(*v.shape[:2], -1) for t in gate.values())
         o = tree_chunk_triton(
-            q, k, v, g, beta, depths, initial_state, tree_mask, valid, initial_rows, stash, raw,
-            early=early,
-        )  # fmt: skip
+            q, k, v, g, beta, depths, initial_state, tree_mask, valid, initial_rows, stash, raw
+        )
         return o, None
     if gate is not None:
         g, beta = (t.view(*v.shape[:2], -1) for t in gate.values())
