@@ -173,7 +173,7 @@ def bench_shape(name, N, K, rows, sweep, bw, gen, log):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--rows", default="1,16,64,128,520,1040")
     ap.add_argument("--shapes", default="8b,27b")
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile")

@@ -81,7 +81,7 @@ def run(llm, ps, fmt: str, max_tokens: int, concurrency: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument(
         "--model-path", default=None, help="target (or inflate:SHAPE); default: embedded"
     )
