@@ -117,7 +117,6 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: StrictBool = False
     logprob_start_len: StrictInt = -1
     rid: Name | Annotated[list[Name], Batch] | None = None
-    rid: str | list[str] | None = None
     separate_reasoning: StrictBool = False
 
     def prompts(self) -> tuple[list, bool]:
