@@ -1,0 +1,33 @@
+"""What the differential fuzzer found (issue 39), each as a direct regression test on the toy pair
+(the seeds themselves: tests/test_fuzz_engine.py REGRESSION_SEEDS). About 5 s."""
+
+from engine_utils import make_llm, toy_pattern
+
+from ddtree import SamplingParams
+
+
+def drain(llm) -> None:
+    e = llm.engine
+    while e.has_unfinished():
+        e.step()
+        e.runner.bm.check_integrity()
+        e.runner.bm.check_slots(e.scheduler.running)
+    assert e.runner.bm.num_free_slots == e.runner.cfg.max_running_requests
+
+
+def test_chunked_prefill_keeps_the_pages_admission_counted(toy_pair):
+    """Admission counts the whole prompt's pages as available but took only the first chunk's:
+    requests admitted after a chunked prompt took its later chunks' pages and its next chunk
+    failed the step ('out of KV pages'). 6 pages of 4 tokens, 8-token chunks."""
+    llm = make_llm(
+        toy_pair,
+        "NONE",
+        page_size=4,
+        max_total_tokens=24,
+        chunked_prefill_size=8,
+        disable_radix_cache=True,
+    )
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i, n in enumerate([4, 17, 10, 3]):
+        llm.engine.add_request(toy_pattern("prog", 5 + 7 * i, n), sp)
+    drain(llm)
