@@ -4,15 +4,15 @@
 from engine_utils import make_llm, toy_pattern
 
 from ddtree import SamplingParams
+from ddtree.engine import integrity
 
 
 def drain(llm) -> None:
     e = llm.engine
     while e.has_unfinished():
         e.step()
-        e.runner.bm.check_integrity()
-        e.runner.bm.check_slots(e.scheduler.running)
-    assert e.runner.bm.num_free_slots == e.runner.cfg.max_running_requests
+        integrity.check(e, deep=True)
+    integrity.check_drained(e, deep=True)
 
 
 def test_chunked_prefill_keeps_the_pages_admission_counted(toy_pair):
