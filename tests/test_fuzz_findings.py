@@ -15,6 +15,30 @@ def drain(llm) -> None:
     integrity.check_drained(e, deep=True)
 
 
+def test_stop_hit_is_the_stop_string(toy_pair):
+    """A stop string that ends inside a token: the request records the stop string it matched
+    (what /generate reports as `matched`), not the text from it to the token's end."""
+    llm = make_llm(toy_pair, "DFLASH")
+    prompt = [0] + toy_pattern("prog", 5, 12, 1)
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    words = full.text.split()
+    stop = f"{words[2]} {words[3][0]}"  # ends on the first character of a word
+    assert len(words[3]) > 1
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, stop=[stop], ignore_eos=True)
+    )[0]
+    req_text = full.text[: full.text.index(stop)]
+    assert out.finish_reason == "stop" and out.text == req_text
+    assert llm.engine.requests == {}
+    # the engine's record of the finish
+    e = llm.engine
+    r = e.add_request(
+        prompt, SamplingParams(temperature=0, max_tokens=8, stop=[stop], ignore_eos=True)
+    )
+    drain(llm)
+    assert r.stop_hit == stop
+
+
 def test_chunked_prefill_keeps_the_pages_admission_counted(toy_pair):
     """Admission counts the whole prompt's pages as available but took only the first chunk's:
     requests admitted after a chunked prompt took its later chunks' pages and its next chunk
