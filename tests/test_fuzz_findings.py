@@ -1,6 +1,7 @@
 """What the differential fuzzer found (issue 39), each as a direct regression test on the toy pair
 (the seeds themselves: tests/test_fuzz_engine.py REGRESSION_SEEDS). About 5 s."""
 
+import pytest
 from engine_utils import make_llm, toy_pattern
 
 from ddtree import SamplingParams
@@ -55,3 +56,19 @@ def test_chunked_prefill_keeps_the_pages_admission_counted(toy_pair):
     for i, n in enumerate([4, 17, 10, 3]):
         llm.engine.add_request(toy_pattern("prog", 5 + 7 * i, n), sp)
     drain(llm)
+
+
+@pytest.mark.parametrize("algorithm", ["NONE", "DFLASH"])
+def test_pool_holds_a_request_at_full_context(toy_pair, algorithm):
+    """The pool planned for max_running_requests requests at full context plus a verify width
+    rounded the tokens down to pages: one page short, a lone request near the context's end was
+    preempted, could never be readmitted, and finished early with 'length'."""
+    llm = make_llm(toy_pair, algorithm, context_length=43, page_size=4, max_running_requests=1)
+    e = llm.engine
+    width = e.scheduler.verify_width
+    assert e.runner.bm.num_pages * 4 >= 43 + width
+    prompt = [0] + toy_pattern("walk", 9, 32)
+    r = e.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    drain(llm)
+    assert r.finish_reason == "length" and r.seq_len == 43
+    assert e.scheduler.num_preemptions == 0
