@@ -72,3 +72,27 @@ def test_pool_holds_a_request_at_full_context(toy_pair, algorithm):
     drain(llm)
     assert r.finish_reason == "length" and r.seq_len == 43
     assert e.scheduler.num_preemptions == 0
+
+
+def test_prompt_filling_the_pool_is_admitted_beside_a_copy_on_write_match(toy_pair):
+    """A cached page that starts like the prompt's next one (a copy-on-write candidate) was
+    counted as taken for the whole admission, so a prompt needing every page was refused and
+    finished with no tokens; the page is locked only while its copy is made."""
+    llm = make_llm(toy_pair, "NONE", page_size=2, max_total_tokens=20)
+    e = llm.engine
+    base = [0] + toy_pattern("prog", 11, 18)  # 19 tokens: the whole pool with its verify slot
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    e.add_request(base[:5], sp)  # caches pages [0:2), [2:4)
+    drain(llm)
+    forked = base[:3] + [base[3] + 1] + base[4:]  # page 1 only starts like the cached one
+    hit = e.runner.match_prefix(_req(forked, sp))
+    assert hit.cow is not None and len(hit.nodes) == 1
+    r = e.add_request(forked, sp)
+    drain(llm)
+    assert r.finish_reason == "length" and len(r.output_ids) == 1
+
+
+def _req(prompt, sp):
+    from ddtree.engine.request import Req
+
+    return Req(prompt_ids=list(prompt), params=sp)
