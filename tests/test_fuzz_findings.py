@@ -74,6 +74,18 @@ def test_pool_holds_a_request_at_full_context(toy_pair, algorithm):
     assert e.scheduler.num_preemptions == 0
 
 
+def test_a_request_that_outgrows_the_pool_leaves_no_state(toy_pair):
+    """`_starved` ends a request whose output outgrew the pool (preempted, never readmitted); it
+    forgot its detokenizer, which a finish in `emit` drops."""
+    llm = make_llm(toy_pair, "NONE", page_size=4, max_total_tokens=16)
+    e = llm.engine
+    r = e.add_request([0] + toy_pattern("prog", 3, 7), SamplingParams(max_tokens=30))
+    drain(llm)
+    assert r.finish_reason == "length" and 0 < r.num_output_tokens < 30
+    assert e.scheduler.num_preemptions == 1
+    assert e.emitter.detok == {} and e.emitter.lag == {}
+
+
 def test_prompt_filling_the_pool_is_admitted_beside_a_copy_on_write_match(toy_pair):
     """A cached page that starts like the prompt's next one (a copy-on-write candidate) was
     counted as taken for the whole admission, so a prompt needing every page was refused and

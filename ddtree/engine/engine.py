@@ -301,6 +301,7 @@ class LLMEngine:
             req = self.scheduler.waiting[0]
             logger.warning("request %s does not fit in the KV cache; finishing it", req.rid)
             self.emitter.flush(req)
+            self.emitter.drop(req.rid)  # its detokenizer, as a finish in `emit` forgets it
             if req.output_ids:
                 req.finish_reason = "length"
             else:
