@@ -1,21 +1,14 @@
-"""Seeded differential fuzzer of the engine (issue 39): request mixes through `LLMEngine`
-(add_request / step / abort), the engine's integrity checked after every step, every output checked
-against plain AR cut by an independent stop-rule oracle (tests/fuzz_oracle.py).
+"""Seeded differential fuzzer of the engine (issue 39): request mixes (tests/fuzz_workload.py) through
+`LLMEngine` (add_request / step / abort), the engine's integrity checked after every step, every
+output checked against plain AR cut by an independent stop-rule oracle (tests/fuzz_oracle.py).
 
-A seed is one case: an engine config (dense or hybrid toy target; AR / DFLASH / DDTREE at a fixed
-budget or `auto`; both mamba strategies; page size, prefix cache, KV pool from roomy to one that
-only just fits the largest request alone, chunked prefill, context length, running slots) and a
-workload: prompt families with shared prefixes (the same prompt, a prefix, a fork, a prompt that
-runs into a reference continuation, so cached pages written by decoding are hit), stop ids and stop
-strings drawn from the model's own continuations (so they fall inside accepted blocks), EOS
-declared on a token the model emits, `n` copies, log-probs, max_tokens at and around block
-boundaries, per-request budget caps, greedy and sampled (with seeded twins that must agree),
-arrivals at random steps and aborts at random steps. The config kind cycles with the seed
-(`KINDS`), the rest is drawn from it.
-
-After every step: `ddtree.engine.integrity.problems` (pools, slots, ref counts, lengths, cached
-tokens, checkpoints; deep); after each finish: the request holds nothing; after the drain: nothing
-held, and every cached page / checkpoint equals a fresh prefill of its tokens.
+A seed is one case (`fuzz_workload.draw_case`: an engine config and a workload). After every step:
+`ddtree.engine.integrity.problems` (pools, slots, ref counts, lengths, cached tokens, checkpoints;
+deep), and no isolated fault (engine/faults.py turns an exception into a failed request: here
+that is a finding); after each finish: the request holds nothing; after the drain: nothing held,
+and every cached page / checkpoint equals a fresh prefill of its tokens (tests/fuzz_checks.py);
+then each request against the oracle. A case with an injected `Fault` must fail its victim alone,
+with everything else exact.
 
     PYTHONPATH=. python3 tests/fuzz_engine.py --seed 7              # one case, its report
     PYTHONPATH=. python3 tests/fuzz_engine.py --seeds 0:200         # a range
@@ -29,7 +22,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import random
 import sys
 import time
 import traceback
@@ -37,211 +29,9 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# (target, algorithm, budget kind, mamba strategy); the seed picks KINDS[seed % len(KINDS)]
-KINDS = (
-    ("dense", "NONE", None, None),
-    ("dense", "DFLASH", None, None),
-    ("dense", "DDTREE", "fixed", None),
-    ("dense", "DDTREE", "auto", None),
-    ("hybrid", "DDTREE", "fixed", "extra_buffer"),
-    ("hybrid", "DDTREE", "fixed", "no_buffer"),
-    ("hybrid", "DFLASH", None, "no_buffer"),
-    ("hybrid", "DDTREE", "auto", "extra_buffer"),
-    ("hybrid", "NONE", None, "no_buffer"),
-)
-BOS = 0
-MAX_TOKENS = 48
+from fuzz_workload import KINDS, Case, draw_case  # noqa: E402
 
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    target: str
-    algorithm: str
-    kwargs: tuple  # LLM keyword arguments, sorted (key, value) pairs
-
-    def describe(self) -> str:
-        kw = " ".join(f"{k}={v}" for k, v in self.kwargs)
-        return f"{self.target} {self.algorithm} {kw}"
-
-
-@dataclasses.dataclass
-class Spec:
-    prompt: tuple[int, ...]
-    params: object  # SamplingParams
-    arrive: int  # the step it is added before
-    abort_at: int | None = None  # the step it is aborted before
-    twin_of: int | None = None  # index of the request it must agree with (seeded sample)
-
-
-def draw_config(seed: int, rng: random.Random) -> tuple[Config, dict]:
-    """The kind cycles with the seed; the knobs are drawn. Returns the config and the knobs the
-    workload needs (block size, fixed budget)."""
-    target, algorithm, budget, strategy = KINDS[seed % len(KINDS)]
-    kw = {
-        "page_size": rng.choice([1, 2, 4, 4, 8, 16]),
-        "max_running_requests": rng.choice([1, 2, 3, 4, 8, 48]),
-        "chunked_prefill_size": rng.choice([3, 8, 16, 64, 2048]),
-        "disable_radix_cache": rng.random() < 0.2,
-        "random_seed": seed,
-    }
-    if strategy is not None:
-        kw["mamba_scheduler_strategy"] = strategy
-    if budget == "fixed":
-        kw["speculative_ddtree_budget"] = rng.choice([2, 4, 8, 16, 32])
-    elif budget == "auto":
-        kw["speculative_ddtree_budget"] = "auto"
-        kw["speculative_ddtree_max_budget"] = rng.choice([8, 16, 32])
-    return Config(target, algorithm, tuple(sorted(kw.items()))), {
-        "budget": kw.get("speculative_ddtree_max_budget", kw.get("speculative_ddtree_budget")),
-        "fixed": budget != "auto",
-    }
-
-
-def family_base(rng: random.Random) -> tuple[int, ...]:
-    from engine_utils import toy_pattern
-
-    n = rng.randint(3, 36)
-    if rng.random() < 0.15:  # noise: drafts are rarely accepted
-        return (BOS,) + tuple(rng.randint(4, 63) for _ in range(n))
-    kind = rng.choice(["prog", "walk"])
-    return (BOS,) + tuple(toy_pattern(kind, rng.randrange(60), n, rng.choice([1, 2, 3, -1, -2])))
-
-
-def draw_prompts(rng: random.Random, n: int, refs, target: str) -> list[tuple[int, ...]]:
-    """n prompts over a few families: the base, a prefix of it, a fork off it, or the base run
-    into its own reference continuation (hits pages a decode wrote)."""
-    from engine_utils import toy_pattern
-
-    bases = [family_base(rng) for _ in range(rng.randint(1, 5))]
-    conts = refs.get(target, bases)
-    out = []
-    for _ in range(n):
-        base = rng.choice(bases)
-        v = rng.random()
-        if v < 0.3:
-            out.append(base)
-        elif v < 0.5:
-            out.append(base[: rng.randint(2, len(base))])
-        elif v < 0.7:
-            cut = rng.randint(2, len(base))
-            tail = toy_pattern("prog", rng.randrange(60), rng.randint(1, 12), rng.choice([1, 3]))
-            out.append(base[:cut] + tuple(tail))
-        else:
-            out.append(base + tuple(conts[base].tokens[: rng.randint(1, 24)]))
-    return out
-
-
-def draw_params(rng: random.Random, prompt, ref, text_of, knobs: dict, algorithm: str):
-    from ddtree import SamplingParams
-
-    b = knobs["block"]
-    kw: dict = {
-        "max_tokens": rng.choice(
-            [
-                1,
-                2,
-                3,
-                b - 1,
-                b,
-                b + 1,
-                2 * b - 1,
-                2 * b,
-                2 * b + 1,
-                3 * b,
-                rng.randint(1, MAX_TOKENS),
-            ]
-        )
-    }
-    kw["max_tokens"] = max(1, min(kw["max_tokens"], MAX_TOKENS))
-    if rng.random() < 0.3:
-        kw.update(
-            temperature=rng.choice([0.6, 1.0, 1.3]),
-            top_p=rng.choice([1.0, 1.0, 0.9, 0.5]),
-            top_k=rng.choice([-1, -1, 4, 10]),
-            seed=rng.randrange(1 << 30) if rng.random() < 0.6 else None,
-        )
-    else:
-        kw["temperature"] = 0.0
-    horizon = min(len(ref.tokens), kw["max_tokens"] + 3)
-    if rng.random() < 0.35:
-        ids = [ref.tokens[rng.randrange(horizon)] for _ in range(rng.randint(1, 2))]
-        kw["stop_token_ids"] = ids + ([rng.randint(4, 63)] if rng.random() < 0.2 else [])
-    if rng.random() < 0.4:
-        text = text_of.after(prompt, ref.tokens[:horizon])
-        stops = []
-        for _ in range(rng.randint(1, 3)):
-            if rng.random() < 0.15 or not text:
-                stops.append(rng.choice(["zz", "\n", "99"]))  # never decoded
-                continue
-            i = rng.randrange(len(text))
-            s = text[i : i + rng.randint(1, 6)]
-            stops.append(s)
-            if rng.random() < 0.2 and len(s) > 1:  # a stop and its own prefix
-                stops.append(s[: rng.randint(1, len(s) - 1)])
-        kw["stop"] = stops
-    kw["ignore_eos"] = rng.random() < 0.5
-    if rng.random() < 0.25:
-        kw.update(logprobs=True, top_logprobs=rng.choice([0, 1, 2, 5]))
-    if algorithm == "DDTREE" and rng.random() < 0.15:
-        kw["ddtree_budget"] = rng.randint(1, knobs["budget"])
-    return SamplingParams(**kw)
-
-
-def draw_case(seed: int, refs, n_requests: int):
-    """(config, knobs, specs, eos ids) of one seed."""
-    from ddtree.engine.config import spec_config
-    from ddtree.server_args import ServerArgs, resolve_server_args
-
-    rng = random.Random(seed)
-    cfg, knobs = draw_config(seed, rng)
-    pair = refs.pairs[cfg.target]
-    kw = dict(cfg.kwargs)
-    args = ServerArgs(
-        model_path=pair[0],
-        speculative_algorithm=cfg.algorithm,
-        dtype="float32",
-        device="cpu",
-        **({"speculative_draft_model_path": pair[1]} if cfg.algorithm != "NONE" else {}),
-        **kw,
-    )
-    spec = spec_config(resolve_server_args(args))
-    knobs["block"], width = spec.block_size, spec.verify_width
-    prompts = draw_prompts(rng, n_requests, refs, cfg.target)
-    conts = refs.get(cfg.target, prompts)
-    ctx = refs.max_context(cfg.target)
-    if rng.random() < 0.25:  # a short context: requests end at it
-        ctx = max(len(p) for p in prompts) + rng.randint(2, 24)
-        kw["context_length"] = ctx
-    tokenizer = refs.tokenizer(cfg.target)
-    from fuzz_oracle import TextOf
-
-    text_of = TextOf(tokenizer)
-    specs: list[Spec] = []
-    for prompt in prompts:
-        params = draw_params(rng, prompt, conts[prompt], text_of, knobs, cfg.algorithm)
-        arrive = 0 if rng.random() < 0.6 else rng.randint(1, 40)
-        copies = rng.randint(2, 4) if rng.random() < 0.15 else 1
-        for i in range(copies):
-            p = params
-            if p.seed is not None and i:
-                p = dataclasses.replace(p, seed=p.seed + i)
-            abort = arrive + rng.randint(0, 15) if rng.random() < 0.12 else None
-            specs.append(Spec(prompt, p, arrive, abort))
-        if params.seed is not None and knobs["fixed"] and rng.random() < 0.4:
-            specs.append(
-                Spec(prompt, params, arrive + rng.randint(1, 20), twin_of=len(specs) - copies)
-            )
-    # a pool from roomy to one the largest request only just fits alone (admission needs its
-    # tokens + one verify width): eviction and preemption
-    if rng.random() < 0.5:
-        p = kw["page_size"]
-        need = max(min(len(s.prompt) + s.params.max_tokens, ctx) - 1 + width for s in specs)
-        kw["max_total_tokens"] = (-(-need // p) + rng.randint(0, 2)) * p
-    eos = None
-    if rng.random() < 0.3:  # the toy corpus has no EOS: declare one the model emits
-        eos = (rng.choice([t for c in conts.values() for t in c.tokens]),)
-    cfg = dataclasses.replace(cfg, kwargs=tuple(sorted(kw.items())))
-    return cfg, knobs, specs, eos, ctx
+__all__ = ["KINDS", "CaseResult", "run_case", "summarize", "toy_pairs"]
 
 
 @dataclasses.dataclass
@@ -280,10 +70,11 @@ def run_case(seed: int, refs, n_requests: int = 24, max_steps: int = 5000) -> Ca
     """One seeded case through the engine; every problem found lands in `failures` (an exception
     ends the case there)."""
     t0 = time.perf_counter()
-    cfg, knobs, specs, eos, ctx = draw_case(seed, refs, n_requests)
-    res = CaseResult(seed, cfg.describe(), len(specs), requests_asked=n_requests)
+    case = draw_case(seed, refs, n_requests)
+    desc = case.cfg.describe() + (f" fault={case.fault}" if case.fault else "")
+    res = CaseResult(seed, desc, len(case.specs), requests_asked=n_requests)
     try:
-        _drive(cfg, knobs, specs, eos, ctx, refs, res, max_steps)
+        _drive(case, refs, res, max_steps)
     except Exception as e:  # noqa: BLE001 - a crash is the finding
         tb = traceback.format_exc().strip().splitlines()
         res.failures.append(f"raised {type(e).__name__}: {e} | " + " | ".join(tb[-6:]))
@@ -291,9 +82,10 @@ def run_case(seed: int, refs, n_requests: int = 24, max_steps: int = 5000) -> Ca
     return res
 
 
-def _drive(cfg, knobs, specs, eos, ctx, refs, res: CaseResult, max_steps: int) -> None:
+def _drive(case: Case, refs, res: CaseResult, max_steps: int) -> None:
     from engine_utils import make_llm
 
+    cfg = case.cfg
     llm = make_llm(refs.pairs[cfg.target], cfg.algorithm, **dict(cfg.kwargs))
     engine = llm.engine
     # fault isolation turns an exception into a failed (aborted) request and goes on: every
@@ -301,7 +93,9 @@ def _drive(cfg, knobs, specs, eos, ctx, refs, res: CaseResult, max_steps: int) -
     logged = _LogTap()
     logging.getLogger("ddtree").addHandler(logged)
     try:
-        _steps(engine, cfg, knobs, specs, eos, ctx, refs, res, max_steps, logged)
+        reqs = _steps(engine, case, res, max_steps, logged)
+        if reqs is not None:
+            _check_outputs(engine, case, reqs, refs, res)
     finally:
         logging.getLogger("ddtree").removeHandler(logged)
 
@@ -318,18 +112,53 @@ class _LogTap(logging.Handler):
         self.lines.append(text.replace("\n", " "))
 
 
-def _steps(engine, cfg, knobs, specs, eos, ctx, refs, res, max_steps, logged) -> None:
-    from fuzz_checks import cached_state_problems, check_request
-    from fuzz_oracle import TextOf
+def _inject(engine, fault, reqs: list) -> None:
+    """The case's fault: its victim raises wherever it is once it has `after` output tokens."""
 
+    def hit(batch) -> bool:
+        v = reqs[fault.victim]
+        return any(r is v and r.num_output_tokens >= fault.after for r in batch)
+
+    if fault.where == "round":
+        real_round = engine.decoder.round
+
+        def round_(batch, max_context):
+            if hit(batch):
+                raise RuntimeError("injected fault: a decoding round")
+            return real_round(batch, max_context)
+
+        engine.decoder.round = round_
+    elif fault.where == "prefill":
+        real_prefill = engine.runner.prefill
+
+        def prefill(batch, q_lens):
+            if hit(batch):
+                raise RuntimeError("injected fault: a prefill")
+            return real_prefill(batch, q_lens)
+
+        engine.runner.prefill = prefill
+    else:
+        real_emit = engine.emitter.emit
+
+        def emit(req, tokens):
+            if hit([req]):
+                raise RuntimeError("injected fault: its emission")
+            return real_emit(req, tokens)
+
+        engine.emitter.emit = emit
+
+
+def _steps(engine, case: Case, res, max_steps, logged) -> list | None:
+    """Drive the case to its drain; the requests, or None after a failure that ends it."""
     from ddtree.engine import integrity
 
-    assert engine.max_context == ctx, (engine.max_context, ctx)
-    if eos is not None:
-        engine.emitter.eos_ids = eos
-    eos = engine.emitter.eos_ids
-    text_of = TextOf(engine.tokenizer)
+    specs = case.specs
+    assert engine.max_context == case.ctx, (engine.max_context, case.ctx)
+    if case.eos is not None:
+        engine.emitter.eos_ids = case.eos
     reqs: list = [None] * len(specs)
+    if case.fault is not None:
+        _inject(engine, case.fault, reqs)
     arrivals = sorted(range(len(specs)), key=lambda i: specs[i].arrive)
     aborts = sorted((s.abort_at, i) for i, s in enumerate(specs) if s.abort_at is not None)
     step = nxt = ab = 0
@@ -340,37 +169,69 @@ def _steps(engine, cfg, knobs, specs, eos, ctx, refs, res, max_steps, logged) ->
             i = arrivals[nxt]
             reqs[i] = engine.add_request(list(specs[i].prompt), specs[i].params)
             nxt += 1
+        due = []
         while ab < len(aborts) and aborts[ab][0] <= step:
-            r = reqs[aborts[ab][1]]
+            due.append(reqs[aborts[ab][1]])
+            ab += 1
+        due += [
+            r
+            for r, s in zip(reqs, specs)
+            if s.abort_after is not None and r is not None and r.num_output_tokens >= s.abort_after
+        ]
+        for r in due:
             if r is not None and not r.is_finished:
                 res.stats["abort_" + ("running" if r.slot >= 0 else "waiting")] += 1
                 engine.abort(r.rid)
                 res.failures += integrity.finished_problems(r)
-            ab += 1
         advanced = engine.step()
         res.steps, step = res.steps + 1, step + 1
         bad = integrity.problems(engine, deep=True)
         faults = engine.faults.stats
-        if faults.isolated or faults.batch_failures:
+        if case.fault is None and (faults.isolated or faults.batch_failures):
             bad.append(f"engine faults {faults}: " + " || ".join(logged.lines[-3:]))
+        victim = reqs[case.fault.victim] if case.fault is not None else None
+        wrong = [r.rid for r in reqs if r is not None and r.error and r is not victim]
+        if wrong or faults.isolated > 1:
+            bad.append(
+                f"failed besides the victim: {wrong} {faults}: " + " || ".join(logged.lines[-3:])
+            )
         for r in advanced:
             if r.is_finished:
                 bad += integrity.finished_problems(r)
         if bad:
             res.failures += [f"step {step}: {b}" for b in bad]
-            return
+            return None
         if res.steps > max_steps:
             res.failures.append(f"no drain after {max_steps} steps")
-            return
+            return None
+    return reqs
+
+
+def _check_outputs(engine, case: Case, reqs: list, refs, res: CaseResult) -> None:
+    from fuzz_checks import cached_state_problems, check_request
+    from fuzz_oracle import TextOf
+
+    from ddtree.engine import integrity
+
+    cfg, specs, fault = case.cfg, case.specs, case.fault
     res.failures += [f"drained: {b}" for b in integrity.drained_problems(engine, deep=True)]
     ref_runner = refs.llm(cfg.target).engine.runner
     res.failures += [f"drained: {b}" for b in cached_state_problems(engine, ref_runner)]
     conts = refs.get(cfg.target, [s.prompt for s in specs])
+    text_of, eos = TextOf(engine.tokenizer), engine.emitter.eos_ids
     spec_run = cfg.algorithm != "NONE"
     for i, (s, r) in enumerate(zip(specs, reqs)):
-        bad = check_request(r, conts[s.prompt], text_of, ctx, eos, res.stats)
-        if r.error is not None:
+        bad = check_request(r, conts[s.prompt], text_of, case.ctx, eos, res.stats)
+        victim = fault is not None and i == fault.victim
+        if r.error is not None and not victim:
             bad.append(f"failed: {r.error}")
+        if victim:  # it fails alone once it reaches the fault (unless it finished first)
+            if r.error is not None and "injected" not in r.error:
+                bad.append(f"the fault's victim failed otherwise: {r.error}")
+            asked = s.abort_at is not None or s.abort_after is not None
+            if r.finish_reason == "abort" and r.error is None and not asked:
+                bad.append("the fault's victim ended with 'abort' and no error")
+            res.stats["fault_victims_failed"] += r.error is not None
         if s.twin_of is not None:
             t = reqs[s.twin_of]
             if "abort" not in (r.finish_reason, t.finish_reason) and r.output_ids != t.output_ids:
@@ -379,6 +240,8 @@ def _steps(engine, cfg, knobs, specs, eos, ctx, refs, res, max_steps, logged) ->
                 )
         res.failures += [f"request {i} {s.prompt} {s.params}: {b}" for b in bad]
         _count(res, r, spec_run)
+    if fault is not None:
+        res.stats["fault_batch_failures"] += engine.faults.stats.batch_failures
     st = engine.scheduler
     res.stats["preemptions"] += st.num_preemptions
     if engine.runner.bm.cache is not None:

@@ -1,6 +1,7 @@
 """The differential fuzzer in CI (issue 39; tests/fuzz_engine.py): CI_SEEDS cases through the engine,
 four per config kind, each ~24 requests + n copies and twins, integrity checked after every step and
-every output against AR cut by the stop-rule oracle; the seeds that ever failed; and the fuzzer
+every output against AR cut by the stop-rule oracle (a third of the cases with one request whose
+round, prefill or emission raises: it must fail alone); the seeds that ever failed; and the fuzzer
 shown able to fail (a broken emitter, a release that caches a page it never wrote, a leaked slot).
 About 60-90 s on 2 cores (~1 s per case + the references); `--long` mode: the CLI in
 tests/fuzz_engine.py."""
@@ -54,6 +55,7 @@ def test_fuzz_covers_what_it_is_for(ci_results):
         "abort_waiting",
         "finish_length",
         "finish_stop",
+        "fault_victims_failed",
     ):
         assert s[what] > 0, f"no {what} in {len(results)} cases: {dict(s)}"
     assert s["near_tie"] <= 0.01 * sum(r.requests for r in results), dict(s)
