@@ -79,8 +79,8 @@ def server_argv(pairs, seed: int, rng: random.Random) -> tuple[str, list[str]]:
 
 
 def draw_calls(rng: random.Random, n_calls: int, refs, target: str, block: int) -> list[Call]:
-    from fuzz_engine import draw_params, draw_prompts
     from fuzz_oracle import TextOf
+    from fuzz_workload import draw_params, draw_prompts
 
     tok = refs.tokenizer(target)
     text_of = TextOf(tok)
