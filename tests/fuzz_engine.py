@@ -51,12 +51,14 @@ class CaseResult:
 
     def repro(self) -> str:
         cache = os.environ.get("DDTREE_CACHE", "<dir>")
+        dev = f" --device {self.device}" if self.device != "cpu" else ""
         return (
             f"PYTHONPATH=. DDTREE_CACHE={cache} python3 tests/fuzz_engine.py --seed {self.seed}"
-            f" --requests {self.requests_asked}"
+            f" --requests {self.requests_asked}{dev}"
         )
 
     requests_asked: int = 0
+    device: str = "cpu"
 
     def line(self) -> str:
         head = f"seed {self.seed}: {'ok' if self.ok else 'FAIL'} [{self.config}]"
@@ -72,7 +74,7 @@ def run_case(seed: int, refs, n_requests: int = 24, max_steps: int = 5000) -> Ca
     t0 = time.perf_counter()
     case = draw_case(seed, refs, n_requests)
     desc = case.cfg.describe() + (f" fault={case.fault}" if case.fault else "")
-    res = CaseResult(seed, desc, len(case.specs), requests_asked=n_requests)
+    res = CaseResult(seed, desc, len(case.specs), requests_asked=n_requests, device=refs.device)
     try:
         _drive(case, refs, res, max_steps)
     except Exception as e:  # noqa: BLE001 - a crash is the finding
@@ -86,7 +88,7 @@ def _drive(case: Case, refs, res: CaseResult, max_steps: int) -> None:
     from engine_utils import make_llm
 
     cfg = case.cfg
-    llm = make_llm(refs.pairs[cfg.target], cfg.algorithm, **dict(cfg.kwargs))
+    llm = make_llm(refs.pairs[cfg.target], cfg.algorithm, **dict(cfg.kwargs), **refs.engine_kwargs)
     engine = llm.engine
     # fault isolation turns an exception into a failed (aborted) request and goes on: every
     # isolated failure is a finding, with what the engine logged about it
@@ -302,13 +304,14 @@ def main(argv=None) -> int:
     ap.add_argument("--hours", type=float, default=1.0)
     ap.add_argument("--requests", type=int, default=24, help="requests per case (before n copies)")
     ap.add_argument("--quiet", action="store_true", help="print failing cases only")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     a = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from fuzz_oracle import References
 
-    refs = References(toy_pairs())
+    refs = References(toy_pairs(), a.device)
     if a.seeds:
         lo, hi = (int(x) for x in a.seeds.split(":"))
         seeds = iter(range(lo, hi))

@@ -91,8 +91,13 @@ class References:
     """AR continuations per (target, prompt), computed in batches by a plain engine per target
     (NONE, no prefix cache, fp32) and kept for the process."""
 
-    def __init__(self, pairs: dict[str, tuple[str, str]]):
-        self.pairs = pairs
+    def __init__(self, pairs: dict[str, tuple[str, str]], device: str = "cpu"):
+        """device: where the fuzzed engines and the references run ("cuda": CUDA graphs on, as a
+        server runs; graphs captured up to batch 8 to keep each case's start short)."""
+        self.pairs, self.device = pairs, device
+        self.engine_kwargs = {"device": device}
+        if device == "cuda":
+            self.engine_kwargs["cuda_graph_max_bs"] = 8
         self.llms: dict[str, object] = {}
         self.cache: dict[tuple[str, tuple[int, ...]], Continuation] = {}
 
@@ -106,6 +111,7 @@ class References:
                 disable_radix_cache=True,
                 max_running_requests=64,
                 page_size=16,
+                **self.engine_kwargs,
             )
         return self.llms[target]
 
