@@ -117,6 +117,69 @@ def _sampled_logprobs(req) -> list[str]:
     return []
 
 
+def check_call(call, got, ref, text_of: TextOf, ctx: int, eos, stats: Counter) -> list[str]:
+    """Problems of one HTTP call's answer (tests/fuzz_http.py: `got` its choices, an error string,
+    or None when the client gave up): greedy choices against AR cut by the stop rule (text, finish
+    and, where the route returns them, ids, matched stop, token count, usage, log-probs); sampled
+    ones under the rule on their own ids, with no stop string in their text."""
+    if got is None:
+        stats["http_disconnects"] += 1
+        return []
+    if isinstance(got, str):
+        return [got]
+    if len(got) != call.n:
+        return [f"{len(got)} choices for n={call.n}"]
+    sp, bad = call.params, []
+    for i, c in enumerate(got):
+        stats[f"http_{call.route}_{'stream' if call.stream else 'body'}"] += 1
+        if c.reason not in ("stop", "length"):
+            bad.append(f"choice {i}: finish_reason {c.reason!r}")
+            continue
+        stats["http_greedy_checked" if sp.greedy else "http_sampled_checked"] += 1
+        if sp.greedy:
+            exp = apply_stop_rule(text_of, call.prompt, ref.tokens, sp, ctx, eos)
+            if c.ids is not None:
+                k = first_difference(c.ids, exp.tokens)
+                if k is not None and ref.gap(k) < TIE:
+                    stats["near_tie"] += 1
+                    continue
+            elif (c.text, c.reason) != (exp.text, exp.reason) and any(
+                ref.gap(k) < TIE for k in range(len(exp.tokens))
+            ):
+                stats["near_tie"] += 1
+                continue
+            want = (exp.text, exp.reason)
+            if c.ids is not None:
+                matched = exp.matched if exp.matched is not None else exp.tokens[-1]
+                want += (exp.tokens, matched if exp.reason == "stop" else None, len(exp.tokens))
+                have = (c.text, c.reason, c.ids, c.matched, c.tokens)
+            else:
+                have = (c.text, c.reason)
+            if have != want:
+                bad.append(f"choice {i}: {have} != AR cut by its stop rule {want}")
+            elif c.usage is not None and c.usage != call.n * len(exp.tokens):
+                bad.append(f"usage: {c.usage} completion tokens for {call.n} x {len(exp.tokens)}")
+            elif c.logprobs is not None:
+                if len(c.logprobs) != len(exp.tokens) or any(
+                    abs(a - b) > 2e-3 for a, b in zip(c.logprobs, ref.logprobs)
+                ):
+                    bad.append(
+                        f"choice {i}: log-probs {c.logprobs} vs AR's {ref.logprobs[: len(exp.tokens)]}"
+                    )
+        else:
+            if any(s in c.text for s in sp.stop):
+                bad.append(f"choice {i}: a stop string is in the text {c.text!r}")
+            if c.ids is not None:
+                e = apply_stop_rule(text_of, call.prompt, c.ids, sp, ctx, eos)
+                if (e.tokens, e.text, e.reason) != (c.ids, c.text, c.reason):
+                    bad.append(
+                        f"choice {i}: its own tokens {c.ids} finish as {e.reason} {e.text!r}, got {c.reason} {c.text!r}"
+                    )
+            if c.logprobs is not None and any(not x <= 1e-6 for x in c.logprobs):
+                bad.append(f"choice {i}: log-probs {c.logprobs}")
+    return bad
+
+
 @torch.inference_mode()
 def cached_state_problems(engine, ref_runner) -> list[str]:
     """Every cached page of an idle engine holds the K / V a fresh prefill of its path's tokens

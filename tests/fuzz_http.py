@@ -246,71 +246,9 @@ def parse_stream(call: Call, events: list[dict]) -> list[Choice] | str:
     return [Choice(t, r, logprobs=lp) for t, r, lp in zip(texts, reasons, lps)]
 
 
-def check_call(call: Call, got, ref, text_of, ctx: int, eos, stats) -> list[str]:
-    from fuzz_checks import TIE, first_difference
-    from fuzz_oracle import apply_stop_rule
-
-    if got is None:
-        stats["http_disconnects"] += 1
-        return []
-    if isinstance(got, str):
-        return [got]
-    if len(got) != call.n:
-        return [f"{len(got)} choices for n={call.n}"]
-    sp, bad = call.params, []
-    for i, c in enumerate(got):
-        stats[f"http_{call.route}_{'stream' if call.stream else 'body'}"] += 1
-        if c.reason not in ("stop", "length"):
-            bad.append(f"choice {i}: finish_reason {c.reason!r}")
-            continue
-        stats["http_greedy_checked" if sp.greedy else "http_sampled_checked"] += 1
-        if sp.greedy:
-            exp = apply_stop_rule(text_of, call.prompt, ref.tokens, sp, ctx, eos)
-            if c.ids is not None:
-                k = first_difference(c.ids, exp.tokens)
-                if k is not None and ref.gap(k) < TIE:
-                    stats["near_tie"] += 1
-                    continue
-            elif (c.text, c.reason) != (exp.text, exp.reason) and any(
-                ref.gap(k) < TIE for k in range(len(exp.tokens))
-            ):
-                stats["near_tie"] += 1
-                continue
-            want = (exp.text, exp.reason)
-            if c.ids is not None:
-                matched = exp.matched if exp.matched is not None else exp.tokens[-1]
-                want += (exp.tokens, matched if exp.reason == "stop" else None, len(exp.tokens))
-                have = (c.text, c.reason, c.ids, c.matched, c.tokens)
-            else:
-                have = (c.text, c.reason)
-            if have != want:
-                bad.append(f"choice {i}: {have} != AR cut by its stop rule {want}")
-            elif c.usage is not None and c.usage != call.n * len(exp.tokens):
-                bad.append(f"usage: {c.usage} completion tokens for {call.n} x {len(exp.tokens)}")
-            elif c.logprobs is not None:
-                if len(c.logprobs) != len(exp.tokens) or any(
-                    abs(a - b) > 2e-3 for a, b in zip(c.logprobs, ref.logprobs)
-                ):
-                    bad.append(
-                        f"choice {i}: log-probs {c.logprobs} vs AR's {ref.logprobs[: len(exp.tokens)]}"
-                    )
-        else:
-            if any(s in c.text for s in sp.stop):
-                bad.append(f"choice {i}: a stop string is in the text {c.text!r}")
-            if c.ids is not None:
-                e = apply_stop_rule(text_of, call.prompt, c.ids, sp, ctx, eos)
-                if (e.tokens, e.text, e.reason) != (c.ids, c.text, c.reason):
-                    bad.append(
-                        f"choice {i}: its own tokens {c.ids} finish as {e.reason} {e.text!r}, got {c.reason} {c.text!r}"
-                    )
-            if c.logprobs is not None and any(not x <= 1e-6 for x in c.logprobs):
-                bad.append(f"choice {i}: log-probs {c.logprobs}")
-    return bad
-
-
 def run_http_case(seed: int, refs, n_calls: int = 120, concurrency: int = 24):
     """One seeded server and its calls; returns fuzz_engine's CaseResult."""
-    from fuzz_checks import cached_state_problems
+    from fuzz_checks import cached_state_problems, check_call
     from fuzz_engine import CaseResult
     from fuzz_oracle import TextOf
     from server_fixtures import thread_server
