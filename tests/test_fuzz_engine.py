@@ -13,13 +13,17 @@ from fuzz_engine import KINDS, run_case, summarize
 from fuzz_oracle import References
 
 CI_SEEDS = tuple(range(4 * len(KINDS)))
-# every seed that ever failed, with what it found (fixed in the commit that added it)
+# every case that ever failed: (seed, requests) -> what it found (fixed in the commit that added it)
 REGRESSION_SEEDS = {
-    6: "stop_hit was the text from the stop string on, not the stop string (SGLang's `matched`)",
-    9: "a chunked prefill's later chunk found its pages taken by requests admitted after it",
-    226: "a lone request at the context's end was one page short (the pool rounded down), "
+    (6, 24): "stop_hit was the text from the stop string on, not the stop string (SGLang's "
+    "`matched`)",
+    (9, 24): "a chunked prefill's later chunk found its pages taken by requests admitted after it",
+    (226, 24): "a lone request at the context's end was one page short (the pool rounded down), "
     "preempted, never readmitted; its detokenizer outlived it",
-    468: "a prompt needing the whole pool was refused while a cached page started like its own",
+    (468, 24): "a prompt needing the whole pool was refused while a cached page started like its "
+    "own",
+    (5101, 32): "a request failed in its emission kept the round's log-probs past its tokens",
+    (5112, 32): "the same, failed at its first token",
 }
 
 
@@ -66,10 +70,10 @@ def test_fuzz_covers_what_it_is_for(ci_results):
         assert sum(r.requests for r in kinds) >= 4 * 24, kind
 
 
-@pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS))
-def test_fuzz_regression_seed(refs, one_torch_thread, seed):
-    r = run_case(seed, refs)
-    assert r.ok, f"{REGRESSION_SEEDS[seed]}\n{r.line()}"
+@pytest.mark.parametrize("seed,requests", sorted(REGRESSION_SEEDS))
+def test_fuzz_regression_seed(refs, one_torch_thread, seed, requests):
+    r = run_case(seed, refs, requests)
+    assert r.ok, f"{REGRESSION_SEEDS[seed, requests]}\n{r.line()}"
 
 
 # ---- the fuzzer can fail ---------------------------------------------------------------------

@@ -104,6 +104,37 @@ def test_prompt_filling_the_pool_is_admitted_beside_a_copy_on_write_match(toy_pa
     assert r.finish_reason == "length" and len(r.output_ids) == 1
 
 
+@pytest.mark.parametrize("algorithm", ["NONE", "DDTREE"])
+def test_a_request_failed_in_its_emission_keeps_one_log_prob_per_token(
+    toy_pair, algorithm, monkeypatch
+):
+    """Fault isolation fails a request whose emission raises; the round had already recorded the
+    log-probs of the tokens it was emitting, which the failed request kept (2 entries for 1 token)."""
+    from ddtree.engine.outputs import TokenEmitter
+
+    llm = make_llm(
+        toy_pair, algorithm, **({"speculative_ddtree_budget": 8} if algorithm != "NONE" else {})
+    )
+    e = llm.engine
+    sp = SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, logprobs=True, top_logprobs=2
+    )
+    ok = e.add_request([0] + toy_pattern("prog", 3, 12), sp)
+    bad = e.add_request([0] + toy_pattern("walk", 9, 12), sp)
+    real = TokenEmitter.emit
+
+    def emit(self, req, tokens):
+        if req is bad and req.num_output_tokens >= 1:
+            raise RuntimeError("injected")
+        return real(self, req, tokens)
+
+    monkeypatch.setattr(TokenEmitter, "emit", emit)
+    drain(llm)
+    assert bad.finish_reason == "abort" and "injected" in bad.error
+    assert len(bad.logprobs) == bad.num_output_tokens == 1
+    assert ok.error is None and ok.num_output_tokens == 20 and len(ok.logprobs) == 20
+
+
 def _req(prompt, sp):
     from ddtree.engine.request import Req
 

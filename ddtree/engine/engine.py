@@ -242,6 +242,7 @@ class LLMEngine:
         req.error = req.error or f"internal engine error: {describe(exc)}"
         req.finish_reason = "abort"
         self.emitter.drop(req.rid)
+        logprobs.trim(req)  # the round's entries past the tokens it kept (one per token)
         if not req.is_finished:
             try:
                 self._finish(req)
