@@ -258,7 +258,9 @@ def run_http_case(seed: int, refs, n_calls: int = 120, concurrency: int = 24):
     rng = random.Random(seed)
     t0 = time.perf_counter()
     target, argv = server_argv(refs.pairs, seed, rng)
-    flags = " ".join(a for a in argv[argv.index("--speculative-algorithm") :] if "/" not in a)
+    shown = argv[argv.index("--speculative-algorithm") :]
+    drop = shown.index("--speculative-draft-model-path")
+    flags = " ".join(shown[:drop] + shown[drop + 2 :])
     res = CaseResult(seed, f"http {target} {flags}", requests_asked=n_calls)
     with thread_server(argv) as srv:
         engine = srv.engine
