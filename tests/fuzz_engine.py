@@ -269,7 +269,7 @@ def toy_pairs() -> dict[str, tuple[str, str]]:
     """The toy pairs, from $DDTREE_CACHE when set (else trained into a temporary directory)."""
     import tempfile
 
-    from ddtree.train.toy import build_toy_hybrid_pair, build_toy_pair
+    from ddtree.tools.train.toy import build_toy_hybrid_pair, build_toy_pair
 
     root = os.environ.get("DDTREE_CACHE") or tempfile.mkdtemp(prefix="ddtree_fuzz_")
     return {

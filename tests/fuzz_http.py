@@ -111,6 +111,9 @@ def _call(route, stream, prompt, sp, n, tok, rng) -> Call:
     common = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k}
     if sp.seed is not None:
         common["seed"] = sp.seed
+    if not sp.skip_special_tokens:  # the detokenisation fields, where not their defaults
+        common["skip_special_tokens"] = False
+        common["spaces_between_special_tokens"] = sp.spaces_between_special_tokens
     if route == "generate":
         params = common | {
             "max_new_tokens": sp.max_tokens,
@@ -120,6 +123,8 @@ def _call(route, stream, prompt, sp, n, tok, rng) -> Call:
             "n": n,
         }
         params["sampling_seed"] = params.pop("seed", None)
+        if sp.include_stop_str_in_output:
+            params["no_stop_trim"] = True  # SGLang's name
         body = {"sampling_params": params, "stream": stream}
         body |= {"text": text} if as_text else {"input_ids": list(prompt)}
         if sp.logprobs:
@@ -133,6 +138,8 @@ def _call(route, stream, prompt, sp, n, tok, rng) -> Call:
         "n": n,
         "stream": stream,
     }
+    if sp.include_stop_str_in_output:
+        body["include_stop_str_in_output"] = True
     if route == "chat":
         body["messages"] = [{"role": "user", "content": text}]
         if sp.logprobs:

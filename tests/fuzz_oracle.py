@@ -2,10 +2,11 @@
 
 `References` runs plain AR once per prompt (no speculation, no prefix cache, `ignore_eos`) for a long
 continuation with each position's top log-probs. `apply_stop_rule` is a small oracle of its own that
-cuts a token sequence where a request must finish: a stop string found in the text the tokenizer's
-full decode gives (prompt + tokens, minus the prompt's own text), then EOS (unless `ignore_eos`) or
-a stop id, then `max_tokens` or the context length - the engine's documented order, one token at a
-time. It does not share code with `TokenEmitter` / `IncrementalDetokenizer` / `StopMatcher`.
+cuts a token sequence where a request must finish: a stop token (EOS unless `ignore_eos`, a stop
+id: counted, its text left out), a stop string found in the text the tokenizer's full decode gives
+(prompt + tokens, minus the prompt's own text), then `max_tokens` or the context length - the
+engine's documented order (vLLM's), one token at a time; `include_stop_str_in_output` keeps the stop
+string and the stop token's text. It does not share code with `TokenEmitter` / `IncrementalDetokenizer` / `StopMatcher`.
 
 At T=0 a request's output must be `apply_stop_rule(reference continuation)`. At T>0 (and for an
 aborted request) it must be its own tokens under the same rule: `apply_stop_rule(own tokens)`
@@ -47,40 +48,51 @@ class Expected:
 
 
 class TextOf:
-    """Text of tokens after a prompt by the tokenizer's full decode (special tokens skipped),
-    memoised per (prompt, tokens): the oracle asks for every prefix."""
+    """Text of tokens after a prompt by the tokenizer's full decode (special tokens skipped unless
+    the request says otherwise)."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip: bool = True, spaces: bool = True) -> str:
+        kw = {} if spaces else {"spaces_between_special_tokens": False}
         return self.tok.decode(
-            list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+            list(ids), skip_special_tokens=skip, clean_up_tokenization_spaces=False, **kw
         )
 
-    def after(self, prompt, tokens) -> str:
-        base = self.decode(prompt)
-        full = self.decode(list(prompt) + list(tokens))
+    def after(self, prompt, tokens, params=None) -> str:
+        skip = params is None or params.skip_special_tokens
+        spaces = params is None or params.spaces_between_special_tokens
+        base = self.decode(prompt, skip, spaces)
+        full = self.decode(list(prompt) + list(tokens), skip, spaces)
         assert full.startswith(base), f"decode is not prefix-stable: {base!r} vs {full!r}"
         return full[len(base) :]
 
 
 def apply_stop_rule(text_of: TextOf, prompt, tokens, params, max_context: int, eos_ids) -> Expected:
-    """Where and why a request decoding `tokens` after `prompt` finishes (see the module doc)."""
+    """Where and why a request decoding `tokens` after `prompt` finishes (see the module doc). A
+    stop token (EOS unless ignore_eos, a stop id) finishes first and adds no text; with
+    `include_stop_str_in_output` it is text like any token, after the stop strings, and a stop
+    string stays in the text."""
     eos = set(eos_ids)
     stop_ids = set(params.stop_token_ids)
+    keep_stop = params.include_stop_str_in_output
     offsets: list[int] = []
     text = ""
     for k in range(1, len(tokens) + 1):
         tok = tokens[k - 1]
-        text = text_of.after(prompt, tokens[:k])
+        stop_token = (tok in eos and not params.ignore_eos) or tok in stop_ids
+        if stop_token and not keep_stop:  # counted, never detokenised
+            return Expected(list(tokens[:k]), text, "stop", None, offsets)
+        text = text_of.after(prompt, tokens[:k], params)
         offsets.append(len(text))
         if params.stop:
             hits = [(text.find(s), -len(s), s) for s in params.stop if s in text]
             if hits:
                 cut, _, s = min(hits)  # the earliest start; at one start the longest stop
-                return Expected(list(tokens[:k]), text[:cut], "stop", s, offsets)
-        if (tok in eos and not params.ignore_eos) or tok in stop_ids:
+                keep = cut + len(s) if keep_stop else cut
+                return Expected(list(tokens[:k]), text[:keep], "stop", s, offsets)
+        if stop_token:
             return Expected(list(tokens[:k]), text, "stop", None, offsets)
         if k >= params.max_tokens or len(prompt) + k >= max_context:
             return Expected(list(tokens[:k]), text, "length", None, offsets)

@@ -164,6 +164,11 @@ def draw_params(rng: random.Random, prompt, ref, text_of, knobs: dict, algorithm
                 stops.append(s[: rng.randint(1, len(s) - 1)])
         kw["stop"] = stops
     kw["ignore_eos"] = rng.random() < 0.5
+    if rng.random() < 0.15:  # vLLM's: the stop string / stop token's text stays in the output
+        kw["include_stop_str_in_output"] = True
+    if rng.random() < 0.1:
+        kw["skip_special_tokens"] = False
+        kw["spaces_between_special_tokens"] = rng.random() < 0.5
     if rng.random() < 0.25:
         kw.update(logprobs=True, top_logprobs=rng.choice([0, 1, 2, 5]))
     if algorithm == "DDTREE" and rng.random() < 0.15:
