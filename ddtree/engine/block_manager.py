@@ -117,11 +117,16 @@ class BlockManager:
         if self.pages_for(num_tokens) > self.max_pages_per_req or not self.free_slots:
             return False
         need = self.pages_for(num_tokens) - len(hit.nodes)
-        # the hit's unlocked pages stop being evictable once it is locked (the copied one too,
-        # conservatively: it is locked while it is copied)
-        reused = list(hit.nodes) + ([hit.cow[0]] if hit.cow else [])
-        taken = self.cache.unlocked_among(reused) if self.cache is not None else 0
-        return need <= self.num_available_pages - taken
+        # the hit's unlocked pages stop being evictable once it is locked
+        taken = self.cache.unlocked_among(hit.nodes) if self.cache is not None else 0
+        room = self.num_available_pages - taken
+        if hit.cow is not None and hit.cow[0].lock == 0:
+            # the copied page is locked only while its copy's page is taken (then evictable
+            # again): that one page must come from elsewhere. Counting it as taken for the whole
+            # prompt refused a prompt that needs the whole pool whenever a cached page started
+            # like its next one (and `_starved` finished it with no tokens).
+            return need <= room and room - 1 >= 1
+        return need <= room
 
     def attach(self, req: Req, hit: PrefixHit, copy_page: CopyPage) -> None:
         """Give a waiting request a slot whose block-table row starts with the hit's pages (locked);

@@ -386,8 +386,11 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     kv_pool = rest - state_pool
     per_token = sum(kv_bytes_per_token(t_rank, d_rank, args.kv_cache_dtype))
     budget = min(kv_pool, CPU_KV_BUDGET_BYTES // tp) if device == "cpu" else kv_pool
-    want = running * (args.context_length + width)
-    pages = min(budget // per_token, want) // args.page_size
+    # each running request at full context plus one verify width, in whole pages: rounding the
+    # sum down left a lone request at the context's end one page short of its last round (it was
+    # preempted, could not be readmitted, and finished early with 'length')
+    want = running * -(-(args.context_length + width) // args.page_size)
+    pages = min(budget // per_token // args.page_size, want)
     if args.max_total_tokens is not None:  # the user's cap, rounded up to whole pages
         pages = min(pages, -(-args.max_total_tokens // args.page_size))
     pages = max(pages, MIN_PAGES)

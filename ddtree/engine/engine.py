@@ -272,6 +272,7 @@ class LLMEngine:
         req.error = req.error or f"internal engine error: {describe(exc)}"
         req.finish_reason = "abort"
         self.emitter.drop(req.rid)
+        logprobs.trim(req)  # the round's entries past the tokens it kept (one per token)
         if not req.is_finished:
             try:
                 self._finish(req)
@@ -331,6 +332,7 @@ class LLMEngine:
             req = self.scheduler.waiting[0]
             logger.warning("request %s does not fit in the KV cache; finishing it", req.rid)
             self.emitter.flush(req)
+            self.emitter.drop(req.rid)  # its detokenizer, as a finish in `emit` forgets it
             if req.output_ids:
                 req.finish_reason = "length"
             else:

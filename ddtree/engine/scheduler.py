@@ -131,7 +131,9 @@ class Scheduler:
             self.runner.admit(r, hit)  # kv_len = the cached prefix
             self.last_cached_tokens += r.kv_len
             q = self._chunk(r, budget)
-            self.bm.allocate(r, r.kv_len + q)
+            # the whole prompt's pages now, not the first chunk's: admission counted them as
+            # available, and requests admitted after this one must not take its later chunks'
+            self.bm.allocate(r, r.prefill_len)
             r.status = ReqStatus.RUNNING
             r.times.scheduled = r.times.scheduled or time.monotonic()
             self.running.append(r)

@@ -59,3 +59,20 @@ class StateCheckpoints:
 
     def give_back(self, row: int) -> None:
         self.free_rows.append(row)
+
+    def check_integrity(self, cache) -> None:
+        """Every row is either free or held by exactly one cached node whose `checkpoint` names it
+        (the radix cache's `checkpoints` index); a held row's node is still cached. Host only:
+        O(rows + cached nodes)."""
+        free, held = list(self.free_rows), cache.checkpoints
+        assert len(free) == len(set(free)), "a checkpoint row is free twice"
+        assert all(0 <= r < self.num_rows for r in free + list(held)), (
+            "a checkpoint row out of range"
+        )
+        assert not set(free) & held.keys(), "a checkpoint row is both free and held"
+        assert len(free) + len(held) == self.num_rows, "checkpoint rows leaked"
+        for row, node in held.items():
+            assert node.checkpoint == row, "a checkpoint row's node names another row"
+            assert cache.page_owner.get(node.page) is node, "a checkpoint held by an evicted node"
+        marked = sum(1 for n in cache.nodes() if n.checkpoint is not None)
+        assert marked == len(held), "a cached node's checkpoint is missing from the index"

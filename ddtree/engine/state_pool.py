@@ -154,6 +154,18 @@ class HybridStatePool:
     def bytes(self) -> int:
         return self.state_bytes + self.stash_bytes
 
+    def check_rows(self, slots: list[int]) -> None:
+        """Debug: `slots` are request rows (not the scratch row padded graph rows write) and their
+        committed conv / SSM states are finite (a host read of those rows)."""
+        rows = self.conv.shape[1] - (self.scratch_row is not None)
+        assert all(0 <= s < rows for s in slots), f"state rows {slots} outside 0..{rows - 1}"
+        if not slots:
+            return
+        idx = self._slots(slots)
+        for name, t in (("conv", self.conv), ("ssm", self.ssm)):
+            bad = ~torch.isfinite(t.index_select(1, idx)).flatten(2).all(-1).all(0)
+            assert not bad.any(), f"non-finite {name} state in rows {idx[bad].tolist()}"
+
     def _slots(self, slots) -> Tensor:
         return torch.as_tensor(slots, dtype=torch.int64).to(self.device)
 

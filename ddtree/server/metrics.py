@@ -19,6 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from ddtree.engine import integrity
 from ddtree.engine.round_clock import DEVICE_PARTS, PHASES
 from ddtree.engine.step_stats import StepStats, step_metric
 
@@ -446,12 +447,10 @@ class ServerMetrics:
 def pool_snapshot(engine) -> dict:
     """Plain numbers for /get_server_info; call on the engine thread."""
     sched, bm, runner = engine.scheduler, engine.runner.bm, engine.runner
-    try:
-        bm.check_integrity()
-        bm.check_slots(sched.running)
-        integrity = "ok"
-    except AssertionError as e:
-        integrity = f"FAILED: {e}"
+    # between two steps: the whole engine's invariants (pages, slots, lengths, cached tokens,
+    # checkpoints, request bookkeeping: engine/integrity.py), host-only
+    problems = integrity.problems(engine)
+    kv_integrity = "ok" if not problems else "FAILED: " + "; ".join(problems[:8])
     faults = getattr(engine, "faults", None)
     slots = runner.cfg.max_running_requests
     return {
@@ -467,7 +466,7 @@ def pool_snapshot(engine) -> dict:
         "request_slots_free": bm.num_free_slots,
         "state_pool_slots_total": slots if runner.state_pool is not None else 0,
         "state_pool_slots_free": bm.num_free_slots if runner.state_pool is not None else 0,
-        "kv_integrity": integrity,
+        "kv_integrity": kv_integrity,
         "requests_failed_alone": faults.stats.isolated if faults else 0,
         "batch_failures": faults.stats.batch_failures if faults else 0,
         "engine_dead": faults.dead if faults else None,

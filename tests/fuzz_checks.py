@@ -1,0 +1,248 @@
+"""The fuzzer's checks of one finished request (against the AR reference and the stop-rule oracle)
+and of an idle engine's cached pages and checkpoints (against a fresh prefill of their tokens)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from fuzz_oracle import Continuation, TextOf, apply_stop_rule
+
+# a divergence from AR where the reference's top-2 log-probs are this close is a numerical near-tie
+TIE = 1e-3
+LP_TOL = 2e-3  # |log-prob - AR's| at the same position (fp32 on the CPU, batched vs alone)
+KV_TOL = 1e-3  # cached K / V vs a fresh prefill of the same tokens
+STATE_TOL = 1e-3  # a hybrid checkpoint vs a fresh prefill's state (relative, and absolute)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for k, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return k
+    return None
+
+
+def check_request(req, ref: Continuation | None, text_of: TextOf, ctx: int, eos, stats: Counter):
+    """Problems of one finished request. Greedy: its output is the reference cut by the stop rule
+    (an aborted one: a prefix of that); a divergence at a near-tie counts in stats['near_tie'] and
+    falls back to the sampled checks. Sampled: its own tokens under the stop rule."""
+    p, out = req.params, list(req.output_ids)
+    aborted = req.finish_reason == "abort"
+    bad: list[str] = []
+    own = True
+    if p.greedy and ref is not None:
+        exp = apply_stop_rule(text_of, req.prompt_ids, ref.tokens, p, ctx, eos)
+        if exp.reason is None:
+            return [f"harness: reference of {len(ref.tokens)} tokens too short for {p}"]
+        k = first_difference(out, exp.tokens)
+        if k is not None and ref.gap(k) < TIE:
+            stats["near_tie"] += 1
+        elif k is not None:
+            return [
+                f"token {k}: {out[k]} where AR has {exp.tokens[k]} (out {out}, AR {exp.tokens})"
+            ]
+        elif aborted:
+            if len(out) > len(exp.tokens):
+                bad.append(f"aborted with {len(out)} tokens, past AR's finish at {len(exp.tokens)}")
+        else:
+            own = False
+            if out != exp.tokens:
+                bad.append(f"tokens {out} != AR cut by its stop rule {exp.tokens}")
+            if req.text != exp.text:
+                bad.append(f"text {req.text!r} != expected {exp.text!r}")
+            if (req.finish_reason, req.stop_hit) != (exp.reason, exp.matched):
+                bad.append(
+                    f"finish ({req.finish_reason}, {req.stop_hit!r}) != expected "
+                    f"({exp.reason}, {exp.matched!r})"
+                )
+            bad += _greedy_logprobs(req, ref)
+    if own:
+        bad += _own_rule(req, text_of, ctx, eos)
+        bad += _sampled_logprobs(req)
+    return bad
+
+
+def _own_rule(req, text_of: TextOf, ctx: int, eos) -> list[str]:
+    out, p = list(req.output_ids), req.params
+    e = apply_stop_rule(text_of, req.prompt_ids, out, p, ctx, eos)
+    if req.finish_reason == "abort":
+        if e.reason is not None:
+            return [f"aborted, but its tokens finish at {len(e.tokens)} ({e.reason}): {out}"]
+        return []
+    bad = []
+    if e.tokens != out or e.reason != req.finish_reason:
+        bad.append(
+            f"its own tokens finish at {len(e.tokens)} of {len(out)} ({e.reason}), the engine "
+            f"says {req.finish_reason}: {out}"
+        )
+    elif req.text != e.text or req.stop_hit != e.matched:
+        bad.append(f"text {req.text!r} / {req.stop_hit!r} != {e.text!r} / {e.matched!r}")
+    if not p.include_stop_str_in_output and any(s in req.text for s in p.stop):
+        bad.append(f"a stop string is in the returned text {req.text!r}")
+    return bad
+
+
+def _greedy_logprobs(req, ref: Continuation) -> list[str]:
+    if not req.params.logprobs:
+        return []
+    k = req.params.top_logprobs
+    for i, e in enumerate(req.logprobs):
+        if e.token_id != req.output_ids[i] or abs(e.logprob - ref.logprobs[i]) > LP_TOL:
+            return [f"log-prob {i}: {e} vs AR's {ref.tokens[i]} {ref.logprobs[i]:.5f}"]
+        want = ref.top[i][:k]
+        if len(e.top) != k or any(abs(a[1] - b[1]) > LP_TOL for a, b in zip(e.top, want)):
+            return [f"top log-probs {i}: {e.top} vs AR's {want}"]
+        for j, ((tok, _), (want_tok, lp)) in enumerate(zip(e.top, want)):
+            # ids may swap only where AR's own values tie
+            ties = [x for m, (_, x) in enumerate(ref.top[i]) if m != j and abs(x - lp) <= TIE]
+            if tok != want_tok and not ties:
+                return [f"top log-probs {i}: {e.top} vs AR's {want}"]
+    return []
+
+
+def _sampled_logprobs(req) -> list[str]:
+    if not req.params.logprobs:
+        return []
+    k = req.params.top_logprobs
+    for i, e in enumerate(req.logprobs):
+        vals = [v for _, v in e.top]
+        if (
+            e.token_id != req.output_ids[i]
+            or not e.logprob <= 1e-6
+            or len(e.top) != k
+            or vals != sorted(vals, reverse=True)
+            or (k and e.logprob > vals[0] + 1e-6)
+        ):
+            return [f"log-prob entry {i} inconsistent: {e} for token {req.output_ids[i]}"]
+    return []
+
+
+def check_call(call, got, ref, text_of: TextOf, ctx: int, eos, stats: Counter) -> list[str]:
+    """Problems of one HTTP call's answer (tests/fuzz_http.py: `got` its choices, an error string,
+    or None when the client gave up): greedy choices against AR cut by the stop rule (text, finish
+    and, where the route returns them, ids, matched stop, token count, usage, log-probs); sampled
+    ones under the rule on their own ids, with no stop string in their text."""
+    if got is None:
+        stats["http_disconnects"] += 1
+        return []
+    if isinstance(got, str):
+        return [got]
+    if len(got) != call.n:
+        return [f"{len(got)} choices for n={call.n}"]
+    sp, bad = call.params, []
+    for i, c in enumerate(got):
+        stats[f"http_{call.route}_{'stream' if call.stream else 'body'}"] += 1
+        if c.reason not in ("stop", "length"):
+            bad.append(f"choice {i}: finish_reason {c.reason!r}")
+            continue
+        stats["http_greedy_checked" if sp.greedy else "http_sampled_checked"] += 1
+        if sp.greedy:
+            exp = apply_stop_rule(text_of, call.prompt, ref.tokens, sp, ctx, eos)
+            if c.ids is not None:
+                k = first_difference(c.ids, exp.tokens)
+                if k is not None and ref.gap(k) < TIE:
+                    stats["near_tie"] += 1
+                    continue
+            elif (c.text, c.reason) != (exp.text, exp.reason) and any(
+                ref.gap(k) < TIE for k in range(len(exp.tokens))
+            ):
+                stats["near_tie"] += 1
+                continue
+            want = (exp.text, exp.reason)
+            if c.ids is not None:
+                matched = exp.matched if exp.matched is not None else exp.tokens[-1]
+                want += (exp.tokens, matched if exp.reason == "stop" else None, len(exp.tokens))
+                have = (c.text, c.reason, c.ids, c.matched, c.tokens)
+            else:
+                have = (c.text, c.reason)
+            if have != want:
+                bad.append(f"choice {i}: {have} != AR cut by its stop rule {want}")
+            elif c.usage is not None and c.usage != call.n * len(exp.tokens):
+                bad.append(f"usage: {c.usage} completion tokens for {call.n} x {len(exp.tokens)}")
+            elif c.logprobs is not None:
+                if len(c.logprobs) != len(exp.tokens) or any(
+                    abs(a - b) > 2e-3 for a, b in zip(c.logprobs, ref.logprobs)
+                ):
+                    bad.append(
+                        f"choice {i}: log-probs {c.logprobs} vs AR's {ref.logprobs[: len(exp.tokens)]}"
+                    )
+        else:
+            if not sp.include_stop_str_in_output and any(s in c.text for s in sp.stop):
+                bad.append(f"choice {i}: a stop string is in the text {c.text!r}")
+            if c.ids is not None:
+                e = apply_stop_rule(text_of, call.prompt, c.ids, sp, ctx, eos)
+                if (e.tokens, e.text, e.reason) != (c.ids, c.text, c.reason):
+                    bad.append(
+                        f"choice {i}: its own tokens {c.ids} finish as {e.reason} {e.text!r}, got {c.reason} {c.text!r}"
+                    )
+            if c.logprobs is not None and any(not x <= 1e-6 for x in c.logprobs):
+                bad.append(f"choice {i}: log-probs {c.logprobs}")
+    return bad
+
+
+@torch.inference_mode()
+def cached_state_problems(engine, ref_runner) -> list[str]:
+    """Every cached page of an idle engine holds the K / V a fresh prefill of its path's tokens
+    computes, and every hybrid checkpoint the recurrent state after exactly its node's tokens
+    (`ref_runner`: a plain runner of the same target, no prefix cache)."""
+    from ddtree import SamplingParams
+    from ddtree.engine.request import Req
+
+    runner = engine.runner
+    bm, p = runner.bm, runner.bm.page_size
+    if bm.cache is None:
+        return []
+    bad = []
+    for leaf in [n for n in bm.cache.nodes() if not n.children]:
+        path = leaf.path()
+        tokens = [t for n in path for t in n.key]
+        req = Req(prompt_ids=tokens + [tokens[-1]], params=SamplingParams(max_tokens=1))
+        # chunks that end at each checkpointed node, so its state can be read there
+        edges = [n.depth * p for n in path if n.checkpoint is not None] + [len(tokens)]
+        try:
+            for edge in sorted(set(edges)):
+                ref_runner.bm.allocate(req, edge)
+                ref_runner.prefill([req], [edge - req.kv_len])
+                node = path[edge // p - 1]
+                if node.checkpoint is not None and runner.checkpoints is not None:
+                    bad += _state_diff(runner, ref_runner, node, req.slot)
+            bad += _kv_diff(runner, ref_runner, path, req, p)
+        finally:
+            ref_runner.release(req)
+        if len(bad) > 4:
+            break
+    return bad
+
+
+def _kv_diff(runner, ref_runner, path, req, p: int) -> list[str]:
+    n = len(path) * p
+    pos = torch.arange(n)
+    pages = torch.tensor([node.page for node in path])
+    ours = pages[pos // p] * p + pos % p
+    rp = ref_runner.bm.page_size
+    theirs = torch.tensor(ref_runner.bm.pages[req.slot])[pos // rp] * rp + pos % rp
+    for name in ("k", "v"):
+        a = getattr(runner.kv, name)[:, ours.to(runner.device)].float().cpu()
+        b = getattr(ref_runner.kv, name)[:, theirs.to(ref_runner.device)].float().cpu()
+        err = (a - b).abs().amax(dim=(0, 2, 3))  # per position
+        if err.max() > KV_TOL:
+            i = int(err.argmax())
+            return [
+                f"cached page {path[i // p].page} (depth {i // p + 1}) position {i}: {name} "
+                f"differs from a fresh prefill of its tokens by {float(err.max()):.3g}"
+            ]
+    return []
+
+
+def _state_diff(runner, ref_runner, node, slot: int) -> list[str]:
+    ck, pool = runner.checkpoints, ref_runner.state_pool
+    for name in ("conv", "ssm"):
+        a = getattr(ck, name)[:, node.checkpoint].float()
+        b = getattr(pool, name)[:, slot].float()
+        if not torch.allclose(a, b, rtol=STATE_TOL, atol=STATE_TOL):
+            err = float((a - b).abs().max())
+            return [
+                f"checkpoint row {node.checkpoint} of node depth {node.depth}: {name} differs "
+                f"from a fresh prefill of its tokens by {err:.3g}"
+            ]
+    return []
