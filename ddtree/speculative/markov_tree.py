@@ -68,8 +68,7 @@ class Transitions(NamedTuple):
     is log softmax_K s + log m_d, m_d the unary softmax mass of the K candidates: the selector
     orders tokens within its candidate set, the unary model estimates that the token is in it.
     The constant shifts each depth's scores alike (the chain and each node's child ranking are
-    unchanged) and moves budget between depths: on the embedded pair it is worth +0.19 / +0.10 tau
-    at B = 16 / 64 over log softmax_K alone (`bench acceptance`, 2026-12-04)."""
+    unchanged) and moves budget between depths toward where the draft is likely to be right."""
 
     logq: Tensor  # [b, D, K, K] fp32 log q_d(child | parent row j), descending along the last dim
     child: Tensor  # [b, D, K, K] int64 the children's candidate index (a column of cand[:, d])
