@@ -2,8 +2,9 @@
 # Trains a DFlash2 drafter for the embedded reference pair's target (issue 42), seeded.
 # Warm start: the shipped DFlash drafter's weights (function-preserving: identity convolutions,
 # a selector whose rescoring starts at zero), then the candidate selector.
-#   scripts/train_reference_dflash2.sh OUT_DIR              (CPU: --selector-only, ~30-40 min on one
-#       core: the backbone frozen, the selector fitted on features computed once)
+#   scripts/train_reference_dflash2.sh OUT_DIR              (CPU: --selector-only, ~15 min of one
+#       core: the backbone frozen, the selector fitted on features computed once, the step with the
+#       best held-out chain acceptance kept; OUT/drafter/selector_features.* cache the features)
 #   FULL=1 scripts/train_reference_dflash2.sh OUT_DIR       (GPU: every weight, convolutions
 #       included, the DFlash recipe plus the selector loss)
 #   SMOKE=1 scripts/train_reference_dflash2.sh OUT_DIR      (a few steps, to check the pipeline)
@@ -16,7 +17,7 @@ BLOCK=${BLOCK:-16}
 if [ "${SMOKE:-0}" = 1 ]; then
   REGEN=16; GEN=32; STEPS=5; ANCHORS=4
 else
-  REGEN=${REGEN:-2048}; GEN=${GEN:-128}; STEPS=${STEPS:-3000}; ANCHORS=${ANCHORS:-16}
+  REGEN=${REGEN:-1024}; GEN=${GEN:-96}; STEPS=${STEPS:-1000}; ANCHORS=${ANCHORS:-12}
 fi
 # prompts: the first 64 tokens of packed training rows (held-out modules never enter), as the
 # DFlash drafter's own run (scripts/train_reference_pair.sh)

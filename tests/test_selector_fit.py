@@ -84,3 +84,44 @@ def test_selector_only_run_on_the_toy_pair(toy_pair, tmp_path):
     # step 0 is the DFlash drafter's chain (zero rescoring); the kept step is the best seen
     assert best["best_val_chain_tau"] == max(curve) >= curve[0] > 1
     assert (tmp_path / "feat.train").exists() and (tmp_path / "feat.val").exists()
+
+
+def test_full_training_warm_start_keeps_the_dflash_function(toy_pair):
+    """`train-drafter --architecture dflash2 --init-from` (every weight trained): before any update
+    (lr 0) the DFlash2 drafter's chain is the DFlash drafter's, token for token."""
+    from ddtree.configs import TargetConfig
+    from ddtree.models.loader import load_drafter, load_target
+    from ddtree.speculative.markov_tree import build_markov_chain
+    from ddtree.speculative.tree import build_chain
+    from ddtree.tools.train.drafter import block_embeds, drafter_config_for, train_drafter
+    from ddtree.tools.train.toy import greedy_data
+
+    t_dir, d_dir = toy_pair
+    target = load_target(t_dir, torch.float32)
+    dflash = load_drafter(d_dir, torch.float32)
+    src = dflash.config
+    cfg = drafter_config_for(
+        TargetConfig.from_path(t_dir),
+        src.num_hidden_layers,
+        src.block_size,
+        src.mask_token_id,
+        src.target_layer_ids,
+        torch_dtype="float32",
+        architecture="DFlash2DraftModel",
+        selector_rank=16,
+    )
+    ids, mask, _ = greedy_data(target, 8, 3)
+    d2 = train_drafter(
+        target, cfg, (ids, mask), steps=1, lr=0.0, batch_size=4, anchors_per_seq=4,
+        init_from=d_dir, progress=False, device="cpu",
+    )  # fmt: skip
+    anchors = torch.tensor([[10, 20, 30]] * 2)
+    with torch.no_grad():
+        _, taps = target.forward_train(ids[:2], src.target_layer_ids)
+        emb = block_embeds(target, ids[:2], anchors, src)
+        h1 = dflash.forward_train(taps, emb, anchors)[:, :, 1:].flatten(0, 1)
+        h2 = d2.forward_train(taps, emb, anchors)[:, :, 1:].flatten(0, 1)
+        roots = ids[:2].gather(1, anchors).flatten()
+        a = build_chain(roots, dflash.propose(h1, target.lm_head))
+        b = build_markov_chain(roots, d2.propose(h2, target.lm_head))
+    assert torch.equal(a.tokens, b.tokens)
