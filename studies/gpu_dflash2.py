@@ -65,7 +65,7 @@ def cases(budgets: list[int]):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--shapes", default="qwen3-8b,qwen3.6-27b")
     p.add_argument("--dflash2", required=True, help="the DFlash2 source drafter (embedded target)")
     p.add_argument("--batches", default="1,8")
