@@ -108,14 +108,14 @@ def test_tree_is_the_best_budget_nodes(budget, cap, shadow):
 
 
 def test_chain_is_the_greedy_path_and_the_shadow_spine():
-    b, D, K = 4, 6, 8
+    b, D, K = 4, 5, 6
     draft = random_draft(b, D, K, seed=5, sharp=2.0)
     roots = torch.tensor([1, 2, 3, 4])
-    limits = torch.tensor([6, 0, 3, 5])
+    limits = torch.tensor([5, 0, 3, 4])
     chain = build_markov_chain(roots, draft, limits)
-    tree = build_markov_tree(roots, draft, 10, 10, True, max_depth=limits)
+    tree = build_markov_tree(roots, draft, 8, 3, True, max_depth=limits)
     for i in range(b):
-        _, greedy = oracle(draft, i, int(roots[i]), 10, 10, True, int(limits[i]))
+        _, greedy = oracle(draft, i, int(roots[i]), 8, 3, True, int(limits[i]))
         n = len(greedy)
         assert chain.tokens[i, 1 : 1 + n].tolist() == [p[-1] for p, _ in greedy]
         assert not chain.valid[i, 1 + n :].any()
