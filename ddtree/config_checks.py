@@ -67,11 +67,19 @@ def load_model_config(path: str, is_target: bool, p: list[str]):
             )
         elif not is_target and arch not in configs.DRAFTER_ARCHITECTURES:
             p.append(
-                f"--speculative-draft-model-path {path}: architecture {arch!r} is not a DFlashDraftModel; "
-                "pass a DFlash drafter (e.g. z-lab/Qwen3-8B-DFlash-b16)"
+                f"--speculative-draft-model-path {path}: architecture {arch!r} is not a DFlash drafter "
+                f"({' or '.join(configs.DRAFTER_ARCHITECTURES)}); pass one (e.g. "
+                "z-lab/Qwen3-8B-DFlash-b16)"
             )
+        elif is_target:
+            return path, TargetConfig.from_dict(raw)
         else:
-            return path, (TargetConfig if is_target else DrafterConfig).from_dict(raw)
+            d = DrafterConfig.from_dict(raw)
+            bad = d.problems()
+            p.extend(
+                f"{name} {path}: {line}; fix config.json or pass another drafter" for line in bad
+            )
+            return path, None if bad else d
     except ConfigError as e:  # a quantization_config it cannot serve exactly
         p.extend(f"{name} {path}: {line}" for line in e.problems)
     except (OSError, KeyError, TypeError, ValueError) as e:

@@ -1,7 +1,7 @@
 """Model configurations parsed from `config.json` alone (never weights).
 
 `TargetConfig` covers dense Qwen3 and hybrid Qwen3.5/3.6 text models (VLM-style configs keep the text model
-under `text_config`); `DrafterConfig` covers z-lab DFlash drafters. Both are frozen and carry only what the
+under `text_config`); `DrafterConfig` covers z-lab DFlash and DFlash2 drafters. Both are frozen and carry only what the
 engine needs, with the HF key spelling resolved in one place.
 """
 
@@ -18,7 +18,9 @@ HYBRID_ARCHITECTURES = (
     "Qwen3_5TextForCausalLM",
     "Qwen3NextForCausalLM",
 )
-DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# DFlash2's `dflash_config` keys: the grouped dynamic convolutions and the candidate selector
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 FP8_DEFAULT_BLOCK = (
     128,
@@ -151,6 +153,13 @@ def _rope(cfg: dict) -> tuple[float, dict | None, float]:
             scaling = None
     partial = float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
     return theta, scaling, partial
+
+
+def _positive_int(value) -> int:
+    """An integer config field, 0 where absent or not a positive integer (`problems` names it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        return 0
+    return max(0, int(value))
 
 
 def _eos_ids(value) -> tuple[int, ...]:
@@ -307,7 +316,55 @@ class DrafterConfig:
     final_logit_softcapping: float | None = None
     dtype: str = "bfloat16"
     quantization: Fp8Config | None = None  # the checkpoint's (config.json quantization_config)
+    # DFlash2 (0 on DFlash drafters): grouped dynamic causal convolutions around attention and MLP,
+    # and the candidate selector (top-k candidates rescored by a rank-r bilinear term)
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == "DFlash2DraftModel"
+
+    def problems(self) -> list[str]:
+        """What makes this config unloadable, one line per field (empty: loadable). Checked before
+        any weight is read: an architecture we do not run, or DFlash2 fields that are missing, out
+        of range, or set on a DFlash checkpoint (whose weights would then be read wrongly)."""
+        if self.architecture not in DRAFTER_ARCHITECTURES:
+            return [
+                f"architectures {self.architecture!r} is not a drafter we run; supported: "
+                f"{', '.join(DRAFTER_ARCHITECTURES)}"
+            ]
+        dcfg = self.raw.get("dflash_config") or {}
+        given = [k for k in DFLASH2_FIELDS if dcfg.get(k, self.raw.get(k)) is not None]
+        if not self.is_dflash2:
+            return [
+                f"dflash_config.{k} is a DFlash2 field but architectures is DFlashDraftModel; a "
+                "DFlash2 checkpoint says DFlash2DraftModel"
+                for k in given
+            ]
+        out = [
+            f"dflash_config.{k} is missing or not a positive integer (DFlash2DraftModel needs it)"
+            for k in DFLASH2_FIELDS
+            if getattr(self, k) <= 0
+        ]
+        if self.conv_group_size > 0 and self.hidden_size % self.conv_group_size:
+            out.append(
+                f"dflash_config.conv_group_size {self.conv_group_size} does not divide hidden_size "
+                f"{self.hidden_size}"
+            )
+        if self.conv_kernel_size > self.block_size:
+            out.append(
+                f"dflash_config.conv_kernel_size {self.conv_kernel_size} exceeds block_size "
+                f"{self.block_size} (the convolution runs within a block)"
+            )
+        if self.selector_top_k > self.vocab_size:
+            out.append(
+                f"dflash_config.selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}"
+            )
+        return out
 
     def layer_is_causal(self, i: int) -> bool:
         """z-lab semantics: an explicit `is_causal` wins; otherwise sliding layers are causal in-block."""
@@ -374,6 +431,7 @@ class DrafterConfig:
             final_logit_softcapping=None if softcap in (None, 0) else float(softcap),
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             quantization=quant,
+            **{k: _positive_int(pick(k)) for k in DFLASH2_FIELDS},
             raw=cfg,
         )
 

@@ -136,6 +136,13 @@ GC_FREEZE = EnvVar(
     "0: the server does not freeze its start-up heap after the warm-up (gc.freeze: full "
     "collections then walk only what serving allocated; server/gc_watch.py)",
 )
+DFLASH2_TREE = EnvVar(
+    "DDTREE_DFLASH2_TREE",
+    "path",
+    "DDTREE over a DFlash2 drafter: path (the path-conditioned tree: children scored by the "
+    "selector under their parent's token) or marginal (DDTree over the unary logits' per-position "
+    "marginals, the selector unused; the A/B of `bench acceptance`)",
+)
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",
     "",
@@ -173,6 +180,7 @@ TABLE: dict[str, EnvVar] = {
         TP_TIMEOUT_S,
         ROUND_CLOCK,
         POLICY_TRACE,
+        DFLASH2_TREE,
         GC_FREEZE,
         TRITON_INTERPRET,
         GRAMMAR_FORCED,

@@ -92,14 +92,20 @@ def target_param_count(t: TargetConfig) -> int:
 
 
 def drafter_param_count(d: DrafterConfig) -> int:
-    """fc + hidden_norm + layers + norm; the drafter borrows the target's embedding and lm_head."""
+    """fc + hidden_norm + layers + norm (+ DFlash2's convolutions and selector); the drafter borrows
+    the target's embedding and lm_head."""
     h = d.hidden_size
     taps = len(d.target_layer_ids)
     layer = _attention_params(
         h, d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.attention_bias, False
     )
     layer += 3 * h * d.intermediate_size + 2 * h
-    return taps * h * h + h + d.num_hidden_layers * layer + h
+    selector = 0
+    if d.is_dflash2:  # two convolutions per layer; the selector's codebooks and projection
+        k, groups = d.conv_kernel_size, h // d.conv_group_size
+        layer += 2 * (2 * k * h + 2 * k * groups * h)
+        selector = d.selector_rank * (2 * d.vocab_size + h)
+    return taps * h * h + h + d.num_hidden_layers * layer + h + selector
 
 
 def target_kv_bytes_per_token(t: TargetConfig, dtype_bytes: int) -> int:

@@ -234,6 +234,15 @@ def qwen3_5_config(
 # ---------------------------------------------------------------- loop utilities
 
 
+# z-lab's released DFlash2 geometry (tests/fixtures/dflash2-config.json)
+DFLASH2_DEFAULTS = {
+    "conv_kernel_size": 2,
+    "conv_group_size": 16,
+    "selector_rank": 256,
+    "selector_top_k": 16,
+}
+
+
 def drafter_config_for(
     target_cfg: TargetConfig,
     num_layers: int = 5,
@@ -241,8 +250,12 @@ def drafter_config_for(
     mask_token_id: int | None = None,
     target_layer_ids: tuple[int, ...] | None = None,
     torch_dtype: str = "bfloat16",
+    architecture: str = "DFlashDraftModel",
+    **dflash2,
 ) -> dict:
-    """A z-lab-format DFlash config.json dict with the target's geometry. Default taps are
+    """A z-lab-format DFlash (or, `architecture="DFlash2DraftModel"`, DFlash2: its fields from
+    `dflash2` over z-lab's released values `DFLASH2_DEFAULTS`, the top-k clipped to the vocab)
+    config.json dict with the target's geometry. Default taps are
     `default_target_layer_ids(L, num_layers)` clipped to [0, L-1] and de-duplicated (tiny targets). The mask id
     defaults to the target config's `mask_token_id` (our own targets reserve one) or else its last vocab row;
     either way it must be a physical row of the target embedding."""
@@ -258,8 +271,16 @@ def drafter_config_for(
         raise ValueError(
             f"mask_token_id {mask_token_id} is not a row of the {target_cfg.vocab_size}-row embedding"
         )
+    extra = {}
+    if architecture == "DFlash2DraftModel":
+        extra = {**DFLASH2_DEFAULTS, **dflash2}
+        extra["selector_top_k"] = min(extra["selector_top_k"], target_cfg.vocab_size)
+    elif dflash2:
+        raise ValueError(
+            f"{sorted(dflash2)} are DFlash2 fields; pass architecture=DFlash2DraftModel"
+        )
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [architecture],
         "model_type": "qwen3",
         "hidden_size": target_cfg.hidden_size,
         "intermediate_size": target_cfg.intermediate_size,
@@ -285,5 +306,6 @@ def drafter_config_for(
             "mask_token_id": mask_token_id,
             "target_layer_ids": list(target_layer_ids),
             "block_size": block_size,
+            **extra,
         },
     }

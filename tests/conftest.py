@@ -40,6 +40,27 @@ def toy_hybrid_pair(tmp_path_factory):
     return build_toy_hybrid_pair(out)
 
 
+def _dflash2_pair(pair, name, hybrid, tmp_path_factory):
+    from ddtree.tools.train.toy import build_toy_dflash2_drafter
+
+    root = envs.CACHE.get()
+    out = os.path.join(root, name) if root else str(tmp_path_factory.mktemp(name))
+    return pair[0], build_toy_dflash2_drafter(out, pair[0], hybrid=hybrid)
+
+
+@pytest.fixture(scope="session")
+def toy_dflash2_pair(toy_pair, tmp_path_factory):
+    """(target_dir, drafter_dir): `toy_pair`'s target with a DFlash2 drafter trained for it by the
+    same recipe plus the selector's loss (seconds). Cached across sessions in $DDTREE_CACHE."""
+    return _dflash2_pair(toy_pair, "toy_dflash2_pair", False, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def toy_hybrid_dflash2_pair(toy_hybrid_pair, tmp_path_factory):
+    """(target_dir, drafter_dir): `toy_hybrid_pair`'s target with a DFlash2 drafter (as above)."""
+    return _dflash2_pair(toy_hybrid_pair, "toy_hybrid_dflash2_pair", True, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny ops gain nothing from a second thread, and on a busy 2-core box spinning OpenMP threads crawl."""

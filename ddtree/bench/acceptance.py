@@ -1,9 +1,13 @@
 """`ddtree bench acceptance`: mean accepted length τ (tokens per round, bonus included) of DFLASH and
-DDTREE over budgets, shadow-linear on/off and temperatures, on held-out prompts; JSON rows + PNG plots."""
+DDTREE over budgets, shadow-linear on/off and temperatures, on held-out prompts; JSON rows + PNG plots.
+Several drafters (a comma list) make one table; a DFlash2 drafter's DDTREE rows come per tree
+(`--dflash2-trees`: the path-conditioned tree and/or DDTree over its unary marginals), and the
+summary gives each drafter's best DDTREE τ over its own DFLASH chain's."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,7 +37,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--speculative-draft-model-path",
         default=None,
-        help="DFlash drafter dir; default: the embedded pair's",
+        help="DFlash / DFlash2 drafter dir, or a comma list of them (one table); default: the "
+        "embedded pair's",
+    )
+    p.add_argument(
+        "--dflash2-trees",
+        default="path,marginal",
+        help="DDTREE over a DFlash2 drafter, comma list: path (path-conditioned: children scored "
+        "under their parent's token) and/or marginal (DDTree over the unary marginals)",
     )
     p.add_argument(
         "--prompts-file", help='JSONL, one {"prompt": ...} per line; default: a built-in set'
@@ -59,6 +70,23 @@ def load_prompts(path: str | None) -> list:
         return list(DEFAULT_PROMPTS)
     with open(path, encoding="utf-8") as f:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+@contextlib.contextmanager
+def dflash2_tree(tree: str | None):
+    """DDTREE_DFLASH2_TREE for the engines built inside (None: as set)."""
+    from ddtree import envs
+
+    name, old = envs.DFLASH2_TREE.name, os.environ.get(envs.DFLASH2_TREE.name)
+    if tree is not None:
+        os.environ[name] = tree
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def measure(
@@ -106,20 +134,32 @@ def main(argv: list[str]) -> int:
 
     ns = make_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    paths = (ns.speculative_draft_model_path or "").split(",")
+    bases = []
     try:
-        base = resolve_server_args(
-            ServerArgs(
-                model_path=ns.model_path,
-                speculative_algorithm="DFLASH",
-                speculative_draft_model_path=ns.speculative_draft_model_path,
-                dtype=ns.dtype,
-                device=ns.device,
-                speculative_dflash_block_size=ns.block_size,
-                random_seed=ns.seed,
+        for path in paths:
+            bases.append(
+                resolve_server_args(
+                    ServerArgs(
+                        model_path=ns.model_path,
+                        speculative_algorithm="DFLASH",
+                        speculative_draft_model_path=path or None,
+                        dtype=ns.dtype,
+                        device=ns.device,
+                        speculative_dflash_block_size=ns.block_size,
+                        random_seed=ns.seed,
+                    )
+                )
             )
-        )
     except ConfigError as e:
         print(f"error: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    trees = [t.strip() for t in ns.dflash2_trees.split(",") if t.strip()]
+    if not trees or set(trees) - {"path", "marginal"}:
+        print(
+            f"error: --dflash2-trees {ns.dflash2_trees!r}: use path and/or marginal",
+            file=sys.stderr,
+        )
         return 2
     if ns.output:  # made before the run, so a long benchmark never ends unable to write its results
         os.makedirs(os.path.dirname(os.path.abspath(ns.output)), exist_ok=True)
@@ -128,27 +168,45 @@ def main(argv: list[str]) -> int:
     shadows = [s.strip() == "on" for s in ns.shadow_linear.split(",") if s.strip()]
     temps = [float(t) for t in ns.temperature.split(",") if t]
     rows, hists = [], {}
+    many = len(bases) > 1
     print(
-        f"{'algorithm':>9} {'B':>4} {'shadow':>6} {'T':>4} {'tau':>6} {'rounds':>6} {'tokens':>6}"
+        f"{'drafter':>14} {'algorithm':>9} {'tree':>8} {'B':>4} {'shadow':>6} {'T':>4} {'tau':>6} "
+        f"{'rounds':>6} {'tokens':>6}"
     )
-    for temp in temps:
-        configs = [("DFLASH", 0, False)] + [("DDTREE", b, s) for b in budgets for s in shadows]
-        for algo, budget, shadow in configs:
-            row, lengths = measure(
-                base, algo, budget, shadow, temp, prompts, ns.max_tokens, ns.seed
-            )
-            rows.append(row)
-            label = (
-                f"{algo} B={budget} {'shadow ' if shadow else ''}T={temp}"
-                if algo == "DDTREE"
-                else f"DFLASH T={temp}"
-            )
-            hists[label] = lengths
-            print(
-                f"{algo:>9} {budget or '-':>4} {str(shadow):>6} {temp:>4} {row['tau']:>6.2f} {row['rounds']:>6} "
-                f"{row['tokens']:>6}",
-                flush=True,
-            )
+    for base in bases:
+        d = base.drafter_config
+        name = ("DFlash2" if d.is_dflash2 else "DFlash") + (
+            f" ({os.path.basename(os.path.normpath(base.speculative_draft_model_path))})"
+            if many
+            else ""
+        )
+        for temp in temps:
+            configs = [("DFLASH", 0, False, None)] + [
+                ("DDTREE", b, s, t)
+                for t in (trees if d.is_dflash2 else [None])
+                for b in budgets
+                for s in shadows
+            ]
+            for algo, budget, shadow, tree in configs:
+                with dflash2_tree(tree):
+                    row, lengths = measure(
+                        base, algo, budget, shadow, temp, prompts, ns.max_tokens, ns.seed
+                    )
+                row.update(drafter=name, tree=tree)
+                rows.append(row)
+                label = (
+                    f"{algo} B={budget} {'shadow ' if shadow else ''}T={temp}"
+                    if algo == "DDTREE"
+                    else f"DFLASH T={temp}"
+                )
+                hists[f"{name} {tree or ''} {label}" if many or tree else label] = lengths
+                print(
+                    f"{name:>14} {algo:>9} {tree or '-':>8} {budget or '-':>4} {str(shadow):>6} "
+                    f"{temp:>4} {row['tau']:>6.2f} {row['rounds']:>6} {row['tokens']:>6}",
+                    flush=True,
+                )
+    for line in summary(rows):
+        print(line)
     with open(ns.output, "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1)
     from ddtree.bench.plots import accept_histograms, tau_vs_budget
@@ -158,3 +216,28 @@ def main(argv: list[str]) -> int:
     accept_histograms({k: v for k, v in hists.items() if v}, stem + "_hist.png")
     print(f"wrote {ns.output}, {stem}_tau.png, {stem}_hist.png")
     return 0
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per drafter, tree and temperature: the best DDTREE τ and its ratio to the drafter's own DFLASH
+    chain."""
+    out = []
+    chains = {
+        (r["drafter"], r["temperature"]): r["tau"] for r in rows if r["algorithm"] == "DFLASH"
+    }
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        if r["algorithm"] != "DDTREE":
+            continue
+        key = (r["drafter"], r["tree"], r["temperature"])
+        if key not in best or r["tau"] > best[key]["tau"]:
+            best[key] = r
+    for (drafter, tree, temp), r in best.items():
+        chain = chains.get((drafter, temp))
+        if chain:
+            shadow = " shadow" if r["shadow_linear"] else ""
+            out.append(
+                f"{drafter} {tree or ''} T={temp}: best DDTREE B={r['budget']}{shadow} "
+                f"tau {r['tau']:.2f} = {r['tau'] / chain:.2f}x its DFLASH chain ({chain:.2f})"
+            )
+    return out

@@ -27,16 +27,22 @@ def tau_vs_budget(rows: list[dict], path: str) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     groups = collections.defaultdict(list)
+
+    def who(r):  # `bench acceptance` over several drafters / DFlash2 trees labels its rows
+        tree = f" {r['tree']}" if r.get("tree") else ""
+        return f"{r['drafter']}{tree} " if r.get("drafter") else ""
+
     for r in rows:
         if r["algorithm"] == "DDTREE":
-            groups[(r["temperature"], r["shadow_linear"])].append((r["budget"], r["tau"]))
-    for (temp, shadow), pts in sorted(groups.items()):
+            key = (who(r), r["temperature"], r["shadow_linear"])
+            groups[key].append((r["budget"], r["tau"]))
+    for (name, temp, shadow), pts in sorted(groups.items()):
         pts.sort()
         ax.plot(
             [p[0] for p in pts],
             [p[1] for p in pts],
             marker="o",
-            label=f"DDTREE T={temp}{' shadow' if shadow else ''}",
+            label=f"{name}DDTREE T={temp}{' shadow' if shadow else ''}",
         )
     dflash = [r for r in rows if r["algorithm"] == "DFLASH"]
     for i, r in enumerate(dflash):
@@ -45,7 +51,7 @@ def tau_vs_budget(rows: list[dict], path: str) -> bool:
             linestyle="--",
             linewidth=1,
             color=f"C{len(groups) + i}",
-            label=f"DFLASH T={r['temperature']}",
+            label=f"{who(r)}DFLASH T={r['temperature']}",
         )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("budget B (tree nodes, root excluded)")

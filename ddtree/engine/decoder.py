@@ -30,9 +30,8 @@ from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
 from ddtree.engine.round_clock import RoundClock
 from ddtree.engine.sampler import sample_nodes
-from ddtree.kernels import tree_build
 from ddtree.speculative.accept import accept_tree
-from ddtree.speculative.tree import DraftTree, build_chain, build_tree
+from ddtree.speculative.tree import DraftTree
 
 
 @dataclass
@@ -121,12 +120,15 @@ class SpecDecoder:
             if limits is not None:  # a depth-limited tree's curve teaches the policy no shape
                 plan.full = [x == cfg.block_size - 1 for x in limits]
             # auto: the rung's own tree spec (None: the decoder's)
-            draft_logits, tree = runner.draft_tree(
+            proposal, tree = runner.draft_tree(
                 reqs, roots, cfg.block_size, limits, budgets=plan.cut, spec=plan.spec
             )
             t = self.times.add("draft", t)
             if tree is None:  # eager: the same build
-                tree = self._build(roots, draft_logits, limits, plan)
+                tree = self._build(roots, proposal, limits, plan)
+                draft_logits = runner.drafter.proposal_logits(proposal)
+            else:  # the draft graph hands back its static logits beside the tree
+                draft_logits = proposal
             if gb is not None:  # the grammar rows' trees rebuilt under their grammars
                 tree = self._grammar_tree(gb, tree, draft_logits, limits, plan)
             tree = tree.narrow(plan.width)
@@ -200,24 +202,15 @@ class SpecDecoder:
         if self.while_device_runs is not None:
             self.while_device_runs()
 
-    def _build(self, roots, draft_logits, limits, plan: RoundPlan) -> DraftTree:
+    def _build(self, roots, proposal, limits, plan: RoundPlan) -> DraftTree:
         """The eager tree (no draft graph): what the draft graph of the plan's spec builds."""
         dev = self.runner.device
         max_depth = None if limits is None else torch.tensor(limits, device=dev)
-        algorithm, budget, topk_cap, shadow_linear = plan.spec or self.cfg.tree_spec()
-        if algorithm == "DFLASH":
-            return build_chain(roots, draft_logits, max_depth=max_depth)
-        cut = None if plan.cut is None else torch.tensor(plan.cut, device=dev)
-        return build_tree(
-            roots,
-            draft_logits,
-            budget,
-            topk_cap,
-            shadow_linear,
-            max_depth=max_depth,
-            budgets=cut,
-            select=tree_build.select_nodes,  # the draft graph's selection (kernels/tree_build)
+        spec = plan.spec or self.cfg.tree_spec()
+        cut = (
+            None if plan.cut is None or spec[0] == "DFLASH" else torch.tensor(plan.cut, device=dev)
         )
+        return self.runner.drafter.build_tree(roots, proposal, spec, max_depth, cut)
 
     def _grammar_tree(self, gb: GrammarBatch, tree, draft_logits, limits, plan) -> DraftTree:
         algorithm, budget, topk_cap, _ = plan.spec or self.cfg.tree_spec()

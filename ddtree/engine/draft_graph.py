@@ -1,7 +1,8 @@
 """The draft graph family: the drafter block (width S = block_size) on static buffers, and per tree
-spec the fused drafter block -> drafter LM head -> the round's draft tree (`build_tree` with the
-decoder's budget / top-k cap / shadow-linear, its node selection the one-launch kernel of
-`kernels/tree_build` on CUDA, or `build_chain` for DFLASH) with per-request depth
+spec the fused drafter block -> drafter LM head -> the round's draft tree (`drafter.build_tree`
+with the decoder's budget / top-k cap / shadow-linear: DFlash's best-first tree, its node
+selection the one-launch kernel of `kernels/tree_build` on CUDA, or its top-1 chain for DFLASH;
+DFlash2's path-conditioned tree or selector chain) with per-request depth
 limits read from a static tensor (block_size - 1 where unlimited, so one graph serves every round),
 and per-request budgets likewise (the spec's budget where unlimited): the tree is built once at the
 spec's budget and each request keeps the first `budget` nodes of its best-first order, packed
@@ -23,9 +24,8 @@ import torch
 
 from ddtree.attention.backend import DraftAttentionMetadata
 from ddtree.engine.graph_buffers import Padding
-from ddtree.kernels import tree_build
 from ddtree.kernels.tree_attention.dispatch import MODES, AttentionShape
-from ddtree.speculative.tree import DraftTree, build_chain, build_tree
+from ddtree.speculative.tree import DraftTree
 
 
 class DraftGraph:
@@ -167,23 +167,13 @@ class DraftGraph:
         hidden = runner.draft_forward(
             self.ids[:bs], self.pos[:bs], self._meta(bs, host_ctx_lens), backend
         )
-        logits = runner.drafter.logits(hidden[:, 1:], runner.target.lm_head)
-        self.logits[:bs].copy_(logits)
+        drafter = runner.drafter
+        proposal = drafter.propose(hidden[:, 1:], runner.target.lm_head)
+        self.logits[:bs].copy_(drafter.proposal_logits(proposal))
         roots, depth = self.ids[:bs, 0], self.depth[:bs]
-        algorithm, budget, topk_cap, shadow_linear = spec
-        if algorithm == "DFLASH":
-            tree = build_chain(roots, logits, max_depth=depth)
-        else:
-            tree = build_tree(
-                roots,
-                logits,
-                budget,
-                topk_cap,
-                shadow_linear,
-                max_depth=depth,
-                budgets=self.budgets[spec][:bs],
-                select=tree_build.select_nodes,  # one launch on CUDA (kernels/tree_build)
-            )
+        budgets = self.budgets[spec][:bs] if spec[0] == "DDTREE" else None
+        tree = drafter.build_tree(roots, proposal, spec, depth, budgets)
+        if spec[0] == "DDTREE":
             self.path_probs[spec][:bs].copy_(tree.path_probs)
         self.chain_probs[spec][:bs].copy_(tree.chain_probs)
         for buf, x in zip(

@@ -362,14 +362,15 @@ class ModelRunner:
     def draft(
         self, reqs: list[Req], roots: torch.Tensor, block_size: int, meta: RoundMeta | None = None
     ):
-        """Drafter forward on [root, MASK x (S-1)] blocks -> marginals' logits [b, S-1, V]."""
+        """Drafter forward on [root, MASK x (S-1)] blocks -> its proposal for the S-1 drafted
+        positions (`drafter.propose`: DFlash's marginals' logits [b, S-1, V]; DFlash2's MarkovDraft)."""
         meta = meta or self.round_meta(reqs)
         b = len(reqs)
         if self.graphs is not None and self.graphs.can_draft(b, block_size, max(meta.kv_lens)):
             hidden = self.graphs.draft(meta, roots)
         else:
             hidden = self._draft_eager(b, roots, block_size, meta)
-        return self.drafter.logits(hidden[:, 1:], self.target.lm_head)
+        return self.drafter.propose(hidden[:, 1:], self.target.lm_head)
 
     @torch.inference_mode()
     def draft_tree(
@@ -382,7 +383,7 @@ class ModelRunner:
         budgets: list[int] | None = None,
         spec: tuple | None = None,
     ):
-        """Drafter logits [b, S-1, V] and, when a CUDA graph built it in the same replay (the tree spec set with
+        """The drafter's proposal (`draft`) and, when a CUDA graph built it in the same replay (the tree spec set with
         `set_tree_spec`, per-request `depth_limits` and DDTree `budgets` applied; None = no limit), the round's
         DraftTree, else None."""
         meta = meta or self.round_meta(reqs)

@@ -85,7 +85,13 @@ def target_rename(weight_prefix: str):
 
 
 def drafter_rename(key: str) -> str:
-    return key[len("model.") :] if key.startswith("model.") else key
+    """Checkpoint key -> state-dict name: an optional `model.` prefix dropped; DFlash2's codebooks
+    are bare parameters (z-lab writes `candidate_selector.predecessor_codebook`; a `.weight`
+    spelling, as an nn.Embedding would save it, is read too)."""
+    key = key[len("model.") :] if key.startswith("model.") else key
+    if key.startswith("candidate_selector.") and key.endswith("_codebook.weight"):
+        key = key[: -len(".weight")]
+    return key
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.configs import DrafterConfig
+from ddtree.kernels import tree_build
 from ddtree.kernels.fused import qk_norm_rope
 from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding
 from ddtree.models.parallel import TPGroup
 from ddtree.models.quant import linear_rows
 from ddtree.models.qwen3 import Qwen3Attention
+from ddtree.speculative.tree import DraftTree, build_chain, build_tree
 
 # (layer, q [b,S,Hq,D], k_blk [b,S,Hkv,D], v_blk) -> [b,S,Hq,D]; the callable knows where the context is.
 BlockAttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -58,6 +60,8 @@ class DFlashLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # DFlash2's grouped dynamic convolutions around attention and MLP (models/dflash2.py)
+        self.attention_conv = self.mlp_conv = None
 
 
 class DFlashDrafter(nn.Module):
@@ -69,7 +73,14 @@ class DFlashDrafter(nn.Module):
     two per layer. Qwen3.6-27B's drafter (5 layers of 640 MB bf16): replicated 0.80 ms at every tp;
     sharded 0.80 / tp + 10 x 0.02 = 0.60 / 0.40 / 0.30 ms at tp 2 / 4 / 8. Qwen3-8B's (5 x 386 MB):
     0.48 ms replicated vs 0.44 / 0.32 / 0.26 ms. Even at tp 2 sharding is not slower, beyond it wins,
-    and a replicated drafter would take 2-3 GB per rank (and tp x its context KV) from the KV pool."""
+    and a replicated drafter would take 2-3 GB per rank (and tp x its context KV) from the KV pool.
+
+    The drafter interface the engine uses (DFlash2Drafter implements it too; `models/drafters.py`
+    picks the class by `architectures`): `context_kv`, `block_hidden`, `logits`, then `propose`
+    (what the tree build reads: here the logits, whose per-position marginals DDTree assumes) and
+    `build_tree` (the DFLASH chain or the best-first DDTree of a tree spec)."""
+
+    layer_class = DFlashLayer
 
     def __init__(self, cfg: DrafterConfig, tp: TPGroup | None = None):
         super().__init__()
@@ -78,7 +89,7 @@ class DFlashDrafter(nn.Module):
             len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False
         )
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.scale = cfg.head_dim**-0.5
@@ -95,9 +106,16 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def block_hidden(
-        self, embeds: torch.Tensor, positions: torch.Tensor, attend: BlockAttendFn
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attend: BlockAttendFn,
+        block_size: int | None = None,
     ) -> torch.Tensor:
-        """embeds [b, S, H] = target embedding of the block ids, positions [b, S] -> final-normed hidden [b, S, H]."""
+        """embeds [b, S, H] = target embedding of the block ids, positions [b, S] -> final-normed hidden [b, S, H].
+        `block_size`: the rows of one block when several lie along dim -2 (training); default S (DFlash2's
+        convolutions run within a block, whatever block size the engine drafts)."""
+        block = block_size or embeds.shape[-2]
         x = (
             embeds * self.config.input_embedding_scale
             if self.config.input_embedding_scale != 1.0
@@ -107,12 +125,22 @@ class DFlashDrafter(nn.Module):
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         h, residual = self.layers[0].input_layernorm(x), x
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
+            attn, conv = layer.self_attn, layer.attention_conv
+            if conv is not None:  # DFlash2: convolve the normed input, keep the output's taps
+                h, taps = conv.prepare(h, block)
             q, k, v = attn.qkv(h, cos, sin)
             out = attend(i, q, k, v)
             h = attn.o_proj(out.reshape(*x.shape[:-1], attn.heads * attn.head_dim))
+            if conv is not None:
+                h = conv.finish(h, taps, block)
             h, residual = layer.post_attention_layernorm(h, residual)
-            h, residual = norms[i](layer.mlp(h), residual)  # residual = output of layer i
+            conv = layer.mlp_conv
+            if conv is None:
+                h = layer.mlp(h)
+            else:
+                h, taps = conv.prepare(h, block)
+                h = conv.finish(layer.mlp(h), taps, block)
+            h, residual = norms[i](h, residual)  # residual = output of layer i
         return h
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -123,6 +151,40 @@ class DFlashDrafter(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def propose(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """hidden [b, D, H] of the drafted positions -> what `build_tree` reads (the logits)."""
+        return self.logits(hidden, lm_head)
+
+    def proposal_logits(self, proposal: torch.Tensor) -> torch.Tensor:
+        """The per-position logits [b, D, V] a proposal carries."""
+        return proposal
+
+    def build_tree(
+        self,
+        roots: torch.Tensor,
+        proposal: torch.Tensor,
+        spec: tuple,
+        max_depth: torch.Tensor | None = None,
+        budgets: torch.Tensor | None = None,
+    ) -> DraftTree:
+        """The round's tree from a `propose` result. spec = (algorithm, budget, topk_cap,
+        shadow_linear): DFLASH the top-1 chain, DDTREE the best-first tree over the per-position
+        marginals (its node selection `kernels/tree_build`'s one launch where it runs);
+        max_depth [b] per-request depth limits, budgets [b] per-request cuts (None: none)."""
+        algorithm, budget, topk_cap, shadow_linear = spec
+        if algorithm == "DFLASH":
+            return build_chain(roots, proposal, max_depth=max_depth)
+        return build_tree(
+            roots,
+            proposal,
+            budget,
+            topk_cap,
+            shadow_linear,
+            max_depth=max_depth,
+            budgets=budgets,
+            select=tree_build.select_nodes,
+        )
 
     def forward_train(
         self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor
@@ -168,5 +230,5 @@ class DFlashDrafter(nn.Module):
             )
             return out.transpose(1, 2)
 
-        hidden = self.block_hidden(block_embeds.reshape(B, A * S, H), blk_pos, attend)
+        hidden = self.block_hidden(block_embeds.reshape(B, A * S, H), blk_pos, attend, S)
         return hidden.view(B, A, S, H)

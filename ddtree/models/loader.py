@@ -23,7 +23,7 @@ from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
 from ddtree.models import checkpoint as ckpt
 from ddtree.models import quant
 from ddtree.models.checkpoint import Fp8Layout, safetensors_files
-from ddtree.models.dflash import DFlashDrafter
+from ddtree.models.drafters import build_drafter, drafter_class
 from ddtree.models.layers import torch_dtype
 from ddtree.models.parallel import TPGroup
 from ddtree.models.qwen3 import Qwen3ForCausalLM
@@ -190,13 +190,16 @@ def load_drafter(
     device: str = "cpu",
     tp: TPGroup | None = None,
     quantization: str | None = None,
-) -> DFlashDrafter:
-    """The drafter, sharded like the target under `tp` (why: `DFlashDrafter`). `quantization`: None
-    (as stored), fp8 (quantized at load) or unquant (stored FP8 dequantized to `dtype`)."""
+) -> nn.Module:
+    """The drafter (the class `models/drafters.py` registers for its architecture), sharded like
+    the target under `tp` (why: `DFlashDrafter`). A config the drafter cannot run raises
+    ConfigError naming the field before any weight file is read. `quantization`: None (as stored),
+    fp8 (quantized at load) or unquant (stored FP8 dequantized to `dtype`)."""
     full = DrafterConfig.from_path(path)
+    drafter_class(full)  # an unloadable config is refused here, before any weight file is read
     layout = fp8_layout(path, full, ckpt.drafter_rename, ckpt.DRAFTER_LINEARS, quantization, tp)
     cfg = shard_drafter(full, tp.size) if tp is not None else full
-    model = _build(lambda: DFlashDrafter(cfg, tp), layout, dtype, device)
+    model = _build(lambda: build_drafter(cfg, tp), layout, dtype, device)
     block = None if layout is None else layout.block
     load_state(model, path, ckpt.drafter_rename, shards=_shards(full, tp), block=block)
     return _finish(model, layout, quantization, dtype)

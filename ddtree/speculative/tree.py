@@ -226,7 +226,27 @@ def select_nodes(
     score_all = torch.stack(scores, 1).reshape(b, D * B)  # depth-major: flat = (depth-1)*B + slot
     pslot_all = cand_slot[pick_all].reshape(b, D * B)
     tok_all = ids.gather(2, cand_rank[pick_all]).reshape(b, D * B)
+    return select_from_beams(
+        root_tokens, score_all, pslot_all, tok_all, B, shadow_linear, limit, budgets
+    )
 
+
+def select_from_beams(
+    root_tokens: Tensor,
+    score_all: Tensor,
+    pslot_all: Tensor,
+    tok_all: Tensor,
+    B: int,
+    shadow_linear: bool,
+    limit: Tensor,
+    budgets: Tensor | None = None,
+) -> TreeNodes:
+    """The tree from D per-depth beams of B prefixes each: score_all / pslot_all (parent's beam
+    slot at the depth above) / tok_all [b, D * B] depth-major (flat = (depth - 1) * B + slot), -inf
+    scores where a beam has fewer than B prefixes, beam slot 0 the top-1 chain at every depth. The
+    best B prefixes overall (shadow_linear: the chain first), ordered by depth then slot."""
+    b, DB = score_all.shape
+    D, device = DB // B, score_all.device
     flat = torch.arange(D * B, device=device)
     depth_of = flat // B + 1
     ok = (score_all > float("-inf")) & (depth_of[None, :] <= limit[:, None])

@@ -1,5 +1,7 @@
-"""The widened DFlash drafter: its layers spread over the shape's layers, its taps on the target
-layers that carry the source's tapped layers, extra taps on other layers with zero `fc` columns."""
+"""The widened DFlash (or DFlash2) drafter: its layers spread over the shape's layers, its taps on
+the target layers that carry the source's tapped layers, extra taps on other layers with zero `fc`
+columns; DFlash2's convolutions and selector widened like the residual (`fill_conv`,
+`fill_selector`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from torch import nn
 
 from ddtree.configs import DrafterConfig, TargetConfig
 from ddtree.tools.inflate.blocks import fill_layer, fill_residual_norm
-from ddtree.tools.inflate.layout import head_maps, put
+from ddtree.tools.inflate.layout import cycle_map, head_maps, pad_map, put
 from ddtree.tools.inflate.plan import InflateError, Residual, spread
 
 
@@ -22,7 +24,7 @@ def inflate_drafter(
     dtype: torch.dtype,
     carriers: list[int],
 ) -> nn.Module:
-    from ddtree.models.dflash import DFlashDrafter
+    from ddtree.models.drafters import build_drafter
 
     s = small.config
     if (
@@ -40,7 +42,7 @@ def inflate_drafter(
             f"smaller than the source's ({s.num_hidden_layers}, {s.intermediate_size})"
         )
     with torch.device("meta"):
-        big = DFlashDrafter(cfg).to(dtype)
+        big = build_drafter(cfg).to(dtype)
     big = big.to_empty(device=device)
     h, H = s.hidden_size, cfg.hidden_size
     big_pos = {b: t for t, b in enumerate(cfg.target_layer_ids)}
@@ -69,5 +71,48 @@ def inflate_drafter(
     for j, layer in enumerate(big.layers):
         src_layer = where.get(j, src_layer)
         fill_layer(layer, small.layers[src_layer], maps, res, j in where)
+        if s.is_dflash2:
+            for name in ("attention_conv", "mlp_conv"):
+                fill_conv(getattr(layer, name), getattr(small.layers[src_layer], name), res)
     fill_residual_norm(big.norm.weight, small.norm.weight, res, False, False, const_value=1.0)
+    if s.is_dflash2:
+        fill_selector(big.candidate_selector, small.candidate_selector, res)
     return big.eval()
+
+
+def fill_conv(big: nn.Module, small: nn.Module, res: Residual) -> None:
+    """A grouped dynamic convolution on the widened residual: big group g < the source's group
+    count is the source's group g (real dims first, same group size), with its taps; every other
+    group has zero taps. Its inputs are zero on the non-real dims the attention / MLP read (their
+    columns there are zero) and its outputs zero where the residual is: so it adds what the small
+    one adds."""
+    k, G, g = small.kernel_size, small.taps // small.kernel_size, big.taps // big.kernel_size
+    for side in range(2):
+        put(big.base_kernel.data[side], small.base_kernel.data[side], None, res.map)
+    # rows laid out (side, tap, group)
+    side, tap, group = torch.meshgrid(
+        torch.arange(2), torch.arange(k), torch.arange(g), indexing="ij"
+    )
+    rows = torch.where(group < G, (side * k + tap) * G + group, -1).flatten()
+    put(big.kernel_projection.weight.data, small.kernel_projection.weight.data, rows, res.map)
+
+
+def fill_selector(big: nn.Module, small: nn.Module, res: Residual) -> None:
+    """Real vocabulary rows first (the target's layout); the extra rank columns compute (copied
+    projection rows, copied successor columns) but add zero: their predecessor columns are zero.
+    Padded vocabulary rows are zero (their logits never reach a top-k)."""
+    r, R = small.hidden_projection.weight.shape[0], big.hidden_projection.weight.shape[0]
+    V, Vb = small.predecessor_codebook.shape[0], big.predecessor_codebook.shape[0]
+    put(
+        big.hidden_projection.weight.data,
+        small.hidden_projection.weight.data,
+        cycle_map(r, R),
+        res.map,
+    )
+    put(
+        big.predecessor_codebook.data,
+        small.predecessor_codebook.data,
+        pad_map(V, Vb),
+        pad_map(r, R),
+    )
+    put(big.successor_codebook.data, small.successor_codebook.data, pad_map(V, Vb), cycle_map(r, R))

@@ -196,8 +196,10 @@ def drafter_config(
     }
     if window is not None or src.is_causal is not None:
         dflash["is_causal"] = _causal(src)
+    if src.is_dflash2:
+        dflash.update(dflash2_fields(src, shape, int(target["hidden_size"])))
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [src.architecture],
         "model_type": "qwen3",
         "hidden_size": target["hidden_size"],
         "vocab_size": target["vocab_size"],
@@ -225,6 +227,28 @@ def drafter_config(
         "block_size": src.block_size,
         "num_target_layers": target["num_hidden_layers"],
         "dflash_config": dflash,
+    }
+
+
+def dflash2_fields(src: DrafterConfig, shape: dict, hidden: int) -> dict:
+    """A DFlash2 source keeps its convolutions' kernel and group size (a big group then holds one
+    small group's channels: real dims come first) and its top-k; the selector rank is the shape's
+    `selector_rank` (z-lab's 256 by default), at least the source's (extra rank columns add zero)."""
+    rank = int(shape.get("selector_rank", max(256, src.selector_rank)))
+    if rank < src.selector_rank:
+        raise InflateError(
+            f"drafter selector_rank {rank} is below the source's {src.selector_rank}"
+        )
+    if hidden % src.conv_group_size:
+        raise InflateError(
+            f"hidden_size {hidden} is not a multiple of the source's conv_group_size "
+            f"{src.conv_group_size}"
+        )
+    return {
+        "conv_kernel_size": src.conv_kernel_size,
+        "conv_group_size": src.conv_group_size,
+        "selector_rank": rank,
+        "selector_top_k": src.selector_top_k,
     }
 
 

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "train-drafter",
         allow_abbrev=False,
-        help="train a DFlash drafter for a target (z-lab format out)",
+        help="train a DFlash or DFlash2 drafter for a target (z-lab format out)",
     )
     d.add_argument("--model-path", required=True, help="target model directory")
     d.add_argument(
@@ -120,6 +120,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-frac", type=float, default=0.02, help="held-out fraction for block acceptance"
     )
     d.add_argument("--eval-every", type=int, default=0)
+    d.add_argument(
+        "--architecture",
+        choices=("dflash", "dflash2"),
+        default="dflash",
+        help="dflash2: DFlash2DraftModel (grouped dynamic convolutions + candidate selector, "
+        "trained with the selector's loss added)",
+    )
+    d.add_argument("--selector-rank", type=int, default=256, help="dflash2: selector rank r")
+    d.add_argument("--selector-top-k", type=int, default=16, help="dflash2: candidates rescored")
+    d.add_argument("--conv-kernel-size", type=int, default=2, help="dflash2: convolution taps")
+    d.add_argument("--conv-group-size", type=int, default=16, help="dflash2: channels per group")
+    d.add_argument(
+        "--selector-alpha", type=float, default=1.0, help="dflash2: weight of the selector loss"
+    )
+    d.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DFLASH_DIR",
+        help="dflash2: start from this DFlash drafter of the same geometry (its function exactly)",
+    )
+    d.add_argument(
+        "--selector-only",
+        action="store_true",
+        help="dflash2 with --init-from: train only the selector, on features computed once "
+        "(backbone frozen, convolutions at the identity; --batch-size counts positions)",
+    )
     _common(d, steps=2000, lr=6e-4, batch=4)
     return parser
 
@@ -208,7 +234,14 @@ def train_target_cmd(args) -> int:
 def _write_metrics(out: str, history: list) -> None:
     last = [h for h in history if "loss" in h][-20:]
     summary = {"final_loss": sum(h["loss"] for h in last) / max(1, len(last))}
-    summary.update({k: v for h in history for k, v in h.items() if k in ("eval_loss", "tau")})
+    summary.update(
+        {
+            k: v
+            for h in history
+            for k, v in h.items()
+            if k in ("eval_loss", "tau", "tau_init", "best_step", "best_val_chain_tau")
+        }
+    )
     with open(os.path.join(out, "train_metrics.json"), "w", encoding="utf-8") as f:
         json.dump({"summary": summary, "history": history}, f)
     print(json.dumps(summary), file=sys.stderr)
@@ -268,8 +301,27 @@ def train_drafter_cmd(args) -> int:
         tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else None
     )
     save_dtype = _dtype(args.save_dtype)
+    dflash2 = {}
+    if args.architecture == "dflash2":
+        dflash2 = dict(
+            architecture="DFlash2DraftModel",
+            selector_rank=args.selector_rank,
+            selector_top_k=args.selector_top_k,
+            conv_kernel_size=args.conv_kernel_size,
+            conv_group_size=args.conv_group_size,
+        )
+    elif args.init_from or args.selector_only:
+        raise SystemExit("train-drafter: --init-from / --selector-only need --architecture dflash2")
+    if args.selector_only and not args.init_from:
+        raise SystemExit("train-drafter: --selector-only needs --init-from DFLASH_DIR")
     dcfg = drafter_config_for(
-        tcfg, args.num_layers, args.block_size, mask_id, ids_arg, torch_dtype=args.save_dtype
+        tcfg,
+        args.num_layers,
+        args.block_size,
+        mask_id,
+        ids_arg,
+        torch_dtype=args.save_dtype,
+        **dflash2,
     )
     ids, mask = _drafter_data(args, target, tokenizer)
     n_eval = max(1, int(ids.shape[0] * args.eval_frac)) if ids.shape[0] > 1 else 0
@@ -281,6 +333,31 @@ def train_drafter_cmd(args) -> int:
         file=sys.stderr,
     )
     history: list = []
+    if args.selector_only:
+        from ddtree.tools.train.selector_fit import train_selector_only
+
+        train_selector_only(
+            target,
+            dcfg,
+            train,
+            args.init_from,
+            steps=args.steps,
+            lr=args.lr,
+            batch_size=args.batch_size,
+            anchors_per_seq=args.anchors,
+            gamma=args.gamma,
+            seed=args.seed,
+            device=args.device,
+            autocast_dtype=_dtype(args.autocast_dtype),
+            out_dir=args.out,
+            save_dtype=save_dtype,
+            progress=args.progress,
+            history=history,
+            eval_sequences=held,
+            features=os.path.join(args.out, "selector_features"),
+        )
+        _write_metrics(args.out, history)
+        return 0
     train_drafter(
         target,
         dcfg,
@@ -303,6 +380,8 @@ def train_drafter_cmd(args) -> int:
         eval_sequences=held,
         eval_every=args.eval_every,
         threads=args.threads,
+        selector_alpha=args.selector_alpha,
+        init_from=args.init_from,
     )
     _write_metrics(args.out, history)
     return 0

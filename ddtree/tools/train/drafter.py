@@ -1,4 +1,5 @@
-"""The DFlash drafter training recipe (field notes §3) against a frozen target.
+"""The DFlash drafter training recipe (field notes §3) against a frozen target; DFlash2 drafters add
+the selector's loss (`train/selector.py`).
 
 Per batch: target taps for the whole sequences (no grad); random anchors a per sequence; blocks
 `[x_a, MASK x (S-1)]` embedded with the target's frozen `embed_tokens`; block position k (1..S-1) is trained
@@ -16,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ddtree.configs import DrafterConfig
-from ddtree.models.dflash import DFlashDrafter
+from ddtree.models.drafters import build_drafter
 from ddtree.models.loader import save_model
 from ddtree.models.qwen3 import Qwen3ForCausalLM, causal_attend
 from ddtree.shapes import drafter_config_for  # noqa: F401 - re-exported
@@ -28,6 +29,13 @@ from ddtree.tools.train.lm import (
     lr_at,
     progress_bar,
     save_checkpoint,
+)
+from ddtree.tools.train.selector import (
+    greedy_picks,
+    init_dflash2,
+    predecessors,
+    selector_terms,
+    warm_start,
 )
 
 
@@ -83,7 +91,9 @@ def anchor_valid(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return valid
 
 
-def _rows_loss(drafter, lm_head, h, labels, w, teacher, teacher_is_logits):
+def _rows_loss(drafter, lm_head, h, labels, w, teacher, teacher_is_logits, preds=None, alpha=1.0):
+    """(weighted loss sum, chain match per row); `preds` (DFlash2): the teacher-forced predecessors,
+    adding `alpha` x the selector's loss, the match then the greedy selector's."""
     logits = drafter.logits(h, lm_head).float()
     logp = logits.log_softmax(-1)
     if teacher is None:
@@ -91,11 +101,14 @@ def _rows_loss(drafter, lm_head, h, labels, w, teacher, teacher_is_logits):
     else:
         t = teacher if teacher_is_logits else lm_head(teacher)
         nll = -(t.float().softmax(-1) * logp).sum(-1)
-    return (nll * w).sum(), logits.argmax(-1) == labels
+    if preds is None:
+        return (nll * w).sum(), logits.argmax(-1) == labels
+    sel, picks = selector_terms(drafter, h, logits, labels, preds, w)
+    return (nll * w).sum() + alpha * sel, picks
 
 
 def block_loss(
-    drafter: DFlashDrafter,
+    drafter: nn.Module,
     target: nn.Module,
     ids: torch.Tensor,
     mask: torch.Tensor | None,
@@ -104,8 +117,10 @@ def block_loss(
     gamma: float,
     kd: bool = False,
     chunk_elems: int = 1 << 27,
+    selector_alpha: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted loss, per-block acceptance length [B, A] counted on the labels) for one batch."""
+    """(weighted loss, per-block acceptance length [B, A] counted on the labels) for one batch; a
+    DFlash2 drafter adds `selector_alpha` x its selector's loss (train/selector.py)."""
     cfg = drafter.config
     S, T = cfg.block_size, ids.shape[1]
     feats, teacher_all, is_logits = target_features(
@@ -131,10 +146,15 @@ def block_loss(
         )
         teacher = teacher.flatten(0, 1)
     h, lab, wf = hidden.flatten(0, 2), labels.flatten(), w.flatten()
+    preds = None
+    if cfg.is_dflash2:
+        preds = predecessors(ids.gather(1, anchors), labels).flatten()
     lm_head = target.lm_head
     rows = max(1, chunk_elems // cfg.vocab_size)
     if h.shape[0] <= rows:
-        total, match = _rows_loss(drafter, lm_head, h, lab, wf, teacher, is_logits)
+        total, match = _rows_loss(
+            drafter, lm_head, h, lab, wf, teacher, is_logits, preds, selector_alpha
+        )
     else:
         total, parts = h.new_zeros((), dtype=torch.float32), []
         for lo in range(0, h.shape[0], rows):
@@ -149,6 +169,8 @@ def block_loss(
                 wf[sl],
                 t,
                 is_logits,
+                None if preds is None else preds[sl],
+                selector_alpha,
                 use_reentrant=False,
             )
             total, parts = total + part, parts + [m]
@@ -160,7 +182,7 @@ def block_loss(
 
 @torch.no_grad()
 def acceptance_lengths(
-    drafter: DFlashDrafter,
+    drafter: nn.Module,
     target: nn.Module,
     ids: torch.Tensor,
     labels: str = "target",
@@ -169,7 +191,9 @@ def acceptance_lengths(
 ) -> torch.Tensor:
     """Per-anchor DFLASH acceptance length [N, T] (1 + leading block rows whose argmax equals the label;
     0 where no full block fits). `labels="target"`: the target's argmax at a+k-1, i.e. what T=0 verification
-    accepts when `ids` is the target's own greedy continuation; `"data"`: x_{a+k} itself."""
+    accepts when `ids` is the target's own greedy continuation; `"data"`: x_{a+k} itself. A DFlash2
+    drafter's chain is its greedy selector's, conditioned on the label before (exact while
+    accepted: train/selector.py)."""
     cfg = drafter.config
     S, (N, T) = cfg.block_size, ids.shape
     dev = next(drafter.parameters()).device
@@ -183,14 +207,19 @@ def acceptance_lengths(
             hid = drafter.forward_train(feats, block_embeds(target, ids, anchors, cfg), anchors)[
                 :, :, 1:
             ]
-            guess = drafter.logits(hid, target.lm_head).argmax(-1)
+            logits = drafter.logits(hid, target.lm_head)
             pos = anchors[..., None] + torch.arange(1, S, device=dev)
             lab = (
                 want.gather(1, (pos - 1).flatten(1))
                 if want is not None
                 else ids.gather(1, pos.flatten(1))
-            )
-            hit = (guess == lab.view_as(pos)).long().cumprod(-1).sum(-1)
+            ).view_as(pos)
+            if cfg.is_dflash2:
+                preds = predecessors(ids.gather(1, anchors), lab)
+                guess = greedy_picks(drafter, hid, logits, preds)
+            else:
+                guess = logits.argmax(-1)
+            hit = (guess == lab).long().cumprod(-1).sum(-1)
             out[:, lo : lo + anchors.shape[1]] = (1 + hit).cpu()
     return out
 
@@ -263,8 +292,13 @@ def train_drafter(
     eval_every: int = 0,
     eval_start: int = 1,
     threads: int | None = None,
-) -> DFlashDrafter:
-    """Train a DFlash drafter for the frozen `target` (its parameters get requires_grad=False).
+    selector_alpha: float = 1.0,
+    init_from: str | None = None,
+) -> nn.Module:
+    """Train a DFlash or DFlash2 drafter (`drafter_cfg`'s architecture) for the frozen `target` (its
+    parameters get requires_grad=False). DFlash2: convolutions start at the identity, the loss adds
+    `selector_alpha` x the selector's (train/selector.py); `init_from` a DFlash drafter directory of
+    the same geometry starts from its function exactly (`warm_start`).
 
     `sequences`: ids [N, T], (ids, loss_mask) or an iterable of such batches; anchors are drawn where the
     first label is inside the loss mask. AdamW, linear warmup (`warmup_ratio`), cosine decay, grad clip.
@@ -287,8 +321,14 @@ def train_drafter(
     device = device or str(next(target.parameters()).device)
     target.requires_grad_(False).eval()
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(cfg)
+    drafter = build_drafter(cfg)
     init_weights(drafter, 0.02)
+    if cfg.is_dflash2:
+        init_dflash2(drafter)
+        if init_from:
+            warm_start(drafter, init_from)
+    elif init_from:
+        raise ValueError("init_from warm-starts a DFlash2 drafter from a DFlash one")
     drafter.to(device).train()
     decay = [p for p in drafter.parameters() if p.dim() >= 2]
     rest = [p for p in drafter.parameters() if p.dim() < 2]
@@ -333,7 +373,9 @@ def train_drafter(
         for group in opt.param_groups:
             group["lr"] = cur
         with autocast(device, autocast_dtype):
-            loss, accepted = block_loss(drafter, target, ids, mask, anchors, keep, gamma, kd)
+            loss, accepted = block_loss(
+                drafter, target, ids, mask, anchors, keep, gamma, kd, selector_alpha=selector_alpha
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
