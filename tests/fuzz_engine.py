@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fuzz_workload import KINDS, Case, draw_case  # noqa: E402
 
+from ddtree import envs  # noqa: E402
+
 __all__ = ["KINDS", "CaseResult", "run_case", "summarize", "toy_pairs"]
 
 
@@ -50,7 +52,7 @@ class CaseResult:
         return not self.failures
 
     def repro(self) -> str:
-        cache = os.environ.get("DDTREE_CACHE", "<dir>")
+        cache = envs.CACHE.get() or "<dir>"
         dev = f" --device {self.device}" if self.device != "cpu" else ""
         return (
             f"PYTHONPATH=. DDTREE_CACHE={cache} python3 tests/fuzz_engine.py --seed {self.seed}"
@@ -271,7 +273,7 @@ def toy_pairs() -> dict[str, tuple[str, str]]:
 
     from ddtree.tools.train.toy import build_toy_hybrid_pair, build_toy_pair
 
-    root = os.environ.get("DDTREE_CACHE") or tempfile.mkdtemp(prefix="ddtree_fuzz_")
+    root = envs.CACHE.get() or tempfile.mkdtemp(prefix="ddtree_fuzz_")
     return {
         "dense": build_toy_pair(os.path.join(root, "toy_pair")),
         "hybrid": build_toy_hybrid_pair(os.path.join(root, "toy_hybrid_pair")),
