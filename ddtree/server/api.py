@@ -31,7 +31,7 @@ from ddtree.server.http import (
     NoSlashRedirect,
     get,
 )
-from ddtree.server.metrics import pool_snapshot, probe_loop_lag
+from ddtree.server.metrics import probe_loop_lag
 from ddtree.server.native_api import native_router
 from ddtree.server.openai_serving import OpenAIServing
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -164,23 +164,35 @@ def create_app(
         problem = aengine.health_problem()
         if problem is not None:
             return json_error(APIError(503, problem, code="engine_unavailable"))
+        degraded = aengine.degraded()  # --dp-size: some replicas down, the others serving
+        if degraded is not None:
+            return JSONResponse({"status": "degraded", "message": degraded})
         return Response(status_code=200)
 
+    # /server_info and /model_info: the names sgl-router asks for first (it falls back to get_*)
     @get(app, "/get_server_info")
+    @get(app, "/server_info")
     async def server_info():
-        pools = await aengine.call(lambda: pool_snapshot(engine))
+        pools = await aengine.pool_snapshot()
         return pools | {
             "model": serving.model_name,
             "speculative_algorithm": args.speculative_algorithm,
             "max_context": engine.max_context,
             "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
             "speculative_ddtree_budget": args.speculative_ddtree_budget,
+            # SGLang's server-args fields a router reads to name the model and its tokenizer
+            "model_path": args.model_path,
+            "served_model_name": serving.model_name,
+            "tokenizer_path": args.tokenizer_path,
+            "tp_size": args.tp_size,
+            "dp_size": args.dp_size,
+            "load_balance_method": args.load_balance_method,
         }
 
     @get(app, "/metrics")
     async def prometheus():
         if metrics is None:
             raise APIError(404, "metrics are disabled; start the server with --enable-metrics")
-        return Response(metrics.render(), media_type=metrics.content_type)
+        return Response(await aengine.render_metrics(), media_type=metrics.content_type)
 
     return app
