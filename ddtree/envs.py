@@ -136,6 +136,13 @@ GC_FREEZE = EnvVar(
     "0: the server does not freeze its start-up heap after the warm-up (gc.freeze: full "
     "collections then walk only what serving allocated; server/gc_watch.py)",
 )
+DP_REPLICA_PROCESS = EnvVar(
+    "DDTREE_DP_REPLICA_PROCESS",
+    "",
+    "1: a --dp-size 1 server runs its engine in a replica process behind the dispatcher, as "
+    "--dp-size N does (the process boundary measured alone; the default runs it inside the HTTP "
+    "process)",
+)
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",
     "",
@@ -174,6 +181,7 @@ TABLE: dict[str, EnvVar] = {
         ROUND_CLOCK,
         POLICY_TRACE,
         GC_FREEZE,
+        DP_REPLICA_PROCESS,
         TRITON_INTERPRET,
         GRAMMAR_FORCED,
         FORCE_REFERENCE_GRAMMAR_MASK,

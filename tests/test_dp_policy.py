@@ -1,12 +1,20 @@
 """The --dp-size dispatcher's pieces without processes: the dispatch policies, the approximate
-prefix index behind cache_aware, the /get_server_info merge and the /metrics merge (< 1 s)."""
+prefix index behind cache_aware, the /get_server_info merge, the /metrics merge, and DPEngine over
+fake replicas (re-dispatch, back-pressure, seeds, health) (< 1 s)."""
 
 from __future__ import annotations
+
+import asyncio
+import random
+import types
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree.server.dp.engine import merge_snapshots
+from ddtree import SamplingParams
+from ddtree.server.async_engine import EngineUnavailable
+from ddtree.server.dp.client import ReplicaBusy, ReplicaGone
+from ddtree.server.dp.engine import DPEngine, Frontend, merge_snapshots
 from ddtree.server.dp.metrics import DPMetrics
 from ddtree.server.dp.policy import (
     BALANCE_ABS,
@@ -154,3 +162,96 @@ def test_metrics_merge_labels_every_replica_sample_and_keeps_one_loop_lag():
     lag = [s for s in fams["ddtree_http_loop_lag_seconds"].samples if s.name.endswith("_count")]
     assert [(s.labels, s.value) for s in lag] == [({}, 1.0)]
     assert fams["ddtree_dp_dispatched_requests"].samples[0].labels == {"dp_rank": "0"}
+
+
+class FakeReplica:
+    """What DPEngine reads of a ReplicaClient, without a process: `outcome` raised by `add`."""
+
+    def __init__(self, rank: int, outcome: Exception | None = None):
+        self.rank, self.outcome = rank, outcome
+        self.info, self.page_size = {"kv_pages_total": 100, "page_size": 16}, 16
+        self.proc = types.SimpleNamespace(pid=1000 + rank, exitcode=0)
+        self.gpus, self.failure, self.reported = None, None, None
+        self.streams, self.added, self.dispatched = {}, [], 0
+        self.keep_ids, self.on_finish, self.loop = False, None, None
+
+    @property
+    def load(self) -> int:
+        return len(self.streams)
+
+    def problem(self):
+        return self.failure or self.reported
+
+    async def add(self, st, ids, params, arrival):
+        if self.outcome is not None:
+            raise self.outcome
+        self.streams[st.rid] = st
+        self.added.append(params)
+
+
+def dp_engine(*replicas, seed=7):
+    args = types.SimpleNamespace(load_balance_method="round_robin", random_seed=seed)
+    return DPEngine(args, list(replicas), Frontend(None, 100))
+
+
+def submit(eng, params, n=1):
+    async def go():
+        eng.start()
+        return [await eng.submit(lambda e: ([1, 2, 3], params)) for _ in range(n)]
+
+    return asyncio.run(go())
+
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def test_a_request_a_replica_could_not_admit_goes_to_the_next():
+    gone, busy, ok = (
+        FakeReplica(0, ReplicaGone("replica 0 was killed")),
+        FakeReplica(1, ReplicaBusy("queue full")),
+        FakeReplica(2),
+    )
+    eng = dp_engine(gone, busy, ok)
+    (st,) = submit(eng, GREEDY)
+    assert list(ok.streams) == [st.rid] and eng._owner[st.rid] is ok
+
+
+def test_every_replica_full_is_a_503_with_retry_after():
+    eng = dp_engine(FakeReplica(0, ReplicaBusy("queue full")), FakeReplica(1, ReplicaBusy("full")))
+    with pytest.raises(EngineUnavailable, match="every replica is at capacity") as e:
+        submit(eng, GREEDY)
+    assert e.value.retry_after == 1
+    dead = FakeReplica(0)
+    dead.failure = "replica 0 was killed by SIGKILL"
+    eng = dp_engine(dead)
+    eng._started = True
+    with pytest.raises(EngineUnavailable, match="killed by SIGKILL") as e:
+        submit(eng, GREEDY)
+    assert e.value.retry_after is None
+
+
+def test_unseeded_sampled_requests_get_the_seed_stream_one_engine_would_draw():
+    a, b = FakeReplica(0), FakeReplica(1)
+    sampled = SamplingParams(temperature=1.0)
+    submit(dp_engine(a, b, seed=7), sampled, n=4)
+    draws = random.Random(7)
+    expected = [draws.getrandbits(63) for _ in range(4)]
+    assert [p.seed for p in a.added + b.added] == expected[0::2] + expected[1::2]
+    c = FakeReplica(0)
+    submit(dp_engine(c), SamplingParams(temperature=1.0, seed=5))
+    submit(dp_engine(c), GREEDY)
+    assert [p.seed for p in c.added] == [5, None]
+
+
+def test_health_503_while_starting_then_degraded_while_one_replica_serves():
+    a, b = FakeReplica(0), FakeReplica(1)
+    eng = dp_engine(a, b)
+    b.reported = "replica 1: warming up"
+    assert eng.health_problem() == "replica 1: warming up"
+    b.reported = None
+    assert eng.health_problem() is None and eng.degraded() is None
+    b.failure = "replica 1 (pid 1001) was killed by SIGKILL"
+    assert eng.health_problem() is None
+    assert eng.degraded() == "1 of 2 replicas serving; replica 1 (pid 1001) was killed by SIGKILL"
+    a.reported = "the engine cannot go on: a device error"
+    assert "killed by SIGKILL" in eng.health_problem()

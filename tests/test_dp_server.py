@@ -4,7 +4,8 @@ a single engine's tokens at T=0; cache_aware sends a conversation's next turn to
 caches it; pools are clean after the drain; a replica killed mid-request fails only the requests
 it held (503 `replica_unavailable`, a stream's error event included) while the other replica goes
 on serving and /health says "degraded" naming it; SIGTERM then drains the survivor and exits 0.
-Two servers start here (~15 s each on a busy 2-core box); the module runs in ~60 s."""
+A dp 2 x tp 2 server serves the same tokens (each replica starts its own rank). Three servers
+start here; the module runs in ~2 min on a busy 2-core box."""
 
 from __future__ import annotations
 
@@ -107,6 +108,20 @@ def test_pools_are_clean_after_the_drain(dp_server):
         assert rep["request_slots_free"] == rep["request_slots_total"], rep
         assert rep["kv_integrity"] == "ok"
     assert info["kv_pages_free"] == sum(r["kv_pages_total"] for r in info["replicas"])
+
+
+def test_dp2_tp2_replicas_each_start_their_own_ranks(toy_pair):
+    """--dp-size 2 --tp-size 2: each replica process starts its own tensor-parallel rank (gloo
+    on the CPU, the same code as NCCL on cuda:r of the replica's GPUs) and serves one engine's
+    tokens."""
+    argv = server_argv(toy_pair, "DFLASH", "--dp-size", "2", "--tp-size", "2")
+    with subprocess_server(argv, env=ENV) as (url, proc):
+        with ThreadPoolExecutor(4) as pool:
+            rs = list(pool.map(lambda p: generate(url, p), PROMPTS[:4]))
+        assert [tuple(r.json()["output_ids"]) for r in rs] == list(reference(toy_pair)[:4])
+        assert sum(r.json()["meta_info"]["spec_accept_length"] for r in rs) / 4 > 2
+        info = server_info(url)
+        assert [r["dispatched"] for r in info["replicas"]] == [2, 2]
 
 
 def _wait_running(url: str, n: int, timeout: float = 60.0) -> dict:

@@ -1,11 +1,13 @@
 """The FastAPI app: OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`),
 SGLang's native `/generate` and `/get_model_info` (`ddtree.server.native_api`),
-`/health` (200 while the engine loop runs and keeps stepping; 503 when it died or is stuck),
-`/metrics` (Prometheus, with --enable-metrics), `/get_server_info` (pool counts and allocator
-integrity, read between two engine steps). With --api-key every route needs the key except /health
-(and /metrics with --metrics-no-auth): server/http.py. Every failure is an OpenAI-style `{"error":
-{message, type, param, code}}` body. Every GET route answers HEAD too; a trailing slash is
-served as the path without it (no redirects).
+`/health` (200 while the engine loop runs and keeps stepping; 503 when it died or is stuck;
+--dp-size: 200 with a "degraded" body while some replicas serve), `/metrics` (Prometheus, with
+--enable-metrics), `/get_server_info` (pool counts and allocator integrity, read between two engine
+steps). The routes drive an `AsyncEngine` (one engine in this process) or a `DPEngine`
+(`--dp-size` replicas, ddtree/server/dp/) through the same methods. With --api-key every route
+needs the key except /health (and /metrics with --metrics-no-auth): server/http.py. Every failure
+is an OpenAI-style `{"error": {message, type, param, code}}` body. Every GET route answers HEAD
+too; a trailing slash is served as the path without it (no redirects).
 The `ddtree` response extension is documented in `ddtree.server.openai_serving`.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +38,9 @@ from ddtree.server.metrics import probe_loop_lag
 from ddtree.server.native_api import native_router
 from ddtree.server.openai_serving import OpenAIServing
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:  # a --dp-size 1 server never imports ddtree.server.dp
+    from ddtree.server.dp.engine import DPEngine
 
 # pydantic error kinds where the type was right but the value is not (reported as code
 # invalid_value)
@@ -102,7 +108,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(
-    aengine: AsyncEngine,
+    aengine: AsyncEngine | DPEngine,
     args,
     metrics=None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,

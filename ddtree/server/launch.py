@@ -56,11 +56,12 @@ def build_engine(args: ServerArgs, gc_freeze: bool = False):
 def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
     """(FastAPI app, engine) for resolved args; loads the weights. gc_freeze: freeze the start-up
     heap after the warm-up (server/gc_watch.py; the CLI's default, DDTREE_GC_FREEZE; off for
-    servers built inside another process, e.g. the tests). With --dp-size N > 1 the engine is a
-    `DPEngine` over N replica processes (ddtree/server/dp/), started here, all of them ready."""
+    servers built inside another process, e.g. the tests). With --dp-size N > 1 (or
+    DDTREE_DP_REPLICA_PROCESS=1) the engine is a `DPEngine` over N replica processes
+    (ddtree/server/dp/), started here, all of them ready."""
     from ddtree.server.api import create_app
 
-    if args.dp_size > 1:
+    if args.dp_size > 1 or envs.DP_REPLICA_PROCESS.on():
         from ddtree.server.dp.launch import start_dp_engine
 
         aengine = start_dp_engine(args, gc_freeze=gc_freeze)

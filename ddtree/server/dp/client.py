@@ -30,6 +30,10 @@ class ReplicaGone(Exception):
     """The replica died before it admitted the request (the request can go to another one)."""
 
 
+class ReplicaBusy(Exception):
+    """The replica's queue is full (--max-queued-requests): another one may take the request."""
+
+
 def exit_text(code: int | None) -> str:
     if code is None:
         return "stopped answering"
@@ -103,7 +107,8 @@ class ReplicaClient:
     # ---- on the event loop ------------------------------------------------------------------------
     async def add(self, st: Stream, ids: list[int], params, arrival: float) -> None:
         """Admit a request; returns once the replica did. Raises ReplicaGone (it died first),
-        EngineUnavailable, ValueError (the engine's admission checks) or RuntimeError."""
+        ReplicaBusy (its queue is full), EngineUnavailable, ValueError (the engine's admission
+        checks) or RuntimeError."""
         if self.failure is not None:
             raise ReplicaGone(self.failure)
         fut = self.loop.create_future()
@@ -165,7 +170,11 @@ class ReplicaClient:
             _resolve(self._adds.get(msg[1]), None)
         elif kind == m.REFUSED:
             _, rid, why, text = msg
-            err = {"unavailable": EngineUnavailable, "invalid": ValueError}.get(why, RuntimeError)
+            err = {
+                "busy": ReplicaBusy,
+                "unavailable": EngineUnavailable,
+                "invalid": ValueError,
+            }.get(why, RuntimeError)
             fut = self._adds.get(rid)
             if fut is not None and not fut.done():
                 fut.set_exception(err(text))

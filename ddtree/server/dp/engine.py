@@ -5,8 +5,9 @@ reads).
 
 A request is prepared here, in the HTTP process (`prepare(Frontend)`: tokenize, render the chat
 template, validate, build its SamplingParams), then dispatched whole (token ids + params) to the
-replica the policy picks (`policy.py`); a replica that dies before admitting it passes it to the
-next. An unseeded sampled request gets its seed here, from the --random-seed stream in arrival
+replica the policy picks (`policy.py`); a replica that dies before admitting it, or whose queue is
+full (--max-queued-requests holds per replica), passes it to the next; 503 with Retry-After when
+every one is full. An unseeded sampled request gets its seed here, from the --random-seed stream in arrival
 order, as one engine draws it: so a seeded server samples the same whatever the --dp-size.
 
 Health: 503 until every replica has started (warmed up, or died trying); then 200 while at least
@@ -24,7 +25,7 @@ import weakref
 
 from ddtree.server.async_engine import SHUTTING_DOWN, EngineUnavailable, Stream
 from ddtree.server.dp import messages as m
-from ddtree.server.dp.client import ReplicaClient, ReplicaGone
+from ddtree.server.dp.client import ReplicaBusy, ReplicaClient, ReplicaGone
 from ddtree.server.dp.policy import make_policy
 
 CALL_TIMEOUT_S = 10.0  # /get_server_info and /metrics wait this long for a replica's answer
@@ -119,17 +120,24 @@ class DPEngine:
         if not params.greedy and params.seed is None:
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         tried: set[int] = set()
+        busy: ReplicaBusy | None = None
         while True:
             self._forget_dead()
             loads = {
                 c.rank: c.load for c in self.clients if c.rank not in tried and c.problem() is None
             }
+            if not loads and busy is not None:  # every serving replica's queue is full
+                raise EngineUnavailable(f"every replica is at capacity: {busy}", retry_after=1)
             if not loads:
                 raise EngineUnavailable(self.health_problem() or "no replica is serving")
             client = self.clients[self.policy.pick(ids, loads)]
             st = Stream(f"req-{next(self._rids)}", len(ids), asyncio.Queue(), self._loop)
             try:
                 await client.add(st, ids, params, arrival)
+            except ReplicaBusy as e:
+                tried.add(client.rank)
+                busy = e
+                continue
             except ReplicaGone:
                 tried.add(client.rank)
                 continue
@@ -164,7 +172,8 @@ class DPEngine:
             entry = {
                 "dp_rank": c.rank,
                 "pid": c.proc.pid,
-                "gpus": c.gpus,
+                "gpus": c.gpus,  # indices among this process's visible GPUs
+                "device": c.info["device"] if c.info else None,  # as the replica names it
                 "problem": c.problem(),
                 "dispatched": c.dispatched,
                 "in_flight": c.load,
@@ -191,7 +200,8 @@ class DPEngine:
 
 def merge_snapshots(snaps: list[tuple[int, dict]]) -> dict:
     """Per-replica pool snapshots as one: counts summed; a value the replicas share once; one
-    they differ on (kv_integrity when one fails) as "replica i: value" for each that is not ok."""
+    they differ on (kv_integrity when one fails, engine_dead) as "replica i: value" for each
+    replica whose value is not "ok" / None."""
     if not snaps:
         return {}
     out = {}
@@ -202,9 +212,8 @@ def merge_snapshots(snaps: list[tuple[int, dict]]) -> dict:
         elif all(v == first for v in values):
             out[key] = first
         else:
-            out[key] = "; ".join(
-                f"replica {r}: {s.get(key)}" for r, s in snaps if s.get(key) != "ok"
-            )
+            bad = [(r, s.get(key)) for r, s in snaps if s.get(key) not in ("ok", None)]
+            out[key] = "; ".join(f"replica {r}: {v}" for r, v in bad)
     return out
 
 

@@ -14,8 +14,9 @@ replica -> HTTP process:
   (FAILED, message, is_config)                      it could not be built (is_config: a
                                                     ConfigError's problems); the process exits
   (STATUS, problem | None)                          every HEARTBEAT_S: its /health problem
-  (ADDED, rid) / (REFUSED, rid, kind, message)      the answer to ADD (kind: unavailable | invalid
-                                                    | error, raised as 503 / 400 / 500)
+  (ADDED, rid) / (REFUSED, rid, kind, message)      the answer to ADD (kind: busy (its queue is
+                                                    full: another replica is tried) | unavailable
+                                                    | invalid | error: 503 / 400 / 500)
   (DELTAS, [(rid, Delta), ...])                     the streams' new output; a Delta with
                                                     finish_reason or error ends its stream
   (REPLY, call_id, result)                          the answer to CALL (None where it failed)

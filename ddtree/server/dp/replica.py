@@ -165,8 +165,9 @@ class Replica:
             await self.aengine.submit(
                 lambda e: (ids, params), arrival, rid=rid, queue=_Sink(rid, self)
             )
-        except EngineUnavailable as e:
-            self.send((m.REFUSED, rid, "unavailable", str(e)))
+        except EngineUnavailable as e:  # back-pressure (retry_after) or a replica that is done
+            kind = "unavailable" if e.retry_after is None else "busy"
+            self.send((m.REFUSED, rid, kind, str(e)))
         except ValueError as e:  # the engine's own admission checks
             self.send((m.REFUSED, rid, "invalid", str(e)))
         except Exception as e:  # noqa: BLE001 - the request fails, the replica goes on
