@@ -1,10 +1,13 @@
 """--dp-size's flags before anything loads: the checks in resolve_server_args, the GPU placement,
 `ddtree check-config --dp-size N` (the replicas, their GPUs, and the tp-vs-dp trade when the model
-fits one GPU), and the offline LLM refusing it (< 2 s)."""
+fits one GPU), the offline LLM refusing it, and `ddtree serve` refusing GPUs it lacks (~10 s)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from config_fixtures import dense_pair, hybrid_pair
 
 from ddtree.check_config import main as check_config
@@ -136,3 +139,25 @@ def test_check_config_dp2_tp4_and_a_shared_gpu(tmp_path, capsys):
     )
     assert "2 replicas x tp 1, 1 GPU" in out and "replicas share GPUs" in out
     assert "the model fits one GPU" not in out  # sharing one GPU is no choice between splits
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")
+def test_serve_refuses_more_gpus_than_visible_before_any_replica_starts():
+    """`ddtree serve --dp-size 2 --device cuda` where fewer GPUs are visible: exit 2 naming the fix,
+    no traceback (the count is known only where the server starts; check-config plans anywhere)."""
+    import subprocess
+    import sys
+
+    from server_fixtures import REPO_ROOT
+
+    out = subprocess.run(
+        [sys.executable, "-m", "ddtree.launch_server", "--device", "cuda", "--dp-size", "2"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "error: invalid configuration: --dp-size 2 x --tp-size 1" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -137,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddtree.server.http import uvicorn_kwargs
 
-    app, aengine = build_app(args, gc_freeze=gc_freeze)
+    try:
+        app, aengine = build_app(args, gc_freeze=gc_freeze)
+    except ConfigError as e:  # found while starting: GPUs a --tp-size / --dp-size needs, ...
+        for problem in e.problems:
+            print(f"error: invalid configuration: {problem}", file=sys.stderr)
+        return 2
     logger.info(
         "serving %s (%s) on http://%s:%d",
         args.served_model_name,

@@ -7,7 +7,7 @@
 #    engine's tokens at T=0 (embedded pair, fp32, DDTREE, CUDA graphs), prompts alone and all at
 #    once over both replicas; a replica killed with SIGKILL leaves the other serving.
 # 2. Timing (~4 min): `bench at-scale` at the Qwen3-8B shape (each server, each replica, builds
-#    inflate:qwen3-8b in memory, bf16), DFLASH, concurrency 1..64, 128 tokens:
+#    inflate:qwen3-8b in memory, bf16), DFLASH, concurrency 1,4,16,64 (LEVELS), 128 tokens:
 #      in-process  one engine inside the HTTP process (today's server, --dp-size 1)
 #      dp2-shared  --dp-size 2 --gpu-id-step 0 --mem-fraction-static 0.42: two replicas on the GPU
 #      replica     --dp-size 1 with DDTREE_DP_REPLICA_PROCESS=1: the one engine in a replica
@@ -24,7 +24,7 @@
 set -uo pipefail
 OUT=${OUT:-dp_out}
 if [ $# -gt 0 ]; then OUT=$1; fi
-LEVELS=${LEVELS:-1,2,4,8,16,32,64}
+LEVELS=${LEVELS:-1,4,16,64}  # LEVELS=1,2,4,8,16,32,64 for the full table (~1 min more)
 # shellcheck source=scripts/device_env.sh
 . "$(dirname "$0")/../device_env.sh"  # the carried wheels, PYTHONPATH, the Triton cache
 mkdir -p "$OUT/8b"

@@ -95,8 +95,13 @@ class Replica:
         self.exit_code = 0
 
     def send(self, msg: tuple) -> None:
+        """To the HTTP process; once it is gone (its pipe closed) the replica stops instead."""
         with self._send_lock:
-            self.conn.send(msg)
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):
+                if self.stopping is not None:
+                    self.stopping.set()
 
     def run(self) -> None:
         asyncio.run(self._serve())
@@ -123,10 +128,7 @@ class Replica:
         self.engine.shutdown()  # the replica's own tensor-parallel ranks, if any
         await asyncio.sleep(0)  # the engine thread's last hand-off to this loop
         self._flush()
-        try:
-            self.send((m.STOPPED,))
-        except OSError:
-            pass  # the HTTP process is gone
+        self.send((m.STOPPED,))
 
     def _read(self) -> None:
         """The pipe's reader thread: each message to the loop, in order; EOF = the parent left."""
