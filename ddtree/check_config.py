@@ -17,7 +17,13 @@ import logging
 import sys
 
 from ddtree.configs import ConfigError
-from ddtree.memory_plan import MemoryPlan, memory_plan
+from ddtree.memory_plan import (
+    MemoryPlan,
+    describe_placement,
+    memory_plan,
+    placement,
+    shared,
+)
 from ddtree.model_sources import weight_problems
 from ddtree.server_args import (
     ServerArgs,
@@ -155,8 +161,6 @@ def parallel_plan(args: ServerArgs, plan: MemoryPlan) -> str:
     """The replicas and their GPUs (--dp-size), what all of them hold together, and, on GPUs, the
     other split of the same GPUs (tensor-parallel groups vs one-GPU replicas) with its capacity:
     the trade between --tp-size N and --dp-size N."""
-    from ddtree.server.dp.placement import describe, placement, shared
-
     dp, tp = args.dp_size, args.tp_size
     gpus = placement(args)
     lines = []
@@ -167,7 +171,7 @@ def parallel_plan(args: ServerArgs, plan: MemoryPlan) -> str:
             f"data parallel: {dp} replicas x tp {tp}{on}, --load-balance-method "
             f"{args.load_balance_method}"
         )
-        lines += [f"  {line}" for line in describe(gpus, dp)]
+        lines += [f"  {line}" for line in describe_placement(gpus, dp)]
         if shared(gpus):
             lines.append(
                 f"  replicas share GPUs: each takes --mem-fraction-static "

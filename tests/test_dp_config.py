@@ -12,7 +12,8 @@ from config_fixtures import dense_pair, hybrid_pair
 
 from ddtree.check_config import main as check_config
 from ddtree.configs import ConfigError
-from ddtree.server.dp.placement import check_gpus, describe, replica_gpus, shared
+from ddtree.memory_plan import describe_placement, replica_gpus, shared
+from ddtree.server.dp.placement import check_gpus
 from ddtree.server_args import ServerArgs, prepare_server_args, resolve_server_args
 
 
@@ -77,11 +78,11 @@ def test_placement():
     assert replica_gpus(4, 1, base=4) == [[4], [5], [6], [7]]
     assert replica_gpus(2, 1, step=0) == [[0], [0]] and shared([[0], [0]])
     assert not shared(replica_gpus(8, 1)) and not shared(None)
-    assert describe([[0, 1, 2, 3], [4, 5, 6, 7]], 2) == [
+    assert describe_placement([[0, 1, 2, 3], [4, 5, 6, 7]], 2) == [
         "replica 0: GPUs 0-3",
         "replica 1: GPUs 4-7",
     ]
-    assert describe(None, 2) == ["replica 0: cpu", "replica 1: cpu"]
+    assert describe_placement(None, 2) == ["replica 0: cpu", "replica 1: cpu"]
     args = ServerArgs(dp_size=4, tp_size=2)
     with pytest.raises(ConfigError, match="needs GPU index 7, 4 visible"):
         check_gpus(replica_gpus(4, 2), 4, args)

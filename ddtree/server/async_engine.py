@@ -221,17 +221,17 @@ class AsyncEngine:
         prepare: Callable[[object], tuple[list[int], SamplingParams]],
         arrival: float | None = None,
         rid: str | None = None,
-        queue=None,
+        sink=None,
     ) -> Stream:
         """prepare(engine) -> (prompt ids, params) runs on the engine thread (it may tokenize and raise);
         the request is then added and its Stream returned. arrival: the handler's `time.monotonic()`
         when the request came in (default: now), where its time to first token starts. rid: the
-        request's id (default: the engine's); queue: where its Deltas go, anything with
+        request's id (default: the engine's); sink: where its Deltas go, anything with
         `put_nowait` (called on this event loop; default: a new asyncio.Queue; a --dp-size
         replica's forwards them to the HTTP process)."""
         loop = asyncio.get_running_loop()
         arrival = arrival or time.monotonic()
-        q = asyncio.Queue() if queue is None else queue
+        q = asyncio.Queue() if sink is None else sink
 
         def add() -> Stream:
             if self._closing:

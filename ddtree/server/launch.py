@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from ddtree import envs
 from ddtree.configs import ConfigError
 from ddtree.model_sources import weight_problems
 from ddtree.server.gc_watch import gc_freeze_on

@@ -1,5 +1,5 @@
 """Start a `--dp-size` server's replicas: one process each (`replica.run_replica`), on the
-GPUs `placement.py` gives it (CUDA_VISIBLE_DEVICES; inside, its --tp-size ranks start as in a
+GPUs `memory_plan.placement` gives it (CUDA_VISIBLE_DEVICES; inside, its --tp-size ranks start as in a
 one-engine server), all loading, profiling their budget costs and warming up in parallel; replicas
 that share a GPU (--gpu-id-step 0) start one after another, so that none times its startup
 profile while another loads or profiles on the same device (the profile is cached per device
@@ -12,15 +12,10 @@ import logging
 import sys
 
 from ddtree.configs import ConfigError
+from ddtree.memory_plan import describe_placement, placement, shared
 from ddtree.server.dp.client import ReplicaClient
 from ddtree.server.dp.engine import DPEngine, Frontend, _kill
-from ddtree.server.dp.placement import (
-    check_gpus,
-    describe,
-    placement,
-    shared,
-    visible_devices,
-)
+from ddtree.server.dp.placement import check_gpus, visible_devices
 
 logger = logging.getLogger("ddtree")
 
@@ -55,7 +50,7 @@ def start_dp_engine(args, gc_freeze: bool = False) -> DPEngine:
     logger.info(
         "data parallel: starting %d replicas (%s)",
         args.dp_size,
-        "; ".join(describe(gpus, args.dp_size)),
+        "; ".join(describe_placement(gpus, args.dp_size)),
     )
     try:
         for i in range(args.dp_size):

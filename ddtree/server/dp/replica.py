@@ -165,7 +165,7 @@ class Replica:
 
         try:
             await self.aengine.submit(
-                lambda e: (ids, params), arrival, rid=rid, queue=_Sink(rid, self)
+                lambda e: (ids, params), arrival, rid=rid, sink=_Sink(rid, self)
             )
         except EngineUnavailable as e:  # back-pressure (retry_after) or a replica that is done
             kind = "unavailable" if e.retry_after is None else "busy"
