@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,22 +55,28 @@ def reference():
 @contextlib.contextmanager
 def server(argv: list[str], timeout: float = 400):
     """`python -m ddtree.launch_server` (its replicas warm up one after another on a shared GPU:
-    a cold Triton cache compiles for minutes)."""
+    a cold Triton cache compiles for minutes); its log is printed if it fails to come up."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "ddtree.launch_server", *argv, "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout, proc)
-        yield url
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=log, text=True)
+        url = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            try:
+                wait_healthy(url, timeout, proc)
+            except (RuntimeError, TimeoutError):
+                log.seek(0)
+                print(log.read()[-4000:])
+                raise
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def generate(url: str, prompt: str) -> httpx.Response:
