@@ -285,7 +285,7 @@ def cli_fields() -> list[dataclasses.Field]:
 
 
 # every flag in one group (tests/test_server_args.py checks the cover): --help lists them by
-# concern, and `ddtree generate` leaves out the HTTP server's (flags that would not act there)
+# concern, and `ddtree generate` leaves out the server's own (flags that would not act there)
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "model": (
         "model_path",
@@ -332,6 +332,12 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "cuda_graph_max_bs",
     ),
     "logging": ("log_level", "decode_log_interval"),
+    "data parallel (server replicas)": (
+        "dp_size",
+        "load_balance_method",
+        "base_gpu_id",
+        "gpu_id_step",
+    ),
     "HTTP server": (
         "host",
         "port",
@@ -347,7 +353,8 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "tool_call_parser",
     ),
 }
-SERVER_ONLY_GROUP = "HTTP server"
+# the groups `ddtree generate` leaves out (one engine, no HTTP server)
+SERVER_ONLY_GROUPS = ("data parallel (server replicas)", "HTTP server")
 
 
 def make_parser(

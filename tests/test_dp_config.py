@@ -162,3 +162,16 @@ def test_serve_refuses_more_gpus_than_visible_before_any_replica_starts():
     assert out.returncode == 2, out.stderr
     assert "error: invalid configuration: --dp-size 2 x --tp-size 1" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cpu_replicas_split_the_cores(tmp_path, monkeypatch):
+    """On the CPU every rank of every replica is a process: the automatic --cpu-threads is each
+    one's share of the cores (here the 8B config's size would take them all)."""
+    from ddtree import server_args
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(server_args, "available_cores", lambda: 8)
+    pair = dense_pair(tmp_path)
+    cpu = [a if a != "cuda" else "cpu" for a in argv(pair)]
+    assert prepare_server_args(cpu + ["--tp-size", "2"]).cpu_threads == 4
+    assert prepare_server_args(cpu + ["--dp-size", "2", "--tp-size", "2"]).cpu_threads == 2

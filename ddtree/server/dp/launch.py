@@ -37,7 +37,6 @@ def start_dp_engine(args, gc_freeze: bool = False) -> DPEngine:
     opts = {
         "gc_freeze": gc_freeze,
         "switch_interval_s": sys.getswitchinterval(),
-        "share_cores": args.dp_size if gpus is None else 1,  # CPU replicas split the host's cores
     }
     one = dataclasses.replace(args, dp_size=1, base_gpu_id=0, gpu_id_step=1)
     if gpus is None:  # CPU: one clean process imports torch and the engine once, each replica

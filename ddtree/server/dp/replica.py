@@ -37,8 +37,8 @@ def _leave_with_parent(parent: int) -> None:
 
 
 def run_replica(rank: int, args, conn, cuda_devices: str | None, opts: dict) -> None:
-    """The process's entry: opts = share_cores (CPU replicas: torch's threads / this),
-    switch_interval_s, gc_freeze."""
+    """The process's entry: opts = switch_interval_s, gc_freeze (CPU threads: --cpu-threads,
+    resolved for every replica's ranks, which the engine applies)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cuda_devices is not None:  # before anything initialises CUDA: rank r is then cuda:r
@@ -48,10 +48,6 @@ def run_replica(rank: int, args, conn, cuda_devices: str | None, opts: dict) -> 
     threading.Thread(target=_leave_with_parent, args=(os.getppid(),), daemon=True).start()
     if opts.get("switch_interval_s"):
         sys.setswitchinterval(opts["switch_interval_s"])
-    import torch
-
-    if opts.get("share_cores", 1) > 1:
-        torch.set_num_threads(max(1, torch.get_num_threads() // opts["share_cores"]))
     try:
         replica = Replica(rank, args, conn, opts.get("gc_freeze", False))
     except BaseException as e:  # noqa: BLE001 - reported to the HTTP process, which stops the start
