@@ -191,7 +191,7 @@ class FakeReplica:
 
 def dp_engine(*replicas, seed=7):
     args = types.SimpleNamespace(load_balance_method="round_robin", random_seed=seed)
-    return DPEngine(args, list(replicas), Frontend(None, 100))
+    return DPEngine(args, list(replicas), Frontend(None, 100, 64, (0,)))
 
 
 def submit(eng, params, n=1):

@@ -37,10 +37,10 @@ def reference(pair) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(o.token_ids) for o in outs)
 
 
-def generate(url: str, ids: list[int], n: int = N_NEW, **kw) -> httpx.Response:
-    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+def generate(url: str, ids: list[int], n: int = N_NEW, **sampling) -> httpx.Response:
+    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True} | sampling
     return httpx.post(
-        url + "/generate", json={"input_ids": ids, "sampling_params": sp} | kw, timeout=120
+        url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=120
     )
 
 
@@ -97,6 +97,22 @@ def test_cache_aware_sends_the_next_turn_to_the_replica_that_caches_it(dp_server
         rs = list(pool.map(lambda p: generate(dp_server, p), seconds))
     cached = [r.json()["meta_info"]["cached_tokens"] for r in rs]
     assert all(c >= 32 for c in cached), cached  # 52-token histories: 3 full 16-token pages
+
+
+def test_grammars_are_checked_here_and_constrain_on_the_replicas(dp_server):
+    """A structured-output request: its grammar is validated in the HTTP process (a bad one is a
+    400 naming the field, no replica involved) and compiled again on the replica that serves it,
+    whose tokens it constrains; on both replicas."""
+    import re
+
+    regex = "( [0-9]{1,2}){3}"
+    for prompt in PROMPTS[:2]:  # round robin over equal queues: one on each replica
+        r = generate(dp_server, prompt, 16, regex=regex)
+        assert r.status_code == 200, r.text
+        assert re.fullmatch(regex, r.json()["text"]), r.json()["text"]
+    sp = {"max_new_tokens": 8, "regex": "(unclosed"}
+    bad = httpx.post(dp_server + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": sp})
+    assert bad.status_code == 400 and "regex" in bad.json()["error"]["message"], bad.text
 
 
 def test_pools_are_clean_after_the_drain(dp_server):

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import itertools
 import random
+import threading
 import time
 import weakref
 
@@ -33,11 +34,30 @@ STOP_TIMEOUT_S = 40.0  # a replica's engine thread joins within 30 s (AsyncEngin
 
 
 class Frontend:
-    """What a request's `prepare(engine)` reads in a --dp-size server's HTTP process: the
-    tokenizer and the context length (the replicas hold the engines)."""
+    """What the request path reads of an engine in a --dp-size server's HTTP process (the
+    replicas hold the engines): the tokenizer and the context length for `prepare`, and the
+    grammar compiler the routes validate a structured-output request with before it is
+    dispatched (built as `LLMEngine.grammars` is, from the replicas' vocabulary and EOS ids; the
+    replica compiles it again, off its engine thread, before admitting it)."""
 
-    def __init__(self, tokenizer, max_context: int):
+    def __init__(self, tokenizer, max_context: int, vocab_size: int, eos_ids: tuple[int, ...]):
         self.tokenizer, self.max_context = tokenizer, max_context
+        self.vocab_size, self.eos_ids = vocab_size, tuple(eos_ids)
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self):
+        """`ddtree.grammar.Grammars` for this tokenizer (GrammarUnavailable without the grammar
+        engine, ValueError without a tokenizer), as `LLMEngine.grammars`."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("grammars need a tokenizer; this model directory has none")
+                from ddtree.grammar import Grammars
+
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._grammars
 
     def shutdown(self) -> None:
         """Nothing here: `DPEngine.shutdown` stops the replicas."""

@@ -87,7 +87,9 @@ def start_dp_engine(args, gc_freeze: bool = False) -> DPEngine:
         ", ".join(str(c.proc.pid) for c in clients),
         args.load_balance_method,
     )
-    return DPEngine(args, clients, Frontend(tokenizer, contexts.pop()), metrics)
+    info = clients[0].info
+    frontend = Frontend(tokenizer, contexts.pop(), info["vocab_size"], info["eos_ids"])
+    return DPEngine(args, clients, frontend, metrics)
 
 
 def _wait_ready(c: ReplicaClient) -> None:

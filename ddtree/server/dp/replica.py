@@ -81,8 +81,11 @@ class Replica:
         from ddtree.server.launch import build_engine
 
         self.rank, self.conn = rank, conn
+        from ddtree.server.structured import GrammarCompiler
+
         self.aengine = build_engine(args, gc_freeze)
         self.engine = self.aengine.engine
+        self.grammars = GrammarCompiler(self.engine)
         self._send_lock = threading.Lock()
         self._pending: list = []  # (rid, Delta) not sent yet
         self._tasks: set[asyncio.Task] = set()
@@ -113,6 +116,8 @@ class Replica:
             "kv_pages_total": bm.num_pages,
             "prefix_cache": bm.cache is not None,
             "device": str(self.engine.device),
+            "vocab_size": self.engine.runner.target.config.vocab_size,
+            "eos_ids": tuple(self.engine.emitter.eos_ids),
         }
         self.send((m.READY, info))
         threading.Thread(target=self._read, name="ddtree-dp-read", daemon=True).start()
@@ -158,7 +163,15 @@ class Replica:
 
     async def _add(self, rid: str, ids: list[int], params, arrival: float) -> None:
         from ddtree.server.async_engine import EngineUnavailable
+        from ddtree.server.protocol import APIError
 
+        try:
+            # the HTTP process validated the grammar; compiled here too, off the engine thread,
+            # its admission is a cache hit (as in a one-engine server)
+            await self.grammars.compile(params.grammar)
+        except APIError as e:
+            self.send((m.REFUSED, rid, "invalid", e.message))
+            return
         try:
             await self.aengine.submit(
                 lambda e: (ids, params), arrival, rid=rid, sink=_Sink(rid, self)
