@@ -17,7 +17,13 @@ import logging
 import sys
 
 from ddtree.configs import ConfigError
-from ddtree.memory_plan import MemoryPlan, memory_plan
+from ddtree.memory_plan import (
+    MemoryPlan,
+    describe_placement,
+    memory_plan,
+    placement,
+    shared,
+)
 from ddtree.model_sources import weight_problems
 from ddtree.server_args import (
     ServerArgs,
@@ -112,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_resolved(args))
     print(planned_for(args, plan, device_gib))
     print(plan.format())
+    if args.dp_size > 1 or args.tp_size > 1:
+        print(parallel_plan(args, plan))
     for line in weight_problems(args):  # planned from config.json; serving will need them
         print(f"note: {line}")
     problems = cannot_serve(plan)
@@ -147,6 +155,73 @@ def planned_for(args: ServerArgs, plan: MemoryPlan, device_gib: float | None) ->
             "--device-memory-gib 140 for an H200)"
         )
     return line
+
+
+def parallel_plan(args: ServerArgs, plan: MemoryPlan) -> str:
+    """The replicas and their GPUs (--dp-size), what all of them hold together, and, on GPUs, the
+    other split of the same GPUs (tensor-parallel groups vs one-GPU replicas) with its capacity:
+    the trade between --tp-size N and --dp-size N."""
+    dp, tp = args.dp_size, args.tp_size
+    gpus = placement(args)
+    lines = []
+    if dp > 1:
+        n_gpus = len({g for ranks in gpus for g in ranks}) if gpus else 0
+        on = f", {n_gpus} GPU{'s' if n_gpus != 1 else ''}" if gpus else ""
+        lines.append(
+            f"data parallel: {dp} replicas x tp {tp}{on}, --load-balance-method "
+            f"{args.load_balance_method}"
+        )
+        lines += [f"  {line}" for line in describe_placement(gpus, dp)]
+        if shared(gpus):
+            lines.append(
+                f"  replicas share GPUs: each takes --mem-fraction-static "
+                f"{args.mem_fraction_static} of its GPU"
+            )
+        lines.append(
+            f"  each replica: the memory plan above; all {dp}: {dp * plan.requests_at_context} "
+            f"requests at context, {dp * plan.kv_tokens:,} KV tokens"
+        )
+    if args.device != "cpu" and not shared(gpus):
+        lines += _split_trade(args, plan)
+    return "\n".join(lines)
+
+
+def _split_trade(args: ServerArgs, plan: MemoryPlan) -> list[str]:
+    """On dp x tp GPUs: when the model fits one GPU, the other extreme of the same GPUs."""
+    import dataclasses
+
+    from ddtree.models.tp_layout import tp_problems
+
+    dp, tp = args.dp_size, args.tp_size
+    n = dp * tp
+    one = memory_plan(dataclasses.replace(args, tp_size=1), plan.device_bytes)
+    if not one.fits:
+        return [f"the model does not fit one GPU at tp 1: it needs --tp-size > 1 on {n} GPUs"]
+    per_gpu = f"{one.requests_at_context} requests at context, {one.kv_tokens:,} KV tokens"
+    lines = [f"the model fits one GPU (tp 1: {per_gpu})"]
+    here = f"{dp * plan.requests_at_context} requests at context in all"
+    replicas = (
+        f"--dp-size {n} --tp-size 1: {n} replicas, {n * one.requests_at_context} requests at "
+        "context in all, no all-reduce per layer (usually the most throughput)"
+    )
+    if tp == 1:  # this plan is the replicas; the other extreme is one group over the n GPUs
+        t, d = args.target_config, args.drafter_config
+        if tp_problems(n, t, d):
+            lines.append(f"  this plan, {replicas}; --tp-size {n} cannot split this model's heads")
+            return lines
+        group = memory_plan(dataclasses.replace(args, tp_size=n, dp_size=1), plan.device_bytes)
+        lines += [
+            f"  this plan, {replicas}",
+            f"  --tp-size {n} instead: one group, {group.requests_at_context} requests at "
+            f"context, the lowest latency per request (each GPU reads 1/{n} of the weights)",
+        ]
+    else:
+        lines += [
+            f"  this plan, {dp} group{'s' if dp > 1 else ''} of tp {tp}: {here}, the lower "
+            "latency per request",
+            f"  {replicas}",
+        ]
+    return lines
 
 
 def cannot_serve(plan: MemoryPlan) -> list[str]:

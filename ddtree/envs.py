@@ -143,6 +143,13 @@ DFLASH2_TREE = EnvVar(
     "selector under their parent's token) or marginal (DDTree over the unary logits' per-position "
     "marginals, the selector unused; the A/B of `bench acceptance`)",
 )
+DP_REPLICA_PROCESS = EnvVar(
+    "DDTREE_DP_REPLICA_PROCESS",
+    "",
+    "1: a --dp-size 1 server runs its engine in a replica process behind the dispatcher, as "
+    "--dp-size N does (the process boundary measured alone; the default runs it inside the HTTP "
+    "process)",
+)
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",
     "",
@@ -182,6 +189,7 @@ TABLE: dict[str, EnvVar] = {
         POLICY_TRACE,
         DFLASH2_TREE,
         GC_FREEZE,
+        DP_REPLICA_PROCESS,
         TRITON_INTERPRET,
         GRAMMAR_FORCED,
         FORCE_REFERENCE_GRAMMAR_MASK,

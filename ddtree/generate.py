@@ -25,13 +25,13 @@ DESCRIPTION = (
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """Every flag generate takes: the engine's (server_args.FLAG_GROUPS but the HTTP server's,
+    """Every flag generate takes: the engine's (server_args.FLAG_GROUPS but the server's own,
     which would not act here and are refused) and its own. `--help` prints the short help
     (`print_help`); `--help=all` every flag's, `--help=GROUP` one group's."""
-    from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUP
+    from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUPS
     from ddtree.server_args import make_parser as server_parser
 
-    engine = tuple(g for g in FLAG_GROUPS if g != SERVER_ONLY_GROUP)
+    engine = tuple(g for g in FLAG_GROUPS if g not in SERVER_ONLY_GROUPS)
     p = server_parser("ddtree generate", engine, DESCRIPTION, add_help=False)
     p.add_argument(
         "-h",
@@ -110,9 +110,9 @@ def print_help(parser: argparse.ArgumentParser, which: str) -> int:
     `--help=all`: every flag's help; `--help=GROUP`: the groups whose title starts with GROUP."""
     import textwrap
 
-    from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUP, flag
+    from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUPS, flag
 
-    engine = [g for g in FLAG_GROUPS if g != SERVER_ONLY_GROUP]
+    engine = [g for g in FLAG_GROUPS if g not in SERVER_ONLY_GROUPS]
     if which == "all":
         parser.print_help()
         return 0

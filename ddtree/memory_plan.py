@@ -364,3 +364,38 @@ def _fp8_label(layout: Fp8Layout | None) -> str:
         return ""
     how = "quantized at load" if layout.at_load else "stored"
     return f"block FP8 {list(layout.block)}, {len(layout.shapes)} linears ({how})"
+
+
+# ---- where --dp-size replicas run (SGLang's rule; the runtime half is server/dp/placement.py) ----
+def replica_gpus(dp: int, tp: int, base: int = 0, step: int = 1) -> list[list[int]]:
+    """GPU indices (among the visible ones) of each replica's ranks: replica i's rank r on
+    base + (i * tp + r) * step."""
+    return [[base + (i * tp + r) * step for r in range(tp)] for i in range(dp)]
+
+
+def placement(args) -> list[list[int]] | None:
+    """Each replica's GPU indices, or None on the CPU."""
+    if args.device == "cpu":
+        return None
+    return replica_gpus(args.dp_size, args.tp_size, args.base_gpu_id, args.gpu_id_step)
+
+
+def shared(gpus: list[list[int]] | None) -> bool:
+    """Whether some replicas share a GPU (--gpu-id-step 0)."""
+    if not gpus:
+        return False
+    flat = [g for ranks in gpus for g in ranks]
+    return len(set(flat)) < len(flat)
+
+
+def describe_placement(gpus: list[list[int]] | None, dp: int) -> list[str]:
+    """One line per replica: its GPUs (or the CPU)."""
+    if gpus is None:
+        return [f"replica {i}: cpu" for i in range(dp)]
+    return [f"replica {i}: GPU{'s' if len(g) > 1 else ''} {_span(g)}" for i, g in enumerate(gpus)]
+
+
+def _span(ids: list[int]) -> str:
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))

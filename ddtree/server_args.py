@@ -36,6 +36,10 @@ IMPLEMENTED_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("fp8",)
 DRAFT_QUANTIZATIONS = ("fp8", "unquant")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+# replicas sharing a GPU (--gpu-id-step 0): their static pools together, leaving each process its
+# CUDA context and activations outside the pool
+SHARED_GPU_FRACTION = 0.9
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
@@ -118,6 +122,29 @@ class ServerArgs:
         "tensor parallel degree: one process per rank started by ddtree (rank r on cuda:r; "
         "gloo ranks on the CPU); KV heads are replicated where there are fewer than ranks",
         aliases=("--tp", "--tensor-parallel-size"),
+    )
+    dp_size: int = _opt(
+        1,
+        "data parallel: N engine replicas behind this one server, each in its own process on its "
+        "own --tp-size GPUs (replica i on GPUs i*tp .. i*tp+tp-1 of those visible; see "
+        "--base-gpu-id, --gpu-id-step); 1 = one engine inside the server's process",
+        aliases=("--dp", "--data-parallel-size"),
+    )
+    load_balance_method: str = _opt(
+        "round_robin",
+        "how --dp-size dispatches requests: round_robin; shortest_queue (fewest requests in "
+        "flight); cache_aware (where the prefix cache already holds the prompt's longest prefix, "
+        "unless that replica is overloaded; else the shortest queue)",
+        LOAD_BALANCE_METHODS,
+    )
+    base_gpu_id: int = _opt(
+        0, "--dp-size: the first GPU (index among the visible ones) replicas use"
+    )
+    gpu_id_step: int = _opt(
+        1,
+        "--dp-size: replica i's rank r runs on GPU base-gpu-id + (i * tp-size + r) * step; 0 puts "
+        f"every replica on one GPU (with --tp-size 1; their --mem-fraction-static shares must sum "
+        f"to <= {SHARED_GPU_FRACTION})",
     )
     random_seed: int | None = _opt(None, "random seed")
     attention_backend: str = _opt(
@@ -258,7 +285,7 @@ def cli_fields() -> list[dataclasses.Field]:
 
 
 # every flag in one group (tests/test_server_args.py checks the cover): --help lists them by
-# concern, and `ddtree generate` leaves out the HTTP server's (flags that would not act there)
+# concern, and `ddtree generate` leaves out the server's own (flags that would not act there)
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "model": (
         "model_path",
@@ -305,6 +332,12 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "cuda_graph_max_bs",
     ),
     "logging": ("log_level", "decode_log_interval"),
+    "data parallel (server replicas)": (
+        "dp_size",
+        "load_balance_method",
+        "base_gpu_id",
+        "gpu_id_step",
+    ),
     "HTTP server": (
         "host",
         "port",
@@ -320,7 +353,8 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "tool_call_parser",
     ),
 }
-SERVER_ONLY_GROUP = "HTTP server"
+# the groups `ddtree generate` leaves out (one engine, no HTTP server)
+SERVER_ONLY_GROUPS = ("data parallel (server replicas)", "HTTP server")
 
 
 def make_parser(
@@ -446,6 +480,9 @@ _MINIMUMS = {
     "max_prefill_tokens": 1,
     "page_size": 1,
     "tp_size": 1,
+    "dp_size": 1,
+    "base_gpu_id": 0,
+    "gpu_id_step": 0,
     "cuda_graph_max_bs": 1,
     "max_mamba_cache_size": 1,
     "speculative_dflash_block_size": 2,
@@ -657,6 +694,7 @@ def resolve_server_args(args: ServerArgs, capability: tuple[int, int] | None = N
     t_fp8, d_fp8 = check_quantization(args, t, d, paths, device, capability, p)
     _check_tp_devices(args.tp_size, device, p)
     _resolve_cpu_threads(args, t, d, upd, device, p)
+    _check_dp(args, device, p)
     _resolve_attention_backend(args, upd, device, p)
     _resolve_cuda_graph(args, upd, device)
     upd["served_model_name"] = args.served_model_name or args.model_path or upd.get("model_path")
@@ -716,7 +754,8 @@ def _resolve_cpu_threads(
     from ddtree.memory_plan import drafter_param_count, target_param_count
 
     params = target_param_count(t) + (drafter_param_count(d) if d is not None else 0)
-    share = max(1, available_cores() // max(a.tp_size, 1))  # a bad --tp-size is reported apart
+    # every rank of every --dp-size replica is a process of its own (bad sizes are reported apart)
+    share = max(1, available_cores() // max(a.tp_size * a.dp_size, 1))
     n = max(1, min(share, -(-params // CPU_PARAMS_PER_THREAD)))
     upd["cpu_threads"] = n
     logger.info(
@@ -733,6 +772,48 @@ def _check_tp_devices(tp: int, device: str, p: list[str]) -> None:
     plan --tp-size 8 from any machine)."""
     if tp > 1 and device.startswith("cuda") and device != "cuda":
         p.append(f"--device {device}: with --tp-size {tp} pass --device cuda (rank r uses cuda:r)")
+
+
+def _check_dp(a: ServerArgs, device: str, p: list[str]) -> None:
+    """--dp-size and its placement flags (the GPU count is checked when the replicas start, so
+    check-config can plan --dp-size 8 from any machine)."""
+    if a.dp_size == 1:
+        if (a.base_gpu_id, a.gpu_id_step) != (0, 1):
+            p.append(
+                "--base-gpu-id / --gpu-id-step place --dp-size replicas; one engine runs on the "
+                "first --tp-size visible GPUs: drop them and set CUDA_VISIBLE_DEVICES"
+            )
+        if a.load_balance_method != "round_robin":
+            logger.warning(
+                "--load-balance-method %s ignored: it dispatches between --dp-size replicas "
+                "(--dp-size is 1)",
+                a.load_balance_method,
+            )
+        return
+    if device.startswith("cuda") and device != "cuda":
+        p.append(
+            f"--device {device}: with --dp-size {a.dp_size} pass --device cuda (replicas are "
+            "placed by --base-gpu-id / --gpu-id-step)"
+        )
+    if a.gpu_id_step == 0 and a.tp_size > 1:
+        p.append(
+            f"--gpu-id-step 0 with --tp-size {a.tp_size}: the ranks of one replica need "
+            "distinct GPUs; pass --gpu-id-step 1"
+        )
+    if a.gpu_id_step == 0 and device != "cpu":
+        total = a.dp_size * a.mem_fraction_static
+        if total > SHARED_GPU_FRACTION:
+            share = SHARED_GPU_FRACTION / a.dp_size
+            p.append(
+                f"--dp-size {a.dp_size} replicas share one GPU (--gpu-id-step 0), each taking "
+                f"--mem-fraction-static {a.mem_fraction_static} of it ({total:.2f} in all); "
+                f"pass --mem-fraction-static {int(share * 100) / 100:g} or less"
+            )
+    if a.load_balance_method == "cache_aware" and a.disable_radix_cache:
+        p.append(
+            "--load-balance-method cache_aware routes by the prefix cache, which "
+            "--disable-radix-cache turns off; drop one of them (shortest_queue balances load alone)"
+        )
 
 
 def _resolve_attention_backend(a: ServerArgs, upd: dict, device: str, p: list[str]) -> None:

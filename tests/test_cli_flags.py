@@ -12,7 +12,7 @@ import pytest
 from server_fixtures import REPO_ROOT
 
 from ddtree import generate
-from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUP, ServerArgs, cli_fields, flag
+from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUPS, ServerArgs, cli_fields, flag
 
 TYPO = ["--speculative-ddtree-bud", "8"]
 
@@ -81,9 +81,10 @@ def test_generate_takes_the_engine_flags_and_refuses_the_servers():
     taken = {s for a in parser._actions for s in a.option_strings}
     for title, names in FLAG_GROUPS.items():
         for name in names:
-            assert (flag(name) in taken) == (title != SERVER_ONLY_GROUP), name
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--port", "8000"])
+            assert (flag(name) in taken) == (title not in SERVER_ONLY_GROUPS), name
+    for server_only in (["--port", "8000"], ["--dp-size", "2"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(server_only)
     ns = parser.parse_args(["--max-tokens", "3", "--cpu-threads", "1"])
     fields = {f.name for f in dataclasses.fields(ServerArgs)}
     assert ns.cpu_threads == 1 and ns.max_tokens == 3 and "help" not in fields
@@ -95,7 +96,7 @@ def test_generate_help_is_short_and_points_to_the_rest(capsys):
     assert len(short.splitlines()) < 60, short
     assert "--max-tokens" in short and "--compare-ar" in short and "--help=all" in short
     for title in FLAG_GROUPS:
-        assert (f"  {title}: " in short) == (title != SERVER_ONLY_GROUP), title
+        assert (f"  {title}: " in short) == (title not in SERVER_ONLY_GROUPS), title
     assert "--speculative-ddtree-budget" in short and "--port" not in short
     assert generate.main(["--help=all"]) == 0
     full = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text

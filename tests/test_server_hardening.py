@@ -341,12 +341,12 @@ def test_tiny_temperature_and_top_p_are_near_greedy(http, pair):
 def test_unexpected_exception_is_a_json_500_and_keeps_the_connection(
     server, conn, pair, monkeypatch
 ):
-    import ddtree.server.api as api
+    import ddtree.server.async_engine as async_engine
 
     def broken(engine):
         raise KeyError("injected fault")
 
-    monkeypatch.setattr(api, "pool_snapshot", broken)
+    monkeypatch.setattr(async_engine, "pool_snapshot", broken)
     sock = conn.sock
     conn.request("GET", "/get_server_info", headers=AUTH)
     r = conn.getresponse()

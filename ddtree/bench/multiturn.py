@@ -187,11 +187,12 @@ async def cache_counters(url: str, api_key: str | None) -> dict[str, float] | No
         return None
     if r.status_code != 200:
         return None
-    found = {}
+    found: dict[str, float] = {}
     for line in r.text.splitlines():
         name, _, value = line.partition(" ")
+        name = name.split("{", 1)[0]  # a --dp-size server's replicas (dp_rank) add up
         if name in CACHE_COUNTERS or name in STEP_COUNTERS:
-            found[name] = float(value)
+            found[name] = found.get(name, 0.0) + float(value)
     return found if all(c in found for c in CACHE_COUNTERS) else None
 
 

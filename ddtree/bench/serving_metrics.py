@@ -15,13 +15,21 @@ from ddtree.engine.round_clock import DEVICE_PARTS, PHASES
 
 
 def parse(text: str) -> dict[tuple[str, tuple], float]:
-    """Prometheus text -> {(sample name, sorted labels): value}."""
+    """Prometheus text -> {(sample name, sorted labels): value}. A --dp-size server's replicas
+    (label `dp_rank`) read as one server: counters and histograms summed, gauges averaged."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {}
+    out: dict[tuple[str, tuple], float] = {}
+    gauges: dict[tuple[str, tuple], int] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "dp_rank"))
+            key = (s.name, labels)
+            out[key] = out.get(key, 0.0) + s.value
+            if fam.type == "gauge":
+                gauges[key] = gauges.get(key, 0) + 1
+    for key, n in gauges.items():
+        out[key] /= n
     return out
 
 

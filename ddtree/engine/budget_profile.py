@@ -217,10 +217,12 @@ def round_cost(runner, spec: SpecConfig) -> RoundCost:
         ", ".join(f"{1e3 * x:.2f}" for x in table.table[0, 0]),
     )
     if path is not None:
-        try:
+        try:  # write-then-rename: --dp-size replicas may write the same profile at once
             os.makedirs(folder, exist_ok=True)
-            with open(path, "w") as f:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
                 json.dump(table.to_json(), f)
+            os.replace(tmp, path)
         except OSError as e:
             logger.warning("Budget policy: could not cache the cost profile at %s (%s).", path, e)
     return table

@@ -10,6 +10,7 @@ import weakref
 
 import torch
 
+from ddtree.configs import ConfigError
 from ddtree.engine import logprobs
 from ddtree.engine.batch_log import BatchLog
 from ddtree.engine.config import prefill_chunk_tokens
@@ -30,6 +31,13 @@ class LLMEngine:
     def __init__(self, args, tp_rank=None):
         """`--tp-size` N > 1: this process becomes rank 0 and starts ranks 1..N-1, each an
         LLMEngine built with its `tp_rank` (`ddtree.engine.tp`)."""
+        if args.dp_size > 1:  # every other flag acts here; this one is the server's
+            raise ConfigError(
+                [
+                    f"--dp-size {args.dp_size}: an LLMEngine is one replica; `ddtree serve "
+                    "--dp-size N` runs N of them behind one server (offline: one LLM per process)"
+                ]
+            )
         self.args = args
         self.device = resolve_device(args.device)
         self.tp = tp_rank

@@ -1,11 +1,13 @@
 """The FastAPI app: OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`),
 SGLang's native `/generate` and `/get_model_info` (`ddtree.server.native_api`),
-`/health` (200 while the engine loop runs and keeps stepping; 503 when it died or is stuck),
-`/metrics` (Prometheus, with --enable-metrics), `/get_server_info` (pool counts and allocator
-integrity, read between two engine steps). With --api-key every route needs the key except /health
-(and /metrics with --metrics-no-auth): server/http.py. Every failure is an OpenAI-style `{"error":
-{message, type, param, code}}` body. Every GET route answers HEAD too; a trailing slash is
-served as the path without it (no redirects).
+`/health` (200 while the engine loop runs and keeps stepping; 503 when it died or is stuck;
+--dp-size: 200 with a "degraded" body while some replicas serve), `/metrics` (Prometheus, with
+--enable-metrics), `/get_server_info` (pool counts and allocator integrity, read between two engine
+steps). The routes drive an `AsyncEngine` (one engine in this process) or a `DPEngine`
+(`--dp-size` replicas, ddtree/server/dp/) through the same methods. With --api-key every route
+needs the key except /health (and /metrics with --metrics-no-auth): server/http.py. Every failure
+is an OpenAI-style `{"error": {message, type, param, code}}` body. Every GET route answers HEAD
+too; a trailing slash is served as the path without it (no redirects).
 The `ddtree` response extension is documented in `ddtree.server.openai_serving`.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,10 +34,13 @@ from ddtree.server.http import (
     NoSlashRedirect,
     get,
 )
-from ddtree.server.metrics import pool_snapshot, probe_loop_lag
+from ddtree.server.metrics import probe_loop_lag
 from ddtree.server.native_api import native_router
 from ddtree.server.openai_serving import OpenAIServing
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:  # a --dp-size 1 server never imports ddtree.server.dp
+    from ddtree.server.dp.engine import DPEngine
 
 # pydantic error kinds where the type was right but the value is not (reported as code
 # invalid_value)
@@ -102,7 +108,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(
-    aengine: AsyncEngine,
+    aengine: AsyncEngine | DPEngine,
     args,
     metrics=None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -164,23 +170,35 @@ def create_app(
         problem = aengine.health_problem()
         if problem is not None:
             return json_error(APIError(503, problem, code="engine_unavailable"))
+        degraded = aengine.degraded()  # --dp-size: some replicas down, the others serving
+        if degraded is not None:
+            return JSONResponse({"status": "degraded", "message": degraded})
         return Response(status_code=200)
 
+    # /server_info and /model_info: the names sgl-router asks for first (it falls back to get_*)
     @get(app, "/get_server_info")
+    @get(app, "/server_info")
     async def server_info():
-        pools = await aengine.call(lambda: pool_snapshot(engine))
+        pools = await aengine.pool_snapshot()
         return pools | {
             "model": serving.model_name,
             "speculative_algorithm": args.speculative_algorithm,
             "max_context": engine.max_context,
             "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
             "speculative_ddtree_budget": args.speculative_ddtree_budget,
+            # SGLang's server-args fields a router reads to name the model and its tokenizer
+            "model_path": args.model_path,
+            "served_model_name": serving.model_name,
+            "tokenizer_path": args.tokenizer_path,
+            "tp_size": args.tp_size,
+            "dp_size": args.dp_size,
+            "load_balance_method": args.load_balance_method,
         }
 
     @get(app, "/metrics")
     async def prometheus():
         if metrics is None:
             raise APIError(404, "metrics are disabled; start the server with --enable-metrics")
-        return Response(metrics.render(), media_type=metrics.content_type)
+        return Response(await aengine.render_metrics(), media_type=metrics.content_type)
 
     return app

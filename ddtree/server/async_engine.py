@@ -35,6 +35,7 @@ from ddtree.engine.faults import EngineDead
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.server.gc_watch import GcWatch, freeze_startup_heap
 from ddtree.server.logprob_format import LogprobEntry, decode_entries
+from ddtree.server.metrics import pool_snapshot
 
 logger = logging.getLogger("ddtree")
 
@@ -219,13 +220,18 @@ class AsyncEngine:
         self,
         prepare: Callable[[object], tuple[list[int], SamplingParams]],
         arrival: float | None = None,
+        rid: str | None = None,
+        sink=None,
     ) -> Stream:
         """prepare(engine) -> (prompt ids, params) runs on the engine thread (it may tokenize and raise);
         the request is then added and its Stream returned. arrival: the handler's `time.monotonic()`
-        when the request came in (default: now), where its time to first token starts."""
+        when the request came in (default: now), where its time to first token starts. rid: the
+        request's id (default: the engine's); sink: where its Deltas go, anything with
+        `put_nowait` (called on this event loop; default: a new asyncio.Queue; a --dp-size
+        replica's forwards them to the HTTP process)."""
         loop = asyncio.get_running_loop()
         arrival = arrival or time.monotonic()
-        q: asyncio.Queue = asyncio.Queue()
+        q = asyncio.Queue() if sink is None else sink
 
         def add() -> Stream:
             if self._closing:
@@ -240,7 +246,7 @@ class AsyncEngine:
                     retry_after=1,
                 )
             ids, params = prepare(self.engine)
-            req = self.engine.add_request(ids, params, arrival=arrival)
+            req = self.engine.add_request(ids, params, rid=rid, arrival=arrival)
             st = Stream(req.rid, req.num_prompt_tokens, q, loop, req, time.monotonic())
             self._streams[req.rid] = st
             if self.metrics is not None:
@@ -252,6 +258,19 @@ class AsyncEngine:
     def abort(self, rid: str) -> None:
         """Cancel a request (client gone); its KV pages and slot are freed before the next step."""
         self._cmds.put((lambda: self._abort(rid), None))
+
+    async def pool_snapshot(self) -> dict:
+        """/get_server_info's pool numbers, read between two engine steps."""
+        return await self.call(lambda: pool_snapshot(self.engine))
+
+    async def render_metrics(self) -> bytes:
+        """/metrics' body (the server was built with metrics)."""
+        return self.metrics.render()
+
+    def degraded(self) -> str | None:
+        """What serves at reduced capacity while /health stays 200: nothing, for one engine (a
+        --dp-size server names its dead replicas here)."""
+        return None
 
     # ---- engine thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from ddtree import envs
 from ddtree.configs import ConfigError
 from ddtree.model_sources import weight_problems
 from ddtree.server.gc_watch import gc_freeze_on
@@ -30,12 +31,10 @@ def prepare_args(argv: list[str]) -> ServerArgs:
     return resolve_server_args(ServerArgs(**vars(ns)))
 
 
-def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
-    """(FastAPI app, AsyncEngine) for resolved args; loads the weights. The engine thread starts with
-    the app. gc_freeze: freeze the start-up heap after the warm-up (server/gc_watch.py; the CLI's
-    default, DDTREE_GC_FREEZE; off for servers built inside another process, e.g. the tests)."""
+def build_engine(args: ServerArgs, gc_freeze: bool = False):
+    """The AsyncEngine over one LLMEngine and its metrics, for resolved args (loads the weights; the
+    engine thread starts with the app): one server's engine, or one --dp-size replica's."""
     from ddtree.engine.engine import LLMEngine
-    from ddtree.server.api import create_app
     from ddtree.server.async_engine import AsyncEngine
     from ddtree.server.metrics import ServerMetrics
 
@@ -45,7 +44,7 @@ def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
         longest_round = engine.spec.block_size if args.is_speculative else 1
         metrics = ServerMetrics(args.speculative_algorithm, longest_round)
         metrics.set_round_costs(engine.round_costs())
-    aengine = AsyncEngine(
+    return AsyncEngine(
         engine,
         metrics,
         warmup=warmup_of(engine, args),
@@ -53,7 +52,23 @@ def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
         gc_freeze=gc_freeze,
         max_queued=args.max_queued_requests,
     )
-    return create_app(aengine, args, metrics, **app_kw), aengine
+
+
+def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
+    """(FastAPI app, engine) for resolved args; loads the weights. gc_freeze: freeze the start-up
+    heap after the warm-up (server/gc_watch.py; the CLI's default, DDTREE_GC_FREEZE; off for
+    servers built inside another process, e.g. the tests). With --dp-size N > 1 (or
+    DDTREE_DP_REPLICA_PROCESS=1) the engine is a `DPEngine` over N replica processes
+    (ddtree/server/dp/), started here, all of them ready."""
+    from ddtree.server.api import create_app
+
+    if args.dp_size > 1 or envs.DP_REPLICA_PROCESS.on():
+        from ddtree.server.dp.launch import start_dp_engine
+
+        aengine = start_dp_engine(args, gc_freeze=gc_freeze)
+    else:
+        aengine = build_engine(args, gc_freeze)
+    return create_app(aengine, args, aengine.metrics, **app_kw), aengine
 
 
 def warmup_of(engine, args):
@@ -123,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddtree.server.http import uvicorn_kwargs
 
-    app, aengine = build_app(args, gc_freeze=gc_freeze)
+    try:
+        app, aengine = build_app(args, gc_freeze=gc_freeze)
+    except ConfigError as e:  # found while starting: GPUs a --tp-size / --dp-size needs, ...
+        for problem in e.problems:
+            print(f"error: invalid configuration: {problem}", file=sys.stderr)
+        return 2
     logger.info(
         "serving %s (%s) on http://%s:%d",
         args.served_model_name,

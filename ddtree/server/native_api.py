@@ -151,7 +151,7 @@ class NativeServing:
         async def events():
             async for i, d in merged:
                 if d.error is not None:
-                    yield sse(protocol.APIError(500, d.error, code="engine_error").body())
+                    yield sse(protocol.APIError(d.error_status, d.error, code=d.error_code).body())
                     break
                 texts[i] += d.text
                 ids[i] += d.token_ids
@@ -168,8 +168,7 @@ class NativeServing:
 
     def model_info(self, engine) -> dict:
         """SGLang's fields, plus the drafter and algorithm this server decodes with."""
-        t = engine.runner.target.config
-        a = self.args
+        t, a = self.args.target_config, self.args
         return {
             "model_path": a.model_path,
             "tokenizer_path": a.tokenizer_path,
@@ -193,6 +192,7 @@ def native_router(serving: OpenAIServing, args, engine) -> APIRouter:
         return await native.generate(body, request)
 
     @get(router, "/get_model_info")
+    @get(router, "/model_info")  # the name sgl-router asks for first
     async def get_model_info():
         return native.model_info(engine)
 

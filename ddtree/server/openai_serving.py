@@ -147,7 +147,7 @@ class OpenAIServing:
         self.aengine = aengine
         self.model_name = args.served_model_name or args.model_path
         self.algorithm = args.speculative_algorithm
-        self.vocab_size = aengine.engine.runner.target.config.vocab_size
+        self.vocab_size = args.target_config.vocab_size
         self.max_context = aengine.engine.max_context
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "ddtree-tokenize")
 
