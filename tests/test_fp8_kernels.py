@@ -155,6 +155,12 @@ def test_switches_are_checked(monkeypatch):
     assert fp8.choose(1, 4096, 12288, cublas=True) == "cublas"
     assert fp8.choose(65, 24576, 4096, cublas=True) == "cublas"
     assert fp8.choose(520, 24576, 4096, cublas=False) == "triton"
+    # float32 activations: one row-invariant GEMM at every row count (speculation == AR)
+    assert fp8.choose(520, 24576, 4096, cublas=True, exact=True) == "triton"
+    assert fp8.choose(1, 4096, 12288, cublas=True, exact=True) == "triton"
+    monkeypatch.setenv("DDTREE_FP8_GEMM", "cublas")
+    assert fp8.choose(1, 4096, 12288, cublas=True, exact=True) == "cublas"  # forced: as asked
+    monkeypatch.delenv("DDTREE_FP8_GEMM")
     assert gemm_config(1, 4096, 4096) == GemmConfig(16, 32, 4, 4)
     assert gemm_config(16, 34816, 5120) == GemmConfig(16, 64, 4, 4)
     monkeypatch.setenv("DDTREE_FP8_GEMM_CONFIG", "32,64,4,3")

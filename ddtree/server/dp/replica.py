@@ -115,7 +115,7 @@ class Replica:
             "page_size": bm.page_size,
             "kv_pages_total": bm.num_pages,
             "prefix_cache": bm.cache is not None,
-            "device": str(self.engine.device),
+            "device": _device_name(self.engine.device),
             "vocab_size": self.engine.runner.target.config.vocab_size,
             "eos_ids": tuple(self.engine.emitter.eos_ids),
         }
@@ -218,3 +218,13 @@ class Replica:
                 return
             self.send((m.STATUS, self.aengine.health_problem()))
             await asyncio.sleep(m.HEARTBEAT_S)
+
+
+def _device_name(device) -> str:
+    """The device with its index ("cuda:0": under its CUDA_VISIBLE_DEVICES a replica's first GPU is
+    always 0), where the engine names a bare "cuda"."""
+    import torch
+
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
