@@ -23,6 +23,7 @@ from engine_utils import accepted_prompts, make_llm, toy_pattern
 from server_fixtures import server_argv, server_info, subprocess_server, wait_idle
 
 from ddtree import SamplingParams
+from ddtree.shapes import EOS_ID
 
 N_NEW = 12
 PROMPTS = [list(p) for p in accepted_prompts(6)]
@@ -99,17 +100,27 @@ def test_cache_aware_sends_the_next_turn_to_the_replica_that_caches_it(dp_server
     assert all(c >= 32 for c in cached), cached  # 52-token histories: 3 full 16-token pages
 
 
-def test_grammars_are_checked_here_and_constrain_on_the_replicas(dp_server):
+def test_grammars_are_checked_here_and_constrain_on_the_replicas(dp_server, toy_pair):
     """A structured-output request: its grammar is validated in the HTTP process (a bad one is a
     400 naming the field, no replica involved) and compiled again on the replica that serves it,
-    whose tokens it constrains; on both replicas."""
+    whose tokens it constrains; on both replicas. The toy vocabulary is the words "4" .. "63" (its
+    decoder joins them with spaces): the grammar reads the words' own bytes."""
     import re
 
-    regex = "( [0-9]{1,2}){3}"
-    for prompt in PROMPTS[:2]:  # round robin over equal queues: one on each replica
-        r = generate(dp_server, prompt, 16, regex=regex)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(os.path.join(toy_pair[0], "tokenizer.json"))
+    regex = "[0-9]{5,7}"
+    before = metric(dp_server, "ddtree_requests_total")
+    for prompt in PROMPTS[:4]:
+        r = generate(dp_server, prompt, 16, regex=regex, ignore_eos=False)
         assert r.status_code == 200, r.text
-        assert re.fullmatch(regex, r.json()["text"]), r.json()["text"]
+        out = r.json()["output_ids"]
+        assert out[-1] == EOS_ID, out  # the grammar ended it: EOS is the only token it allows then
+        words = "".join(vocab.id_to_token(i) for i in out[:-1])
+        assert re.fullmatch(regex, words), (words, r.json()["meta_info"]["finish_reason"])
+    after = metric(dp_server, "ddtree_requests_total")
+    assert all(after[rank] > before.get(rank, 0.0) for rank in ("0", "1")), (before, after)
     sp = {"max_new_tokens": 8, "regex": "(unclosed"}
     bad = httpx.post(dp_server + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": sp})
     assert bad.status_code == 400 and "regex" in bad.json()["error"]["message"], bad.text
