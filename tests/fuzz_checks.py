@@ -62,6 +62,33 @@ def check_request(req, ref: Continuation | None, text_of: TextOf, ctx: int, eos,
     return bad
 
 
+def check_grammar_request(req, ref, stats: Counter) -> list[str]:
+    """A grammar request against AR's run of the same parameters (`ref`: its RequestOutput):
+    the same tokens, text and finish (an aborted or failed one: a prefix of AR's tokens); a
+    divergence where AR's top-2 log-probs are within TIE is a near-tie."""
+    out, exp = list(req.output_ids), list(ref.token_ids)
+    stats["grammar_" + str(req.finish_reason)] += 1
+    k = first_difference(out, exp)
+    if k is not None:
+        top = ref.logprobs[k].top
+        if len(top) > 1 and top[0][1] - top[1][1] < TIE:
+            stats["near_tie"] += 1
+            return []
+        return [f"grammar: token {k}: {out[k]} where AR has {exp[k]} (out {out}, AR {exp})"]
+    if req.finish_reason == "abort" or req.error is not None:
+        if len(out) > len(exp):
+            return [f"grammar: aborted with {len(out)} tokens, past AR's finish at {len(exp)}"]
+        return []
+    bad = []
+    if out != exp:
+        bad.append(f"grammar: tokens {out} != AR's {exp}")
+    if req.text != ref.text:
+        bad.append(f"grammar: text {req.text!r} != AR's {ref.text!r}")
+    if req.finish_reason != ref.finish_reason:
+        bad.append(f"grammar: finish {req.finish_reason} != AR's {ref.finish_reason}")
+    return bad
+
+
 def _own_rule(req, text_of: TextOf, ctx: int, eos) -> list[str]:
     out, p = list(req.output_ids), req.params
     e = apply_stop_rule(text_of, req.prompt_ids, out, p, ctx, eos)

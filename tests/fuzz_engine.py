@@ -70,11 +70,14 @@ class CaseResult:
         return head + body + "\n  " + "\n  ".join(self.failures[:12]) + f"\n  repro: {self.repro()}"
 
 
-def run_case(seed: int, refs, n_requests: int = 24, max_steps: int = 5000) -> CaseResult:
+def run_case(
+    seed: int, refs, n_requests: int = 24, max_steps: int = 5000, grammars: bool = True
+) -> CaseResult:
     """One seeded case through the engine; every problem found lands in `failures` (an exception
-    ends the case there)."""
+    ends the case there). `grammars=False`: the case as drawn before grammars were (the
+    regression seeds replay their finding)."""
     t0 = time.perf_counter()
-    case = draw_case(seed, refs, n_requests)
+    case = draw_case(seed, refs, n_requests, grammars)
     desc = case.cfg.describe() + (f" fault={case.fault}" if case.fault else "")
     res = CaseResult(seed, desc, len(case.specs), requests_asked=n_requests, device=refs.device)
     try:
@@ -212,7 +215,7 @@ def _steps(engine, case: Case, res, max_steps, logged) -> list | None:
 
 
 def _check_outputs(engine, case: Case, reqs: list, refs, res: CaseResult) -> None:
-    from fuzz_checks import cached_state_problems, check_request
+    from fuzz_checks import cached_state_problems, check_grammar_request, check_request
     from fuzz_oracle import TextOf
 
     from ddtree.engine import integrity
@@ -224,8 +227,14 @@ def _check_outputs(engine, case: Case, reqs: list, refs, res: CaseResult) -> Non
     conts = refs.get(cfg.target, [s.prompt for s in specs])
     text_of, eos = TextOf(engine.tokenizer), engine.emitter.eos_ids
     spec_run = cfg.algorithm != "NONE"
+    constrained = [i for i, s in enumerate(specs) if s.params.grammar is not None]
+    ar_runs = refs.runs(cfg.target, [(specs[i].prompt, specs[i].params) for i in constrained])
+    grammar_refs = dict(zip(constrained, ar_runs))
     for i, (s, r) in enumerate(zip(specs, reqs)):
-        bad = check_request(r, conts[s.prompt], text_of, case.ctx, eos, res.stats)
+        if i in grammar_refs:
+            bad = check_grammar_request(r, grammar_refs[i], res.stats)
+        else:
+            bad = check_request(r, conts[s.prompt], text_of, case.ctx, eos, res.stats)
         victim = fault is not None and i == fault.victim
         if r.error is not None and not victim:
             bad.append(f"failed: {r.error}")

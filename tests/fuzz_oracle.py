@@ -157,3 +157,16 @@ class References:
                     [e.top for e in o.logprobs],
                 )
         return {p: self.cache[(target, p)] for p in prompts}
+
+    def runs(self, target: str, requests) -> list:
+        """AR's own outputs (`RequestOutput`) of (prompt, params) requests, with the top-2 log-probs
+        of each token for the near-tie test: the reference of a grammar request."""
+        import dataclasses
+
+        if not requests:
+            return []
+        params = [
+            dataclasses.replace(p, logprobs=True, top_logprobs=max(2, p.top_logprobs))
+            for _, p in requests
+        ]
+        return self.llm(target).generate([list(q) for q, _ in requests], params)

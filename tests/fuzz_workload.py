@@ -12,7 +12,10 @@ the model's continuations (so they fall inside accepted blocks), EOS declared on
 emits (the toy corpus has none), `n` copies, log-probs, max_tokens at and around block boundaries,
 per-request budget caps, greedy and sampled (seeded twins that must agree), arrivals at random
 steps, aborts at random steps or at a random output position, and in some cases one request whose
-batched step, prefill or emission raises (`Fault`: fault isolation must fail it alone).
+batched step, prefill or emission raises (`Fault`: fault isolation must fail it alone). Some greedy
+requests carry a grammar (a regex or a choice over the toy words "4" .. "63", drawn from a stream of
+their own so every other draw of a seed stays what it was): checked against AR's own run of the same
+parameters, since the stop-rule oracle does not model grammars.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ KINDS = (
 )
 BOS = 0
 MAX_TOKENS = 48
+GRAMMAR_SHARE = 0.2  # of the greedy requests of a case that may carry grammars
+# over the toy vocabulary (the words "4" .. "63"; a grammar reads the words' own bytes): ones
+# that end early, late or never, and one whose first word the model rarely picks
+REGEXES = ("[0-9]{2,12}", "(1|2|3)[0-9]*", "[4-9]+", "(4|5|6|7|8|9)(1|2|3|4)+", "[0-9]*")
+CHOICES = (("456", "1011", "2030405"), ("63", "6162"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +204,8 @@ class Case:
     fault: Fault | None = None
 
 
-def draw_case(seed: int, refs, n_requests: int) -> Case:
-    """The seed's config and workload."""
+def draw_case(seed: int, refs, n_requests: int, grammars: bool = True) -> Case:
+    """The seed's config and workload (`grammars`: whether some greedy requests carry one)."""
     from ddtree.engine.config import spec_config
     from ddtree.server_args import ServerArgs, resolve_server_args
 
@@ -251,6 +259,9 @@ def draw_case(seed: int, refs, n_requests: int) -> Case:
     eos = None
     if rng.random() < 0.3:  # the toy corpus has no EOS: declare one the model emits
         eos = (rng.choice([t for c in conts.values() for t in c.tokens]),)
+    if grammars and eos is None and "context_length" not in kw:
+        # AR's run of the same parameters is their reference: the same EOS and context
+        _draw_grammars(random.Random(seed * 7919 + 17), specs)
     cfg = dataclasses.replace(cfg, kwargs=tuple(sorted(kw.items())))
     fault = None
     if rng.random() < 0.3:
@@ -260,3 +271,15 @@ def draw_case(seed: int, refs, n_requests: int) -> Case:
         after = 0 if where == "prefill" else rng.randint(min(1, last), max(last, 0))
         fault = Fault(where, victim, after)
     return Case(cfg, knobs, specs, eos, ctx, fault)
+
+
+def _draw_grammars(rng: random.Random, specs: list[Spec]) -> None:
+    from ddtree.grammar import GrammarSpec
+
+    for s in specs:
+        if s.params.greedy and s.twin_of is None and rng.random() < GRAMMAR_SHARE:
+            if rng.random() < 0.75:
+                g = GrammarSpec.regex(rng.choice(REGEXES))
+            else:
+                g = GrammarSpec.choice(list(rng.choice(CHOICES)))
+            s.params = dataclasses.replace(s.params, grammar=g)

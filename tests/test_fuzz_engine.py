@@ -63,6 +63,10 @@ def test_fuzz_covers_what_it_is_for(ci_results):
     ):
         assert s[what] > 0, f"no {what} in {len(results)} cases: {dict(s)}"
     assert s["near_tie"] <= 0.01 * sum(r.requests for r in results), dict(s)
+    # grammar requests under speculation that finished every way a grammar request can
+    grammar = {k: v for k, v in s.items() if k.startswith("grammar_")}
+    assert sum(grammar.values()) >= 20 and grammar.get("grammar_stop", 0) > 0, grammar
+    assert grammar.get("grammar_length", 0) > 0, grammar
     acc = [n for r in results for n in r.accept]
     assert sum(acc) / len(acc) > 2, sum(acc) / len(acc)
     for kind in set(KINDS):
@@ -72,7 +76,7 @@ def test_fuzz_covers_what_it_is_for(ci_results):
 
 @pytest.mark.parametrize("seed,requests", sorted(REGRESSION_SEEDS))
 def test_fuzz_regression_seed(refs, one_torch_thread, seed, requests):
-    r = run_case(seed, refs, requests)
+    r = run_case(seed, refs, requests, grammars=False)
     assert r.ok, f"{REGRESSION_SEEDS[seed, requests]}\n{r.line()}"
 
 
@@ -151,3 +155,22 @@ def test_fuzzer_catches_a_leaked_slot(refs, one_torch_thread, monkeypatch):
 
     monkeypatch.setattr(Scheduler, "finish", finish)
     assert _any_failure(refs, META_SEEDS, "slot")
+
+
+def test_fuzzer_catches_a_grammar_round_that_emits_past_its_stop_token(
+    refs, one_torch_thread, monkeypatch
+):
+    """A grammar round that keeps the tokens of an accepted path after the grammar's stop token
+    (with ignore_eos the emitter would pass them on): a speculative grammar request runs past
+    where AR under the same grammar ends."""
+    from ddtree.engine.grammar_round import GrammarBatch
+
+    real = GrammarBatch.advance
+
+    def advance(self, emitted):
+        kept = [list(e) for e in emitted]
+        cut = real(self, emitted)
+        return [k if c and c != k and c == k[: len(c)] else c for c, k in zip(cut, kept)]
+
+    monkeypatch.setattr(GrammarBatch, "advance", advance)
+    assert _any_failure(refs, META_SEEDS + (3, 12, 13, 20), "grammar:")

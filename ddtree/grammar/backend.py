@@ -171,9 +171,11 @@ class Matcher:
         return ok
 
     def accept_all(self, tokens) -> int:
-        """Accept tokens in order until one is refused; returns how many were accepted."""
+        """Accept tokens in order until one is refused or the grammar has accepted its stop token
+        (what follows that is not the grammar's: never offered to it); returns how many were
+        accepted."""
         for i, t in enumerate(tokens):
-            if not self.accept(t):
+            if self.terminated or not self.accept(t):
                 return i
         return len(tokens)
 
