@@ -17,7 +17,7 @@ SGLang does not know either is refused, as SGLang does. Bounds are the OpenAI ro
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -34,14 +34,14 @@ from ddtree.server.limits import (
     StopString,
     Text,
 )
-from ddtree.server.protocol import MAX_N, MAX_SEED, APIError, invalid
+from ddtree.server.protocol import MAX_N, MAX_SEED, APIError, GrammarFields, invalid
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
 Batch = Field(max_length=MAX_BATCH_REQUESTS)
 
 
-class NativeSamplingParams(BaseModel):
+class NativeSamplingParams(GrammarFields):
     # undeclared keys are kept (model_extra) and refused by check_native
     model_config = ConfigDict(extra="allow")
 
@@ -67,29 +67,6 @@ class NativeSamplingParams(BaseModel):
     logit_bias: dict | None = None
     stop_regex: str | list[str] | None = None
     custom_params: dict | None = None
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_grammar: Any = None
-    guided_choice: Any = None
-    structured_outputs: Any = None
-
-    GRAMMAR_FIELDS: ClassVar[tuple[str, ...]] = (
-        "json_schema",
-        "regex",
-        "ebnf",
-        "guided_json",
-        "guided_regex",
-        "guided_grammar",
-        "guided_choice",
-        "structured_outputs",
-    )
-
-    def grammar_fields(self) -> dict:
-        return {name: getattr(self, name) for name in self.GRAMMAR_FIELDS}
-
     UNSUPPORTED: ClassVar[tuple] = (
         ("min_p", (None, 0)),
         ("frequency_penalty", (None, 0)),

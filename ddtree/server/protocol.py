@@ -82,7 +82,35 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False  # vLLM / SGLang: usage in every chunk (refused)
 
 
-class _SamplingFields(BaseModel):
+class GrammarFields(BaseModel):
+    """The structured-output fields every route takes (vLLM's and SGLang's spellings; at most one
+    set, `server/structured.py` turns it into a GrammarSpec)."""
+
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
+
+    GRAMMAR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "json_schema",
+        "regex",
+        "ebnf",
+        "guided_json",
+        "guided_regex",
+        "guided_grammar",
+        "guided_choice",
+        "structured_outputs",
+    )
+
+    def grammar_fields(self) -> dict:
+        return {name: getattr(self, name) for name in self.GRAMMAR_FIELDS}
+
+
+class _SamplingFields(GrammarFields):
     # undeclared fields are kept (model_extra) for request_fields.check_extra
     model_config = ConfigDict(extra="allow")
 
@@ -112,26 +140,8 @@ class _SamplingFields(BaseModel):
     min_tokens: StrictInt | None = None
     logit_bias: dict[str, Any] | None = None
     response_format: Any = None
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_grammar: Any = None
-    guided_choice: Any = None
-    structured_outputs: Any = None
 
-    GRAMMAR_FIELDS: ClassVar[tuple[str, ...]] = (
-        "response_format",
-        "json_schema",
-        "regex",
-        "ebnf",
-        "guided_json",
-        "guided_regex",
-        "guided_grammar",
-        "guided_choice",
-        "structured_outputs",
-    )
+    GRAMMAR_FIELDS: ClassVar[tuple[str, ...]] = ("response_format", *GrammarFields.GRAMMAR_FIELDS)
 
     # (field, neutral values): set to anything else, the request is rejected instead of silently ignored
     UNSUPPORTED: ClassVar[tuple] = (
@@ -142,9 +152,6 @@ class _SamplingFields(BaseModel):
         ("min_tokens", (None, 0)),
         ("logit_bias", (None, {})),
     )
-
-    def grammar_fields(self) -> dict:
-        return {name: getattr(self, name) for name in self.GRAMMAR_FIELDS}
 
 
 class CompletionRequest(_SamplingFields):
