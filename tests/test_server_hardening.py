@@ -588,7 +588,9 @@ def test_health_turns_503_while_the_engine_loop_is_stuck(server, http, pair, mon
             server.base_url + "/v1/completions",
             headers=AUTH,
             timeout=60,
-            json={"prompt": "s", "max_tokens": 2},
+            # greedy and ignore_eos: a sampled first token could be EOS and end the request at
+            # its prefill, before any round is stuck (the server's request count picks the seed)
+            json={"prompt": "s", "max_tokens": 2, "temperature": 0, "ignore_eos": True},
         )
     )
     t.start()
