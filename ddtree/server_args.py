@@ -262,6 +262,10 @@ class ServerArgs:
         object.__setattr__(
             self, "speculative_algorithm", str(self.speculative_algorithm or "NONE").upper()
         )
+        if self.spec is not None:
+            # `dataclasses.replace` of resolved args (e.g. the AR run of `generate --compare-ar`)
+            # copies `spec`: derive it again from the fields it now has, so it never goes stale
+            object.__setattr__(self, "spec", spec_config(self))
 
     @property
     def is_speculative(self) -> bool:

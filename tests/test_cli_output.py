@@ -212,6 +212,8 @@ def test_generate_json_prints_only_json_on_stdout(tmp_path):
     rows = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line parses
     assert [r["prompt"] for r in rows] == ["ab", "cd"] and all("token_ids" in r for r in rows)
     assert "speed-up DDTREE over AR at batch 1" in proc.stderr  # the statistics went to stderr
+    # the AR run really decoded (its args are the speculative run's with the algorithm replaced)
+    assert "outputs identical to AR: True" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_plots_are_optional(monkeypatch, tmp_path, capsys):

@@ -186,3 +186,15 @@ def test_smaller_block_than_trained_is_warned(dense, caplog):
 def test_trained_block_size_is_silent(dense, caplog):
     prepare_server_args(ddtree_argv(dense, "--speculative-dflash-block-size", "16"))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_replaced_resolved_args_carries_its_own_spec(dense):
+    """`dataclasses.replace` of resolved args (generate --compare-ar's AR run) must not keep the
+    speculative run's derived SpecConfig: the engine sizes and decodes by `args.spec`."""
+    import dataclasses
+
+    args = prepare_server_args(ddtree_argv(dense, "--device", "cpu"))
+    assert args.spec.algorithm == "DDTREE" and args.spec.budget > 0
+    ar = dataclasses.replace(args, speculative_algorithm="NONE")
+    assert ar.spec.algorithm == "NONE" and ar.spec.block_size == 1
+    assert dataclasses.replace(args, speculative_ddtree_budget=8).spec.budget == 8
