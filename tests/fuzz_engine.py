@@ -71,13 +71,13 @@ class CaseResult:
 
 
 def run_case(
-    seed: int, refs, n_requests: int = 24, max_steps: int = 5000, grammars: bool = True
+    seed: int, refs, n_requests: int = 24, max_steps: int = 5000, extras: bool = True
 ) -> CaseResult:
     """One seeded case through the engine; every problem found lands in `failures` (an exception
-    ends the case there). `grammars=False`: the case as drawn before grammars were (the
-    regression seeds replay their finding)."""
+    ends the case there). `extras=False`: the case as drawn before grammars and DFlash2 drafters
+    were (the regression seeds replay their finding)."""
     t0 = time.perf_counter()
-    case = draw_case(seed, refs, n_requests, grammars)
+    case = draw_case(seed, refs, n_requests, extras)
     desc = case.cfg.describe() + (f" fault={case.fault}" if case.fault else "")
     res = CaseResult(seed, desc, len(case.specs), requests_asked=n_requests, device=refs.device)
     try:
@@ -93,7 +93,8 @@ def _drive(case: Case, refs, res: CaseResult, max_steps: int) -> None:
     from engine_utils import make_llm
 
     cfg = case.cfg
-    llm = make_llm(refs.pairs[cfg.target], cfg.algorithm, **dict(cfg.kwargs), **refs.engine_kwargs)
+    pair = refs.pair(cfg.target, cfg.drafter)
+    llm = make_llm(pair, cfg.algorithm, **dict(cfg.kwargs), **refs.engine_kwargs)
     engine = llm.engine
     # fault isolation turns an exception into a failed (aborted) request and goes on: every
     # isolated failure is a finding, with what the engine logged about it
@@ -289,6 +290,23 @@ def toy_pairs() -> dict[str, tuple[str, str]]:
     }
 
 
+def toy_dflash2_drafters(pairs: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """A DFlash2 drafter per toy target (as tests/conftest.py's fixtures build them)."""
+    import tempfile
+
+    from ddtree.tools.train.toy import build_toy_dflash2_drafter
+
+    root = envs.CACHE.get() or tempfile.mkdtemp(prefix="ddtree_fuzz_")
+    return {
+        "dense": build_toy_dflash2_drafter(
+            os.path.join(root, "toy_dflash2_pair"), pairs["dense"][0]
+        ),
+        "hybrid": build_toy_dflash2_drafter(
+            os.path.join(root, "toy_hybrid_dflash2_pair"), pairs["hybrid"][0], hybrid=True
+        ),
+    }
+
+
 def summarize(results: list[CaseResult]) -> str:
     stats = sum((r.stats for r in results), Counter())
     acc = [n for r in results for n in r.accept]
@@ -322,7 +340,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from fuzz_oracle import References
 
-    refs = References(toy_pairs(), a.device)
+    pairs = toy_pairs()
+    refs = References(pairs, a.device, toy_dflash2_drafters(pairs))
     if a.seeds:
         lo, hi = (int(x) for x in a.seeds.split(":"))
         seeds = iter(range(lo, hi))

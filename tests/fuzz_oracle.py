@@ -103,10 +103,17 @@ class References:
     """AR continuations per (target, prompt), computed in batches by a plain engine per target
     (NONE, no prefix cache, fp32) and kept for the process."""
 
-    def __init__(self, pairs: dict[str, tuple[str, str]], device: str = "cpu"):
+    def __init__(
+        self,
+        pairs: dict[str, tuple[str, str]],
+        device: str = "cpu",
+        dflash2: dict[str, str] | None = None,
+    ):
         """device: where the fuzzed engines and the references run ("cuda": CUDA graphs on, as a
-        server runs; graphs captured up to batch 8 to keep each case's start short)."""
+        server runs; graphs captured up to batch 8 to keep each case's start short). dflash2: a
+        DFlash2 drafter directory per target, for the cases that draft with one."""
         self.pairs, self.device = pairs, device
+        self.dflash2 = dflash2 or {}
         self.engine_kwargs = {"device": device}
         if device == "cuda":
             self.engine_kwargs["cuda_graph_max_bs"] = 8
@@ -126,6 +133,15 @@ class References:
                 **self.engine_kwargs,
             )
         return self.llms[target]
+
+    def pair(self, target: str, drafter: str = "dflash") -> tuple[str, str]:
+        """(target_dir, drafter_dir) of a case: the target's own pair, or its DFlash2 drafter."""
+        target_dir, drafter_dir = self.pairs[target]
+        return (
+            (target_dir, self.dflash2[target])
+            if drafter == "dflash2"
+            else (target_dir, drafter_dir)
+        )
 
     def tokenizer(self, target: str):
         return self.llm(target).tokenizer

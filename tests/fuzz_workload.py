@@ -12,7 +12,9 @@ the model's continuations (so they fall inside accepted blocks), EOS declared on
 emits (the toy corpus has none), `n` copies, log-probs, max_tokens at and around block boundaries,
 per-request budget caps, greedy and sampled (seeded twins that must agree), arrivals at random
 steps, aborts at random steps or at a random output position, and in some cases one request whose
-batched step, prefill or emission raises (`Fault`: fault isolation must fail it alone). Some greedy
+batched step, prefill or emission raises (`Fault`: fault isolation must fail it alone). A third of the
+speculative cases draft with a DFlash2 drafter (the selector chain, the path-conditioned tree) where one
+is given for the target. Some greedy
 requests carry a grammar (a regex or a choice over the toy words "4" .. "63", drawn from a stream of
 their own so every other draw of a seed stays what it was): checked against AR's own run of the same
 parameters, since the stop-rule oracle does not model grammars.
@@ -38,6 +40,7 @@ KINDS = (
 BOS = 0
 MAX_TOKENS = 48
 GRAMMAR_SHARE = 0.2  # of the greedy requests of a case that may carry grammars
+DFLASH2_SHARE = 0.3  # of the speculative cases, when a DFlash2 drafter is given for the target
 # over the toy vocabulary (the words "4" .. "63"; a grammar reads the words' own bytes): ones
 # that end early, late or never, and one whose first word the model rarely picks
 REGEXES = ("[0-9]{2,12}", "(1|2|3)[0-9]*", "[4-9]+", "(4|5|6|7|8|9)(1|2|3|4)+", "[0-9]*")
@@ -49,10 +52,12 @@ class Config:
     target: str
     algorithm: str
     kwargs: tuple  # LLM keyword arguments, sorted (key, value) pairs
+    drafter: str = "dflash"  # the drafter format: "dflash" or "dflash2"
 
     def describe(self) -> str:
         kw = " ".join(f"{k}={v}" for k, v in self.kwargs)
-        return f"{self.target} {self.algorithm} {kw}"
+        drafter = " drafter=dflash2" if self.drafter == "dflash2" else ""
+        return f"{self.target} {self.algorithm}{drafter} {kw}"
 
 
 @dataclasses.dataclass
@@ -204,14 +209,19 @@ class Case:
     fault: Fault | None = None
 
 
-def draw_case(seed: int, refs, n_requests: int, grammars: bool = True) -> Case:
-    """The seed's config and workload (`grammars`: whether some greedy requests carry one)."""
+def draw_case(seed: int, refs, n_requests: int, extras: bool = True) -> Case:
+    """The seed's config and workload. `extras`: the dimensions added after the regression seeds
+    were found (grammars, DFlash2 drafters), drawn from streams of their own; without them a seed
+    draws what it always drew."""
     from ddtree.engine.config import spec_config
     from ddtree.server_args import ServerArgs, resolve_server_args
 
     rng = random.Random(seed)
     cfg, knobs = draw_config(seed, rng)
-    pair = refs.pairs[cfg.target]
+    if extras and cfg.algorithm != "NONE" and cfg.target in refs.dflash2:
+        if random.Random(seed * 104729 + 3).random() < DFLASH2_SHARE:
+            cfg = dataclasses.replace(cfg, drafter="dflash2")
+    pair = refs.pair(cfg.target, cfg.drafter)
     kw = dict(cfg.kwargs)
     args = ServerArgs(
         model_path=pair[0],
@@ -259,7 +269,7 @@ def draw_case(seed: int, refs, n_requests: int, grammars: bool = True) -> Case:
     eos = None
     if rng.random() < 0.3:  # the toy corpus has no EOS: declare one the model emits
         eos = (rng.choice([t for c in conts.values() for t in c.tokens]),)
-    if grammars and eos is None and "context_length" not in kw:
+    if extras and eos is None and "context_length" not in kw:
         # AR's run of the same parameters is their reference: the same EOS and context
         _draw_grammars(random.Random(seed * 7919 + 17), specs)
     cfg = dataclasses.replace(cfg, kwargs=tuple(sorted(kw.items())))

@@ -28,8 +28,11 @@ REGRESSION_SEEDS = {
 
 
 @pytest.fixture(scope="module")
-def refs(toy_pair, toy_hybrid_pair):
-    return References({"dense": toy_pair, "hybrid": toy_hybrid_pair})
+def refs(toy_pair, toy_hybrid_pair, toy_dflash2_pair, toy_hybrid_dflash2_pair):
+    return References(
+        {"dense": toy_pair, "hybrid": toy_hybrid_pair},
+        dflash2={"dense": toy_dflash2_pair[1], "hybrid": toy_hybrid_dflash2_pair[1]},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +70,9 @@ def test_fuzz_covers_what_it_is_for(ci_results):
     grammar = {k: v for k, v in s.items() if k.startswith("grammar_")}
     assert sum(grammar.values()) >= 20 and grammar.get("grammar_stop", 0) > 0, grammar
     assert grammar.get("grammar_length", 0) > 0, grammar
+    assert (
+        sum("drafter=dflash2" in r.config for r in results) >= 4
+    )  # DFlash2 drafters, dense + hybrid
     acc = [n for r in results for n in r.accept]
     assert sum(acc) / len(acc) > 2, sum(acc) / len(acc)
     for kind in set(KINDS):
@@ -76,7 +82,7 @@ def test_fuzz_covers_what_it_is_for(ci_results):
 
 @pytest.mark.parametrize("seed,requests", sorted(REGRESSION_SEEDS))
 def test_fuzz_regression_seed(refs, one_torch_thread, seed, requests):
-    r = run_case(seed, refs, requests, grammars=False)
+    r = run_case(seed, refs, requests, extras=False)
     assert r.ok, f"{REGRESSION_SEEDS[seed, requests]}\n{r.line()}"
 
 
