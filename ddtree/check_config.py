@@ -17,6 +17,7 @@ import logging
 import sys
 
 from ddtree.configs import ConfigError
+from ddtree.engine.config import cuda_available
 from ddtree.memory_plan import (
     MemoryPlan,
     describe_placement,
@@ -28,7 +29,6 @@ from ddtree.model_sources import weight_problems
 from ddtree.server_args import (
     ServerArgs,
     cli_fields,
-    cuda_available,
     make_parser,
     resolve_server_args,
 )

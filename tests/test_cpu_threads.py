@@ -7,7 +7,7 @@ import pytest
 import torch
 from config_fixtures import dense_pair
 
-from ddtree import server_args
+from ddtree import server_args_device
 from ddtree.configs import ConfigError
 from ddtree.server_args import prepare_server_args
 
@@ -15,7 +15,7 @@ from ddtree.server_args import prepare_server_args
 @pytest.fixture
 def cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(server_args, "available_cores", lambda: 6)
+    monkeypatch.setattr(server_args_device, "available_cores", lambda: 6)
 
 
 def threads(*argv):

@@ -7,7 +7,7 @@ import logging
 import pytest
 from config_fixtures import dense_pair, qwen3_8b_config, write_model_dir
 
-from ddtree import server_args
+from ddtree import server_args_device, server_args_resolve
 from ddtree.configs import ConfigError
 from ddtree.server_args import ServerArgs, prepare_server_args, resolve_server_args
 
@@ -40,8 +40,8 @@ def machine(monkeypatch):
     """machine(cuda, triton): fake the GPU probe and the triton lookup that resolution reads."""
 
     def set_machine(cuda: bool, triton: bool):
-        monkeypatch.setattr(server_args, "cuda_available", lambda: cuda)
-        monkeypatch.setattr(server_args, "triton_available", lambda: triton)
+        monkeypatch.setattr(server_args_resolve, "cuda_available", lambda: cuda)
+        monkeypatch.setattr(server_args_device, "triton_available", lambda: triton)
 
     return set_machine
 

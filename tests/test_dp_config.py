@@ -167,10 +167,10 @@ def test_serve_refuses_more_gpus_than_visible_before_any_replica_starts():
 def test_cpu_replicas_split_the_cores(tmp_path, monkeypatch):
     """On the CPU every rank of every replica is a process: the automatic --cpu-threads is each
     one's share of the cores (here the 8B config's size would take them all)."""
-    from ddtree import server_args
+    from ddtree import server_args_device
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(server_args, "available_cores", lambda: 8)
+    monkeypatch.setattr(server_args_device, "available_cores", lambda: 8)
     pair = dense_pair(tmp_path)
     cpu = [a if a != "cuda" else "cpu" for a in argv(pair)]
     assert prepare_server_args(cpu + ["--tp-size", "2"]).cpu_threads == 4

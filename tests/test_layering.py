@@ -5,7 +5,8 @@ and every module must have a floor (a new package is placed here on purpose, not
     0  envs, configs, shapes, assets, model_sources, speculative (pure tree math), grammar (grammar
        specs, matchers and the draft tree under a grammar: host math beside speculative)
     1  kernels            2  attention           3  models          4  engine
-    5  the configuration above the engine: server_args, config_checks, memory_plan, check_config
+    5  the configuration above the engine: server_args (+ its _resolve / _device halves), config_checks,
+       memory_plan, check_config
     6  server, llm, generate
     7  bench (the user-facing benchmarks), cli, launch_server, the package root
     8  tools: inflate, train, studies. Nothing below imports them: the serving graph reaches a
@@ -33,6 +34,8 @@ FLOORS = {
     "models": 3,
     "engine": 4,
     "server_args": 5,
+    "server_args_resolve": 5,
+    "server_args_device": 5,
     "config_checks": 5,
     "memory_plan": 5,
     "check_config": 5,
