@@ -9,10 +9,10 @@ cd "$(dirname "$0")/.."
 ver() { python3 -m pip show "$1" 2>/dev/null | awk '/^Version:/{print "=="$2}'; }
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 # server: fastapi (+ starlette, pydantic, annotated-types, typing-inspection, opentelemetry-api),
-# uvicorn; bench client: openai (+ httpx2, httpcore2, truststore, jiter, distro, sniffio); GDN: fla-core;
+# uvicorn; bench client: openai (+ httpx2, httpcore2, truststore, jiter, distro, sniffio); GDN: fla-core (+ einops);
 # grammars: xgrammar (+ apache-tvm-ffi; its torch / triton / transformers are the image's)
 PKGS=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection opentelemetry-api
-  uvicorn openai httpx2 httpcore2 truststore jiter distro sniffio xgrammar apache-tvm-ffi)
+  uvicorn openai httpx2 httpcore2 truststore jiter distro sniffio xgrammar apache-tvm-ffi einops)
 mkdir -p .whl
 for p in "${PKGS[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
