@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import typing
 from dataclasses import dataclass, field
 
@@ -21,8 +20,6 @@ from ddtree.engine.config import (
     spec_config,
 )
 from ddtree.models.checkpoint import Fp8Layout
-
-logger = logging.getLogger("ddtree")
 
 SPECULATIVE_ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex")

@@ -7,9 +7,7 @@ import logging
 import os
 
 from ddtree.configs import DrafterConfig, TargetConfig
-from ddtree.engine.config import (
-    DEFAULT_CUDA_GRAPH_MAX_BS,
-)
+from ddtree.engine.config import DEFAULT_CUDA_GRAPH_MAX_BS
 from ddtree.server_args import (
     CPU_PARAMS_PER_THREAD,
     DTYPES,

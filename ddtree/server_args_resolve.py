@@ -12,11 +12,7 @@ import os
 from ddtree import envs
 from ddtree.config_checks import check_pair, check_quantization, check_tp, load_model_config
 from ddtree.configs import ConfigError, TargetConfig
-from ddtree.engine.config import (
-    DEFAULT_MAMBA_STRATEGY,
-    cuda_available,
-    spec_config,
-)
+from ddtree.engine.config import DEFAULT_MAMBA_STRATEGY, cuda_available, spec_config
 from ddtree.model_sources import source_for
 from ddtree.server_args import (
     ATTENTION_BACKENDS,

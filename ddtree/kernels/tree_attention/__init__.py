@@ -6,12 +6,4 @@
 
 from ddtree.kernels.tree_attention.reference import paged_attention_reference
 
-__all__ = ["paged_attention_reference", "triton_available"]
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+__all__ = ["paged_attention_reference"]
