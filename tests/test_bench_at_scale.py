@@ -266,3 +266,21 @@ def test_the_next_config_is_expected_to_take_the_fastest_time_so_far():
 
     ns = SimpleNamespace(t_start=time.perf_counter() - 209.0, time_budget_s=290.0)
     assert not over(ns, config_need_s([62.0, 114.0])) and over(ns, 114.0)
+
+
+def test_source_drafter_reaches_the_servers(tmp_path):
+    """--source-drafter (a DFlash2 drafter trained for the embedded target) is what an in-memory
+    server inflates: its `inflate:` spec names the embedded target and that drafter."""
+    from ddtree.assets import default_model_paths
+    from ddtree.tools.inflate.source import InflateSource, parse_source
+    from ddtree.tools.studies.at_scale import build, make_parser
+
+    ns = make_parser().parse_args(
+        ["--model-store", "memory", "--source-drafter", str(tmp_path / "d2")]
+    )
+    _, tdir, ddir = build(ns, {}, need_pair=False)
+    assert ddir is None
+    target = default_model_paths()[0]
+    assert parse_source(tdir) == InflateSource("qwen3-8b", target, str(tmp_path / "d2"))
+    ns = make_parser().parse_args(["--model-store", "memory"])
+    assert build(ns, {}, need_pair=False)[1] == "inflate:qwen3-8b"

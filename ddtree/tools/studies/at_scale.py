@@ -55,6 +55,12 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--in-memory", action="store_true", help="= --model-store memory")
     p.add_argument(
+        "--source-drafter",
+        default=None,
+        help="the small drafter inflated beside the embedded target (default: the embedded DFlash "
+        "drafter; a DFlash2 one trained for it: scripts/train_reference_dflash2.sh)",
+    )
+    p.add_argument(
         "--out", default="at_scale_out", help="directory for at_scale.json, .png and server logs"
     )
     p.add_argument(
@@ -186,14 +192,19 @@ def build(ns, report: dict, need_pair: bool):
     from ddtree.tools.inflate import inflate_pair, write_pair
 
     memory = ns.model_store == "memory"
+    src_target, src_drafter = default_model_paths()
+    spec = f"inflate:{ns.shape}"
+    if ns.source_drafter:
+        src_drafter = os.path.abspath(ns.source_drafter)
+        spec = f"{spec}:{src_target}:{src_drafter}"
     if memory and not need_pair:
-        return None, f"inflate:{ns.shape}", None
+        return None, spec, None
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if ns.device == "cuda" else torch.float32
-    pair = inflate_pair(*default_model_paths(), ns.shape, ns.device, dtype)
+    pair = inflate_pair(src_target, src_drafter, ns.shape, ns.device, dtype)
     t1 = time.perf_counter()
     if memory:
-        tdir, ddir = f"inflate:{ns.shape}", None
+        tdir, ddir = spec, None
     else:
         name = os.path.splitext(os.path.basename(ns.shape))[0]
         tdir, ddir = write_pair(pair, os.path.join(ns.work_dir, name))
@@ -313,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             ns.tau_level = ns.levels[0]
         spec = [c for c in configs if c.algorithm != "NONE" and c.name in report["serving"]]
         prompts = [it.prompt for it in level_items(base, ns.tau_level, ns)]
-        small = val.small_pair_tau(prompts, ns.max_tokens, spec, ns.device)
+        small = val.small_pair_tau(prompts, ns.max_tokens, spec, ns.device, ns.source_drafter)
         for name, t in small.items():
             served = {lv["concurrency"]: lv for lv in report["serving"][name]}.get(ns.tau_level)
             report["tau"][name] = {

@@ -123,7 +123,9 @@ def rounds_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def small_pair_tau(prompts: list, max_tokens: int, configs: list, device: str) -> dict:
+def small_pair_tau(
+    prompts: list, max_tokens: int, configs: list, device: str, drafter: str | None = None
+) -> dict:
     """τ (tokens per round, weighted by rounds) of the embedded pair, offline, T=0, bf16 on GPU, for
     each served `ServeConfig` (its algorithm and budget): {"tau", "se" (standard error of the mean
     per-prompt τ), "per_prompt"}."""
