@@ -284,3 +284,30 @@ def test_source_drafter_reaches_the_servers(tmp_path):
     assert parse_source(tdir) == InflateSource("qwen3-8b", target, str(tmp_path / "d2"))
     ns = make_parser().parse_args(["--model-store", "memory"])
     assert build(ns, {}, need_pair=False)[1] == "inflate:qwen3-8b"
+
+
+def test_small_pair_tau_uses_the_source_drafter(monkeypatch):
+    """The tau check's small pair is the one the served pair was inflated from: --source-drafter's
+    drafter, else the embedded one."""
+    from types import SimpleNamespace
+
+    import ddtree
+    from ddtree.assets import default_model_paths
+    from ddtree.tools.studies import at_scale_validity as val
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(target, **kw):
+        seen.append((target, kw["speculative_draft_model_path"]))
+        raise Stop
+
+    monkeypatch.setattr(ddtree, "LLM", fake_llm)
+    cfg = SimpleNamespace(algorithm="DFLASH", budget=None)
+    t, d = default_model_paths()
+    for drafter, want in (("/x/d2", "/x/d2"), (None, d)):
+        with pytest.raises(Stop):
+            val.small_pair_tau(["p"], 4, [cfg], "cpu", drafter)
+        assert seen.pop() == (t, want)

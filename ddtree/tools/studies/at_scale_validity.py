@@ -128,11 +128,13 @@ def small_pair_tau(
 ) -> dict:
     """τ (tokens per round, weighted by rounds) of the embedded pair, offline, T=0, bf16 on GPU, for
     each served `ServeConfig` (its algorithm and budget): {"tau", "se" (standard error of the mean
-    per-prompt τ), "per_prompt"}."""
+    per-prompt τ), "per_prompt"}. `drafter`: the small drafter the served pair was inflated from
+    (default: the embedded one)."""
     from ddtree import LLM, SamplingParams
     from ddtree.assets import default_model_paths
 
     t, d = default_model_paths()
+    d = drafter or d
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     dtype = "bfloat16" if device == "cuda" else "float32"
     out = {}
