@@ -24,7 +24,7 @@ exec > >(tee "$OUT/grammar.log") 2>&1
 # shellcheck source=scripts/device_env.sh
 . "$(dirname "$0")/../device_env.sh"
 T0=$(date +%s)
-python3 -c "import xgrammar, torch; print('xgrammar', xgrammar.__version__, 'torch', torch.__version__)"
+python3 -c "import importlib.metadata as m, torch; print('xgrammar', m.version('xgrammar'), 'torch', torch.__version__)"
 
 echo "## A. bitmask kernel vs reference"
 timeout 60 python3 - <<'EOF' | tee "$OUT/mask.txt"
