@@ -21,12 +21,17 @@ ID = {c: i for i, c in enumerate(CHARS)}
 
 
 @pytest.fixture(scope="module")
-def grammars(tmp_path_factory):
+def char_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
     d = str(tmp_path_factory.mktemp("chartok"))
     save_char_tokenizer(d)
-    return Grammars(AutoTokenizer.from_pretrained(d), V, (EOS_ID,))
+    return AutoTokenizer.from_pretrained(d)
+
+
+@pytest.fixture(scope="module")
+def grammars(char_tokenizer):
+    return Grammars(char_tokenizer, V, (EOS_ID,))
 
 
 def test_apply_bitmask_reference_matches_xgrammar():
@@ -133,3 +138,49 @@ def test_compile_cache_and_errors(grammars):
     m = grammars.matcher(GrammarSpec.choice(['say "hi"', "b"]))
     assert m.accept_all([ID[c] for c in 'say "hi"']) == 8 and m.accept(EOS_ID) and m.terminated
     assert json.loads(GrammarSpec.choice(["x"]).source) == ["x"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec.regex('[a-z]{1,4}( [0-9]+)?"?'),
+        GrammarSpec.json_schema({"type": "object", "properties": {"k": {"type": "string"}}}),
+    ],
+)
+def test_model_vocab_padded_past_the_tokenizer(char_tokenizer, spec):
+    """A model whose embedding has rows past the tokenizer's ids (a padded vocab; the inflated
+    benchmark pairs pad 8k to 151,936): xgrammar is given the tokenizer's ids only (each padding
+    id it sees is a special token that every accept scans), and the rows keep the model's width
+    with the padding never allowed - token for token the masks of xgrammar over the padded
+    vocab, whatever the row held before."""
+    import xgrammar as xgr
+
+    padded = 300  # not a multiple of 32: 10 words, the tokenizer's 97 ids end inside word 3
+    ours = Grammars(char_tokenizer, padded, (EOS_ID,))
+    assert ours.tokenizer_vocab == V and ours.words == 10
+    info = xgr.TokenizerInfo.from_huggingface(
+        char_tokenizer, vocab_size=padded, stop_token_ids=[EOS_ID]
+    )
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    if spec.kind == "regex":
+        compiled = compiler.compile_regex(spec.source)
+    else:
+        compiled = compiler.compile_json_schema(spec.source, any_whitespace=False)
+    ref = xgr.GrammarMatcher(compiled)
+    m = ours.matcher(spec)
+    rng = np.random.default_rng(1)
+    row = torch.empty(2, 10, dtype=torch.int32)
+    want = torch.empty(1, 10, dtype=torch.int32)
+    for _ in range(12):
+        row.fill_(-1)  # garbage: every word of the row must be written
+        m.fill(row, 1)
+        ref.fill_next_token_bitmask(want, 0)
+        # bits past the model's vocabulary mean nothing (xgrammar leaves some set there)
+        assert torch.equal(unpack(row[1:], padded), unpack(want, padded))
+        assert torch.equal(row[0], torch.full((10,), -1, dtype=torch.int32))  # other rows kept
+        ok = np.flatnonzero(unpack(row[1:], padded)[0].numpy())
+        ok = ok[ok != EOS_ID]
+        if m.terminated or len(ok) == 0:
+            break
+        t = int(rng.choice(ok))
+        assert m.accept(t) and ref.accept_token(t)

@@ -98,13 +98,23 @@ class Grammars:
         xgr = _xgrammar()
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
+        # xgrammar sees the tokenizer's ids only: the embedding rows past them (padding, up to
+        # the model's vocab_size) have no text, so a grammar never allows them, and xgrammar
+        # lists each as a special token that every accept_token scans (35 us per accept for the
+        # 144k padding rows of a small tokenizer under a 151,936-row model, 1 us without). The
+        # masks keep the model's width; the words past the tokenizer's stay 0 (Matcher.fill).
+        ids = tokenizer.get_vocab().values()
+        tokenizer_vocab = min(vocab_size, max(ids, default=-1) + 1)
+        if any(t >= tokenizer_vocab for t in self.stop_token_ids):
+            tokenizer_vocab = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+            tokenizer, vocab_size=tokenizer_vocab, stop_token_ids=list(stop_token_ids)
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
+        self.tokenizer_vocab = tokenizer_vocab
 
     def cached(self, spec: GrammarSpec) -> bool:
         with self._lock:
@@ -145,7 +155,7 @@ class Grammars:
             raise GrammarError(msg[0] if msg else type(e).__name__) from e
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
-        return Matcher(self.compile(spec), self.words)
+        return Matcher(self.compile(spec), self.words, self.tokenizer_vocab)
 
 
 class Matcher:
@@ -153,10 +163,14 @@ class Matcher:
     bitmask row (bit t of word t // 32 set = token t allowed); `accept` advances (False: the token
     is not allowed, nothing changes); `rollback` undoes the last accepted tokens."""
 
-    def __init__(self, compiled, words: int):
+    def __init__(self, compiled, words: int, tokenizer_vocab: int | None = None):
         xgr = _xgrammar()
         self.m = xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar >= 0.2
         self.words = words
+        # the words xgrammar fills (its vocabulary: the tokenizer's), and the last one's valid bits
+        tv = words * 32 if tokenizer_vocab is None else tokenizer_vocab
+        self._own_words = (tv + 31) // 32
+        self._tail = (1 << (tv % 32)) - 1 if tv % 32 else 0
         self.accepted = 0  # tokens accepted and not rolled back
 
     def sync(self, tokens: int) -> None:
@@ -187,7 +201,15 @@ class Matcher:
     def fill(self, masks, index: int) -> None:
         """Write the next-token bitmask into row `index` of masks (an int32 CPU torch tensor
         [rows, words])."""
-        self.m.fill_next_token_bitmask(masks, index)
+        own = self._own_words
+        if own == self.words:
+            self.m.fill_next_token_bitmask(masks, index)
+            return
+        row = masks[index]
+        self.m.fill_next_token_bitmask(row[None, :own], 0)
+        row[own:] = 0  # the ids past the tokenizer's: no text, never allowed
+        if self._tail:
+            row[own - 1] &= self._tail
 
     @property
     def terminated(self) -> bool:
