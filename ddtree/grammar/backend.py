@@ -205,8 +205,8 @@ class Matcher:
         if own == self.words:
             self.m.fill_next_token_bitmask(masks, index)
             return
-        row = masks[index]
-        self.m.fill_next_token_bitmask(row[None, :own], 0)
+        self.m.fill_next_token_bitmask(masks[index : index + 1, :own], 0)
+        row = masks.numpy()[index]  # numpy indexing: cheaper per node than torch's
         row[own:] = 0  # the ids past the tokenizer's: no text, never allowed
         if self._tail:
             row[own - 1] &= self._tail
@@ -223,10 +223,11 @@ def allowed(row: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 def only_token(row: np.ndarray) -> int:
     """The single allowed token of a bitmask row, -1 when zero or several are allowed."""
-    nz = np.flatnonzero(row)
-    if len(nz) != 1:
+    # count_nonzero / argmax: ~1 us each on a 151k-token row, where flatnonzero takes ~10
+    if np.count_nonzero(row) != 1:
         return -1
-    word = int(row[nz[0]]) & 0xFFFFFFFF
+    i = int(np.argmax(row != 0))
+    word = int(row[i]) & 0xFFFFFFFF
     if word & (word - 1):
         return -1
-    return int(nz[0]) * 32 + word.bit_length() - 1
+    return i * 32 + word.bit_length() - 1
