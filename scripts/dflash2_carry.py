@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -66,10 +67,9 @@ def pack(drafter_dir: str, carry_dir: str) -> None:
     delta = {k: v.contiguous() for k, v in trained.items() if not torch.equal(v, base[k])}
     os.makedirs(carry_dir, exist_ok=True)
     save_file(delta, os.path.join(carry_dir, "delta.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(drafter_dir, "config.json")) as src:
-        text = src.read()
-    with open(os.path.join(carry_dir, "config.json"), "w") as dst:
-        dst.write(text)
+    shutil.copyfile(
+        os.path.join(drafter_dir, "config.json"), os.path.join(carry_dir, "config.json")
+    )
     mb = sum(v.numel() * v.element_size() for v in delta.values()) / 2**20
     print(f"packed {len(delta)} of {len(trained)} tensors ({mb:.1f} MiB) into {carry_dir}")
 

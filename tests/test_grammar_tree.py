@@ -165,7 +165,7 @@ def test_model_vocab_padded_past_the_tokenizer(char_tokenizer, spec):
     if spec.kind == "regex":
         compiled = compiler.compile_regex(spec.source)
     else:
-        compiled = compiler.compile_json_schema(spec.source, any_whitespace=False)
+        compiled = compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
     ref = xgr.GrammarMatcher(compiled)
     m = ours.matcher(spec)
     rng = np.random.default_rng(1)

@@ -100,9 +100,9 @@ class Grammars:
         self.stop_token_ids = tuple(stop_token_ids)
         # xgrammar sees the tokenizer's ids only: the embedding rows past them (padding, up to
         # the model's vocab_size) have no text, so a grammar never allows them, and xgrammar
-        # lists each as a special token that every accept_token scans (35 us per accept for the
-        # 144k padding rows of a small tokenizer under a 151,936-row model, 1 us without). The
-        # masks keep the model's width; the words past the tokenizer's stay 0 (Matcher.fill).
+        # would list each as a special token that every accept_token scans (a cost linear in
+        # the padding: BENCHMARKS.md, grammars). The masks keep the model's width; the words
+        # past the tokenizer's stay 0 (Matcher.fill).
         ids = tokenizer.get_vocab().values()
         tokenizer_vocab = min(vocab_size, max(ids, default=-1) + 1)
         if any(t >= tokenizer_vocab for t in self.stop_token_ids):
@@ -163,14 +163,13 @@ class Matcher:
     bitmask row (bit t of word t // 32 set = token t allowed); `accept` advances (False: the token
     is not allowed, nothing changes); `rollback` undoes the last accepted tokens."""
 
-    def __init__(self, compiled, words: int, tokenizer_vocab: int | None = None):
+    def __init__(self, compiled, words: int, tokenizer_vocab: int):
         xgr = _xgrammar()
         self.m = xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar >= 0.2
         self.words = words
         # the words xgrammar fills (its vocabulary: the tokenizer's), and the last one's valid bits
-        tv = words * 32 if tokenizer_vocab is None else tokenizer_vocab
-        self._own_words = (tv + 31) // 32
-        self._tail = (1 << (tv % 32)) - 1 if tv % 32 else 0
+        self._own_words = (tokenizer_vocab + 31) // 32
+        self._tail = (1 << (tokenizer_vocab % 32)) - 1 if tokenizer_vocab % 32 else 0
         self.accepted = 0  # tokens accepted and not rolled back
 
     def sync(self, tokens: int) -> None:
@@ -223,7 +222,7 @@ def allowed(row: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 def only_token(row: np.ndarray) -> int:
     """The single allowed token of a bitmask row, -1 when zero or several are allowed."""
-    # count_nonzero / argmax: ~1 us each on a 151k-token row, where flatnonzero takes ~10
+    # count first: no index array for the common row that allows many words' tokens
     if np.count_nonzero(row) != 1:
         return -1
     i = int(np.argmax(row != 0))

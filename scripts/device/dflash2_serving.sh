@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 42's at-scale serving table with the DFlash2 pair, one device run (~9 min; BUDGET_S, default
 # 540, bounds it), from the repository root with `.whl` and `.d2` carried. Before the call, here:
-#   bash scripts/train_reference_dflash2.sh /tmp/d2                  (CPU, selector-only, ~15 min)
+#   bash scripts/train_reference_dflash2.sh /tmp/d2                  (CPU, selector-only, 7-15 min)
 #   python3 scripts/dflash2_carry.py pack /tmp/d2/drafter .d2         (2 MB; echo /.d2/ >> .git/info/exclude)
 # then run: bash scripts/device/dflash2_serving.sh $OUT                (carry: [".whl", ".d2"])
 # 1. the trained DFlash2 drafter rebuilt from the carry (scripts/dflash2_carry.py unpack);
