@@ -87,6 +87,13 @@ FP8_GEMM_CONFIG = EnvVar(
     "the Triton FP8 GEMM's tiles for every row count: BLOCK_M,BLOCK_N,WARPS,STAGES (default: "
     "kernels/fp8/tuning.py's table per row count; for sweeps)",
 )
+FP8_SPLIT_K = EnvVar(
+    "DDTREE_FP8_SPLIT_K",
+    "1",
+    "runs of K blocks of the Triton FP8 GEMM outside float32: 1 (none, the default until a GPU "
+    "A/B shows it pays: scripts/device/fp8.sh's rounds), auto (decode rows, as many as keep every "
+    "SM streaming the weight: kernels/fp8/tuning.py) or a number for every call",
+)
 FORCE_REFERENCE_GDN = EnvVar(
     "DDTREE_FORCE_REFERENCE_GDN",
     "",
@@ -179,6 +186,7 @@ TABLE: dict[str, EnvVar] = {
         FUSED_KERNELS_INTERPRET,
         FP8_GEMM,
         FP8_GEMM_CONFIG,
+        FP8_SPLIT_K,
         FORCE_REFERENCE_GDN,
         CACHE,
         BUDGET_PROFILE_DIR,

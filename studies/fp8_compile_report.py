@@ -3,7 +3,7 @@
 ptxas made of each: registers, stack (spills), shared memory, and SASS counts (QGMMA = Hopper's fp8
 warpgroup MMA, HGMMA / HMMA = bf16 / older MMA paths, LDL / STL = spills).
 
-    python3 studies/fp8_compile_report.py            # the tuning table's tiles
+    python3 studies/fp8_compile_report.py            # the tuning table's tiles, split-K, its reduce
     python3 studies/fp8_compile_report.py --json     # one JSON line per kernel (tests)
 
 Uses the ptxas / cuobjdump that Triton's package carries; runs on the CPU machine (no device time).
@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,6 +31,7 @@ GEMM_TYPES = dict(
     bs_ptr="*fp32",
     c_ptr="*bf16",
     bias_ptr="*bf16",
+    ws_ptr="*fp32",
 )
 
 
@@ -71,6 +73,7 @@ def counts(sass: str) -> dict:
 
 def gemm(cfg) -> dict:
     consts = dict(
+        SPLIT_K=cfg.split_k,
         GROUP_N=128,
         HAS_BIAS=False,
         EVEN_K=True,
@@ -87,11 +90,24 @@ def gemm(cfg) -> dict:
     res, sass = resources(ck)
     return dict(
         kernel="gemm",
-        config=[cfg.block_m, cfg.block_n, cfg.warps, cfg.stages],
+        config=[cfg.block_m, cfg.block_n, cfg.warps, cfg.stages, cfg.split_k],
         seconds=round(time.perf_counter() - t0, 2),
         **res,
         **counts(sass),
     )
+
+
+def split_reduce() -> dict:
+    types = dict(ws_ptr="*fp32", c_ptr="*bf16", bias_ptr="*bf16")
+    ck = compile_aligned(
+        T._split_reduce,
+        dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=1024),
+        types,
+        ("N", "stride_cm"),
+        num_warps=4,
+    )
+    res, sass = resources(ck)
+    return dict(kernel="split_reduce", **res, **counts(sass))
 
 
 def group_quant() -> dict:
@@ -109,7 +125,9 @@ def group_quant() -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    rows = [group_quant()] + [gemm(cfg) for cfg in [c for _, c in TABLE] + [WIDE]]
+    decode = [replace(c, split_k=4) for c in (TABLE[0][1], WIDE)]  # split-K runs at decode rows
+    gemms = [gemm(cfg) for cfg in [c for _, c in TABLE] + [WIDE] + decode]
+    rows = [group_quant()] + gemms + [split_reduce()]
     for r in rows:
         print(json.dumps(r) if "--json" in argv else r, flush=True)
     return 0

@@ -7,9 +7,11 @@ floor (FP8 weight bytes / the copy bandwidth measured in the same run).
 Each variant is timed as the median replay of a CUDA graph of calls over rotating weight copies (at
 least 256 MB of weights, so a small GEMM reads its weight from HBM, not the 60 MB L2), divided by the
 calls. Variants: `bf16` (F.linear), `cublas` (group-quant kernel + torch._scaled_mm with 1x128 /
-128x128 block scales), `triton` (group-quant kernel + the Triton GEMM) at the tuning table's tiles,
-or with --sweep at every candidate tile (the best is reported with its tiles), and `auto`: what
-the engine's dispatch (`kernels.fp8.linear`) picks. Errors: ||y - ref|| / ||ref|| against the
+128x128 block scales), `triton` (group-quant kernel + the Triton GEMM) at the tuning table's tiles
+without split-K, `split` the same with the split DDTREE_FP8_SPLIT_K=auto picks on this device (decode
+rows), or
+with --sweep every candidate tile and split (the best is reported with its tiles), and `auto`: what
+the engine's dispatch (`kernels.fp8.linear`) picks, timed through it. Errors: ||y - ref|| / ||ref|| against the
 reference (dequantized operands, float32 matmul); bf16's against the bf16 weights' fp32 product.
 `quant_exact`: the group-quant kernel's fp8 values and scales == the reference's, bit for bit. A
 short table at the end; the JSON has everything.
@@ -18,6 +20,7 @@ short table at the end; the JSON has everything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,7 +35,7 @@ from ddtree.bench.round_timing import copy_bandwidth  # noqa: E402
 from ddtree.kernels import fp8  # noqa: E402
 from ddtree.kernels.fp8 import reference as R  # noqa: E402
 from ddtree.kernels.fp8 import triton as T  # noqa: E402
-from ddtree.kernels.fp8.tuning import GemmConfig, gemm_config  # noqa: E402
+from ddtree.kernels.fp8.tuning import GemmConfig, auto_split, gemm_config, sm_count  # noqa: E402
 
 SHAPES = {  # name -> (N, K): the decoder linears (fused as the engine runs them)
     "8b": {
@@ -50,7 +53,8 @@ SHAPES = {  # name -> (N, K): the decoder linears (fused as the engine runs them
     },
 }
 SWEEP = {  # the candidates of tuning.py's table (its docstring has the 2026-12 sweep)
-    16: [GemmConfig(16, 32, 4, 4), GemmConfig(16, 64, 4, 4), GemmConfig(16, 128, 4, 4)],
+    16: [GemmConfig(16, 32, 4, 4), GemmConfig(16, 64, 4, 4), GemmConfig(16, 128, 4, 4)]
+    + [GemmConfig(16, bn, 4, 4, split_k=k) for bn in (32, 64) for k in (2, 3, 4, 6, 8)],
     64: [GemmConfig(32, 64, 4, 4), GemmConfig(64, 64, 4, 4), GemmConfig(64, 128, 4, 4)],
     128: [GemmConfig(64, 64, 4, 4), GemmConfig(64, 128, 4, 4), GemmConfig(128, 128, 8, 3)],
     1 << 30: [GemmConfig(64, 128, 4, 4), GemmConfig(128, 128, 8, 3), GemmConfig(128, 128, 4, 4)],
@@ -135,7 +139,12 @@ def bench_shape(name, N, K, rows, sweep, bw, gen, log):
             row["cublas_us"] = 1e6 * time_calls([lambda i=i: cub(i) for i in range(copies)])
         except Exception as e:  # noqa: BLE001 - reported, the run goes on
             row["cublas_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        configs = sweep_for(m) if sweep else [gemm_config(m, N, K)]
+        engine_cfg = gemm_config(m, N, K, sm_count(0))  # what the engine runs (DDTREE_FP8_SPLIT_K)
+        plain = dataclasses.replace(engine_cfg, split_k=1)
+        split_cfg = dataclasses.replace(plain, split_k=auto_split(m, N, K, plain, sm_count(0)))
+        configs = [plain] + ([split_cfg] if split_cfg.split_k > 1 else [])
+        if sweep:
+            configs += [c for c in sweep_for(m) if c not in configs]
         best = None
         for cfg in configs:
 
@@ -148,12 +157,16 @@ def bench_shape(name, N, K, rows, sweep, bw, gen, log):
             row.setdefault("triton_all", []).append(
                 {"config": list(cfg.__dict__.values()), "us": us, "err": err}
             )
+            if cfg == plain:
+                row["triton_us"], row["triton_err"] = us, err
+            if cfg == split_cfg:
+                row["split_us"], row["split_err"], row["split_k"] = us, err, cfg.split_k
             if best is None or us < best[0]:
                 best = (us, cfg, err)
-        row["triton_us"], row["triton_err"] = best[0], best[2]
-        row["triton_config"] = list(best[1].__dict__.values())
+        row["best_us"], row["best_err"] = best[0], best[2]
+        row["best_config"] = list(best[1].__dict__.values())
         sts = [fp8.cublas_scale(s_) for s_ in wss]
-        row["auto"] = fp8.choose(m, N, K, fp8.cublas_ok(wq, 128, 128))
+        row["auto"] = fp8.choose(m, N, K, fp8.cublas_ok(wq, 128, 128), split=engine_cfg.split_k)
         row["auto_err"] = rel(fp8.linear(x, wq, ws, 128, 128, scale_t=sts[0]), ref)
         row["auto_us"] = 1e6 * time_calls(
             [
@@ -196,10 +209,10 @@ def main(argv=None) -> int:
     results = []
 
     def log(r):
-        keys = ("bf16_us", "cublas_us", "triton_us", "auto_us", "floor_us")
+        keys = ("bf16_us", "cublas_us", "triton_us", "split_us", "best_us", "auto_us", "floor_us")
         errs = " ".join(
             f"{k[:-4]} {r[k]:.1e}"
-            for k in ("bf16_err", "cublas_err", "triton_err", "auto_err")
+            for k in ("bf16_err", "cublas_err", "triton_err", "split_err", "auto_err")
             if k in r
         )
         print(
@@ -214,19 +227,21 @@ def main(argv=None) -> int:
         for name, (N, K) in SHAPES[shape].items():
             results += bench_shape(f"{shape}:{name}", N, K, rows, ns.sweep, bw, gen, log)
     info["seconds"] = time.time() - t0
-    print("\nper call, us (best Triton tiles with --sweep); x = bf16 / the best FP8 variant")
     print(
-        f"{'shape':>12} {'M':>5} {'bf16':>8} {'cublas':>8} {'fused':>8} {'triton':>8} {'floor':>7} {'x':>5}"
+        "\nper call, us: triton = the table's tiles unsplit, split = with split-K auto's runs (k), best"
+        " = the fastest Triton config tried (--sweep: every candidate), auto = the engine's dispatch"
+        " (its backend named); x = bf16 / auto"
     )
+    cols = ("bf16_us", "cublas_us", "triton_us", "split_us", "best_us", "auto_us", "floor_us")
+    print(f"{'shape':>12} {'M':>5} " + " ".join(f"{c[:-3]:>8}" for c in cols) + "  k   auto      x")
     for r in results:
-        fp = [r[k] for k in ("cublas_us", "fused_us", "triton_us") if k in r]
         print(
-            f"{r['shape']:>12} {r['rows']:>5} {r['bf16_us']:>8.1f} "
-            + " ".join(
-                f"{r.get(k, float('nan')):>8.1f}" for k in ("cublas_us", "fused_us", "triton_us")
-            )
-            + f" {r['floor_us']:>7.1f} {r['bf16_us'] / min(fp):>5.2f}"
+            f"{r['shape']:>12} {r['rows']:>5} "
+            + " ".join(f"{r.get(c, float('nan')):>8.1f}" for c in cols)
+            + f" {r.get('split_k', 1):>2} {r['auto']:>7} {r['bf16_us'] / r['auto_us']:>6.2f}"
         )
+        if r.get("best_config") and r["best_us"] < min(r.get("split_us", 1e9), r["triton_us"]):
+            print(f"{'':>19}best: {r['best_config']}")
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)

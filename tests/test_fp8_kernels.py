@@ -19,7 +19,12 @@ import ddtree.kernels.fp8 as fp8  # noqa: E402
 from ddtree.kernels.fp8 import reference as R  # noqa: E402
 from ddtree.kernels.fp8.tuning import GemmConfig, gemm_config, parse_config  # noqa: E402
 
-CONFIGS = [GemmConfig(16, 32, 4, 2), GemmConfig(32, 64, 4, 2)]
+CONFIGS = [
+    GemmConfig(16, 32, 4, 2),
+    GemmConfig(32, 64, 4, 2),
+    GemmConfig(16, 32, 4, 2, split_k=2),
+    GemmConfig(16, 64, 4, 2, split_k=3),  # uneven runs where K blocks do not divide
+]
 
 
 def cast(scaled: torch.Tensor) -> torch.Tensor:
@@ -114,15 +119,17 @@ def test_gemm_matches_reference(M, N, K, block, group_n, config):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_quant_then_gemm_matches_reference(dtype, with_bias):
-    """The two launches a linear runs (group quant, GEMM), in the model dtype, with a bias."""
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3]], ids=["split1", "split3"])
+def test_quant_then_gemm_matches_reference(dtype, with_bias, config):
+    """The launches a linear runs (group quant, GEMM, the split's reduce), in the model dtype, with
+    a bias."""
     M, N, K, block = 11, 80, 320, (32, 64)
     x, w = data(M, N, K, 5, dtype)
     wq, ws = R.quantize_weight(w, block)
     bias = torch.randn(N, device=DEV).to(dtype) if with_bias else None
     xq, xs = ref_quant(x, block[1])
     ref = R.block_matmul(xq, xs, wq, ws, block[0], block[1], dtype, bias)
-    got = kernels.gemm(*kernels.group_quant(x, block[1]), wq, ws, *block, dtype, CONFIGS[1], bias)
+    got = kernels.gemm(*kernels.group_quant(x, block[1]), wq, ws, *block, dtype, config, bias)
     tol = 1e-5 if dtype == torch.float32 else 8e-3
     scale = ref.float().abs().max().item()
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * scale)
@@ -167,6 +174,36 @@ def test_switches_are_checked(monkeypatch):
     assert gemm_config(1, 64, 64) == GemmConfig(32, 64, 4, 3)
     with pytest.raises(ValueError, match="BLOCK_M,BLOCK_N,WARPS,STAGES"):
         parse_config("32,64")
+    assert parse_config("16,32,4,4,3") == GemmConfig(16, 32, 4, 4, split_k=3)
+
+
+def test_split_k_choice(monkeypatch):
+    """Split-K is off by default; with DDTREE_FP8_SPLIT_K=auto, decode rows get programs up to 4 per
+    SM, runs >= 4 K blocks; never in float32 (the summation order must not change with the row
+    count there), never past 16 rows; a number forces it, and a split Triton GEMM takes long-K
+    weights from cuBLAS."""
+    for var in ("DDTREE_FP8_SPLIT_K", "DDTREE_FP8_GEMM_CONFIG", "DDTREE_FP8_GEMM"):
+        monkeypatch.delenv(var, raising=False)
+    assert gemm_config(1, 4096, 4096, sms=132).split_k == 1
+    monkeypatch.setenv("DDTREE_FP8_SPLIT_K", "auto")
+    # 8B o at 1 row on 132 SMs: 128 tiles of 16x32 -> ceil(528 / 128) = 5 runs (32 K blocks)
+    assert gemm_config(1, 4096, 4096, sms=132).split_k == 5
+    # 8B down: 96 K blocks, same tiles -> 5; a short K caps it (8 blocks -> 2 runs of 4)
+    assert gemm_config(16, 4096, 12288, sms=132).split_k == 5
+    assert gemm_config(1, 4096, 1024, sms=132).split_k == 2
+    # enough tiles already (27B gate|up: 544 tiles of 16x64), more rows, float32, no device
+    assert gemm_config(1, 34816, 5120, sms=132).split_k == 1
+    assert gemm_config(17, 4096, 4096, sms=132).split_k == 1
+    assert gemm_config(1, 4096, 4096, sms=132, exact=True).split_k == 1
+    assert gemm_config(1, 4096, 4096).split_k == 1
+    assert fp8.choose(1, 4096, 12288, cublas=True, split=5) == "triton"
+    assert fp8.choose(1, 4096, 12288, cublas=True, split=1) == "cublas"
+    monkeypatch.setenv("DDTREE_FP8_SPLIT_K", "3")
+    assert gemm_config(520, 4096, 4096, sms=132).split_k == 3
+    assert gemm_config(1, 4096, 4096, sms=132, exact=True).split_k == 1
+    monkeypatch.setenv("DDTREE_FP8_SPLIT_K", "0")
+    with pytest.raises(ValueError, match="DDTREE_FP8_SPLIT_K='0'"):
+        gemm_config(1, 4096, 4096, sms=132)
 
 
 def test_reference_scales_are_ieee_quotients():

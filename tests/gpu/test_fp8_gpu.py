@@ -4,6 +4,8 @@ graph bit for bit equal to eager, and the toy pairs quantized at load served wit
 the eager run's tokens and, with DFLASH / DDTREE, the FP8 AR tokens (fp32 activations; mean accepted
 length > 2 asserted)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from engine_utils import GREEDY, accepted_prompts, mean_accept
@@ -11,7 +13,7 @@ from engine_utils import GREEDY, accepted_prompts, mean_accept
 from ddtree.kernels import fp8
 from ddtree.kernels.fp8 import reference as R
 from ddtree.kernels.fp8 import triton as T
-from ddtree.kernels.fp8.tuning import gemm_config
+from ddtree.kernels.fp8.tuning import auto_split, gemm_config, sm_count
 
 pytestmark = pytest.mark.gpu
 SHAPES = [(6144, 4096), (4096, 12288), (34816, 5120)]  # 8B qkv, 8B down, 27B gate|up
@@ -41,8 +43,13 @@ def test_kernels_match_reference(weights, shape, m):
     rq, rs = R.group_quant(x, 128)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
     ref = R.block_matmul(rq, rs, wq, ws, 128, 128, torch.float32)
-    got = T.gemm(q, s, wq, ws, 128, 128, torch.bfloat16, gemm_config(m, *shape))
+    config = gemm_config(m, *shape)
+    got = T.gemm(q, s, wq, ws, 128, 128, torch.bfloat16, config)
     assert _rel(got, ref) < 3e-3  # the bf16 output's rounding: ~1.7e-3 (bf16 F.linear's too)
+    split = auto_split(m, *shape, config, sm_count(0))  # DDTREE_FP8_SPLIT_K=auto's, at <= 16 rows
+    if split > 1:
+        got = T.gemm(q, s, wq, ws, 128, 128, torch.bfloat16, replace(config, split_k=split))
+        assert _rel(got, ref) < 3e-3
     assert fp8.cublas_ok(wq, 128, 128)  # torch 2.11 + CUDA 13 on sm_90 run it
     mp = -(-m // 4) * 4
     q4, s4 = T.group_quant(x, 128, rows=mp, column_major=True)

@@ -8,7 +8,8 @@ token in groups of bk columns at run time (`reference.py` holds the math).
 - `reference`: the PyTorch reference (dequantize, float32 matmul).
 auto (`choose`): measured on the H200 at the 8B and 27B shapes, 1 .. 1040 rows (studies/gpu_fp8_gemm.py,
 2026-12): the Triton GEMM where it streams a wide weight at decode sizes (rows <= 64 and N >= K:
-q|k|v, o, gate|up, q|k|v|z; e.g. the 8B gate|up at 1 row 30.3 us vs cuBLAS 38.4), cuBLAS elsewhere
+q|k|v, o, gate|up, q|k|v|z; e.g. the 8B gate|up at 1 row 30.3 us vs cuBLAS 38.4; and, with split-K
+on, every weight at <= 16 rows: tuning.py), cuBLAS elsewhere
 (long-K projections such as down at every row count: 25.4 vs 35.8 us at 1 row; every shape from 128
 rows: the 8B gate|up at 520 rows 122 vs 197 us). The reference on the CPU (or the kernels under
 Triton's interpreter with TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1, as the fused
@@ -102,8 +103,10 @@ def cublas_scale(w_scale: torch.Tensor) -> torch.Tensor:
     return padded.t()
 
 
-def choose(rows: int, n: int, k: int, cublas: bool, exact: bool = False) -> str:
-    """The backend for a [rows, k] x [n, k]^T GEMM (`cublas`: whether cuBLAS takes the weight).
+def choose(rows: int, n: int, k: int, cublas: bool, exact: bool = False, split: int = 1) -> str:
+    """The backend for a [rows, k] x [n, k]^T GEMM (`cublas`: whether cuBLAS takes the weight;
+    `split`: the Triton GEMM's runs of K blocks here, tuning.py: a split Triton GEMM serves the
+    decode rows of long-K weights too).
 
     `exact` (float32 activations, the mode in which speculative output must equal AR token for
     token): auto keeps the Triton GEMM at every row count. Its reduction over K is the same for a
@@ -113,7 +116,8 @@ def choose(rows: int, n: int, k: int, cublas: bool, exact: bool = False) -> str:
     and cuBLAS serves the rows where it is faster."""
     choice = backend_switch()
     if choice == "auto":
-        fast = "triton" if rows <= TRITON_MAX_ROWS and n >= k else "cublas"
+        wide = rows <= TRITON_MAX_ROWS and n >= k
+        fast = "triton" if wide or split > 1 else "cublas"
         choice = "triton" if exact else fast
     if choice == "cublas" and not cublas:
         choice = "triton"
@@ -152,12 +156,15 @@ def linear(
     if not use_kernels(x2):
         y = R.fp8_linear(x2, w, w_scale, group_n, group_k, bias)
         return y.view(*x.shape[:-1], N)
-    from ddtree.kernels.fp8.tuning import gemm_config
+    from ddtree.kernels.fp8.tuning import gemm_config, sm_count
 
     T = _triton(interpreted=x2.device.type != "cuda")
     M = x2.shape[0]
     cublas = scale_t is not None and cublas_ok(w, group_n, group_k)
-    backend = choose(M, N, K, cublas, exact=x.dtype == torch.float32)
+    exact = x.dtype == torch.float32
+    sms = sm_count(x2.device.index or 0) if x2.is_cuda else 0
+    config = gemm_config(M, N, K, sms, exact, group_k)
+    backend = choose(M, N, K, cublas, exact, config.split_k)
     if backend == "cublas":
         rows = -(-M // 4) * 4
         q, s = T.group_quant(x2, group_k, rows=rows, column_major=True)
@@ -166,5 +173,5 @@ def linear(
             y = y + bias
     else:
         q, s = T.group_quant(x2, group_k)
-        y = T.gemm(q, s, w, w_scale, group_n, group_k, x.dtype, gemm_config(M, N, K), bias)
+        y = T.gemm(q, s, w, w_scale, group_n, group_k, x.dtype, config, bias)
     return y.view(*x.shape[:-1], N)

@@ -6,7 +6,10 @@
 - `gemm`: C [M, N] = dequant(A) @ dequant(B)^T with B the weight [N, K] (row scale group g, bk
   columns a block): each bk-wide K step is one fp8 tensor-core dot accumulated in float32 and scaled
   by the A row scales and the B block scales; one K block per step, so every output element sums
-  its K blocks in the same order whatever the tile shape.
+  its K blocks in the same order whatever the tile shape. With `split_k` > 1 (decode rows: too few
+  N tiles to keep every SM streaming the weight) program (tile, s) sums the s-th run of K blocks
+  into a float32 workspace and `_split_reduce` adds the runs in order: deterministic, but a
+  different summation order than split 1 (so float32 callers keep split 1: tuning.py).
 
 A variant that quantized the activation tile in registers inside the GEMM (one launch per linear)
 lost on the H200 at every row count, 3-10x slower than the two launches (studies/gpu_fp8_gemm.py,
@@ -102,9 +105,11 @@ def _gemm_kernel(
     bs_ptr,
     c_ptr,
     bias_ptr,
+    ws_ptr,
     M,
     N,
     K,
+    per,
     stride_am,
     stride_bn,
     stride_cm,
@@ -119,6 +124,7 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -134,12 +140,14 @@ def _gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    kb0 = tl.program_id(1) * per  # this program's run of K blocks (the last may be shorter)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (kb0 * BLOCK_K + offs_k)[None, :]
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + (kb0 * BLOCK_K + offs_k)[:, None]
     as_ptrs = as_ptr + offs_m * stride_asm
     bs_ptrs = bs_ptr + (offs_n // GROUP_N) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb0, tl.minimum(kb0 + per, k_blocks)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
@@ -152,10 +160,39 @@ def _gemm_kernel(
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:  # the run's partial sum; `_split_reduce` adds the bias and casts
+        ws_ptrs = ws_ptr + (tl.program_id(1) * M + offs_m[:, None]) * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_reduce(
+    ws_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """C[m, n] = sum over s in order of ws[s, m, n] (+ bias[n]), cast to C's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + (offs // N) * stride_cm + n, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def gemm(
@@ -172,11 +209,15 @@ def gemm(
 ) -> torch.Tensor:
     """a [M, K] float8_e4m3fn with a_scale [M, ceil(K / group_k)] (any strides); w [N, K]
     float8_e4m3fn, w_scale [ceil(N / group_n), ceil(K / group_k)] -> [M, N] in out_dtype. Unit
-    stride along K for a and w."""
+    stride along K for a and w. `config.split_k` runs of K blocks (evened out so none is empty)."""
     M, K = a.shape
     N = w.shape[0]
     c = torch.empty(M, N, dtype=out_dtype, device=a.device) if out is None else out
-    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
+    k_blocks = triton.cdiv(K, group_k)
+    per = triton.cdiv(k_blocks, max(1, min(config.split_k, k_blocks)))  # K blocks per run
+    split = triton.cdiv(k_blocks, per)  # no empty run
+    ws = torch.empty(split, M, N, dtype=torch.float32, device=a.device) if split > 1 else c
+    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), split)
     _gemm_kernel[grid](
         a,
         a_scale,
@@ -184,9 +225,11 @@ def gemm(
         w_scale,
         c,
         c if bias is None else bias,
+        ws,
         M,
         N,
         K,
+        per,
         a.stride(0),
         w.stride(0),
         c.stride(0),
@@ -201,7 +244,22 @@ def gemm(
         BLOCK_N=config.block_n,
         BLOCK_K=group_k,
         GROUP_M=config.group_m,
+        SPLIT_K=split,
         num_warps=config.warps,
         num_stages=config.stages,
     )
+    if split > 1:
+        block = 1024
+        _split_reduce[(triton.cdiv(M * N, block),)](
+            ws,
+            c,
+            c if bias is None else bias,
+            M,
+            N,
+            c.stride(0),
+            HAS_BIAS=bias is not None,
+            SPLIT_K=split,
+            BLOCK=block,
+            num_warps=4,
+        )
     return c
