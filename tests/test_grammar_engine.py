@@ -1,9 +1,12 @@
 """Grammars inside speculation, on the toy pairs: DFLASH / DDTREE (fixed and auto) == AR under the
 same grammar token for token at T=0 (fp32) on prompts whose drafts are accepted, the grammar
 really changes the output, a mixed batch leaves the other requests alone, the distribution at
-T>0 matches AR's (chi-square), and a grammar's dead end ends the request. ~60 s on one thread."""
+T>0 matches AR's (chi-square), a grammar's dead end ends the request, and a vocabulary padded past
+the tokenizer with padding rows that would win decodes, in every mode, what the unpadded pair
+decodes. ~60 s on one thread."""
 
 import collections
+import os
 
 import pytest
 from engine_utils import accepted_prompts, make_llm, mean_accept
@@ -143,3 +146,64 @@ def test_a_rolled_back_batch_resyncs_the_matchers(toy_pair, prompts, ar, monkeyp
     outs = llm.generate(prompts[:4], GREEDY)
     assert state["fails"] == 1 and behind and set(behind) == {0}
     assert tokens(outs) == constrained[:4] and all(o.finish_reason == "length" for o in outs)
+
+
+PADDED = (
+    90  # the toy tokenizer's 64 ids, then padding rows (64 ends a 32-bit mask word; 90 does not)
+)
+
+
+@pytest.fixture(scope="module")
+def padded_pair(toy_pair, tmp_path_factory):
+    """The toy pair with its vocabulary padded past the tokenizer, as the inflated benchmark pairs
+    and Qwen's checkpoints are, but with padding rows that would win: each LM-head padding row is
+    twice a real word's row, so wherever that word's logit is positive its padding twin's is
+    higher. Under a grammar the padding must never be allowed, so every mode must decode exactly
+    what the unpadded pair decodes under the same grammar."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("padded_pair")
+    target, drafter = (str(root / "target"), str(root / "drafter"))
+    shutil.copytree(toy_pair[0], target)
+    shutil.copytree(toy_pair[1], drafter)
+    path = os.path.join(target, "model.safetensors")
+    w = load_file(path)
+    real = w["lm_head.weight"].shape[0]
+    twins = torch.arange(4, 4 + PADDED - real)  # the words "4" .. "29"
+    w["lm_head.weight"] = torch.cat([w["lm_head.weight"], 2 * w["lm_head.weight"][twins]])
+    emb = w["model.embed_tokens.weight"]
+    w["model.embed_tokens.weight"] = torch.cat([emb, emb[twins]])
+    save_file(w, path)
+    for d in (target, drafter):
+        cfg_path = os.path.join(d, "config.json")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        cfg["vocab_size"] = PADDED
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+    return target, drafter
+
+
+@pytest.mark.parametrize(
+    "algorithm,kw",
+    [
+        ("NONE", {}),
+        ("DFLASH", {}),
+        ("DDTREE", {"speculative_ddtree_budget": 16}),
+        ("DDTREE", {"speculative_ddtree_budget": "auto"}),
+    ],
+    ids=["ar", "dflash", "ddtree16", "auto"],
+)
+def test_padded_vocab_under_grammar(padded_pair, prompts, ar, algorithm, kw):
+    constrained, _ = ar
+    llm = make_llm(padded_pair, algorithm, max_running_requests=3, **kw)
+    free = tokens(llm.generate(prompts[:2], FREE))
+    assert any(t >= 64 for seq in free for t in seq), "the padding rows must win unmasked"
+    outs = llm.generate(prompts, GREEDY)
+    assert tokens(outs) == constrained
+    if algorithm != "NONE":
+        assert mean_accept(outs) > 2
