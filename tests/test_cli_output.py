@@ -83,7 +83,7 @@ def _level(**over) -> dict:
 
 
 def test_serving_table_has_units():
-    from ddtree.bench.serving import format_table
+    from ddtree.bench.serving_report import format_table
 
     header, units, row = format_table([_level()]).splitlines()
     assert (

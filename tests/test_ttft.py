@@ -80,7 +80,8 @@ def test_cached_request_first_token_one_step_after_admission(pair, one_torch_thr
 
 
 def test_timing_in_meta_info_metrics_and_the_bench_breakdown(pair, tmp_path):
-    from ddtree.bench.serving import format_breakdown, main
+    from ddtree.bench.serving import main
+    from ddtree.bench.serving_report import format_breakdown
 
     with thread_server(server_argv(pair, "DDTREE", "--page-size", "4")) as srv:
         url = srv.base_url

@@ -21,14 +21,14 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
-from ddtree.bench.serving import Result
+from ddtree.bench.serving_report import Result
 from ddtree.bench.stream_client import sse_chunks
 from ddtree.engine.step_stats import StepStats, step_metric, summarize
 
 
 @dataclass
 class TurnResult(Result):
-    """One turn: `serving.Result` plus which turn it was and the reply (the next turn's history)."""
+    """One turn: a `serving_report.Result`, its number and the reply (the next turn's history)."""
 
     turn: int = 0
     output_ids: list[int] = field(default_factory=list, repr=False)
@@ -134,9 +134,9 @@ async def run_conversation(http, url, system, turns, ns) -> list[TurnResult]:
 
 
 async def run_level(url: str, convs, concurrency: int, ns) -> dict:
-    """One level: `concurrency` conversations at a time; `serving.level_summary`'s keys plus
+    """One level: `concurrency` conversations at a time; `serving_report.level_summary`'s keys plus
     `ttft_later_turns_ms` (turns after the first: the ones a conversation's own history can hit)."""
-    from ddtree.bench.serving import level_summary, summary, ttft_breakdown
+    from ddtree.bench.serving_report import level_summary, summary, ttft_breakdown
     from ddtree.bench.stream_client import Lanes
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}

@@ -201,7 +201,7 @@ class ClientLoad:
         await self._task
 
     def report(self) -> dict:
-        from ddtree.bench.serving import summary
+        from ddtree.bench.serving_report import summary
 
         lag = summary(self.lags)
         lag["max"] = max(self.lags, default=0.0) * 1000.0

@@ -79,7 +79,7 @@ def workload(ns, distinct: bool) -> argparse.Namespace:
 
 def serve(ns, name: str, extra: tuple[str, ...]) -> dict:
     from ddtree.bench import multiturn
-    from ddtree.bench.serving import BREAKDOWN_COLUMNS
+    from ddtree.bench.serving_report import BREAKDOWN_COLUMNS
     from ddtree.tools.studies.at_scale_serve import ServeConfig, Server, server_argv
 
     sns = argparse.Namespace(**vars(ns))
