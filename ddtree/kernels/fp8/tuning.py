@@ -16,8 +16,9 @@ Split-K (`split_k`): at decode rows one M tile leaves N / BLOCK_N programs, 128 
 weight at 16x32, each walking all of K: about one per SM, too few loads in flight to stream the
 weight at the copy bandwidth (a decode GEMM runs far above its byte floor: BENCHMARKS.md, FP8).
 Splitting K into runs gives SPLIT_CTAS_PER_SM programs per SM, each run at least
-SPLIT_MIN_K_BLOCKS blocks long (a float32 partial per run and one reduce launch). Not in float32: it changes the summation order
-between row counts, and there speculation must equal AR token for token (kernels/fp8's `choose`).
+SPLIT_MIN_K_BLOCKS blocks long (a float32 partial per run and one reduce launch). Not in float32:
+it changes the summation order between row counts, and there speculation must equal AR token for
+token (kernels/fp8's `choose`).
 Opt-in (DDTREE_FP8_SPLIT_K=auto): correct against the reference (tests/test_fp8_kernels.py) and
 compiled for sm_90 without spills (tests/test_fp8_compile.py), but not yet timed on a GPU; the A/B
 is `scripts/device/fp8.sh --only gemm,rounds` (GEMM_FLAGS="--rows 1,16,64 --sweep").
