@@ -101,10 +101,10 @@ def split_reduce() -> dict:
     types = dict(ws_ptr="*fp32", c_ptr="*bf16", bias_ptr="*bf16")
     ck = compile_aligned(
         T._split_reduce,
-        dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=1024),
+        dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=T.REDUCE_BLOCK),
         types,
         ("N", "stride_cm"),
-        num_warps=4,
+        num_warps=T.REDUCE_WARPS,
     )
     res, sass = resources(ck)
     return dict(kernel="split_reduce", **res, **counts(sass))

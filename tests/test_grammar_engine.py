@@ -148,9 +148,8 @@ def test_a_rolled_back_batch_resyncs_the_matchers(toy_pair, prompts, ar, monkeyp
     assert tokens(outs) == constrained[:4] and all(o.finish_reason == "length" for o in outs)
 
 
-PADDED = (
-    90  # the toy tokenizer's 64 ids, then padding rows (64 ends a 32-bit mask word; 90 does not)
-)
+# the toy tokenizer's 64 ids, then padding rows (64 ends a 32-bit mask word; 90 does not)
+PADDED = 90
 
 
 @pytest.fixture(scope="module")

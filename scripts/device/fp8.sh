@@ -15,7 +15,8 @@
 #    (DFLASH / DDTREE, dense and hybrid, mean accept > 2). All must pass.
 # 3. rounds: `ddtree bench rounds` on the Qwen3-8B shape (random weights), bf16, then --quantization
 #    fp8, then fp8 with DDTREE_FP8_SPLIT_K=auto (split-K's A/B): AR, DFLASH and DDTREE B=64 rounds at
-#    batch 1 and 8, ms and x floor (each run's own floor: its weight bytes / copy bandwidth). Look at: AR b1 fp8 x its floor (issue goal <= 1.25) and
+#    batch 1 and 8, ms and x floor (each run's own floor: its weight bytes / copy bandwidth).
+#    Look at: AR b1 fp8 x its floor (issue goal <= 1.25) and
 #    DDTREE B=64 b8 fp8 ms / bf16 ms (goal <= 0.6).
 # 4. serving: `bench at-scale` on the 8B shape (pair written once to /tmp in bf16; the fp8 servers
 #    quantize at load), studies/configs/fp8_serving.json: DFLASH and DDTREE auto, each bf16 and fp8, at

@@ -33,6 +33,7 @@ from ddtree.kernels.fp8.tuning import GemmConfig
 _decorated_interpreted = envs.TRITON_INTERPRET.on()
 _EPS = tl.constexpr(EPS)
 _FP8_MAX = tl.constexpr(FP8_MAX)
+REDUCE_BLOCK, REDUCE_WARPS = 1024, 4  # `_split_reduce`'s launch (studies/fp8_compile_report.py too)
 
 
 @triton.jit
@@ -249,8 +250,7 @@ def gemm(
         num_stages=config.stages,
     )
     if split > 1:
-        block = 1024
-        _split_reduce[(triton.cdiv(M * N, block),)](
+        _split_reduce[(triton.cdiv(M * N, REDUCE_BLOCK),)](
             ws,
             c,
             c if bias is None else bias,
@@ -259,7 +259,7 @@ def gemm(
             c.stride(0),
             HAS_BIAS=bias is not None,
             SPLIT_K=split,
-            BLOCK=block,
-            num_warps=4,
+            BLOCK=REDUCE_BLOCK,
+            num_warps=REDUCE_WARPS,
         )
     return c
