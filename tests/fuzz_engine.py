@@ -216,15 +216,16 @@ def _steps(engine, case: Case, res, max_steps, logged) -> list | None:
 
 
 def _check_outputs(engine, case: Case, reqs: list, refs, res: CaseResult) -> None:
-    from fuzz_checks import cached_state_problems, check_grammar_request, check_request
+    from fuzz_checks import FP8, FP32, cached_state_problems, check_grammar_request, check_request
     from fuzz_oracle import TextOf
 
     from ddtree.engine import integrity
 
     cfg, specs, fault = case.cfg, case.specs, case.fault
     res.failures += [f"drained: {b}" for b in integrity.drained_problems(engine, deep=True)]
+    tol = FP8 if cfg.target.endswith(":fp8") else FP32
     ref_runner = refs.llm(cfg.target).engine.runner
-    res.failures += [f"drained: {b}" for b in cached_state_problems(engine, ref_runner)]
+    res.failures += [f"drained: {b}" for b in cached_state_problems(engine, ref_runner, tol)]
     conts = refs.get(cfg.target, [s.prompt for s in specs])
     text_of, eos = TextOf(engine.tokenizer), engine.emitter.eos_ids
     spec_run = cfg.algorithm != "NONE"
@@ -233,9 +234,9 @@ def _check_outputs(engine, case: Case, reqs: list, refs, res: CaseResult) -> Non
     grammar_refs = dict(zip(constrained, ar_runs))
     for i, (s, r) in enumerate(zip(specs, reqs)):
         if i in grammar_refs:
-            bad = check_grammar_request(r, grammar_refs[i], res.stats)
+            bad = check_grammar_request(r, grammar_refs[i], res.stats, tol)
         else:
-            bad = check_request(r, conts[s.prompt], text_of, case.ctx, eos, res.stats)
+            bad = check_request(r, conts[s.prompt], text_of, case.ctx, eos, res.stats, tol)
         victim = fault is not None and i == fault.victim
         if r.error is not None and not victim:
             bad.append(f"failed: {r.error}")

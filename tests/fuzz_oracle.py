@@ -101,7 +101,8 @@ def apply_stop_rule(text_of: TextOf, prompt, tokens, params, max_context: int, e
 
 class References:
     """AR continuations per (target, prompt), computed in batches by a plain engine per target
-    (NONE, no prefix cache, fp32) and kept for the process."""
+    (NONE, no prefix cache, fp32) and kept for the process. A target "NAME:fp8" is NAME's pair
+    quantized to block FP8 at load: an engine and continuations of its own."""
 
     def __init__(
         self,
@@ -124,23 +125,24 @@ class References:
         if target not in self.llms:
             from engine_utils import make_llm
 
+            name, _, quant = target.partition(":")
             self.llms[target] = make_llm(
-                self.pairs[target],
+                self.pairs[name],
                 "NONE",
                 disable_radix_cache=True,
                 max_running_requests=64,
                 page_size=16,
+                **({"quantization": quant} if quant else {}),
                 **self.engine_kwargs,
             )
         return self.llms[target]
 
     def pair(self, target: str, drafter: str = "dflash") -> tuple[str, str]:
         """(target_dir, drafter_dir) of a case: the target's own pair, or its DFlash2 drafter."""
-        target_dir, drafter_dir = self.pairs[target]
+        name = target.partition(":")[0]
+        target_dir, drafter_dir = self.pairs[name]
         return (
-            (target_dir, self.dflash2[target])
-            if drafter == "dflash2"
-            else (target_dir, drafter_dir)
+            (target_dir, self.dflash2[name]) if drafter == "dflash2" else (target_dir, drafter_dir)
         )
 
     def tokenizer(self, target: str):

@@ -14,7 +14,8 @@ per-request budget caps, greedy and sampled (seeded twins that must agree), arri
 steps, aborts at random steps or at a random output position, and in some cases one request whose
 batched step, prefill or emission raises (`Fault`: fault isolation must fail it alone). A third of the
 speculative cases draft with a DFlash2 drafter (the selector chain, the path-conditioned tree) where one
-is given for the target. Some greedy
+is given for the target, and a fifth of the cases serve the target (and drafter) quantized to block
+FP8 at load, against the FP8 target's own AR (with FP8's tolerances: tests/fuzz_checks.py). Some greedy
 requests carry a grammar (a regex or a choice over the toy words "4" .. "63", drawn from a stream of
 their own so every other draw of a seed stays what it was): checked against AR's own run of the same
 parameters, since the stop-rule oracle does not model grammars.
@@ -41,6 +42,8 @@ BOS = 0
 MAX_TOKENS = 48
 GRAMMAR_SHARE = 0.2  # of the greedy requests of a case that may carry grammars
 DFLASH2_SHARE = 0.3  # of the speculative cases, when a DFlash2 drafter is given for the target
+FP8_SHARE = 0.2  # of the cases: the target (and drafter) quantized to block FP8 at load
+FP8_KWARGS = {"quantization": "fp8", "speculative_draft_quantization": "fp8"}
 # over the toy vocabulary (the words "4" .. "63"; a grammar reads the words' own bytes): ones
 # that end early, late or never, and one whose first word the model rarely picks
 REGEXES = ("[0-9]{2,12}", "(1|2|3)[0-9]*", "[4-9]+", "(4|5|6|7|8|9)(1|2|3|4)+", "[0-9]*")
@@ -211,7 +214,7 @@ class Case:
 
 def draw_case(seed: int, refs, n_requests: int, extras: bool = True) -> Case:
     """The seed's config and workload. `extras`: the dimensions added after the regression seeds
-    were found (grammars, DFlash2 drafters), drawn from streams of their own; without them a seed
+    were found (grammars, DFlash2 drafters, FP8), drawn from streams of their own; without them a seed
     draws what it always drew."""
     from ddtree.engine.config import spec_config
     from ddtree.server_args import ServerArgs, resolve_server_args
@@ -221,6 +224,11 @@ def draw_case(seed: int, refs, n_requests: int, extras: bool = True) -> Case:
     if extras and cfg.algorithm != "NONE" and cfg.target in refs.dflash2:
         if random.Random(seed * 104729 + 3).random() < DFLASH2_SHARE:
             cfg = dataclasses.replace(cfg, drafter="dflash2")
+    if extras and random.Random(seed * 15485863 + 5).random() < FP8_SHARE:
+        # the FP8 model is the served one: its own AR is the reference (`References`, ":fp8")
+        fp8 = dict(FP8_KWARGS) if cfg.algorithm != "NONE" else {"quantization": "fp8"}
+        kwargs = tuple(sorted({**dict(cfg.kwargs), **fp8}.items()))
+        cfg = dataclasses.replace(cfg, target=cfg.target + ":fp8", kwargs=kwargs)
     pair = refs.pair(cfg.target, cfg.drafter)
     kw = dict(cfg.kwargs)
     args = ServerArgs(

@@ -1,6 +1,7 @@
 """The differential fuzzer in CI (issue 39; tests/fuzz_engine.py): CI_SEEDS cases through the engine,
 four per config kind, each ~24 requests + n copies and twins, integrity checked after every step and
-every output against AR cut by the stop-rule oracle (a third of the cases with one request whose
+every output against AR cut by the stop-rule oracle (a fifth of the cases served in block FP8, against
+FP8 AR; a third of the cases with one request whose
 round, prefill or emission raises: it must fail alone); the seeds that ever failed; and the fuzzer
 shown able to fail (a broken emitter, a release that caches a page it never wrote, a leaked slot).
 About 60-90 s on 2 cores (~1 s per case + the references); `--long` mode: the CLI in
@@ -73,6 +74,9 @@ def test_fuzz_covers_what_it_is_for(ci_results):
     assert (
         sum("drafter=dflash2" in r.config for r in results) >= 4
     )  # DFlash2 drafters, dense + hybrid
+    fp8 = [r.config.split()[0] for r in results if "quantization=fp8" in r.config]
+    assert {"dense:fp8", "hybrid:fp8"} <= set(fp8) and len(fp8) >= 4, fp8  # block FP8 at load
+    assert any("speculative_draft_quantization=fp8" in r.config for r in results)
     acc = [n for r in results for n in r.accept]
     assert sum(acc) / len(acc) > 2, sum(acc) / len(acc)
     for kind in set(KINDS):
