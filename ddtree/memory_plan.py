@@ -184,8 +184,8 @@ class MemoryPlan:
     spec_state_bytes_per_request: int  # extra_buffer per-node intermediate states, per device
     state_pool_bytes: int
     state_pool_requests: int | None  # None for dense targets
-    kv_pool_bytes: int
-    kv_tokens: int  # = num_pages x page_size: what the engine allocates
+    kv_pool_bytes: int  # the KV tensors the engine allocates (target + drafter, scratch pages)
+    kv_tokens: int  # = num_pages x page_size: what the engine hands out
     num_pages: int
     context_length: int
     requests_at_context: int
@@ -196,10 +196,18 @@ class MemoryPlan:
     shared_by_ranks: bool = False  # CPU tensor parallelism: the ranks split the host's RAM
     target_fp8: str = ""  # "": the model dtype; else how the FP8 layout stands
     drafter_fp8: str = ""
+    kv_room_bytes: int = 0  # what the static pool left for KV
+    state_room_bytes: int = 0  # what the static pool set aside for recurrent state
+    kv_limit: str = "memory"  # what stops the KV pool where it is
 
     @property
     def fits(self) -> bool:
         return self.kv_tokens > 0 and self.requests_at_context > 0
+
+    def _kv_why(self) -> str:
+        if self.kv_limit == "memory":
+            return ""
+        return f" (held by {self.kv_limit}; {_gib(self.kv_room_bytes)} free for KV)"
 
     def format(self) -> str:
         static = f"static pool {_gib(self.static_bytes)}"
@@ -239,7 +247,8 @@ class MemoryPlan:
                 ),
                 (
                     "state pool",
-                    f"{_gib(self.state_pool_bytes)} -> {self.state_pool_requests} requests",
+                    f"{_gib(self.state_pool_bytes)} -> {self.state_pool_requests} requests "
+                    "(+ the scratch row and the checkpoints)",
                 ),
                 (
                     "state checkpoints",
@@ -249,7 +258,7 @@ class MemoryPlan:
                 ),
             ]
         rows += [
-            ("KV pool", f"{_gib(self.kv_pool_bytes)} -> {self.kv_tokens:,} tokens"),
+            ("KV pool", f"{_gib(self.kv_pool_bytes)} -> {self.kv_tokens:,} tokens{self._kv_why()}"),
             ("requests at context", f"{self.requests_at_context} x {self.context_length:,} tokens"),
         ]
         width = max(len(k) for k, _ in rows)
@@ -319,9 +328,14 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         warnings.insert(0, hint)
     rest = pools.static_bytes - weights - pools.workspace_bytes
     if at_ctx == 0 and rest > 0:
+        room_fits = pools.kv_room_bytes // pools.kv_bytes_per_token >= ctx + pools.width
+        fix = (
+            "raise --max-total-tokens or lower --context-length"
+            if pools.kv_limit == "--max-total-tokens" and room_fits
+            else "lower --context-length or free memory"
+        )
         warnings.append(
-            f"not one request of --context-length {ctx} fits ({pools.kv_tokens:,} KV "
-            "tokens); lower --context-length or free memory"
+            f"not one request of --context-length {ctx} fits ({pools.kv_tokens:,} KV tokens); {fix}"
         )
     return MemoryPlan(
         device_name=name,
@@ -345,6 +359,9 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         state_pool_bytes=pools.state_pool_bytes,
         state_pool_requests=pools.state_rows,
         kv_pool_bytes=pools.kv_pool_bytes,
+        kv_room_bytes=pools.kv_room_bytes,
+        state_room_bytes=pools.state_room_bytes,
+        kv_limit=pools.kv_limit,
         kv_tokens=pools.kv_tokens,
         num_pages=pools.num_pages,
         context_length=ctx,

@@ -57,8 +57,11 @@ def test_qwen3_8b_plan(tmp_path):
     assert plan.state_pool_requests is None and plan.state_bytes_per_request == 0
     assert plan.kv_tokens % 16 == 0
     expected_kv = plan.static_bytes - plan.weight_bytes_per_device - plan.workspace_bytes
-    assert plan.kv_pool_bytes == expected_kv
-    assert plan.kv_tokens == expected_kv // plan.kv_bytes_per_token_per_device // 16 * 16
+    assert plan.kv_room_bytes == expected_kv and plan.kv_limit == "memory"
+    scratch = 16 * 5  # one verify width (65) of scratch pages comes out of the same bytes
+    assert plan.kv_tokens == expected_kv // plan.kv_bytes_per_token_per_device // 16 * 16 - scratch
+    assert plan.kv_pool_bytes == (plan.kv_tokens + scratch) * plan.kv_bytes_per_token_per_device
+    assert plan.kv_pool_bytes <= plan.kv_room_bytes
     assert (
         plan.requests_at_context == plan.kv_tokens // 40960 > 0 and plan.fits and not plan.warnings
     )
@@ -104,10 +107,11 @@ def test_hybrid_plan_state_split(tmp_path):
     assert plan.state_bytes_per_request == conv + ssm
     assert plan.spec_state_bytes_per_request == 65 * (conv + ssm)
     rest = plan.static_bytes - plan.weight_bytes_per_device - plan.workspace_bytes
-    assert plan.state_pool_bytes == int(rest * 0.5 / 1.5)
-    assert plan.kv_pool_bytes == rest - plan.state_pool_bytes
+    assert plan.state_room_bytes == int(rest * 0.5 / 1.5)
+    assert plan.kv_room_bytes == rest - plan.state_room_bytes
     # one row of the pool is the scratch row of padded CUDA-graph rows
-    assert plan.state_pool_requests == plan.state_pool_bytes // (66 * (conv + ssm)) - 1
+    assert plan.state_pool_requests == plan.state_room_bytes // (66 * (conv + ssm)) - 1
+    assert plan.state_pool_bytes <= plan.state_room_bytes
     assert plan.requests_at_context <= plan.state_pool_requests
     assert "state pool" in plan.format()
 
@@ -451,3 +455,14 @@ def test_extra_buffer_that_starves_the_pools_suggests_no_buffer(tmp_path, capsys
     )
     assert fits.fits and fits.state_pool_requests >= 4
     assert not any("no_buffer" in w for w in fits.warnings)
+
+
+def test_check_config_names_max_total_tokens_when_it_is_the_cap(capsys):
+    """The embedded pair on this host: memory holds many requests at context, --max-total-tokens 64
+    holds none; the plan prints the pool that cap allocates and names the flag that binds."""
+    rc = main(["--device", "cpu", "--max-total-tokens", "64"])
+    err, out = capsys.readouterr()
+    text = out + err
+    assert rc == 1
+    assert "KV pool              0.5 MiB -> 64 tokens (held by --max-total-tokens" in text
+    assert "raise --max-total-tokens or lower --context-length" in text

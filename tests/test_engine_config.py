@@ -71,6 +71,23 @@ def test_memory_plan_is_what_the_engine_allocates(flags, monkeypatch):
     assert cfg.block_size == spec_config(args).block_size
     kv_bytes = runner.kv.bytes + (runner.draft_kv.bytes if runner.draft_kv is not None else 0)
     assert kv_bytes == runner.kv.k.shape[1] * plan.kv_bytes_per_token_per_device
+    assert kv_bytes == plan.kv_pool_bytes  # the figure check-config prints is the allocation
+    assert plan.state_pool_bytes == 0 and runner.state_pool is None
+
+
+def test_the_plan_printed_is_the_pool_allocated_on_this_host():
+    """check-config's KV figure on the real host (where the CPU's KV cap binds, and with
+    --max-total-tokens) is what the engine allocates and what its log line says, not the room."""
+    for flags in [(), ("--max-total-tokens", "64")]:
+        args = embedded("--speculative-algorithm", "DFLASH", *flags)
+        plan = memory_plan(args)
+        runner, _ = setup.build_runner(args, torch.device("cpu"))
+        kv_bytes = runner.kv.bytes + runner.draft_kv.bytes
+        assert kv_bytes == plan.kv_pool_bytes < plan.kv_room_bytes
+        assert plan.kv_limit != "memory" and plan.kv_limit in plan.format()
+        assert f"KV pool              {kv_bytes / 2**30:.2f} GiB" in plan.format() or (
+            f"{kv_bytes / 2**20:.1f} MiB -> {plan.kv_tokens:,} tokens" in plan.format()
+        )
 
 
 def test_max_total_tokens_rounds_up_to_pages():
@@ -124,6 +141,8 @@ def test_state_pool_rows_cap_concurrency(random_hybrid_pair, monkeypatch):
     )
     assert pool.state_bytes == 4 * plan.state_bytes_per_request
     assert pool.stash_bytes == 4 * plan.spec_state_bytes_per_request
+    ck = runner.checkpoints.bytes if runner.checkpoints is not None else 0
+    assert pool.bytes + ck == plan.state_pool_bytes  # the plan's state figure is the allocation
     assert plan.spec_state_bytes_per_request == GDNGeometry.from_config(
         args.target_config
     ).stash_bytes(5, args.mamba_scheduler_strategy, args.mamba_ssm_dtype, args.dtype)
@@ -148,10 +167,10 @@ def test_plan_pools_splits_the_static_pool(random_hybrid_pair):
     pools = plan_pools(args, 10 * GIB, GIB, "cuda")
     rest = pools.static_bytes - GIB - pools.workspace_bytes
     assert (
-        pools.state_pool_bytes == int(rest * 0.5 / 1.5)
-        and pools.kv_pool_bytes == rest - pools.state_pool_bytes
+        pools.state_room_bytes == int(rest * 0.5 / 1.5)
+        and pools.kv_room_bytes == rest - pools.state_room_bytes
     )
-    assert pools.state_rows + 1 == pools.state_pool_bytes // (
+    assert pools.state_rows + 1 == pools.state_room_bytes // (
         pools.state_bytes_per_request + pools.spec_state_bytes_per_request
     )
 
@@ -233,7 +252,7 @@ def test_plan_reserves_checkpoint_rows_unless_the_cache_is_off(random_hybrid_pai
     )
     assert off.checkpoint_rows == 0
     per = on.state_bytes_per_request + on.spec_state_bytes_per_request
-    spare = on.state_pool_bytes - (4 + 1) * per  # 4 running requests and the scratch row
+    spare = on.state_room_bytes - (4 + 1) * per  # 4 running requests and the scratch row
     assert on.checkpoint_rows == min(spare // on.state_bytes_per_request, on.num_pages)
     # a pinned state pool: the rows 4 running requests leave of 6 (+ the scratch row)
     pinned = prepare_server_args(base + ["--max-mamba-cache-size", "6"])

@@ -295,13 +295,18 @@ class PoolPlan:
     kv_bytes_per_token: int
     state_bytes_per_request: int  # persistent conv + SSM state (0 for dense targets)
     spec_state_bytes_per_request: int  # tree-verify stash
-    state_pool_bytes: int
+    state_room_bytes: int  # what the static pool sets aside for recurrent state
     state_rows: int | None  # requests the state pool holds, its scratch row aside (None: dense)
-    kv_pool_bytes: int
+    kv_room_bytes: int  # what the static pool leaves for KV
     kv_tokens: int  # KV slots handed out (= num_pages x page_size)
     num_pages: int
     max_running_requests: int  # --max-running-requests, capped at state_rows
     warnings: tuple[str, ...] = ()
+    # the tensors the engine allocates (the KV pools with their scratch pages, the state pool's
+    # rows with the scratch row, the checkpoints): what check-config prints and the server logs
+    kv_pool_bytes: int = 0
+    state_pool_bytes: int = 0
+    kv_limit: str = "memory"  # what stops the KV pool where it is (check-config says it)
     # hybrid + prefix cache: recurrent-state checkpoints in the state pool's rows the running
     # requests leave (at most one per KV page)
     checkpoint_rows: int = 0
@@ -383,21 +388,31 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
                 "bfloat16)"
             )
     running = n_req if rows is None else max(min(n_req, rows), 0)
-    kv_pool = rest - state_pool
+    kv_room = rest - state_pool
     per_token = sum(kv_bytes_per_token(t_rank, d_rank, args.kv_cache_dtype))
-    budget = min(kv_pool, CPU_KV_BUDGET_BYTES // tp) if device == "cpu" else kv_pool
+    budget, limit = kv_room, "memory"
+    if device == "cpu" and CPU_KV_BUDGET_BYTES // tp < kv_room:
+        budget, limit = CPU_KV_BUDGET_BYTES // tp, f"the CPU's {_gib(CPU_KV_BUDGET_BYTES)} KV cap"
+    # the scratch pages (padded CUDA-graph rows' KV writes) come out of the same bytes
+    scratch = scratch_pages(width, args.page_size)
+    pages = budget // per_token // args.page_size - scratch
     # each running request at full context plus one verify width, in whole pages: rounding the
     # sum down left a lone request at the context's end one page short of its last round (it was
     # preempted, could not be readmitted, and finished early with 'length')
     want = running * -(-(args.context_length + width) // args.page_size)
-    pages = min(budget // per_token // args.page_size, want)
+    if want < pages:
+        pages, limit = want, f"{running} running requests at --context-length"
     if args.max_total_tokens is not None:  # the user's cap, rounded up to whole pages
-        pages = min(pages, -(-args.max_total_tokens // args.page_size))
-    pages = max(pages, MIN_PAGES)
+        cap = -(-args.max_total_tokens // args.page_size)
+        if cap < pages:
+            pages, limit = cap, "--max-total-tokens"
+    if pages < MIN_PAGES:
+        pages, limit = MIN_PAGES, "the engine's minimum"
     ck_rows = 0
     if rows is not None and not args.disable_radix_cache and state > 0:
         # the rows left after the running requests' and the scratch row's
         ck_rows = max(min((state_pool - (running + 1) * (state + spec_state)) // state, pages), 0)
+    state_alloc = 0 if rows is None else (running + 1) * (state + spec_state) + ck_rows * state
     return PoolPlan(
         static_bytes=static,
         weight_bytes=weight_bytes,
@@ -406,15 +421,18 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         kv_bytes_per_token=per_token,
         state_bytes_per_request=state,
         spec_state_bytes_per_request=spec_state,
-        state_pool_bytes=state_pool,
+        state_room_bytes=state_pool,
         state_rows=rows,
-        kv_pool_bytes=kv_pool,
+        kv_room_bytes=kv_room,
         kv_tokens=pages * args.page_size,
         num_pages=pages,
         max_running_requests=running,
         warnings=tuple(warnings),
         checkpoint_rows=ck_rows,
         checkpoint_bytes=ck_rows * state,
+        kv_pool_bytes=(pages + scratch) * args.page_size * per_token,
+        state_pool_bytes=state_alloc,
+        kv_limit=limit,
     )
 
 

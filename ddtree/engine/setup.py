@@ -112,7 +112,7 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
     if pools.max_running_requests < 1:
         raise ConfigError(
             [
-                f"the recurrent-state pool holds no request ({pools.state_pool_bytes} bytes); raise "
+                f"the recurrent-state pool holds no request ({pools.state_room_bytes} bytes); raise "
                 "--mem-fraction-static or --mamba-full-memory-ratio, or lower --speculative-ddtree-budget"
             ]
         )
@@ -121,8 +121,7 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
         _same_plan_on_every_rank(cfg, tp)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        state = pools.spec_state_bytes_per_request + pools.state_bytes_per_request
-        need = pools.kv_tokens * pools.kv_bytes_per_token + (cfg.max_running_requests + 1) * state
+        need = pools.kv_pool_bytes + pools.state_pool_bytes
         if need > free:  # the plan assumes the device holds only this engine
             logger.warning(
                 "the KV and state pools (%.1f GiB) exceed the free device memory (%.1f GiB): "
@@ -131,10 +130,12 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
                 free / 2**30,
             )
     logger.info(
-        "KV cache: %d pages x %d tokens (%.1f MiB), %d max running requests, context %d",
+        "KV cache: %d pages x %d tokens (%.1f MiB, held by %s), %d max running requests, "
+        "context %d",
         cfg.num_pages,
         cfg.page_size,
-        cfg.num_pages * cfg.page_size * pools.kv_bytes_per_token / 2**20,
+        pools.kv_pool_bytes / 2**20,
+        pools.kv_limit,
         cfg.max_running_requests,
         cfg.max_context,
     )
