@@ -95,3 +95,38 @@ def test_decode_line_reports_auto_budgets_and_predictions(pair, caplog):
 def test_decode_log_interval_is_checked():
     with pytest.raises(ConfigError, match="--decode-log-interval 0"):
         resolve_server_args(ServerArgs(decode_log_interval=0, device="cpu"))
+
+
+def test_gen_throughput_is_over_busy_time_not_idle_time():
+    """The decode line's throughput divides the tokens by the steps' own seconds (prefill and
+    decode, with the server's loop around them): a pause with no request in between, however
+    long, does not dilute it (the server's line read 4.4 tok/s while it decoded 60+)."""
+    from types import SimpleNamespace
+
+    from ddtree.engine.batch_log import BatchLog
+
+    sched = SimpleNamespace(running=[], waiting=[], bm=SimpleNamespace(num_pages=0))
+    log = BatchLog(sched, interval=2)
+    timing = SimpleNamespace(round_s=0.02, host_s=0.005)
+    rec = SimpleNamespace(budgets=[0], predicted=[], timing=timing)
+    log.prefill([5], step_s=0.05)
+    log.decode([[1, 2]], rec)
+    log.server_time(0.005)
+    # an idle stretch here costs nothing: only steps count
+    assert log.busy_s == pytest.approx(0.05 + 0.025 + 0.005)
+    with_lines = []
+    handler = logging.Handler()
+    handler.emit = lambda r: with_lines.append(r.getMessage())
+    logger = logging.getLogger("ddtree")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        log.decode([[3, 4]], rec)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    m = DECODE.match(with_lines[-1])
+    assert m is not None
+    # 4 tokens over 0.05 + 2 x 0.025 + 0.005 s of steps
+    assert float(m[5]) == pytest.approx(4 / 0.105, abs=0.01)

@@ -1,6 +1,8 @@
 """SGLang-style engine log lines (logger "ddtree", INFO): one per prefill batch, and one every
 `--decode-log-interval` decode steps with the running batch, the KV in use, the mean accept length
-and the generation throughput since the previous decode line, and the queue:
+and the generation throughput since the previous decode line (over the time the engine was busy:
+its steps, prefill and decode, and the server's loop around them; idle waits for requests are not
+counted), and the queue:
 
     Prefill batch. #new-seq: 2, #new-token: 37, #cached-token: 0, token usage: 0.01,
         #running-req: 1, #queue-req: 0
@@ -23,7 +25,6 @@ server loop's time outside the step (publishing / streaming, commands, metrics; 
 from __future__ import annotations
 
 import logging
-import time
 
 logger = logging.getLogger("ddtree")
 
@@ -36,7 +37,7 @@ class BatchLog:
             raise ValueError(f"--decode-log-interval must be at least 1, got {interval}")
         self.scheduler, self.interval = scheduler, interval
         self.steps = self.tokens = self.req_rounds = 0
-        self.since = time.perf_counter()
+        self.busy_s = 0.0  # engine steps (prefill and decode) and their server time since the line
         self._reset_round_stats()
 
     def _reset_round_stats(self) -> None:
@@ -47,13 +48,16 @@ class BatchLog:
     def server_time(self, seconds: float) -> None:
         """The server loop's time outside the latest decode step (added to its round)."""
         self.server_s += seconds
+        self.busy_s += seconds
 
     def _usage(self) -> float:
         bm = self.scheduler.bm
         return 1.0 - bm.num_available_pages / bm.num_pages if bm.num_pages else 0.0
 
-    def prefill(self, q_lens: list[int]) -> None:
-        """After one prefill batch (its chunks' lengths); #running-req: the requests outside it."""
+    def prefill(self, q_lens: list[int], step_s: float = 0.0) -> None:
+        """After one prefill batch (its chunks' lengths, the step's seconds); #running-req: the
+        requests outside it."""
+        self.busy_s += step_s
         if not logger.isEnabledFor(logging.INFO):
             return
         s = self.scheduler
@@ -80,10 +84,10 @@ class BatchLog:
             self.pred_n += len(rec.predicted)
             self.round_s += rec.timing.round_s
             self.host_s += rec.timing.host_s
+            self.busy_s += rec.timing.round_s + rec.timing.host_s
             self.timed += 1
         if self.steps % self.interval:
             return
-        now = time.perf_counter()
         s = self.scheduler
         n, rounds = max(self.req_rounds, 1), max(self.timed, 1)
         pred = f"{self.pred_sum / self.pred_n:.2f}" if self.pred_n else "-"
@@ -95,7 +99,7 @@ class BatchLog:
             sum(r.kv_len for r in s.running),
             self._usage(),
             self.tokens / n,
-            self.tokens / max(now - self.since, 1e-9),
+            self.tokens / self.busy_s if self.busy_s > 0 else 0.0,
             len(s.waiting),
             self.budget_sum / n,
             pred,
@@ -104,5 +108,5 @@ class BatchLog:
             1e3 * self.server_s / rounds,
         )
         self.tokens = self.req_rounds = 0
-        self.since = now
+        self.busy_s = 0.0
         self._reset_round_stats()

@@ -231,7 +231,7 @@ class LLMEngine:
                 except Exception as e:  # noqa: BLE001 - this request's own failure
                     self._fail_request(r, e)
         if batch.is_prefill:
-            self.batch_log.prefill(batch.q_lens)
+            self.batch_log.prefill(batch.q_lens, time.perf_counter() - t0)
             self.decoder.clock.forget()  # the next round's idle time would hold this step
         else:
             rec = self.last_round = self.decoder.budgets.last

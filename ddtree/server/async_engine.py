@@ -321,6 +321,8 @@ class AsyncEngine:
                 self.engine.batch_log.server_time(server_s)
                 if self.metrics is not None:
                     self.metrics.on_round(rec, server_s, self._hidden_s)
+            if step_s and self.metrics is not None:
+                self.metrics.on_busy(time.monotonic() - t0)
         self._run_commands(block=False)
         self._fail_all(SHUTTING_DOWN)
 

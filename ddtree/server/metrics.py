@@ -77,7 +77,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("ddtree_generation_tokens", "Generated tokens", registry=r)
         self.throughput = Gauge(
             "ddtree_generation_throughput_tokens_per_second",
-            f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s",
+            f"Generated tokens per second of busy time (engine steps and the server loop around "
+            f"them; idle waits for requests excluded) over the last {THROUGHPUT_WINDOW_S:.0f} s",
             registry=r,
         )
         self.running = Gauge(
@@ -309,6 +310,8 @@ class ServerMetrics:
         )
         self._window: deque[tuple[float, int]] = deque()
         self._window_tokens = 0
+        self._busy: deque[tuple[float, float]] = deque()
+        self._busy_s = 0.0
 
     def on_gc_pause(self, generation: int, seconds: float) -> None:
         self.gc_pause.labels(generation=str(generation)).observe(seconds)
@@ -327,6 +330,12 @@ class ServerMetrics:
         ):
             if parts[key] is not None:
                 hist.observe(parts[key])
+
+    def on_busy(self, seconds: float) -> None:
+        """One loop iteration that ran an engine step took `seconds` (step, publishing, metrics)."""
+        self._busy.append((time.monotonic(), seconds))
+        self._busy_s += seconds
+        self._update_throughput()
 
     def on_progress(self, new_tokens: int, new_rounds: list[int]) -> None:
         if new_tokens:
@@ -438,7 +447,12 @@ class ServerMetrics:
         now = time.monotonic()
         while self._window and now - self._window[0][0] > THROUGHPUT_WINDOW_S:
             self._window_tokens -= self._window.popleft()[1]
-        self.throughput.set(self._window_tokens / THROUGHPUT_WINDOW_S)
+        while self._busy and now - self._busy[0][0] > THROUGHPUT_WINDOW_S:
+            self._busy_s -= self._busy.popleft()[1]
+        # tokens of the window over the busy seconds of the same window: a server that decodes
+        # for 1 s of the 5 shows its decode rate, not a fifth of it
+        busy = self._busy_s if self._busy else 0.0
+        self.throughput.set(self._window_tokens / busy if busy > 1e-9 else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
