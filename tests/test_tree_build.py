@@ -229,3 +229,24 @@ def test_engine_ddtree_through_the_kernel(toy_pair, monkeypatch, graphs):
     assert builds and len(launches) == len(builds)
     if graphs:
         assert 4 in builds, "the draft graph's padded batch never built a tree"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_logsumexp_in_chunks_is_the_whole_tensor_logsumexp(monkeypatch, dtype):
+    """The draft's log Z in chunks of rows (bounded temporaries at any batch) equals the
+    whole-tensor logsumexp row for row, and the trees built on it are the same trees."""
+    import ddtree.speculative.tree as tree_mod
+
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(5, 7, 300, generator=g) * 4).to(dtype)
+    whole = logits.float().logsumexp(-1, keepdim=True)
+    assert torch.equal(tree_mod.row_logsumexp(logits), whole)  # one chunk: the same call
+    monkeypatch.setattr(tree_mod, "LSE_CHUNK_ELEMS", 300 * 4)  # 4 rows a chunk, 9 chunks
+    chunked = tree_mod.row_logsumexp(logits)
+    assert chunked.shape == (5, 7, 1) and chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
+    roots = torch.arange(5)
+    a = tree_mod.build_chain(roots, logits)
+    monkeypatch.setattr(tree_mod, "LSE_CHUNK_ELEMS", 1 << 25)
+    b = tree_mod.build_chain(roots, logits)
+    assert torch.equal(a.tokens, b.tokens)

@@ -39,6 +39,7 @@ from ddtree.speculative.tree import (
     _assemble,
     _best_first,
     _depth_limit,
+    row_logsumexp,
     select_from_beams,
 )
 
@@ -85,7 +86,7 @@ def transitions(root_tokens: Tensor, draft: MarkovDraft) -> Transitions:
     order = s.sort(dim=-1, descending=True, stable=True).indices
     # calibrated: q orders the K candidates; that the token is among them at all is the unary
     # model's estimate, their softmax mass m_d (a per-depth constant: no ranking changes)
-    log_mass = draft.unary.logsumexp(-1) - draft.logits.float().logsumexp(-1)
+    log_mass = draft.unary.logsumexp(-1) - row_logsumexp(draft.logits).squeeze(-1)
     logq = s.gather(-1, order) - s.logsumexp(-1, keepdim=True) + log_mass.reshape(b * D, 1, 1)
     return Transitions(logq.view(b, D, K, K), order.view(b, D, K, K))
 

@@ -102,6 +102,24 @@ def ancestor_mask(parents: Tensor, num_depths: int) -> Tensor:
     return mask.scatter_(2, ancestors(parents, num_depths), True)
 
 
+# fp32 elements the temporaries of one `row_logsumexp` chunk may hold (its fp32 copy and exp)
+LSE_CHUNK_ELEMS = 1 << 25
+
+
+def row_logsumexp(x: Tensor) -> Tensor:
+    """fp32 logsumexp over the last dim, [..., 1], in chunks of rows whose temporaries stay under
+    LSE_CHUNK_ELEMS elements whatever the batch. A whole-tensor logsumexp materialises an fp32
+    copy and its exp of every row: at batch 256 of a 152k vocabulary that is gigabytes outside
+    every planned buffer (the draft graph's capture ran out of memory there)."""
+    V = x.shape[-1]
+    flat = x.reshape(-1, V)
+    step = max(1, LSE_CHUNK_ELEMS // V)
+    if flat.shape[0] <= step:
+        return x.float().logsumexp(dim=-1, keepdim=True)
+    parts = [flat[i : i + step].float().logsumexp(dim=-1) for i in range(0, flat.shape[0], step)]
+    return torch.cat(parts).view(*x.shape[:-1], 1)
+
+
 def topk_logprobs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """fp32 log-probs and token ids of the top-k tokens per depth: ([b, D, k], [b, D, k]).
 
@@ -109,7 +127,7 @@ def topk_logprobs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     ties; build_tree and build_chain share this so their top-1 tokens always agree.
     """
     vals, ids = draft_logits.topk(k, dim=-1)  # native dtype: exact, and half the bytes of fp32
-    return vals.float() - draft_logits.float().logsumexp(dim=-1, keepdim=True), ids
+    return vals.float() - row_logsumexp(draft_logits), ids
 
 
 def _best_first(score: Tensor, k: int) -> Tensor:
