@@ -63,13 +63,18 @@ class Lookup(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client():
+def server(one_torch_thread):
     pair = (os.path.join(PACKAGE_PAIR, "target"), os.path.join(PACKAGE_PAIR, "drafter"))
     argv = server_argv(
         pair, "DDTREE", "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"
     )
     with thread_server(argv) as srv:
-        yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
 
 
 def create(client, **kw):
@@ -231,6 +236,26 @@ def test_refused_by_name(client, kw, param):
 def test_nothing_stored(client):
     r = httpx.get(str(client.base_url) + "responses/resp_1", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_failed(server, client, monkeypatch):
+    engine = server.engine
+    real = engine.decoder.round
+
+    def round_(reqs, max_context):
+        if any(engine.tokenizer.decode(r.prompt_ids).startswith("#poison") for r in reqs):
+            raise RuntimeError("injected failure")
+        return real(reqs, max_context)
+
+    monkeypatch.setattr(engine.decoder, "round", round_)
+    events = list(create(client, input="#poison", max_output_tokens=8, stream=True))
+    monkeypatch.undo()
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    error, failed = events[-2:]
+    assert error.type == "error" and "injected failure" in error.message
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.message == error.message
+    assert create(client, input="x", max_output_tokens=2).status == "incomplete"
 
 
 def test_chat_stream_and_parse_helpers(client):
