@@ -6,9 +6,10 @@ Responses API: `responses.create` (string input, a message list with instruction
 and their outputs as input, `max_output_tokens` -> status incomplete), `responses.stream()` and
 `create(stream=True)` (OpenAI's event order and sequence numbers, the final response's text equal
 to the deltas), `responses.parse(text_format=PydanticModel)`, function tools with tool_choice named
-and required (`function_call` items whose arguments parse), reasoning items, and the features
-refused by name. Chat side: `chat.completions.stream()` and `chat.completions.parse()` (a
-pydantic response_format and a strict pydantic function tool).
+and required (`function_call` items whose arguments parse), reasoning items, a failure mid-stream
+(an `error` event, then `response.failed`), and the features refused by name. Chat side:
+`chat.completions.stream()` and `chat.completions.parse()` (a pydantic response_format and a
+strict pydantic function tool).
 
 The embedded pair writes Python-like code whatever the prompt, so the checks are of protocol
 structure and grammar-constrained validity, never of content. Every request is a few tokens."""

@@ -204,7 +204,7 @@ class ResponsesServing:
             msg = str(err.get("msg")).removeprefix("Value error, ")
             raise protocol.invalid(param, msg) from e
 
-    def head(self, body: ResponsesRequest, rid: str, created: float) -> dict:
+    def head(self, body: ResponsesRequest, rid: str, created: int) -> dict:
         """The response object's fields that echo the request."""
         fmt = (body.text or {}).get("format") or {"type": "text"}
         return {
@@ -264,7 +264,7 @@ class ResponsesServing:
             (st,), (out,) = await self.serving.start_chat(chat)
         except APIError as e:
             raise responses_error(e) from e
-        head = self.head(body, _id("resp"), time.time())
+        head = self.head(body, _id("resp"), int(time.time()))
         items = OutputItems()
         if body.stream:
             return self.stream(head, st, out, items)

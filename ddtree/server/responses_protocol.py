@@ -31,10 +31,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from ddtree.server.limits import MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOLS, Finite, Name, Text
+from ddtree.server.limits import (
+    MAX_MESSAGES,
+    MAX_NAME_CHARS,
+    MAX_TOOLS,
+    Finite,
+    Name,
+    Text,
+    text,
+)
 from ddtree.server.protocol import APIError, invalid
 
-MAX_METADATA = 16  # OpenAI: 16 key-value pairs
+MAX_METADATA = 16  # OpenAI: 16 key-value pairs, values of up to 512 characters
+MAX_METADATA_CHARS = 512
+MAX_INCLUDES = 32
+MetadataValue = text(MAX_METADATA_CHARS)
 
 # include values accepted: without meaning here (no reasoning is encrypted)
 INCLUDES = ("reasoning.encrypted_content",)
@@ -67,8 +78,8 @@ class ResponsesRequest(BaseModel):
     tools: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
-    include: Annotated[list[Name], Field(max_length=len(INCLUDES))] | None = None
-    metadata: Annotated[dict[Name, Text], Field(max_length=MAX_METADATA)] | None = None
+    include: Annotated[list[Name], Field(max_length=MAX_INCLUDES)] | None = None
+    metadata: Annotated[dict[Name, MetadataValue], Field(max_length=MAX_METADATA)] | None = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     previous_response_id: Name | None = None
