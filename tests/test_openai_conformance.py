@@ -93,6 +93,7 @@ def test_create_string_and_message_list(client):
     assert msg.content[0].type == "output_text" and r.output_text == msg.content[0].text
     u = r.usage
     assert u.output_tokens == 6 and u.total_tokens == u.input_tokens + u.output_tokens
+    assert r.model_extra["ddtree"]["algorithm"] == "DDTREE"  # speculation on
     # a message list with instructions is the chat request it describes: same prompt, same tokens
     items = [
         {"role": "developer", "content": "Write Python."},
