@@ -15,8 +15,9 @@ next assistant message's `reasoning_content`). Images, files, `item_reference` a
 items are refused naming the item.
 
 Refused by name (400, code `unsupported_parameter`), as nothing is stored: `previous_response_id`,
-`store: true` (vLLM drops it silently; a client told no cannot count on a stored response), `background: true`, `conversation`, `prompt`, `truncation: "auto"`,
-`context_management`, and tools other than `function` (web_search, file_search, mcp, ...).
+`store: true` (vLLM drops it silently; a client told no cannot count on a stored response),
+`background: true`, `conversation`, `prompt`, `truncation: "auto"`, `context_management`, and
+tools other than `function` (web_search, file_search, mcp, ...).
 Accepted without effect: `metadata` (echoed back), `user`, `safety_identifier`, `service_tier`,
 `prompt_cache_key`, `prompt_cache_retention`, `max_tool_calls` (it bounds hosted tools, none run
 here), `reasoning` (the reasoning parser decides what is reasoning), `stream_options`, and
