@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`),
+"""The FastAPI app: OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+`/v1/responses`: server/responses.py),
 SGLang's native `/generate` and `/get_model_info` (`ddtree.server.native_api`),
 `/health` (200 while the engine loop runs and keeps stepping; 503 when it died or is stuck;
 --dp-size: 200 with a "degraded" body while some replicas serve), `/metrics` (Prometheus, with
@@ -38,6 +39,7 @@ from ddtree.server.metrics import probe_loop_lag
 from ddtree.server.native_api import native_router
 from ddtree.server.openai_serving import OpenAIServing
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ddtree.server.responses import responses_router
 
 if TYPE_CHECKING:  # a --dp-size 1 server never imports ddtree.server.dp
     from ddtree.server.dp.engine import DPEngine
@@ -163,6 +165,7 @@ def create_app(
         return {"object": "list", "data": [card]}
 
     app.include_router(v1)
+    app.include_router(responses_router(serving))  # /v1/responses: server/responses.py
     app.include_router(native_router(serving, args, engine))  # behind ApiKeyAuth like every route
 
     @get(app, "/health")

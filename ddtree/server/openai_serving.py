@@ -360,9 +360,13 @@ class OpenAIServing:
         ]
         return head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}
 
-    async def chat(self, body: ChatCompletionRequest, request: Request):
+    async def start_chat(
+        self, body: ChatCompletionRequest
+    ) -> tuple[list[Stream], list[ChatOutput]]:
+        """A chat request admitted: its tools and grammar, the template rendered and tokenized on a
+        tokenizer thread, body.n requests, and each choice's ChatOutput (reasoning, content, tool
+        calls). Chat completions and the Responses API (server/responses.py) both start here."""
         messages = protocol.chat_messages(body)
-        want_logprobs, _ = protocol.logprob_fields(body)
         tools = ChatTools.of(body, self.tool_call_parser)
         grammar = grammar_spec(body.grammar_fields())
         if tools is not None and tools.grammar() is not None:
@@ -399,6 +403,11 @@ class OpenAIServing:
         streams = await self.start(body, render, "messages", None, grammar)
         reasoning = self.reasoning_parser if body.separate_reasoning else None
         outputs = [ChatOutput(reasoning, tools, rendered.get("prompt", "")) for _ in streams]
+        return streams, outputs
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        want_logprobs, _ = protocol.logprob_fields(body)
+        streams, outputs = await self.start_chat(body)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",

@@ -207,6 +207,7 @@ class ChatCompletionRequest(_SamplingFields):
 def error_param(loc) -> str | None:
     """Dotted field path of a validation error location, without pydantic's union-member tags."""
     from ddtree.server.native_protocol import GenerateRequest, NativeSamplingParams
+    from ddtree.server.responses_protocol import ResponsesRequest
 
     names = set()
     for model in (
@@ -217,6 +218,7 @@ def error_param(loc) -> str | None:
         StreamOptions,
         GenerateRequest,
         NativeSamplingParams,
+        ResponsesRequest,
     ):
         names.update(model.model_fields)
     parts = [str(x) for x in loc if isinstance(x, int) or x in names]
