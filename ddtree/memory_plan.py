@@ -243,7 +243,8 @@ class MemoryPlan:
                 ),
                 (
                     "state checkpoints",
-                    f"{self.state_checkpoints} (prefix cache) = {_gib(self.checkpoint_bytes)}"
+                    f"{self.state_checkpoints} (prefix cache: a hybrid hit ends at one; at "
+                    f"least one per running request) = {_gib(self.checkpoint_bytes)}"
                     if self.prefix_cache
                     else "none (--disable-radix-cache)",
                 ),
@@ -311,8 +312,8 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
     tkv, dkv = kv_bytes_per_token(t, d, args.kv_cache_dtype)
     ctx = args.context_length
     at_ctx = pools.kv_tokens // ctx
-    if pools.state_rows is not None:
-        at_ctx = min(at_ctx, pools.state_rows)
+    if pools.state_rows is not None:  # the requests the state pool holds beside their checkpoints
+        at_ctx = min(at_ctx, pools.max_running_requests)
     warnings = list(pools.warnings)
     hint = no_buffer_hint(args, device_bytes, weights, pools, at_ctx)
     if hint is not None:

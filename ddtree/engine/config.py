@@ -383,6 +383,10 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
                 "bfloat16)"
             )
     running = n_req if rows is None else max(min(n_req, rows), 0)
+    cache_state = rows is not None and not args.disable_radix_cache and state > 0
+    if cache_state:
+        running, floor_warning = _leave_checkpoint_rows(running, state_pool, state, spec_state)
+        warnings += floor_warning
     kv_pool = rest - state_pool
     per_token = sum(kv_bytes_per_token(t_rank, d_rank, args.kv_cache_dtype))
     budget = min(kv_pool, CPU_KV_BUDGET_BYTES // tp) if device == "cpu" else kv_pool
@@ -395,7 +399,7 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         pages = min(pages, -(-args.max_total_tokens // args.page_size))
     pages = max(pages, MIN_PAGES)
     ck_rows = 0
-    if rows is not None and not args.disable_radix_cache and state > 0:
+    if cache_state:
         # the rows left after the running requests' and the scratch row's
         ck_rows = max(min((state_pool - (running + 1) * (state + spec_state)) // state, pages), 0)
     return PoolPlan(
@@ -416,6 +420,36 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         checkpoint_rows=ck_rows,
         checkpoint_bytes=ck_rows * state,
     )
+
+
+def _leave_checkpoint_rows(
+    running: int, state_pool: int, state: int, spec_state: int
+) -> tuple[int, list[str]]:
+    """Running requests a hybrid state pool holds while it keeps one recurrent-state checkpoint
+    per running request for the prefix cache, and the warning when that caps them.
+
+    A hybrid prefix hit needs a checkpoint at its end, and checkpoints live in the state pool
+    beside the running requests' rows. Giving the running requests every row they can take left
+    the checkpoints only the pool's remainder: under `auto` (a stash of max budget + 1 nodes per
+    request, 4x DFLASH's 16) the Qwen3.6-27B shape on one 80 GiB GPU kept 0-1 checkpoints, so N
+    prompts repeated in turn never hit (LRU over fewer rows than prompts) while DFLASH, at the same
+    memory, kept 41. One checkpoint per running request lets each leave its prefix behind (a
+    conversation's next turn, a repeated prompt); SGLang keeps two per running request
+    (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3 slots each)."""
+    per_request = state + spec_state
+    if state_pool - (running + 1) * per_request >= running * state:
+        return running, []
+    # (r + 1) x per_request (r requests and the scratch row) + r x state <= state_pool
+    capped = min(running, max((state_pool - per_request) // (per_request + state), 1))
+    if capped >= running:
+        return running, []
+    return capped, [
+        f"the prefix cache keeps a recurrent-state checkpoint per running request: the state "
+        f"pool holds {capped} requests with theirs (not {running}); concurrency is capped there "
+        "(--disable-radix-cache gives every row to running requests, with no hybrid prefix "
+        "hits; or raise --mamba-full-memory-ratio, lower --speculative-ddtree-max-budget / "
+        "--speculative-ddtree-budget, or use --mamba-ssm-dtype bfloat16)"
+    ]
 
 
 def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:
