@@ -236,13 +236,12 @@ def test_plan_reserves_checkpoint_rows_unless_the_cache_is_off(random_hybrid_pai
     per = on.state_bytes_per_request + on.spec_state_bytes_per_request
     spare = on.state_pool_bytes - (4 + 1) * per  # 4 running requests and the scratch row
     assert on.checkpoint_rows == min(spare // on.state_bytes_per_request, on.num_pages)
-    # a pinned state pool of 6 rows (+ the scratch row): 4 running requests would leave 2, fewer
-    # than one checkpoint each (tests/test_hybrid_prefix_checkpoints.py), so 3 run beside 3
+    # a state pool pinned at 6 requests (+ the scratch row) has room for their 6 checkpoints
+    # too (tests/test_hybrid_prefix_checkpoints.py): 4 running leave 2 rows + those 6
     assert per == on.state_bytes_per_request  # no speculation: no stash
     pinned = plan_pools(
         prepare_server_args(base + ["--max-mamba-cache-size", "6"]), 10 * gib, gib, "cuda"
     )
-    assert (pinned.max_running_requests, pinned.checkpoint_rows) == (3, 3)
-    assert any("checkpoint per running request" in w for w in pinned.warnings)
+    assert (pinned.state_rows, pinned.max_running_requests, pinned.checkpoint_rows) == (6, 4, 8)
     text = memory_plan(prepare_server_args(base), 10 * gib).format()
     assert "state checkpoints" in text

@@ -7,7 +7,10 @@ plan gave the running requests every state-pool row they could take and the chec
 remainder: `auto`'s per-request stash (max budget 64 + 1 nodes, DFLASH's 16) filled the pool, leaving
 about one checkpoint (DFLASH: 41), and 32 prompts taking turns over fewer rows than prompts never find
 theirs (LRU). Here: the plan at that shape (no weights), the engine on the toy hybrid pair with a
-state pool the running requests fill (`--max-mamba-cache-size`), and the misses' cause in /metrics."""
+state pool pinned at its running requests (`--max-mamba-cache-size`, which they used to fill), and
+the misses' cause in /metrics."""
+
+import asyncio
 
 import httpx
 import pytest
@@ -15,6 +18,7 @@ from engine_utils import accepted_prompts, make_llm
 from server_fixtures import build_tiny_hybrid_pair, server_argv, thread_server, wait_idle
 
 from ddtree import SamplingParams
+from ddtree.bench.multiturn import STATE_COUNTERS, cache_counters
 from ddtree.engine.config import plan_pools
 from ddtree.server_args import ServerArgs, resolve_server_args
 
@@ -71,9 +75,10 @@ def test_27b_fp8_plan_keeps_a_checkpoint_per_running_request(algorithm, kw):
 def test_repeated_prompts_hit_under_auto_when_the_running_requests_fill_the_state_pool(
     toy_hybrid_pair,
 ):
-    """The state pool pinned at the running requests' rows (`--max-mamba-cache-size` =
-    `--max-running-requests`, the 27B's condition): prompts repeated one at a time hit on their
-    second pass (they got 0 tokens before: no checkpoint row was left), with the same tokens."""
+    """The state pool pinned at the running requests (`--max-mamba-cache-size` =
+    `--max-running-requests`: they used to take all of it, the 27B's condition, leaving no
+    checkpoint row): prompts repeated one at a time hit on their second pass, with the same
+    tokens."""
     llm = make_llm(
         toy_hybrid_pair,
         "DDTREE",
@@ -110,26 +115,33 @@ def tiny_hybrid(tmp_path_factory):
     return build_tiny_hybrid_pair(str(tmp_path_factory.mktemp("hybrid_prefix_pair")), seed=3)
 
 
-@pytest.mark.parametrize("rows", [0, 1], ids=["no-checkpoint-row", "checkpointed"])
-def test_metrics_say_why_a_hybrid_prompt_missed(tiny_hybrid, rows):
-    """A state pool of one request with no room beside it keeps no checkpoint: the repeated
-    prompt's cached pages cannot be reused, and /metrics says so (checkpoint rows 0, the cached
-    tokens counted as state misses); with room for one, the same prompt hits."""
+@pytest.mark.parametrize("order", ["AA", "ABAB"])
+def test_metrics_say_why_a_hybrid_prompt_missed(tiny_hybrid, order):
+    """One running request and its one checkpoint row: a prompt repeated hits; two prompts taking
+    turns each drop the other's checkpoint (LRU over fewer rows than prompts, the 27B bench's
+    pattern), so every cached page is recomputed, and /metrics says why: the cached tokens as state
+    misses, the checkpoint drops, the rows."""
     extra = ["--page-size", str(PAGE), "--speculative-ddtree-budget", "auto"]
-    extra += ["--max-running-requests", "1", "--max-mamba-cache-size", str(1 + rows)]
-    prompt = list(range(3, 30))  # 27 tokens: 6 full pages before the last token
-    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+    extra += ["--max-running-requests", "1", "--max-mamba-cache-size", "1"]
+    prompts = {"A": list(range(3, 30)), "B": list(range(40, 67))}  # 27 tokens: 6 full pages + 3
     with thread_server(server_argv(tiny_hybrid, "DDTREE", *extra)) as srv:
-        post = lambda: httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)  # noqa: E731
-        usage = [post().json()["usage"]["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
+        usage = []
+        for name in order:
+            body = {"prompt": prompts[name], "max_tokens": 3, "temperature": 0}
+            r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+            usage.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         info = wait_idle(srv.base_url)
         text = httpx.get(srv.base_url + "/metrics", timeout=10).text
+        # what `bench serving` reads around each level (its cache_state_miss_tokens)
+        counters = asyncio.run(cache_counters(srv.base_url, None))
     assert info["kv_integrity"] == "ok"
-    assert metric(text, "ddtree_prefix_cache_checkpoint_rows") >= rows
-    if rows:
+    assert metric(text, "ddtree_prefix_cache_checkpoint_rows") == 1
+    if order == "AA":
         assert usage == [0, 24]
-        assert metric(text, "ddtree_prefix_cache_state_miss_tokens") == 0
+        misses, drops = 0, 0
     else:
-        assert usage == [0, 0]
-        assert metric(text, "ddtree_prefix_cache_checkpoint_rows") == 0
-        assert metric(text, "ddtree_prefix_cache_state_miss_tokens") == 24
+        assert usage == [0, 0, 0, 0]
+        misses, drops = 2 * 24, 3  # the second A and B; B, A, B each took the other's row
+    assert metric(text, "ddtree_prefix_cache_state_miss_tokens") == misses
+    assert metric(text, "ddtree_prefix_cache_checkpoint_drops") == drops
+    assert counters[next(iter(STATE_COUNTERS))] == misses

@@ -368,13 +368,18 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         spec_state = geo.stash_bytes(width, strategy, args.mamba_ssm_dtype, args.dtype)
         per_request = state + spec_state
         r = args.mamba_full_memory_ratio
-        # one row more than the requests': the scratch row padded CUDA-graph rows write
+        pinned = args.max_mamba_cache_size
+        # one row more than the requests': the scratch row padded CUDA-graph rows write; a pinned
+        # pool also holds its requests' prefix-cache checkpoints (`_leave_checkpoint_rows`)
+        keep = 0 if args.disable_radix_cache else state
         state_pool = (
-            min((args.max_mamba_cache_size + 1) * per_request, rest)
-            if args.max_mamba_cache_size
+            min((pinned + 1) * per_request + pinned * keep, rest)
+            if pinned
             else int(rest * r / (1 + r))
         )
         rows = max(state_pool // per_request - 1, 0)
+        if pinned:
+            rows = min(rows, pinned)
         if rows < n_req:
             warnings.append(
                 f"the state pool holds {rows} requests < --max-running-requests {n_req}; "
