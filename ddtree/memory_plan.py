@@ -191,6 +191,7 @@ class MemoryPlan:
     requests_at_context: int
     warnings: tuple[str, ...] = ()
     state_checkpoints: int = 0  # hybrid prefix cache: recurrent-state checkpoint rows
+    running_requests: int = 0  # what the pools hold (hybrid: beside their checkpoints)
     checkpoint_bytes: int = 0
     prefix_cache: bool = True
     shared_by_ranks: bool = False  # CPU tensor parallelism: the ranks split the host's RAM
@@ -239,7 +240,12 @@ class MemoryPlan:
                 ),
                 (
                     "state pool",
-                    f"{_gib(self.state_pool_bytes)} -> {self.state_pool_requests} requests",
+                    f"{_gib(self.state_pool_bytes)} -> {self.state_pool_requests} requests"
+                    + (
+                        f" ({self.running_requests} running beside their checkpoints)"
+                        if self.running_requests < self.state_pool_requests
+                        else ""
+                    ),
                 ),
                 (
                     "state checkpoints",
@@ -352,6 +358,7 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         requests_at_context=at_ctx,
         warnings=tuple(warnings),
         state_checkpoints=pools.checkpoint_rows,
+        running_requests=pools.max_running_requests,
         checkpoint_bytes=pools.checkpoint_bytes,
         prefix_cache=not args.disable_radix_cache,
         shared_by_ranks=args.device == "cpu" and tp > 1,

@@ -20,6 +20,7 @@ from server_fixtures import build_tiny_hybrid_pair, server_argv, thread_server, 
 from ddtree import SamplingParams
 from ddtree.bench.multiturn import STATE_COUNTERS, cache_counters
 from ddtree.engine.config import plan_pools
+from ddtree.memory_plan import memory_plan
 from ddtree.server_args import ServerArgs, resolve_server_args
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,9 +29,9 @@ H100_GIB = 80  # `check-config --device-memory-gib 80`
 REPEATED = 32  # the bench's prompts, each repeated at every concurrency level
 
 
-def plan_27b(algorithm: str, *, cache: bool = True, **kw):
-    """The pools of the 27B hybrid shape in block FP8 on one 80 GiB GPU (config.json only)."""
-    args = resolve_server_args(
+def args_27b(algorithm: str, *, cache: bool = True, **kw):
+    """The 27B hybrid shape in block FP8 (config.json only), as the H100 bench served it."""
+    return resolve_server_args(
         ServerArgs(
             model_path="inflate:qwen3.6-27b",
             speculative_algorithm=algorithm,
@@ -45,13 +46,13 @@ def plan_27b(algorithm: str, *, cache: bool = True, **kw):
         ),
         (9, 0),
     )
-    return plan_pools(args, H100_GIB * 2**30, _weights(args), "cuda")
 
 
-def _weights(args) -> int:
-    from ddtree.memory_plan import memory_plan
-
-    return memory_plan(args, H100_GIB * 2**30).weight_bytes_per_device
+def plan_27b(algorithm: str, *, cache: bool = True, **kw):
+    """Its pools on one 80 GiB GPU, the weights' bytes as check-config counts them."""
+    args = args_27b(algorithm, cache=cache, **kw)
+    weights = memory_plan(args, H100_GIB * 2**30).weight_bytes_per_device
+    return plan_pools(args, H100_GIB * 2**30, weights, "cuda")
 
 
 @pytest.mark.parametrize(
@@ -70,6 +71,9 @@ def test_27b_fp8_plan_keeps_a_checkpoint_per_running_request(algorithm, kw):
         off = plan_27b(algorithm, cache=False, **kw)
         assert off.checkpoint_rows == 0 and off.max_running_requests > on.max_running_requests
         assert any("checkpoint per running request" in w for w in on.warnings)
+        # check-config's plan says it
+        text = memory_plan(args_27b(algorithm, **kw), H100_GIB * 2**30).format()
+        assert f"({on.max_running_requests} running beside their checkpoints)" in text, text
 
 
 def test_repeated_prompts_hit_under_auto_when_the_running_requests_fill_the_state_pool(
