@@ -243,7 +243,7 @@ class MemoryPlan:
                     f"{_gib(self.state_pool_bytes)} -> {self.state_pool_requests} requests"
                     + (
                         f" ({self.running_requests} running beside their checkpoints)"
-                        if self.running_requests < self.state_pool_requests
+                        if self.prefix_cache and self.running_requests < self.state_pool_requests
                         else ""
                     ),
                 ),

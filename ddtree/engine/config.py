@@ -435,16 +435,17 @@ def _leave_checkpoint_rows(
 
     A hybrid prefix hit needs a checkpoint at its end, and checkpoints live in the state pool
     beside the running requests' rows. Giving the running requests every row they can take left
-    the checkpoints only the pool's remainder: under `auto` (a stash of max budget + 1 nodes per
-    request, 4x DFLASH's 16) the Qwen3.6-27B shape on one 80 GiB GPU kept 0-1 checkpoints, so N
-    prompts repeated in turn never hit (LRU over fewer rows than prompts) while DFLASH, at the same
-    memory, kept 41. One checkpoint per running request lets each leave its prefix behind (a
+    the checkpoints only the pool's remainder, often less than one row where the pool is short:
+    under `auto` (a stash of max budget + 1 nodes per request, 4x DFLASH's) the 27B hybrid on one
+    80 GiB GPU, where prompts repeated in turn then never found theirs (issue 54) while DFLASH's at
+    the same memory did. One checkpoint per running request lets each leave its prefix behind (a
     conversation's next turn, a repeated prompt); SGLang keeps two per running request
     (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3 slots each)."""
     per_request = state + spec_state
     if state_pool - (running + 1) * per_request >= running * state:
         return running, []
-    # (r + 1) x per_request (r requests and the scratch row) + r x state <= state_pool
+    # (r + 1) x per_request (r requests and the scratch row) + r x state <= state_pool; one
+    # request runs even without room for its checkpoint (the startup log then says none can hit)
     capped = min(running, max((state_pool - per_request) // (per_request + state), 1))
     if capped >= running:
         return running, []
