@@ -191,6 +191,7 @@ class MemoryPlan:
     requests_at_context: int
     warnings: tuple[str, ...] = ()
     state_checkpoints: int = 0  # hybrid prefix cache: recurrent-state checkpoint rows
+    running_requests: int = 0  # what the pools hold (hybrid: beside their checkpoints)
     checkpoint_bytes: int = 0
     prefix_cache: bool = True
     shared_by_ranks: bool = False  # CPU tensor parallelism: the ranks split the host's RAM
@@ -247,12 +248,18 @@ class MemoryPlan:
                 ),
                 (
                     "state pool",
-                    f"{_gib(self.state_pool_bytes)} -> {self.state_pool_requests} requests "
-                    "(+ the scratch row and the checkpoints)",
+                    f"{_gib(self.state_pool_bytes)} -> {self.state_pool_requests} requests"
+                    + (
+                        f" ({self.running_requests} running beside their checkpoints)"
+                        if self.prefix_cache and self.running_requests < self.state_pool_requests
+                        else ""
+                    )
+                    + " (+ the scratch row and the checkpoints)",
                 ),
                 (
                     "state checkpoints",
-                    f"{self.state_checkpoints} (prefix cache) = {_gib(self.checkpoint_bytes)}"
+                    f"{self.state_checkpoints} (prefix cache: a hybrid hit ends at one; at "
+                    f"least one per running request) = {_gib(self.checkpoint_bytes)}"
                     if self.prefix_cache
                     else "none (--disable-radix-cache)",
                 ),
@@ -320,8 +327,8 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
     tkv, dkv = kv_bytes_per_token(t, d, args.kv_cache_dtype)
     ctx = args.context_length
     at_ctx = pools.kv_tokens // ctx
-    if pools.state_rows is not None:
-        at_ctx = min(at_ctx, pools.state_rows)
+    if pools.state_rows is not None:  # the requests the state pool holds beside their checkpoints
+        at_ctx = min(at_ctx, pools.max_running_requests)
     warnings = list(pools.warnings)
     hint = no_buffer_hint(args, device_bytes, weights, pools, at_ctx)
     if hint is not None:
@@ -368,6 +375,7 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         requests_at_context=at_ctx,
         warnings=tuple(warnings),
         state_checkpoints=pools.checkpoint_rows,
+        running_requests=pools.max_running_requests,
         checkpoint_bytes=pools.checkpoint_bytes,
         prefix_cache=not args.disable_radix_cache,
         shared_by_ranks=args.device == "cpu" and tp > 1,

@@ -223,7 +223,9 @@ class ServerArgs:
     mamba_full_memory_ratio: float = _opt(0.9, "hybrid targets: state pool : KV pool memory ratio")
     mamba_ssm_dtype: str = _opt("float32", "hybrid targets: recurrent state dtype", DTYPES[1:])
     max_mamba_cache_size: int | None = _opt(
-        None, "hybrid targets: pin the state pool to this many requests"
+        None,
+        "hybrid targets: pin the state pool to this many requests (with the prefix cache, and "
+        "their recurrent-state checkpoints)",
     )
     cpu_threads: int | None = _opt(
         None,

@@ -241,7 +241,8 @@ def test_kv_len_has_one_owner():
 
 def test_plan_reserves_checkpoint_rows_unless_the_cache_is_off(random_hybrid_pair):
     """Hybrid prefix cache: state checkpoints take the state pool's rows the running requests leave
-    (so --mamba-full-memory-ratio governs them); none with --disable-radix-cache."""
+    (so --mamba-full-memory-ratio governs them), at least one per running request; none with
+    --disable-radix-cache."""
     target, drafter = random_hybrid_pair
     base = ["--model-path", target, "--device", "cpu", "--max-running-requests", "4"]
     gib = 2**30
@@ -254,9 +255,12 @@ def test_plan_reserves_checkpoint_rows_unless_the_cache_is_off(random_hybrid_pai
     per = on.state_bytes_per_request + on.spec_state_bytes_per_request
     spare = on.state_room_bytes - (4 + 1) * per  # 4 running requests and the scratch row
     assert on.checkpoint_rows == min(spare // on.state_bytes_per_request, on.num_pages)
-    # a pinned state pool: the rows 4 running requests leave of 6 (+ the scratch row)
-    pinned = prepare_server_args(base + ["--max-mamba-cache-size", "6"])
-    rows = plan_pools(pinned, 10 * gib, gib, "cuda").checkpoint_rows
-    assert rows == min(2 * per // on.state_bytes_per_request, on.num_pages) > 0
+    # a state pool pinned at 6 requests (+ the scratch row) has room for their 6 checkpoints
+    # too (tests/test_hybrid_prefix_checkpoints.py): 4 running leave 2 rows + those 6
+    assert per == on.state_bytes_per_request  # no speculation: no stash
+    pinned = plan_pools(
+        prepare_server_args(base + ["--max-mamba-cache-size", "6"]), 10 * gib, gib, "cuda"
+    )
+    assert (pinned.state_rows, pinned.max_running_requests, pinned.checkpoint_rows) == (6, 4, 8)
     text = memory_plan(prepare_server_args(base), 10 * gib).format()
     assert "state checkpoints" in text

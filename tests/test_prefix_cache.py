@@ -117,12 +117,15 @@ def test_hybrid_hits_stop_at_the_deepest_checkpoint():
     prefill(b, req(range(13)), 13)
     nodes = b.cache.nodes()
     assert len(nodes) == 3
-    assert b.match(list(range(13)), 12, checkpointed=True) is NO_HIT
+    # no checkpoint: nothing to reuse, and the 3 cached pages are counted as missed for it
+    none = b.match(list(range(13)), 12, checkpointed=True)
+    assert (none.length, none.nodes, none.state_miss) == (0, (), 12)
     first = b.match(list(range(4)), 4).nodes[0]
     b.cache.set_checkpoint(first, 0)
     hit = b.match(list(range(13)), 12, checkpointed=True)
-    assert hit.length == 4 and hit.cow is None and hit.nodes == (first,)
+    assert hit.length == 4 and hit.cow is None and hit.nodes == (first,) and hit.state_miss == 8
     assert b.cache.take_lru_checkpoint() == 0 and first.checkpoint is None
+    assert b.cache.stats.checkpoint_drops == 1
 
 
 def _level(ttft, tput, hit=0.0, failed=0):

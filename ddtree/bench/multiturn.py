@@ -170,6 +170,12 @@ async def run_level(url: str, convs, concurrency: int, ns) -> dict:
 
 
 CACHE_COUNTERS = ("ddtree_prefix_cache_evicted_pages_total", "ddtree_prefix_cache_hit_tokens_total")
+# hybrid targets: why cached pages were not reused (no state checkpoint ended them; checkpoints
+# dropped for newer ones), as level keys; a server that does not export them leaves them None
+STATE_COUNTERS = {
+    "ddtree_prefix_cache_state_miss_tokens_total": "cache_state_miss_tokens",
+    "ddtree_prefix_cache_checkpoint_drops_total": "cache_checkpoint_drops",
+}
 # the engine's per-step counters (engine/step_stats.py), when the server exports them
 STEP_COUNTERS = {step_metric(name) + "_total": name for name in StepStats().as_dict()}
 
@@ -191,7 +197,7 @@ async def cache_counters(url: str, api_key: str | None) -> dict[str, float] | No
     for line in r.text.splitlines():
         name, _, value = line.partition(" ")
         name = name.split("{", 1)[0]  # a --dp-size server's replicas (dp_rank) add up
-        if name in CACHE_COUNTERS or name in STEP_COUNTERS:
+        if name in CACHE_COUNTERS or name in STEP_COUNTERS or name in STATE_COUNTERS:
             found[name] = found.get(name, 0.0) + float(value)
     return found if all(c in found for c in CACHE_COUNTERS) else None
 
@@ -203,6 +209,9 @@ async def with_evictions(level_coro, url: str, api_key: str | None) -> dict:
     after = await cache_counters(url, api_key) if before is not None else None
     key = CACHE_COUNTERS[0]
     level["cache_evicted_pages"] = after[key] - before[key] if after is not None else None
+    for metric, level_key in STATE_COUNTERS.items():
+        both = after is not None and metric in after and metric in before
+        level[level_key] = after[metric] - before[metric] if both else None
     # the level's step plan: prefill steps, graphed share, passes, batch sizes (None: not exported)
     level["steps"] = None
     if after is not None and all(k in after and k in before for k in STEP_COUNTERS):

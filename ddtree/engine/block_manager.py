@@ -34,6 +34,7 @@ class PrefixHit:
     length: int = 0
     nodes: tuple[Node, ...] = ()  # full shared pages
     cow: tuple[Node, int] | None = None  # a cached page whose first n tokens are copied
+    state_miss: int = 0  # hybrid: cached tokens past `length` with no state checkpoint to reuse
 
 
 NO_HIT = PrefixHit()
@@ -103,7 +104,8 @@ class BlockManager:
             nodes = list(m.nodes)
             while nodes and nodes[-1].checkpoint is None:
                 nodes.pop()
-            return PrefixHit(len(nodes) * p, tuple(nodes)) if nodes else NO_HIT
+            miss = (len(m.nodes) - len(nodes)) * p
+            return PrefixHit(len(nodes) * p, tuple(nodes), state_miss=miss)
         if not m.nodes:
             # a copy-on-write page alone is no shared prefix: a few tokens that start like some
             # cached page (a common first word, a template's opening tokens) would save < one page

@@ -373,13 +373,18 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         spec_state = geo.stash_bytes(width, strategy, args.mamba_ssm_dtype, args.dtype)
         per_request = state + spec_state
         r = args.mamba_full_memory_ratio
-        # one row more than the requests': the scratch row padded CUDA-graph rows write
+        pinned = args.max_mamba_cache_size
+        # one row more than the requests': the scratch row padded CUDA-graph rows write; a pinned
+        # pool also holds its requests' prefix-cache checkpoints (`_leave_checkpoint_rows`)
+        keep = 0 if args.disable_radix_cache else state
         state_pool = (
-            min((args.max_mamba_cache_size + 1) * per_request, rest)
-            if args.max_mamba_cache_size
+            min((pinned + 1) * per_request + pinned * keep, rest)
+            if pinned
             else int(rest * r / (1 + r))
         )
         rows = max(state_pool // per_request - 1, 0)
+        if pinned:
+            rows = min(rows, pinned)
         if rows < n_req:
             warnings.append(
                 f"the state pool holds {rows} requests < --max-running-requests {n_req}; "
@@ -388,6 +393,10 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
                 "bfloat16)"
             )
     running = n_req if rows is None else max(min(n_req, rows), 0)
+    cache_state = rows is not None and not args.disable_radix_cache and state > 0
+    if cache_state:
+        running, floor_warning = _leave_checkpoint_rows(running, state_pool, state, spec_state)
+        warnings += floor_warning
     kv_room = rest - state_pool
     per_token = sum(kv_bytes_per_token(t_rank, d_rank, args.kv_cache_dtype))
     budget, limit = kv_room, "memory"
@@ -409,7 +418,7 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     if pages < MIN_PAGES:
         pages, limit = MIN_PAGES, "the engine's minimum"
     ck_rows = 0
-    if rows is not None and not args.disable_radix_cache and state > 0:
+    if cache_state:
         # the rows left after the running requests' and the scratch row's
         ck_rows = max(min((state_pool - (running + 1) * (state + spec_state)) // state, pages), 0)
     state_alloc = 0 if rows is None else (running + 1) * (state + spec_state) + ck_rows * state
@@ -434,6 +443,37 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         state_pool_bytes=state_alloc,
         kv_limit=limit,
     )
+
+
+def _leave_checkpoint_rows(
+    running: int, state_pool: int, state: int, spec_state: int
+) -> tuple[int, list[str]]:
+    """Running requests a hybrid state pool holds while it keeps one recurrent-state checkpoint
+    per running request for the prefix cache, and the warning when that caps them.
+
+    A hybrid prefix hit needs a checkpoint at its end, and checkpoints live in the state pool
+    beside the running requests' rows. Giving the running requests every row they can take left
+    the checkpoints only the pool's remainder, often less than one row where the pool is short:
+    under `auto` (a stash of max budget + 1 nodes per request, 4x DFLASH's) the 27B hybrid on one
+    80 GiB GPU, where prompts repeated in turn then never found theirs (issue 54) while DFLASH's at
+    the same memory did. One checkpoint per running request lets each leave its prefix behind (a
+    conversation's next turn, a repeated prompt); SGLang keeps two per running request
+    (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3 slots each)."""
+    per_request = state + spec_state
+    if state_pool - (running + 1) * per_request >= running * state:
+        return running, []
+    # (r + 1) x per_request (r requests and the scratch row) + r x state <= state_pool; one
+    # request runs even without room for its checkpoint (the startup log then says none can hit)
+    capped = min(running, max((state_pool - per_request) // (per_request + state), 1))
+    if capped >= running:
+        return running, []
+    return capped, [
+        f"the prefix cache keeps a recurrent-state checkpoint per running request: the state "
+        f"pool holds {capped} requests with theirs (not {running}); concurrency is capped there "
+        "(--disable-radix-cache gives every row to running requests, with no hybrid prefix "
+        "hits; or raise --mamba-full-memory-ratio, lower --speculative-ddtree-max-budget / "
+        "--speculative-ddtree-budget, or use --mamba-ssm-dtype bfloat16)"
+    ]
 
 
 def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:

@@ -208,8 +208,9 @@ class ModelRunner:
     # ---- prefix cache --------------------------------------------------------------------------------
     def match_prefix(self, req: Req) -> PrefixHit:
         """The cached prefix a waiting request may reuse (nothing locked yet). Hybrid targets need a
-        state checkpoint at exactly the hit length."""
-        if self.bm.cache is None or (self.state_pool is not None and self.checkpoints is None):
+        state checkpoint at exactly the hit length (with no checkpoint rows nothing hits, but the
+        match still counts the cached tokens missed for it: `CacheStats.state_miss_tokens`)."""
+        if self.bm.cache is None:
             return NO_HIT
         n = req.prefill_len
         return self.bm.match(req.token_slice(0, n), n - 1, self.state_pool is not None)
@@ -226,6 +227,7 @@ class ModelRunner:
             stats = self.bm.cache.stats
             stats.queried_tokens += req.prefill_len
             stats.hit_tokens += hit.length
+            stats.state_miss_tokens += hit.state_miss
 
     def _copy_page(self, src: int, dst: int, n: int) -> None:
         """Copy-on-write: the first n slots of cached page src into private page dst (target KV and

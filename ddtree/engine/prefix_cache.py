@@ -62,6 +62,11 @@ class CacheStats:
     queried_tokens: int = 0  # prefill tokens looked up at admission
     hit_tokens: int = 0  # of which were cached
     evicted_pages: int = 0
+    # hybrid targets: tokens past a hit whose KV pages were cached but whose recurrent state was
+    # not (no checkpoint at their end: none kept, or dropped for a newer one), so they were
+    # recomputed; with `checkpoint_drops` this says why a hybrid hit rate is low
+    state_miss_tokens: int = 0
+    checkpoint_drops: int = 0  # checkpoints taken from their node for a newer one (LRU)
 
     @property
     def hit_rate(self) -> float:
@@ -236,6 +241,7 @@ class RadixCache:
             return None
         row = min(self.checkpoints, key=lambda r: self.checkpoints[r].last_used)
         self.checkpoints.pop(row).checkpoint = None
+        self.stats.checkpoint_drops += 1
         return row
 
     def nodes(self) -> list[Node]:

@@ -139,4 +139,13 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
         cfg.max_running_requests,
         cfg.max_context,
     )
+    if pools.state_rows is not None and cfg.prefix_cache:
+        # a hybrid prefix hit restores one of these; with none every prompt is recomputed
+        log = logger.info if cfg.state_checkpoints else logger.warning
+        log(
+            "Prefix cache: %d recurrent-state checkpoint rows (%.1f MiB)%s",
+            cfg.state_checkpoints,
+            pools.checkpoint_bytes / 2**20,
+            "" if cfg.state_checkpoints else ": no hybrid prompt can hit the cache",
+        )
     return ModelRunner(target, drafter, cfg, device, dtype), cfg.max_context

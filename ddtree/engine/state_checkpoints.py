@@ -7,9 +7,9 @@ same under extra_buffer and no_buffer: both strategies stash per-node data besid
 them; a one-node round steps them in place at its verify, but checkpoints are taken and restored
 only between rounds, where the rows hold exactly the committed tokens either way), and restored into
 a new request's row when its prefix hit ends at that node. Rows are preallocated
-(`--mamba-full-memory-ratio` sizes them with the state pool: `plan_pools`); when all are taken the
-least recently used checkpoint is dropped (its pages stay cached; hits there are truncated to an
-earlier checkpoint).
+(`--mamba-full-memory-ratio` sizes them with the state pool, at least one per running request:
+`plan_pools`); when all are taken the least recently used checkpoint is dropped (its pages stay
+cached; hits there are truncated to an earlier checkpoint, `CacheStats.state_miss_tokens`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,11 @@ class StepStats:
     decode_steps: int = 0
     decode_reqs: int = 0  # decode batch sizes summed
     schedule_s: float = 0.0  # host: Scheduler.schedule (admission, prefix match, allocation)
-    cache_insert_s: float = 0.0  # host: inserting prefilled pages into the prefix cache
+    # host: inserting prefilled pages into the prefix cache. On a GPU this includes waiting for
+    # the prefill itself whenever the insertion rewrites block-table entries (a missed prompt whose
+    # pages another request cached: a synchronous host-to-device copy), so a high value with a low
+    # hit rate is the misses' prefill time, not the cache's own cost
+    cache_insert_s: float = 0.0
 
     def __post_init__(self):
         self.widths: list[int] = []  # what `graphable` is judged at (`set_budget`)

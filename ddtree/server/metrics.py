@@ -202,7 +202,23 @@ class ServerMetrics:
         self.cache_evictions = Counter(
             "ddtree_prefix_cache_evicted_pages", "Cached KV pages evicted (LRU)", registry=r
         )
-        self._cache_seen = (0, 0, 0)
+        # hybrid targets: a hit ends at a recurrent-state checkpoint; these say why one did not
+        self.cache_state_misses = Counter(
+            "ddtree_prefix_cache_state_miss_tokens",
+            "Hybrid: cached KV tokens recomputed because no recurrent-state checkpoint ended them",
+            registry=r,
+        )
+        self.checkpoint_drops = Counter(
+            "ddtree_prefix_cache_checkpoint_drops",
+            "Hybrid: state checkpoints taken from their cached prefix for a newer one (LRU)",
+            registry=r,
+        )
+        self.checkpoint_rows = Gauge(
+            "ddtree_prefix_cache_checkpoint_rows",
+            "Hybrid: recurrent-state checkpoint rows of the prefix cache (0: no prompt can hit)",
+            registry=r,
+        )
+        self._cache_seen = (0, 0, 0, 0, 0)
         # ---- engine steps (engine/step_stats.py): prefill path (graphed / eager), decode batches
         self.steps = {
             name: Counter(step_metric(name), f"Engine steps: {name} since start", registry=r)
@@ -401,6 +417,8 @@ class ServerMetrics:
         self.kv_used.set(bm.num_pages - bm.num_available_pages)
         self.kv_usage.set((bm.num_pages - bm.num_available_pages) / max(bm.num_pages, 1))
         self._on_cache(bm)
+        ckpts = runner.checkpoints
+        self.checkpoint_rows.set(ckpts.num_rows if ckpts is not None else 0)
         self._on_faults(getattr(engine, "faults", None))
         for name, value in runner.step_stats.as_dict().items():
             seen = self._steps_seen.get(name, 0)
@@ -434,10 +452,21 @@ class ServerMetrics:
         if bm.cache is None:
             return
         st = bm.cache.stats
-        now = (st.queried_tokens, st.hit_tokens, st.evicted_pages)
-        for counter, new, old in zip(
-            (self.cache_queried, self.cache_hits, self.cache_evictions), now, self._cache_seen
-        ):
+        now = (
+            st.queried_tokens,
+            st.hit_tokens,
+            st.evicted_pages,
+            st.state_miss_tokens,
+            st.checkpoint_drops,
+        )
+        counters = (
+            self.cache_queried,
+            self.cache_hits,
+            self.cache_evictions,
+            self.cache_state_misses,
+            self.checkpoint_drops,
+        )
+        for counter, new, old in zip(counters, now, self._cache_seen):
             if new > old:
                 counter.inc(new - old)
         self._cache_seen = now
