@@ -130,7 +130,7 @@ class LLMEngine:
                 f"of {bm.page_size} tokens a request)"
             )
         req = Req(prompt_ids=ids, params=params, **({"rid": rid} if rid else {}))
-        req.prompt_logprobs = PromptLogprobs.of(params, len(ids))
+        req.prompt_logprobs = PromptLogprobs.of(params, ids)
         if params.grammar is not None:  # compiled once per spec (the server compiles ahead)
             req.grammar = self.grammars.matcher(params.grammar)
         if not params.greedy:

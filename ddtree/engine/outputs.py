@@ -58,7 +58,7 @@ class RequestOutput:
 
 def _prompt_entries(req: Req) -> list[TokenLogprob | None] | None:
     plp = req.prompt_logprobs
-    return plp.entries(req.prompt_ids) if plp is not None and plp.done else None
+    return plp.entries() if plp is not None and plp.done else None
 
 
 class TokenEmitter:

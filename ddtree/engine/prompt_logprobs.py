@@ -43,20 +43,19 @@ class PromptLogprobs:
     start: int
     top: int
     end: int
+    tokens: list[int]  # the prompt's tokens from `start` on (what each row predicts, and the first)
     rows: int = 0  # rows computed so far (start .. start + rows - 1)
     chunks: list[torch.Tensor] = field(default_factory=list)  # device, until `done`
     host: torch.Tensor | None = None  # [end - start, 2 + 2 * top] once done
 
     @classmethod
-    def of(cls, params, prompt_len: int) -> PromptLogprobs | None:
+    def of(cls, params, prompt_ids: list[int]) -> PromptLogprobs | None:
         if params.prompt_logprobs is None:
             return None
-        start = params.prompt_logprobs_start
-        if not 0 <= start < prompt_len:
-            raise ValueError(
-                f"prompt_logprobs_start {start} is outside the prompt's {prompt_len} tokens"
-            )
-        plp = cls(start, params.prompt_logprobs, prompt_len - 1)
+        start, n = params.prompt_logprobs_start, len(prompt_ids)
+        if not 0 <= start < n:
+            raise ValueError(f"prompt_logprobs_start {start} is outside the prompt's {n} tokens")
+        plp = cls(start, params.prompt_logprobs, n - 1, list(prompt_ids[start:]))
         if plp.next_row >= plp.end:  # from the last position: nothing to compute (SGLang's default)
             plp._finish()
         return plp
@@ -70,14 +69,14 @@ class PromptLogprobs:
     def done(self) -> bool:
         return self.host is not None
 
-    def entries(self, prompt_ids) -> list[TokenLogprob | None]:
+    def entries(self) -> list[TokenLogprob | None]:
         """Per prompt position start .. n-1: None first, then the prompt token's log-prob, its
         rank and the top-k (host only; any thread)."""
         assert self.host is not None, "prompt log-probs read before the prompt was prefilled"
         k, out = self.top, [None]
         for j, row in enumerate(self.host.tolist()):
             top = tuple((int(row[2 + k + i]), row[2 + i]) for i in range(k))
-            out.append(TokenLogprob(int(prompt_ids[self.start + 1 + j]), row[0], top, int(row[1])))
+            out.append(TokenLogprob(self.tokens[1 + j], row[0], top, int(row[1])))
         return out
 
     def _finish(self) -> None:
