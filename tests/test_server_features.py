@@ -309,7 +309,10 @@ def test_generate_stream_interleaves_choices(http):
         ({"sampling_params": {"max_new_tokens": 2}}, "text"),
         ({"text": "a", "input_ids": [1], "sampling_params": {}}, "text"),
         ({"text": "", "sampling_params": {}}, "text"),
-        ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+        (
+            {"text": "a", "sampling_params": {"max_new_tokens": -1}},
+            "sampling_params.max_new_tokens",
+        ),
         ({"text": "a", "sampling_params": {"temperature": -1.0}}, "sampling_params.temperature"),
         ({"text": "a", "sampling_params": {"regex": "(a"}}, "sampling_params.regex"),
         (
