@@ -2,6 +2,7 @@
 plain full forward over the prompt, in every decoding mode, chunked or not, from a cached prefix
 or not, from any start position, and with max_tokens 0 (prefill only)."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -148,3 +149,38 @@ def test_a_start_past_the_prompt_is_refused(one_torch_thread):
     )
     with pytest.raises(ValueError, match="prompt_logprobs_start"):
         llm().engine.add_request(PROMPT, params)
+
+
+def test_hybrid_target_with_chunks_and_a_checkpointed_prefix(tmp_path, one_torch_thread):
+    """A hybrid (Gated DeltaNet) target: chunks end on page boundaries and a cached prefix restores
+    a recurrent-state checkpoint; the rows still equal a full forward."""
+    from server_fixtures import build_tiny_hybrid_pair
+
+    target, drafter = build_tiny_hybrid_pair(str(tmp_path))
+    engine = LLM(
+        target,
+        speculative_algorithm="DDTREE",
+        speculative_draft_model_path=drafter,
+        speculative_ddtree_budget=6,
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        chunked_prefill_size=6,
+    )
+    ref_model = load_target(target, torch.float32)
+    prompt = list(range(3, 40))
+    with torch.no_grad():
+        logits, _ = ref_model.forward_train(torch.tensor([prompt]))
+    ref = torch.log_softmax(logits[0, :-1], -1)
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    (plain,) = engine.generate([prompt], greedy)
+    for start in (0, 13):
+        params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+        params = dataclasses.replace(params, prompt_logprobs_start=start)
+        (out,) = engine.generate([prompt], params)
+        assert out.cached_tokens <= start and out.token_ids == plain.token_ids
+        got = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
+        want = ref[start:].gather(1, torch.tensor(prompt[start + 1 :])[:, None])[:, 0]
+        torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    (again,) = engine.generate([prompt], greedy)
+    assert again.cached_tokens > 13  # the plain request still takes the whole cached prefix

@@ -16,7 +16,12 @@ prompt is tokenized as given), chat's `add_generation_prompt` and `continue_fina
 
 `logprobs` (completions: an int, the top-k per position; chat: a bool, with `top_logprobs`) report
 the target's log-softmax at each emitted position before temperature / top-k / top-p, as vLLM does
-by default. `n` (up to MAX_N) runs n independent requests; with a `seed`, choice i samples with
+by default. Prompt log-probs (engine/prompt_logprobs.py): a completion's `echo` puts the prompt (text
+and, with `logprobs`, its log-probs: null at the first position) before each choice's output, and
+`max_tokens: 0` is accepted with `echo` (the prompt alone); vLLM's `prompt_logprobs: k` (<= 20; its
+-1 is refused; not with `stream`, as vLLM) adds `prompt_logprobs` per completion choice, or to a chat
+response. `prompt` may be a list of strings or of token-id lists (OpenAI's batch): prompts x `n` <=
+limits.MAX_BATCH_REQUESTS, choice index = prompt index x n + choice, usage counting each prompt once. `n` (up to MAX_N) runs n independent requests; with a `seed`, choice i samples with
 seed + i. Any `model` name is accepted (the one served model answers, as SGLang does); responses
 report the served name.
 """
