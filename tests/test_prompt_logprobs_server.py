@@ -234,8 +234,15 @@ def test_generate_input_logprobs(http, server, reference):
     assert isinstance(outs, list) and len(outs[1]["meta_info"]["input_token_logprobs"]) == 5
     meta = http.post("/generate", json=body | {"sampling_params": {"max_new_tokens": 2}}).json()
     assert meta["meta_info"]["input_token_logprobs"] == [[None, ids[-1], PROMPT[-1]]]
+    stream = http.post("/generate", json=body | {"logprob_start_len": 3, "stream": True})
+    last = sse(stream)[-1]["meta_info"]
+    assert last["input_token_logprobs"] == meta_at(http, body | {"logprob_start_len": 3})
     r = http.post("/generate", json=body | {"logprob_start_len": len(ids)})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len"
+
+
+def meta_at(http, body) -> list:
+    return http.post("/generate", json=body).json()["meta_info"]["input_token_logprobs"]
 
 
 def test_chat_prompt_logprobs_and_refusals(http):

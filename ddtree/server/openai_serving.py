@@ -410,11 +410,13 @@ class OpenAIServing:
 
             return self.stream(streams, body, chunk, first_of=first if echo else None)
         ds = await self.final_deltas(streams, request)
-        choices = []
+        choices, echoes = [], {}
         for i, d in enumerate(ds):
             text, entries = "", []
-            if echo or pk is not None:
-                text, entries = await self.echo(prompts[i // n], ids[i // n], d)
+            if echo or pk is not None:  # once per prompt: its choices' prompt rows are the same
+                if i // n not in echoes:
+                    echoes[i // n] = await self.echo(prompts[i // n], ids[i // n], d)
+                text, entries = echoes[i // n]
             choice = {
                 "index": i,
                 "text": text + d.text if echo else d.text,

@@ -21,9 +21,10 @@ and, with `logprobs`, its log-probs: null at the first position) before each cho
 `max_tokens: 0` is accepted with `echo` (the prompt alone); vLLM's `prompt_logprobs: k` (<= 20; its
 -1 is refused; not with `stream`, as vLLM) adds `prompt_logprobs` per completion choice, or to a chat
 response. `prompt` may be a list of strings or of token-id lists (OpenAI's batch): prompts x `n` <=
-limits.MAX_BATCH_REQUESTS, choice index = prompt index x n + choice, usage counting each prompt once. `n` (up to MAX_N) runs n independent requests; with a `seed`, choice i samples with
-seed + i. Any `model` name is accepted (the one served model answers, as SGLang does); responses
-report the served name.
+limits.MAX_BATCH_REQUESTS, choice index = prompt index x n + choice, usage counting each prompt
+once. `n` (up to MAX_N) runs n independent requests; with a `seed`, choice i samples with seed + i.
+Any `model` name is accepted (the one served model answers, as SGLang does); responses report the
+served name.
 """
 
 from __future__ import annotations
