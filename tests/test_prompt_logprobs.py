@@ -184,3 +184,28 @@ def test_hybrid_target_with_chunks_and_a_checkpointed_prefix(tmp_path, one_torch
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
     (again,) = engine.generate([prompt], greedy)
     assert again.cached_tokens > 13  # the plain request still takes the whole cached prefix
+
+
+def test_rows_are_reduced_in_bounded_slices(monkeypatch):
+    """At most ROW_ELEMENTS logits exist at once (here 3 rows of a 50-token vocabulary); the
+    slices give the numbers one pass over every row gives."""
+    from ddtree.engine import prompt_logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden, targets = torch.randn(10, 8), torch.randint(0, 50, (10,))
+    seen = []
+
+    def logits_of(h):
+        seen.append(h.shape[0])
+        return head(h)
+
+    whole = prompt_logprobs.row_logprobs(hidden, targets, logits_of, 4, 50)
+    monkeypatch.setattr(prompt_logprobs, "ROW_ELEMENTS", 3 * 50)
+    seen.clear()
+    sliced = prompt_logprobs.row_logprobs(hidden, targets, logits_of, 4, 50)
+    assert seen == [3, 3, 3, 1]
+    torch.testing.assert_close(sliced, whole, rtol=0, atol=1e-6)  # fp32 matmuls of other sizes
+    lp = torch.log_softmax(head(hidden), -1).double()
+    torch.testing.assert_close(sliced[:, 0], lp.gather(1, targets[:, None])[:, 0])
+    assert sliced[:, 1].tolist() == (lp >= lp.gather(1, targets[:, None])).sum(-1).tolist()
