@@ -209,3 +209,28 @@ def test_rows_are_reduced_in_bounded_slices(monkeypatch):
     lp = torch.log_softmax(head(hidden), -1).double()
     torch.testing.assert_close(sliced[:, 0], lp.gather(1, targets[:, None])[:, 0])
     assert sliced[:, 1].tolist() == (lp >= lp.gather(1, targets[:, None])).sum(-1).tolist()
+
+
+def test_a_batch_that_asks_runs_eager_the_others_graphed(one_torch_thread):
+    """With extend graphs (the padded static-buffer path without a capture, as on a GPU): a prefill
+    batch with prompt log-prob rows runs the eager extend (the graphs keep only the last row's
+    logits), a later one without any replays; the rows equal a full forward."""
+    from ddtree.engine.cuda_graph import CudaGraphRunner
+
+    engine = llm("NONE")  # its CPU runner, with the graphs' static-buffer path for this test
+    runner = engine.engine.runner
+    g = runner.graphs = CudaGraphRunner(runner, capture=False, max_bs=2, extend_widths=(16,))
+    try:
+        g.build()
+        run, calls = g.extend.run, []
+        g.extend.run = lambda width, host, lens: (calls.append(width), run(width, host, lens))[1]
+        plain = SamplingParams(temperature=0, max_tokens=2)
+        asking = dataclasses.replace(plain, prompt_logprobs=1)
+        short = "def f(x):"  # one extend pass
+        (out, other) = engine.generate([short, short + " pass"], [asking, plain])
+        assert calls == []  # the batch asked: eager
+        check(out, 0, 1)
+        engine.generate([short + " return"], plain)
+        assert calls  # none asked: graphed
+    finally:
+        runner.graphs = None
