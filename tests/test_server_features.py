@@ -309,7 +309,10 @@ def test_generate_stream_interleaves_choices(http):
         ({"sampling_params": {"max_new_tokens": 2}}, "text"),
         ({"text": "a", "input_ids": [1], "sampling_params": {}}, "text"),
         ({"text": "", "sampling_params": {}}, "text"),
-        ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+        (
+            {"text": "a", "sampling_params": {"max_new_tokens": -1}},
+            "sampling_params.max_new_tokens",
+        ),
         ({"text": "a", "sampling_params": {"temperature": -1.0}}, "sampling_params.temperature"),
         ({"text": "a", "sampling_params": {"regex": "(a"}}, "sampling_params.regex"),
         (
@@ -322,7 +325,8 @@ def test_generate_stream_interleaves_choices(http):
             "sampling_params.max_new_tokens",
         ),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
-        ({"text": "a", "logprob_start_len": 0}, "logprob_start_len"),
+        ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
+        ({"text": "ab", "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
         ({"text": "a", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
         ({"input_ids": [1, 10**6]}, "input_ids"),
     ],

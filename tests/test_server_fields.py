@@ -71,7 +71,6 @@ REFUSED_SAMPLING = {
     "truncate_prompt_tokens": 5,
     "prompt_embeds": "AAAA",
     "cache_salt": "salt",
-    "prompt_logprobs": 1,
     "logprob_token_ids": [3],
     "return_tokens_as_token_ids": True,
     "return_token_ids": True,

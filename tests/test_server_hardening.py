@@ -258,7 +258,6 @@ BAD = {  # name: (route, body patch or raw JSON text, param, code)
     "regex": ("c", {"regex": "(a"}, "regex", "invalid_value"),
     "json_schema": ("chat", {"json_schema": "{not json"}, "json_schema", "invalid_value"),
     "best_of": ("c", {"best_of": 2}, "best_of", "unsupported_parameter"),
-    "echo": ("c", {"echo": True}, "echo", "unsupported_parameter"),
     "suffix": ("c", {"suffix": "tail"}, "suffix", "unsupported_parameter"),
 }
 

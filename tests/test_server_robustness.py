@@ -87,7 +87,7 @@ BAD_COMPLETIONS = {  # name: (body patch, status, param, code)
     "empty prompt": ({"prompt": ""}, 400, "prompt", "invalid_value"),
     "empty token prompt": ({"prompt": []}, 400, "prompt", "invalid_value"),
     "token out of vocab": ({"prompt": [1, 2, 100000]}, 400, "prompt", "invalid_value"),
-    "batched prompts": ({"prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
+    "empty prompt in a list": ({"prompt": ["a", ""]}, 400, "prompt.1", "invalid_value"),
     "prompt too long": ({"prompt": "x" * (CONTEXT + 10)}, 400, "prompt", "context_length_exceeded"),
     "max_tokens zero": ({"max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     "max_tokens negative": ({"max_tokens": -5}, 400, "max_tokens", "invalid_value"),

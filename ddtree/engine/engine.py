@@ -18,6 +18,7 @@ from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine.faults import EngineDead, FaultIsolation, describe
 from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.outputs import TokenEmitter
+from ddtree.engine.prompt_logprobs import PromptLogprobs
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_nodes
 from ddtree.engine.scheduler import Scheduler
@@ -129,6 +130,7 @@ class LLMEngine:
                 f"of {bm.page_size} tokens a request)"
             )
         req = Req(prompt_ids=ids, params=params, **({"rid": rid} if rid else {}))
+        req.prompt_logprobs = PromptLogprobs.of(params, ids)
         if params.grammar is not None:  # compiled once per spec (the server compiles ahead)
             req.grammar = self.grammars.matcher(params.grammar)
         if not params.greedy:
@@ -245,6 +247,10 @@ class LLMEngine:
         logits = self.runner.prefill(batch.reqs, batch.q_lens)
         _stamp_chunks(batch.reqs)
         ready = [i for i, r in enumerate(batch.reqs) if not r.needs_prefill and not r.output_ids]
+        for i in ready:  # max_tokens 0: the prompt was all it asked for (its prompt log-probs)
+            if batch.reqs[i].params.max_tokens == 0:
+                self.emitter.finish(batch.reqs[i], "length")
+        ready = [i for i in ready if batch.reqs[i].finish_reason is None]
         if not ready:
             return {}
         reqs = [batch.reqs[i] for i in ready]

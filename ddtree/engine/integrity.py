@@ -110,7 +110,8 @@ def _running_problems(engine, r: Req) -> list[str]:
         out.append(f"kv_len {r.kv_len} outside 1..{r.prefill_len} (its prefill length)")
     elif not r.needs_prefill and (not r.output_ids or r.kv_len != r.seq_len - 1):
         out.append(f"decoding with kv_len {r.kv_len} != its tokens but the pending one")
-    if r.num_output_tokens >= r.params.max_tokens or r.seq_len >= engine.max_context:
+    # max_tokens 0 (prefill only) runs until its prompt is prefilled, then finishes
+    if r.num_output_tokens >= max(r.params.max_tokens, 1) or r.seq_len >= engine.max_context:
         out.append(f"still running at {r.num_output_tokens} tokens, sequence {r.seq_len}")
     if r.params.logprobs and len(r.logprobs) != r.num_output_tokens:
         out.append(f"{len(r.logprobs)} log-prob entries for {r.num_output_tokens} tokens")

@@ -26,6 +26,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-prob), most likely first
+    rank: int | None = None  # prompt tokens: 1 + the tokens more likely (vLLM's rank)
 
 
 def node_logprobs(

@@ -24,6 +24,7 @@ from ddtree.attention.backend import (
     get_backend,
     store_kv,
 )
+from ddtree.engine import prompt_logprobs
 from ddtree.engine.block_manager import NO_HIT, BlockManager, PrefixHit
 from ddtree.engine.config import (
     EXTEND_BATCHES,
@@ -213,7 +214,11 @@ class ModelRunner:
         if self.bm.cache is None:
             return NO_HIT
         n = req.prefill_len
-        return self.bm.match(req.token_slice(0, n), n - 1, self.state_pool is not None)
+        cap = n - 1
+        plp = req.prompt_logprobs
+        if plp is not None and not plp.done:  # its rows come from a forward over them
+            cap = min(cap, plp.next_row)
+        return self.bm.match(req.token_slice(0, n), cap, self.state_pool is not None)
 
     def admit(self, req: Req, hit: PrefixHit) -> None:
         """A slot for a waiting request, its cached prefix attached: prefill starts at hit.length."""
@@ -289,7 +294,9 @@ class ModelRunner:
         for r, q in zip(reqs, q_lens):
             self.bm.allocate(r, r.kv_len + q)
         ext = self.graphs.extend if self.graphs is not None else None
-        passes = ext.plan(q_lens) if ext is not None else None
+        # prompt log-prob rows need every row's hidden state: the eager extend
+        eager = ext is None or prompt_logprobs.wants_rows(reqs, q_lens)
+        passes = None if eager else ext.plan(q_lens)
         if passes is None:
             logits = self._prefill_eager(reqs, q_lens)
         else:
@@ -319,6 +326,8 @@ class ModelRunner:
         )
         if self.drafter is not None:
             self.write_draft_context(taps, positions, slot_mapping)
+        vocab = self.target.config.vocab_size
+        prompt_logprobs.compute(reqs, q_lens, hidden, self.target.logits, vocab)
         for r, q in zip(reqs, q_lens):
             r.kv_len += q
         return self.target.logits(hidden[last]).float()

@@ -32,6 +32,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # per token_ids entry, when SamplingParams.logprobs
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     error: str | None = None  # why serving it failed (finish_reason "abort"), engine/faults.py
+    # SamplingParams.prompt_logprobs: per prompt position from prompt_logprobs_start on, None first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def mean_accept_length(self) -> float:
@@ -50,7 +52,13 @@ class RequestOutput:
             list(req.logprobs) if req.params.logprobs else None,
             req.cached_tokens,
             req.error,
+            _prompt_entries(req),
         )
+
+
+def _prompt_entries(req: Req) -> list[TokenLogprob | None] | None:
+    plp = req.prompt_logprobs
+    return plp.entries() if plp is not None and plp.done else None
 
 
 class TokenEmitter:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from ddtree.engine.prompt_logprobs import PromptLogprobs
 from ddtree.grammar.backend import GrammarSpec, Matcher
 
 # Temperatures below this sample as greedy (argmax): dividing fp32 logits by a smaller one overflows to inf,
@@ -41,14 +42,19 @@ class SamplingParams:
     # constrain the output to a grammar (JSON schema, regex, EBNF, choice): every emitted token,
     # drafted or not, is one the grammar allows (engine/grammar_round.py)
     grammar: GrammarSpec | None = None
+    # prompt log-probs (vLLM's `prompt_logprobs`, SGLang's input log-probs): None = off, else the
+    # top-k per prompt position (0: the prompt token's own only), from prompt position
+    # `prompt_logprobs_start` on (SGLang's `logprob_start_len`; that first position has none)
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
 
     def __post_init__(self):
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:  # 0: prefill only (prompt log-probs, SGLang's scoring)
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         stop = self.stop
         object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
@@ -62,6 +68,14 @@ class SamplingParams:
             )
         if self.top_logprobs:
             object.__setattr__(self, "logprobs", True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}"
+            )
+        if self.prompt_logprobs_start < 0:
+            raise ValueError(
+                f"prompt_logprobs_start must be >= 0, got {self.prompt_logprobs_start}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +153,7 @@ class Req:
     text: str = ""
     stop_hit: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
+    prompt_logprobs: PromptLogprobs | None = None  # params.prompt_logprobs (add_request)
     times: ReqTimes = field(default_factory=ReqTimes)
     # why serving it failed (it finished with reason "abort"), or None (engine/faults.py)
     error: str | None = None

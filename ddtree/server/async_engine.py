@@ -77,6 +77,9 @@ class Delta:
     matched: str | int | None = None  # what stopped it: the stop string, or the EOS / stop token id
     # the final Delta: the request's time to first token by phase (`ReqTimes.breakdown`, seconds)
     timing: dict | None = None
+    # SamplingParams.prompt_logprobs: the request's first Delta once its prompt is prefilled
+    # (`engine.prompt_logprobs.PromptLogprobs`, host-side; rendered on a tokenizer thread)
+    prompt_logprobs: object | None = None
 
 
 @dataclass
@@ -92,6 +95,7 @@ class Stream:
     seen_tokens: int = 0
     seen_rounds: int = 0
     seen_accepted: int = 0  # tokens of the first seen_rounds rounds (a running sum)
+    sent_prompt_logprobs: bool = False
 
     def put(self, delta: Delta) -> None:
         try:
@@ -409,9 +413,15 @@ class AsyncEngine:
             self.metrics.on_progress(n_tok - st.seen_tokens, rounds[st.seen_rounds :])
         st.seen_accepted += sum(rounds[st.seen_rounds :])
         st.seen_tokens, st.seen_rounds = n_tok, len(rounds)
+        plp = req.prompt_logprobs
+        if st.sent_prompt_logprobs or plp is None or not plp.done or not (done or text or new_ids):
+            plp = None
+        st.sent_prompt_logprobs = st.sent_prompt_logprobs or plp is not None
         if done:
             self._streams.pop(rid)
-            self._outbox.put(st, self._final(req, text, token_ids=new_ids, logprobs=lps))
+            self._outbox.put(
+                st, self._final(req, text, token_ids=new_ids, logprobs=lps, prompt_logprobs=plp)
+            )
             if self.metrics is not None:
                 self.metrics.on_finish(req.finish_reason, time.monotonic() - st.added)
         elif text or new_ids:
@@ -424,6 +434,7 @@ class AsyncEngine:
                     logprobs=lps,
                     rounds=st.seen_rounds,
                     mean_accept_length=mean,
+                    prompt_logprobs=plp,
                 ),
             )
 

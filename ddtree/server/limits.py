@@ -16,8 +16,11 @@ server's tokenizer threads (openai_serving.py), never on the engine thread.
 | prompt / message / `text` characters         | PROMPT_CHARS_PER_TOKEN x context length chars   |
 |                                              | (checked before tokenizing), then context tokens |
 | `n`                                          | protocol.MAX_N                                  |
-| `/generate` batch: prompts x `n`             | MAX_BATCH_REQUESTS requests (and as many        |
+| `/generate`, `/v1/completions` batch:        | MAX_BATCH_REQUESTS requests (and as many        |
+| prompts x `n`                                |                                                 |
 |                                              | `sampling_params` / `rid` entries)              |
+| `logprobs`, `top_logprobs`, `prompt_logprobs`,| engine/logprobs.MAX_TOP_LOGPROBS per position;  |
+| `top_logprobs_num` (prompt ones included)    | prompt positions: the context                   |
 | `model`, `user`, `rid`, other names          | MAX_NAME_CHARS characters                       |
 | a grammar (`response_format`'s schema,       | MAX_GRAMMAR_CHARS characters; compiled within   |
 | `json_schema`, `regex`, `ebnf`, `guided_*`,  | GRAMMAR_COMPILE_TIMEOUT_S on one of             |
@@ -39,8 +42,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256
 MAX_NAME_CHARS = 256
-# requests one /generate call admits (prompts x n): one call is one client's work, and admitting it
-# holds the engine thread for one hop; a larger batch is split by the client
+# requests one /generate or /v1/completions call admits (prompts x n): one call is one client's
+# work, and admitting it holds the engine thread for one hop; a larger batch is split by the client
 MAX_BATCH_REQUESTS = 256
 MAX_GRAMMAR_CHARS = 65536
 # a grammar that has not compiled by then is refused (400); the compile thread finishes it into the

@@ -6,7 +6,8 @@ or token id} | {"type": "length", "length": n} | {"type": "abort"}), prompt_toke
 completion_tokens, cached_tokens (prompt tokens found in the prefix cache), e2e_latency, timing (the final
 object: seconds of the time to first token by phase, `ReqTimes.breakdown`), and for DFLASH / DDTREE
 spec_verify_ct (decoding rounds) and spec_accept_length (mean tokens per round); with
-`return_logprob`, output_token_logprobs / output_top_logprobs. Streaming sends SSE `data:` objects
+`return_logprob`, output_token_logprobs / output_top_logprobs and input_token_logprobs /
+input_top_logprobs (from `logprob_start_len`; the first entry's log-prob is None). Streaming sends SSE `data:` objects
 whose text and output_ids are cumulative (SGLang's default), with "index" when several choices
 interleave, then `data: [DONE]`.
 """
@@ -20,7 +21,7 @@ from fastapi import APIRouter, Request
 from ddtree.server import protocol
 from ddtree.server.async_engine import Delta
 from ddtree.server.http import get
-from ddtree.server.logprob_format import native_logprobs
+from ddtree.server.logprob_format import native_logprobs, native_prompt_logprobs
 from ddtree.server.native_protocol import (
     GenerateRequest,
     check_batch,
@@ -68,6 +69,7 @@ class NativeServing:
         ids: list[int],
         lps: list,
         started: float,
+        prompt_entries: list | None = None,
     ) -> dict:
         meta = {
             "id": rid,
@@ -83,6 +85,8 @@ class NativeServing:
             meta |= {"spec_verify_ct": d.rounds, "spec_accept_length": d.mean_accept_length}
         if body.return_logprob:
             meta |= native_logprobs(lps, body.return_text_in_logprobs)
+            if prompt_entries is not None:
+                meta |= native_prompt_logprobs(prompt_entries, body.return_text_in_logprobs)
         out = {"text": text, "output_ids": ids, "meta_info": meta}
         parser = self.serving.reasoning_parser
         if body.separate_reasoning and parser is not None:
@@ -125,11 +129,17 @@ class NativeServing:
         if body.stream:
             return self._stream(body, streams, rids, started)
         ds = await self.serving.final_deltas(streams, request)
-        out = [
-            self.result(body, d, rid, d.text, d.token_ids, d.logprobs, started)
-            for d, rid in zip(ds, rids)
-        ]
+        out = []
+        for d, rid in zip(ds, rids):
+            entries = await self._prompt_entries(d)
+            out.append(self.result(body, d, rid, d.text, d.token_ids, d.logprobs, started, entries))
         return out if batch or len(out) > 1 else out[0]
+
+    async def _prompt_entries(self, d: Delta) -> list | None:
+        """The Delta's prompt log-probs as entries (decoded on a tokenizer thread), or None."""
+        if d.prompt_logprobs is None:
+            return None
+        return (await self.serving.echo("", [], d))[1]
 
     @staticmethod
     def _rids(body: GenerateRequest, streams) -> list[str]:
@@ -147,6 +157,7 @@ class NativeServing:
     ) -> SSEResponse:
         merged = Interleaved(streams)
         texts, ids, lps = [""] * len(streams), [[] for _ in streams], [[] for _ in streams]
+        prompt_entries: list[list | None] = [None] * len(streams)
 
         async def events():
             async for i, d in merged:
@@ -156,9 +167,13 @@ class NativeServing:
                 texts[i] += d.text
                 ids[i] += d.token_ids
                 lps[i] += d.logprobs
+                if d.prompt_logprobs is not None:
+                    prompt_entries[i] = await self._prompt_entries(d)
                 if not (d.text or d.token_ids or d.finish_reason):
                     continue
-                chunk = self.result(body, d, rids[i], texts[i], list(ids[i]), lps[i], started)
+                chunk = self.result(
+                    body, d, rids[i], texts[i], list(ids[i]), lps[i], started, prompt_entries[i]
+                )
                 if d.finish_reason is None:
                     chunk["meta_info"]["prompt_tokens"] = streams[i].prompt_tokens
                 yield sse(chunk | ({"index": i} if len(streams) > 1 else {}))

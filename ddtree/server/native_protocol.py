@@ -8,8 +8,10 @@ sampling_seed, no_stop_trim, skip_special_tokens, spaces_between_special_tokens,
 `structured_outputs`, server/structured.py), `stream`, `return_logprob`, `top_logprobs_num`,
 `return_text_in_logprobs`, `rid`, `separate_reasoning` (with --reasoning-parser:
 the think block as `reasoning_text`, `text` without it).
-SGLang options this engine cannot honour (penalties, min_p, min_new_tokens, logit_bias, stop_regex,
-input log-probs; request_fields.GENERATE_REFUSED at the top level) are refused
+With `return_logprob`, input log-probs from `logprob_start_len` on (SGLang's: -1 = the last prompt
+token only, whose entry has no log-prob; `max_new_tokens` 0 scores a prompt without generating).
+SGLang options this engine cannot honour (penalties, min_p, min_new_tokens, logit_bias, stop_regex;
+request_fields.GENERATE_REFUSED at the top level) are refused
 with a 400 naming the field when set to anything but their neutral value; a `sampling_params` key
 SGLang does not know either is refused, as SGLang does. Bounds are the OpenAI routes'
 (server/limits.py), plus MAX_BATCH_REQUESTS prompts x n per call.
@@ -140,11 +142,10 @@ def check_batch(req: GenerateRequest, prompts: list, sps: list[NativeSamplingPar
 
 
 def check_native(req: GenerateRequest, sp: NativeSamplingParams) -> None:
-    if req.logprob_start_len != -1:
+    if req.logprob_start_len < -1:
         raise invalid(
             "logprob_start_len",
-            "input (prompt) log-probs are not supported; leave it at -1",
-            code="unsupported_parameter",
+            f"must be -1 (output log-probs only) or a prompt position (got {req.logprob_start_len})",
         )
     if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
         raise invalid(
@@ -180,8 +181,8 @@ def native_sampling_params(
     """Validated SamplingParams; each bad value raises a 400 naming its field."""
     room = max_context - prompt_len
     max_new = room if sp.max_new_tokens is None else sp.max_new_tokens
-    if max_new < 1:
-        raise invalid("sampling_params.max_new_tokens", f"must be at least 1 (got {max_new})")
+    if max_new < 0:  # 0: the prompt alone (its input log-probs), as SGLang allows
+        raise invalid("sampling_params.max_new_tokens", f"must be at least 0 (got {max_new})")
     if max_new > room:
         raise APIError(
             400,
@@ -208,6 +209,13 @@ def native_sampling_params(
         raise invalid("sampling_params.stop_token_ids", "token ids must be non-negative")
     if sp.ddtree_budget is not None and sp.ddtree_budget < 1:
         raise invalid("sampling_params.ddtree_budget", f"must be >= 1 (got {sp.ddtree_budget})")
+    # SGLang: input log-probs from logprob_start_len (-1: the last prompt token, i.e. none)
+    start = prompt_len - 1 if req.logprob_start_len == -1 else req.logprob_start_len
+    if req.return_logprob and start >= prompt_len:
+        raise invalid(
+            "logprob_start_len",
+            f"{start} is not below the prompt's {prompt_len} tokens",
+        )
     try:
         return SamplingParams(
             temperature=temperature,
@@ -225,6 +233,8 @@ def native_sampling_params(
             skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
             grammar=grammar,
+            prompt_logprobs=req.top_logprobs_num if req.return_logprob else None,
+            prompt_logprobs_start=start if req.return_logprob else 0,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from e

@@ -25,7 +25,14 @@ from ddtree.engine.request import SamplingParams
 from ddtree.server import limits, protocol
 from ddtree.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Stream
 from ddtree.server.chat_tools import ChatOutput, ChatTools
-from ddtree.server.logprob_format import chat_logprobs, completion_logprobs
+from ddtree.server.logprob_format import (
+    LogprobEntry,
+    chat_logprobs,
+    completion_logprobs,
+    decode_prompt_entries,
+    top_k,
+    vllm_prompt_logprobs,
+)
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ddtree.server.structured import GrammarCompiler, grammar_spec
 
@@ -58,14 +65,16 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def usage(ds: list[Delta]) -> dict:
-    """One prompt, n choices: the prompt counts once, the completions add up (as OpenAI)."""
-    prompt, completion = ds[0].prompt_tokens, sum(d.completion_tokens for d in ds)
+def usage(ds: list[Delta], n: int | None = None) -> dict:
+    """Prompts of n choices each (prompt-major; default one prompt): each prompt counts once,
+    the completions add up (as OpenAI and vLLM)."""
+    firsts = ds[:: n or len(ds)]
+    prompt, completion = sum(d.prompt_tokens for d in firsts), sum(d.completion_tokens for d in ds)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": ds[0].cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in firsts)},
     }
 
 
@@ -180,23 +189,34 @@ class OpenAIServing:
         APIErrors. `model` picks nothing: the one served model answers any name, as in SGLang.
         grammar: the grammar the caller derived (tools); else the body's structured-output
         fields'."""
+        check_prompt_chars(prompt_chars(body), self.max_context, param)
+        streams, _ = await self.start_many(body, [(prompt_of, param)], default_max_tokens, grammar)
+        return streams
+
+    async def start_many(
+        self, body, prompts: list, default_max_tokens: int | None, grammar=None
+    ) -> tuple[list[Stream], list[list[int]]]:
+        """`start` for several prompts, each (prompt_of, the field its errors name): body.n
+        requests each, prompt-major, all admitted at once. Returns them and each prompt's ids."""
         arrival = time.monotonic()  # the request's time to first token starts here
         protocol.check_supported(body)
         if grammar is None:
             grammar = grammar_spec(body.grammar_fields())
-        check_prompt_chars(prompt_chars(body), self.max_context, param)
-
         await self.grammars.compile(grammar)
+        prepared = []
+        for prompt_of, param in prompts:  # one tokenizer-thread hop per prompt
 
-        def prepare(e):
-            ids = prompt_of(e)
-            protocol.check_prompt_ids(ids, self.vocab_size, e.max_context, param)
-            return ids, protocol.sampling_params(
-                body, len(ids), e.max_context, default_max_tokens, grammar
-            )
+            def prepare(e, prompt_of=prompt_of, param=param):
+                ids = prompt_of(e)
+                protocol.check_prompt_ids(ids, self.vocab_size, e.max_context, param)
+                return ids, protocol.sampling_params(
+                    body, len(ids), e.max_context, default_max_tokens, grammar
+                )
 
-        ids, params = await self.prepare(prepare)
-        return await self.admit([(ids, params, body.n or 1)], param, arrival)
+            ids, params = await self.prepare(prepare)
+            prepared.append((ids, params, body.n or 1))
+        streams = await self.admit(prepared, prompts[0][1], arrival)
+        return streams, [ids for ids, _, _ in prepared]
 
     async def prepare(self, fn):
         """fn(engine) on a tokenizer thread: the request's host work before admission
@@ -243,7 +263,7 @@ class OpenAIServing:
 
     async def final_delta(self, st: Stream, request: Request) -> Delta:
         """All of a request's deltas joined into one; the request is aborted if the client goes away first."""
-        parts, ids, lps, done = [], [], [], False
+        parts, ids, lps, done, plp = [], [], [], False, None
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_POLL_S
         try:
@@ -261,11 +281,13 @@ class OpenAIServing:
                 parts.append(d.text)
                 ids += d.token_ids
                 lps += d.logprobs
+                plp = plp if d.prompt_logprobs is None else d.prompt_logprobs
                 if d.finish_reason is not None or d.error is not None:
                     done = True
                     if d.error is not None:
                         raise APIError(d.error_status, d.error, code=d.error_code)
                     d.text, d.token_ids, d.logprobs = "".join(parts), ids, lps
+                    d.prompt_logprobs = plp
                     return d
         finally:
             if not done:
@@ -281,23 +303,28 @@ class OpenAIServing:
                 t.cancel()
 
     def stream(
-        self, streams: list[Stream], body, chunk_of, first_chunks: tuple = ()
+        self, streams: list[Stream], body, chunk_of, first_chunks: tuple = (), first_of=None
     ) -> SSEResponse:
         """chunk_of(i, d, None) builds choice i's chunk from Delta d (text, log-probs),
         chunk_of(i, None, reason) its finishing chunk, chunk_of(None, None, None) one without
-        choices. The choices' deltas interleave."""
+        choices; `await first_of(i, d)` (optional) a chunk before choice i's first (an echoed
+        prompt). The choices' deltas interleave."""
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         tail = {"usage": None} if include_usage else {}
         merged = Interleaved(streams)
 
         async def events():
             finals: dict[int, Delta] = {}
+            started: set[int] = set()
             for chunk in first_chunks:
                 yield sse(chunk | tail)
             async for i, d in merged:
                 if d.error is not None:
                     yield sse(APIError(d.error_status, d.error, code=d.error_code).body())
                     break
+                if first_of is not None and i not in started:
+                    started.add(i)
+                    yield sse(await first_of(i, d) | tail)
                 if d.text or d.logprobs:
                     chunk = chunk_of(i, d, None)
                     if chunk is not None:  # None: the choice's output held it all back
@@ -307,20 +334,44 @@ class OpenAIServing:
                     yield sse(chunk_of(i, None, d.finish_reason) | {"ddtree": self.ext([d])} | tail)
             if include_usage and len(finals) == len(streams):
                 ds = [finals[i] for i in range(len(streams))]
-                yield sse(chunk_of(None, None, None) | {"usage": usage(ds), "ddtree": self.ext(ds)})
+                u = usage(ds, body.n)
+                yield sse(chunk_of(None, None, None) | {"usage": u, "ddtree": self.ext(ds)})
             yield "data: [DONE]\n\n"
 
         return SSEResponse(events(), lambda: merged.close(self.aengine))
 
+    async def echo(self, prompt, ids: list[int], d: Delta) -> tuple[str, list[LogprobEntry]]:
+        """An echoed prompt's text (a token-id prompt decoded) and its log-prob entries (empty
+        unless computed), on a tokenizer thread."""
+
+        def render(e):
+            text = prompt
+            if not isinstance(prompt, str):
+                text = e.tokenizer.decode(ids) if e.tokenizer is not None else ""
+            plp = d.prompt_logprobs
+            return text, [] if plp is None else decode_prompt_entries(e.tokenizer, plp)
+
+        return await self.prepare(render)
+
     async def completions(self, body: CompletionRequest, request: Request):
-        prompt = protocol.completion_prompt(body)
-        want_logprobs, _ = protocol.logprob_fields(body)
-        ids_of = (
-            (lambda e: tokenize(e, prompt, "prompt", body.add_special_tokens))
-            if isinstance(prompt, str)
-            else (lambda e: list(prompt))
-        )
-        streams = await self.start(body, ids_of, "prompt", DEFAULT_COMPLETION_MAX_TOKENS)
+        """One prompt or a list (OpenAI's batch: choice index = prompt index x n + choice); with
+        `echo` the prompt (and its log-probs) leads each choice; max_tokens 0 with echo returns
+        the prompt alone; vLLM's `prompt_logprobs` come per choice."""
+        prompts, batch = protocol.completion_prompts(body)
+        want_logprobs, k = protocol.logprob_fields(body)
+        names = [f"prompt.{i}" if batch else "prompt" for i in range(len(prompts))]
+        for p, name in zip(prompts, names):
+            if isinstance(p, str):
+                check_prompt_chars(len(p), self.max_context, name)
+
+        def ids_of(p, name):
+            if isinstance(p, str):
+                return lambda e: tokenize(e, p, name, body.add_special_tokens)
+            return lambda e: list(p)
+
+        jobs = [(ids_of(p, name), name) for p, name in zip(prompts, names)]
+        streams, ids = await self.start_many(body, jobs, DEFAULT_COMPLETION_MAX_TOKENS)
+        n, echo, pk = body.n or 1, bool(body.echo), body.prompt_logprobs
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -329,6 +380,16 @@ class OpenAIServing:
         }
         if body.stream:
             offsets = [0] * len(streams)
+
+            async def first(i, d):
+                text, entries = await self.echo(prompts[i // n], ids[i // n], d)
+                lp = None
+                if want_logprobs:
+                    lp = completion_logprobs(top_k(entries, k), 0)
+                    offsets[i] = sum(len(e.token) for e in entries)
+                return head | {
+                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": None}]
+                }
 
             def chunk(i, d, reason):
                 if i is None:
@@ -347,18 +408,28 @@ class OpenAIServing:
                     "choices": [{"index": i, "text": d.text, "logprobs": lp, "finish_reason": None}]
                 }
 
-            return self.stream(streams, body, chunk)
+            return self.stream(streams, body, chunk, first_of=first if echo else None)
         ds = await self.final_deltas(streams, request)
-        choices = [
-            {
+        choices, echoes = [], {}
+        for i, d in enumerate(ds):
+            text, entries = "", []
+            if echo or pk is not None:  # once per prompt: its choices' prompt rows are the same
+                if i // n not in echoes:
+                    echoes[i // n] = await self.echo(prompts[i // n], ids[i // n], d)
+                text, entries = echoes[i // n]
+            choice = {
                 "index": i,
-                "text": d.text,
+                "text": text + d.text if echo else d.text,
                 "finish_reason": d.finish_reason,
-                "logprobs": completion_logprobs(d.logprobs, 0) if want_logprobs else None,
+                "logprobs": None,
             }
-            for i, d in enumerate(ds)
-        ]
-        return head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}
+            if want_logprobs:
+                echoed = top_k(entries, k) if echo else []
+                choice["logprobs"] = completion_logprobs(echoed + d.logprobs, 0)
+            if pk is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(top_k(entries, pk))
+            choices.append(choice)
+        return head | {"choices": choices, "usage": usage(ds, n), "ddtree": self.ext(ds)}
 
     async def start_chat(
         self, body: ChatCompletionRequest
@@ -468,7 +539,11 @@ class OpenAIServing:
                     "finish_reason": out.finish_reason(d.finish_reason),
                 }
             )
-        return head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}
+        out = head | {"choices": choices, "usage": usage(ds), "ddtree": self.ext(ds)}
+        if body.prompt_logprobs is not None:  # vLLM: the response's, from the one prompt
+            _, entries = await self.echo("", [], ds[0])
+            out["prompt_logprobs"] = vllm_prompt_logprobs(top_k(entries, body.prompt_logprobs))
+        return out
 
 
 def unavailable(err: EngineUnavailable) -> APIError:

@@ -16,9 +16,15 @@ prompt is tokenized as given), chat's `add_generation_prompt` and `continue_fina
 
 `logprobs` (completions: an int, the top-k per position; chat: a bool, with `top_logprobs`) report
 the target's log-softmax at each emitted position before temperature / top-k / top-p, as vLLM does
-by default. `n` (up to MAX_N) runs n independent requests; with a `seed`, choice i samples with
-seed + i. Any `model` name is accepted (the one served model answers, as SGLang does); responses
-report the served name.
+by default. Prompt log-probs (engine/prompt_logprobs.py): a completion's `echo` puts the prompt (text
+and, with `logprobs`, its log-probs: null at the first position) before each choice's output, and
+`max_tokens: 0` is accepted with `echo` (the prompt alone); vLLM's `prompt_logprobs: k` (<= 20; its
+-1 is refused; not with `stream`, as vLLM) adds `prompt_logprobs` per completion choice, or to a chat
+response. `prompt` may be a list of strings or of token-id lists (OpenAI's batch): prompts x `n` <=
+limits.MAX_BATCH_REQUESTS, choice index = prompt index x n + choice, usage counting each prompt
+once. `n` (up to MAX_N) runs n independent requests; with a `seed`, choice i samples with seed + i.
+Any `model` name is accepted (the one served model answers, as SGLang does); responses report the
+served name.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from ddtree.engine.request import SamplingParams
 from ddtree.grammar import GrammarSpec
 from ddtree.server import request_fields
 from ddtree.server.limits import (
+    MAX_BATCH_REQUESTS,
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
@@ -140,6 +147,8 @@ class _SamplingFields(GrammarFields):
     min_tokens: StrictInt | None = None
     logit_bias: dict[str, Any] | None = None
     response_format: Any = None
+    # vLLM's: the top-k log-probs of every prompt position (server/prompt_logprobs docs below)
+    prompt_logprobs: StrictInt | None = None
 
     GRAMMAR_FIELDS: ClassVar[tuple[str, ...]] = ("response_format", *GrammarFields.GRAMMAR_FIELDS)
 
@@ -155,14 +164,18 @@ class _SamplingFields(GrammarFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
-    echo: bool | None = None
+    prompt: (
+        Text
+        | list[StrictInt]
+        | Annotated[list[Text], Field(max_length=MAX_BATCH_REQUESTS)]
+        | Annotated[list[list[StrictInt]], Field(max_length=MAX_BATCH_REQUESTS)]
+    )
+    echo: StrictBool | None = None
     suffix: Text | None = None
     logprobs: StrictInt | None = None
     best_of: int | None = None
 
     UNSUPPORTED: ClassVar[tuple] = _SamplingFields.UNSUPPORTED + (
-        ("echo", (None, False)),
         ("suffix", (None, "")),
         ("best_of", (None, 1)),
     )
@@ -274,19 +287,40 @@ def logprob_fields(req: _SamplingFields) -> tuple[bool, int]:
     return lp is not None, lp or 0
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The single prompt of a completion request: a string or a list of token ids."""
+def completion_prompts(req: CompletionRequest) -> tuple[list[str | list[int]], bool]:
+    """(the prompts, whether a list was sent) of a completion request: one string or token-id
+    list, or a list of them (OpenAI's, vLLM's and SGLang's batch), at most MAX_BATCH_REQUESTS
+    requests with `n`."""
     p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise invalid(
-                "prompt",
-                f"batched prompts are not supported (got {len(p)}); send one prompt per request",
-            )
-        p = p[0]
-    if len(p) == 0:
-        raise invalid("prompt", "is empty")
-    return p
+    batch = isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+    prompts = list(p) if batch else [p]
+    for i, one in enumerate(prompts):
+        if len(one) == 0:
+            raise invalid(f"prompt.{i}" if batch else "prompt", "is empty")
+    total = len(prompts) * (req.n or 1)
+    if total > MAX_BATCH_REQUESTS:
+        raise invalid(
+            "prompt",
+            f"{len(prompts)} prompts x n={req.n or 1} make {total} requests; at most "
+            f"{MAX_BATCH_REQUESTS} per call (split the batch)",
+        )
+    return prompts, batch
+
+
+def prompt_logprob_k(req: _SamplingFields) -> int | None:
+    """The top-k of the request's prompt log-probs (None: none asked): vLLM's `prompt_logprobs`,
+    or a completion's `echo` with `logprobs` (the echoed prompt's log-probs); the larger when
+    both are set, each rendered with its own k."""
+    k = req.prompt_logprobs
+    if k is not None:
+        if not 0 <= k <= MAX_TOP_LOGPROBS:  # vLLM's -1 (the whole vocabulary) is unbounded
+            raise invalid("prompt_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS} (got {k})")
+        if req.stream:  # vLLM refuses them too: they come back in the final body only
+            raise invalid("prompt_logprobs", "is not available with stream: true")
+    echo_k = req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
+    if echo_k is None:
+        return k
+    return echo_k if k is None else max(k, echo_k)
 
 
 def _call_for_template(call: dict, where: str) -> dict:
@@ -355,10 +389,14 @@ def sampling_params(
     name = "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
+    echo = isinstance(req, CompletionRequest) and bool(req.echo)
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens == 0 and echo:
+        pass  # the prompt alone comes back (with its log-probs): lm-eval's loglikelihood
     elif max_tokens <= 0:
-        raise invalid(name, f"must be at least 1 (got {max_tokens})")
+        with_echo = " (0 with echo: true)" if isinstance(req, CompletionRequest) else ""
+        raise invalid(name, f"must be at least 1{with_echo} (got {max_tokens})")
     elif max_tokens > room:
         raise APIError(
             400,
@@ -403,6 +441,7 @@ def sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             grammar=grammar,
+            prompt_logprobs=prompt_logprob_k(req),
         )
     except ValueError as e:
         raise APIError(400, str(e)) from e

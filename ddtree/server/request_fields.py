@@ -50,7 +50,6 @@ SAMPLING_REFUSED: dict[str, tuple] = {
     "prompt_embeds": UNSET,
     "cache_salt": EMPTY,  # salts the prefix cache: isolation this server does not give
     # what is returned
-    "prompt_logprobs": UNSET,
     "logprob_token_ids": UNSET,
     "return_tokens_as_token_ids": OFF,
     "return_token_ids": OFF,
