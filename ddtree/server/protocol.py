@@ -24,7 +24,6 @@ report the served name.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -284,37 +283,6 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     return p
 
 
-class RawArguments(str, Mapping):
-    """A tool call's `arguments` that are not a JSON object (a call cut by max_tokens, or whatever
-    a client sent: OpenAI accepts any string), kept for the chat template as the string sent -
-    what templates that print a string print (Qwen3: `arguments is string`, `tojson`) - and, to
-    templates that iterate the arguments as a mapping (Qwen3.5 / 3.6: `arguments|items`), the
-    members that were complete (`complete_members`)."""
-
-    def __new__(cls, text: str):
-        self = super().__new__(cls, text)
-        self.members = complete_members(text)
-        return self
-
-    def __getitem__(self, key):
-        return self.members[key]
-
-    def __iter__(self):
-        return iter(self.members)
-
-    def __len__(self) -> int:
-        return len(self.members)
-
-    def items(self):
-        return self.members.items()
-
-    def keys(self):
-        return self.members.keys()
-
-    def values(self):
-        return self.members.values()
-
-
 def complete_members(text: str) -> dict:
     """The complete members of a JSON object's text, which may be cut anywhere ({} when it is no
     object's start)."""
@@ -343,14 +311,17 @@ def _skip_space(text: str, i: int, also: str = "") -> int:
     return i
 
 
-def tool_arguments(args: str) -> dict | RawArguments:
-    """A tool call's JSON-string arguments as the chat template takes them: the object they
-    encode, else RawArguments (accepted as OpenAI accepts any string)."""
+def tool_arguments(args: str) -> dict:
+    """A tool call's JSON-string arguments as the chat template takes them: a mapping (Qwen3.5 /
+    3.6 iterate `arguments|items`; transformers hands templates plain JSON types only, so no
+    object can be a string to some and a mapping to others). Arguments that are not a JSON object
+    are accepted, as OpenAI accepts any string (a call cut by max_tokens is sent back so by every
+    agent loop): their complete members, the call as far as it was certain."""
     try:
         value = json.loads(args) if args.strip() else {}
     except ValueError:
-        return RawArguments(args)
-    return value if isinstance(value, dict) else RawArguments(args)
+        return complete_members(args)
+    return value if isinstance(value, dict) else {}
 
 
 def _call_for_template(call: dict, where: str) -> dict:
