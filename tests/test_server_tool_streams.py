@@ -4,7 +4,7 @@ qwen3`. Streamed calls in every tool_choice mode read back by `chat.completions.
 entry per call index per chunk, OpenAI's header-then-arguments shape, parallel calls on distinct
 indices), `json_object` giving objects across seeds, a call cut by max_tokens accepted back as
 history, the legacy `functions` answered with `function_call`, and vLLM's
-`continuous_usage_stats`. ~40 s."""
+`continuous_usage_stats`. ~45 s on 2 shared cores."""
 
 import json
 import os
@@ -68,12 +68,18 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
 
 
-def raw_chunks(client, **kw) -> list[dict]:
-    """The stream's chunks as sent (the SDK's objects would hide a repeated index)."""
+def raw_chunks(client, state=None, **kw) -> list[dict]:
+    """The stream's chunks as sent (the SDK's objects would hide a repeated index), each also
+    handed to `state` (the SDK's ChatCompletionStreamState, what `.stream()` runs)."""
     stream = client.chat.completions.create(
         model="m", messages=USER, temperature=0, stream=True, **kw
     )
-    return [ch.model_dump(exclude_unset=True) for ch in stream]
+    out = []
+    for ch in stream:
+        if state is not None:
+            state.handle_chunk(ch)
+        out.append(ch.model_dump(exclude_unset=True))
+    return out
 
 
 def check_call_entries(chunks: list[dict]) -> dict[int, str]:
@@ -127,13 +133,21 @@ def test_required_and_auto_streamed_calls_have_distinct_indices(client):
     chunks = raw_chunks(client, **(required | {"max_tokens": 100}), extra_body=NO_THINKING)
     args = check_call_entries(chunks)
     assert len(args) > 1 and all(isinstance(json.loads(a), dict) for a in args.values())
-    auto = dict(tools=[WEATHER, CLOCK], tool_choice="auto", max_tokens=200)
-    choice = stream_helper(client, **auto, extra_body=NO_THINKING | {"regex": TWO_CALLS})
-    calls = choice.message.tool_calls
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state = ChatCompletionStreamState(input_tools=[WEATHER, CLOCK])
+    chunks = raw_chunks(
+        client,
+        state,
+        tools=[WEATHER, CLOCK],
+        tool_choice="auto",
+        max_tokens=200,
+        extra_body=NO_THINKING | {"regex": TWO_CALLS},
+    )
+    calls = state.get_final_completion().choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]
     assert len({c.id for c in calls}) == 2
     assert [set(json.loads(c.function.arguments)) for c in calls] == [{"city", "unit"}, {"zone"}]
-    chunks = raw_chunks(client, **auto, extra_body=NO_THINKING | {"regex": TWO_CALLS})
     assert check_call_entries(chunks) == {i: c.function.arguments for i, c in enumerate(calls)}
 
 

@@ -6,11 +6,12 @@ parses none; `auto` renders them and parses calls with `--tool-call-parser` (req
 `required` and a named function are enforced by a grammar, as vLLM does: the output is a JSON
 array of `{"name", "parameters"}` objects (at least one, each name one of the tools and its
 parameters valid for its schema), or for a named function its arguments object alone; neither
-needs a parser.
+needs a parser. A `functions` request is answered as OpenAI answers it: one `function_call`
+(parallel calls off), `finish_reason: "function_call"`.
 
 Output side (`ChatOutput`): per choice, text -> (reasoning_content, content, tool_calls),
-incrementally for streams (`feed`) and at once otherwise (`feed(text, final=True)`): the same
-code, so a stream's deltas concatenate to the non-streamed message.
+incrementally for streams (`feed`, `stream_deltas`) and at once otherwise (`feed(text,
+final=True)`): the same code, so a stream's deltas concatenate to the non-streamed message.
 """
 
 from __future__ import annotations
