@@ -235,6 +235,17 @@ def test_stream_deltas_send_calls_as_openai_does(body, text):
         assert "tool_calls" not in want and whole.finish_reason("stop") == "function_call"
 
 
+def test_grammar_calls_are_calls_where_the_prompt_opens_thinking():
+    """Qwen3.5's generation prompt opens <think>; a named or required call's grammar holds the
+    output from its first token, so it is the call, not reasoning."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = ChatOutput("qwen3", chat_tools(tools=[WEATHER], tool_choice=named), "<think>\n")
+    out.feed('{"city": "Paris"}', final=True)
+    msg = out.message()
+    assert "reasoning_content" not in msg
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
 @pytest.mark.parametrize(
     "args,members",
     [

@@ -155,13 +155,17 @@ class ChatOutput:
     consecutive chunks, shaped as OpenAI streams them."""
 
     def __init__(self, reasoning: str | None, tools: ChatTools | None, prompt: str):
-        self.reasoning = ReasoningParser(reasoning, prompt) if reasoning else None
         self.tools = tools
         mode = tools.choice if tools is not None else "none"
         self.parser = (
             ToolParser(tools.parser, tools.tools) if mode == "auto" and tools.parser else None
         )
         self.grammar_calls = mode in ("required", "named")
+        # the calls' grammar holds the output from its first token: no reasoning in it, even
+        # where the prompt left a <think> block open (Qwen3.5 / 3.6)
+        self.reasoning = (
+            ReasoningParser(reasoning, prompt) if reasoning and not self.grammar_calls else None
+        )
         self.legacy = tools is not None and tools.legacy
         self.raw = ""  # required / named: the JSON the grammar made
         self.named_call: ToolCall | None = None
