@@ -354,30 +354,21 @@ class OpenAIServing:
         if body.stream:
             offsets = [0] * len(streams)
 
+            def choice(i, text, lp=None, reason=None) -> dict:
+                return head | {
+                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}]
+                }
+
             def chunk(i, d, reason) -> list[dict]:
                 if i is None:
                     return [head | {"choices": []}]
                 if d is None:
-                    return [
-                        head
-                        | {
-                            "choices": [
-                                {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
-                            ]
-                        }
-                    ]
+                    return [choice(i, "", reason=reason)]
                 lp = None
                 if want_logprobs:
                     lp = completion_logprobs(d.logprobs, offsets[i])
                     offsets[i] += sum(len(e.token) for e in d.logprobs)
-                return [
-                    head
-                    | {
-                        "choices": [
-                            {"index": i, "text": d.text, "logprobs": lp, "finish_reason": None}
-                        ]
-                    }
-                ]
+                return [choice(i, d.text, lp)]
 
             return self.stream(streams, body, chunk)
         ds = await self.final_deltas(streams, request)
