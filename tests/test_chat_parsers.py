@@ -11,6 +11,8 @@ import pytest
 from qwen_templates import QWEN3, QWEN35
 
 from ddtree.assets import PACKAGE_PAIR
+from ddtree.server.chat_tools import ChatOutput, ChatTools
+from ddtree.server.protocol import ChatCompletionRequest, chat_messages
 from ddtree.server.reasoning import ReasoningParser, prompt_opens_reasoning
 from ddtree.server.tool_parsers import ToolParser
 
@@ -133,9 +135,10 @@ def streamed_tools(kind, text, rng):
         j = i + rng.randint(1, 6)
         c, deltas = p.feed(text[i:j], final=j > len(text))
         content, i = content + c, j
+        assert len({d["index"] for d in deltas}) == len(deltas)  # one entry per call per feed
         for d in deltas:
             if "id" in d:
-                assert d["function"]["arguments"] == "" and d["index"] not in names
+                assert d["index"] not in names
                 names[d["index"]] = d["function"]["name"]
             args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
     return content, [(names[k], args[k]) for k in sorted(names)]
@@ -163,6 +166,115 @@ def test_tool_stream_equals_whole(kind, text):
         assert streamed_tools(kind, text, random.Random(seed)) == whole
     for _, a in whole[1]:
         json.loads(a)  # a qwen3_coder call cut by the end is closed after its whole parameters
+
+
+def chat_tools(**body) -> ChatTools:
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **body)
+    return ChatTools.of(req, "qwen3_coder")
+
+
+TWO_CODER_CALLS = "Sure.\n" + QWEN35_CALL + "\n" + QWEN35_CALL.replace("Paris", "Rome")
+
+
+@pytest.mark.parametrize(
+    "body,text",
+    [
+        ({"tools": [WEATHER], "tool_choice": "auto"}, TWO_CODER_CALLS),
+        (
+            {"tools": [WEATHER], "tool_choice": "required"},
+            json.dumps([{"name": "get_weather", "parameters": {"city": "A"}}] * 3),
+        ),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            '{"city": "Paris", "days": 2}',
+        ),
+        (
+            {"functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}},
+            '{"city": "Paris"}',
+        ),
+    ],
+    ids=["auto", "required", "named", "legacy"],
+)
+def test_stream_deltas_send_calls_as_openai_does(body, text):
+    """One call per chunk, in index order: its header (id, type, name, arguments "") alone, then
+    its argument text; the pieces add up to the non-streamed message (a legacy `functions`
+    request: the same as `function_call`)."""
+    whole = ChatOutput(None, chat_tools(**body), "")
+    whole.feed(text, final=True)
+    want = whole.message()
+    for seed in range(20):
+        rng, out, i = random.Random(seed), ChatOutput(None, chat_tools(**body), ""), 0
+        calls, content, fn = [], "", {}
+        while i <= len(text):
+            j = i + rng.randint(1, 8)
+            for d in out.stream_deltas(text[i:j], final=j > len(text)):
+                content += d.get("content", "")
+                for k, v in d.get("function_call", {}).items():
+                    fn[k] = fn.get(k, "") + v
+                entries = d.get("tool_calls", [])
+                assert len(entries) <= 1
+                for e in entries:
+                    if "id" in e:  # a new call, after the previous one's last piece
+                        assert e["index"] == len(calls) and e["function"]["arguments"] == ""
+                        calls.append(dict(e, function=dict(e["function"])))
+                    else:
+                        assert e["index"] == len(calls) - 1 and set(e) == {"index", "function"}
+                        calls[-1]["function"]["arguments"] += e["function"]["arguments"]
+            i = j
+        assert content == (want["content"] or "")
+        streamed = [{k: c[k] for k in ("id", "type", "function")} for c in calls]
+        assert streamed == out.message().get("tool_calls", [])
+        assert [c["function"] for c in streamed] == [
+            c["function"] for c in want.get("tool_calls", [])
+        ]
+        assert fn == want.get("function_call", {})
+    if "functions" in body:
+        assert "tool_calls" not in want and whole.finish_reason("stop") == "function_call"
+
+
+def test_grammar_calls_are_calls_where_the_prompt_opens_thinking():
+    """Qwen3.5's generation prompt opens <think>; a named or required call's grammar holds the
+    output from its first token, so it is the call, not reasoning."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = ChatOutput("qwen3", chat_tools(tools=[WEATHER], tool_choice=named), "<think>\n")
+    out.feed('{"city": "Paris"}', final=True)
+    msg = out.message()
+    assert "reasoning_content" not in msg
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+@pytest.mark.parametrize(
+    "args,members",
+    [
+        # cut by max_tokens: the members that finished ("days": 2 may have been cut from 21)
+        ('{"city": "Paris", "days": 2', {"city": "Paris"}),
+        ('{"city": "Paris", "days": 2,', {"city": "Paris", "days": 2}),
+        ('{"cit', {}),
+        ("[1]", {}),
+        ("not json", {}),
+        ("", {}),
+    ],
+)
+def test_arguments_that_are_no_json_object_render(tok, args, members):
+    """OpenAI takes any string as a call's arguments; both templates render what was certain of
+    it (Qwen3.5's iterates `arguments|items`, which a string would fail)."""
+    call = dict(CALL, function={"name": "get_weather", "arguments": args})
+    msgs = chat_messages(
+        ChatCompletionRequest(
+            messages=CONVERSATION[1:2]
+            + [{"role": "assistant", "content": "", "tool_calls": [call]}]
+        )
+    )
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == members
+    want = '{"name": "get_weather", "arguments": ' + json.dumps(members) + "}"
+    assert want in render(tok, QWEN3, msgs, tools=[WEATHER])
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in members.items())
+    assert f"<function=get_weather>\n{params}</function>" in render(
+        tok, QWEN35, msgs, tools=[WEATHER]
+    )
 
 
 @pytest.mark.parametrize(

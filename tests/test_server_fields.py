@@ -129,11 +129,6 @@ def test_neutral_values_of_refused_fields_are_accepted(server, asgi):
     wait_idle(server.base_url)
 
 
-def test_continuous_usage_stats_is_refused(asgi):
-    r = completion(asgi, stream=True, stream_options={"continuous_usage_stats": True})
-    assert_refused(r, "stream_options.continuous_usage_stats")
-
-
 @pytest.mark.parametrize(
     "sp, param",
     [

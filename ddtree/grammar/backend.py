@@ -142,7 +142,11 @@ class Grammars:
                 # compact separators, no free whitespace: a model cannot pad the output forever
                 return c.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
             if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+                # an object, not any JSON value (the builtin JSON grammar also takes arrays); as
+                # vLLM does, the schema of any object
+                return c.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
             if spec.kind == "regex":
                 return c.compile_regex(spec.source)
             if spec.kind == "ebnf":

@@ -6,11 +6,12 @@ parses none; `auto` renders them and parses calls with `--tool-call-parser` (req
 `required` and a named function are enforced by a grammar, as vLLM does: the output is a JSON
 array of `{"name", "parameters"}` objects (at least one, each name one of the tools and its
 parameters valid for its schema), or for a named function its arguments object alone; neither
-needs a parser.
+needs a parser. A `functions` request is answered as OpenAI answers it: one `function_call`
+(parallel calls off), `finish_reason: "function_call"`.
 
 Output side (`ChatOutput`): per choice, text -> (reasoning_content, content, tool_calls),
-incrementally for streams (`feed`) and at once otherwise (`feed(text, final=True)`): the same
-code, so a stream's deltas concatenate to the non-streamed message.
+incrementally for streams (`feed`, `stream_deltas`) and at once otherwise (`feed(text,
+final=True)`): the same code, so a stream's deltas concatenate to the non-streamed message.
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ class ChatTools:
         named: str | None,
         parser: str | None,
         parallel: bool = True,
+        legacy: bool = False,
     ):
         self.tools, self.choice, self.named, self.parser = tools, choice, named, parser
         self.parallel = parallel  # parallel_tool_calls: false = at most one call (required: one)
+        # the request named `functions`: answered with one `function_call`, as OpenAI does
+        self.legacy = legacy
 
     @classmethod
     def of(cls, body, parser: str | None) -> ChatTools | None:
@@ -96,7 +100,9 @@ class ChatTools:
                 "--tool-call-parser hermes (Qwen3) or qwen3_coder (Qwen3.5 / 3.6)",
                 code="unsupported_parameter",
             )
-        return cls(fns, choice, named, parser, body.parallel_tool_calls is not False)
+        legacy = param == "functions"
+        parallel = body.parallel_tool_calls is not False and not legacy
+        return cls(fns, choice, named, parser, parallel, legacy)
 
     @property
     def render(self) -> list[dict] | None:
@@ -144,22 +150,60 @@ def complete_items(text: str) -> list:
 
 class ChatOutput:
     """One choice's text -> message fields. feed() returns the delta fields it completes
-    (reasoning_content, content, tool_calls: only the non-empty ones)."""
+    (reasoning_content, content, tool_calls - one entry per call index - or, for a `functions`
+    request, function_call: only the non-empty ones); stream_deltas() the same as the deltas of
+    consecutive chunks, shaped as OpenAI streams them."""
 
     def __init__(self, reasoning: str | None, tools: ChatTools | None, prompt: str):
-        self.reasoning = ReasoningParser(reasoning, prompt) if reasoning else None
         self.tools = tools
         mode = tools.choice if tools is not None else "none"
         self.parser = (
             ToolParser(tools.parser, tools.tools) if mode == "auto" and tools.parser else None
         )
         self.grammar_calls = mode in ("required", "named")
+        # the calls' grammar holds the output from its first token: no reasoning in it, even
+        # where the prompt left a <think> block open (Qwen3.5 / 3.6)
+        self.reasoning = (
+            ReasoningParser(reasoning, prompt) if reasoning and not self.grammar_calls else None
+        )
+        self.legacy = tools is not None and tools.legacy
         self.raw = ""  # required / named: the JSON the grammar made
         self.named_call: ToolCall | None = None
         self.reasoning_text, self.content = [], []
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str, final: bool = False) -> dict:
+        return self._legacy(self._feed(text, final))
+
+    def stream_deltas(self, text: str, final: bool = False) -> list[dict]:
+        """feed() as the deltas of consecutive chunks (at least one; [{}] when there is nothing),
+        shaped as OpenAI streams calls: one call per chunk, in order, a call's header (index, id,
+        type, name, arguments "") in a chunk of its own and its argument text from the next.
+        Clients rely on it: the SDK's stream helper takes a call as finished (and parses its
+        arguments) when a chunk moves on to the next index."""
+        delta = self._feed(text, final)
+        pieces = []
+        for c in delta.pop("tool_calls", ()):
+            if "id" in c:
+                pieces.append(dict(c, function=dict(c["function"], arguments="")))
+                args = c["function"]["arguments"]
+                if not args:
+                    continue
+                c = {"index": c["index"], "function": {"arguments": args}}
+            pieces.append(c)
+        deltas = [delta | ({"tool_calls": pieces[:1]} if pieces else {})]
+        deltas += [{"tool_calls": [c]} for c in pieces[1:]]
+        return [d for d in map(self._legacy, deltas) if d] or [{}]
+
+    def _legacy(self, delta: dict) -> dict:
+        """A `functions` request's delta: its first call as `function_call` (the name in the
+        first piece), no tool_calls."""
+        if not self.legacy or "tool_calls" not in delta:
+            return delta
+        first = [c["function"] for c in delta.pop("tool_calls") if c["index"] == 0]
+        return delta | ({"function_call": dict(first[0])} if first else {})
+
+    def _feed(self, text: str, final: bool) -> dict:
         delta: dict = {}
         if self.reasoning is not None:
             r, text = self.reasoning.feed(text, final)
@@ -185,22 +229,14 @@ class ChatOutput:
     def _grammar_calls(self, text: str, final: bool) -> list[dict]:
         self.raw += text
         if self.tools.choice == "named":  # the arguments, streamed as they come
-            out = []
-            if self.named_call is None:
-                self.named_call = ToolCall(0, name=self.tools.named)
-                self.calls = [self.named_call]
-                out.append(
-                    {
-                        "index": 0,
-                        "id": self.named_call.id,
-                        "type": "function",
-                        "function": {"name": self.tools.named, "arguments": ""},
-                    }
-                )
-            self.named_call.arguments += text
-            if text:
-                out.append({"index": 0, "function": {"arguments": text}})
-            return out
+            call = self.named_call
+            if call is None:
+                call = self.named_call = ToolCall(0, name=self.tools.named)
+                self.calls = [call]
+                call.arguments = text
+                return [call.header(text)]
+            call.arguments += text
+            return [{"index": 0, "function": {"arguments": text}}] if text else []
         if not final:
             return []
         items = complete_items(self.raw)  # cut by max_tokens: the calls that finished
@@ -208,18 +244,23 @@ class ChatOutput:
         for i, it in enumerate(items):
             call = ToolCall(i, name=it["name"], arguments=json.dumps(it["parameters"]))
             self.calls.append(call)
-            out.append({"index": i, **call.as_message()})
+            out.append(call.header(call.arguments))
         return out
 
     def message(self) -> dict:
         msg: dict = {"role": "assistant", "content": "".join(self.content) or None}
         if self.reasoning is not None and self.reasoning.saw_reasoning:
             msg["reasoning_content"] = "".join(self.reasoning_text)
-        if self.calls:
+        if self.calls and self.legacy:
+            call = self.calls[0]
+            msg["function_call"] = {"name": call.name, "arguments": call.arguments}
+        elif self.calls:
             msg["tool_calls"] = [c.as_message() for c in self.calls]
         elif msg["content"] is None:
             msg["content"] = ""
         return msg
 
     def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if self.calls and reason == "stop" else reason
+        if not self.calls or reason != "stop":
+            return reason
+        return "function_call" if self.legacy else "tool_calls"

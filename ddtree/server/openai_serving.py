@@ -305,37 +305,59 @@ class OpenAIServing:
     def stream(
         self, streams: list[Stream], body, chunk_of, first_chunks: tuple = (), first_of=None
     ) -> SSEResponse:
-        """chunk_of(i, d, None) builds choice i's chunk from Delta d (text, log-probs),
-        chunk_of(i, None, reason) its finishing chunk, chunk_of(None, None, None) one without
-        choices; `await first_of(i, d)` (optional) a chunk before choice i's first (an echoed
-        prompt). The choices' deltas interleave."""
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        tail = {"usage": None} if include_usage else {}
+        """chunk_of(i, d, None) builds choice i's chunks from Delta d (text, log-probs; none when
+        the choice's output holds it all back), chunk_of(i, None, reason) its finishing ones (the
+        last carries the reason), chunk_of(None, None, None) one without choices. first_chunks[i]
+        opens choice i; `await first_of(i, d)` (optional) is a chunk before choice i's first delta
+        (an echoed prompt). The choices' deltas interleave. With stream_options.include_usage, a
+        last chunk carries the usage; with continuous_usage_stats too, every chunk carries its
+        choice's usage so far (vLLM's extension)."""
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and opts.continuous_usage_stats
+        tokens = [0] * len(streams)  # completion tokens per choice so far
+
+        def tail(i: int) -> dict:
+            if not continuous:
+                return {"usage": None} if include_usage else {}
+            p = streams[i].prompt_tokens
+            return {
+                "usage": {
+                    "prompt_tokens": p,
+                    "completion_tokens": tokens[i],
+                    "total_tokens": p + tokens[i],
+                }
+            }
+
         merged = Interleaved(streams)
 
         async def events():
             finals: dict[int, Delta] = {}
             started: set[int] = set()
-            for chunk in first_chunks:
-                yield sse(chunk | tail)
+            for i, chunk in enumerate(first_chunks):
+                yield sse(chunk | tail(i))
             async for i, d in merged:
                 if d.error is not None:
                     yield sse(APIError(d.error_status, d.error, code=d.error_code).body())
                     break
                 if first_of is not None and i not in started:
                     started.add(i)
-                    yield sse(await first_of(i, d) | tail)
+                    yield sse(await first_of(i, d) | tail(i))
+                tokens[i] += len(d.token_ids)
                 if d.text or d.logprobs:
-                    chunk = chunk_of(i, d, None)
-                    if chunk is not None:  # None: the choice's output held it all back
-                        yield sse(chunk | tail)
+                    for chunk in chunk_of(i, d, None):
+                        yield sse(chunk | tail(i))
                 if d.finish_reason is not None:
                     finals[i] = d
-                    yield sse(chunk_of(i, None, d.finish_reason) | {"ddtree": self.ext([d])} | tail)
+                    tokens[i] = d.completion_tokens
+                    *rest, last = chunk_of(i, None, d.finish_reason)
+                    for chunk in rest:
+                        yield sse(chunk | tail(i))
+                    yield sse(last | {"ddtree": self.ext([d])} | tail(i))
             if include_usage and len(finals) == len(streams):
                 ds = [finals[i] for i in range(len(streams))]
                 u = usage(ds, body.n)
-                yield sse(chunk_of(None, None, None) | {"usage": u, "ddtree": self.ext(ds)})
+                yield sse(chunk_of(None, None, None)[0] | {"usage": u, "ddtree": self.ext(ds)})
             yield "data: [DONE]\n\n"
 
         return SSEResponse(events(), lambda: merged.close(self.aengine))
@@ -381,32 +403,29 @@ class OpenAIServing:
         if body.stream:
             offsets = [0] * len(streams)
 
+            def choice(i, text, lp=None, reason=None) -> dict:
+                return head | {
+                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}]
+                }
+
             async def first(i, d):
                 text, entries = await self.echo(prompts[i // n], ids[i // n], d)
                 lp = None
                 if want_logprobs:
                     lp = completion_logprobs(top_k(entries, k), 0)
                     offsets[i] = sum(len(e.token) for e in entries)
-                return head | {
-                    "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": None}]
-                }
+                return choice(i, text, lp)
 
-            def chunk(i, d, reason):
+            def chunk(i, d, reason) -> list[dict]:
                 if i is None:
-                    return head | {"choices": []}
+                    return [head | {"choices": []}]
                 if d is None:
-                    return head | {
-                        "choices": [
-                            {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
-                        ]
-                    }
+                    return [choice(i, "", reason=reason)]
                 lp = None
                 if want_logprobs:
                     lp = completion_logprobs(d.logprobs, offsets[i])
                     offsets[i] += sum(len(e.token) for e in d.logprobs)
-                return head | {
-                    "choices": [{"index": i, "text": d.text, "logprobs": lp, "finish_reason": None}]
-                }
+                return [choice(i, d.text, lp)]
 
             return self.stream(streams, body, chunk, first_of=first if echo else None)
         ds = await self.final_deltas(streams, request)
@@ -493,28 +512,26 @@ class OpenAIServing:
         if body.stream:
             head = head | {"object": "chat.completion.chunk"}
 
-            def chunk(i, d, reason):
-                if i is None:
-                    return head | {"choices": []}
-                if d is None:  # the finish: what the parsers held back, then the reason
-                    out = outputs[i]
-                    return head | {
-                        "choices": [
-                            {
-                                "index": i,
-                                "delta": out.feed("", final=True),
-                                "logprobs": None,
-                                "finish_reason": out.finish_reason(reason),
-                            }
-                        ]
-                    }
-                delta = outputs[i].feed(d.text)
-                lp = logprobs_of(d)
-                if not delta and lp is None:
-                    return None
+            def choice(i, delta, lp=None, reason=None) -> dict:
                 return head | {
-                    "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}]
+                    "choices": [
+                        {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+                    ]
                 }
+
+            def chunk(i, d, reason) -> list[dict]:
+                if i is None:
+                    return [head | {"choices": []}]
+                out = outputs[i]
+                if d is None:  # the finish: what the parsers held back, then the reason
+                    *rest, last = out.stream_deltas("", final=True)
+                    return [choice(i, x) for x in rest] + [
+                        choice(i, last, reason=out.finish_reason(reason))
+                    ]
+                deltas, lp = out.stream_deltas(d.text), logprobs_of(d)
+                if deltas == [{}] and lp is None:
+                    return []  # the choice's output held it all back
+                return [choice(i, x, lp if n == 0 else None) for n, x in enumerate(deltas)]
 
             role = {"role": "assistant", "content": ""}
             first = tuple(

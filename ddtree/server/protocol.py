@@ -86,7 +86,8 @@ def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM / SGLang: usage in every chunk (refused)
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far
+    continuous_usage_stats: StrictBool = False
 
 
 class GrammarFields(BaseModel):
@@ -189,11 +190,12 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     # an assistant turn's calls, a tool result's call id / name, a thinking turn's reasoning: passed
     # to the chat template as they are (a call's JSON-string arguments as an object)
     tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    function_call: dict[str, Any] | None = None  # legacy: an assistant turn's one call
     tool_call_id: Name | None = None
     name: Name | None = None
     reasoning_content: Text | None = None
@@ -258,12 +260,6 @@ def check_supported(req: _SamplingFields) -> None:
         raise invalid(
             name, "is not supported by this server; leave it unset", "unsupported_parameter"
         )
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        raise invalid(
-            "stream_options.continuous_usage_stats",
-            "is not supported by this server; use include_usage (one usage chunk at the end)",
-            code="unsupported_parameter",
-        )
     if chat and req.add_generation_prompt and req.continue_final_message:
         raise invalid(
             "continue_final_message",
@@ -323,6 +319,47 @@ def prompt_logprob_k(req: _SamplingFields) -> int | None:
     return echo_k if k is None else max(k, echo_k)
 
 
+def complete_members(text: str) -> dict:
+    """The complete members of a JSON object's text, which may be cut anywhere ({} when it is no
+    object's start)."""
+    dec, out = json.JSONDecoder(), {}
+    i = _skip_space(text, 0)
+    if text[i : i + 1] != "{":
+        return out
+    i += 1
+    while True:
+        try:
+            key, i = dec.raw_decode(text, _skip_space(text, i, ","))
+            i = _skip_space(text, i)
+            if not isinstance(key, str) or text[i : i + 1] != ":":
+                return out
+            value, i = dec.raw_decode(text, _skip_space(text, i + 1))
+        except (ValueError, RecursionError):  # the cut (or a value nested past the stack)
+            return out
+        if i == len(text) and type(value) in (int, float):  # "n": 3 may have been cut from 35
+            return out
+        out[key] = value
+
+
+def _skip_space(text: str, i: int, also: str = "") -> int:
+    while i < len(text) and text[i] in " \t\r\n" + also:
+        i += 1
+    return i
+
+
+def tool_arguments(args: str) -> dict:
+    """A tool call's JSON-string arguments as the chat template takes them: a mapping (Qwen3.5 /
+    3.6 iterate `arguments|items`; transformers hands templates plain JSON types only, so no
+    object can be a string to some and a mapping to others). Arguments that are not a JSON object
+    are accepted, as OpenAI accepts any string (a call cut by max_tokens is sent back so by every
+    agent loop): their complete members, the call as far as it was certain."""
+    try:
+        value = json.loads(args) if args.strip() else {}
+    except ValueError:
+        return complete_members(args)
+    return value if isinstance(value, dict) else {}
+
+
 def _call_for_template(call: dict, where: str) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -331,14 +368,13 @@ def _call_for_template(call: dict, where: str) -> dict:
         )
     args = fn.get("arguments", {})
     if isinstance(args, str):  # templates iterate the arguments (Qwen3.5: `arguments|items`)
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError as e:
-            raise invalid(f"{where}.function.arguments", f"is not valid JSON: {e}") from e
+        args = tool_arguments(args)
     return dict(call, function=dict(fn, arguments=args))
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as the chat template takes them. Legacy turns are read as today's:
+    an assistant's `function_call` as its one tool call, a `function` message as a tool result."""
     if not req.messages:
         raise invalid("messages", "is empty")
     out = []
@@ -346,12 +382,15 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         content = m.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        msg = {"role": m.role, "content": content or ""}
-        if m.tool_calls:
-            msg["tool_calls"] = [
-                _call_for_template(c, f"messages.{i}.tool_calls.{j}")
-                for j, c in enumerate(m.tool_calls)
-            ]
+        msg = {"role": "tool" if m.role == "function" else m.role, "content": content or ""}
+        calls = m.tool_calls
+        if not calls and m.function_call is not None:
+            calls = [{"type": "function", "function": m.function_call}]
+        for j, c in enumerate(calls or ()):
+            where = (
+                f"messages.{i}.tool_calls.{j}" if m.tool_calls else f"messages.{i}.function_call"
+            )
+            msg.setdefault("tool_calls", []).append(_call_for_template(c, where))
         for key in ("tool_call_id", "name", "reasoning_content"):
             if getattr(m, key) is not None:
                 msg[key] = getattr(m, key)

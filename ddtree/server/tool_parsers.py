@@ -6,10 +6,11 @@ VALUE\\n</parameter>\\n...</function>\\n</tool_call>`, a parameter's value raw t
 tool's schema (strings stay text; other types are read as JSON when they parse).
 
 Text outside the blocks is content; a tag split across chunks is held back until it can be told
-apart. A stream yields, per call, a first delta with its index, id and name (arguments "") and
-then argument text as it becomes certain (hermes: the arguments JSON as generated; qwen3_coder:
-one `"P": value` piece per finished parameter, the braces around them); a call's argument pieces
-concatenate to its non-streamed `arguments`. A block that does not parse stays content.
+apart. A stream yields, per call, a first entry with its index, id and name (and the argument
+text certain by then), then argument text as it becomes certain (hermes: the arguments JSON as
+generated; qwen3_coder: one `"P": value` piece per finished parameter, the braces around them);
+never two entries of one call from one feed. A call's argument pieces concatenate to its
+non-streamed `arguments`. A block that does not parse stays content.
 """
 
 from __future__ import annotations
@@ -70,6 +71,15 @@ class ToolCall:
     arguments: str = ""
     sent_header: bool = False
     sent_args: int = 0
+
+    def header(self, arguments: str = "") -> dict:
+        """The call's first stream entry: its index, id and name, and the arguments so far."""
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": arguments},
+        }
 
     def as_message(self) -> dict:
         return {
@@ -140,21 +150,14 @@ class ToolParser:
         return text
 
     def _deltas(self, call: ToolCall) -> list[dict]:
-        out = []
-        if call.name is not None and not call.sent_header:
-            call.sent_header = True
-            out.append(
-                {
-                    "index": call.index,
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-            )
-        if call.sent_header and len(call.arguments) > call.sent_args:
-            piece, call.sent_args = call.arguments[call.sent_args :], len(call.arguments)
-            out.append({"index": call.index, "function": {"arguments": piece}})
-        return out
+        """At most one entry for the call (a client merges the entries of a chunk by index)."""
+        header = call.name is not None and not call.sent_header
+        call.sent_header = call.sent_header or header
+        piece = call.arguments[call.sent_args :] if call.sent_header else ""
+        call.sent_args += len(piece)
+        if header:
+            return [call.header(piece)]
+        return [{"index": call.index, "function": {"arguments": piece}}] if piece else []
 
     # ---- formats ------------------------------------------------------------------------------------
     def _progress(self, call: ToolCall, body: str, done: bool) -> bool:
