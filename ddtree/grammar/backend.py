@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddtree.grammar.regex import translate
+
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 CACHE_ENTRIES = 256  # compiled grammars kept (LRU); a compiled grammar is ~KBs to a few MB
 
@@ -144,7 +146,7 @@ class Grammars:
             if spec.kind == "json_object":
                 return c.compile_builtin_json_grammar()
             if spec.kind == "regex":
-                return c.compile_regex(spec.source)
+                return c.compile_regex(translate(spec.source))
             if spec.kind == "ebnf":
                 return c.compile_grammar(spec.source)
             return c.compile_grammar(_ebnf_of_choice(json.loads(spec.source)))
