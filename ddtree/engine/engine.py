@@ -250,7 +250,7 @@ class LLMEngine:
         reqs = [batch.reqs[i] for i in ready]
         rows = logits[ready][:, None]
         sample = sample_nodes
-        gb = GrammarBatch.of(reqs, self.decoder.mask_words, self.device)
+        gb = GrammarBatch.of(reqs, self.decoder.mask_words, self.device, self.decoder.mask_workers)
         if gb is not None:  # the first token under the grammar's start state
             gb.root_masks()
             sample = gb.target_tokens
