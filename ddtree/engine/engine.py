@@ -103,6 +103,12 @@ class LLMEngine:
                 self._grammars = Grammars(self.tokenizer, vocab, self.emitter.eos_ids)
             return self._grammars
 
+    def grammar_cached(self, spec) -> bool:
+        """spec's grammar is compiled already (False before any grammar was)."""
+        with self._grammars_lock:
+            grammars = self._grammars
+        return grammars is not None and grammars.cached(spec)
+
     def add_request(
         self,
         prompt: str | list[int],

@@ -31,7 +31,7 @@ from ddtree.grammar.backend import Matcher
 logger = logging.getLogger("ddtree")
 
 # a request's mask work in one step the engine thread waits for; past it the request fails
-MASK_ROUND_S = 1.0
+MASK_ROUND_S = 0.5
 # a request's mask work over its whole life; past it the request fails (a grammar this slow holds
 # every step of the batch it is in)
 MASK_TOTAL_S = 20.0

@@ -27,7 +27,7 @@ from ddtree.server.async_engine import AsyncEngine, Delta, EngineUnavailable, St
 from ddtree.server.chat_tools import ChatOutput, ChatTools
 from ddtree.server.logprob_format import chat_logprobs, completion_logprobs
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from ddtree.server.structured import GrammarCompiler, grammar_spec
+from ddtree.server.structured import GrammarCompiler, grammar_spec, peer
 
 DEFAULT_COMPLETION_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the context
@@ -174,19 +174,20 @@ class OpenAIServing:
         param: str,
         default_max_tokens: int | None,
         grammar=None,
+        client: str = "",
     ) -> list[Stream]:
         """Validate, compile the request's grammar (off the engine thread), tokenize (on a
         tokenizer thread: prompt_of(engine) -> ids) and admit body.n requests; failures are
         APIErrors. `model` picks nothing: the one served model answers any name, as in SGLang.
         grammar: the grammar the caller derived (tools); else the body's structured-output
-        fields'."""
+        fields'. client: whose compile workers it uses (structured.peer)."""
         arrival = time.monotonic()  # the request's time to first token starts here
         protocol.check_supported(body)
         if grammar is None:
             grammar = grammar_spec(body.grammar_fields())
         check_prompt_chars(prompt_chars(body), self.max_context, param)
 
-        await self.grammars.compile(grammar)
+        await self.grammars.compile(grammar, client)
 
         def prepare(e):
             ids = prompt_of(e)
@@ -320,7 +321,9 @@ class OpenAIServing:
             if isinstance(prompt, str)
             else (lambda e: list(prompt))
         )
-        streams = await self.start(body, ids_of, "prompt", DEFAULT_COMPLETION_MAX_TOKENS)
+        streams = await self.start(
+            body, ids_of, "prompt", DEFAULT_COMPLETION_MAX_TOKENS, client=peer(request)
+        )
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -396,7 +399,7 @@ class OpenAIServing:
             rendered["prompt"] = text
             return tokenize(e, text, "messages", body.add_special_tokens)
 
-        streams = await self.start(body, render, "messages", None, grammar)
+        streams = await self.start(body, render, "messages", None, grammar, peer(request))
         reasoning = self.reasoning_parser if body.separate_reasoning else None
         outputs = [ChatOutput(reasoning, tools, rendered.get("prompt", "")) for _ in streams]
         head = {
