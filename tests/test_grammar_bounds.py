@@ -154,3 +154,13 @@ def test_a_cancelled_matcher_fills_no_more(toy_pair):
 
     with pytest.raises(MaskCancelled):
         m.fill(torch.zeros((1, grammars.words), dtype=torch.int32), 0)
+
+
+def test_lockstep_budget_has_no_clock():
+    """Under tensor parallelism every rank builds the trees: no deadline, no size from a clock."""
+    b = MaskBudget.lockstep()
+    assert b.nodes(SimpleNamespace(slowest_fill_s=5.0), 16) == 16
+    workers = MaskWorkers(1, b)
+    m = SimpleNamespace(fill_s=1e9, slowest_fill_s=0.0, cancelled=False)
+    assert workers.run({0: (m, "regex", lambda: time.sleep(0.05) or "mask")}) == {0: "mask"}
+    workers.close()

@@ -16,6 +16,7 @@ from ddtree.engine.batch_log import BatchLog
 from ddtree.engine.config import prefill_chunk_tokens
 from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine.faults import EngineDead, FaultIsolation, describe
+from ddtree.engine.grammar_jobs import MaskBudget
 from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.request import Req, SamplingParams
@@ -55,6 +56,8 @@ class LLMEngine:
             raise
         self.spec = args.spec  # derived once by resolve_server_args; it sized the pools and widths
         self.decoder = SpecDecoder(self.runner, self.spec)
+        if self.tp is not None:  # the ranks must agree on every tree: no clock decides one
+            self.decoder.mask_workers.budget = MaskBudget.lockstep()
         cfg = self.runner.cfg
         self.scheduler = Scheduler(
             self.runner,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,9 +43,16 @@ STRAGGLERS = 8  # threads beyond max_jobs, for fills still running after their r
 
 @dataclass
 class MaskBudget:
-    round_s: float = MASK_ROUND_S
+    round_s: float | None = MASK_ROUND_S  # None: wait for every job
     total_s: float = MASK_TOTAL_S
     tree_s: float = TREE_MASK_S
+
+    @classmethod
+    def lockstep(cls) -> MaskBudget:
+        """No clock in it: under tensor parallelism every rank builds the trees itself
+        (engine/tp/rank.py), and a deadline or tree size read off each rank's own clock would
+        split them. Their grammars are bounded at compile only (server/structured.py's probe)."""
+        return cls(round_s=None, total_s=math.inf, tree_s=math.inf)
 
     def nodes(self, matcher: Matcher, budget: int) -> int:
         """Drafted nodes a request's tree may have: its slowest fill of the last step times the
