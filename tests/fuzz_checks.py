@@ -3,6 +3,8 @@ and of an idle engine's cached pages and checkpoints (against a fresh prefill of
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -166,6 +168,32 @@ def _sampled_logprobs(req) -> list[str]:
         ):
             return [f"log-prob entry {i} inconsistent: {e} for token {req.output_ids[i]}"]
     return []
+
+
+def check_pathological(grammar: tuple[str, str], got, stats: Counter) -> list[str]:
+    """A call with a pathological grammar (tests/fuzz_http.py): refused or failed as too complex
+    (a 400, or a stream's error event), the server busy (503), or answered with text its grammar
+    accepts."""
+    stats["http_pathological"] += 1
+    if isinstance(got, str):
+        if "grammar_too_complex" in got or "server_busy" in got:
+            stats["http_pathological_refused"] += 1
+            return []
+        return [f"pathological grammar: {got}"]
+    kind, source = grammar
+    bad = []
+    for c in got:
+        if c.reason not in ("stop", "length", "grammar"):
+            bad.append(f"pathological grammar: finish_reason {c.reason!r}")
+        elif c.reason == "stop" and kind == "regex" and not re.fullmatch(source, c.text, re.S):
+            bad.append(f"pathological grammar: {c.text!r} does not match {source!r}")
+        elif c.reason == "stop" and kind == "json_schema":
+            try:
+                json.loads(c.text)
+            except ValueError:
+                bad.append(f"pathological grammar: {c.text!r} is not JSON")
+    stats["http_pathological_served"] += not bad
+    return bad
 
 
 def check_call(call, got, ref, text_of: TextOf, ctx: int, eos, stats: Counter) -> list[str]:

@@ -38,6 +38,7 @@ class Call:
     n: int
     disconnect: int | None = None  # stream: events read before closing; else: ms until giving up
     twin_of: int | None = None
+    pathological: tuple[str, str] | None = None  # (kind, source): a slow grammar (PATHOLOGICAL)
 
 
 @dataclasses.dataclass
@@ -49,6 +50,29 @@ class Choice:
     tokens: int | None = None  # completion tokens, where the route says per choice
     logprobs: list[float] | None = None
     usage: int | None = None  # OpenAI bodies: the response's completion tokens (all choices)
+
+
+def _deep_schema(depth: int) -> str:
+    s: dict = {"type": "string", "maxLength": 3}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return json.dumps(s)
+
+
+# pathological grammars beside plain traffic (issue 54): a few calls of a case carry a grammar
+# whose masks grow slower with every token or whose schema is deep; each must end as a
+# `grammar_too_complex` error or as text its grammar accepts, while every plain call beside it still
+# answers what AR answers and the server drains clean (a request its budget failed leaks nothing).
+# Drawn from a stream of their own, after the plain calls: a seed's plain calls are unchanged.
+PATHOLOGICAL = (
+    ("regex", "(.{1,50}){1,50}"),
+    ("regex", "(([0-9]|[1-9][0-9]){1,20}){1,20}"),
+    ("json_schema", _deep_schema(40)),
+)
+PATHOLOGICAL_CALLS = (0, 1, 2, 3)  # drawn per case
+# the mask budgets of a case with pathological calls: small, so that fills over the toy's 64
+# words reach them (the product's are for real vocabularies)
+FUZZ_MASK_BUDGET = {"round_s": 0.005, "total_s": 0.05}
 
 
 # the seed picks the server: seed % 4 -> (target, algorithm, budget)
@@ -103,6 +127,33 @@ def draw_calls(rng: random.Random, n_calls: int, refs, target: str, block: int) 
         elif sp.seed is not None and rng.random() < 0.3:
             calls.append(dataclasses.replace(calls[-1], twin_of=len(calls) - 1))
     return calls
+
+
+def draw_pathological(rng: random.Random, calls: list[Call], tok) -> list[Call]:
+    """A few calls with a PATHOLOGICAL grammar, each on a plain call's prompt (greedy, n = 1)."""
+    from ddtree import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    out = []
+    for _ in range(rng.choice(PATHOLOGICAL_CALLS)):
+        kind, source = rng.choice(PATHOLOGICAL)
+        base = rng.choice(calls)
+        route, stream = rng.choice(ROUTES), rng.random() < 0.5
+        body = {"temperature": 0, "stream": stream}
+        grammar = {"regex": source} if kind == "regex" else {"json_schema": source}
+        text = tok.decode(list(base.prompt))
+        if route == "generate":
+            body |= {"input_ids": list(base.prompt)}
+            body["sampling_params"] = {"temperature": 0, "max_new_tokens": 24} | grammar
+            del body["temperature"]
+        else:
+            body |= {"max_tokens": 24} | grammar
+            if route == "chat":
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = list(base.prompt)
+        out.append(Call(route, stream, body, base.prompt, sp, 1, pathological=(kind, source)))
+    return out
 
 
 def _call(route, stream, prompt, sp, n, tok, rng) -> Call:
@@ -255,7 +306,7 @@ def parse_stream(call: Call, events: list[dict]) -> list[Choice] | str:
 
 def run_http_case(seed: int, refs, n_calls: int = 120, concurrency: int = 24):
     """One seeded server and its calls; returns fuzz_engine's CaseResult."""
-    from fuzz_checks import cached_state_problems, check_call
+    from fuzz_checks import cached_state_problems, check_call, check_pathological
     from fuzz_engine import CaseResult
     from fuzz_oracle import TextOf
     from server_fixtures import thread_server
@@ -273,13 +324,23 @@ def run_http_case(seed: int, refs, n_calls: int = 120, concurrency: int = 24):
         engine = srv.engine
         block = engine.spec.block_size
         calls = draw_calls(rng, n_calls, refs, target, block)
-        res.requests = sum(c.n for c in calls)
         delays = [rng.random() * 0.5 for _ in calls]
+        prng = random.Random(seed * 7919 + 54)  # the pathological calls' own stream
+        slow = draw_pathological(prng, calls, refs.tokenizer(target))
+        if slow:
+            for k, v in FUZZ_MASK_BUDGET.items():
+                setattr(engine.decoder.mask_workers.budget, k, v)
+        calls += slow
+        delays += [prng.random() * 0.5 for _ in slow]
+        res.requests = sum(c.n for c in calls)
         got = asyncio.run(_send_all(srv.base_url, calls, delays, concurrency))
         text_of, ctx, eos = TextOf(engine.tokenizer), engine.max_context, engine.emitter.eos_ids
         conts = refs.get(target, [c.prompt for c in calls])
         for i, (call, g) in enumerate(zip(calls, got)):
-            bad = check_call(call, g, conts[call.prompt], text_of, ctx, eos, res.stats)
+            if call.pathological is not None:
+                bad = check_pathological(call.pathological, g, res.stats)
+            else:
+                bad = check_call(call, g, conts[call.prompt], text_of, ctx, eos, res.stats)
             tw = call.twin_of
             fixed = "auto" not in argv
             if (

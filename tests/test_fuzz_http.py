@@ -1,9 +1,10 @@
 """The differential fuzzer through the real HTTP server (issue 39; tests/fuzz_http.py): four
 servers (dense DDTREE fixed budget, DFLASH, DDTREE auto; hybrid DDTREE; small pages, a small KV
 pool), 55 calls each (~370 requests with `n`) on every route, streaming and not, disconnects
-mid-stream, every greedy answer against AR cut by the stop-rule oracle, the drained server clean;
-and the fuzzer shown able to fail (a stream that publishes text a stop string later cuts). About
-30-45 s on 2 cores."""
+mid-stream, pathological grammars beside the plain calls (slow masks, deep schemas: refused as too
+complex or answered within their grammar), every greedy answer against AR cut by the stop-rule
+oracle, the drained server clean; and the fuzzer shown able to fail (a stream that publishes text
+a stop string later cuts). About 30-45 s on 2 cores."""
 
 from collections import Counter
 
@@ -39,6 +40,9 @@ def test_http_fuzz_covers_routes_and_disconnects(results):
     assert s["http_disconnects"] > 0 and s["http_server_aborts"] > 0, dict(s)
     assert s["http_greedy_checked"] > 100 and s["http_sampled_checked"] > 10, dict(s)
     assert sum(r.requests for r in results.values()) >= 200
+    # pathological grammars beside the plain calls (each checked: refused as too complex or text
+    # its grammar accepts), the plain calls still AR's
+    assert s["http_pathological"] > 0, dict(s)
     # speculation really happens (sampled requests included)
     assert s["http_accept_sum"] / s["http_accept_count"] > 2, dict(s)
 

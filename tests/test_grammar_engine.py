@@ -137,8 +137,8 @@ def test_a_rolled_back_batch_resyncs_the_matchers(toy_pair, prompts, ar, monkeyp
 
     real_init, behind = grammar_round.GrammarBatch.__init__, []
 
-    def init(self, reqs, words, device):  # every round starts at the kept tokens' state
-        real_init(self, reqs, words, device)
+    def init(self, reqs, *args):  # every round starts at the kept tokens' state
+        real_init(self, reqs, *args)
         behind.extend(r.grammar.accepted - r.num_output_tokens for r in reqs)
 
     monkeypatch.setattr(grammar_round.GrammarBatch, "advance", advance)

@@ -25,6 +25,7 @@ import torch
 from ddtree.engine import logprobs
 from ddtree.engine.budget import BudgetPlanner, RoundPlan, gain_columns
 from ddtree.engine.config import SpecConfig
+from ddtree.engine.grammar_jobs import MaskWorkers
 from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
@@ -73,6 +74,8 @@ class SpecDecoder:
         # int32 words of a next-token bitmask row (grammar requests, engine/grammar_round.py)
         self.mask_words = (runner.target.config.vocab_size + 31) // 32
         self.grammar_host_s = 0.0  # host seconds the grammar rows' trees and masks took
+        # the grammar rows' mask work runs there, bounded per request (engine/grammar_jobs.py)
+        self.mask_workers = MaskWorkers(runner.cfg.max_running_requests)
         if cfg.algorithm != "NONE":
             runner.set_tree_spec(cfg.algorithm, cfg.budget, cfg.topk_cap, cfg.shadow_linear)
             runner.add_tree_specs(self.budgets.tree_specs())  # auto: every rung's own draft
@@ -103,7 +106,7 @@ class SpecDecoder:
         # one host->device copy with the round's lengths and slots
         meta = runner.round_meta(reqs)
         roots = meta.roots
-        gb = GrammarBatch.of(reqs, self.mask_words, runner.device)
+        gb = GrammarBatch.of(reqs, self.mask_words, runner.device, self.mask_workers)
         if cfg.algorithm == "NONE":
             emitted = self._ar_round(reqs, roots, t, gb)
             self.budgets.observe(RoundPlan(1, None), len(reqs), [1] * len(reqs), None)

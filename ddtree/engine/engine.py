@@ -16,6 +16,7 @@ from ddtree.engine.batch_log import BatchLog
 from ddtree.engine.config import prefill_chunk_tokens
 from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine.faults import EngineDead, FaultIsolation, describe
+from ddtree.engine.grammar_jobs import MaskBudget
 from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.prompt_logprobs import PromptLogprobs
@@ -56,6 +57,8 @@ class LLMEngine:
             raise
         self.spec = args.spec  # derived once by resolve_server_args; it sized the pools and widths
         self.decoder = SpecDecoder(self.runner, self.spec)
+        if self.tp is not None:  # the ranks must agree on every tree: no clock decides one
+            self.decoder.mask_workers.budget = MaskBudget.lockstep()
         cfg = self.runner.cfg
         self.scheduler = Scheduler(
             self.runner,
@@ -103,6 +106,12 @@ class LLMEngine:
                 vocab = self.runner.target.config.vocab_size
                 self._grammars = Grammars(self.tokenizer, vocab, self.emitter.eos_ids)
             return self._grammars
+
+    def grammar_cached(self, spec) -> bool:
+        """spec's grammar is compiled already (False before any grammar was)."""
+        with self._grammars_lock:
+            grammars = self._grammars
+        return grammars is not None and grammars.cached(spec)
 
     def add_request(
         self,
@@ -256,7 +265,7 @@ class LLMEngine:
         reqs = [batch.reqs[i] for i in ready]
         rows = logits[ready][:, None]
         sample = sample_nodes
-        gb = GrammarBatch.of(reqs, self.decoder.mask_words, self.device)
+        gb = GrammarBatch.of(reqs, self.decoder.mask_words, self.device, self.decoder.mask_workers)
         if gb is not None:  # the first token under the grammar's start state
             gb.root_masks()
             sample = gb.target_tokens

@@ -24,55 +24,93 @@ without a grammar pay nothing: a batch without one never builds this object.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
 
 from ddtree import envs
+from ddtree.engine.grammar_jobs import MaskFailure, MaskWorkers
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import sample_from
+from ddtree.grammar.backend import Matcher
 from ddtree.grammar.masks import apply_bitmask
-from ddtree.grammar.tree import build_grammar_tree
+from ddtree.grammar.tree import GrammarTree, build_grammar_tree
 from ddtree.speculative.tree import DraftTree, topk_logprobs
 
 MIN_TOPK = 8  # candidates per depth a grammar tree draws from (a chain too: the best allowed one)
 
 
 class GrammarBatch:
-    def __init__(self, reqs: list[Req], words: int, device: torch.device):
+    def __init__(self, reqs: list[Req], words: int, device: torch.device, workers: MaskWorkers):
         self.reqs = reqs
         self.rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         for i in self.rows:  # a rolled-back step (engine/faults.py) keeps only emitted tokens
-            reqs[i].grammar.sync(reqs[i].num_output_tokens)
+            if reqs[i].grammar_end is None:  # a failed one's matcher may be a worker's still
+                reqs[i].grammar.sync(reqs[i].num_output_tokens)
         self.words, self.device = words, torch.device(device)
+        self.workers = workers
         self.masks: torch.Tensor | None = None  # [g, n, words] on the device
         self.forced = envs.GRAMMAR_FORCED.on()
         self.host_s = 0.0  # host seconds spent building trees and filling masks
 
     @classmethod
-    def of(cls, reqs: list[Req], words: int, device) -> GrammarBatch | None:
+    def of(cls, reqs: list[Req], words: int, device, workers: MaskWorkers) -> GrammarBatch | None:
         if not any(r.grammar is not None for r in reqs):
             return None
-        return cls(reqs, words, device)
+        return cls(reqs, words, device, workers)
 
     def _host(self, shape) -> torch.Tensor:
         pin = self.device.type == "cuda"
         return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
+
+    def _live(self) -> list[tuple[int, int]]:
+        """(j, i) of the grammar rows still under their grammar (a terminated one is marked)."""
+        out = []
+        for j, i in enumerate(self.rows):
+            r = self.reqs[i]
+            if r.grammar_end is None and r.grammar.terminated:
+                r.grammar_end = "stop"
+            if r.grammar_end is None:
+                out.append((j, i))
+        return out
+
+    def _run(self, work: dict[int, Callable[[], object]]) -> dict[int, object]:
+        """Each row's work on the mask workers (grammar_jobs.py); a row whose work failed ends its
+        request (the error set) and is absent from the result."""
+        jobs = {}
+        for i, w in work.items():
+            r = self.reqs[i]
+            jobs[i] = (r.grammar, r.params.grammar.param, w)
+        out = self.workers.run(jobs)
+        for i, res in list(out.items()):
+            if isinstance(res, MaskFailure):
+                r = self.reqs[i]
+                r.grammar_end = "abort"
+                r.error, r.error_status, r.error_code = res.message, res.status, res.code
+                del out[i]
+        return out
 
     # ---- root-only steps: prefill's first token, AR rounds, width-1 rounds ----------------------------
     def root_masks(self) -> None:
         """Each grammar row's mask at its current state (a dead root is marked on its request)."""
         t0 = time.perf_counter()
         host = self._host((len(self.rows), 1, self.words))
-        for j, i in enumerate(self.rows):
-            r = self.reqs[i]
-            if r.grammar.terminated:
-                r.grammar_end = "stop"
-                continue
-            r.grammar.fill(host[j], 0)
-            if not host[j].any():
-                r.grammar_end = "grammar"
-                host[j].fill_(-1)  # any token: it is dropped, the request ends
+        live = self._live()
+
+        def root(m: Matcher) -> torch.Tensor:
+            row = torch.empty((1, self.words), dtype=torch.int32)
+            m.fill(row, 0)
+            return row
+
+        done = self._run({i: partial(root, self.reqs[i].grammar) for _, i in live})
+        for j, i in live:
+            if i in done:
+                host[j, 0] = done[i][0]
+                if not host[j].any():
+                    self.reqs[i].grammar_end = "grammar"
+                    host[j].fill_(-1)  # any token: it is dropped, the request ends
         self.masks = host.to(self.device, non_blocking=True)
         self.host_s += time.perf_counter() - t0
 
@@ -87,7 +125,8 @@ class GrammarBatch:
         topk: int,
     ) -> DraftTree:
         """The batch's tree with every grammar row rebuilt under its grammar (see the module
-        docstring); budgets[i]: row i's drafted nodes at most."""
+        docstring); budgets[i]: row i's drafted nodes at most (fewer for a slow grammar:
+        grammar_jobs.MaskBudget.nodes)."""
         b, n = tree.tokens.shape
         D = tree.depth_bound
         rows = torch.tensor(self.rows, device=draft_logits.device)
@@ -101,23 +140,31 @@ class GrammarBatch:
         parents = np.full((g, n), -1, dtype=np.int64)
         path = np.zeros((g, tree.path_probs.shape[1] if tree.path_probs is not None else 0))
         chainp = np.zeros((g, D))
-        for j, i in enumerate(self.rows):
+        live = self._live()
+        work = {}
+        for j, i in live:
             r = self.reqs[i]
-            if r.grammar.terminated:
-                r.grammar_end = "stop"
-            limit = D if limits is None else limits[i]
-            gt = build_grammar_tree(
+            work[i] = partial(
+                _build,
                 r.grammar,
                 r.output_ids[-1],
                 logp[j],
                 ids[j],
-                min(budgets[i], n - 1),
-                limit,
+                self.workers.budget.nodes(r.grammar, min(budgets[i], n - 1)),
+                D if limits is None else limits[i],
                 n,
-                host[j],
-                chain=chain,
-                forced=self.forced,
+                self.words,
+                chain,
+                self.forced,
             )
+        done = self._run(work)
+        for j, i in enumerate(self.rows):
+            r = self.reqs[i]
+            tokens[j, 0] = r.output_ids[-1]
+            if i not in done:  # ended (its row: the root, any token; what it emits is dropped)
+                continue
+            gt, masks = done[i]
+            host[j] = masks
             if not host[j, 0].any() and not r.grammar.terminated:
                 r.grammar_end = "grammar"
                 host[j].fill_(-1)
@@ -193,3 +240,13 @@ class GrammarBatch:
                     f"request {r.rid}: the grammar refused an emitted token of {toks}"
                 )
         return emitted
+
+
+def _build(
+    m: Matcher, root: int, logp, ids, budget: int, limit: int, n: int, words: int, chain, forced
+) -> tuple[GrammarTree, torch.Tensor]:
+    """One request's grammar tree and its masks [n, words] (a mask worker's job: its own
+    buffer, so a job the engine stopped waiting for writes nothing the step reads)."""
+    masks = torch.full((n, words), -1, dtype=torch.int32)
+    gt = build_grammar_tree(m, root, logp, ids, budget, limit, n, masks, chain=chain, forced=forced)
+    return gt, masks

@@ -157,10 +157,14 @@ class Req:
     times: ReqTimes = field(default_factory=ReqTimes)
     # why serving it failed (it finished with reason "abort"), or None (engine/faults.py)
     error: str | None = None
+    error_status: int = 500  # the HTTP status of that error: 500 an engine fault, 4xx the request's
+    error_code: str = "engine_error"
     # a batched step it was in failed: it runs alone until a decoding round of its own succeeds
     suspect: bool = False
     grammar: Matcher | None = None  # the grammar state after output_ids (params.grammar)
-    grammar_end: str | None = None  # set when the grammar ends the request: "stop" / "grammar"
+    # set when the grammar ends the request: "stop" / "grammar" (a dead end) / "abort" (its grammar
+    # work ran past its budget: engine/grammar_jobs.py; `error` says so)
+    grammar_end: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

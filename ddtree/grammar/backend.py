@@ -21,10 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from ddtree.grammar.regex import translate
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 CACHE_ENTRIES = 256  # compiled grammars kept (LRU); a compiled grammar is ~KBs to a few MB
@@ -36,6 +39,10 @@ class GrammarUnavailable(RuntimeError):
 
 class GrammarError(ValueError):
     """The grammar source is invalid (the message says why)."""
+
+
+class MaskCancelled(RuntimeError):
+    """The matcher's request gave up on it (its mask work ran past its budget): no more fills."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,7 @@ class Grammars:
                     '{"type": "object"}', any_whitespace=False, strict_mode=False
                 )
             if spec.kind == "regex":
-                return c.compile_regex(spec.source)
+                return c.compile_regex(translate(spec.source))
             if spec.kind == "ebnf":
                 return c.compile_grammar(spec.source)
             return c.compile_grammar(_ebnf_of_choice(json.loads(spec.source)))
@@ -160,6 +167,14 @@ class Grammars:
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         return Matcher(self.compile(spec), self.words, self.tokenizer_vocab)
+
+    def probe(self, spec: GrammarSpec) -> float:
+        """Seconds one mask fill of spec's start state takes (compiled: a cache hit)."""
+        import torch
+
+        m = self.matcher(spec)
+        m.fill(torch.empty((1, self.words), dtype=torch.int32), 0)
+        return m.fill_s
 
 
 class Matcher:
@@ -175,6 +190,13 @@ class Matcher:
         self._own_words = (tokenizer_vocab + 31) // 32
         self._tail = (1 << (tokenizer_vocab % 32)) - 1 if tokenizer_vocab % 32 else 0
         self.accepted = 0  # tokens accepted and not rolled back
+        # what the fills cost: seconds in all, and the slowest since `slowest_fill_s` was reset
+        # (engine/grammar_jobs.py sizes the request's tree and bounds its work by them)
+        self.fill_s = 0.0
+        self.slowest_fill_s = 0.0
+        # set by the engine thread when it stops waiting for this matcher: a worker still walking
+        # a tree on it stops at its next fill (a fill under way cannot be interrupted)
+        self.cancelled = False
 
     def sync(self, tokens: int) -> None:
         """Back to the state after the first `tokens` accepted tokens (a rolled-back step may
@@ -204,6 +226,17 @@ class Matcher:
     def fill(self, masks, index: int) -> None:
         """Write the next-token bitmask into row `index` of masks (an int32 CPU torch tensor
         [rows, words])."""
+        if self.cancelled:
+            raise MaskCancelled("the request stopped waiting for its grammar's masks")
+        t0 = time.perf_counter()
+        try:
+            self._fill(masks, index)
+        finally:
+            dt = time.perf_counter() - t0
+            self.fill_s += dt
+            self.slowest_fill_s = max(self.slowest_fill_s, dt)
+
+    def _fill(self, masks, index: int) -> None:
         own = self._own_words
         if own == self.words:
             self.m.fill_next_token_bitmask(masks, index)

@@ -385,7 +385,10 @@ class AsyncEngine:
         req = st.req
         if req.error is not None:  # the engine failed it alone (engine/faults.py)
             self._streams.pop(rid, None)
-            self._outbox.put(st, self._final(req, "", error=req.error))
+            final = self._final(
+                req, "", error=req.error, error_status=req.error_status, error_code=req.error_code
+            )
+            self._outbox.put(st, final)
             if self.metrics is not None:
                 self.metrics.on_finish("error", time.monotonic() - st.added)
             return

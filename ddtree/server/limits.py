@@ -24,7 +24,8 @@ server's tokenizer threads (openai_serving.py), never on the engine thread.
 | `model`, `user`, `rid`, other names          | MAX_NAME_CHARS characters                       |
 | a grammar (`response_format`'s schema,       | MAX_GRAMMAR_CHARS characters; compiled within   |
 | `json_schema`, `regex`, `ebnf`, `guided_*`,  | GRAMMAR_COMPILE_TIMEOUT_S on one of             |
-| `structured_outputs`, `tools`' grammar)      | GRAMMAR_COMPILE_WORKERS threads (server/structured.py) |
+| `structured_outputs`, `tools`' grammar)      | GRAMMAR_COMPILE_WORKERS threads, at most        |
+|                                              | GRAMMAR_COMPILES_PER_CLIENT per client (server/structured.py) |
 | `tools`                                      | MAX_TOOLS functions                             |
 | `chat_template_kwargs`                       | MAX_TEMPLATE_KWARGS_CHARS characters as JSON    |
 | the whole body                               | 8 MiB (server/http.py's BodyLimit)              |
@@ -49,8 +50,14 @@ MAX_GRAMMAR_CHARS = 65536
 # a grammar that has not compiled by then is refused (400); the compile thread finishes it into the
 # cache (xgrammar cannot be interrupted), so a run of such requests can keep the workers busy but
 # never the engine thread
-GRAMMAR_COMPILE_TIMEOUT_S = 10.0
-GRAMMAR_COMPILE_WORKERS = 2
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # counted from the compile's start, not its wait for a worker
+GRAMMAR_COMPILE_WORKERS = 8  # threads, started on demand
+# compiles one client (peer address) may have queued or running, abandoned ones included: a client
+# sending slow grammars holds at most this many workers, the rest stay free for the others (and for
+# its own simple grammars while fewer than this are in flight)
+GRAMMAR_COMPILES_PER_CLIENT = 4
+# how long a request waits for a compile worker before a 503 (the server is busy compiling)
+GRAMMAR_COMPILE_QUEUE_S = 5.0
 MAX_TOOLS = 128
 MAX_TEMPLATE_KWARGS_CHARS = 16384  # `chat_template_kwargs` as JSON
 # a prompt string longer than this many characters per context token cannot fit once tokenized (no

@@ -37,7 +37,7 @@ from ddtree.server.openai_serving import (
     tokenize,
 )
 from ddtree.server.reasoning import ReasoningParser
-from ddtree.server.structured import grammar_spec
+from ddtree.server.structured import grammar_spec, peer
 
 
 def _at(param: str, i: int, batch: bool) -> str:
@@ -109,7 +109,7 @@ class NativeServing:
         vocab = self.serving.vocab_size
         grammars = [grammar_spec(sp.grammar_fields(), "sampling_params.") for sp in sps]
         for g in grammars:
-            await self.serving.grammars.compile(g)  # off the engine thread
+            await self.serving.grammars.compile(g, peer(request))  # off the engine thread
         prepared = []
         # prompt by prompt on a tokenizer thread; a client that left stops the batch here, before
         # any of it reaches the engine

@@ -34,7 +34,7 @@ from ddtree.server.logprob_format import (
     vllm_prompt_logprobs,
 )
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from ddtree.server.structured import GrammarCompiler, grammar_spec
+from ddtree.server.structured import GrammarCompiler, grammar_spec, peer
 
 DEFAULT_COMPLETION_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the context
@@ -183,18 +183,21 @@ class OpenAIServing:
         param: str,
         default_max_tokens: int | None,
         grammar=None,
+        client: str = "",
     ) -> list[Stream]:
         """Validate, compile the request's grammar (off the engine thread), tokenize (on a
         tokenizer thread: prompt_of(engine) -> ids) and admit body.n requests; failures are
         APIErrors. `model` picks nothing: the one served model answers any name, as in SGLang.
         grammar: the grammar the caller derived (tools); else the body's structured-output
-        fields'."""
+        fields'. client: whose compile workers it uses (structured.peer)."""
         check_prompt_chars(prompt_chars(body), self.max_context, param)
-        streams, _ = await self.start_many(body, [(prompt_of, param)], default_max_tokens, grammar)
+        streams, _ = await self.start_many(
+            body, [(prompt_of, param)], default_max_tokens, grammar, client
+        )
         return streams
 
     async def start_many(
-        self, body, prompts: list, default_max_tokens: int | None, grammar=None
+        self, body, prompts: list, default_max_tokens: int | None, grammar=None, client: str = ""
     ) -> tuple[list[Stream], list[list[int]]]:
         """`start` for several prompts, each (prompt_of, the field its errors name): body.n
         requests each, prompt-major, all admitted at once. Returns them and each prompt's ids."""
@@ -202,7 +205,7 @@ class OpenAIServing:
         protocol.check_supported(body)
         if grammar is None:
             grammar = grammar_spec(body.grammar_fields())
-        await self.grammars.compile(grammar)
+        await self.grammars.compile(grammar, client)
         prepared = []
         for prompt_of, param in prompts:  # one tokenizer-thread hop per prompt
 
@@ -392,7 +395,9 @@ class OpenAIServing:
             return lambda e: list(p)
 
         jobs = [(ids_of(p, name), name) for p, name in zip(prompts, names)]
-        streams, ids = await self.start_many(body, jobs, DEFAULT_COMPLETION_MAX_TOKENS)
+        streams, ids = await self.start_many(
+            body, jobs, DEFAULT_COMPLETION_MAX_TOKENS, client=peer(request)
+        )
         n, echo, pk = body.n or 1, bool(body.echo), body.prompt_logprobs
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -451,7 +456,7 @@ class OpenAIServing:
         return head | {"choices": choices, "usage": usage(ds, n), "ddtree": self.ext(ds)}
 
     async def start_chat(
-        self, body: ChatCompletionRequest
+        self, body: ChatCompletionRequest, client: str = ""
     ) -> tuple[list[Stream], list[ChatOutput]]:
         """A chat request admitted: its tools and grammar, the template rendered and tokenized on a
         tokenizer thread, body.n requests, and each choice's ChatOutput (reasoning, content, tool
@@ -490,14 +495,14 @@ class OpenAIServing:
             rendered["prompt"] = text
             return tokenize(e, text, "messages", body.add_special_tokens)
 
-        streams = await self.start(body, render, "messages", None, grammar)
+        streams = await self.start(body, render, "messages", None, grammar, client)
         reasoning = self.reasoning_parser if body.separate_reasoning else None
         outputs = [ChatOutput(reasoning, tools, rendered.get("prompt", "")) for _ in streams]
         return streams, outputs
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         want_logprobs, _ = protocol.logprob_fields(body)
-        streams, outputs = await self.start_chat(body)
+        streams, outputs = await self.start_chat(body, peer(request))
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",

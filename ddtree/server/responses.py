@@ -45,6 +45,7 @@ from ddtree.server.responses_protocol import (
     responses_error,
     responses_param,
 )
+from ddtree.server.structured import peer
 
 
 def _id(prefix: str) -> str:
@@ -261,7 +262,7 @@ class ResponsesServing:
     async def create(self, body: ResponsesRequest, request: Request):
         try:
             chat = self.chat_request(body)
-            (st,), (out,) = await self.serving.start_chat(chat)
+            (st,), (out,) = await self.serving.start_chat(chat, peer(request))
         except APIError as e:
             raise responses_error(e) from e
         head = self.head(body, _id("resp"), int(time.time()))

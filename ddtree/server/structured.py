@@ -10,10 +10,12 @@ Accepted on every route (at most one per request; two -> 400 naming the second):
   (a list of strings) and `structured_outputs` ({json | regex | grammar | choice | json_object}).
 
 Compilation (`GrammarCompiler.compile`) runs on a worker thread with a time limit
-(limits.GRAMMAR_COMPILE_TIMEOUT_S): a source over limits.MAX_GRAMMAR_CHARS, one xgrammar rejects
-or one that does not compile in time is a 400 naming the field, and the engine thread never
-compiles more than a cache hit. A server without the grammar engine answers these requests with
-a 400 saying so.
+(limits.GRAMMAR_COMPILE_TIMEOUT_S): a source over limits.MAX_GRAMMAR_CHARS, one xgrammar rejects,
+one that does not compile in time or whose first mask fill alone is over a step's mask budget is
+a 400 naming the field, and the engine thread never compiles more than a cache hit. Workers are
+shared fairly between clients (`GrammarCompiler`): a client over its share gets a 429, a request
+that waits too long for a worker a 503 saying the server is busy compiling. A server without the
+grammar engine answers these requests with a 400 saying so.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
 import threading
+from collections import OrderedDict
 
+from ddtree.engine.grammar_jobs import MASK_ROUND_S
 from ddtree.grammar import GrammarError, GrammarSpec, GrammarUnavailable
+from ddtree.grammar.backend import CACHE_ENTRIES
 from ddtree.server import limits
 from ddtree.server.protocol import APIError, invalid
 
@@ -145,24 +151,106 @@ def grammar_spec(fields: dict, prefix: str = "") -> GrammarSpec | None:
 
 class GrammarCompiler:
     """Compiles specs on worker threads (the engine's `Grammars` cache: a later admission's
-    matcher is a cache hit), each within GRAMMAR_COMPILE_TIMEOUT_S."""
+    matcher is a cache hit), each within GRAMMAR_COMPILE_TIMEOUT_S of starting, and times one
+    mask fill of the compiled grammar's start state: a grammar whose first mask alone takes more
+    than a decoding step's mask budget (engine/grammar_jobs.py) could never decode, and is
+    refused here instead of after stalling a step.
 
-    def __init__(self, engine, workers: int = limits.GRAMMAR_COMPILE_WORKERS):
+    xgrammar cannot be interrupted: a compile past its limit finishes on its thread. So the
+    workers are shared fairly: one client (the peer address) has at most
+    GRAMMAR_COMPILES_PER_CLIENT compiles in flight, its abandoned ones included (more: a 429), a
+    request waits at most GRAMMAR_COMPILE_QUEUE_S for a worker (then a 503 saying the server is
+    busy compiling, with Retry-After), and the time limit counts from the compile's start: a
+    grammar is called too complex only for its own compile time. A cached grammar takes no
+    worker."""
+
+    def __init__(self, engine, workers: int | None = None):
         self.engine = engine
-        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar")
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            workers or limits.GRAMMAR_COMPILE_WORKERS, thread_name_prefix="grammar"
+        )
         self._lock = threading.Lock()
+        self._in_flight: dict[str, int] = {}  # client -> compiles queued or running
+        # spec key -> why its grammar is refused (its compile succeeded: the cache holds it)
+        self._refused: OrderedDict[str, str] = OrderedDict()
 
-    def _compile(self, spec: GrammarSpec) -> None:
+    def _compile(self, spec: GrammarSpec, started) -> None:
+        started()
         with self._lock:  # one thread builds the tokenizer's grammar compiler
             grammars = self.engine.grammars
         grammars.compile(spec)
+        fill_s = grammars.probe(spec)
+        if fill_s > MASK_ROUND_S:
+            why = (
+                f"its first next-token mask took {fill_s:.2f} s, more than a decoding step's "
+                f"{MASK_ROUND_S:g} s; simplify the grammar"
+            )
+            with self._lock:
+                self._refused[spec.key] = why
+                while len(self._refused) > CACHE_ENTRIES:
+                    self._refused.popitem(last=False)
 
-    async def compile(self, spec: GrammarSpec | None) -> None:
-        if spec is None:
+    def _check(self, spec: GrammarSpec) -> bool:
+        """True: compiled and accepted before (no worker needed); raises if refused before."""
+        with self._lock:
+            why = self._refused.get(spec.key)
+        if why is not None:
+            raise invalid(spec.param, why, code="grammar_too_complex")
+        cached = getattr(self.engine, "grammar_cached", None)
+        return cached is not None and cached(spec)
+
+    def _admit(self, client: str) -> None:
+        with self._lock:
+            n = self._in_flight.get(client, 0)
+            if n >= limits.GRAMMAR_COMPILES_PER_CLIENT:
+                raise APIError(
+                    429,
+                    f"{n} grammars of this client are still compiling (at most "
+                    f"{limits.GRAMMAR_COMPILES_PER_CLIENT} at once); retry when they finish",
+                    code="too_many_grammar_compiles",
+                    headers={"Retry-After": str(math.ceil(limits.GRAMMAR_COMPILE_TIMEOUT_S))},
+                )
+            self._in_flight[client] = n + 1
+
+    def _release(self, client: str) -> None:
+        with self._lock:
+            n = self._in_flight.get(client, 1) - 1
+            if n > 0:
+                self._in_flight[client] = n
+            else:
+                self._in_flight.pop(client, None)
+
+    async def compile(self, spec: GrammarSpec | None, client: str = "") -> None:
+        """spec compiled (or cached) and accepted, or an APIError: 400 for the grammar itself,
+        429 / 503 when this client / the server has too many compiles in flight."""
+        if spec is None or self._check(spec):
             return
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, self._compile, spec)
+        self._admit(client)
+        loop = asyncio.get_running_loop()
+        began = asyncio.Event()
         try:
-            await asyncio.wait_for(fut, limits.GRAMMAR_COMPILE_TIMEOUT_S)
+            fut = self.pool.submit(
+                self._compile, spec, lambda: loop.call_soon_threadsafe(began.set)
+            )
+        except RuntimeError:  # shut down
+            self._release(client)
+            raise
+        fut.add_done_callback(lambda _: self._release(client))
+        try:
+            await asyncio.wait_for(began.wait(), limits.GRAMMAR_COMPILE_QUEUE_S)
+        except asyncio.TimeoutError as e:
+            if fut.cancel():
+                raise APIError(
+                    503,
+                    "the server is busy compiling other requests' grammars; retry",
+                    param=spec.param,
+                    code="grammar_compiler_busy",
+                    headers={"Retry-After": str(math.ceil(limits.GRAMMAR_COMPILE_QUEUE_S))},
+                ) from e
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(fut)), limits.GRAMMAR_COMPILE_TIMEOUT_S
+            )
         except asyncio.TimeoutError as e:
             raise invalid(
                 spec.param,
@@ -178,6 +266,14 @@ class GrammarCompiler:
             raise invalid(spec.param, f"is not a valid {spec.kind} grammar: {e}") from e
         except ValueError as e:  # no tokenizer
             raise invalid(spec.param, str(e)) from e
+        self._check(spec)  # refused by its probe fill
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def peer(request) -> str:
+    """The client a request's compile counts against: its peer address (behind a proxy, every
+    client shares one)."""
+    client = getattr(request, "client", None)
+    return client.host if client is not None else ""

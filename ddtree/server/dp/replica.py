@@ -167,8 +167,9 @@ class Replica:
 
         try:
             # the HTTP process validated the grammar; compiled here too, off the engine thread,
-            # its admission is a cache hit (as in a one-engine server)
-            await self.grammars.compile(params.grammar)
+            # its admission is a cache hit (as in a one-engine server); the HTTP process bounded
+            # the client's compiles, so each request counts as its own client here
+            await self.grammars.compile(params.grammar, client=rid)
         except APIError as e:
             self.send((m.REFUSED, rid, "invalid", e.message))
             return
