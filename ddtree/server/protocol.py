@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
 from ddtree.engine.request import SamplingParams
 from ddtree.grammar import GrammarSpec
-from ddtree.server import request_fields
+from ddtree.server import limits, request_fields
 from ddtree.server.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
@@ -75,6 +75,26 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+def json_field(text: str, param: str, max_chars: int = limits.MAX_JSON_CHARS):
+    """JSON a request carries inside a string (a schema, a tool call's arguments), parsed within
+    limits.loads_bounded's bounds: too large, too deep or not JSON is a 400 naming param."""
+    try:
+        return limits.loads_bounded(text, max_chars)
+    except limits.JSONBoundError as e:
+        raise invalid(param, str(e)) from e
+    except ValueError as e:
+        raise invalid(param, f"is not valid JSON: {e}") from e
+
+
+def json_text(value, param: str) -> str:
+    """A request's JSON value (from the body: its nesting is under Python's recursion limit, not
+    under MAX_JSON_DEPTH) as text for json_field; nesting too deep to serialise is a 400."""
+    try:
+        return json.dumps(value)
+    except RecursionError as e:
+        raise invalid(param, f"nests deeper than {limits.MAX_JSON_DEPTH} levels") from e
 
 
 class StreamOptions(BaseModel):
@@ -223,6 +243,19 @@ def error_param(loc) -> str | None:
     return ".".join(parts) or None
 
 
+def check_extra(extra: dict | None, refused: dict[str, tuple], route: str) -> None:
+    """A request's undeclared fields (request_fields.refused_field): one that changes the output
+    is a 400 naming it; unknown ones over their bounds a 400 naming the bound."""
+    try:
+        name = request_fields.refused_field(extra, refused, route)
+    except request_fields.UnknownFieldsOverBound as e:
+        raise APIError(400, str(e), code="too_many_unknown_fields") from e
+    if name is not None:
+        raise invalid(
+            name, "is not supported by this server; leave it unset", "unsupported_parameter"
+        )
+
+
 def check_supported(req: _SamplingFields) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise invalid("n", f"must be in 1..{MAX_N} (got {req.n})")
@@ -238,11 +271,7 @@ def check_supported(req: _SamplingFields) -> None:
     chat = isinstance(req, ChatCompletionRequest)
     refused = request_fields.CHAT_REFUSED if chat else request_fields.SAMPLING_REFUSED
     route = "/v1/chat/completions" if chat else "/v1/completions"
-    name = request_fields.refused_field(req.model_extra, refused, route)
-    if name is not None:
-        raise invalid(
-            name, "is not supported by this server; leave it unset", "unsupported_parameter"
-        )
+    check_extra(req.model_extra, refused, route)
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
         raise invalid(
             "stream_options.continuous_usage_stats",
@@ -295,10 +324,7 @@ def _call_for_template(call: dict, where: str) -> dict:
         )
     args = fn.get("arguments", {})
     if isinstance(args, str):  # templates iterate the arguments (Qwen3.5: `arguments|items`)
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError as e:
-            raise invalid(f"{where}.function.arguments", f"is not valid JSON: {e}") from e
+        args = json_field(args, f"{where}.function.arguments") if args.strip() else {}
     return dict(call, function=dict(fn, arguments=args))
 
 
