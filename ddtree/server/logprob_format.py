@@ -4,13 +4,17 @@ top_logprobs}]`) and SGLang's native `output_token_logprobs` / `output_top_logpr
 token_id, text or None]`).
 
 Token strings come from decoding each id alone (`token_id:<id>` without a tokenizer), on the engine
-thread (the only one that touches the tokenizer). -inf is reported as -9999.0 (OpenAI's floor): JSON
-has no infinity.
+thread (the only one that touches the tokenizer); a token's `bytes` are its own (`TokenBytes`), so
+a token holding part of a UTF-8 character reports that part, not the U+FFFD its decoded string
+shows. -inf is reported as -9999.0 (OpenAI's floor): JSON has no infinity.
 """
 
 from __future__ import annotations
 
+import codecs
+import json
 import math
+import re
 from dataclasses import dataclass
 
 from ddtree.engine.logprobs import TokenLogprob
@@ -23,14 +27,77 @@ class LogprobEntry:
     token: str
     token_id: int
     logprob: float
-    top: tuple[tuple[str, int, float], ...]  # (token, id, log-prob), most likely first
+    top: tuple[tuple[str, int, float, bytes], ...]  # (token, id, log-prob, bytes), likeliest first
+    bytes: bytes = b""  # the token's own bytes (TokenBytes)
+    special: bool = False  # a special token (not in the text with skip_special_tokens)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (Qwen's tokenizers too): the printable character that stands
+    for each byte in a token's string."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+class TokenBytes:
+    """A token id's own bytes, from the tokenizer's vocabulary rather than decode(): byte-level BPE
+    strings map back through the GPT-2 alphabet, SentencePiece byte-fallback tokens are their byte
+    (`▁` a space); other tokenizers (and added tokens) give the UTF-8 of the decoded string.
+    Cached per id (at most the vocabulary); engine thread only."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.cache: dict[int, bytes] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = json.dumps(json.loads(backend.to_str()).get("decoder")) if backend else ""
+        self.byte_level = '"ByteLevel"' in decoder
+        self.byte_fallback = '"ByteFallback"' in decoder
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.added = {i: t.content for i, t in added.items()}
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+
+    def __call__(self, i: int) -> bytes:
+        b = self.cache.get(i)
+        if b is None:
+            b = self.cache[i] = self._bytes(i)
+        return b
+
+    def _bytes(self, i: int) -> bytes:
+        if self.tok is None:
+            return f"token_id:{i}".encode()
+        if i in self.added:
+            return self.added[i].encode()
+        piece = self.tok.convert_ids_to_tokens(i)
+        if isinstance(piece, str):
+            if self.byte_level and all(c in BYTE_LEVEL for c in piece):
+                return bytes(BYTE_LEVEL[c] for c in piece)
+            if self.byte_fallback:
+                m = BYTE_FALLBACK.fullmatch(piece)
+                if m:
+                    return bytes([int(m.group(1), 16)])
+                return piece.replace("\u2581", " ").encode()
+        return self.tok.decode([i]).encode("utf-8", errors="replace")
 
 
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else LOGPROB_FLOOR
 
 
-def decode_entries(tokenizer, lps: list[TokenLogprob]) -> list[LogprobEntry]:
+def decode_entries(
+    tokenizer, lps: list[TokenLogprob], token_bytes: TokenBytes
+) -> list[LogprobEntry]:
+
     def text(i: int) -> str:
         return f"token_id:{i}" if tokenizer is None else tokenizer.decode([i])
 
@@ -39,40 +106,57 @@ def decode_entries(tokenizer, lps: list[TokenLogprob]) -> list[LogprobEntry]:
             text(e.token_id),
             e.token_id,
             _finite(e.logprob),
-            tuple((text(i), i, _finite(v)) for i, v in e.top),
+            tuple((text(i), i, _finite(v), token_bytes(i)) for i, v in e.top),
+            token_bytes(e.token_id),
+            e.token_id in token_bytes.special,
         )
         for e in lps
     ]
 
 
-def completion_logprobs(entries: list[LogprobEntry], offset: int) -> dict:
-    """The legacy completions object; `text_offset` counts characters from `offset` (the text before
-    this chunk). Each position's `top_logprobs` holds the top-k and the emitted token, like vLLM."""
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e.token)
+class TextOffsets:
+    """`text_offset`s of a choice's tokens, chunk after chunk: the characters of the returned text
+    before each token. The tokens' own bytes go through an incremental UTF-8 decoder (invalid bytes
+    one U+FFFD each, as the detokenizer's text has them), so a token that ends inside a character
+    does not count it: that token and the one completing the character both get the offset of the
+    character, as vLLM's incrementally decoded tokens ("" then "é") give. A special token adds
+    nothing where skip_special_tokens keeps it out of the text."""
+
+    def __init__(self, skip_special_tokens: bool = True):
+        self.skip_special = skip_special_tokens
+        self.chars = 0
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, entries: list[LogprobEntry]) -> list[int]:
+        out = []
+        for e in entries:
+            out.append(self.chars)
+            if not (e.special and self.skip_special):
+                self.chars += len(self.utf8.decode(e.bytes))
+        return out
+
+
+def completion_logprobs(entries: list[LogprobEntry], offsets: TextOffsets) -> dict:
+    """The legacy completions object; `text_offset` from offsets (which has counted the choice's
+    earlier chunks). Each position's `top_logprobs` holds the top-k and the emitted token, like
+    vLLM."""
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t: v for t, _, v in e.top} | {e.token: e.logprob} for e in entries],
-        "text_offset": offsets,
+        "top_logprobs": [{t[0]: t[2] for t in e.top} | {e.token: e.logprob} for e in entries],
+        "text_offset": offsets.take(entries),
     }
 
 
-def _chat_token(token: str, logprob: float) -> dict:
-    return {
-        "token": token,
-        "logprob": logprob,
-        "bytes": list(token.encode("utf-8", errors="replace")),
-    }
+def _chat_token(token: str, logprob: float, raw: bytes) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> dict:
     return {
         "content": [
-            _chat_token(e.token, e.logprob)
-            | {"top_logprobs": [_chat_token(t, v) for t, _, v in e.top]}
+            _chat_token(e.token, e.logprob, e.bytes)
+            | {"top_logprobs": [_chat_token(t, v, b) for t, _, v, b in e.top]}
             for e in entries
         ]
     }
@@ -84,5 +168,5 @@ def native_logprobs(entries: list[LogprobEntry], with_text: bool) -> dict:
 
     return {
         "output_token_logprobs": [item(e.token, e.token_id, e.logprob) for e in entries],
-        "output_top_logprobs": [[item(*t) for t in e.top] for e in entries],
+        "output_top_logprobs": [[item(*t[:3]) for t in e.top] for e in entries],
     }

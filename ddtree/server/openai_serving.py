@@ -25,7 +25,7 @@ from ddtree.engine.request import SamplingParams
 from ddtree.server import limits, protocol
 from ddtree.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Stream
 from ddtree.server.chat_tools import ChatOutput, ChatTools
-from ddtree.server.logprob_format import chat_logprobs, completion_logprobs
+from ddtree.server.logprob_format import TextOffsets, chat_logprobs, completion_logprobs
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ddtree.server.structured import GrammarCompiler, grammar_spec
 
@@ -327,8 +327,8 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": self.model_name,
         }
+        offsets = [TextOffsets(body.skip_special_tokens) for _ in streams]
         if body.stream:
-            offsets = [0] * len(streams)
 
             def chunk(i, d, reason):
                 if i is None:
@@ -342,7 +342,6 @@ class OpenAIServing:
                 lp = None
                 if want_logprobs:
                     lp = completion_logprobs(d.logprobs, offsets[i])
-                    offsets[i] += sum(len(e.token) for e in d.logprobs)
                 return head | {
                     "choices": [{"index": i, "text": d.text, "logprobs": lp, "finish_reason": None}]
                 }
@@ -354,7 +353,7 @@ class OpenAIServing:
                 "index": i,
                 "text": d.text,
                 "finish_reason": d.finish_reason,
-                "logprobs": completion_logprobs(d.logprobs, 0) if want_logprobs else None,
+                "logprobs": completion_logprobs(d.logprobs, offsets[i]) if want_logprobs else None,
             }
             for i, d in enumerate(ds)
         ]
