@@ -12,7 +12,6 @@ shows. -inf is reported as -9999.0 (OpenAI's floor): JSON has no infinity.
 from __future__ import annotations
 
 import codecs
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -59,10 +58,11 @@ class TokenBytes:
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self.cache: dict[int, bytes] = {}
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        decoder = json.dumps(json.loads(backend.to_str()).get("decoder")) if backend else ""
-        self.byte_level = '"ByteLevel"' in decoder
-        self.byte_fallback = '"ByteFallback"' in decoder
+        # the decoder's own JSON (the whole tokenizer's would be megabytes, on the engine thread)
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        spec = decoder.__getstate__().decode() if decoder is not None else ""
+        self.byte_level = '"ByteLevel"' in spec
+        self.byte_fallback = '"ByteFallback"' in spec
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self.added = {i: t.content for i, t in added.items()}
         self.special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
