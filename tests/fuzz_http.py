@@ -39,6 +39,8 @@ class Call:
     disconnect: int | None = None  # stream: events read before closing; else: ms until giving up
     twin_of: int | None = None
     pathological: tuple[str, str] | None = None  # (kind, source): a slow grammar (PATHOLOGICAL)
+    reasoning: bool = False  # the reasoning parser splits the answer (none may appear)
+    refused: str | None = None  # a nested-JSON call: the 400 names this field
 
 
 @dataclasses.dataclass
@@ -89,6 +91,9 @@ def server_argv(pairs, seed: int, rng: random.Random) -> tuple[str, list[str]]:
     target, algorithm, budget = SERVERS[seed % len(SERVERS)]
     pair = pairs[target]
     argv = ["--model-path", pair[0], "--device", "cpu", "--dtype", "float32", "--enable-metrics"]
+    # every server can split reasoning; each call asks for it or not (answers have no think block,
+    # so the split answer must be the no-parser text byte for byte, with no reasoning)
+    argv += ["--reasoning-parser", "qwen3"]
     argv += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", pair[1]]
     if budget is not None:
         b = "auto" if budget == "auto" else str(rng.choice([4, 8, 16]))
@@ -116,12 +121,19 @@ def draw_calls(rng: random.Random, n_calls: int, refs, target: str, block: int) 
     conts = refs.get(target, prompts)
     knobs = {"block": block, "budget": 8, "fixed": False}
     calls: list[Call] = []
+    # the dimensions added later draw from their own stream: the earlier ones' draws stay the same
+    extra = random.Random(hash(rng.getstate()))  # seeded without a draw from rng
     for prompt in prompts:
         sp = draw_params(rng, prompt, conts[prompt], text_of, knobs, "DFLASH")
         route = rng.choice(ROUTES)
         n = rng.choice([1, 1, 1, 2, 3])
         stream = rng.random() < 0.5
         calls.append(_call(route, stream, prompt, sp, n, tok, rng))
+        if route != "completions" and extra.random() < 0.5:
+            calls[-1].reasoning = True
+            calls[-1].body["separate_reasoning"] = True
+        elif route == "chat":
+            calls[-1].body["separate_reasoning"] = False
         if rng.random() < 0.12:  # the client goes away mid-stream, or gives up on the answer
             calls[-1].disconnect = rng.randint(1, 4) if stream else rng.randint(1, 200)
         elif sp.seed is not None and rng.random() < 0.3:
@@ -153,6 +165,44 @@ def draw_pathological(rng: random.Random, calls: list[Call], tok) -> list[Call]:
             else:
                 body["prompt"] = list(base.prompt)
         out.append(Call(route, stream, body, base.prompt, sp, 1, pathological=(kind, source)))
+    return out
+
+
+DEEP = "[" * 3000 + "]" * 3000  # over MAX_JSON_DEPTH and Python's recursion limit
+ARGS = {"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+# (route, field the 400 names, body): JSON nested in a string the server parses itself
+NESTED = (
+    ("completions", "json_schema", {"prompt": "a", "json_schema": DEEP}),
+    ("completions", "guided_json", {"prompt": "a", "guided_json": DEEP}),
+    ("chat", "structured_outputs.json", {"structured_outputs": {"json": DEEP}}),
+    (
+        "chat",
+        "messages.1.tool_calls.0.function.arguments",
+        {
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "tool_calls": [ARGS]},
+            ]
+        },
+    ),
+    (
+        "generate",
+        "sampling_params.json_schema",
+        {"text": "a", "sampling_params": {"json_schema": DEEP}},
+    ),
+)
+
+
+def nested_json_calls(rng: random.Random, k: int) -> list[Call]:
+    """k calls whose JSON-in-a-string field nests too deep: each must be a 400 naming it, sent
+    beside the plain traffic."""
+    out = []
+    for _ in range(k):
+        route, param, body = rng.choice(NESTED)
+        if route == "chat" and "messages" not in body:
+            body = body | {"messages": [{"role": "user", "content": "a"}]}
+        body = body | {"stream": rng.random() < 0.5}
+        out.append(Call(route, body["stream"], body, (), None, 1, refused=param))
     return out
 
 
@@ -238,10 +288,14 @@ async def send(client: httpx.AsyncClient, base: str, call: Call) -> list[Choice]
 def parse_body(call: Call, body) -> list[Choice] | str:
     if call.route == "generate":
         items = body if isinstance(body, list) else [body]
+        if call.reasoning and any(d.get("reasoning_text") is not None for d in items):
+            return f"reasoning_text without a think block: {items}"
         return [_native(d) for d in items]
     out = []
     for c in sorted(body["choices"], key=lambda c: c["index"]):
         text = c["text"] if call.route == "completions" else c["message"]["content"]
+        if call.route == "chat" and c["message"].get("reasoning_content") is not None:
+            return f"reasoning_content {c['message']['reasoning_content']!r} without a think block"
         out.append(Choice(text, c["finish_reason"], logprobs=_openai_lps(call, c.get("logprobs"))))
     if [c["index"] for c in body["choices"]] != list(range(call.n)):
         return f"choice indices {[c['index'] for c in body['choices']]} for n={call.n}"
@@ -285,6 +339,8 @@ def parse_stream(call: Call, events: list[dict]) -> list[Choice] | str:
                 return f"choice {i}: a cumulative event does not extend the one before: {e}"
             if i in last and last[i]["meta_info"]["finish_reason"] is not None:
                 return f"choice {i}: an event after its finish: {e}"
+            if call.reasoning and e.get("reasoning_text") is not None:
+                return f"choice {i}: reasoning_text without a think block: {e}"
             last[i] = e
         return [_native(last[i]) for i in sorted(last)]
     texts = [""] * call.n
@@ -294,6 +350,8 @@ def parse_stream(call: Call, events: list[dict]) -> list[Choice] | str:
         for c in e.get("choices", ()):
             i = c["index"]
             delta = c.get("text") if call.route == "completions" else c["delta"].get("content")
+            if call.route == "chat" and c["delta"].get("reasoning_content"):
+                return f"choice {i}: reasoning_content without a think block: {e}"
             texts[i] += delta or ""
             if reasons[i] is not None:
                 return f"choice {i}: a chunk after its finish: {e}"
@@ -333,7 +391,15 @@ def run_http_case(seed: int, refs, n_calls: int = 120, concurrency: int = 24):
         calls += slow
         delays += [prng.random() * 0.5 for _ in slow]
         res.requests = sum(c.n for c in calls)
-        got = asyncio.run(_send_all(srv.base_url, calls, delays, concurrency))
+        nested = nested_json_calls(random.Random(hash(rng.getstate())), 3)
+        delays += [0.25] * len(nested)
+        got = asyncio.run(_send_all(srv.base_url, calls + nested, delays, concurrency))
+        got, refusals = got[: len(calls)], got[len(calls) :]
+        for call, g in zip(nested, refusals):
+            res.stats["http_nested_json_refused"] += 1
+            if not (isinstance(g, str) and g.startswith("HTTP 400") and call.refused in g):
+                res.failures.append(f"nested JSON in {call.refused} on {call.route}: {g!r:.300}")
+        res.stats["http_reasoning_split"] += sum(c.reasoning for c in calls)
         text_of, ctx, eos = TextOf(engine.tokenizer), engine.max_context, engine.emitter.eos_ids
         conts = refs.get(target, [c.prompt for c in calls])
         for i, (call, g) in enumerate(zip(calls, got)):

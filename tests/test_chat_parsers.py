@@ -11,7 +11,8 @@ import pytest
 from qwen_templates import QWEN3, QWEN35
 
 from ddtree.assets import PACKAGE_PAIR
-from ddtree.server.chat_tools import ChatOutput, ChatTools
+from ddtree.server import limits
+from ddtree.server.chat_tools import ChatOutput, ChatTools, complete_items
 from ddtree.server.protocol import ChatCompletionRequest, chat_messages
 from ddtree.server.reasoning import ReasoningParser, prompt_opens_reasoning
 from ddtree.server.tool_parsers import ToolParser
@@ -287,6 +288,14 @@ def test_arguments_that_are_no_json_object_render(tok, args, members):
         ("qwen3", "<think>\n\n</think>\n\n", "Direct.", (None, "Direct.")),
         ("deepseek-r1", "", "reasoning</think>answer", ("reasoning", "answer")),
         ("qwen3", "", "<thi", (None, "<thi")),
+        # issue 54: without a block the answer is the output byte for byte (indented code, a
+        # lone space of max_tokens 1, leading newlines); after a block only the template's
+        # newlines go, the answer's indentation stays
+        ("qwen3", "", "    def __init__(self):", (None, "    def __init__(self):")),
+        ("qwen3", "", " ", (None, " ")),
+        ("qwen3", "", "\n\n  x = 1\n", (None, "\n\n  x = 1\n")),
+        ("qwen3", "", "<think>\nr\n</think>\n\n    pass", ("r", "    pass")),
+        ("qwen3", "<|im_start|>assistant\n<think>\n", "r</think>\n\tx", ("r", "\tx")),
     ],
 )
 def test_reasoning_split_and_stream(kind, prompt, text, want):
@@ -298,3 +307,38 @@ def test_reasoning_split_and_stream(kind, prompt, text, want):
             dr, dc = p.feed(text[i:j], final=j > len(text))
             r, c, i = r + dr, c + dc, j
         assert ((r if p.saw_reasoning else None), c) == want
+
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+def test_model_output_nested_deep_is_no_call_and_no_error():
+    """Issue 54: the parsers read JSON out of the model's text through limits.loads_bounded; text
+    nested thousands deep (a RecursionError in json.loads) is not a call and raises nothing."""
+    p = ToolParser("hermes")
+    content, _ = p.feed(f'<tool_call>\n{{"name": "f", "arguments": {DEEP}}}\n</tool_call>', True)
+    assert p.calls == [] or p.calls[0].name == "f"
+    coder = ToolParser("qwen3_coder")
+    coder.feed(
+        f"<tool_call>\n<function=f>\n<parameter=x>\n{DEEP}\n</parameter>\n</function>\n", True
+    )
+    assert json.loads(coder.calls[0].arguments) == {"x": DEEP}  # kept as text
+    assert complete_items(f'[{{"name": "f", "parameters": {DEEP}}}]') == []
+    assert complete_items('[{"name": "f", "parameters": {}}, {"na') == [
+        {"name": "f", "parameters": {}}
+    ]
+
+
+@pytest.mark.parametrize(
+    "text,depth",
+    [("1", 0), ("[]", 1), ('{"a": [1, {"b": []}]}', 4), ('["[[[", "\\"]]"]', 1), (DEEP, 5000)],
+)
+def test_json_depth_skips_brackets_in_strings(text, depth):
+    assert limits.json_depth(text) == depth
+    if depth <= limits.MAX_JSON_DEPTH:
+        assert limits.loads_bounded(text) == json.loads(text)
+    else:
+        with pytest.raises(limits.JSONBoundError, match="nests 5000 levels deep"):
+            limits.loads_bounded(text)
+    with pytest.raises(limits.JSONBoundError, match="characters"):
+        limits.loads_bounded(text + " " * 10, max_chars=len(text) + 9)

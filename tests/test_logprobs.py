@@ -161,3 +161,29 @@ def test_logprobs_from_the_graph_buffers(algorithm, one_torch_thread):
     for out in eng.generate(PROMPTS, params):
         check_against_reference(out, 2)
     assert replays
+
+
+@pytest.mark.parametrize("text", ["aé日b", "hello wörld\n    def f():", "naïve — ok"])
+def test_token_bytes_and_offsets_of_split_characters(text):
+    """Issue 54: each token's own bytes (byte-level BPE splits `é` into 0xC3, 0xA9) join to the
+    text's UTF-8, and the character offsets, fed in any chunking, index the decoded text (a token
+    ending inside a character at that character)."""
+    from transformers import AutoTokenizer
+
+    from ddtree.server.logprob_format import LogprobEntry, TextOffsets, TokenBytes
+
+    tok = AutoTokenizer.from_pretrained(default_model_paths()[0])
+    table = TokenBytes(tok)
+    ids = tok.encode(text, add_special_tokens=False)
+    own = [table(i) for i in ids]
+    assert b"".join(own) == text.encode() and any(
+        len(b.decode("utf-8", "replace")) != len(b.decode("utf-8", "ignore")) for b in own
+    )
+    entries = [LogprobEntry(tok.decode([i]), i, 0.0, (), table(i)) for i in ids]
+    whole = TextOffsets().take(entries)
+    for j, (o, b) in enumerate(zip(whole, own)):
+        before = b"".join(own[:j])
+        assert o == len(before.decode("utf-8", "ignore"))  # complete characters before it
+    for cut in range(len(entries) + 1):
+        offsets = TextOffsets()
+        assert offsets.take(entries[:cut]) + offsets.take(entries[cut:]) == whole

@@ -161,7 +161,7 @@ def test_generate_refuses_top_level_fields_it_cannot_honour(asgi, field, value):
 
 
 def test_unknown_fields_are_ignored_with_a_warning(server, asgi, caplog):
-    request_fields._warn_unknown.cache_clear()
+    request_fields.UNKNOWN_LOG.clear()
     with caplog.at_level(logging.WARNING, logger="ddtree"):
         r = completion(asgi, frobnicate=3)
         assert r.status_code == 200, r.text

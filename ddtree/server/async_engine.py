@@ -34,7 +34,7 @@ from ddtree.engine.detokenizer import stop_holdback
 from ddtree.engine.faults import EngineDead
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.server.gc_watch import GcWatch, freeze_startup_heap
-from ddtree.server.logprob_format import LogprobEntry, decode_entries
+from ddtree.server.logprob_format import LogprobEntry, TokenBytes, decode_entries
 from ddtree.server.metrics import pool_snapshot
 
 logger = logging.getLogger("ddtree")
@@ -163,6 +163,7 @@ class AsyncEngine:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
         self._outbox = Outbox()  # engine thread: a publish's deltas, sent once per loop
+        self._bytes_of: TokenBytes | None = None  # engine thread: log-probs' token bytes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closing = False  # set by fail_all: no new request is admitted
@@ -407,7 +408,7 @@ class AsyncEngine:
         n_tok, rounds = req.num_output_tokens, req.stats.accept_lengths
         new_ids = req.output_ids[st.seen_tokens : n_tok]
         lps = req.logprobs[st.seen_tokens : n_tok]
-        lps = decode_entries(self.engine.tokenizer, lps) if lps else []
+        lps = decode_entries(self.engine.tokenizer, lps, self._token_bytes()) if lps else []
         if st.seen_tokens == 0 and n_tok:  # the first token reaches its stream now
             req.times.published = time.monotonic()
             if self.metrics is not None:
@@ -440,6 +441,13 @@ class AsyncEngine:
                     prompt_logprobs=plp,
                 ),
             )
+
+    def _token_bytes(self) -> TokenBytes:
+        """The tokenizer's id -> bytes table, built on the first log-prob request (engine
+        thread)."""
+        if self._bytes_of is None:
+            self._bytes_of = TokenBytes(self.engine.tokenizer)
+        return self._bytes_of
 
     @staticmethod
     def _final(req: Req, text: str, error: str | None = None, **extra) -> Delta:

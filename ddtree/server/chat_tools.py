@@ -133,10 +133,15 @@ class ChatTools:
 
 
 def complete_items(text: str) -> list:
-    """The complete elements of a JSON array's text, which may be cut anywhere."""
+    """The complete elements of a JSON array's text, which may be cut anywhere; none when it nests
+    deeper than limits.MAX_JSON_DEPTH (the parser recurses: a RecursionError, not a call)."""
     dec, items = json.JSONDecoder(), []
     i = text.find("[") + 1
     if i == 0:
+        return items
+    try:
+        limits.check_json_bounds(text)
+    except limits.JSONBoundError:
         return items
     while True:
         while i < len(text) and text[i] in " \t\r\n,":

@@ -28,11 +28,17 @@ server's tokenizer threads (openai_serving.py), never on the engine thread.
 |                                              | GRAMMAR_COMPILES_PER_CLIENT per client (server/structured.py) |
 | `tools`                                      | MAX_TOOLS functions                             |
 | `chat_template_kwargs`                       | MAX_TEMPLATE_KWARGS_CHARS characters as JSON    |
+| JSON the server parses out of a string (a    | MAX_JSON_DEPTH levels of nesting, the field's   |
+| grammar's schema, a tool call's `arguments`) | size limit (`loads_bounded`)                    |
+| unknown fields (server/request_fields.py)    | MAX_UNKNOWN_FIELDS names of MAX_NAME_CHARS      |
 | the whole body                               | 8 MiB (server/http.py's BodyLimit)              |
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import re
 from typing import Annotated
 
 from pydantic import AfterValidator, AllowInfNan, Field, StrictFloat
@@ -60,6 +66,12 @@ GRAMMAR_COMPILES_PER_CLIENT = 4
 GRAMMAR_COMPILE_QUEUE_S = 5.0
 MAX_TOOLS = 128
 MAX_TEMPLATE_KWARGS_CHARS = 16384  # `chat_template_kwargs` as JSON
+# JSON parsed out of a string (loads_bounded): Python's parser recurses once per level and raises
+# RecursionError (an HTTP 500) near 1000 levels; real schemas and arguments nest a few dozen at
+# most, and the grammar compiler and chat templates walk what is parsed recursively too
+MAX_JSON_DEPTH = 128
+MAX_JSON_CHARS = 8 << 20  # as large as a request body (server/http.py)
+MAX_UNKNOWN_FIELDS = 64  # fields neither vLLM nor SGLang declares, per request (object)
 # a prompt string longer than this many characters per context token cannot fit once tokenized (no
 # tokenizer packs more into one token in practice); refused before the engine thread spends time
 # tokenizing
@@ -94,3 +106,43 @@ Finite = Annotated[StrictFloat, AllowInfNan(False)]
 
 def prompt_chars_limit(max_context: int) -> int:
     return PROMPT_CHARS_PER_TOKEN * max_context
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a string literal, escapes included
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+class JSONBoundError(ValueError):
+    """JSON over a size or nesting bound (loads_bounded): a client error, never a parse attempt."""
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON text (brackets inside strings do not
+    count), without recursion and at C speed: strings are cut out, then the running sum of the
+    bracket steps peaks at the depth. Text that is not JSON gets some number: the parse that follows
+    refuses it."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
+
+
+def check_json_bounds(
+    text: str, max_chars: int = MAX_JSON_CHARS, max_depth: int = MAX_JSON_DEPTH
+) -> None:
+    """Raises JSONBoundError when text is over max_chars characters or nests deeper than
+    max_depth."""
+    if len(text) > max_chars:
+        raise JSONBoundError(f"has {len(text)} characters; at most {max_chars} are accepted")
+    if text.count("[") + text.count("{") <= max_depth:  # cannot nest deeper: no scan
+        return
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise JSONBoundError(f"nests {depth} levels deep; at most {max_depth} are accepted")
+
+
+def loads_bounded(text: str, max_chars: int = MAX_JSON_CHARS, max_depth: int = MAX_JSON_DEPTH):
+    """json.loads for every JSON the server parses out of a string (request fields and model
+    output alike): over a bound it raises JSONBoundError, a ValueError like a parse error, so a
+    deep `"[" * 5000` is refused by name instead of reaching the recursive parser."""
+    check_json_bounds(text, max_chars, max_depth)
+    return json.loads(text)

@@ -91,8 +91,8 @@ class NativeServing:
         parser = self.serving.reasoning_parser
         if body.separate_reasoning and parser is not None:
             prompt = body.text if isinstance(body.text, str) else ""
-            reasoning, out["text"] = ReasoningParser(parser, prompt).parse(text)
-            out["reasoning_text"] = reasoning or ""
+            # None (null) where the output has no think block, as chat's reasoning_content
+            out["reasoning_text"], out["text"] = ReasoningParser(parser, prompt).parse(text)
         return out
 
     async def generate(self, body: GenerateRequest, request: Request):

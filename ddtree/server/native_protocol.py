@@ -36,7 +36,7 @@ from ddtree.server.limits import (
     StopString,
     Text,
 )
-from ddtree.server.protocol import MAX_N, MAX_SEED, APIError, GrammarFields, invalid
+from ddtree.server.protocol import MAX_N, MAX_SEED, APIError, GrammarFields, check_extra, invalid
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
@@ -124,13 +124,7 @@ class GenerateRequest(BaseModel):
 def check_batch(req: GenerateRequest, prompts: list, sps: list[NativeSamplingParams]) -> None:
     """One call admits at most MAX_BATCH_REQUESTS requests (prompts x n), checked before any is
     tokenized; the top-level fields SGLang has and this server cannot honour are refused."""
-    name = request_fields.refused_field(
-        req.model_extra, request_fields.GENERATE_REFUSED, "/generate"
-    )
-    if name is not None:
-        raise invalid(
-            name, "is not supported by this server; leave it unset", "unsupported_parameter"
-        )
+    check_extra(req.model_extra, request_fields.GENERATE_REFUSED, "/generate")
     total = sum(max(sp.n, 1) for sp in sps)
     if total > MAX_BATCH_REQUESTS:
         param = "text" if req.text is not None else "input_ids"

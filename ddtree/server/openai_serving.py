@@ -27,6 +27,8 @@ from ddtree.server.async_engine import AsyncEngine, Delta, EngineUnavailable, St
 from ddtree.server.chat_tools import ChatOutput, ChatTools
 from ddtree.server.logprob_format import (
     LogprobEntry,
+    TextOffsets,
+    TokenBytes,
     chat_logprobs,
     completion_logprobs,
     decode_prompt_entries,
@@ -159,6 +161,7 @@ class OpenAIServing:
         self.vocab_size = args.target_config.vocab_size
         self.max_context = aengine.engine.max_context
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "ddtree-tokenize")
+        self._prompt_bytes: TokenBytes | None = None  # `_token_bytes`
 
         self.grammars = GrammarCompiler(aengine.engine)  # off the engine thread
         self.reasoning_parser = getattr(args, "reasoning_parser", None)
@@ -374,9 +377,19 @@ class OpenAIServing:
             if not isinstance(prompt, str):
                 text = e.tokenizer.decode(ids) if e.tokenizer is not None else ""
             plp = d.prompt_logprobs
-            return text, [] if plp is None else decode_prompt_entries(e.tokenizer, plp)
+            if plp is None:
+                return text, []
+            return text, decode_prompt_entries(e.tokenizer, plp, self._token_bytes(e))
 
         return await self.prepare(render)
+
+    def _token_bytes(self, e) -> TokenBytes:
+        """The prompt entries' id -> bytes table (tokenizer threads; the engine thread keeps its
+        own for emitted tokens). Its cache is a dict of immutable values: a race computes an id
+        twice, never wrongly."""
+        if self._prompt_bytes is None:
+            self._prompt_bytes = TokenBytes(e.tokenizer)
+        return self._prompt_bytes
 
     async def completions(self, body: CompletionRequest, request: Request):
         """One prompt or a list (OpenAI's batch: choice index = prompt index x n + choice); with
@@ -405,8 +418,8 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": self.model_name,
         }
+        offsets = [TextOffsets(body.skip_special_tokens) for _ in streams]
         if body.stream:
-            offsets = [0] * len(streams)
 
             def choice(i, text, lp=None, reason=None) -> dict:
                 return head | {
@@ -416,9 +429,8 @@ class OpenAIServing:
             async def first(i, d):
                 text, entries = await self.echo(prompts[i // n], ids[i // n], d)
                 lp = None
-                if want_logprobs:
-                    lp = completion_logprobs(top_k(entries, k), 0)
-                    offsets[i] = sum(len(e.token) for e in entries)
+                if want_logprobs:  # the echoed prompt's offsets come first in the choice's text
+                    lp = completion_logprobs(top_k(entries, k), offsets[i])
                 return choice(i, text, lp)
 
             def chunk(i, d, reason) -> list[dict]:
@@ -429,7 +441,6 @@ class OpenAIServing:
                 lp = None
                 if want_logprobs:
                     lp = completion_logprobs(d.logprobs, offsets[i])
-                    offsets[i] += sum(len(e.token) for e in d.logprobs)
                 return [choice(i, d.text, lp)]
 
             return self.stream(streams, body, chunk, first_of=first if echo else None)
@@ -449,7 +460,7 @@ class OpenAIServing:
             }
             if want_logprobs:
                 echoed = top_k(entries, k) if echo else []
-                choice["logprobs"] = completion_logprobs(echoed + d.logprobs, 0)
+                choice["logprobs"] = completion_logprobs(echoed + d.logprobs, offsets[i])
             if pk is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(top_k(entries, pk))
             choices.append(choice)

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
 from ddtree.engine.request import SamplingParams
 from ddtree.grammar import GrammarSpec
-from ddtree.server import request_fields
+from ddtree.server import limits, request_fields
 from ddtree.server.limits import (
     MAX_BATCH_REQUESTS,
     MAX_CONTENT_PARTS,
@@ -82,6 +82,26 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+def json_field(text: str, param: str, max_chars: int = limits.MAX_JSON_CHARS):
+    """JSON a request carries inside a string (a schema, a tool call's arguments), parsed within
+    limits.loads_bounded's bounds: too large, too deep or not JSON is a 400 naming param."""
+    try:
+        return limits.loads_bounded(text, max_chars)
+    except limits.JSONBoundError as e:
+        raise invalid(param, str(e)) from e
+    except ValueError as e:
+        raise invalid(param, f"is not valid JSON: {e}") from e
+
+
+def json_text(value, param: str) -> str:
+    """A request's JSON value (from the body: its nesting is under Python's recursion limit, not
+    under MAX_JSON_DEPTH) as text for json_field; nesting too deep to serialise is a 400."""
+    try:
+        return json.dumps(value)
+    except RecursionError as e:
+        raise invalid(param, f"nests deeper than {limits.MAX_JSON_DEPTH} levels") from e
 
 
 class StreamOptions(BaseModel):
@@ -240,6 +260,19 @@ def error_param(loc) -> str | None:
     return ".".join(parts) or None
 
 
+def check_extra(extra: dict | None, refused: dict[str, tuple], route: str) -> None:
+    """A request's undeclared fields (request_fields.refused_field): one that changes the output
+    is a 400 naming it; unknown ones over their bounds a 400 naming the bound."""
+    try:
+        name = request_fields.refused_field(extra, refused, route)
+    except request_fields.UnknownFieldsOverBound as e:
+        raise APIError(400, str(e), code="too_many_unknown_fields") from e
+    if name is not None:
+        raise invalid(
+            name, "is not supported by this server; leave it unset", "unsupported_parameter"
+        )
+
+
 def check_supported(req: _SamplingFields) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise invalid("n", f"must be in 1..{MAX_N} (got {req.n})")
@@ -255,11 +288,7 @@ def check_supported(req: _SamplingFields) -> None:
     chat = isinstance(req, ChatCompletionRequest)
     refused = request_fields.CHAT_REFUSED if chat else request_fields.SAMPLING_REFUSED
     route = "/v1/chat/completions" if chat else "/v1/completions"
-    name = request_fields.refused_field(req.model_extra, refused, route)
-    if name is not None:
-        raise invalid(
-            name, "is not supported by this server; leave it unset", "unsupported_parameter"
-        )
+    check_extra(req.model_extra, refused, route)
     if chat and req.add_generation_prompt and req.continue_final_message:
         raise invalid(
             "continue_final_message",
@@ -347,14 +376,17 @@ def _skip_space(text: str, i: int, also: str = "") -> int:
     return i
 
 
-def tool_arguments(args: str) -> dict:
+def tool_arguments(args: str, param: str) -> dict:
     """A tool call's JSON-string arguments as the chat template takes them: a mapping (Qwen3.5 /
     3.6 iterate `arguments|items`; transformers hands templates plain JSON types only, so no
     object can be a string to some and a mapping to others). Arguments that are not a JSON object
     are accepted, as OpenAI accepts any string (a call cut by max_tokens is sent back so by every
-    agent loop): their complete members, the call as far as it was certain."""
+    agent loop): their complete members, the call as far as it was certain. Too large or too deep
+    (limits.loads_bounded) is a 400 naming param."""
     try:
-        value = json.loads(args) if args.strip() else {}
+        value = limits.loads_bounded(args) if args.strip() else {}
+    except limits.JSONBoundError as e:
+        raise invalid(param, str(e)) from e
     except ValueError:
         return complete_members(args)
     return value if isinstance(value, dict) else {}
@@ -368,7 +400,7 @@ def _call_for_template(call: dict, where: str) -> dict:
         )
     args = fn.get("arguments", {})
     if isinstance(args, str):  # templates iterate the arguments (Qwen3.5: `arguments|items`)
-        args = tool_arguments(args)
+        args = tool_arguments(args, f"{where}.function.arguments")
     return dict(call, function=dict(fn, arguments=args))
 
 

@@ -5,8 +5,11 @@ qwen3: the output is reasoning only where it opens `<think>` (after optional whi
 the rendered prompt left one open (Qwen3.5 / 3.6 templates end the generation prompt with
 `<think>\\n`; `enable_thinking: false` closes it there). deepseek-r1: the output starts in
 reasoning (R1's template opens the block). Reasoning ends at `</think>`; a block cut by
-max_tokens or a stop string leaves everything in reasoning and no content. Whitespace around the
-block (after `<think>`, before and after `</think>`) belongs to neither part. Streaming and
+max_tokens or a stop string leaves everything in reasoning and no content. Output without a block
+is the content byte for byte (leading spaces of code included; no reasoning: None). Around a block
+the newlines Qwen3's template puts there (`<think>\n` reasoning `\n</think>\n\n` answer: it
+strips them with `strip('\n')` when it renders a turn back) belong to neither part, and so does
+whitespace before `<think>`; spaces after `</think>` are the answer's. Streaming and
 non-streaming results are the same parser fed differently, so the deltas concatenate to the
 non-streamed fields.
 """
@@ -14,6 +17,7 @@ non-streamed fields.
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
+NL = "\n"  # what the template puts around the block's parts
 PARSERS = ("qwen3", "deepseek-r1")
 
 
@@ -37,7 +41,7 @@ class ReasoningParser:
         self.state = (
             "reason" if kind == "deepseek-r1" or prompt_opens_reasoning(prompt) else "start"
         )
-        self.lead = True  # at the start of the current part: its leading whitespace is dropped
+        self.lead = True  # at the start of the current part: its leading newlines are dropped
         self.buf = ""
         self.saw_reasoning = self.state == "reason"
 
@@ -58,17 +62,18 @@ class ReasoningParser:
                     continue
                 if not final and (not s or OPEN.startswith(s)):
                     return "".join(reasoning), "".join(content)  # may still open a block
-                self.state = "content"
+                # no block: the answer is the output as it is, whitespace and all
+                self.state, self.lead = "content", False
                 continue
             if self.state == "reason":
                 if self.lead:
-                    self.buf = self.buf.lstrip()
+                    self.buf = self.buf.lstrip(NL)
                     if not self.buf and not final:
                         break
                     self.lead = False
                 i = self.buf.find(CLOSE)
                 if i >= 0:
-                    reasoning.append(self.buf[:i].rstrip())
+                    reasoning.append(self.buf[:i].rstrip(NL))
                     self.buf, self.state, self.lead = self.buf[i + len(CLOSE) :], "content", True
                     continue
                 if final:
@@ -77,13 +82,13 @@ class ReasoningParser:
                     break
                 keep = _partial_suffix(self.buf, CLOSE)
                 body = self.buf[: len(self.buf) - keep]
-                ws = len(body) - len(body.rstrip())  # trailing whitespace may precede </think>
+                ws = len(body) - len(body.rstrip(NL))  # trailing newlines may precede </think>
                 reasoning.append(body[: len(body) - ws])
                 self.buf = self.buf[len(body) - ws :]
                 break
             # content
-            if self.lead:
-                self.buf = self.buf.lstrip()
+            if self.lead:  # after </think>
+                self.buf = self.buf.lstrip(NL)
                 if not self.buf:
                     break
                 self.lead = False

@@ -7,9 +7,13 @@ server/native_protocol.py) or listed here with the values that leave the output 
 other value is a 400 naming the field (code `unsupported_parameter`). Fields that only steer
 routing, logging or ids (`request_id`, `priority` 0, `rid`, ...) are accepted and ignored.
 
-A field neither server knows is ignored with one warning per name, as vLLM does (it logs "fields
-were present in the request but ignored"); the exception is `/generate`'s `sampling_params`, whose
-unknown keys SGLang refuses (its SamplingParams takes no others) and so do we.
+A field neither server knows is ignored with a warning, as vLLM does (it logs "fields were
+present in the request but ignored"); the exception is `/generate`'s `sampling_params`, whose
+unknown keys SGLang refuses (its SamplingParams takes no others) and so do we. Unknown fields are
+bounded: more than limits.MAX_UNKNOWN_FIELDS in one object, or a name over limits.MAX_NAME_CHARS,
+is a 400 (`UnknownFieldsOverBound`). The warning names each (route, name) once, at most
+WARN_SAMPLE names a line, and remembers at most WARNED_NAMES of them for the process: a client
+sending new names forever grows neither the memory nor the log.
 
 Grammar, structured-output, tool and reasoning fields (`guided_*`, `structured_outputs`,
 `response_format`, `json_schema`, `regex`, `ebnf`, `structural_tag`, `tools`, `tool_choice`,
@@ -20,8 +24,10 @@ today).
 
 from __future__ import annotations
 
-import functools
 import logging
+import threading
+
+from ddtree.server import limits
 
 logger = logging.getLogger("ddtree")
 
@@ -147,9 +153,15 @@ HARMLESS = frozenset(
 )
 
 
+class UnknownFieldsOverBound(ValueError):
+    """More unknown fields than limits.MAX_UNKNOWN_FIELDS, or one with a name too long; the
+    message names the bound (the caller answers 400)."""
+
+
 def refused_field(extra: dict | None, refused: dict[str, tuple], route: str) -> str | None:
     """The first undeclared field whose value would change the output (the caller answers 400
-    naming it), or None; a field nobody knows is warned about once per name and ignored."""
+    naming it), or None; fields nobody knows are warned about (UnknownFieldLog) and ignored.
+    Raises UnknownFieldsOverBound when the unknown ones are over their bounds."""
     unknown = []
     for name, value in (extra or {}).items():
         neutral = refused.get(name)
@@ -158,13 +170,62 @@ def refused_field(extra: dict | None, refused: dict[str, tuple], route: str) -> 
                 return name
         elif name not in HARMLESS:
             unknown.append(name)
+    if len(unknown) > limits.MAX_UNKNOWN_FIELDS:
+        raise UnknownFieldsOverBound(
+            f"the request has {len(unknown)} fields this server does not know; at most "
+            f"{limits.MAX_UNKNOWN_FIELDS} (MAX_UNKNOWN_FIELDS) are accepted"
+        )
+    long = next((n for n in unknown if len(n) > limits.MAX_NAME_CHARS), None)
+    if long is not None:
+        raise UnknownFieldsOverBound(
+            f"the request has a field named with {len(long)} characters; names of at most "
+            f"{limits.MAX_NAME_CHARS} (MAX_NAME_CHARS) are accepted"
+        )
     if unknown:
-        _warn_unknown(route, tuple(sorted(unknown)))
+        UNKNOWN_LOG.warn(route, unknown)
     return None
 
 
-@functools.lru_cache(maxsize=256)  # one warning per route and set of names
-def _warn_unknown(route: str, names: tuple[str, ...]) -> None:
-    logger.warning(
-        "%s: request fields %s are not known to this server and were ignored", route, list(names)
-    )
+WARN_SAMPLE = 8  # names one warning line lists
+WARNED_NAMES = 1024  # (route, name) pairs remembered; then unknown fields go unlogged
+
+
+class UnknownFieldLog:
+    """Warns once per (route, name), with bounded state: after WARNED_NAMES pairs one last line
+    says that further names are not logged."""
+
+    def __init__(self, capacity: int = WARNED_NAMES):
+        self.capacity = capacity
+        self.seen: set[tuple[str, str]] = set()
+        self.full = False
+        self.lock = threading.Lock()  # handlers of several threads (tokenizer pool, dp replicas)
+
+    def warn(self, route: str, names: list[str]) -> None:
+        with self.lock:
+            if self.full:
+                return
+            new = sorted(n for n in set(names) if (route, n) not in self.seen)
+            if not new:
+                return
+            room = self.capacity - len(self.seen)
+            self.seen.update((route, n) for n in new[:room])
+            self.full = len(new) >= room
+        more = f" (and {len(new) - WARN_SAMPLE} more)" if len(new) > WARN_SAMPLE else ""
+        logger.warning(
+            "%s: request fields %s%s are not known to this server and were ignored",
+            route,
+            new[:WARN_SAMPLE],
+            more,
+        )
+        if self.full:
+            logger.warning(
+                "%d unknown request field names were logged; further ones are not", self.capacity
+            )
+
+    def clear(self) -> None:
+        with self.lock:
+            self.seen.clear()
+            self.full = False
+
+
+UNKNOWN_LOG = UnknownFieldLog()  # the process's one log of unknown names (bounded)

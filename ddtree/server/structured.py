@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import math
 import threading
 from collections import OrderedDict
@@ -31,23 +30,22 @@ from ddtree.engine.grammar_jobs import MASK_ROUND_S
 from ddtree.grammar import GrammarError, GrammarSpec, GrammarUnavailable
 from ddtree.grammar.backend import CACHE_ENTRIES
 from ddtree.server import limits
-from ddtree.server.protocol import APIError, invalid
+from ddtree.server.protocol import APIError, invalid, json_field, json_text
 
 
 def _text(value, param: str) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, (dict, bool)):
-        return json.dumps(value)
+        return json_text(value, param)
     raise invalid(param, "must be a JSON schema (an object or a JSON string)")
 
 
 def _schema_spec(value, param: str) -> GrammarSpec:
     text = _text(value, param)
-    try:
-        schema = json.loads(text)
-    except ValueError as e:
-        raise invalid(param, f"is not valid JSON: {e}") from e
+    # bounded: a string nested thousands deep was a RecursionError (500) here; the same bound for a
+    # schema given as an object
+    schema = json_field(text, param, limits.MAX_GRAMMAR_CHARS)
     if not isinstance(schema, (dict, bool)):
         raise invalid(param, "must be a JSON schema object")
     return GrammarSpec("json_schema", text, param)

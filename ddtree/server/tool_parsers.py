@@ -20,6 +20,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from ddtree.server.limits import loads_bounded
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes", "qwen3_coder")
 
@@ -178,7 +180,7 @@ class ToolParser:
         if not done:
             return True
         try:
-            obj = json.loads(body)
+            obj = loads_bounded(body)  # model output may nest thousands deep: never a 500
         except ValueError:
             return call.sent_header
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -217,6 +219,6 @@ def _convert(raw: str, schema: dict | None):
     if (schema or {}).get("type") == "string":
         return raw
     try:
-        return json.loads(raw)
+        return loads_bounded(raw)
     except ValueError:
         return raw
