@@ -1,12 +1,61 @@
 """Target-token selection at every tree node: argmax at T=0, an exact sample from the filtered target
-distribution at T>0. Each node draws independently (its own exponential race), so walking the tree with
-these draws emits every token from p(. | emitted prefix): the output distribution is the target's."""
+distribution at T>0.
+
+A sample is keyed, not drawn from a stream: the token at absolute position p of a request with seed s
+is argmax_v (filtered logit_v / T + G(s, p, v)), where G is standard Gumbel noise from a counter-based
+hash of (s, p, v) (the Gumbel-max trick). Every tree node whose token would sit at p draws with the
+same noise, so the accept walk emits AR's token at p whatever the tree, the budget, the batch or the
+mode. It stays an exact sample of the target: the noise at p is independent of the noise at earlier
+positions, which alone decided the prefix (the draft tree is a function of that prefix), and along
+the accepted path each position's noise is used once. Siblings share their noise; the walk follows
+at most one of them.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from ddtree.engine.request import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """x * c mod 2**32 for a 32-bit x (a Python int or an int64 tensor) and a 32-bit constant c,
+    without int64 overflow: c is split in 16-bit halves, so no product reaches 2**48."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x):
+    """murmur3's 32-bit finalizer: a bijection of [0, 2**32) with full avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _seed_keys(seed):
+    """Two 32-bit keys from a 63-bit seed (host ints for one request, or a tensor of seeds)."""
+    a = _mix32((seed & _M32) ^ _mix32(((seed >> 32) & _M32) ^ 0x9E3779B9))
+    return a, _mix32(a ^ 0x7F4A7C15)
+
+
+def gumbel_noise(seed: int | torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [..., vocab] fp32 of the tokens at `positions` ([...] int64, absolute
+    positions in the sequence) of a request sampled with `seed` (an int, or an int64 tensor that
+    broadcasts against `positions`): a pure function of (seed, position, token id), on any device.
+    Each (position, token) goes through two rounds of `_mix32` keyed by the (seed, position) keys,
+    so rows of different positions are unrelated and a row's entries distinct."""
+    a, b = _seed_keys(seed)
+    k1 = _mix32(_mix32((positions & _M32) ^ a) ^ b)
+    k2 = _mix32(k1 ^ a)
+    k1, k2 = k1[..., None], k2[..., None]
+    v = torch.arange(vocab, device=positions.device, dtype=torch.int64)
+    x = _mix32(_mix32(v ^ k1) ^ k2)
+    # 23 bits -> u in [2**-24, 1 - 2**-24], exact in fp32 (24 bits would round the top to 1.0)
+    u = ((x >> 9).float() + 0.5) * 2.0**-23
+    return -torch.log(-torch.log(u))
 
 
 def filter_logits(
@@ -30,29 +79,36 @@ def filter_logits(
 
 
 def sample_from(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, seed: int | None, positions: torch.Tensor
 ) -> torch.Tensor:
-    """One independent sample per row of logits [n, V] (exponential race: argmax p / E, E ~ Exp(1))."""
+    """One token per row of logits [n, V] (masked entries -inf, e.g. by a grammar): the row's
+    filtered logits plus the Gumbel noise of (seed, positions[row]), argmax'd. positions [n] int64."""
     if params.greedy:
         return logits.argmax(-1)
-    probs = torch.softmax(
-        filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1
-    )
-    u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float32)
-    race = -torch.log(u.clamp_min(1e-20))
-    return (probs / race).argmax(-1)
+    if seed is None:
+        raise ValueError("a sampled request needs a seed (the engine draws one at admission)")
+    x = filter_logits(logits, params.temperature, params.top_k, params.top_p)
+    return (x + gumbel_noise(seed, positions, x.shape[-1])).argmax(-1)
 
 
 def sample_nodes(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list,
+    seeds: list[int | None],
+    positions: torch.Tensor,
     greedy: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [b, n, V] -> tokens [b, n]. Greedy rows share one batched argmax (`greedy`, when the caller has it
-    already: a CUDA graph computed it)."""
+    """logits [b, n, V] -> tokens [b, n]; positions [b, n] int64: where each node's token would sit.
+    Greedy rows share one batched argmax (`greedy`, when the caller has it already: a CUDA graph
+    computed it)."""
     out = logits.argmax(-1) if greedy is None else greedy.clone()
     for i, p in enumerate(params):
         if not p.greedy:
-            out[i] = sample_from(logits[i], p, generators[i])
+            out[i] = sample_from(logits[i], p, seeds[i], positions[i])
     return out
+
+
+def node_positions(kv_lens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """[b, n] absolute positions of the tokens drawn at a round's tree nodes: the root (the pending
+    token) sits at kv_len, a node at depth d at kv_len + d, and the token it draws one past that."""
+    return kv_lens[:, None] + depths.clamp(min=0) + 1
