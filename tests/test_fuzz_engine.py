@@ -67,6 +67,10 @@ def test_fuzz_covers_what_it_is_for(ci_results):
     ):
         assert s[what] > 0, f"no {what} in {len(results)} cases: {dict(s)}"
     assert s["near_tie"] <= 0.01 * sum(r.requests for r in results), dict(s)
+    # seeded samples against AR's run of their seed, and seeded twins under `auto` (issue 54)
+    assert s["seeded_sampled"] >= 30, dict(s)
+    auto = [r for r in results if "speculative_ddtree_budget=auto" in r.config]
+    assert sum(r.stats["seeded_twins"] for r in auto) >= 4, [r.stats for r in auto]
     # grammar requests under speculation that finished every way a grammar request can
     grammar = {k: v for k, v in s.items() if k.startswith("grammar_")}
     assert sum(grammar.values()) >= 20 and grammar.get("grammar_stop", 0) > 0, grammar

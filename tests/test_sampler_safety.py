@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddtree.engine.request import SAMPLING_EPS, SamplingParams
-from ddtree.engine.sampler import filter_logits, sample_from, sample_nodes
+from ddtree.engine.sampler import NodePositions, filter_logits, sample_from, sample_nodes
 
 TOP = 7  # the argmax is deliberately not token 0
 POS = torch.arange(4)  # the rows' token positions
@@ -37,7 +37,7 @@ def test_tiny_top_p_keeps_the_top_token(top_p):
     assert torch.isfinite(x[:, TOP]).all(), "the top token was filtered out"
     assert torch.isinf(x).sum() == x.numel() - 4  # everything else is dropped
     p = SamplingParams(temperature=1.0, top_p=top_p)
-    tokens = sample_nodes(logits()[None], [p], [2], POS[None])
+    tokens = sample_nodes(logits()[None], [p], [2], NodePositions(POS[:1], POS[None], 3))
     assert tokens.tolist() == [[TOP] * 4]
 
 

@@ -29,7 +29,7 @@ from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.model_runner import ModelRunner, RoundMeta
 from ddtree.engine.request import Req
 from ddtree.engine.round_clock import RoundClock
-from ddtree.engine.sampler import node_positions, sample_nodes
+from ddtree.engine.sampler import NodePositions, sample_nodes
 from ddtree.speculative.accept import accept_tree
 from ddtree.speculative.tree import DraftTree
 
@@ -153,7 +153,8 @@ class SpecDecoder:
             res = vo.greedy_accept  # walked inside the verify graph
         else:
             sample = sample_nodes if gb is None else gb.target_tokens
-            seeds, pos = [r.seed for r in reqs], node_positions(meta.lens, tree.depths)
+            seeds = [r.seed for r in reqs]
+            pos = NodePositions.of_tree(meta.lens, tree.depths, tree.depth_bound)
             target_tokens = sample(vo.logits, params, seeds, pos, vo.greedy_tokens)
             if self.target_override is not None:
                 target_tokens = self.target_override(tree, target_tokens)
@@ -236,7 +237,7 @@ class SpecDecoder:
             gb.root_masks()
         t = self.times.add("verify", t)
         params, seeds = [r.params for r in reqs], [r.seed for r in reqs]
-        pos = node_positions(meta.lens, tree.depths)
+        pos = NodePositions.of_tree(meta.lens, tree.depths, 0)
         sample = sample_nodes if gb is None else gb.target_tokens
         tokens = sample(vo.logits, params, seeds, pos, vo.greedy_tokens)[:, :1]
         t = self.times.add("accept", t)

@@ -19,7 +19,7 @@ from ddtree.engine.faults import EngineDead, FaultIsolation, describe
 from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.request import Req, SamplingParams
-from ddtree.engine.sampler import sample_nodes
+from ddtree.engine.sampler import NodePositions, sample_nodes
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.setup import build_runner, load_tokenizer, resolve_device
 from ddtree.engine.tp.launch import rank_device, start_ranks
@@ -254,7 +254,7 @@ class LLMEngine:
             gb.root_masks()
             sample = gb.target_tokens
         # the first token sits at the prompt's end (the prefill cached the prompt: kv_len)
-        pos = torch.tensor([[r.kv_len] for r in reqs], device=self.device)
+        pos = NodePositions.roots(torch.tensor([r.kv_len for r in reqs], device=self.device))
         first = sample(rows, [r.params for r in reqs], [r.seed for r in reqs], pos, None)
         lp = logprobs.node_logprobs(reqs, rows, torch.zeros_like(first), first)
         host, lp_rows = logprobs.read_back(reqs, first, lp)

@@ -13,6 +13,8 @@ at most one of them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ddtree.engine.request import SamplingParams
@@ -78,37 +80,66 @@ def filter_logits(
     return x
 
 
+@dataclass(frozen=True)
+class NodePositions:
+    """Where the token drawn at each node of a round would sit: `first` (the root's draw, one past
+    the pending token) + the node's depth. Nodes at one depth share their position and so their
+    noise: a request's round hashes `bound` + 1 noise rows, not one per node."""
+
+    first: torch.Tensor  # [b] int64
+    depths: torch.Tensor  # [b, n] int64, in 0..bound
+    bound: int  # static bound on the depths
+
+    @classmethod
+    def of_tree(cls, kv_lens: torch.Tensor, depths: torch.Tensor, bound: int) -> NodePositions:
+        """A verified tree's nodes: the root (the pending token) sits at kv_len, a node at depth d
+        at kv_len + d, and the token it draws one past that."""
+        return cls(kv_lens + 1, depths.clamp(0, bound), bound)
+
+    @classmethod
+    def roots(cls, first: torch.Tensor) -> NodePositions:
+        """One draw per request (a prefill's first token) at `first` [b]."""
+        return cls(first, torch.zeros_like(first)[:, None], 0)
+
+    def of(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i's (positions [bound + 1] of its depths, depths [n]): `sample_from`'s last two."""
+        steps = torch.arange(self.bound + 1, device=self.first.device)
+        return self.first[i] + steps, self.depths[i]
+
+
 def sample_from(
-    logits: torch.Tensor, params: SamplingParams, seed: int | None, positions: torch.Tensor
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seed: int | torch.Tensor | None,
+    positions: torch.Tensor,
+    depths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of logits [n, V] (masked entries -inf, e.g. by a grammar): the row's
-    filtered logits plus the Gumbel noise of (seed, positions[row]), argmax'd. positions [n] int64."""
+    filtered logits plus the Gumbel noise of (seed, its position), argmax'd. Without `depths`, row
+    i's position is positions[i]; with depths [n], it is positions[depths[i]] (rows that share a
+    position share one hashed noise row)."""
     if params.greedy:
         return logits.argmax(-1)
     if seed is None:
         raise ValueError("a sampled request needs a seed (the engine draws one at admission)")
     x = filter_logits(logits, params.temperature, params.top_k, params.top_p)
-    return (x + gumbel_noise(seed, positions, x.shape[-1])).argmax(-1)
+    noise = gumbel_noise(seed, positions, x.shape[-1])
+    if depths is not None:
+        noise = noise.index_select(0, depths)
+    return (x + noise).argmax(-1)
 
 
 def sample_nodes(
     logits: torch.Tensor,
     params: list[SamplingParams],
     seeds: list[int | None],
-    positions: torch.Tensor,
+    positions: NodePositions,
     greedy: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [b, n, V] -> tokens [b, n]; positions [b, n] int64: where each node's token would sit.
-    Greedy rows share one batched argmax (`greedy`, when the caller has it already: a CUDA graph
-    computed it)."""
+    """logits [b, n, V] -> tokens [b, n]. Greedy rows share one batched argmax (`greedy`, when the
+    caller has it already: a CUDA graph computed it)."""
     out = logits.argmax(-1) if greedy is None else greedy.clone()
     for i, p in enumerate(params):
         if not p.greedy:
-            out[i] = sample_from(logits[i], p, seeds[i], positions[i])
+            out[i] = sample_from(logits[i], p, seeds[i], *positions.of(i))
     return out
-
-
-def node_positions(kv_lens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """[b, n] absolute positions of the tokens drawn at a round's tree nodes: the root (the pending
-    token) sits at kv_len, a node at depth d at kv_len + d, and the token it draws one past that."""
-    return kv_lens[:, None] + depths.clamp(min=0) + 1
