@@ -188,3 +188,21 @@ def test_fuzzer_catches_a_grammar_round_that_emits_past_its_stop_token(
 
     monkeypatch.setattr(GrammarBatch, "advance", advance)
     assert _any_failure(refs, META_SEEDS + (3, 12, 13, 20), "grammar:")
+
+
+def test_fuzzer_catches_sampling_noise_keyed_by_node_not_position(
+    refs, one_torch_thread, monkeypatch
+):
+    """Noise keyed by a tree node's index instead of its token's position (the tree's shape then
+    decides the sample again, as the stream sampler's did): seeded requests leave AR's tokens for
+    their seed."""
+    import torch
+
+    from ddtree.engine.sampler import NodePositions
+
+    def of_tree(cls, kv_lens, depths, bound):
+        n = depths.shape[1]
+        return cls(kv_lens + 1, torch.arange(n, device=depths.device).expand_as(depths), n - 1)
+
+    monkeypatch.setattr(NodePositions, "of_tree", classmethod(of_tree))
+    assert _any_failure(refs, (3, 12) + META_SEEDS, "seeded")
