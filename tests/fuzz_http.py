@@ -283,6 +283,7 @@ def run_http_case(seed: int, refs, n_calls: int = 120, concurrency: int = 24):
             bad = check_call(call, g, conts[call.prompt], text_of, ctx, eos, res.stats)
             tw = call.twin_of  # under auto too: sampling is keyed by (seed, position)
             if tw is not None and not bad and isinstance(got[tw], list) and isinstance(g, list):
+                res.stats["http_twins_" + ("auto" if "auto" in argv else "fixed")] += 1
                 if [(c.text, c.ids) for c in g] != [(c.text, c.ids) for c in got[tw]]:
                     bad.append(f"seeded twin of call {tw} differs: {g} vs {got[tw]}")
             res.failures += [

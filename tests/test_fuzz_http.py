@@ -38,6 +38,8 @@ def test_http_fuzz_covers_routes_and_disconnects(results):
             assert s[f"http_{route}_{mode}"] > 0, dict(s)
     assert s["http_disconnects"] > 0 and s["http_server_aborts"] > 0, dict(s)
     assert s["http_greedy_checked"] > 100 and s["http_sampled_checked"] > 10, dict(s)
+    # seeded twins compared on the auto server too (issue 54: keyed sampling)
+    assert s["http_twins_auto"] > 0 and s["http_twins_fixed"] > 0, dict(s)
     assert sum(r.requests for r in results.values()) >= 200
     # speculation really happens (sampled requests included)
     assert s["http_accept_sum"] / s["http_accept_count"] > 2, dict(s)
