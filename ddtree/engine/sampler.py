@@ -22,19 +22,26 @@ from ddtree.engine.request import SamplingParams
 _M32 = 0xFFFFFFFF
 
 
-def _mul32(x, c: int):
-    """x * c mod 2**32 for a 32-bit x (a Python int or an int64 tensor) and a 32-bit constant c,
-    without int64 overflow: c is split in 16-bit halves, so no product reaches 2**48."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+# odd and below 2**27: a bijection mod 2**32, and a 32-bit value times it stays exact in int64
+_MUL = 0x45D9F3B
 
 
 def _mix32(x):
-    """murmur3's 32-bit finalizer: a bijection of [0, 2**32) with full avalanche."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
+    """A 32-bit integer hash (two multiply-xorshift rounds, Thomas Mueller's constant: full
+    avalanche), a bijection of [0, 2**32), on Python ints or int64 tensors alike."""
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    return (x >> 16) ^ x
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """`_mix32` in place on an int64 tensor: the [rows, vocab] noise allocates only its shifts."""
+    x ^= x >> 16
+    x.mul_(_MUL).bitwise_and_(_M32)
+    x ^= x >> 16
+    x.mul_(_MUL).bitwise_and_(_M32)
+    x ^= x >> 16
+    return x
 
 
 def _seed_keys(seed):
@@ -54,10 +61,12 @@ def gumbel_noise(seed: int | torch.Tensor, positions: torch.Tensor, vocab: int) 
     k2 = _mix32(k1 ^ a)
     k1, k2 = k1[..., None], k2[..., None]
     v = torch.arange(vocab, device=positions.device, dtype=torch.int64)
-    x = _mix32(_mix32(v ^ k1) ^ k2)
+    x = _mix32_(v ^ k1)
+    x ^= k2
+    _mix32_(x)
     # 23 bits -> u in [2**-24, 1 - 2**-24], exact in fp32 (24 bits would round the top to 1.0)
-    u = ((x >> 9).float() + 0.5) * 2.0**-23
-    return -torch.log(-torch.log(u))
+    u = (x >> 9).float().add_(0.5).mul_(2.0**-23)
+    return u.log_().neg_().log_().neg_()
 
 
 def filter_logits(
