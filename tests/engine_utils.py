@@ -79,8 +79,8 @@ def biased_sample_nodes(real):
     the distribution tests can fail."""
     import torch
 
-    def biased(logits, params, gens, greedy=None):
-        out = real(logits, params, gens, greedy)
+    def biased(logits, params, seeds, positions, greedy=None):
+        out = real(logits, params, seeds, positions, greedy)
         top2 = logits.topk(2, -1).indices[..., 1]
         flip = torch.rand(out.shape, generator=torch.Generator().manual_seed(0)) < 0.5
         return torch.where(flip, top2, out)

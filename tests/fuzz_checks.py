@@ -115,6 +115,42 @@ def check_grammar_request(req, ref, stats: Counter, tol: Tolerances = FP32) -> l
     return bad
 
 
+def check_seeded_request(req, ref, stats: Counter, tol: Tolerances = FP32) -> list[str]:
+    """A seeded sampled request against AR's run of the same parameters (`ref`: its RequestOutput,
+    with top log-probs): sampling is keyed by (seed, position) (engine/sampler.py), so its tokens
+    are AR's whatever the mode, budget, batch or preemption, up to where either stops (the case's
+    declared EOS and context are not the reference's; each stop is checked on its own tokens). A
+    divergence where the two tokens' perturbed scores (log-prob / T + the position's Gumbel noise)
+    are within tol.tie / T is a numerical near-tie."""
+    out, exp = list(req.output_ids), list(ref.token_ids)
+    stats["seeded_sampled"] += 1
+    k = first_difference(out, exp)
+    if k is None:
+        return []
+    gap = _perturbed_gap(req, ref.logprobs[k].top, len(req.prompt_ids) + k, out[k], exp[k])
+    if gap < tol.tie / req.params.temperature:
+        stats["near_tie"] += 1
+        return []
+    return [
+        f"seeded: token {k}: {out[k]} where AR with the same seed has {exp[k]} (gap {gap:.3g}; "
+        f"out {out}, AR {exp})"
+    ]
+
+
+def _perturbed_gap(req, top, position: int, a: int, b: int) -> float:
+    """|score(a) - score(b)| at `position` (inf where either is outside AR's top log-probs)."""
+    import torch
+
+    from ddtree.engine.sampler import gumbel_noise
+
+    lp = dict(top)
+    if a not in lp or b not in lp:
+        return float("inf")
+    g = gumbel_noise(req.params.seed, torch.tensor([position]), max(a, b) + 1)[0]
+    t = req.params.temperature
+    return abs(lp[a] / t + float(g[a]) - lp[b] / t - float(g[b]))
+
+
 def _own_rule(req, text_of: TextOf, ctx: int, eos) -> list[str]:
     out, p = list(req.output_ids), req.params
     e = apply_stop_rule(text_of, req.prompt_ids, out, p, ctx, eos)

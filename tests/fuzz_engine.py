@@ -216,10 +216,18 @@ def _steps(engine, case: Case, res, max_steps, logged) -> list | None:
 
 
 def _check_outputs(engine, case: Case, reqs: list, refs, res: CaseResult) -> None:
-    from fuzz_checks import FP8, FP32, cached_state_problems, check_grammar_request, check_request
+    from fuzz_checks import (
+        FP8,
+        FP32,
+        cached_state_problems,
+        check_grammar_request,
+        check_request,
+        check_seeded_request,
+    )
     from fuzz_oracle import TextOf
 
     from ddtree.engine import integrity
+    from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
 
     cfg, specs, fault = case.cfg, case.specs, case.fault
     res.failures += [f"drained: {b}" for b in integrity.drained_problems(engine, deep=True)]
@@ -232,11 +240,23 @@ def _check_outputs(engine, case: Case, reqs: list, refs, res: CaseResult) -> Non
     constrained = [i for i, s in enumerate(specs) if s.params.grammar is not None]
     ar_runs = refs.runs(cfg.target, [(specs[i].prompt, specs[i].params) for i in constrained])
     grammar_refs = dict(zip(constrained, ar_runs))
+    # seeded samples: AR's run of the same seed draws the same tokens (engine/sampler.py)
+    seeded = [i for i, s in enumerate(specs) if not s.params.greedy and s.params.seed is not None]
+    seeded_runs = refs.runs(
+        cfg.target, [(specs[i].prompt, specs[i].params) for i in seeded], MAX_TOP_LOGPROBS
+    )
+    seeded_refs = dict(zip(seeded, seeded_runs))
+    tied = set()  # seeded requests that left AR's tokens at a numerical near-tie
     for i, (s, r) in enumerate(zip(specs, reqs)):
         if i in grammar_refs:
             bad = check_grammar_request(r, grammar_refs[i], res.stats, tol)
         else:
             bad = check_request(r, conts[s.prompt], text_of, case.ctx, eos, res.stats, tol)
+        if i in seeded_refs:
+            ties = res.stats["near_tie"]
+            bad += check_seeded_request(r, seeded_refs[i], res.stats, tol)
+            if res.stats["near_tie"] > ties:
+                tied.add(i)
         victim = fault is not None and i == fault.victim
         if r.error is not None and not victim:
             bad.append(f"failed: {r.error}")
@@ -247,7 +267,8 @@ def _check_outputs(engine, case: Case, reqs: list, refs, res: CaseResult) -> Non
             if r.finish_reason == "abort" and r.error is None and not asked:
                 bad.append("the fault's victim ended with 'abort' and no error")
             res.stats["fault_victims_failed"] += r.error is not None
-        if s.twin_of is not None:
+        if s.twin_of is not None and not {i, s.twin_of} & tied:
+            res.stats["seeded_twins"] += 1
             t = reqs[s.twin_of]
             if "abort" not in (r.finish_reason, t.finish_reason) and r.output_ids != t.output_ids:
                 bad.append(

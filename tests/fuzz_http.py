@@ -3,7 +3,8 @@ against a uvicorn server in this process - /v1/completions, /v1/chat/completions
 streaming and not, `n`, log-probs, stop strings and ids drawn from the model's own continuations,
 greedy and seeded samples, clients that disconnect mid-stream or give up on a response - then every
 greedy answer against the AR reference cut by the stop-rule oracle (tests/fuzz_oracle.py), every
-sampled one against its own tokens where the route returns them, and the drained server clean:
+sampled one against its own tokens where the route returns them, seeded twins against each other
+(under `auto` too: sampling is keyed by seed and position), and the drained server clean:
 nothing running, every slot and page available, the engine's integrity whole (read on the engine
 thread), and every cached page / checkpoint equal to a fresh prefill of its tokens.
 
@@ -407,15 +408,9 @@ def run_http_case(seed: int, refs, n_calls: int = 120, concurrency: int = 24):
                 bad = check_pathological(call.pathological, g, res.stats)
             else:
                 bad = check_call(call, g, conts[call.prompt], text_of, ctx, eos, res.stats)
-            tw = call.twin_of
-            fixed = "auto" not in argv
-            if (
-                tw is not None
-                and fixed
-                and not bad
-                and isinstance(got[tw], list)
-                and isinstance(g, list)
-            ):
+            tw = call.twin_of  # under auto too: sampling is keyed by (seed, position)
+            if tw is not None and not bad and isinstance(got[tw], list) and isinstance(g, list):
+                res.stats["http_twins_" + ("auto" if "auto" in argv else "fixed")] += 1
                 if [(c.text, c.ids) for c in g] != [(c.text, c.ids) for c in got[tw]]:
                     bad.append(f"seeded twin of call {tw} differs: {g} vs {got[tw]}")
             res.failures += [

@@ -176,15 +176,16 @@ class References:
                 )
         return {p: self.cache[(target, p)] for p in prompts}
 
-    def runs(self, target: str, requests) -> list:
-        """AR's own outputs (`RequestOutput`) of (prompt, params) requests, with the top-2 log-probs
-        of each token for the near-tie test: the reference of a grammar request."""
+    def runs(self, target: str, requests, top: int = 2) -> list:
+        """AR's own outputs (`RequestOutput`) of (prompt, params) requests, with the `top` log-probs
+        of each token for the near-tie test: the reference of a grammar request, or of a seeded
+        sampled one (the same seed: the same tokens)."""
         import dataclasses
 
         if not requests:
             return []
         params = [
-            dataclasses.replace(p, logprobs=True, top_logprobs=max(2, p.top_logprobs))
+            dataclasses.replace(p, logprobs=True, top_logprobs=max(top, p.top_logprobs))
             for _, p in requests
         ]
         return self.llm(target).generate([list(q) for q, _ in requests], params)

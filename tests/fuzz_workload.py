@@ -10,7 +10,8 @@ Workload: prompt families with shared prefixes (the same prompt, a prefix, a for
 into its own AR continuation, so pages a decode wrote are hit), stop ids and stop strings drawn from
 the model's continuations (so they fall inside accepted blocks), EOS declared on a token the model
 emits (the toy corpus has none), `n` copies, log-probs, max_tokens at and around block boundaries,
-per-request budget caps, greedy and sampled (seeded twins that must agree), arrivals at random
+per-request budget caps, greedy and sampled (seeded ones must draw AR's tokens for their seed, and
+seeded twins agree, under `auto` too), arrivals at random
 steps, aborts at random steps or at a random output position, and in some cases one request whose
 batched step, prefill or emission raises (`Fault`: fault isolation must fail it alone). A third of the
 speculative cases draft with a DFlash2 drafter (the selector chain, the path-conditioned tree) where one
@@ -288,7 +289,18 @@ def draw_case(seed: int, refs, n_requests: int, extras: bool = True) -> Case:
         last = specs[victim].params.max_tokens - 1  # a position it reaches while running
         after = 0 if where == "prefill" else rng.randint(min(1, last), max(last, 0))
         fault = Fault(where, victim, after)
+    if extras and not knobs["fixed"]:  # appended last: the draws above stay what they were
+        _draw_auto_twins(random.Random(seed * 6700417 + 11), specs)
     return Case(cfg, knobs, specs, eos, ctx, fault)
+
+
+def _draw_auto_twins(rng: random.Random, specs: list[Spec]) -> None:
+    """Seeded twins under `auto` (issue 54): the policy's budgets change with the load between the
+    twins' rounds, their tokens must not (sampling is keyed by seed and position)."""
+    for i, s in enumerate(list(specs)):
+        sampled = s.params.seed is not None and not s.params.greedy and s.twin_of is None
+        if sampled and rng.random() < 0.6:
+            specs.append(Spec(s.prompt, s.params, s.arrive + rng.randint(1, 20), twin_of=i))
 
 
 def _draw_grammars(rng: random.Random, specs: list[Spec]) -> None:

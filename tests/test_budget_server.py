@@ -109,3 +109,30 @@ def test_loop_lag_probe_sees_a_blocked_loop():
 
     level = serving_metrics.delta({}, serving_metrics.parse(text))
     assert level["loop_lag_ms"] > 5 and 0 < level["loop_lag_over_10ms"] < 1
+
+
+def test_seeded_sampling_twins_under_auto(server, pair):
+    """Issue 54: a seeded request under `auto` gives the same text one at a time, in a burst beside
+    other traffic and against an AR server started afresh (sampling keyed by seed and position);
+    the `n` choices sample with seed + i."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    kw = dict(model=pair[0], temperature=0.8, top_p=0.9, max_tokens=80)
+    body = dict(prompt="def fib(n):\n", seed=1000, extra_body={"ignore_eos": True}, **kw)
+
+    def text(**over):
+        return client.completions.create(**{**body, **over}).choices[0].text
+
+    first = text()
+    assert [text() for _ in range(3)] == [first] * 3
+    others = [dict(prompt=p, seed=None) for p in ("x = [1, 2", "class A:", "import os\n")]
+    others += [dict(prompt="def g():", temperature=0.0), dict(seed=1001)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # a burst: batched with the others
+        burst = [pool.submit(text) for _ in range(4)] + [pool.submit(text, **o) for o in others]
+        got = [f.result() for f in burst]
+    assert got[:4] == [first] * 4
+    assert got[-1] != first  # another seed samples otherwise
+    choices = client.completions.create(n=3, **body).choices
+    assert [c.text for c in choices] == [first, got[-1], text(seed=1002)]
+    with thread_server(server_argv(pair, "NONE")) as ar:
+        ar_client = openai.OpenAI(base_url=ar.base_url + "/v1", api_key="none", max_retries=0)
+        assert ar_client.completions.create(**body).choices[0].text == first

@@ -1,8 +1,29 @@
-"""Lossless at T=0: DFLASH and DDTREE emit exactly the AR tokens, on a pair whose drafts are really
-accepted (the mean accepted length is asserted in the same test)."""
+"""Lossless: DFLASH and DDTREE emit exactly the AR tokens, on a pair whose drafts are really
+accepted (the mean accepted length is asserted in the same test); at T=0, and at T>0 token for
+token with the same seeds (sampling is keyed by seed and position: engine/sampler.py), beside the
+distribution tests of test_engine_sampling.py."""
+
+import dataclasses
 
 import pytest
 from engine_utils import GREEDY, accepted_prompts, mean_accept, run, toy_prompts
+
+from ddtree import SamplingParams
+
+# T=0.8: drafts accepted; T=1.5: spread-out samples; top-k and top-p filters
+SAMPLED = [
+    SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=40, ignore_eos=True, seed=77 + i)
+    for i, (t, p, k) in enumerate(
+        [
+            (0.8, 0.9, -1),
+            (1.5, 1.0, -1),
+            (0.8, 1.0, -1),
+            (1.0, 0.95, 5),
+            (0.8, 0.9, -1),
+            (1.2, 1, 8),
+        ]
+    )
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +53,38 @@ def test_ddtree_is_lossless_and_accepts(toy_pair, ar_tokens, budget, shadow, cap
     assert [o.token_ids for o in outs] == ar_tokens
     if budget >= 16:
         assert mean_accept(outs) > 2
+
+
+@pytest.fixture(scope="module")
+def ar_sampled(toy_pair):
+    return [o.token_ids for o in run(toy_pair, accepted_prompts(), SAMPLED)]
+
+
+@pytest.mark.parametrize(
+    "algorithm,budget,shadow",
+    [("DFLASH", None, False), ("DDTREE", 4, False), ("DDTREE", 16, True), ("DDTREE", 64, False)],
+)
+def test_sampling_is_lossless_token_for_token(toy_pair, ar_sampled, algorithm, budget, shadow):
+    kw = {} if budget is None else dict(speculative_ddtree_budget=budget)
+    outs = run(
+        toy_pair,
+        accepted_prompts(),
+        SAMPLED,
+        algorithm=algorithm,
+        speculative_ddtree_shadow_linear=shadow,
+        **kw,
+    )
+    assert [o.token_ids for o in outs] == ar_sampled
+    assert mean_accept([outs[0], outs[2], outs[4]]) > 2
+
+
+def test_sampled_token_for_token_check_can_fail(toy_pair, ar_sampled):
+    """Meta: other seeds give other tokens, so the comparison above is not vacuous."""
+    other = [dataclasses.replace(p, seed=p.seed + 100) for p in SAMPLED]
+    outs = run(
+        toy_pair, accepted_prompts(), other, algorithm="DDTREE", speculative_ddtree_budget=16
+    )
+    assert sum(o.token_ids != a for o, a in zip(outs, ar_sampled)) >= 3
 
 
 @pytest.mark.parametrize("algorithm", ["NONE", "DFLASH", "DDTREE"])

@@ -15,7 +15,8 @@ PROMPT = list(toy_prompts()[1])
 
 def first_tokens(llm, seed0, n=N, k=3, **params):
     """Counter of the first k tokens of n seeded samples. Callers give AR and speculative runs disjoint seeds:
-    with equal seeds a round's root draw is AR's draw, which would couple the samples."""
+    with equal seeds both draw the same tokens (sampling is keyed by seed and position; the token-for-token
+    test is in test_engine_lossless.py), which would make the two samples one."""
     sp = [
         SamplingParams(
             temperature=params.get("temperature", 1.5),

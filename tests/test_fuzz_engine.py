@@ -67,6 +67,10 @@ def test_fuzz_covers_what_it_is_for(ci_results):
     ):
         assert s[what] > 0, f"no {what} in {len(results)} cases: {dict(s)}"
     assert s["near_tie"] <= 0.01 * sum(r.requests for r in results), dict(s)
+    # seeded samples against AR's run of their seed, and seeded twins under `auto` (issue 54)
+    assert s["seeded_sampled"] >= 30, dict(s)
+    auto = [r for r in results if "speculative_ddtree_budget=auto" in r.config]
+    assert sum(r.stats["seeded_twins"] for r in auto) >= 4, [r.stats for r in auto]
     # grammar requests under speculation that finished every way a grammar request can
     grammar = {k: v for k, v in s.items() if k.startswith("grammar_")}
     assert sum(grammar.values()) >= 20 and grammar.get("grammar_stop", 0) > 0, grammar
@@ -184,3 +188,21 @@ def test_fuzzer_catches_a_grammar_round_that_emits_past_its_stop_token(
 
     monkeypatch.setattr(GrammarBatch, "advance", advance)
     assert _any_failure(refs, META_SEEDS + (3, 12, 13, 20), "grammar:")
+
+
+def test_fuzzer_catches_sampling_noise_keyed_by_node_not_position(
+    refs, one_torch_thread, monkeypatch
+):
+    """Noise keyed by a tree node's index instead of its token's position (the tree's shape then
+    decides the sample again, as the stream sampler's did): seeded requests leave AR's tokens for
+    their seed."""
+    import torch
+
+    from ddtree.engine.sampler import NodePositions
+
+    def of_tree(cls, kv_lens, depths, bound):
+        n = depths.shape[1]
+        return cls(kv_lens + 1, torch.arange(n, device=depths.device).expand_as(depths), n - 1)
+
+    monkeypatch.setattr(NodePositions, "of_tree", classmethod(of_tree))
+    assert _any_failure(refs, (3, 12) + META_SEEDS, "seeded")

@@ -43,6 +43,8 @@ def test_http_fuzz_covers_routes_and_disconnects(results):
     # issue 54: answers split by the reasoning parser, nested JSON fields refused beside them
     assert s["http_reasoning_split"] > 20 and s["http_nested_json_refused"] >= 8, dict(s)
     assert s["http_greedy_checked"] > 100 and s["http_sampled_checked"] > 10, dict(s)
+    # seeded twins compared on the auto server too (issue 54: keyed sampling)
+    assert s["http_twins_auto"] > 0 and s["http_twins_fixed"] > 0, dict(s)
     assert sum(r.requests for r in results.values()) >= 200
     # pathological grammars beside the plain calls (each checked: refused as too complex or text
     # its grammar accepts), the plain calls still AR's

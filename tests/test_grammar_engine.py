@@ -118,6 +118,24 @@ def test_sampling_distribution_matches_ar(toy_pair, one_torch_thread):
     assert same_distribution(ar, dd) > 1e-3
 
 
+@pytest.mark.parametrize(
+    "algorithm,kw", [("DFLASH", {}), ("DDTREE", {"speculative_ddtree_budget": 16})]
+)
+def test_seeded_sampling_under_a_grammar_is_ar_token_for_token(toy_pair, prompts, algorithm, kw):
+    """The grammar masks the logits before the keyed argmax (engine/sampler.py): a seeded request
+    under a grammar draws AR's tokens in every mode, beside an unconstrained seeded one."""
+    sp = [
+        SamplingParams(
+            temperature=t, max_tokens=30, ignore_eos=True, seed=5 + i, grammar=g, top_p=0.95
+        )
+        for i, (t, g) in enumerate([(0.8, NO_ZERO), (1.5, NO_ZERO), (0.8, None), (1.2, NO_ZERO)])
+    ]
+    ar = tokens(make_llm(toy_pair, "NONE").generate(prompts[:4], sp))
+    outs = make_llm(toy_pair, algorithm, **kw).generate(prompts[:4], sp)
+    assert tokens(outs) == ar and mean_accept(outs[:1]) > 1.5
+    assert all("0" not in str(t) for i in (0, 1, 3) for t in ar[i])
+
+
 def test_a_rolled_back_batch_resyncs_the_matchers(toy_pair, prompts, ar, monkeypatch):
     """A batched step that fails after the matchers took its tokens is rolled back (engine/
     faults.py): each request keeps only what it had emitted, so its matcher must go back too, and

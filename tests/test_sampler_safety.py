@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from ddtree.engine.request import SAMPLING_EPS, SamplingParams
-from ddtree.engine.sampler import filter_logits, sample_from, sample_nodes
+from ddtree.engine.sampler import NodePositions, filter_logits, sample_from, sample_nodes
 
 TOP = 7  # the argmax is deliberately not token 0
+POS = torch.arange(4)  # the rows' token positions
 
 
 def logits(rows: int = 4, vocab: int = 32) -> torch.Tensor:
@@ -21,7 +22,7 @@ def logits(rows: int = 4, vocab: int = 32) -> torch.Tensor:
 def test_tiny_temperature_is_greedy(temperature):
     p = SamplingParams(temperature=temperature)
     assert p.greedy
-    tokens = sample_from(logits(), p, torch.Generator().manual_seed(1))
+    tokens = sample_from(logits(), p, 1, POS)
     assert tokens.tolist() == [TOP] * 4
 
 
@@ -36,7 +37,7 @@ def test_tiny_top_p_keeps_the_top_token(top_p):
     assert torch.isfinite(x[:, TOP]).all(), "the top token was filtered out"
     assert torch.isinf(x).sum() == x.numel() - 4  # everything else is dropped
     p = SamplingParams(temperature=1.0, top_p=top_p)
-    tokens = sample_nodes(logits()[None], [p], [torch.Generator().manual_seed(2)])
+    tokens = sample_nodes(logits()[None], [p], [2], NodePositions(POS[:1], POS[None], 3))
     assert tokens.tolist() == [[TOP] * 4]
 
 
@@ -44,7 +45,5 @@ def test_huge_temperature_is_uniform_not_degenerate():
     p = SamplingParams(temperature=1e300)
     probs = torch.softmax(filter_logits(logits(), p.temperature, -1, 1.0), -1)
     assert torch.isfinite(probs).all() and torch.allclose(probs, torch.full_like(probs, 1 / 32))
-    draws = torch.stack(
-        [sample_from(logits(), p, torch.Generator().manual_seed(s)) for s in range(20)]
-    )
+    draws = torch.stack([sample_from(logits(), p, s, POS) for s in range(20)])
     assert len(set(draws.flatten().tolist())) > 5

@@ -27,10 +27,10 @@ from ddtree.engine.budget import BudgetPlanner, RoundPlan, gain_columns
 from ddtree.engine.config import SpecConfig
 from ddtree.engine.grammar_jobs import MaskWorkers
 from ddtree.engine.grammar_round import GrammarBatch
-from ddtree.engine.model_runner import ModelRunner
+from ddtree.engine.model_runner import ModelRunner, RoundMeta
 from ddtree.engine.request import Req
 from ddtree.engine.round_clock import RoundClock
-from ddtree.engine.sampler import sample_nodes
+from ddtree.engine.sampler import NodePositions, sample_nodes
 from ddtree.speculative.accept import accept_tree
 from ddtree.speculative.tree import DraftTree
 
@@ -108,7 +108,7 @@ class SpecDecoder:
         roots = meta.roots
         gb = GrammarBatch.of(reqs, self.mask_words, runner.device, self.mask_workers)
         if cfg.algorithm == "NONE":
-            emitted = self._ar_round(reqs, roots, t, gb)
+            emitted = self._ar_round(reqs, meta, t, gb)
             self.budgets.observe(RoundPlan(1, None), len(reqs), [1] * len(reqs), None)
             self._read_clock(gb)
             return emitted
@@ -156,7 +156,9 @@ class SpecDecoder:
             res = vo.greedy_accept  # walked inside the verify graph
         else:
             sample = sample_nodes if gb is None else gb.target_tokens
-            target_tokens = sample(vo.logits, params, [r.generator for r in reqs], vo.greedy_tokens)
+            seeds = [r.seed for r in reqs]
+            pos = NodePositions.of_tree(meta.lens, tree.depths, tree.depth_bound)
+            target_tokens = sample(vo.logits, params, seeds, pos, vo.greedy_tokens)
             if self.target_override is not None:
                 target_tokens = self.target_override(tree, target_tokens)
             res = accept_tree(tree, target_tokens)
@@ -228,18 +230,19 @@ class SpecDecoder:
         return gb.draft(tree, draft_logits, limits, budgets, chain, topk_cap)
 
     def _ar_round(
-        self, reqs: list[Req], roots: torch.Tensor, t: float, gb: GrammarBatch | None = None
+        self, reqs: list[Req], meta: RoundMeta, t: float, gb: GrammarBatch | None = None
     ) -> list[list[int]]:
         runner = self.runner
         n = 1
-        tree = _root_only(roots)
+        tree = _root_only(meta.roots)
         vo = runner.verify_nodes(reqs, tree)
         if gb is not None:  # the grammar rows' masks, filled while the verify runs on a GPU
             gb.root_masks()
         t = self.times.add("verify", t)
-        params, generators = [r.params for r in reqs], [r.generator for r in reqs]
+        params, seeds = [r.params for r in reqs], [r.seed for r in reqs]
+        pos = NodePositions.of_tree(meta.lens, tree.depths, 0)
         sample = sample_nodes if gb is None else gb.target_tokens
-        tokens = sample(vo.logits, params, generators, vo.greedy_tokens)[:, :1]
+        tokens = sample(vo.logits, params, seeds, pos, vo.greedy_tokens)[:, :1]
         t = self.times.add("accept", t)
         zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
         lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)

@@ -21,7 +21,7 @@ from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.prompt_logprobs import PromptLogprobs
 from ddtree.engine.request import Req, SamplingParams
-from ddtree.engine.sampler import sample_nodes
+from ddtree.engine.sampler import NodePositions, sample_nodes
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.setup import build_runner, load_tokenizer, resolve_device
 from ddtree.engine.tp.launch import rank_device, start_ranks
@@ -142,9 +142,8 @@ class LLMEngine:
         req.prompt_logprobs = PromptLogprobs.of(params, ids)
         if params.grammar is not None:  # compiled once per spec (the server compiles ahead)
             req.grammar = self.grammars.matcher(params.grammar)
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-            req.generator = torch.Generator(device=self.device).manual_seed(seed)
+        if not params.greedy:  # unseeded requests still sample at random: a seed of their own
+            req.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self.emitter.start(req)
         req.times.queued = time.monotonic()
         req.times.arrival = arrival or req.times.queued
@@ -269,7 +268,9 @@ class LLMEngine:
         if gb is not None:  # the first token under the grammar's start state
             gb.root_masks()
             sample = gb.target_tokens
-        first = sample(rows, [r.params for r in reqs], [r.generator for r in reqs], None)
+        # the first token sits at the prompt's end (the prefill cached the prompt: kv_len)
+        pos = NodePositions.roots(torch.tensor([r.kv_len for r in reqs], device=self.device))
+        first = sample(rows, [r.params for r in reqs], [r.seed for r in reqs], pos, None)
         lp = logprobs.node_logprobs(reqs, rows, torch.zeros_like(first), first)
         host, lp_rows = logprobs.read_back(reqs, first, lp)
         if gb is not None:

@@ -33,7 +33,7 @@ import torch
 from ddtree import envs
 from ddtree.engine.grammar_jobs import MaskFailure, MaskWorkers
 from ddtree.engine.request import Req, SamplingParams
-from ddtree.engine.sampler import sample_from
+from ddtree.engine.sampler import NodePositions, sample_from
 from ddtree.grammar.backend import Matcher
 from ddtree.grammar.masks import apply_bitmask
 from ddtree.grammar.tree import GrammarTree, build_grammar_tree
@@ -200,7 +200,8 @@ class GrammarBatch:
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list,
+        seeds: list[int | None],
+        positions: NodePositions,
         greedy: torch.Tensor | None,
     ) -> torch.Tensor:
         """logits [b, n, V] -> tokens [b, n]: what `sample_nodes` draws, the grammar rows from
@@ -210,7 +211,7 @@ class GrammarBatch:
         gset = set(self.rows)
         for i, p in enumerate(params):
             if i not in gset and not p.greedy:
-                out[i] = sample_from(logits[i], p, generators[i])
+                out[i] = sample_from(logits[i], p, seeds[i], *positions.of(i))
         rows = torch.tensor(self.rows, device=logits.device)
         masked = logits.index_select(0, rows).float()
         flat = masked.view(-1, masked.shape[-1])
@@ -219,7 +220,7 @@ class GrammarBatch:
         for j, i in enumerate(self.rows):
             p = params[i]
             if not p.greedy:
-                picked[j] = sample_from(masked[j], p, generators[i])
+                picked[j] = sample_from(masked[j], p, seeds[i], *positions.of(i))
         return out.index_copy(0, rows, picked)
 
     def advance(self, emitted: list[list[int]]) -> list[list[int]]:

@@ -6,8 +6,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from ddtree.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ddtree.engine.prompt_logprobs import PromptLogprobs
 from ddtree.grammar.backend import GrammarSpec, Matcher
@@ -148,7 +146,8 @@ class Req:
     kv_len: int = 0  # tokens whose target KV (and drafter context) is cached
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     slot: int = -1  # row in the block table while running
-    generator: torch.Generator | None = None
+    # the sampling key (engine/sampler.py): params.seed, or one drawn at admission; None if greedy
+    seed: int | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     text: str = ""
     stop_hit: str | None = None

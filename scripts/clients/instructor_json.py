@@ -22,7 +22,9 @@ class Person(BaseModel):
 
 
 def main(base_url: str) -> int:
-    client = instructor.from_openai(OpenAI(base_url=base_url, api_key="-"), mode=instructor.Mode.JSON)
+    client = instructor.from_openai(
+        OpenAI(base_url=base_url, api_key="-"), mode=instructor.Mode.JSON
+    )
     ok = 0
     for seed in range(6):
         person = client.chat.completions.create(
