@@ -116,3 +116,38 @@ def test_without_the_library_the_engine_logs_once_and_falls_back(monkeypatch, ca
     assert not DG.takes(w, 128, 128, torch.bfloat16)  # a CPU weight: never the library
     scale = torch.ones(2, 2)
     assert fp8.warm_up(w, scale, 128, 128, torch.bfloat16, 64) == 0
+
+
+def test_warm_up_covers_every_weight_shape_to_the_largest_forward(monkeypatch):
+    """The engine's warm-up runs the library warm-up once per FP8 weight shape of target and
+    drafter, to the most rows a forward may meet: a prefill chunk or a verify of every running
+    request at the widest tree."""
+    from types import SimpleNamespace
+
+    from ddtree.engine import warmup
+    from ddtree.models import quant
+    from ddtree.models.quant import Fp8Linear
+
+    calls = []
+    monkeypatch.setattr(
+        fp8, "warm_up", lambda w, s, gn, gk, dt, rows, st: calls.append((w.shape, rows)) or 1
+    )
+
+    def model(*shapes):
+        m = torch.nn.Sequential(
+            *[Fp8Linear(k, n, False, (128, 128), 128, torch.bfloat16) for n, k in shapes]
+        )
+        return m
+
+    target = model((256, 128), (256, 128), (128, 256))  # two layers share a shape: one warm-up
+    drafter = model((384, 128))
+    cfg = SimpleNamespace(max_running_requests=8, max_verify_width=65)
+    engine = SimpleNamespace(
+        runner=SimpleNamespace(target=target, drafter=drafter, cfg=cfg, dtype=torch.bfloat16),
+        scheduler=SimpleNamespace(prefill_budget=256),
+    )
+    assert warmup._fp8_library(engine) == 3
+    assert calls == [((256, 128), 520), ((128, 256), 520), ((384, 128), 520)]  # 8 x 65 > 256
+    engine.scheduler.prefill_budget = 4096
+    calls.clear()
+    assert quant.warm_up(target, torch.bfloat16, 4096) == 2 and calls[0][1] == 4096

@@ -119,11 +119,10 @@ def choose(
     `exact` (float32 activations, the mode in which speculative output must equal AR token for
     token): auto keeps the Triton GEMM at every row count, at one tile shape (tuning.EXACT): its
     reduction over K is then the same for a row whatever the row count, so a verify's 85 rows
-    compute what AR's 5 decode rows do; cuBLAS
-    picks its algorithm per row count (with it above 64 rows the toy pairs' FP8 DFLASH / DDTREE
-    left FP8 AR on the H200: tests/gpu/test_fp8_gpu.py), DeepGEMM writes no float32, and the
-    table changes backend between row classes. In bf16 a divergence must be a near-tie, and each
-    row class takes its fastest backend."""
+    compute what AR's 5 decode rows do. cuBLAS picks its algorithm per row count (with it above
+    64 rows the toy pairs' FP8 DFLASH / DDTREE left FP8 AR on the H200: tests/gpu/test_fp8_gpu.py),
+    DeepGEMM writes no float32, and the table changes backend between row classes. In bf16 a
+    divergence must be a near-tie, and each row class takes its fastest backend."""
     choice = backend_switch()
     runs = {"triton": True, "cublas": cublas, "deepgemm": deepgemm}
     if choice == "auto":
