@@ -114,10 +114,10 @@ def group_quant() -> dict:
     types = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
     ck = compile_aligned(
         T._group_quant_kernel,
-        dict(GROUP=128, EVEN_K=True),
+        dict(GROUP=128, GROUPS=T.QUANT_ELEMS // 128, EVEN_K=True),
         types,
         ("K", "stride_xm", "stride_qm"),
-        num_warps=1,
+        num_warps=T.QUANT_ELEMS // 256,
     )
     res, sass = resources(ck)
     return dict(kernel="group_quant", **res, **counts(sass))

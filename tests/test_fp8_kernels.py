@@ -17,7 +17,7 @@ kernels = load_kernel_module("ddtree.kernels.fp8.triton")
 
 import ddtree.kernels.fp8 as fp8  # noqa: E402
 from ddtree.kernels.fp8 import reference as R  # noqa: E402
-from ddtree.kernels.fp8.tuning import GemmConfig, gemm_config, parse_config  # noqa: E402
+from ddtree.kernels.fp8.tuning import EXACT, GemmConfig, gemm_config, parse_config  # noqa: E402
 
 CONFIGS = [
     GemmConfig(16, 32, 4, 2),
@@ -75,7 +75,11 @@ def test_interpreter_cast_is_not_the_gpus():
     assert x.to(R.FP8).float().tolist() == [128.0, -32.0, 96.0, 3.25, 0.01171875]
 
 
-@pytest.mark.parametrize("M,K,group", [(1, 128, 128), (7, 384, 128), (5, 200, 64), (33, 96, 32)])
+@pytest.mark.parametrize(
+    "M,K,group",
+    # several programs a row: whole ones (2048: 2 x 8 groups), and a last one of 1 group (1152)
+    [(1, 128, 128), (7, 384, 128), (5, 200, 64), (33, 96, 32), (3, 2048, 128), (2, 1152, 128)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_group_quant_matches_reference(M, K, group, dtype):
     x, _ = data(M, 8, K, M * K, dtype)
@@ -151,14 +155,21 @@ def test_dispatch_backends(monkeypatch, backend):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+TABLE = {  # a measured table's form (kernels/fp8/table.py): per shape, per row class, fastest first
+    "shapes": {"24576x4096": [["triton", "cublas"], ["cublas", "triton"], ["cublas", "triton"]]},
+    "families": {"wide": [["cublas"], ["cublas"], ["cublas"]], "long_k": [["cublas"]] * 3},
+}
+
+
 def test_switches_are_checked(monkeypatch):
     monkeypatch.setenv("DDTREE_FP8_GEMM", "fast")
     with pytest.raises(ValueError, match="DDTREE_FP8_GEMM='fast'"):
         fp8.backend_switch()
     monkeypatch.delenv("DDTREE_FP8_GEMM")
-    # auto: Triton for decode-sized rows of a wide weight, cuBLAS for the rest (where it runs)
+    # auto: the measured table's first backend that runs (tests/test_fp8_dispatch.py: the table)
+    monkeypatch.setattr(fp8.table, "load", lambda: TABLE)
     assert fp8.choose(1, 24576, 4096, cublas=True) == "triton"
-    assert fp8.choose(64, 4096, 4096, cublas=True) == "triton"
+    assert fp8.choose(64, 4096, 4096, cublas=True) == "cublas"
     assert fp8.choose(1, 4096, 12288, cublas=True) == "cublas"
     assert fp8.choose(65, 24576, 4096, cublas=True) == "cublas"
     assert fp8.choose(520, 24576, 4096, cublas=False) == "triton"
@@ -195,6 +206,11 @@ def test_split_k_choice(monkeypatch):
     assert gemm_config(1, 34816, 5120, sms=132).split_k == 1
     assert gemm_config(17, 4096, 4096, sms=132).split_k == 1
     assert gemm_config(1, 4096, 4096, sms=132, exact=True).split_k == 1
+    # float32: one tile shape (one instruction: wgmma) at every row count, so one summation order
+    exact = {
+        gemm_config(m, n, 4096, sms=132, exact=True) for m in (1, 16, 65, 1040) for n in (64, 34816)
+    }
+    assert exact == {EXACT}
     assert gemm_config(1, 4096, 4096).split_k == 1
     assert fp8.choose(1, 4096, 12288, cublas=True, split=5) == "triton"
     assert fp8.choose(1, 4096, 12288, cublas=True, split=1) == "cublas"

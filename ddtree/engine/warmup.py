@@ -15,7 +15,9 @@ turn-sized prompt through the extend graphs at batch 1 and their largest bucket 
 themselves are captured with the runner: `CudaGraphRunner.build`), then a few decode rounds at
 batch 1 and at the largest captured batch. Warm-up requests go through
 `LLMEngine.add_request` / `step` like any other and leave nothing behind (their pages, slots and
-state rows are freed when they finish; `check_clean` says so).
+state rows are freed when they finish; `check_clean` says so). Before all that, the block-FP8
+library's kernels for every row count a forward may meet (`_fp8_library`: they compile per row
+count's tile config, at first use).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def warm_up(engine, progress: bool = True) -> dict:
     group = tcfg.num_attention_heads // tcfg.num_key_value_heads
     extra = extra_prefill_lengths(lengths, group, tcfg.head_dim)
     params = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    fp8_calls = _fp8_library(engine)
     ext = graphs.extend if graphs is not None else None
     ext_batches = sorted({1, ext.buckets[-1]}) if ext is not None else []
     bar = tqdm(
@@ -112,6 +115,7 @@ def warm_up(engine, progress: bool = True) -> dict:
         "prefill_extra": extra,
         "decode_batches": batches,
         "extend_batches": ext_batches,
+        "fp8_library_calls": fp8_calls,
         "seconds": time.perf_counter() - t0,
     }
     logger.info(
@@ -122,6 +126,18 @@ def warm_up(engine, progress: bool = True) -> dict:
         batches,
     )
     return out
+
+
+def _fp8_library(engine) -> int:
+    """The FP8 library's kernels (DeepGEMM compiles one per weight shape and tile config, the
+    config picked per row count) for every row count a forward may meet: a prefill chunk, or a
+    verify of every running request at the widest tree (`models.quant.warm_up`)."""
+    from ddtree.models import quant
+
+    runner, cfg = engine.runner, engine.runner.cfg
+    max_rows = max(engine.scheduler.prefill_budget, cfg.max_running_requests * cfg.max_verify_width)
+    models = [m for m in (runner.target, runner.drafter) if m is not None]
+    return sum(quant.warm_up(m, runner.dtype, max_rows) for m in models)
 
 
 def _eager_prefills(engine, lengths, extra, max_prompt, params, bar) -> None:

@@ -237,6 +237,19 @@ def fp8_modules(model: nn.Module) -> list[Fp8Linear]:
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
 
 
+def warm_up(model: nn.Module, dtype: torch.dtype, max_rows: int) -> int:
+    """Every FP8 library kernel the model's linears may launch at 1..max_rows rows of `dtype`
+    activations, compiled now (`fp8.warm_up`, once per weight shape); the calls made."""
+    seen, calls = set(), 0
+    for m in fp8_modules(model):
+        key = (tuple(m.weight.shape), m.group_n, m.group_k)
+        if key not in seen:
+            seen.add(key)
+            w, s = m.weight, m.weight_scale_inv
+            calls += fp8.warm_up(w, s, m.group_n, m.group_k, dtype, max_rows, m.scale_t)
+    return calls
+
+
 def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict in the checkpoint layout: HF part names, and each part's scales in
     blocks of bn rows (a fused projection holding one scale row per weight row keeps every bn-th)."""

@@ -5,15 +5,14 @@ token in groups of bk columns at run time (`reference.py` holds the math).
 - `triton`: the group-quant kernel, then the Triton GEMM on fp8 activations;
 - `cublas`: the group-quant kernel, then `torch._scaled_mm`'s block-scaled GEMM (cuBLASLt, CUDA >=
   12.9: 1x128 activation and 128x128 weight scales; bk = bn = 128 only);
+- `deepgemm`: the group-quant kernel, then DeepGEMM's SM90 block-scaled GEMM (`deepgemm.py`; the
+  optional library of the `gpu` extra; bk = bn = 128, bf16 outputs);
 - `reference`: the PyTorch reference (dequantize, float32 matmul).
-auto (`choose`): measured on the H200 at the 8B and 27B shapes, 1 .. 1040 rows (studies/gpu_fp8_gemm.py,
-2026-12): the Triton GEMM where it streams a wide weight at decode sizes (rows <= 64 and N >= K:
-q|k|v, o, gate|up, q|k|v|z; e.g. the 8B gate|up at 1 row 30.3 us vs cuBLAS 38.4; and, with split-K
-on, every weight at <= 16 rows: tuning.py), cuBLAS elsewhere
-(long-K projections such as down at every row count: 25.4 vs 35.8 us at 1 row; every shape from 128
-rows: the 8B gate|up at 520 rows 122 vs 197 us). The reference on the CPU (or the kernels under
-Triton's interpreter with TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1, as the fused
-layer kernels) and with DDTREE_FORCE_REFERENCE_KERNELS=1.
+auto (`choose`): the measured table (`table.py`, `gemm_table.json`): per weight shape and row class
+(1-16, 17-128, 129+ rows) the backends fastest first, the first that runs here taken; float32
+activations (`exact`) take the Triton GEMM at every row count. The reference on the CPU (or the
+kernels under Triton's interpreter with TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1,
+as the fused layer kernels) and with DDTREE_FORCE_REFERENCE_KERNELS=1.
 """
 
 from __future__ import annotations
@@ -24,12 +23,13 @@ import logging
 import torch
 
 from ddtree import envs
+from ddtree.kernels.fp8 import deepgemm as DG
 from ddtree.kernels.fp8 import reference as R
+from ddtree.kernels.fp8 import table
 
 logger = logging.getLogger("ddtree")
 
-BACKENDS = ("auto", "triton", "cublas", "reference")
-TRITON_MAX_ROWS = 64  # auto: the Triton GEMM up to this many rows when N >= K
+BACKENDS = ("auto", "triton", "cublas", "deepgemm", "reference")
 
 _kernels = None
 
@@ -103,25 +103,33 @@ def cublas_scale(w_scale: torch.Tensor) -> torch.Tensor:
     return padded.t()
 
 
-def choose(rows: int, n: int, k: int, cublas: bool, exact: bool = False, split: int = 1) -> str:
-    """The backend for a [rows, k] x [n, k]^T GEMM (`cublas`: whether cuBLAS takes the weight;
-    `split`: the Triton GEMM's runs of K blocks here, tuning.py: a split Triton GEMM serves the
-    decode rows of long-K weights too).
+def choose(
+    rows: int,
+    n: int,
+    k: int,
+    cublas: bool,
+    exact: bool = False,
+    split: int = 1,
+    deepgemm: bool = False,
+) -> str:
+    """The backend for a [rows, k] x [n, k]^T GEMM (`cublas` / `deepgemm`: whether each takes the
+    weight here; `split`: the Triton GEMM's runs of K blocks, tuning.py: the opt-in split Triton
+    GEMM serves the rows it splits).
 
     `exact` (float32 activations, the mode in which speculative output must equal AR token for
-    token): auto keeps the Triton GEMM at every row count. Its reduction over K is the same for a
-    row whatever the row count, so a verify's 85 rows compute what AR's 5 decode rows do; cuBLAS
-    picks its algorithm per row count, and with it above 64 rows the toy pairs' FP8 DFLASH / DDTREE
-    left FP8 AR on the H200 (tests/gpu/test_fp8_gpu.py). In bf16 a divergence must be a near-tie,
-    and cuBLAS serves the rows where it is faster."""
+    token): auto keeps the Triton GEMM at every row count, at one tile shape (tuning.EXACT): its
+    reduction over K is then the same for a row whatever the row count, so a verify's 85 rows
+    compute what AR's 5 decode rows do. cuBLAS picks its algorithm per row count (with it above
+    64 rows the toy pairs' FP8 DFLASH / DDTREE left FP8 AR on the H200: tests/gpu/test_fp8_gpu.py),
+    DeepGEMM writes no float32, and the table changes backend between row classes. In bf16 a
+    divergence must be a near-tie, and each row class takes its fastest backend."""
     choice = backend_switch()
+    runs = {"triton": True, "cublas": cublas, "deepgemm": deepgemm}
     if choice == "auto":
-        wide = rows <= TRITON_MAX_ROWS and n >= k
-        fast = "triton" if wide or split > 1 else "cublas"
-        choice = "triton" if exact else fast
-    if choice == "cublas" and not cublas:
-        choice = "triton"
-    return choice
+        if exact or split > 1:
+            return "triton"
+        return next(b for b in table.preference(rows, n, k) if runs[b])
+    return choice if runs.get(choice, True) else "triton"
 
 
 def use_kernels(x: torch.Tensor) -> bool:
@@ -161,17 +169,46 @@ def linear(
     T = _triton(interpreted=x2.device.type != "cuda")
     M = x2.shape[0]
     cublas = scale_t is not None and cublas_ok(w, group_n, group_k)
+    deepgemm = DG.takes(w, group_n, group_k, x.dtype)
     exact = x.dtype == torch.float32
     sms = sm_count(x2.device.index or 0) if x2.is_cuda else 0
     config = gemm_config(M, N, K, sms, exact, group_k)
-    backend = choose(M, N, K, cublas, exact, config.split_k)
-    if backend == "cublas":
-        rows = -(-M // 4) * 4
-        q, s = T.group_quant(x2, group_k, rows=rows, column_major=True)
-        y = torch._scaled_mm(q, w.t(), s, scale_t, out_dtype=x.dtype)[:M]
-        if bias is not None:  # added after: cuBLAS's block-scaled path is measured without one
+    backend = choose(M, N, K, cublas, exact, config.split_k, deepgemm)
+    if backend in ("cublas", "deepgemm"):  # both read cuBLAS's activation layout
+        q, s = T.group_quant(x2, group_k, rows=-(-M // 4) * 4, column_major=True)
+        if backend == "cublas":
+            y = torch._scaled_mm(q, w.t(), s, scale_t, out_dtype=x.dtype)[:M]
+        else:
+            y = DG.gemm(q, s, w, w_scale, M, x.dtype)
+        if bias is not None:  # added after: the libraries' block-scaled paths run without one
             y = y + bias
     else:
         q, s = T.group_quant(x2, group_k)
         y = T.gemm(q, s, w, w_scale, group_n, group_k, x.dtype, config, bias)
     return y.view(*x.shape[:-1], N)
+
+
+def warm_up(
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    group_n: int,
+    group_k: int,
+    dtype: torch.dtype,
+    max_rows: int,
+    scale_t: torch.Tensor | None = None,
+) -> int:
+    """Run `linear` on this weight at every row count 1..max_rows where auto picks DeepGEMM: its
+    kernels compile at first use per tile config, which its heuristics pick per row count, so
+    every count a forward may meet runs once here, before any request. Returns the calls made."""
+    if not DG.takes(w, group_n, group_k, dtype) or not use_kernels(w):
+        return 0
+    N, K = w.shape
+    cublas = scale_t is not None and cublas_ok(w, group_n, group_k)
+    x = torch.zeros(max_rows, K, dtype=dtype, device=w.device)
+    calls = 0
+    with torch.no_grad():
+        for m in range(1, max_rows + 1):
+            if choose(m, N, K, cublas, deepgemm=True) == "deepgemm":
+                linear(x[:m], w, w_scale, group_n, group_k, scale_t=scale_t)
+                calls += 1
+    return calls

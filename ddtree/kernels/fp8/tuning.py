@@ -49,6 +49,11 @@ TABLE = (
     (1 << 30, GemmConfig(64, 128, 4, 4)),
 )
 WIDE = GemmConfig(16, 64, 4, 4)  # <= 16 rows of a weight with N >= WIDE_N
+# float32 activations (speculation must equal AR bit for bit): one tile shape at every row count.
+# The 16-row tiles run the fp8 mma.sync, the 64-row ones wgmma, and their K-block sums differ in
+# the last bits: a row's output at 1 row != at 64+ rows (the H100 study, 2026-12-06:
+# studies/gpu_fp8_gemm_libs.py, rowinv); wgmma tiles of any width agree with each other.
+EXACT = GemmConfig(64, 64, 4, 4)
 WIDE_N = 16384
 SPLIT_MAX_ROWS = 16  # split-K at decode rows only (one M tile)
 SPLIT_CTAS_PER_SM = 4
@@ -91,10 +96,12 @@ def gemm_config(
     rows: int, n: int, k: int, sms: int = 0, exact: bool = False, group_k: int = 128
 ) -> GemmConfig:
     """The tiles and split for a [rows, k] x [n, k]^T GEMM on a device of `sms` SMs (0: no
-    split); `exact` (float32 activations): never split."""
+    split); `exact` (float32 activations): EXACT at every row count, never split."""
     forced = envs.FP8_GEMM_CONFIG.get().strip()
     if forced:
         config = parse_config(forced)
+    elif exact:
+        config = EXACT
     elif rows <= 16 and n >= WIDE_N:
         config = WIDE
     else:
