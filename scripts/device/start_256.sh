@@ -6,6 +6,7 @@
 # requests of 32 tokens. Beside each: check-config's plan for the same flags, and the GPU memory
 # in use once serving. From the repository root, `.whl` carried (scripts/fetch_device_wheels.sh):
 #   run: bash scripts/device/start_256.sh      (carry: [".whl"])
+# WITH_AUTO=1 adds the auto server (its graphs at every rung to 256 take minutes to capture).
 # Results in $OUT: start_256.log (this output) and server_<config>.log.
 set -uo pipefail
 OUT=${OUT:-start_256_out}
@@ -54,4 +55,4 @@ PY
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 serve dflash --speculative-algorithm DFLASH
-serve auto --speculative-algorithm DDTREE --speculative-ddtree-budget auto
+[ "${WITH_AUTO:-0}" = 1 ] && serve auto --speculative-algorithm DDTREE --speculative-ddtree-budget auto
