@@ -4,7 +4,7 @@ run. Not in CI (a heavy client); tests/test_openai_conformance.py covers the SDK
 
     pip install openai-agents            # in a virtual environment
     ddtree serve --reasoning-parser qwen3 --tool-call-parser hermes &
-    python scripts/openai_agents_check.py --base-url http://localhost:30000/v1
+    python scripts/clients/openai_agents_check.py --base-url http://localhost:30000/v1
 
 The embedded pair writes code, not chat, so the runs are bounded by grammars (a regex, the tool's
 enum, the output type's schema): an answer cut by max_output_tokens is `status: "incomplete"`,
@@ -70,6 +70,6 @@ async def main(base_url: str) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--base-url", default="http://localhost:30000/v1")
     asyncio.run(main(ap.parse_args().base_url))
