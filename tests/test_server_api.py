@@ -69,8 +69,18 @@ def test_models_health_metrics(server, client, pair):
         "ddtree_state_pool_slots_used",
         'ddtree_spec_rounds_total{algorithm="DDTREE"}',
         'ddtree_accept_length_bucket{algorithm="DDTREE"',
+        'ddtree_spec_drafts_total{algorithm="DDTREE"}',
     ):
         assert name in text, name
+    # per-position acceptance: depth d's count never exceeds depth d - 1's, nor the drafts
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith('ddtree_spec_accepted_by_depth_total{algorithm="DDTREE",depth="'):
+            counts[int(line.split('depth="')[1].split('"')[0])] = float(line.split()[-1])
+        if line.startswith('ddtree_spec_drafts_total{algorithm="DDTREE"}'):
+            drafts = float(line.split()[-1])
+    series = [counts.get(d, 0.0) for d in range(1, max(counts, default=0) + 1)]
+    assert drafts > 0 and all(a >= b for a, b in zip([drafts, *series], series))
 
 
 def test_completion(client, pair):

@@ -121,6 +121,23 @@ class ServerMetrics:
             buckets=tuple(float(k) for k in range(1, max(2, max_accept_length) + 1)),
             registry=r,
         )
+        # per-position acceptance (vLLM's num_accepted_tokens_per_pos): of the request-rounds that
+        # verified drafts, how many accepted a draft at depth d; their ratio is the acceptance
+        # rate by depth, the drafter's quality position by position
+        self.spec_drafts = Counter(
+            "ddtree_spec_drafts",
+            "Request-rounds that verified drafted tokens (budget > 0), per algorithm",
+            ["algorithm"],
+            registry=r,
+        )
+        self.accepted_by_depth = Counter(
+            "ddtree_spec_accepted_by_depth",
+            "Request-rounds whose accepted path reached draft depth d (d = 1 the first drafted "
+            "token); over ddtree_spec_drafts: the acceptance rate by depth",
+            ["algorithm", "depth"],
+            registry=r,
+        )
+        self._depth_counters: list = []  # accepted_by_depth's children, depth 1 first
         self.ttft = Histogram(
             "ddtree_time_to_first_token_seconds",
             "Arrival (HTTP handler) to the first token published to the stream",
@@ -369,6 +386,7 @@ class ServerMetrics:
         """One decode round's RoundRecord (engine/budget.py) and the server's own times."""
         for b in rec.budgets:
             self.budget.observe(b)
+        self._on_depths(rec)
         self.verify_width.labels(str(rec.width)).inc()
         if rec.rung:
             self.rung.labels(rec.rung).inc()
@@ -394,6 +412,24 @@ class ServerMetrics:
         for name, value in zip(DEVICE_PARTS, device):
             if value is not None:
                 self.round_time.labels(name).observe(value)
+
+    def _on_depths(self, rec) -> None:
+        """The round's accepted drafts by depth: a request that accepted k drafts reached depths
+        1..k. One increment per depth reached in the round, not per request."""
+        accepted = [a for a, b in zip(rec.accepted, rec.budgets) if b > 0]
+        if not accepted:
+            return
+        self.spec_drafts.labels(self.algorithm).inc(len(accepted))
+        reached = [0] * (max(accepted) + 1)  # reached[d]: requests that accepted exactly d
+        for a in accepted:
+            reached[a] += 1
+        while len(self._depth_counters) < len(reached) - 1:
+            d = len(self._depth_counters) + 1
+            self._depth_counters.append(self.accepted_by_depth.labels(self.algorithm, str(d)))
+        at_least = 0
+        for d in range(len(reached) - 1, 0, -1):
+            at_least += reached[d]
+            self._depth_counters[d - 1].inc(at_least)
 
     def set_round_costs(self, costs: dict[int, dict[str, float]]) -> None:
         """`BudgetPlanner.round_costs()`: what the policy believes each rung's round costs."""
