@@ -25,7 +25,7 @@ DESCRIPTION = (
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """Every flag generate takes: the engine's (server_args.FLAG_GROUPS but the server's own,
+    """Every flag generate takes: the engine's (config.args.FLAG_GROUPS but the server's own,
     which would not act here and are refused) and its own. `--help` prints the short help
     (`print_help`); `--help=all` every flag's, `--help=GROUP` one group's."""
     from ddtree.config.args import FLAG_GROUPS, SERVER_ONLY_GROUPS
