@@ -1,11 +1,13 @@
 """ddtree: DDTree speculative decoding on DFlash drafters, served like SGLang."""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "ServerArgs", "prepare_server_args"]
 
 _LAZY = {  # lazy so `ddtree check-config` never imports torch
     "LLM": ("ddtree.llm", "LLM"),
     "SamplingParams": ("ddtree.engine.request", "SamplingParams"),
     "RequestOutput": ("ddtree.engine.outputs", "RequestOutput"),
+    "ServerArgs": ("ddtree.config", "ServerArgs"),
+    "prepare_server_args": ("ddtree.config", "prepare_server_args"),
 }
 
 

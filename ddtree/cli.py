@@ -20,7 +20,7 @@ commands:
 def _commands():
     return {
         "generate": ("ddtree.generate", "main"),
-        "check-config": ("ddtree.check_config", "main"),
+        "check-config": ("ddtree.config.check_config", "main"),
         "serve": ("ddtree.server.launch", "main"),
         "train-target": ("ddtree.tools.train.cli", "main"),
         "train-drafter": ("ddtree.tools.train.cli", "main"),

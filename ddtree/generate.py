@@ -25,11 +25,11 @@ DESCRIPTION = (
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """Every flag generate takes: the engine's (server_args.FLAG_GROUPS but the server's own,
+    """Every flag generate takes: the engine's (config.args.FLAG_GROUPS but the server's own,
     which would not act here and are refused) and its own. `--help` prints the short help
     (`print_help`); `--help=all` every flag's, `--help=GROUP` one group's."""
-    from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUPS
-    from ddtree.server_args import make_parser as server_parser
+    from ddtree.config.args import FLAG_GROUPS, SERVER_ONLY_GROUPS
+    from ddtree.config.args import make_parser as server_parser
 
     engine = tuple(g for g in FLAG_GROUPS if g not in SERVER_ONLY_GROUPS)
     p = server_parser("ddtree generate", engine, DESCRIPTION, add_help=False)
@@ -110,14 +110,14 @@ def print_help(parser: argparse.ArgumentParser, which: str) -> int:
     `--help=all`: every flag's help; `--help=GROUP`: the groups whose title starts with GROUP."""
     import textwrap
 
-    from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUPS, flag
+    from ddtree.config.args import FLAG_GROUPS, SERVER_ONLY_GROUPS, flag
 
     engine = [g for g in FLAG_GROUPS if g not in SERVER_ONLY_GROUPS]
     if which == "all":
         parser.print_help()
         return 0
     if which != "short":
-        from ddtree.server_args import make_parser as server_parser
+        from ddtree.config.args import make_parser as server_parser
 
         picked = tuple(g for g in engine if g.lower().startswith(which.lower()))
         if not picked:
@@ -209,9 +209,9 @@ def run(args, prompts, params, label: str, chat: bool = False, tqdm_bar: bool = 
 
 
 def main(argv: list[str]) -> int:
-    from ddtree.configs import ConfigError
+    from ddtree.config import ServerArgs, resolve_server_args
     from ddtree.engine.request import SamplingParams
-    from ddtree.server_args import ServerArgs, resolve_server_args
+    from ddtree.models.configs import ConfigError
 
     parser = make_parser()
     ns = parser.parse_args(argv)

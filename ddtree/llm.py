@@ -11,7 +11,7 @@ from ddtree.engine.request import SamplingParams
 
 class LLM:
     def __init__(self, model_path: str | None = None, **kwargs):
-        from ddtree.server_args import ServerArgs, resolve_server_args
+        from ddtree.config import ServerArgs, resolve_server_args
 
         fields = {f.name for f in dataclasses.fields(ServerArgs)}
         unknown = sorted(set(kwargs) - fields)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ddtree.assets import default_model_paths
-from ddtree.configs import DrafterConfig
+from ddtree.models.configs import DrafterConfig
 from ddtree.tools.train.selector import dflash2_from_dflash
 
 

@@ -24,8 +24,8 @@ def full_collections(n: int) -> list[float]:
 
 
 def main(argv=None) -> int:
+    from ddtree.config import ServerArgs, make_parser, resolve_server_args
     from ddtree.server.launch import build_app
-    from ddtree.server_args import ServerArgs, make_parser, resolve_server_args
 
     ns = make_parser("studies/gc_pause.py").parse_args(sys.argv[1:] if argv is None else argv)
     app, aengine = build_app(resolve_server_args(ServerArgs(**vars(ns))))

@@ -32,7 +32,7 @@ from ddtree.bench.rounds import prefilled_requests, run_case, runner_config  # n
 
 def pair_for_shape(shape: str, src_target: str, dflash: str, dflash2: str, device, dtype):
     """(target, DFlash drafter, DFlash2 drafter) of `shape` on `device` in `dtype`."""
-    from ddtree.configs import DrafterConfig, TargetConfig
+    from ddtree.models.configs import DrafterConfig, TargetConfig
     from ddtree.models.loader import load_drafter
     from ddtree.tools.inflate import inflate_pair
     from ddtree.tools.inflate.drafter import inflate_drafter

@@ -206,7 +206,7 @@ def qwen36_27b_dflash_config(dflash_overrides: dict | None = None, **overrides) 
 
 def write_model_dir(root, name: str, cfg: dict, weights: bool = True) -> str:
     """With `weights`, an empty `model.safetensors` placeholder too: serving refuses a directory
-    without weight files (`config_checks.weight_problems`), and nothing that reads these
+    without weight files (`models.sources.weight_problems`), and nothing that reads these
     directories loads weights."""
     path = os.path.join(str(root), name)
     os.makedirs(path, exist_ok=True)

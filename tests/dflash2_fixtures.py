@@ -15,7 +15,7 @@ import re
 import torch
 from safetensors.torch import save_file
 
-from ddtree.configs import DrafterConfig
+from ddtree.models.configs import DrafterConfig
 from ddtree.models.dflash2 import DFlash2Drafter
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"

@@ -217,8 +217,8 @@ def draw_case(seed: int, refs, n_requests: int, extras: bool = True) -> Case:
     """The seed's config and workload. `extras`: the dimensions added after the regression seeds
     were found (grammars, DFlash2 drafters, FP8), drawn from streams of their own; without them a seed
     draws what it always drew."""
+    from ddtree.config import ServerArgs, resolve_server_args
     from ddtree.engine.config import spec_config
-    from ddtree.server_args import ServerArgs, resolve_server_args
 
     rng = random.Random(seed)
     cfg, knobs = draw_config(seed, rng)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from ddtree.configs import DrafterConfig, default_target_layer_ids
+from ddtree.models.configs import DrafterConfig, default_target_layer_ids
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.loader import save_model
 

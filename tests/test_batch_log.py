@@ -8,8 +8,8 @@ import pytest
 from server_fixtures import build_tiny_pair
 
 from ddtree import LLM, SamplingParams
-from ddtree.configs import ConfigError
-from ddtree.server_args import ServerArgs, resolve_server_args
+from ddtree.config import ServerArgs, resolve_server_args
+from ddtree.models.configs import ConfigError
 
 DECODE = re.compile(
     r"^Decode batch\. #running-req: (\d+), #token: (\d+), token usage: (\d\.\d\d), accept len: "

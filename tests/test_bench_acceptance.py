@@ -61,7 +61,7 @@ def test_dflash_and_dflash2_in_one_table(tmp_path, one_torch_thread, capsys):
     agree, and so do DDTree over its unary marginals and DFlash's DDTREE; its DDTREE rows come per
     tree (path-conditioned, marginal). ~50 s."""
     from ddtree.assets import default_model_paths
-    from ddtree.configs import DrafterConfig, TargetConfig
+    from ddtree.models.configs import DrafterConfig, TargetConfig
     from ddtree.models.drafters import build_drafter
     from ddtree.models.loader import save_model
     from ddtree.tools.train.drafter import drafter_config_for

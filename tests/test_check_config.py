@@ -13,16 +13,15 @@ from config_fixtures import (
     write_model_dir,
 )
 
-from ddtree.check_config import main
-from ddtree.configs import TargetConfig
-from ddtree.memory_plan import (
+from ddtree.config import prepare_server_args
+from ddtree.config.check_config import main
+from ddtree.config.memory_plan import (
     DTYPE_BYTES,
     MemoryPlan,
     memory_plan,
     recurrent_state_bytes,
-    target_param_count,
 )
-from ddtree.server_args import prepare_server_args
+from ddtree.models.configs import TargetConfig, target_param_count
 
 GIB = 2**30
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -320,7 +319,7 @@ def test_check_config_says_what_it_planned_for(tmp_path, capsys):
 
 
 def test_check_config_cuda_without_gpu_needs_a_size(tmp_path, capsys, monkeypatch):
-    import ddtree.check_config as cc
+    import ddtree.config.check_config as cc
 
     monkeypatch.setattr(cc, "cuda_available", lambda: False)
     target = dense_pair(tmp_path)[0]
@@ -352,7 +351,7 @@ def _run_check_config(tmp_path, prelude: str) -> list[str]:
     """The heavy packages a check-config run imported (in a fresh interpreter)."""
     target, drafter = hybrid_pair(tmp_path)
     code = (
-        prelude + "import sys; from ddtree.check_config import main; "
+        prelude + "import sys; from ddtree.config.check_config import main; "
         f"rc = main(['--model-path', {target!r}, '--speculative-algorithm', 'DDTREE', "
         f"'--speculative-draft-model-path', {drafter!r}, '--device', 'cuda', "
         "'--device-memory-gib', '140']); "

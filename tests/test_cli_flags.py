@@ -12,7 +12,7 @@ import pytest
 from server_fixtures import REPO_ROOT
 
 from ddtree import generate
-from ddtree.server_args import FLAG_GROUPS, SERVER_ONLY_GROUPS, ServerArgs, cli_fields, flag
+from ddtree.config.args import FLAG_GROUPS, SERVER_ONLY_GROUPS, ServerArgs, cli_fields, flag
 
 TYPO = ["--speculative-ddtree-bud", "8"]
 
@@ -64,7 +64,7 @@ def test_an_abbreviated_flag_is_an_error(command, capsys):
 
 
 def test_prepare_server_args_refuses_an_abbreviation():
-    from ddtree.server_args import prepare_server_args
+    from ddtree.config import prepare_server_args
 
     with pytest.raises(SystemExit):
         prepare_server_args(TYPO)

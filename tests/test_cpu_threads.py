@@ -7,15 +7,15 @@ import pytest
 import torch
 from config_fixtures import dense_pair
 
-from ddtree import server_args_device
-from ddtree.configs import ConfigError
-from ddtree.server_args import prepare_server_args
+from ddtree.config import device as config_device
+from ddtree.config import prepare_server_args
+from ddtree.models.configs import ConfigError
 
 
 @pytest.fixture
 def cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(server_args_device, "available_cores", lambda: 6)
+    monkeypatch.setattr(config_device, "available_cores", lambda: 6)
 
 
 def threads(*argv):

@@ -214,7 +214,7 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
     from triton_utils import load_kernel_module
 
     load_kernel_module("ddtree.kernels.tree_attention.triton")
-    import ddtree.server_args as server_args
+    import ddtree.config.args as server_args
 
     if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
         monkeypatch.setattr(
@@ -247,7 +247,7 @@ def test_probed_plans_are_the_plans_that_run(toy_pair, monkeypatch):
     from triton_utils import load_kernel_module
 
     kernel = load_kernel_module("ddtree.kernels.tree_attention.triton")
-    import ddtree.server_args as server_args
+    import ddtree.config.args as server_args
 
     if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
         monkeypatch.setattr(
@@ -296,7 +296,7 @@ def test_probed_plans_are_the_plans_that_run(toy_pair, monkeypatch):
 def _resolve(tmp_path, *extra):
     from config_fixtures import dense_pair
 
-    from ddtree.server_args import prepare_server_args
+    from ddtree.config import prepare_server_args
 
     target, drafter = dense_pair(tmp_path)
     return prepare_server_args(
@@ -315,7 +315,7 @@ def _resolve(tmp_path, *extra):
 def test_cuda_graph_flags_resolve(tmp_path, caplog):
     import logging
 
-    from ddtree.configs import ConfigError
+    from ddtree.models.configs import ConfigError
 
     caplog.set_level(logging.INFO, logger="ddtree")
     on = _resolve(tmp_path, "--device", "cuda", "--attention-backend", "triton")

@@ -7,9 +7,10 @@ import logging
 import pytest
 from config_fixtures import dense_pair, qwen3_8b_config, write_model_dir
 
-from ddtree import server_args_device, server_args_resolve
-from ddtree.configs import ConfigError
-from ddtree.server_args import ServerArgs, prepare_server_args, resolve_server_args
+from ddtree.config import ServerArgs, prepare_server_args, resolve_server_args
+from ddtree.config import device as config_device
+from ddtree.config import resolve as config_resolve
+from ddtree.models.configs import ConfigError
 
 
 @pytest.fixture
@@ -40,8 +41,8 @@ def machine(monkeypatch):
     """machine(cuda, triton): fake the GPU probe and the triton lookup that resolution reads."""
 
     def set_machine(cuda: bool, triton: bool):
-        monkeypatch.setattr(server_args_resolve, "cuda_available", lambda: cuda)
-        monkeypatch.setattr(server_args_device, "triton_available", lambda: triton)
+        monkeypatch.setattr(config_resolve, "cuda_available", lambda: cuda)
+        monkeypatch.setattr(config_device, "triton_available", lambda: triton)
 
     return set_machine
 
@@ -120,7 +121,7 @@ def test_config_only_dirs_resolve_and_plan_weights_are_checked_at_load(tmp_path,
     from config_fixtures import qwen36_27b_config, qwen36_27b_dflash_config
 
     from ddtree.engine.setup import build_runner
-    from ddtree.model_sources import weight_problems
+    from ddtree.models.sources import weight_problems
     from ddtree.server import launch
 
     target = write_model_dir(tmp_path, "Qwen3.6-27B", qwen36_27b_config(), weights=False)
@@ -164,7 +165,7 @@ def test_config_only_dirs_resolve_and_plan_weights_are_checked_at_load(tmp_path,
 
 
 def test_sharded_index_counts_as_weights(tmp_path):
-    from ddtree.model_sources import weight_problems
+    from ddtree.models.sources import weight_problems
 
     target = write_model_dir(tmp_path, "sharded", qwen3_8b_config(), weights=False)
     assert weight_problems(prepare_server_args(["--model-path", target]))

@@ -15,7 +15,7 @@ from dflash2_fixtures import (
 from hf_fixtures import save_hf_qwen3
 from safetensors.torch import load_file
 
-from ddtree.configs import ConfigError, DrafterConfig
+from ddtree.models.configs import ConfigError, DrafterConfig
 from ddtree.models.dflash2 import DFlash2Drafter
 from ddtree.models.loader import load_drafter
 
@@ -91,7 +91,7 @@ def test_dflash2_fields_on_a_dflash_checkpoint_are_refused(target_dir, tmp_path)
 
 def test_server_args_name_the_flag_and_field(target_dir, tmp_path):
     """The serving path refuses the same configs in its one ConfigError, naming the flag."""
-    from ddtree.server_args import ServerArgs, resolve_server_args
+    from ddtree.config import ServerArgs, resolve_server_args
 
     cfg = save_public_dflash2(target_dir, tmp_path / "d")
     cfg["dflash_config"]["conv_group_size"] = 24
@@ -110,7 +110,7 @@ def test_server_args_name_the_flag_and_field(target_dir, tmp_path):
 
 def test_memory_plan_counts_the_public_checkpoint():
     """The memory plan's drafter parameter count is the public checkpoint's tensor sizes."""
-    from ddtree.memory_plan import drafter_param_count
+    from ddtree.models.configs import drafter_param_count
 
     n = 0
     for v in public_header().values():

@@ -10,11 +10,11 @@ import pytest
 import torch
 from config_fixtures import dense_pair, hybrid_pair
 
-from ddtree.check_config import main as check_config
-from ddtree.configs import ConfigError
-from ddtree.memory_plan import describe_placement, replica_gpus, shared
+from ddtree.config import ServerArgs, prepare_server_args, resolve_server_args
+from ddtree.config.check_config import main as check_config
+from ddtree.config.memory_plan import describe_placement, replica_gpus, shared
+from ddtree.models.configs import ConfigError
 from ddtree.server.dp.placement import check_gpus
-from ddtree.server_args import ServerArgs, prepare_server_args, resolve_server_args
 
 
 def argv(pair, *extra):
@@ -167,10 +167,10 @@ def test_serve_refuses_more_gpus_than_visible_before_any_replica_starts():
 def test_cpu_replicas_split_the_cores(tmp_path, monkeypatch):
     """On the CPU every rank of every replica is a process: the automatic --cpu-threads is each
     one's share of the cores (here the 8B config's size would take them all)."""
-    from ddtree import server_args_device
+    from ddtree.config import device as config_device
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(server_args_device, "available_cores", lambda: 8)
+    monkeypatch.setattr(config_device, "available_cores", lambda: 8)
     pair = dense_pair(tmp_path)
     cpu = [a if a != "cuda" else "cpu" for a in argv(pair)]
     assert prepare_server_args(cpu + ["--tp-size", "2"]).cpu_threads == 4

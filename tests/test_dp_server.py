@@ -23,7 +23,7 @@ from engine_utils import accepted_prompts, make_llm, toy_pattern
 from server_fixtures import server_argv, server_info, subprocess_server, wait_idle
 
 from ddtree import SamplingParams
-from ddtree.shapes import EOS_ID
+from ddtree.models.shapes import EOS_ID
 
 N_NEW = 12
 PROMPTS = [list(p) for p in accepted_prompts(6)]

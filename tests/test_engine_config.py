@@ -10,7 +10,8 @@ from hybrid_fixtures import save_hf_qwen3_5
 from pair_fixtures import save_random_drafter
 
 import ddtree.engine.setup as setup
-from ddtree.configs import ConfigError
+from ddtree.config import prepare_server_args
+from ddtree.config.memory_plan import memory_plan
 from ddtree.engine.config import (
     GDNGeometry,
     SpecConfig,
@@ -20,8 +21,7 @@ from ddtree.engine.config import (
     spec_config,
     verify_width,
 )
-from ddtree.memory_plan import memory_plan
-from ddtree.server_args import prepare_server_args
+from ddtree.models.configs import ConfigError
 
 GIB = 2**30
 DEVICE_BYTES = 3 * GIB

@@ -38,7 +38,7 @@ def test_plan_passes():
 
 
 def test_extend_widths_are_derived_once(monkeypatch):
-    from ddtree.server_args import prepare_server_args
+    from ddtree.config import prepare_server_args
 
     assert extend_widths(190) == (64, 128, 256) and extend_widths(100) == (64, 128)
     assert extend_widths(4096) == (64, 128, 256)
@@ -215,7 +215,7 @@ def test_triton_kernel_runs_the_graphed_extend(toy_pair, monkeypatch):
     from triton_utils import load_kernel_module
 
     kernel = load_kernel_module("ddtree.kernels.tree_attention.triton")
-    import ddtree.server_args as server_args
+    import ddtree.config.args as server_args
 
     if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
         monkeypatch.setattr(

@@ -12,14 +12,14 @@ import pytest
 import torch
 from fp8_fixtures import dequantized_checkpoint, quantize_block, write_fp8_checkpoint
 
-from ddtree.configs import ConfigError, TargetConfig
-from ddtree.memory_plan import rank_weight_bytes, served_fp8
+from ddtree.config import ServerArgs, resolve_server_args
+from ddtree.config.memory_plan import rank_weight_bytes, served_fp8
 from ddtree.models import checkpoint as ckpt
 from ddtree.models import loader
 from ddtree.models.checkpoint import at_load_layout, target_linear_shapes
+from ddtree.models.configs import ConfigError, TargetConfig
 from ddtree.models.loader import load_drafter, load_target
 from ddtree.models.quant import Fp8Linear
-from ddtree.server_args import ServerArgs, resolve_server_args
 
 
 @pytest.fixture(scope="module")
@@ -291,8 +291,8 @@ def test_rank_fp8_bytes_are_what_a_27b_rank_builds(tp):
     from ddtree.models.loader import build_target
     from ddtree.models.parallel import TPGroup
     from ddtree.models.quant import to_fp8
+    from ddtree.models.shapes import QWEN36_27B
     from ddtree.models.tp_layout import fp8_cuts, shard_target
-    from ddtree.shapes import QWEN36_27B
 
     t = TargetConfig.from_dict(QWEN36_27B)
     layout = at_load_layout(target_linear_shapes(t), ckpt.TARGET_LINEARS, None)

@@ -12,7 +12,7 @@ import torch
 import ddtree.kernels.fp8 as fp8
 from ddtree.kernels.fp8 import deepgemm as DG
 from ddtree.kernels.fp8 import table
-from ddtree.shapes import QWEN3_8B, QWEN36_27B
+from ddtree.models.shapes import QWEN3_8B, QWEN36_27B
 
 
 def row(n, k, rows, **us):

@@ -91,8 +91,8 @@ def test_quantizing_the_written_plain_pair_at_load_is_the_fp8_pair(written):
 
 
 def test_fp8_pair_resolves_and_plans_fp8_bytes(written):
-    from ddtree.memory_plan import memory_plan
-    from ddtree.server_args import ServerArgs, resolve_server_args
+    from ddtree.config import ServerArgs, resolve_server_args
+    from ddtree.config.memory_plan import memory_plan
 
     _, _, (tdir, ddir), (ptdir, _) = written
     args = resolve_server_args(

@@ -14,12 +14,12 @@ from engine_utils import GREEDY, accepted_prompts, make_llm, mean_accept
 from fp8_fixtures import write_fp8_checkpoint
 from safetensors.torch import load_file
 
-from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
+from ddtree.config import ServerArgs, resolve_server_args
 from ddtree.models import checkpoint as ckpt
+from ddtree.models.configs import ConfigError, DrafterConfig, TargetConfig
 from ddtree.models.loader import load_drafter, load_target
 from ddtree.models.parallel import TPGroup
 from ddtree.models.tp_layout import ShardMap
-from ddtree.server_args import ServerArgs, resolve_server_args
 
 BLOCK = (16, 32)
 PROMPTS = [list(p) for p in accepted_prompts(3)]

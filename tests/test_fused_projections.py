@@ -4,7 +4,7 @@ row views of the fused weights, load_state_dict() and the safetensors loader tak
 import torch
 from pair_fixtures import drafter_config_dict
 
-from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.loader import load_drafter, load_target, save_model
 from ddtree.models.qwen3 import Qwen3ForCausalLM

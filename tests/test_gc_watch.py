@@ -38,7 +38,7 @@ def test_freezing_leaves_a_full_collection_only_what_came_after():
 
 
 def test_the_freeze_switch(monkeypatch):
-    from ddtree.configs import ConfigError
+    from ddtree.models.configs import ConfigError
 
     monkeypatch.delenv("DDTREE_GC_FREEZE", raising=False)
     assert gc_freeze_on()

@@ -5,7 +5,7 @@ moved by `.to()` are fused again rather than read stale."""
 
 import torch
 
-from ddtree.configs import TargetConfig
+from ddtree.models.configs import TargetConfig
 from ddtree.models.gated_deltanet import IN_PROJ_PARTS, GatedDeltaNet
 from ddtree.tools.train.toy import toy_hybrid_target_config
 

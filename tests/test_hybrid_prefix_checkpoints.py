@@ -19,9 +19,9 @@ from server_fixtures import build_tiny_hybrid_pair, server_argv, thread_server, 
 
 from ddtree import SamplingParams
 from ddtree.bench.multiturn import STATE_COUNTERS, cache_counters
+from ddtree.config import ServerArgs, resolve_server_args
+from ddtree.config.memory_plan import memory_plan
 from ddtree.engine.config import plan_pools
-from ddtree.memory_plan import memory_plan
-from ddtree.server_args import ServerArgs, resolve_server_args
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PAGE = 4

@@ -113,8 +113,8 @@ def test_shape_too_small_is_refused(small):
 
 
 def test_named_shapes_resolve():
-    from ddtree.configs import TargetConfig
-    from ddtree.shapes import resolve_shape
+    from ddtree.models.configs import TargetConfig
+    from ddtree.models.shapes import resolve_shape
 
     t8, d8 = resolve_shape("qwen3-8b")
     assert (

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     from ddtree.assets import default_model_paths
-    from ddtree.configs import TargetConfig
+    from ddtree.models.configs import TargetConfig
     from ddtree.models.drafters import build_drafter
     from ddtree.models.loader import load_drafter, load_target, save_model
     from ddtree.tools.train.drafter import drafter_config_for
@@ -38,7 +38,7 @@ def small(tmp_path_factory):
         architecture="DFlash2DraftModel",
         selector_rank=32,
     )
-    from ddtree.configs import DrafterConfig
+    from ddtree.models.configs import DrafterConfig
 
     drafter = build_drafter(DrafterConfig.from_dict(cfg))
     warm_start(drafter, d)

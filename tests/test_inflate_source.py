@@ -59,8 +59,8 @@ def written_outputs(written):
 
 def test_resolves_from_the_plan(spec, written):
     from ddtree.assets import default_model_paths
-    from ddtree.configs import DrafterConfig, TargetConfig
-    from ddtree.server_args import ServerArgs, resolve_server_args
+    from ddtree.config import ServerArgs, resolve_server_args
+    from ddtree.models.configs import DrafterConfig, TargetConfig
 
     a = resolve_server_args(
         ServerArgs(model_path=spec, speculative_algorithm="DDTREE", device="cpu")
@@ -99,8 +99,8 @@ def test_resolves_from_the_plan(spec, written):
     ],
 )
 def test_bad_specs_are_refused_before_weights(kw, needle):
-    from ddtree.configs import ConfigError
-    from ddtree.server_args import ServerArgs, resolve_server_args
+    from ddtree.config import ServerArgs, resolve_server_args
+    from ddtree.models.configs import ConfigError
 
     with pytest.raises(ConfigError) as e:
         resolve_server_args(ServerArgs(speculative_algorithm="DFLASH", device="cpu", **kw))
@@ -108,8 +108,8 @@ def test_bad_specs_are_refused_before_weights(kw, needle):
 
 
 def test_too_small_shape_is_refused_before_weights(tmp_path):
-    from ddtree.configs import ConfigError
-    from ddtree.server_args import ServerArgs, resolve_server_args
+    from ddtree.config import ServerArgs, resolve_server_args
+    from ddtree.models.configs import ConfigError
 
     bad = shape("hybrid")
     bad["hidden_size"] = 256
@@ -122,9 +122,9 @@ def test_too_small_shape_is_refused_before_weights(tmp_path):
 def test_check_config_plans_the_built_weights(spec, tmp_path):
     """The plan's weight bytes (from the shape) are what the engine builds; and check-config stays
     torch-free on an inflate: path."""
+    from ddtree.config import ServerArgs, resolve_server_args
+    from ddtree.config.memory_plan import memory_plan
     from ddtree.engine.setup import module_bytes
-    from ddtree.memory_plan import memory_plan
-    from ddtree.server_args import ServerArgs, resolve_server_args
     from ddtree.tools.inflate.source import build_pair
 
     args = resolve_server_args(
@@ -135,7 +135,7 @@ def test_check_config_plans_the_built_weights(spec, tmp_path):
     assert plan.target_weight_bytes == module_bytes(target)
     assert plan.drafter_weight_bytes == module_bytes(drafter)
     code = (
-        "import sys; from ddtree.check_config import main; "
+        "import sys; from ddtree.config.check_config import main; "
         "rc = main(['--model-path', 'inflate:qwen3.6-27b', '--speculative-algorithm', 'DDTREE', "
         "'--device', 'cuda', '--device-memory-gib', '140', '--mamba-scheduler-strategy', "
         "'no_buffer']); assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch imported'"

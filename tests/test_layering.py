@@ -2,15 +2,17 @@
 floor or below; every import in every module is checked, function-level (lazy) imports included,
 and every module must have a floor (a new package is placed here on purpose, not by accident).
 
-    0  envs, configs, shapes, assets, model_sources, speculative (pure tree math), grammar (grammar
-       specs, matchers and the draft tree under a grammar: host math beside speculative)
-    1  kernels            2  attention           3  models          4  engine
-    5  the configuration above the engine: server_args (+ its _resolve / _device halves), config_checks,
-       memory_plan, check_config
+    0  envs, assets, speculative (pure tree math), grammar (grammar specs, matchers and the draft
+       tree under a grammar: host math beside speculative)
+    1  kernels            2  attention
+    3  models (with their configs from config.json, parameter counts, shapes and model sources)
+    4  engine
+    5  config: the configuration above the engine (server arguments, their resolution, the memory
+       plan, check-config)
     6  server, llm, generate
     7  bench (the user-facing benchmarks), cli, launch_server, the package root
     8  tools: inflate, train, studies. Nothing below imports them: the serving graph reaches a
-       tool only through `model_sources`' lazy registry, when a model path names its scheme.
+       tool only through `models.sources`' lazy registry, when a model path names its scheme.
 """
 
 import ast
@@ -23,22 +25,14 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ddtree"
 
 FLOORS = {
     "envs": 0,
-    "configs": 0,
-    "shapes": 0,
     "assets": 0,
-    "model_sources": 0,
     "speculative": 0,
     "grammar": 0,
     "kernels": 1,
     "attention": 2,
     "models": 3,
     "engine": 4,
-    "server_args": 5,
-    "server_args_resolve": 5,
-    "server_args_device": 5,
-    "config_checks": 5,
-    "memory_plan": 5,
-    "check_config": 5,
+    "config": 5,
     "server": 6,
     "llm": 6,
     "generate": 6,

@@ -45,7 +45,7 @@ def test_chain_tau_counts_leading_hits_of_complete_blocks():
 
 
 def test_selector_only_run_on_the_toy_pair(toy_pair, tmp_path):
-    from ddtree.configs import TargetConfig
+    from ddtree.models.configs import TargetConfig
     from ddtree.models.loader import load_drafter, load_target
     from ddtree.tools.train.drafter import drafter_config_for
     from ddtree.tools.train.selector_fit import train_selector_only
@@ -89,7 +89,7 @@ def test_selector_only_run_on_the_toy_pair(toy_pair, tmp_path):
 def test_full_training_warm_start_keeps_the_dflash_function(toy_pair):
     """`train-drafter --architecture dflash2 --init-from` (every weight trained): before any update
     (lr 0) the DFlash2 drafter's chain is the DFlash drafter's, token for token."""
-    from ddtree.configs import TargetConfig
+    from ddtree.models.configs import TargetConfig
     from ddtree.models.loader import load_drafter, load_target
     from ddtree.speculative.markov_tree import build_markov_chain
     from ddtree.speculative.tree import build_chain

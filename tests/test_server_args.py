@@ -14,9 +14,9 @@ from config_fixtures import (
     write_model_dir,
 )
 
-from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
+from ddtree.config import ServerArgs, make_parser, prepare_server_args, resolve_server_args
 from ddtree.engine.config import spec_config
-from ddtree.server_args import ServerArgs, make_parser, prepare_server_args, resolve_server_args
+from ddtree.models.configs import ConfigError, DrafterConfig, TargetConfig
 
 DDTREE_FLAGS = [
     "--speculative-algorithm",
@@ -492,7 +492,7 @@ def test_policy_trace_is_refused_where_it_would_trace_nothing(dense, tmp_path, m
 
 def test_every_flag_is_in_one_group():
     """A field added to ServerArgs without a FLAG_GROUPS entry would have no flag at all."""
-    from ddtree.server_args import FLAG_GROUPS, cli_fields
+    from ddtree.config.args import FLAG_GROUPS, cli_fields
 
     grouped = [name for names in FLAG_GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(f.name for f in cli_fields())

@@ -562,7 +562,7 @@ def test_metrics_no_auth_opens_only_metrics(server):
     ],
 )
 def test_new_flags_are_refused_before_weights_load(pair, flags, fragment):
-    from ddtree.configs import ConfigError
+    from ddtree.models.configs import ConfigError
     from ddtree.server.launch import prepare_args
 
     with pytest.raises(ConfigError) as info:

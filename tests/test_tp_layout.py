@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.config.memory_plan import rank_weight_bytes
 from ddtree.engine.config import plan_pools
-from ddtree.memory_plan import rank_weight_bytes
+from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.loader import build_target, load_drafter, load_target
 from ddtree.models.parallel import TPGroup
@@ -34,13 +34,13 @@ def test_tp_problems_replicate_kv_heads_and_refuse_the_rest(target_27b):
 
 @pytest.fixture
 def target_27b():
-    from ddtree.shapes import QWEN36_27B
+    from ddtree.models.shapes import QWEN36_27B
 
     return TargetConfig.from_dict(QWEN36_27B)
 
 
 def drafter_27b(t: TargetConfig) -> DrafterConfig:
-    from ddtree.shapes import QWEN36_27B_DRAFTER
+    from ddtree.models.shapes import QWEN36_27B_DRAFTER
 
     keys = {k: v for k, v in QWEN36_27B_DRAFTER.items() if k != "num_taps"}
     ids = [1, 16, 31, 46, 61]
@@ -105,7 +105,7 @@ def test_rank_weight_bytes_are_what_a_rank_builds(target_27b, tp):
 
 def test_pools_plan_local_kv_heads(toy_pair):
     """Per-rank KV: local heads; tp 4 over 2 KV heads keeps one (replicated) head per rank."""
-    from ddtree.server_args import ServerArgs, resolve_server_args
+    from ddtree.config import ServerArgs, resolve_server_args
 
     target, drafter = toy_pair
     args = resolve_server_args(

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.loader import load_drafter, load_target
 from ddtree.tools.train import data

@@ -374,7 +374,7 @@ def test_engine_tokens_match_torch_backend(toy_pair, monkeypatch):
     backend's tokens."""
     from engine_utils import run, toy_prompts
 
-    import ddtree.server_args as server_args
+    import ddtree.config.args as server_args
     from ddtree import SamplingParams
 
     if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:

@@ -92,9 +92,9 @@ def dflash2_tree(tree: str | None):
 def measure(
     base, algorithm: str, budget: int, shadow: bool, temperature: float, prompts, max_tokens, seed
 ):
+    from ddtree.config import resolve_server_args
     from ddtree.engine.engine import LLMEngine
     from ddtree.engine.request import SamplingParams
-    from ddtree.server_args import resolve_server_args
 
     args = resolve_server_args(
         dataclasses.replace(
@@ -129,8 +129,8 @@ def measure(
 
 
 def main(argv: list[str]) -> int:
-    from ddtree.configs import ConfigError
-    from ddtree.server_args import ServerArgs, resolve_server_args
+    from ddtree.config import ServerArgs, resolve_server_args
+    from ddtree.models.configs import ConfigError
 
     ns = make_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

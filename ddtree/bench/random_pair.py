@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.dflash import DFlashDrafter
-from ddtree.shapes import drafter_config_for, qwen3_config
+from ddtree.models.shapes import drafter_config_for, qwen3_config
 
 INIT_STD = 0.02
 # Qwen3-8B: 36 layers, hidden 4096, GQA 32/8, head dim 128, MLP 12288, vocab 151936; drafter 5 layers.
@@ -76,7 +76,7 @@ def shape_configs(
     """Configs of a `ddtree inflate --shape` (qwen3-8b, qwen3.6-27b or a config.json), dense or
     hybrid, with that shape's drafter (layers, heads, sliding windows); `smoke` swaps a hybrid shape
     for SMOKE_HYBRID."""
-    from ddtree.shapes import is_hybrid, resolve_shape
+    from ddtree.models.shapes import is_hybrid, resolve_shape
 
     t, d = resolve_shape(shape)
     if smoke and is_hybrid(t):

@@ -10,7 +10,6 @@ import weakref
 
 import torch
 
-from ddtree.configs import ConfigError
 from ddtree.engine import logprobs
 from ddtree.engine.batch_log import BatchLog
 from ddtree.engine.config import prefill_chunk_tokens
@@ -25,6 +24,7 @@ from ddtree.engine.sampler import NodePositions, sample_nodes
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.setup import build_runner, load_tokenizer, resolve_device
 from ddtree.engine.tp.launch import rank_device, start_ranks
+from ddtree.models.configs import ConfigError
 
 logger = logging.getLogger("ddtree")
 

@@ -15,7 +15,7 @@ from ddtree import envs
 
 class PolicyTrace:
     def __init__(self, path: str | None = None):
-        # stripped as `server_args_resolve._check_policy_trace` reads it (blank: no trace)
+        # stripped as `config.resolve._check_policy_trace` reads it (blank: no trace)
         path = envs.POLICY_TRACE.get().strip() if path is None else path
         # line-buffered: a server stopped by a signal keeps every round it wrote
         self._f = open(path, "a", encoding="utf-8", buffering=1) if path else None  # noqa: SIM115

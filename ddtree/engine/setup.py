@@ -10,13 +10,13 @@ import os
 
 import torch
 
-from ddtree.configs import ConfigError
 from ddtree.engine.config import device_memory_bytes, plan_pools, runner_config
 from ddtree.engine.model_runner import ModelRunner
-from ddtree.model_sources import source_for, weight_problems
+from ddtree.models.configs import ConfigError
 from ddtree.models.layers import torch_dtype
 from ddtree.models.loader import load_drafter, load_target
 from ddtree.models.quant import quantize_model
+from ddtree.models.sources import source_for, weight_problems
 
 logger = logging.getLogger("ddtree")
 
@@ -52,7 +52,7 @@ def module_bytes(*modules) -> int:
 
 
 def sourced_models(args, dtype: torch.dtype, device: torch.device):
-    """(target, drafter) of a model path that names a source (`ddtree.model_sources`, e.g.
+    """(target, drafter) of a model path that names a source (`ddtree.models.sources`, e.g.
     `inflate:`: built in memory on the device in the serving dtype, no files); (None, None) for a
     directory."""
     source = source_for(args.model_path)

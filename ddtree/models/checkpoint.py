@@ -24,7 +24,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from ddtree.configs import FP8_DEFAULT_BLOCK, Fp8Config
+from ddtree.models.configs import FP8_DEFAULT_BLOCK, Fp8Config
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = ".weight_scale_inv"

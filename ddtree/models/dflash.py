@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.configs import DrafterConfig
 from ddtree.kernels import tree_build
 from ddtree.kernels.fused import qk_norm_rope
+from ddtree.models.configs import DrafterConfig
 from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding
 from ddtree.models.parallel import TPGroup
 from ddtree.models.quant import linear_rows

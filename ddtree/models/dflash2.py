@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from ddtree import envs
-from ddtree.configs import DrafterConfig
 from ddtree.kernels import selector
 from ddtree.kernels.dynamic_conv import dynamic_conv
+from ddtree.models.configs import DrafterConfig
 from ddtree.models.dflash import DFlashDrafter, DFlashLayer
 from ddtree.models.parallel import TPGroup
 from ddtree.speculative.markov_tree import MarkovDraft, build_markov_chain, build_markov_tree

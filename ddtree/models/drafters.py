@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from ddtree.configs import ConfigError, DrafterConfig
+from ddtree.models.configs import ConfigError, DrafterConfig
 
 DRAFTERS = {
     "DFlashDraftModel": ("ddtree.models.dflash", "DFlashDrafter"),

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.configs import TargetConfig
 from ddtree.kernels.gdn.dispatch import chunk_rule
 from ddtree.kernels.gdn.fused import GateInputs, gated_rmsnorm
+from ddtree.models.configs import TargetConfig
 from ddtree.models.layers import fuse_linears
 from ddtree.models.parallel import RowParallelLinear, TPGroup
 

@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
 from ddtree.models import checkpoint as ckpt
 from ddtree.models import quant
 from ddtree.models.checkpoint import Fp8Layout, safetensors_files
+from ddtree.models.configs import ConfigError, DrafterConfig, TargetConfig
 from ddtree.models.drafters import build_drafter, drafter_class
 from ddtree.models.layers import torch_dtype
 from ddtree.models.parallel import TPGroup

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.configs import TargetConfig
 from ddtree.kernels.fused import qk_norm_rope
+from ddtree.models.configs import TargetConfig
 from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears
 from ddtree.models.parallel import (
     ParallelLMHead,

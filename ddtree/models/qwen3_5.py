@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ddtree.configs import TargetConfig
 from ddtree.kernels.fused import qk_norm_rope, sigmoid_gate
+from ddtree.models.configs import TargetConfig
 from ddtree.models.gated_deltanet import GatedDeltaNet, LinearStateContext
 from ddtree.models.layers import MLP, RMSNorm, fuse_linears
 from ddtree.models.parallel import RowParallelLinear, TPGroup, VocabParallelEmbedding

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.models.configs import DrafterConfig, TargetConfig
 
 
 def head_shard(heads: int, tp: int, rank: int) -> tuple[int, int]:

@@ -19,7 +19,7 @@ import logging
 import time
 
 from ddtree import envs
-from ddtree.configs import ConfigError
+from ddtree.models.configs import ConfigError
 
 logger = logging.getLogger("ddtree")
 

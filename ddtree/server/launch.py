@@ -17,10 +17,10 @@ import sys
 import threading
 
 from ddtree import envs
-from ddtree.configs import ConfigError
-from ddtree.model_sources import weight_problems
+from ddtree.config import ServerArgs, make_parser, resolve_server_args
+from ddtree.models.configs import ConfigError
+from ddtree.models.sources import weight_problems
 from ddtree.server.gc_watch import gc_freeze_on
-from ddtree.server_args import ServerArgs, make_parser, resolve_server_args
 
 logger = logging.getLogger("ddtree")
 

@@ -25,10 +25,10 @@ pytestmark = [
     ],
 )
 def test_cuda_engine_allocates_the_plan(flags):
+    from ddtree.config import prepare_server_args
+    from ddtree.config.memory_plan import memory_plan
     from ddtree.engine.config import spec_config
     from ddtree.engine.setup import build_runner, device_bytes
-    from ddtree.memory_plan import memory_plan
-    from ddtree.server_args import prepare_server_args
 
     args = prepare_server_args(["--device", "cuda", "--mem-fraction-static", "0.3", *flags])
     dev = torch.device("cuda")

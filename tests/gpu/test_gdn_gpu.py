@@ -416,9 +416,9 @@ def test_strided_gating_norm_and_sigmoid_gate_match_reference(dtype):
 
 def test_gdn_layer_one_gemm_matches_four():
     """A 27B-shaped GatedDeltaNet: inference's one in_proj GEMM == HF's four (training's path)."""
-    from ddtree.configs import TargetConfig
+    from ddtree.models.configs import TargetConfig
     from ddtree.models.gated_deltanet import IN_PROJ_PARTS, GatedDeltaNet
-    from ddtree.shapes import resolve_shape
+    from ddtree.models.shapes import resolve_shape
 
     cfg = TargetConfig.from_dict(resolve_shape("qwen3.6-27b")[0])
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(23)

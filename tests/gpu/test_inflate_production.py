@@ -77,8 +77,8 @@ def test_qwen36_27b_served_from_memory():
     """`--model-path inflate:qwen3.6-27b`: the engine builds the 27B pair on the GPU (nothing on
     disk), its weights are the bytes the plan counted, and DDTREE drafts are accepted."""
     from ddtree import LLM, SamplingParams
+    from ddtree.config.memory_plan import memory_plan
     from ddtree.engine.setup import module_bytes
-    from ddtree.memory_plan import memory_plan
 
     llm = LLM(
         "inflate:qwen3.6-27b",

@@ -23,8 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddtree.configs import ConfigError
 from ddtree.engine.tp.rank import CONTROL_TIMEOUT, TPRank, collective_timeout
+from ddtree.models.configs import ConfigError
 
 logger = logging.getLogger("ddtree")
 

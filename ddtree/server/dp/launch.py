@@ -11,8 +11,8 @@ import dataclasses
 import logging
 import sys
 
-from ddtree.configs import ConfigError
-from ddtree.memory_plan import describe_placement, placement, shared
+from ddtree.config.memory_plan import describe_placement, placement, shared
+from ddtree.models.configs import ConfigError
 from ddtree.server.dp.client import ReplicaClient
 from ddtree.server.dp.engine import DPEngine, Frontend, _kill
 from ddtree.server.dp.placement import check_gpus, visible_devices

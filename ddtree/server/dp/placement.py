@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ddtree.configs import ConfigError
+from ddtree.models.configs import ConfigError
 
 
 def visible_devices(n_visible: int) -> list[str]:

@@ -54,7 +54,7 @@ memory: `plan.py` gives its configs without torch, `pair.py` builds it on the se
 
 from __future__ import annotations
 
-from ddtree.shapes import InflateError
+from ddtree.models.shapes import InflateError
 
 __all__ = ["InflateError", "InflatedPair", "inflate_pair", "write_pair"]
 _PAIR = ("InflatedPair", "inflate_pair", "write_pair")

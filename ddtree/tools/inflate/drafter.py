@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.tools.inflate.blocks import fill_layer, fill_residual_norm
 from ddtree.tools.inflate.layout import cycle_map, head_maps, pad_map, put
 from ddtree.tools.inflate.plan import InflateError, Residual, spread

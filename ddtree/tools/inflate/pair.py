@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.tools.inflate.drafter import inflate_drafter
 from ddtree.tools.inflate.plan import plan_pair
 from ddtree.tools.inflate.target import inflate_target
@@ -43,7 +43,7 @@ def inflate_pair(
 ) -> InflatedPair:
     """Build the widened pair in memory on `device` (nothing written): the 27B pair is built this
     way on the GPU. `shape`: "qwen3-8b", "qwen3.6-27b", a config.json path or dict (see
-    `ddtree.shapes`)."""
+    `ddtree.models.shapes`)."""
     from ddtree.models.loader import load_drafter
 
     device = torch.device(device)

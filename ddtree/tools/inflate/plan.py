@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ddtree.configs import DrafterConfig, TargetConfig
-from ddtree.shapes import InflateError, is_hybrid, resolve_shape
+from ddtree.models.configs import DrafterConfig, TargetConfig
+from ddtree.models.shapes import InflateError, is_hybrid, resolve_shape
 
 
 def spread(n: int, slots: list[int]) -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.models.configs import DrafterConfig, TargetConfig
 
 PREFIX = "inflate:"
 SYNTAX = "inflate:<shape>[:<src_target>:<src_drafter>]"
@@ -99,8 +99,8 @@ def tokenizer_dir(model_path: str | None) -> str | None:
 
 def build_pair(path: str, speculative: bool, dtype, device):
     """(target, drafter or None) built in memory on `device` (torch from here on)."""
-    from ddtree.configs import ConfigError
-    from ddtree.shapes import InflateError
+    from ddtree.models.configs import ConfigError
+    from ddtree.models.shapes import InflateError
     from ddtree.tools.inflate.pair import inflate_pair
 
     src = parse_source(path)
@@ -112,7 +112,7 @@ def build_pair(path: str, speculative: bool, dtype, device):
 
 
 class InflatePaths:
-    """`ddtree.model_sources.ModelSource` for `inflate:` paths."""
+    """`ddtree.models.sources.ModelSource` for `inflate:` paths."""
 
     resolve_config = staticmethod(resolve_config)
     drafter_path_for = staticmethod(drafter_path_for)

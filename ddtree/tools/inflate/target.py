@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddtree.configs import TargetConfig
+from ddtree.models.configs import TargetConfig
 from ddtree.tools.inflate.blocks import fill_layer, fill_residual_norm, random_gdn
 from ddtree.tools.inflate.layout import head_maps, pad_map, put
 from ddtree.tools.inflate.plan import InflateError, Residual, check_source, layer_plan

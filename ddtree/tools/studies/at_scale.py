@@ -228,7 +228,7 @@ def build(ns, report: dict, need_pair: bool):
 
 def resolve_store(ns) -> None:
     """--model-store auto and the hybrid default of --server-flags, from the shape."""
-    from ddtree.shapes import is_hybrid, resolve_shape
+    from ddtree.models.shapes import is_hybrid, resolve_shape
 
     hybrid = is_hybrid(resolve_shape(ns.shape)[0])
     if ns.in_memory and ns.model_store == "disk":
@@ -375,7 +375,7 @@ def apply_smoke(ns) -> None:
 
 def _source_vocab() -> int:
     from ddtree.assets import default_model_paths
-    from ddtree.configs import TargetConfig
+    from ddtree.models.configs import TargetConfig
 
     return TargetConfig.from_path(default_model_paths()[0]).vocab_size
 

@@ -276,7 +276,7 @@ def _drafter_data(args, target, tokenizer):
 
 
 def train_drafter_cmd(args) -> int:
-    from ddtree.configs import TargetConfig
+    from ddtree.models.configs import TargetConfig
     from ddtree.models.loader import load_target
     from ddtree.tools.train.drafter import drafter_config_for, train_drafter
 

@@ -14,7 +14,7 @@ import os
 import torch
 
 from ddtree.bench.corpus import read_texts, stdlib_files  # noqa: F401 - re-exported
-from ddtree.shapes import BOS_ID, EOS_ID, MASK_ID  # noqa: F401 - the reserved ids, re-exported
+from ddtree.models.shapes import BOS_ID, EOS_ID, MASK_ID  # noqa: F401 - the reserved ids, re-exported
 
 SPECIAL_TOKENS = ("<|bos|>", "<|endoftext|>", "<|mask|>", "<|unk|>")
 UNK_ID = 3  # after shapes.BOS_ID, EOS_ID, MASK_ID = 0, 1, 2

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ddtree.configs import DrafterConfig
+from ddtree.models.configs import DrafterConfig
 from ddtree.models.drafters import build_drafter
 from ddtree.models.loader import save_model
 from ddtree.models.qwen3 import Qwen3ForCausalLM, causal_attend
-from ddtree.shapes import drafter_config_for  # noqa: F401 - re-exported
+from ddtree.models.shapes import drafter_config_for  # noqa: F401 - re-exported
 from ddtree.tools.train.lm import (
     autocast,
     batches,

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.configs import TargetConfig
 from ddtree.kernels.gdn import gated_delta_rule_chunked, gated_delta_rule_recurrent
+from ddtree.models.configs import TargetConfig
 from ddtree.models.gated_deltanet import dense_conv_silu
 from ddtree.models.loader import build_target, save_model
 from ddtree.models.qwen3 import Qwen3ForCausalLM, causal_attend
 from ddtree.models.qwen3_5 import Qwen3_5ForCausalLM
-from ddtree.shapes import qwen3_5_config, qwen3_config  # noqa: F401 - re-exported
+from ddtree.models.shapes import qwen3_5_config, qwen3_config  # noqa: F401 - re-exported
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.0) -> float:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.configs import DrafterConfig
+from ddtree.models.configs import DrafterConfig
 
 
 @torch.no_grad()
@@ -131,7 +131,7 @@ def dflash2_from_dflash(
     function exactly when `noise` is 0); `noise` perturbs the convolutions and the selector (its
     projections scaled by 1 / sqrt(fan-in)), so they compute something, e.g. for device tests and
     timings that must not run on zeros. Returns `out_dir`."""
-    from ddtree.configs import TargetConfig
+    from ddtree.models.configs import TargetConfig
     from ddtree.models.drafters import build_drafter
     from ddtree.models.loader import save_model
     from ddtree.tools.train.drafter import drafter_config_for

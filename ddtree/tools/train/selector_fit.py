@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.configs import DrafterConfig
+from ddtree.models.configs import DrafterConfig
 from ddtree.models.drafters import build_drafter
 from ddtree.models.loader import save_model
 from ddtree.tools.train.drafter import (

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ddtree.configs import TargetConfig
+from ddtree.models.configs import TargetConfig
 from ddtree.models.loader import load_drafter, load_target
 from ddtree.models.qwen3_5 import Qwen3_5ForCausalLM
 from ddtree.tools.train.data import MASK_ID, synthetic_sequences, word_tokenizer

@@ -16,22 +16,18 @@ import argparse
 import logging
 import sys
 
-from ddtree.configs import ConfigError
-from ddtree.engine.config import cuda_available
-from ddtree.memory_plan import (
+from ddtree.config.args import ServerArgs, cli_fields, make_parser
+from ddtree.config.memory_plan import (
     MemoryPlan,
     describe_placement,
     memory_plan,
     placement,
     shared,
 )
-from ddtree.model_sources import weight_problems
-from ddtree.server_args import (
-    ServerArgs,
-    cli_fields,
-    make_parser,
-    resolve_server_args,
-)
+from ddtree.config.resolve import resolve_server_args
+from ddtree.engine.config import cuda_available
+from ddtree.models.configs import ConfigError
+from ddtree.models.sources import weight_problems
 
 logger = logging.getLogger("ddtree")
 

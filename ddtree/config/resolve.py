@@ -1,7 +1,7 @@
 """`resolve_server_args`: ServerArgs as given -> resolved, against the target / drafter config.json
 files; every problem reported at once in one `ConfigError`, before any weight loads. The
 device-placement part (threads, tp / dp placement, attention backend, graphs, dtype and
-context defaults) is `server_args_device`."""
+context defaults) is `config.device`. `prepare_server_args`: argv -> resolved (SGLang's entry)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,7 @@ import logging
 import os
 
 from ddtree import envs
-from ddtree.config_checks import check_pair, check_quantization, check_tp, load_model_config
-from ddtree.configs import ConfigError, TargetConfig
-from ddtree.engine.config import DEFAULT_MAMBA_STRATEGY, cuda_available, spec_config
-from ddtree.model_sources import source_for
-from ddtree.server_args import (
+from ddtree.config.args import (
     ATTENTION_BACKENDS,
     AUTO_BUDGET,
     DDTREE_FIELDS,
@@ -26,8 +22,10 @@ from ddtree.server_args import (
     ServerArgs,
     cli_fields,
     flag,
+    make_parser,
 )
-from ddtree.server_args_device import (
+from ddtree.config.checks import check_pair, check_quantization, check_tp, load_model_config
+from ddtree.config.device import (
     check_dp,
     check_tp_devices,
     resolve_attention_backend,
@@ -35,6 +33,9 @@ from ddtree.server_args_device import (
     resolve_cuda_graph,
     resolve_target_defaults,
 )
+from ddtree.engine.config import DEFAULT_MAMBA_STRATEGY, cuda_available, spec_config
+from ddtree.models.configs import ConfigError, TargetConfig
+from ddtree.models.sources import source_for
 
 logger = logging.getLogger("ddtree")
 
@@ -242,6 +243,10 @@ def _resolve_mamba(a: ServerArgs, t: TargetConfig, upd: dict, p: list[str]) -> N
     elif strategy is None:
         upd["mamba_scheduler_strategy"] = DEFAULT_MAMBA_STRATEGY
         logger.info("Mamba scheduler strategy is set to no_buffer (no speculative decoding).")
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    return resolve_server_args(ServerArgs(**vars(make_parser().parse_args(argv))))
 
 
 def resolve_server_args(args: ServerArgs, capability: tuple[int, int] | None = None) -> ServerArgs:

@@ -2,7 +2,7 @@
 to a list as one line that names the flag and the fix; `resolve_server_args` raises them together.
 
 Parsing and planning read config.json only, so a directory holding just the configs (before a 55 GB
-download) validates and plans; whether the weights are there is `model_sources.weight_problems`,
+download) validates and plans; whether the weights are there is `models.sources.weight_problems`,
 asked where they are about to load (`serve`'s start, the engine)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import os
 
-from ddtree import configs
-from ddtree.configs import ConfigError, DrafterConfig, TargetConfig
-from ddtree.model_sources import source_for
 from ddtree.models import checkpoint as ckpt
+from ddtree.models import configs
+from ddtree.models.configs import ConfigError, DrafterConfig, TargetConfig
+from ddtree.models.sources import source_for
 from ddtree.models.tp_layout import fp8_cuts, tp_problems
 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell

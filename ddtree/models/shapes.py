@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from ddtree.configs import TargetConfig, default_target_layer_ids
+from ddtree.models.configs import TargetConfig, default_target_layer_ids
 
 # the reserved ids of the project's own byte-level tokenizers (tools/train/data.py): the defaults
 # of the config builders below

@@ -12,7 +12,6 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from ddtree.configs import DrafterConfig, TargetConfig
 from ddtree.engine.config import (
     DEFAULT_CUDA_GRAPH_MAX_BS,
     MAMBA_STRATEGIES,
@@ -20,6 +19,7 @@ from ddtree.engine.config import (
     spec_config,
 )
 from ddtree.models.checkpoint import Fp8Layout
+from ddtree.models.configs import DrafterConfig, TargetConfig
 
 SPECULATIVE_ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex")
@@ -410,16 +410,3 @@ def budget_value(text: str) -> int | str:
 
 
 CONVERTERS = {"speculative_algorithm": str.upper, "speculative_ddtree_budget": budget_value}
-
-
-def prepare_server_args(argv: list[str]) -> ServerArgs:
-    return resolve_server_args(ServerArgs(**vars(make_parser().parse_args(argv))))
-
-
-def resolve_server_args(args: ServerArgs, capability: tuple[int, int] | None = None) -> ServerArgs:
-    """Fill derived defaults from the target/drafter config.json; raise one ConfigError listing
-    every problem (`server_args_resolve`). `capability`: the GPU planned for (default: the local
-    one's, on --device cuda)."""
-    from ddtree.server_args_resolve import resolve_server_args as resolve
-
-    return resolve(args, capability)

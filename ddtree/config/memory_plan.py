@@ -1,10 +1,9 @@
 """Static memory plan from config.json geometry alone: weights, KV per token, per-request buffers and state.
 
-The pools come from `ddtree.engine.config.plan_pools`, the function the engine sizes itself with.
-Parameter counts follow transformers' Qwen3 / Qwen3.5 modeling code exactly (text model only: vision tower and
-MTP weights are never loaded by the engine). Per-device numbers are one tensor-parallel rank's: the
-geometry `ddtree.models.tp_layout` gives a rank (the one the loader builds), so replicated KV heads,
-norms, the padded vocab shard and the drafter's fc count in full on every rank.
+The pools come from `ddtree.engine.config.plan_pools`, the function the engine sizes itself with; the
+parameter counts from `ddtree.models.configs`, beside the configs they read. Per-device numbers are one
+tensor-parallel rank's: the geometry `ddtree.models.tp_layout` gives a rank (the one the loader builds), so
+replicated KV heads, norms, the padded vocab shard and the drafter's fc count in full on every rank.
 """
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ddtree.configs import DrafterConfig, TargetConfig
+from ddtree.config.args import ServerArgs
+from ddtree.config.resolve import resolve_server_args
 from ddtree.engine.config import (
     DTYPE_BYTES,
     GDNGeometry,
@@ -22,90 +22,20 @@ from ddtree.engine.config import (
     plan_pools,
 )
 from ddtree.models.checkpoint import Fp8Layout, fp8_weight_bytes
+from ddtree.models.configs import (
+    DrafterConfig,
+    TargetConfig,
+    drafter_param_count,
+    target_param_count,
+)
 from ddtree.models.tp_layout import ShardMap, shard_drafter, shard_target, vocab_rows
-from ddtree.server_args import ServerArgs, resolve_server_args
 
 __all__ = [
     "DTYPE_BYTES",
     "MemoryPlan",
     "memory_plan",
     "recurrent_state_bytes",
-    "target_param_count",
 ]
-
-
-def _attention_params(
-    hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, gated_q: bool
-) -> int:
-    q_out = heads * head_dim * (2 if gated_q else 1)
-    kv_out = kv_heads * head_dim
-    n = hidden * q_out + 2 * hidden * kv_out + heads * head_dim * hidden
-    if bias:
-        n += q_out + 2 * kv_out + hidden
-    return n + 2 * head_dim  # q_norm, k_norm
-
-
-def _gdn_params(t: TargetConfig) -> int:
-    key_dim = t.linear_num_key_heads * t.linear_key_head_dim
-    value_dim = t.linear_num_value_heads * t.linear_value_head_dim
-    conv_dim = 2 * key_dim + value_dim
-    h, hv = t.hidden_size, t.linear_num_value_heads
-    # in_proj_qkv + in_proj_z + in_proj_b + in_proj_a (Qwen3-Next fuses them as qkvz/ba: same count)
-    proj = h * conv_dim + h * value_dim + 2 * h * hv
-    return (
-        proj
-        + conv_dim * t.linear_conv_kernel_dim
-        + 2 * hv
-        + t.linear_value_head_dim
-        + value_dim * h
-    )
-
-
-def _mlp_params(t: TargetConfig, layer: int) -> int:
-    text = t.raw.get("text_config") or t.raw
-    experts = int(text.get("num_experts", 0) or 0)
-    sparse_step = int(text.get("decoder_sparse_step", 1) or 1)
-    dense = layer in (text.get("mlp_only_layers") or ()) or (layer + 1) % sparse_step != 0
-    if experts == 0 or dense:
-        return 3 * t.hidden_size * t.intermediate_size
-    moe_inter = int(text.get("moe_intermediate_size", t.intermediate_size))
-    shared = int(text.get("shared_expert_intermediate_size", 0) or 0)
-    n = experts * 3 * t.hidden_size * moe_inter + t.hidden_size * experts
-    return n + (3 * t.hidden_size * shared + t.hidden_size if shared else 0)
-
-
-def target_param_count(t: TargetConfig) -> int:
-    h = t.hidden_size
-    n = t.vocab_size * h * (1 if t.tie_word_embeddings else 2) + h
-    attn = _attention_params(
-        h,
-        t.num_attention_heads,
-        t.num_key_value_heads,
-        t.head_dim,
-        t.attention_bias,
-        t.attn_output_gate,
-    )
-    linear = set(t.linear_layer_ids)
-    for i in range(t.num_hidden_layers):
-        n += (_gdn_params(t) if i in linear else attn) + _mlp_params(t, i) + 2 * h
-    return n
-
-
-def drafter_param_count(d: DrafterConfig) -> int:
-    """fc + hidden_norm + layers + norm (+ DFlash2's convolutions and selector); the drafter borrows
-    the target's embedding and lm_head."""
-    h = d.hidden_size
-    taps = len(d.target_layer_ids)
-    layer = _attention_params(
-        h, d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.attention_bias, False
-    )
-    layer += 3 * h * d.intermediate_size + 2 * h
-    selector = 0
-    if d.is_dflash2:  # two convolutions per layer; the selector's codebooks and projection
-        k, groups = d.conv_kernel_size, h // d.conv_group_size
-        layer += 2 * (2 * k * h + 2 * k * groups * h)
-        selector = d.selector_rank * (2 * d.vocab_size + h)
-    return taps * h * h + h + d.num_hidden_layers * layer + h + selector
 
 
 def target_kv_bytes_per_token(t: TargetConfig, dtype_bytes: int) -> int:

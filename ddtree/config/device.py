@@ -6,13 +6,18 @@ from __future__ import annotations
 import logging
 import os
 
-from ddtree.configs import DrafterConfig, TargetConfig
-from ddtree.engine.config import DEFAULT_CUDA_GRAPH_MAX_BS
-from ddtree.server_args import (
+from ddtree.config.args import (
     CPU_PARAMS_PER_THREAD,
     DTYPES,
     SHARED_GPU_FRACTION,
     ServerArgs,
+)
+from ddtree.engine.config import DEFAULT_CUDA_GRAPH_MAX_BS
+from ddtree.models.configs import (
+    DrafterConfig,
+    TargetConfig,
+    drafter_param_count,
+    target_param_count,
 )
 
 logger = logging.getLogger("ddtree")
@@ -49,8 +54,6 @@ def resolve_cpu_threads(
         upd["cpu_threads"] = int(omp)
         logger.info("CPU threads are set to %d from OMP_NUM_THREADS.", int(omp))
         return
-    from ddtree.memory_plan import drafter_param_count, target_param_count
-
     params = target_param_count(t) + (drafter_param_count(d) if d is not None else 0)
     # every rank of every --dp-size replica is a process of its own (bad sizes are reported apart)
     share = max(1, available_cores() // max(a.tp_size * a.dp_size, 1))

@@ -2,7 +2,8 @@
 
 `TargetConfig` covers dense Qwen3 and hybrid Qwen3.5/3.6 text models (VLM-style configs keep the text model
 under `text_config`); `DrafterConfig` covers z-lab DFlash and DFlash2 drafters. Both are frozen and carry only what the
-engine needs, with the HF key spelling resolved in one place.
+engine needs, with the HF key spelling resolved in one place. `target_param_count` / `drafter_param_count` count
+their parameters from the config alone (the memory plan's weights, the CPU thread default).
 """
 
 from __future__ import annotations
@@ -438,3 +439,81 @@ class DrafterConfig:
     @classmethod
     def from_path(cls, path: str) -> "DrafterConfig":
         return cls.from_dict(read_config_json(path))
+
+
+# Parameter counts, from the config alone: they follow transformers' Qwen3 / Qwen3.5 modeling code
+# exactly (text model only: the vision tower and MTP weights are never loaded by the engine).
+
+
+def _attention_params(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, gated_q: bool
+) -> int:
+    q_out = heads * head_dim * (2 if gated_q else 1)
+    kv_out = kv_heads * head_dim
+    n = hidden * q_out + 2 * hidden * kv_out + heads * head_dim * hidden
+    if bias:
+        n += q_out + 2 * kv_out + hidden
+    return n + 2 * head_dim  # q_norm, k_norm
+
+
+def _gdn_params(t: TargetConfig) -> int:
+    key_dim = t.linear_num_key_heads * t.linear_key_head_dim
+    value_dim = t.linear_num_value_heads * t.linear_value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    h, hv = t.hidden_size, t.linear_num_value_heads
+    # in_proj_qkv + in_proj_z + in_proj_b + in_proj_a (Qwen3-Next fuses them as qkvz/ba: same count)
+    proj = h * conv_dim + h * value_dim + 2 * h * hv
+    return (
+        proj
+        + conv_dim * t.linear_conv_kernel_dim
+        + 2 * hv
+        + t.linear_value_head_dim
+        + value_dim * h
+    )
+
+
+def _mlp_params(t: TargetConfig, layer: int) -> int:
+    text = t.raw.get("text_config") or t.raw
+    experts = int(text.get("num_experts", 0) or 0)
+    sparse_step = int(text.get("decoder_sparse_step", 1) or 1)
+    dense = layer in (text.get("mlp_only_layers") or ()) or (layer + 1) % sparse_step != 0
+    if experts == 0 or dense:
+        return 3 * t.hidden_size * t.intermediate_size
+    moe_inter = int(text.get("moe_intermediate_size", t.intermediate_size))
+    shared = int(text.get("shared_expert_intermediate_size", 0) or 0)
+    n = experts * 3 * t.hidden_size * moe_inter + t.hidden_size * experts
+    return n + (3 * t.hidden_size * shared + t.hidden_size if shared else 0)
+
+
+def target_param_count(t: TargetConfig) -> int:
+    h = t.hidden_size
+    n = t.vocab_size * h * (1 if t.tie_word_embeddings else 2) + h
+    attn = _attention_params(
+        h,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.head_dim,
+        t.attention_bias,
+        t.attn_output_gate,
+    )
+    linear = set(t.linear_layer_ids)
+    for i in range(t.num_hidden_layers):
+        n += (_gdn_params(t) if i in linear else attn) + _mlp_params(t, i) + 2 * h
+    return n
+
+
+def drafter_param_count(d: DrafterConfig) -> int:
+    """fc + hidden_norm + layers + norm (+ DFlash2's convolutions and selector); the drafter borrows
+    the target's embedding and lm_head."""
+    h = d.hidden_size
+    taps = len(d.target_layer_ids)
+    layer = _attention_params(
+        h, d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.attention_bias, False
+    )
+    layer += 3 * h * d.intermediate_size + 2 * h
+    selector = 0
+    if d.is_dflash2:  # two convolutions per layer; the selector's codebooks and projection
+        k, groups = d.conv_kernel_size, h // d.conv_group_size
+        layer += 2 * (2 * k * h + 2 * k * groups * h)
+        selector = d.selector_rank * (2 * d.vocab_size + h)
+    return taps * h * h + h + d.num_hidden_layers * layer + h + selector
