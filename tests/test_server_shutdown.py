@@ -134,3 +134,22 @@ def test_drain_timer_ends_requests_after_the_timeout():
     while not engine.failed and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.failed and 0.25 <= engine.failed[0] - t0 < 3
+
+
+def test_a_server_stopped_in_process_gives_its_pools_back(pair):
+    """FastAPI keeps every endpoint it saw in a process-wide cache, and the endpoints' closures hold
+    the serving objects, so a server stopped in-process stays reachable; its engine must not keep
+    the KV pool (gigabytes on the CPU's cap: a test session of such servers ran out of memory)."""
+    import gc
+    import weakref
+
+    from server_fixtures import thread_server
+
+    with thread_server(server_argv(pair, "DDTREE")) as srv:
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 200
+        engine = srv.engine
+        kv = weakref.ref(engine.runner.kv.k)
+    gc.collect()
+    assert engine.runner.kv is None and engine.runner.draft_kv is None
+    assert kv() is None  # nothing else held the tensor

@@ -376,6 +376,10 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.close()
 
+    def release(self) -> None:
+        """After the last step: the runner's pools and graphs go (ModelRunner.free_pools)."""
+        self.runner.free_pools()
+
     def generate(self, prompts, params, use_tqdm: bool = False) -> list[Req]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]

@@ -143,6 +143,14 @@ class ModelRunner:
 
             self.graphs = make_graph_runner(self)
 
+    def free_pools(self) -> None:
+        """Give back the pools and graphs: the runner serves no more. A server stopped in-process
+        (tests, an embedding application) frees its KV memory even while something still holds
+        the engine (FastAPI caches its endpoints, whose closures hold the serving objects)."""
+        self.kv = self.draft_kv = self.state_pool = self.checkpoints = None
+        self.graphs = None
+        self._round = None
+
     # ---- metadata ------------------------------------------------------------------------------------
     def round_meta(self, reqs: list[Req]) -> RoundMeta:
         """This round's metadata: built on first use in a round, reused until `commit` drops it."""

@@ -130,6 +130,7 @@ def create_app(
         if probe is not None:
             probe.cancel()
         aengine.shutdown()
+        aengine.release()
         serving.close()
 
     app = FastAPI(title="ddtree", lifespan=lifespan, redirect_slashes=False)

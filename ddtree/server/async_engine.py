@@ -184,6 +184,11 @@ class AsyncEngine:
             self._thread.join(timeout)
             self._thread = None
 
+    def release(self) -> None:
+        """After `shutdown`: the engine's memory back (LLMEngine.release)."""
+        if self._thread is None:
+            self.engine.release()
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -87,6 +87,9 @@ class DPEngine:
         for c in self.clients:
             c.loop = self._loop
 
+    def release(self) -> None:
+        """Nothing here: each replica's engine is released where it runs."""
+
     def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop every replica and wait for it (after the drain: nothing is in flight)."""
         if self._stopped:
