@@ -7,7 +7,7 @@
 #    and conv, the one-launch tree build, the fused and GDN kernels now launched with PDL) and the
 #    dense graphs-vs-eager test;
 # 2. studies/gpu_profile_round.py at the 27B shape: AR / DFLASH / DDTREE B=64 (batch 1 and 8, 1k and
-#    16k), with A/B cases for PDL (DDTREE_NO_PDL=1); one table (the in-place decode and the
+#    16k), with A/B cases for PDL (DDTREE_DISABLE=pdl); one table (the in-place decode and the
 #    attention tile A/Bs it ran on 2026-12-02 are decided: their switches are gone);
 # 3. studies/gpu_tree_build.py (the tree build alone, torch vs the kernel);
 # 4. the hybrid graphs-vs-eager GPU test (toy hybrid pair, fp32, both strategies);
@@ -31,7 +31,7 @@ timeout 170 "${PYTEST[@]}" tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_tr
   >"$OUT/gpu_tests.log" 2>&1 || status=1
 tail -4 "$OUT/gpu_tests.log"
 # 2. the rounds
-P=DDTREE_NO_PDL=1
+P=DDTREE_DISABLE=pdl
 CASES=NONE:0:1:no_buffer,NONE:0:1:no_buffer@$P,DFLASH:0:1:no_buffer
 CASES+=,DDTREE:64:1:no_buffer,DDTREE:64:1:no_buffer@$P
 CASES+=,DDTREE:64:8:no_buffer,DDTREE:64:1:no_buffer:16384

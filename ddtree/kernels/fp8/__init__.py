@@ -12,7 +12,7 @@ auto (`choose`): the measured table (`table.py`, `gemm_table.json`): per weight 
 (1-16, 17-128, 129+ rows) the backends fastest first, the first that runs here taken; float32
 activations (`exact`) take the Triton GEMM at every row count. The reference on the CPU (or the
 kernels under Triton's interpreter with TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1,
-as the fused layer kernels) and with DDTREE_FORCE_REFERENCE_KERNELS=1.
+as the fused layer kernels) and with DDTREE_REFERENCE=kernels.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def choose(
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    if envs.FORCE_REFERENCE_KERNELS.on() or backend_switch() == "reference":
+    if envs.REFERENCE.has("kernels") or backend_switch() == "reference":
         return False
     if x.device.type != "cuda" and not (
         envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()
