@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 19's round cuts of 2026-12-02 in one H200 device run (~9.5 min), from the repository root,
-# `.whl` carried (fla-core), `.tcache` if a session packed one, `.toyhybrid` (the toy hybrid pair,
-# built on the CPU: `cp -r ~/.cache/ddtree/toy_hybrid_pair .toyhybrid`) to skip its build there:
+# `.whl` carried (fla-core), `.tcache` if a session packed one, `.toycache` (the toy hybrid pair,
+# built on the CPU: `mkdir .toycache; cp -r ~/.cache/ddtree/toy_hybrid_pair .toycache/`) to skip its build there:
 #   scripts/h200_round_cuts.sh [OUT_DIR]
 # 1. GPU checks of this session's kernels against their references (the in-place GDN decode step
 #    and conv, the one-launch tree build, the fused and GDN kernels now launched with PDL) and the
@@ -17,7 +17,7 @@ OUT=${1:-${OUT:-round_cuts_out}}
 # shellcheck source=scripts/device_env.sh
 . "$(dirname "$0")/device_env.sh"  # the carried wheels, PYTHONPATH, the Triton cache
 mkdir -p "$OUT"
-[ -d .toyhybrid ] && export DDTREE_TOY_HYBRID=$PWD/.toyhybrid
+[ -d .toycache ] && export DDTREE_CACHE="$PWD/.toycache"
 T0=$(date +%s)
 left() { echo $((${BUDGET_S:-560} - ($(date +%s) - T0))); }
 status=0
