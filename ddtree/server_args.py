@@ -213,6 +213,13 @@ class ServerArgs:
     speculative_ddtree_shadow_linear: bool = _opt(
         False, "always include the drafter's top-1 chain in the tree"
     )
+    speculative_ddtree_dflash2_tree: str | None = _opt(
+        None,
+        "DFlash2 drafters: path (default: the path-conditioned tree, children scored by the "
+        "selector under their parent's token) or marginal (DDTree over the per-position "
+        "marginals, the selector unused)",
+        ("path", "marginal"),
+    )
     mamba_scheduler_strategy: str | None = _opt(
         None,
         "hybrid targets: recurrent states under speculation (no_buffer: replay the accepted "
@@ -304,6 +311,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "speculative_ddtree_max_budget",
         "speculative_ddtree_topk_cap",
         "speculative_ddtree_shadow_linear",
+        "speculative_ddtree_dflash2_tree",
     ),
     "memory and scheduling": (
         "mem_fraction_static",
