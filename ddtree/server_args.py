@@ -121,6 +121,11 @@ class ServerArgs:
         "--base-gpu-id, --gpu-id-step); 1 = one engine inside the server's process",
         aliases=("--dp", "--data-parallel-size"),
     )
+    dp_replica_process: bool = _opt(
+        False,
+        "--dp-size 1: run the one engine in a replica process behind the dispatcher, as "
+        "--dp-size N does (the process boundary alone, for its A/B: scripts/device/dp.sh)",
+    )
     load_balance_method: str = _opt(
         "round_robin",
         "how --dp-size dispatches requests: round_robin; shortest_queue (fewest requests in "
@@ -339,6 +344,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "logging": ("log_level", "decode_log_interval"),
     "data parallel (server replicas)": (
         "dp_size",
+        "dp_replica_process",
         "load_balance_method",
         "base_gpu_id",
         "gpu_id_step",
