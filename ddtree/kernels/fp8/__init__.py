@@ -109,12 +109,10 @@ def choose(
     k: int,
     cublas: bool,
     exact: bool = False,
-    split: int = 1,
     deepgemm: bool = False,
 ) -> str:
     """The backend for a [rows, k] x [n, k]^T GEMM (`cublas` / `deepgemm`: whether each takes the
-    weight here; `split`: the Triton GEMM's runs of K blocks, tuning.py: the opt-in split Triton
-    GEMM serves the rows it splits).
+    weight here).
 
     `exact` (float32 activations, the mode in which speculative output must equal AR token for
     token): auto keeps the Triton GEMM at every row count, at one tile shape (tuning.EXACT): its
@@ -126,7 +124,7 @@ def choose(
     choice = backend_switch()
     runs = {"triton": True, "cublas": cublas, "deepgemm": deepgemm}
     if choice == "auto":
-        if exact or split > 1:
+        if exact:
             return "triton"
         return next(b for b in table.preference(rows, n, k) if runs[b])
     return choice if runs.get(choice, True) else "triton"
@@ -164,16 +162,15 @@ def linear(
     if not use_kernels(x2):
         y = R.fp8_linear(x2, w, w_scale, group_n, group_k, bias)
         return y.view(*x.shape[:-1], N)
-    from ddtree.kernels.fp8.tuning import gemm_config, sm_count
+    from ddtree.kernels.fp8.tuning import gemm_config
 
     T = _triton(interpreted=x2.device.type != "cuda")
     M = x2.shape[0]
     cublas = scale_t is not None and cublas_ok(w, group_n, group_k)
     deepgemm = DG.takes(w, group_n, group_k, x.dtype)
     exact = x.dtype == torch.float32
-    sms = sm_count(x2.device.index or 0) if x2.is_cuda else 0
-    config = gemm_config(M, N, K, sms, exact, group_k)
-    backend = choose(M, N, K, cublas, exact, config.split_k, deepgemm)
+    config = gemm_config(M, N, exact)
+    backend = choose(M, N, K, cublas, exact, deepgemm)
     if backend in ("cublas", "deepgemm"):  # both read cuBLAS's activation layout
         q, s = T.group_quant(x2, group_k, rows=-(-M // 4) * 4, column_major=True)
         if backend == "cublas":
