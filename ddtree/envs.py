@@ -72,10 +72,11 @@ REFERENCE = PartsVar(
     "a comma list of parts that run their PyTorch reference instead of their kernels (or all): "
     "attention (the triton attention backend; no Triton needed, no CUDA graphs), kernels (the "
     "fused decoder-layer kernels, the selector, the dynamic conv and the FP8 linears), tree_build "
-    "(the DDTree node selection's per-depth sorts, not the one-launch kernel), gdn (every Gated "
+    "(the DDTree node selection's per-depth sorts, not the one-launch kernel), fp8 (the block-FP8 "
+    "linears: dequantize, float32 matmul), gdn (every Gated "
     "DeltaNet op: not fla, not our Triton kernels), grammar_mask (grammar bitmasks applied by "
     "PyTorch, not xgrammar's kernel)",
-    parts=("attention", "kernels", "tree_build", "gdn", "grammar_mask"),
+    parts=("attention", "kernels", "tree_build", "fp8", "gdn", "grammar_mask"),
 )
 DISABLE = PartsVar(
     "DDTREE_DISABLE",
@@ -90,13 +91,6 @@ FUSED_KERNELS_INTERPRET = EnvVar(
     "",
     "1 (with TRITON_INTERPRET=1): the fused, the FP8, the GDN tree / tree-conv and the tree-build "
     "Triton kernels run on the CPU in Triton's interpreter (tests, ddtree.tools.studies.op_count)",
-)
-FP8_GEMM = EnvVar(
-    "DDTREE_FP8_GEMM",
-    "auto",
-    "block-FP8 linears (kernels/fp8): auto (the measured choice per shape and row count), triton "
-    "(group-quant kernel + Triton GEMM), cublas (group-quant kernel + torch._scaled_mm block "
-    "scaling) or reference (PyTorch)",
 )
 CACHE = EnvVar(
     "DDTREE_CACHE", "", "directory for the embedded / toy model pairs (unset: ~/.cache/ddtree)"
@@ -145,7 +139,6 @@ TABLE: dict[str, EnvVar] = {
         REFERENCE,
         DISABLE,
         FUSED_KERNELS_INTERPRET,
-        FP8_GEMM,
         CACHE,
         BUDGET_PROFILE_DIR,
         TP_TIMEOUT_S,

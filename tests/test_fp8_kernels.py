@@ -139,18 +139,19 @@ def test_quant_then_gemm_matches_reference(dtype, with_bias, config):
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * scale)
 
 
-@pytest.mark.parametrize("backend", ["triton", "cublas", "reference"])
-def test_dispatch_backends(monkeypatch, backend):
-    """`linear` through each DDTREE_FP8_GEMM choice (cublas falls back to triton off CUDA) == the
-    reference's numbers (the reference dispatch is it)."""
-    monkeypatch.setenv("DDTREE_FP8_GEMM", backend)
+@pytest.mark.parametrize("reference", ["", "fp8", "kernels"])
+def test_dispatch_backends(monkeypatch, reference):
+    """`linear` through the kernels (the Triton GEMM off CUDA) and under DDTREE_REFERENCE=fp8 or
+    kernels (the PyTorch reference) == the reference's numbers."""
+    monkeypatch.setenv("DDTREE_REFERENCE", reference)
     monkeypatch.setenv("DDTREE_FUSED_KERNELS_INTERPRET", "1")
+    assert fp8.use_kernels(torch.empty(1, device=DEV)) is (reference == "")
     x, w = data(6, 64, 256, 11)
     wq, ws = R.quantize_weight(w, (128, 128))
     x3 = x.view(2, 3, 256)
     got = fp8.linear(x3, wq, ws, 128, 128, scale_t=None)
     assert got.shape == (2, 3, 64)
-    xq, xs = ref_quant(x, 128) if backend != "reference" else R.group_quant(x, 128)
+    xq, xs = ref_quant(x, 128) if not reference else R.group_quant(x, 128)
     ref = R.block_matmul(xq, xs, wq, ws, 128, 128, torch.float32).view(2, 3, 64)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
@@ -161,11 +162,7 @@ TABLE = {  # a measured table's form (kernels/fp8/table.py): per shape, per row 
 }
 
 
-def test_switches_are_checked(monkeypatch):
-    monkeypatch.setenv("DDTREE_FP8_GEMM", "fast")
-    with pytest.raises(ValueError, match="DDTREE_FP8_GEMM='fast'"):
-        fp8.backend_switch()
-    monkeypatch.delenv("DDTREE_FP8_GEMM")
+def test_choose_and_the_tiles(monkeypatch):
     # auto: the measured table's first backend that runs (tests/test_fp8_dispatch.py: the table)
     monkeypatch.setattr(fp8.table, "load", lambda: TABLE)
     assert fp8.choose(1, 24576, 4096, cublas=True) == "triton"
@@ -176,9 +173,6 @@ def test_switches_are_checked(monkeypatch):
     # float32 activations: one row-invariant GEMM at every row count (speculation == AR)
     assert fp8.choose(520, 24576, 4096, cublas=True, exact=True) == "triton"
     assert fp8.choose(1, 4096, 12288, cublas=True, exact=True) == "triton"
-    monkeypatch.setenv("DDTREE_FP8_GEMM", "cublas")
-    assert fp8.choose(1, 4096, 12288, cublas=True, exact=True) == "cublas"  # forced: as asked
-    monkeypatch.delenv("DDTREE_FP8_GEMM")
     assert gemm_config(1, 4096) == GemmConfig(16, 32, 4, 4)
     assert gemm_config(16, 34816) == GemmConfig(16, 64, 4, 4)
 

@@ -1,18 +1,18 @@
 """Block-FP8 linears: y = x @ dequant(W)^T with W float8_e4m3fn and its block scales, x quantized per
 token in groups of bk columns at run time (`reference.py` holds the math).
 
-`linear` picks the implementation per call (`DDTREE_FP8_GEMM`, default auto):
+`linear` picks the implementation per call (`choose`):
 - `triton`: the group-quant kernel, then the Triton GEMM on fp8 activations;
 - `cublas`: the group-quant kernel, then `torch._scaled_mm`'s block-scaled GEMM (cuBLASLt, CUDA >=
   12.9: 1x128 activation and 128x128 weight scales; bk = bn = 128 only);
 - `deepgemm`: the group-quant kernel, then DeepGEMM's SM90 block-scaled GEMM (`deepgemm.py`; the
   optional library of the `gpu` extra; bk = bn = 128, bf16 outputs);
-- `reference`: the PyTorch reference (dequantize, float32 matmul).
-auto (`choose`): the measured table (`table.py`, `gemm_table.json`): per weight shape and row class
+The measured table (`table.py`, `gemm_table.json`): per weight shape and row class
 (1-16, 17-128, 129+ rows) the backends fastest first, the first that runs here taken; float32
 activations (`exact`) take the Triton GEMM at every row count. The reference on the CPU (or the
 kernels under Triton's interpreter with TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1,
-as the fused layer kernels) and with DDTREE_REFERENCE=kernels.
+as the fused layer kernels) and with DDTREE_REFERENCE=fp8 (or kernels): the PyTorch reference
+(dequantize, float32 matmul).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from ddtree.kernels.fp8 import reference as R
 from ddtree.kernels.fp8 import table
 
 logger = logging.getLogger("ddtree")
-
-BACKENDS = ("auto", "triton", "cublas", "deepgemm", "reference")
 
 _kernels = None
 
@@ -50,14 +48,6 @@ def _triton(interpreted: bool = False):
             mod = False
         _kernels = mod
     return _kernels
-
-
-def backend_switch() -> str:
-    """DDTREE_FP8_GEMM, checked: a bad value raises naming it."""
-    value = envs.FP8_GEMM.get().strip() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"{envs.FP8_GEMM.name}={value!r}: use one of {', '.join(BACKENDS)}")
-    return value
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,17 +111,14 @@ def choose(
     64 rows the toy pairs' FP8 DFLASH / DDTREE left FP8 AR on the H200: tests/gpu/test_fp8_gpu.py),
     DeepGEMM writes no float32, and the table changes backend between row classes. In bf16 a
     divergence must be a near-tie, and each row class takes its fastest backend."""
-    choice = backend_switch()
+    if exact:
+        return "triton"
     runs = {"triton": True, "cublas": cublas, "deepgemm": deepgemm}
-    if choice == "auto":
-        if exact:
-            return "triton"
-        return next(b for b in table.preference(rows, n, k) if runs[b])
-    return choice if runs.get(choice, True) else "triton"
+    return next(b for b in table.preference(rows, n, k) if runs[b])
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    if envs.REFERENCE.has("kernels") or backend_switch() == "reference":
+    if envs.REFERENCE.has("kernels") or envs.REFERENCE.has("fp8"):
         return False
     if x.device.type != "cuda" and not (
         envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()
