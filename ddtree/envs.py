@@ -4,7 +4,9 @@ way.
 A reader names the entry (`envs.REFERENCE.has("gdn")`, `envs.CACHE.get()`), never `os.environ` with a
 literal: tests/test_envs.py checks that every `DDTREE_*` name in the code, the tests, bench/ and the
 docs is in `TABLE`. Flags: unset, empty, 0, false, no and off (any case) mean off; any other value
-means on.
+means on. Part lists (`PartsVar`: DDTREE_REFERENCE, DDTREE_DISABLE) name the parts they act on, and
+refuse a name they do not have. The list stays short: a variant of the product is a server or
+constructor argument, one of a measurement the bench's or the study's flag.
 """
 
 from __future__ import annotations
