@@ -1,10 +1,12 @@
 """Every environment switch the code reads, in one table (name, default, what it does), read one
 way.
 
-A reader names the entry (`envs.NO_PDL.on()`, `envs.CACHE.get()`), never `os.environ` with a
+A reader names the entry (`envs.REFERENCE.has("gdn")`, `envs.CACHE.get()`), never `os.environ` with a
 literal: tests/test_envs.py checks that every `DDTREE_*` name in the code, the tests, bench/ and the
 docs is in `TABLE`. Flags: unset, empty, 0, false, no and off (any case) mean off; any other value
-means on.
+means on. Part lists (`PartsVar`: DDTREE_REFERENCE, DDTREE_DISABLE) name the parts they act on, and
+refuse a name they do not have. The list stays short: a variant of the product is a server or
+constructor argument, one of a measurement the bench's or the study's flag.
 """
 
 from __future__ import annotations
@@ -40,64 +42,57 @@ class EnvVar:
         return flag == "1"
 
 
-FORCE_REFERENCE_ATTENTION = EnvVar(
-    "DDTREE_FORCE_REFERENCE_ATTENTION",
+@dataclass(frozen=True)
+class PartsVar(EnvVar):
+    """A comma list of named parts (`all`: every one); a name outside `parts` raises naming the
+    valid ones, so a typo never silently leaves a part as it was."""
+
+    parts: tuple[str, ...] = ()
+
+    def chosen(self) -> frozenset[str]:
+        names = {p.strip().lower() for p in self.get().split(",")} - {""}
+        if "all" in names:
+            return frozenset(self.parts)
+        unknown = names - set(self.parts)
+        if unknown:
+            raise ValueError(
+                f"{self.name}={self.get()!r}: unknown part(s) {', '.join(sorted(unknown))}; "
+                f"use a comma list of {', '.join(self.parts)} or all"
+            )
+        return frozenset(names)
+
+    def has(self, part: str) -> bool:
+        """Whether `part` is chosen (a part this variable does not have is a bug: it raises)."""
+        if part not in self.parts:
+            raise KeyError(f"{self.name} has no part {part!r} (parts: {', '.join(self.parts)})")
+        return part in self.chosen()
+
+
+REFERENCE = PartsVar(
+    "DDTREE_REFERENCE",
     "",
-    "1: the triton attention backend runs the PyTorch reference (no Triton needed; no CUDA graphs)",
+    "a comma list of parts that run their PyTorch reference instead of their kernels (or all): "
+    "attention (the triton attention backend; no Triton needed, no CUDA graphs), kernels (the "
+    "fused decoder-layer kernels, the selector, the dynamic conv and the FP8 linears), tree_build "
+    "(the DDTree node selection's per-depth sorts, not the one-launch kernel), fp8 (the block-FP8 "
+    "linears: dequantize, float32 matmul), gdn (every Gated "
+    "DeltaNet op: not fla, not our Triton kernels), grammar_mask (grammar bitmasks applied by "
+    "PyTorch, not xgrammar's kernel)",
+    parts=("attention", "kernels", "tree_build", "fp8", "gdn", "grammar_mask"),
 )
-NO_HOPPER_ATTENTION = EnvVar(
-    "DDTREE_NO_HOPPER_ATTENTION",
+DISABLE = PartsVar(
+    "DDTREE_DISABLE",
     "",
-    "1: never the Gluon (sm_90) tree-attention kernel; the Triton kernel does every split",
-)
-NO_PDL = EnvVar(
-    "DDTREE_NO_PDL",
-    "",
-    "1: our Triton kernels (the decoder layer's fused kernels, the GDN kernels, the split-KV "
-    "merge) launch as ordinary kernels, not programmatic dependents (PDL, kernels/pdl.py)",
-)
-FORCE_REFERENCE_KERNELS = EnvVar(
-    "DDTREE_FORCE_REFERENCE_KERNELS",
-    "",
-    "1: the fused decoder-layer kernels (add + RMSNorm, q/k norm + RoPE, SiLU-mul) run their "
-    "references",
-)
-FORCE_REFERENCE_TREE_BUILD = EnvVar(
-    "DDTREE_FORCE_REFERENCE_TREE_BUILD",
-    "",
-    "1: the DDTree tree build's node selection runs the PyTorch form (per-depth sorts), not the "
-    "one-launch Triton kernel (kernels/tree_build)",
+    "a comma list of kernel features to turn off (or all): hopper_attention (never the Gluon "
+    "sm_90 tree-attention kernel; the Triton kernel does every split), pdl (our Triton kernels "
+    "launch as ordinary kernels, not programmatic dependents: kernels/pdl.py)",
+    parts=("hopper_attention", "pdl"),
 )
 FUSED_KERNELS_INTERPRET = EnvVar(
     "DDTREE_FUSED_KERNELS_INTERPRET",
     "",
     "1 (with TRITON_INTERPRET=1): the fused, the FP8, the GDN tree / tree-conv and the tree-build "
     "Triton kernels run on the CPU in Triton's interpreter (tests, ddtree.tools.studies.op_count)",
-)
-FP8_GEMM = EnvVar(
-    "DDTREE_FP8_GEMM",
-    "auto",
-    "block-FP8 linears (kernels/fp8): auto (the measured choice per shape and row count), triton "
-    "(group-quant kernel + Triton GEMM), cublas (group-quant kernel + torch._scaled_mm block "
-    "scaling) or reference (PyTorch)",
-)
-FP8_GEMM_CONFIG = EnvVar(
-    "DDTREE_FP8_GEMM_CONFIG",
-    "",
-    "the Triton FP8 GEMM's tiles for every row count: BLOCK_M,BLOCK_N,WARPS,STAGES (default: "
-    "kernels/fp8/tuning.py's table per row count; for sweeps)",
-)
-FP8_SPLIT_K = EnvVar(
-    "DDTREE_FP8_SPLIT_K",
-    "1",
-    "runs of K blocks of the Triton FP8 GEMM outside float32: 1 (none, the default until a GPU "
-    "A/B shows it pays: scripts/device/fp8.sh's rounds), auto (decode rows, as many as keep every "
-    "SM streaming the weight: kernels/fp8/tuning.py) or a number for every call",
-)
-FORCE_REFERENCE_GDN = EnvVar(
-    "DDTREE_FORCE_REFERENCE_GDN",
-    "",
-    "1: every Gated DeltaNet op runs the PyTorch reference (not fla, not our Triton kernels)",
 )
 CACHE = EnvVar(
     "DDTREE_CACHE", "", "directory for the embedded / toy model pairs (unset: ~/.cache/ddtree)"
@@ -107,16 +102,6 @@ BUDGET_PROFILE_DIR = EnvVar(
     "",
     "--speculative-ddtree-budget auto: directory of the cached per-device round-cost profiles "
     "(unset: ~/.cache/ddtree/budget; 'off': always re-measure, write nothing)",
-)
-PEER_CHECKOUT = EnvVar(
-    "DDTREE_PEER_CHECKOUT",
-    "",
-    "path of the paper's code checkout for the peer comparison (unset: .peer/ in the repository)",
-)
-TOY_HYBRID = EnvVar(
-    "DDTREE_TOY_HYBRID",
-    "out/toy_hybrid_pair",
-    "studies/gpu_gdn_tree.py: directory of the toy hybrid pair",
 )
 TP_TIMEOUT_S = EnvVar(
     "DDTREE_TP_TIMEOUT_S",
@@ -143,64 +128,26 @@ GC_FREEZE = EnvVar(
     "0: the server does not freeze its start-up heap after the warm-up (gc.freeze: full "
     "collections then walk only what serving allocated; server/gc_watch.py)",
 )
-DFLASH2_TREE = EnvVar(
-    "DDTREE_DFLASH2_TREE",
-    "path",
-    "DDTREE over a DFlash2 drafter: path (the path-conditioned tree: children scored by the "
-    "selector under their parent's token) or marginal (DDTree over the unary logits' per-position "
-    "marginals, the selector unused; the A/B of `bench acceptance`)",
-)
-DP_REPLICA_PROCESS = EnvVar(
-    "DDTREE_DP_REPLICA_PROCESS",
-    "",
-    "1: a --dp-size 1 server runs its engine in a replica process behind the dispatcher, as "
-    "--dp-size N does (the process boundary measured alone; the default runs it inside the HTTP "
-    "process)",
-)
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",
     "",
     "Triton's own: 1 runs Triton kernels on the CPU in its interpreter (the CPU tests)",
 )
 
-GRAMMAR_FORCED = EnvVar(
-    "DDTREE_GRAMMAR_FORCED",
-    "1",
-    "0: a draft tree under a grammar keeps the drafter's raw log-probs and drafts no forced token "
-    "the drafter missed (grammar/tree.py; to measure what forcing gains)",
-)
-FORCE_REFERENCE_GRAMMAR_MASK = EnvVar(
-    "DDTREE_FORCE_REFERENCE_GRAMMAR_MASK",
-    "",
-    "1: grammar bitmasks are applied to the logits by the PyTorch reference, not xgrammar's kernel",
-)
 
 TABLE: dict[str, EnvVar] = {
     v.name: v
     for v in (
-        FORCE_REFERENCE_ATTENTION,
-        NO_HOPPER_ATTENTION,
-        NO_PDL,
-        FORCE_REFERENCE_KERNELS,
-        FORCE_REFERENCE_TREE_BUILD,
+        REFERENCE,
+        DISABLE,
         FUSED_KERNELS_INTERPRET,
-        FP8_GEMM,
-        FP8_GEMM_CONFIG,
-        FP8_SPLIT_K,
-        FORCE_REFERENCE_GDN,
         CACHE,
         BUDGET_PROFILE_DIR,
-        PEER_CHECKOUT,
-        TOY_HYBRID,
         TP_TIMEOUT_S,
         ROUND_CLOCK,
         POLICY_TRACE,
-        DFLASH2_TREE,
         GC_FREEZE,
-        DP_REPLICA_PROCESS,
         TRITON_INTERPRET,
-        GRAMMAR_FORCED,
-        FORCE_REFERENCE_GRAMMAR_MASK,
     )
 }
 

@@ -132,7 +132,7 @@ def collect(n_prompts: int, conc: int, max_tokens: int, prompt_set: str = "textw
         return grab["logits"], tree
 
     runner.draft_tree = draft_tree
-    eng.decoder.target_override = lambda tree, tt: tt  # the accept walk on the host, hooked
+    # on the CPU (no verify graph) every accept walk is the eager one: hooked here
     walk = dec.accept_tree
 
     def accept_tree(tree, target_tokens):

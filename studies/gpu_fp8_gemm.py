@@ -8,8 +8,8 @@ Each variant is timed as the median replay of a CUDA graph of calls over rotatin
 least 256 MB of weights, so a small GEMM reads its weight from HBM, not the 60 MB L2), divided by the
 calls. Variants: `bf16` (F.linear), `cublas` (group-quant kernel + torch._scaled_mm with 1x128 /
 128x128 block scales), `triton` (group-quant kernel + the Triton GEMM) at the tuning table's tiles
-without split-K, `split` the same with the split DDTREE_FP8_SPLIT_K=auto picks on this device (decode
-rows), or
+without split-K, `split` the same with the split `tuning.auto_split` picks on this device (decode
+rows; the engine never splits), or
 with --sweep every candidate tile and split (the best is reported with its tiles), and `auto`: what
 the engine's dispatch (`kernels.fp8.linear`) picks, timed through it. Errors: ||y - ref|| / ||ref|| against the
 reference (dequantized operands, float32 matmul); bf16's against the bf16 weights' fp32 product.
@@ -139,8 +139,7 @@ def bench_shape(name, N, K, rows, sweep, bw, gen, log):
             row["cublas_us"] = 1e6 * time_calls([lambda i=i: cub(i) for i in range(copies)])
         except Exception as e:  # noqa: BLE001 - reported, the run goes on
             row["cublas_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        engine_cfg = gemm_config(m, N, K, sm_count(0))  # what the engine runs (DDTREE_FP8_SPLIT_K)
-        plain = dataclasses.replace(engine_cfg, split_k=1)
+        plain = gemm_config(m, N)  # what the engine runs (never split)
         split_cfg = dataclasses.replace(plain, split_k=auto_split(m, N, K, plain, sm_count(0)))
         configs = [plain] + ([split_cfg] if split_cfg.split_k > 1 else [])
         if sweep:
@@ -166,7 +165,7 @@ def bench_shape(name, N, K, rows, sweep, bw, gen, log):
         row["best_us"], row["best_err"] = best[0], best[2]
         row["best_config"] = list(best[1].__dict__.values())
         sts = [fp8.cublas_scale(s_) for s_ in wss]
-        row["auto"] = fp8.choose(m, N, K, fp8.cublas_ok(wq, 128, 128), split=engine_cfg.split_k)
+        row["auto"] = fp8.choose(m, N, K, fp8.cublas_ok(wq, 128, 128))
         row["auto_err"] = rel(fp8.linear(x, wq, ws, 128, 128, scale_t=sts[0]), ref)
         row["auto_us"] = 1e6 * time_calls(
             [

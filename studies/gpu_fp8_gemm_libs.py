@@ -9,7 +9,7 @@ Variants, each timed as the median replay of a CUDA graph of calls over rotating
 least 256 MB of weights, so a small GEMM reads its weight from HBM, not L2), divided by the calls:
 - `bf16`: F.linear on the bf16 weight (cuBLAS);
 - `auto`: today's engine dispatch (`kernels.fp8.linear`, the backend it picks in the JSON);
-- `triton`: the group-quant kernel + the Triton GEMM at tuning.py's tiles (split-K as the engine's);
+- `triton`: the group-quant kernel + the Triton GEMM at tuning.py's tiles (unsplit, as the engine's);
 - `cublas`: the group-quant kernel (rows padded to 4, column-major scales) + torch._scaled_mm with
   1x128 / 128x128 block scales (cuBLASLt >= 12.9);
 - `deepgemm`: the same quantized activations (DeepGEMM's SM90 layout: MN-major, TMA-aligned fp32
@@ -45,7 +45,7 @@ from ddtree.kernels.fp8 import deepgemm as DG  # noqa: E402
 from ddtree.kernels.fp8 import reference as R  # noqa: E402
 from ddtree.kernels.fp8 import table  # noqa: E402
 from ddtree.kernels.fp8 import triton as T  # noqa: E402
-from ddtree.kernels.fp8.tuning import gemm_config, sm_count  # noqa: E402
+from ddtree.kernels.fp8.tuning import gemm_config  # noqa: E402
 
 SHAPES = {  # name -> (N, K): the linears as the engine runs them (fused q|k|v, gate|up)
     "8b": {
@@ -129,7 +129,7 @@ def make_call(lib: str, x: torch.Tensor, wq, ws, st, out_dtype=torch.bfloat16):
     """A zero-argument call of `lib` on x [m, K] -> [m, N] (quantization included)."""
     m, N = x.shape[0], wq.shape[0]
     if lib == "triton":
-        cfg = gemm_config(m, N, x.shape[1], sm_count(0), exact=out_dtype == torch.float32)
+        cfg = gemm_config(m, N, exact=out_dtype == torch.float32)
 
         def f():
             q, s = T.group_quant(x, 128)
@@ -277,7 +277,6 @@ def bench_shape(name, N, K, rows, libs, bw, gen, log):
             N,
             K,
             fp8.cublas_ok(wq, 128, 128),
-            split=gemm_config(m, N, K, sm_count(0)).split_k,
             deepgemm=DG.takes(wq, 128, 128, torch.bfloat16),
         )
         y_triton = None

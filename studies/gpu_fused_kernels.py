@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import ddtree.kernels.fused as fused  # noqa: E402
+from ddtree import envs  # noqa: E402
 from ddtree.bench.cuda_timing import count_kernels, time_graph  # noqa: E402
 from ddtree.models.layers import RotaryEmbedding  # noqa: E402
 
@@ -74,9 +75,9 @@ def layer_calls(inp: Inputs, with_gemms: bool):
 
 def set_reference(on: bool):
     if on:
-        os.environ[fused.FORCE_REFERENCE_ENV] = "1"
+        os.environ[envs.REFERENCE.name] = "kernels"
     else:
-        os.environ.pop(fused.FORCE_REFERENCE_ENV, None)
+        os.environ.pop(envs.REFERENCE.name, None)
 
 
 def main(argv=None) -> int:

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from ddtree import envs  # noqa: E402
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.kernels.gdn import backend, reference  # noqa: E402
 from ddtree.kernels.gdn.tree_chunk import tree_chunk_gated_delta_rule  # noqa: E402
@@ -488,7 +489,7 @@ def main():
         torch.cuda.get_device_name(),
         f"torch {torch.__version__}",
         f"backends {backend.describe(DEV)}",
-        f"{backend.FORCE_ENV}={os.environ.get(backend.FORCE_ENV, '')}",
+        f"{envs.REFERENCE.name}={os.environ.get(envs.REFERENCE.name, '')}",
         flush=True,
     )
     RESULT.update(

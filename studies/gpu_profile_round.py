@@ -7,7 +7,7 @@ pair, plus the GEMM chain alone (separate vs fused q|k|v and gate|up projections
         --cases NONE:0:1,DDTREE:64:1:extra_buffer,DDTREE:64:1:no_buffer,DDTREE:64:8,DDTREE:64:1::16384
 A case is ALGO:budget:batch[:strategy[:context]][@VAR=VALUE[+VAR=VALUE...]] (strategy: the hybrid
 state commit, default extra_buffer; context: default --context; after @, environment switches set for
-that case only, e.g. DDTREE_NO_PDL=1+DDTREE_FORCE_REFERENCE_TREE_BUILD=1: ddtree/envs.py).
+that case only, e.g. DDTREE_DISABLE=pdl+DDTREE_REFERENCE=tree_build: ddtree/envs.py).
 --shape as `ddtree bench rounds` (the hybrid shape builds
 its random pair on the GPU; its GEMM chain is not modelled here: pass --skip-gemm-chain).
 Prints, per case: wall ms/round, GPU kernel ms/round (busy), the top kernels, and the GEMM-only floor ratios.

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from ddtree import envs  # noqa: E402
 from ddtree.bench.cuda_timing import count_kernels, time_graph  # noqa: E402
 from ddtree.kernels import tree_build  # noqa: E402
 from ddtree.speculative.tree import (  # noqa: E402
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
-    os.environ.pop(tree_build.FORCE_REFERENCE_ENV, None)
+    os.environ.pop(envs.REFERENCE.name, None)
     warps = [int(w) for w in args.warps.split(",")]
     t0 = time.time()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  V={V} D={D} bf16 logits")

@@ -4,7 +4,7 @@ family and per phase, DDTREE against DFLASH on the same random pair, plus the GE
 rows each verify runs and the no_buffer GDN tree kernel alone.
 
     python3 studies/gpu_tree_cost.py --shape qwen3.6-27b \
-        --cases DFLASH:0:1,DDTREE:64:1,DDTREE:64:1@DDTREE_NO_PDL=1 \
+        --cases DFLASH:0:1,DDTREE:64:1,DDTREE:64:1@DDTREE_DISABLE=pdl \
         --gemm-rows 16,65,128,136,264 --gdn --json $OUT/tree_cost.json
 
 A case is ALGO:budget:batch[:context][@VAR=VALUE[+VAR=VALUE...]] (no_buffer, CUDA graphs, the

@@ -2,10 +2,10 @@
 host ms the grammar rows add per round, per algorithm x output format x concurrency, in one run.
 
 Formats: `text` (no grammar), `json` (bench serving's default schema, forced stretches drafted at
-log-prob 0: the default) and `json-raw` (the same schema with DDTREE_GRAMMAR_FORCED=0: the drafter's
-raw log-probs, no forced token it missed). The same prompts for every row; T=0; `== AR`: the
-outputs equal to AR's (the first algorithm, AR by default) in the same format and batching
-(all of them in fp32; bf16 may differ at near-ties).
+log-prob 0: what the engine does) and `json-raw` (the same schema with the trees built unforced,
+`build_grammar_tree(forced=False)`: the drafter's raw log-probs, no forced token it missed).
+The same prompts for every row; T=0; `== AR`: the outputs equal to AR's (the first algorithm, AR
+by default) in the same format and batching (all of them in fp32; bf16 may differ at near-ties).
 
   PYTHONPATH=. python3 studies/grammar_rounds.py --device cpu            # the embedded pair
   PYTHONPATH=. python3 studies/grammar_rounds.py --device cuda --model-path inflate:qwen3-8b
@@ -14,8 +14,8 @@ outputs equal to AR's (the first algorithm, AR by default) in the same format an
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import time
 
 ALGORITHMS = {
@@ -45,12 +45,17 @@ def prompts(tok, n: int) -> list:
 
 
 def run(llm, ps, fmt: str, max_tokens: int, concurrency: int) -> dict:
-    from ddtree import SamplingParams, envs
+    from ddtree import SamplingParams
     from ddtree.bench.serving import BENCH_SCHEMA
+    from ddtree.engine import grammar_round
     from ddtree.grammar import GrammarSpec
+    from ddtree.grammar.tree import build_grammar_tree
 
-    # the switch is read per round (engine/grammar_round.py): set for this run's rounds
-    os.environ[envs.GRAMMAR_FORCED.name] = "0" if fmt == "json-raw" else "1"
+    # the engine always forces; json-raw's rounds build their trees unforced (the mask threads
+    # look the builder up per tree: set for this run's rounds)
+    grammar_round.build_grammar_tree = functools.partial(
+        build_grammar_tree, forced=fmt != "json-raw"
+    )
     grammar = None if fmt == "text" else GrammarSpec.json_schema(BENCH_SCHEMA)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, grammar=grammar)
     eng = llm.engine

@@ -1,6 +1,6 @@
 """The peer adapter (`ddtree.bench.peer`): the paper's reference code (liranringel/ddtree) runs on our weights.
 
-With a checkout under .peer/ (never committed; DDTREE_PEER_CHECKOUT overrides the path) the adapter is run on a
+With a checkout under .peer/ (never committed; a symbolic link to one elsewhere does) the adapter is run on a
 tiny fp32 pair on the CPU: positive per-round times, the peer's greedy output equal to our target's greedy AR
 (same target tensors), and the peer's drafter forward equal to ours (same drafter tensors). The error for a
 bad --peer-checkout path always runs.
@@ -13,7 +13,6 @@ import os
 import pytest
 import torch
 
-from ddtree import envs
 from ddtree.bench.peer import (
     PeerCheckoutError,
     build_peer_models,
@@ -25,7 +24,7 @@ from ddtree.bench.random_pair import SMOKE, build_pair, pair_configs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PEER = envs.PEER_CHECKOUT.get() or os.path.join(os.path.dirname(os.path.dirname(__file__)), ".peer")
+PEER = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".peer")
 needs_peer = pytest.mark.skipif(
     not os.path.isdir(PEER),
     reason=f"no liranringel/ddtree checkout at {PEER} "

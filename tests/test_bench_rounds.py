@@ -1,5 +1,5 @@
 """`ddtree bench rounds`: the CPU smoke run end to end, the memory-floor byte count, and the forced-acceptance
-seam (SpecDecoder.target_override) yielding exactly the requested accept lengths and the override's tokens."""
+seam (bench_decoder.BenchDecoder's override) yielding exactly the requested accept lengths and the override's tokens."""
 
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ def first_child_chain(tree: DraftTree, i: int) -> list[int]:
 
 @pytest.mark.parametrize("algorithm", ["DFLASH", "DDTREE"])
 def test_forced_accept_lengths_and_tokens(random_runner, algorithm):
-    from ddtree.engine.decoder import SpecConfig, SpecDecoder
+    from ddtree.bench.bench_decoder import BenchDecoder
+    from ddtree.engine.decoder import SpecConfig
 
     runner, reqs = random_runner
     lengths = torch.tensor([1, 3, 9, 16])
@@ -119,7 +120,7 @@ def test_forced_accept_lengths_and_tokens(random_runner, algorithm):
         return seen["out"]
 
     spec = SpecConfig(algorithm=algorithm, budget=64, topk_cap=64, shadow_linear=True)
-    decoder = SpecDecoder(runner, spec, target_override=override)
+    decoder = BenchDecoder(runner, spec, override=override)
     for _ in range(2):
         emitted = decoder.round(reqs, runner.cfg.max_context)
         tree, out = seen["tree"], seen["out"]

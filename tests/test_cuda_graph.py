@@ -471,8 +471,9 @@ def test_fused_check_catches_dropped_depth_limits(toy_pair, one_torch_thread):
 
 @pytest.mark.parametrize("case", ["sampling", "override"])
 def test_graph_path_with_sampling_or_override_gives_plain_tokens(toy_pair, one_torch_thread, case):
-    """Sampled requests (eager sampling from the graph's logits) and a target_override (forced accept lengths,
-    eager walk) give the plain path's tokens."""
+    """Sampled requests (eager sampling from the graph's logits) and the bench decoder's override
+    (forced accept lengths, eager walk) give the plain path's tokens."""
+    from ddtree.bench.bench_decoder import BenchDecoder
     from ddtree.bench.forced_accept import AcceptTrace
 
     if case == "sampling":
@@ -491,7 +492,9 @@ def test_graph_path_with_sampling_or_override_gives_plain_tokens(toy_pair, one_t
             log = []
             _check_rounds(llm, log)
         if case == "override":
-            llm.engine.decoder.target_override = AcceptTrace([2, 1, 4], llm.engine.runner.device)
+            eng = llm.engine
+            trace = AcceptTrace([2, 1, 4], eng.runner.device)
+            eng.decoder = BenchDecoder(eng.runner, eng.decoder.cfg, override=trace)
         got = llm.generate(prompts, params)
         outs.append([(o.token_ids, o.accept_lengths) for o in got])
     assert outs[0] == outs[1]

@@ -154,3 +154,19 @@ def test_hybrid_sampling_matches_ar(toy_hybrid_dflash2_pair, hybrid_ar_counts):
     assert len(hybrid_ar_counts) > 5, "the test needs a spread-out distribution"
     assert same_distribution(hybrid_ar_counts, counts) > 1e-3
     assert mean_accept(outs) > 1.2  # drafts are accepted at T > 0 too: the walk is exercised
+
+
+def test_marginal_tree_flag_acts_and_is_lossless(toy_dflash2_pair, ar_tokens):
+    """--speculative-ddtree-dflash2-tree marginal reaches the drafter's constructor (DDTree over
+    the unary marginals: the bench's A/B) and stays lossless; path (the default) keeps the
+    path-conditioned tree."""
+    for tree, marginal in ((None, False), ("path", False), ("marginal", True)):
+        llm = make_llm(
+            toy_dflash2_pair,
+            "DDTREE",
+            speculative_ddtree_budget=16,
+            speculative_ddtree_dflash2_tree=tree,
+        )
+        assert llm.engine.runner.drafter.marginal_tree is marginal
+    outs = llm.generate([list(p) for p in accepted_prompts()], GREEDY)
+    assert [o.token_ids for o in outs] == ar_tokens and mean_accept(outs) > 2

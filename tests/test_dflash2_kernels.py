@@ -71,7 +71,7 @@ def test_dispatch_and_switch(interpreted, monkeypatch):
     monkeypatch.setattr(selector._triton(), "selector_chain", lambda *a: ran.append(1) or real(*a))
     selector.selector_chain(roots, draft)
     assert ran == [1]
-    monkeypatch.setenv(envs.FORCE_REFERENCE_KERNELS.name, "1")
+    monkeypatch.setenv(envs.REFERENCE.name, "kernels")
     assert not selector.use_kernel(draft.unary)
     selector.selector_chain(roots, draft)
     assert ran == [1]
@@ -88,7 +88,7 @@ def test_toy_decode_with_the_kernels_equals_ar(interpreted, toy_dflash2_pair, on
     # every fused kernel of the target runs interpreted too: one prompt, a few rounds
     prompts, sp = accepted_prompts(2)[1:], SamplingParams(temperature=0, max_tokens=14)
     with pytest.MonkeyPatch.context() as m:
-        m.setenv(envs.FORCE_REFERENCE_KERNELS.name, "1")
+        m.setenv(envs.REFERENCE.name, "kernels")
         ar = [o.token_ids for o in run(toy_dflash2_pair, prompts, sp)]
     calls = {"conv": 0, "chain": 0}
     conv, chain = conv_mod._triton().dynamic_conv, selector._triton().selector_chain

@@ -94,6 +94,25 @@ def test_the_offline_engine_refuses_dp():
 
     with pytest.raises(ConfigError, match="an LLMEngine is one replica"):
         LLM(None, dp_size=2, device="cpu")
+    with pytest.raises(ConfigError, match="an LLMEngine is one replica"):
+        LLM(None, dp_replica_process=True, device="cpu")
+
+
+def test_replica_process_flag_acts_with_one_engine_only(monkeypatch):
+    """--dp-replica-process (the process boundary's A/B): with --dp-size 1 the server's engine is
+    a replica process behind the dispatcher; with --dp-size N it is refused (they always are)."""
+    from ddtree.server import launch
+    from ddtree.server.dp import launch as dp_launch
+
+    got = []
+    monkeypatch.setattr(dp_launch, "start_dp_engine", lambda args, **kw: got.append(args) or 1 / 0)
+    monkeypatch.setattr(launch, "build_engine", lambda args, gc: got.append("in-process") or 1 / 0)
+    for flag, want in ((False, "in-process"), (True, "dp")):
+        with pytest.raises(ZeroDivisionError):
+            launch.build_app(ServerArgs(dp_replica_process=flag, device="cpu"))
+        assert (got.pop() == "in-process") is (want == "in-process")
+    with pytest.raises(ConfigError, match="--dp-replica-process: --dp-size 2"):
+        resolve_server_args(ServerArgs(dp_size=2, dp_replica_process=True, device="cpu"))
 
 
 def plan(capsys, pair, *extra) -> str:

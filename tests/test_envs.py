@@ -79,8 +79,43 @@ def test_the_scan_can_fail(tmp_path):
     [("", False), ("0", False), ("off", False), ("No", False), ("1", True), ("yes", True)],
 )
 def test_flag_values(monkeypatch, value, want):
-    monkeypatch.setenv(envs.NO_PDL.name, value)
-    assert envs.NO_PDL.on() is want
-    monkeypatch.delenv(envs.NO_PDL.name)
-    assert envs.NO_PDL.on() is False and envs.ROUND_CLOCK.get() == "1"
-    assert all(v.help for v in envs.TABLE.values()) and "DDTREE_NO_PDL=<unset>" in envs.describe()
+    monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, value)
+    assert envs.FUSED_KERNELS_INTERPRET.on() is want
+    monkeypatch.delenv(envs.FUSED_KERNELS_INTERPRET.name)
+    assert envs.FUSED_KERNELS_INTERPRET.on() is False and envs.ROUND_CLOCK.get() == "1"
+    assert (
+        all(v.help for v in envs.TABLE.values()) and "DDTREE_REFERENCE=<unset>" in envs.describe()
+    )
+
+
+@pytest.mark.parametrize(
+    "value,chosen",
+    [
+        ("", set()),
+        ("gdn", {"gdn"}),
+        (" GDN , attention,", {"gdn", "attention"}),
+        ("all", set(envs.REFERENCE.parts)),
+    ],
+)
+def test_part_lists(monkeypatch, value, chosen):
+    monkeypatch.setenv(envs.REFERENCE.name, value)
+    assert envs.REFERENCE.chosen() == chosen
+    assert all(envs.REFERENCE.has(p) is (p in chosen) for p in envs.REFERENCE.parts)
+
+
+def test_unknown_part_is_refused_naming_the_valid_ones(monkeypatch):
+    """A typo (or a retired switch's value, 1) never silently leaves a part on its kernel."""
+    for value in ("1", "gdn,atention"):
+        monkeypatch.setenv(envs.REFERENCE.name, value)
+        with pytest.raises(ValueError, match="DDTREE_REFERENCE=.*attention, kernels, tree_build"):
+            envs.REFERENCE.has("gdn")
+    monkeypatch.delenv(envs.REFERENCE.name)
+    with pytest.raises(KeyError, match="pdl"):
+        envs.REFERENCE.has("pdl")  # a part of DDTREE_DISABLE, not of DDTREE_REFERENCE
+
+
+def test_at_most_twelve_switches():
+    """Issue 56: variants live in constructor, CLI or study arguments; the environment keeps a
+    short list (TRITON_INTERPRET is Triton's own)."""
+    ours = [n for n in envs.TABLE if n.startswith("DDTREE_")]
+    assert len(ours) <= 12, ours

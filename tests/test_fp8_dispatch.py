@@ -69,17 +69,12 @@ def test_preference_reads_the_shape_then_its_family(built):
 
 
 def test_choose_takes_the_first_backend_that_runs(built, monkeypatch):
-    monkeypatch.delenv("DDTREE_FP8_GEMM", raising=False)
     monkeypatch.setattr(table, "load", lambda: built)
     assert fp8.choose(520, 6144, 4096, cublas=True, deepgemm=True) == "deepgemm"
     assert fp8.choose(520, 6144, 4096, cublas=True, deepgemm=False) == "cublas"  # no library
     assert fp8.choose(520, 6144, 4096, cublas=False, deepgemm=False) == "triton"
     # float32 activations: the Triton GEMM at every row count (one summation order: spec == AR)
     assert fp8.choose(520, 6144, 4096, cublas=True, exact=True, deepgemm=True) == "triton"
-    assert fp8.choose(520, 6144, 4096, cublas=True, split=4, deepgemm=True) == "triton"
-    monkeypatch.setenv("DDTREE_FP8_GEMM", "deepgemm")
-    assert fp8.choose(1, 6144, 4096, cublas=True, deepgemm=True) == "deepgemm"
-    assert fp8.choose(1, 6144, 4096, cublas=True, deepgemm=False) == "triton"  # forced, absent
 
 
 def test_shipped_table_covers_the_served_shapes():

@@ -17,7 +17,7 @@ kernels = load_kernel_module("ddtree.kernels.fp8.triton")
 
 import ddtree.kernels.fp8 as fp8  # noqa: E402
 from ddtree.kernels.fp8 import reference as R  # noqa: E402
-from ddtree.kernels.fp8.tuning import EXACT, GemmConfig, gemm_config, parse_config  # noqa: E402
+from ddtree.kernels.fp8.tuning import EXACT, GemmConfig, auto_split, gemm_config  # noqa: E402
 
 CONFIGS = [
     GemmConfig(16, 32, 4, 2),
@@ -139,18 +139,19 @@ def test_quant_then_gemm_matches_reference(dtype, with_bias, config):
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * scale)
 
 
-@pytest.mark.parametrize("backend", ["triton", "cublas", "reference"])
-def test_dispatch_backends(monkeypatch, backend):
-    """`linear` through each DDTREE_FP8_GEMM choice (cublas falls back to triton off CUDA) == the
-    reference's numbers (the reference dispatch is it)."""
-    monkeypatch.setenv("DDTREE_FP8_GEMM", backend)
+@pytest.mark.parametrize("reference", ["", "fp8", "kernels"])
+def test_dispatch_backends(monkeypatch, reference):
+    """`linear` through the kernels (the Triton GEMM off CUDA) and under DDTREE_REFERENCE=fp8 or
+    kernels (the PyTorch reference) == the reference's numbers."""
+    monkeypatch.setenv("DDTREE_REFERENCE", reference)
     monkeypatch.setenv("DDTREE_FUSED_KERNELS_INTERPRET", "1")
+    assert fp8.use_kernels(torch.empty(1, device=DEV)) is (reference == "")
     x, w = data(6, 64, 256, 11)
     wq, ws = R.quantize_weight(w, (128, 128))
     x3 = x.view(2, 3, 256)
     got = fp8.linear(x3, wq, ws, 128, 128, scale_t=None)
     assert got.shape == (2, 3, 64)
-    xq, xs = ref_quant(x, 128) if backend != "reference" else R.group_quant(x, 128)
+    xq, xs = ref_quant(x, 128) if not reference else R.group_quant(x, 128)
     ref = R.block_matmul(xq, xs, wq, ws, 128, 128, torch.float32).view(2, 3, 64)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
@@ -161,11 +162,7 @@ TABLE = {  # a measured table's form (kernels/fp8/table.py): per shape, per row 
 }
 
 
-def test_switches_are_checked(monkeypatch):
-    monkeypatch.setenv("DDTREE_FP8_GEMM", "fast")
-    with pytest.raises(ValueError, match="DDTREE_FP8_GEMM='fast'"):
-        fp8.backend_switch()
-    monkeypatch.delenv("DDTREE_FP8_GEMM")
+def test_choose_and_the_tiles(monkeypatch):
     # auto: the measured table's first backend that runs (tests/test_fp8_dispatch.py: the table)
     monkeypatch.setattr(fp8.table, "load", lambda: TABLE)
     assert fp8.choose(1, 24576, 4096, cublas=True) == "triton"
@@ -176,50 +173,33 @@ def test_switches_are_checked(monkeypatch):
     # float32 activations: one row-invariant GEMM at every row count (speculation == AR)
     assert fp8.choose(520, 24576, 4096, cublas=True, exact=True) == "triton"
     assert fp8.choose(1, 4096, 12288, cublas=True, exact=True) == "triton"
-    monkeypatch.setenv("DDTREE_FP8_GEMM", "cublas")
-    assert fp8.choose(1, 4096, 12288, cublas=True, exact=True) == "cublas"  # forced: as asked
-    monkeypatch.delenv("DDTREE_FP8_GEMM")
-    assert gemm_config(1, 4096, 4096) == GemmConfig(16, 32, 4, 4)
-    assert gemm_config(16, 34816, 5120) == GemmConfig(16, 64, 4, 4)
-    monkeypatch.setenv("DDTREE_FP8_GEMM_CONFIG", "32,64,4,3")
-    assert gemm_config(1, 64, 64) == GemmConfig(32, 64, 4, 3)
-    with pytest.raises(ValueError, match="BLOCK_M,BLOCK_N,WARPS,STAGES"):
-        parse_config("32,64")
-    assert parse_config("16,32,4,4,3") == GemmConfig(16, 32, 4, 4, split_k=3)
+    assert gemm_config(1, 4096) == GemmConfig(16, 32, 4, 4)
+    assert gemm_config(16, 34816) == GemmConfig(16, 64, 4, 4)
 
 
-def test_split_k_choice(monkeypatch):
-    """Split-K is off by default; with DDTREE_FP8_SPLIT_K=auto, decode rows get programs up to 4 per
-    SM, runs >= 4 K blocks; never in float32 (the summation order must not change with the row
-    count there), never past 16 rows; a number forces it, and a split Triton GEMM takes long-K
-    weights from cuBLAS."""
-    for var in ("DDTREE_FP8_SPLIT_K", "DDTREE_FP8_GEMM_CONFIG", "DDTREE_FP8_GEMM"):
-        monkeypatch.delenv(var, raising=False)
-    assert gemm_config(1, 4096, 4096, sms=132).split_k == 1
-    monkeypatch.setenv("DDTREE_FP8_SPLIT_K", "auto")
+def test_the_engine_never_splits_and_the_studies_split():
+    """The engine's tiles are unsplit at every row count; `auto_split` (what a study passes the
+    kernel: studies/gpu_fp8_gemm.py) gives decode rows programs up to 4 per SM, runs >= 4 K
+    blocks, never past 16 rows."""
+    assert all(
+        gemm_config(m, n, exact).split_k == 1
+        for m in (1, 16, 17, 520)
+        for n in (4096, 34816)
+        for exact in (False, True)
+    )
+    plain = gemm_config(1, 4096)
     # 8B o at 1 row on 132 SMs: 128 tiles of 16x32 -> ceil(528 / 128) = 5 runs (32 K blocks)
-    assert gemm_config(1, 4096, 4096, sms=132).split_k == 5
+    assert auto_split(1, 4096, 4096, plain, 132) == 5
     # 8B down: 96 K blocks, same tiles -> 5; a short K caps it (8 blocks -> 2 runs of 4)
-    assert gemm_config(16, 4096, 12288, sms=132).split_k == 5
-    assert gemm_config(1, 4096, 1024, sms=132).split_k == 2
-    # enough tiles already (27B gate|up: 544 tiles of 16x64), more rows, float32, no device
-    assert gemm_config(1, 34816, 5120, sms=132).split_k == 1
-    assert gemm_config(17, 4096, 4096, sms=132).split_k == 1
-    assert gemm_config(1, 4096, 4096, sms=132, exact=True).split_k == 1
+    assert auto_split(16, 4096, 12288, plain, 132) == 5
+    assert auto_split(1, 4096, 1024, plain, 132) == 2
+    # enough tiles already (27B gate|up: 544 tiles of 16x64), more rows, no device
+    assert auto_split(1, 34816, 5120, gemm_config(1, 34816), 132) == 1
+    assert auto_split(17, 4096, 4096, gemm_config(17, 4096), 132) == 1
+    assert auto_split(1, 4096, 4096, plain, 0) == 1
     # float32: one tile shape (one instruction: wgmma) at every row count, so one summation order
-    exact = {
-        gemm_config(m, n, 4096, sms=132, exact=True) for m in (1, 16, 65, 1040) for n in (64, 34816)
-    }
+    exact = {gemm_config(m, n, exact=True) for m in (1, 16, 65, 1040) for n in (64, 34816)}
     assert exact == {EXACT}
-    assert gemm_config(1, 4096, 4096).split_k == 1
-    assert fp8.choose(1, 4096, 12288, cublas=True, split=5) == "triton"
-    assert fp8.choose(1, 4096, 12288, cublas=True, split=1) == "cublas"
-    monkeypatch.setenv("DDTREE_FP8_SPLIT_K", "3")
-    assert gemm_config(520, 4096, 4096, sms=132).split_k == 3
-    assert gemm_config(1, 4096, 4096, sms=132, exact=True).split_k == 1
-    monkeypatch.setenv("DDTREE_FP8_SPLIT_K", "0")
-    with pytest.raises(ValueError, match="DDTREE_FP8_SPLIT_K='0'"):
-        gemm_config(1, 4096, 4096, sms=132)
 
 
 def test_reference_scales_are_ieee_quotients():

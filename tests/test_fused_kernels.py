@@ -13,6 +13,7 @@ from triton_utils import DEV, load_kernel_module, rel
 kernels = load_kernel_module("ddtree.kernels.fused.triton")
 
 import ddtree.kernels.fused as fused  # noqa: E402
+from ddtree import envs  # noqa: E402
 from ddtree.kernels.fused import reference as R  # noqa: E402
 from ddtree.models.layers import RotaryEmbedding  # noqa: E402
 
@@ -171,10 +172,10 @@ def test_dispatch_switches(monkeypatch, kernel_calls):
     run_all(*inputs)
     assert kernel_calls == ["add_rmsnorm", "add_rmsnorm", "qk_norm_rope", "silu_mul"]
     kernel_calls.clear()
-    monkeypatch.setenv(fused.FORCE_REFERENCE_ENV, "1")
+    monkeypatch.setenv(envs.REFERENCE.name, "kernels")
     run_all(*inputs)
     assert kernel_calls == []
-    monkeypatch.delenv(fused.FORCE_REFERENCE_ENV)
+    monkeypatch.delenv(envs.REFERENCE.name)
     x, w, q, qw, cos, sin = inputs
     fused.add_rmsnorm(x, x, w.requires_grad_(), 1e-6)  # autograd needs the reference
     assert kernel_calls == []
@@ -226,10 +227,10 @@ def test_models_through_kernels_match_reference_path(monkeypatch, kernel_calls, 
             hidden = drafter.forward_train(feats, block, anchors)
         return logits, feats, hidden
 
-    monkeypatch.setenv(fused.FORCE_REFERENCE_ENV, "1")
+    monkeypatch.setenv(envs.REFERENCE.name, "kernels")
     ref = run()
     assert kernel_calls == []
-    monkeypatch.delenv(fused.FORCE_REFERENCE_ENV)
+    monkeypatch.delenv(envs.REFERENCE.name)
     monkeypatch.setenv(fused.INTERPRET_ENV, "1")
     got = run()
     layers = tcfg.num_hidden_layers + dcfg.num_hidden_layers

@@ -50,7 +50,7 @@ def test_matches_the_reference_commit(geo, ssm_dtype, monkeypatch):
     path = torch.tensor([[0, 2, 5, 6, 9, 9], [0, -7, 3, 3, 3, 3], [0, 1, 2, 3, 4, 6]], device=DEV)
     acc = torch.tensor([2, 0, 5], device=DEV)
     want, got, before = (_pool(geo, ssm_dtype, seed=1) for _ in range(3))
-    monkeypatch.setenv(envs.FORCE_REFERENCE_GDN.name, "1")  # the pool's reference commit
+    monkeypatch.setenv(envs.REFERENCE.name, "gdn")  # the pool's reference commit
     want.commit(slots, path.clamp(min=0), acc)
     _commit(got, slots, path, acc)
     tol = 1e-5 if ssm_dtype == "float32" else 1e-2
@@ -66,12 +66,12 @@ def test_matches_the_reference_commit(geo, ssm_dtype, monkeypatch):
 
 @cpu_interpreter_only
 def test_dispatch(monkeypatch):
-    """The kernel where our Triton kernels run, the reference under DDTREE_FORCE_REFERENCE_GDN."""
+    """The kernel where our Triton kernels run, the reference under DDTREE_REFERENCE=gdn."""
     geo = GDNGeometry(num_layers=2, hk=1, dk=16, hv=2, dv=16, kernel=4)
     slots, path, acc = torch.tensor([1]), torch.tensor([[0, 1, 2]]), torch.tensor([2])
     monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, "1")
-    for force, want in (("", {("commit", "triton"): 1}), ("1", {("replay", "reference"): 1})):
-        monkeypatch.setenv(backend.FORCE_ENV, force)
+    for force, want in (("", {("commit", "triton"): 1}), ("gdn", {("replay", "reference"): 1})):
+        monkeypatch.setenv(envs.REFERENCE.name, force)
         backend.ran.clear()
         _pool(geo, "float32", 0).commit(slots, path, acc)
         assert dict(backend.ran) == want, (force, backend.ran)
@@ -95,7 +95,7 @@ def test_hybrid_no_buffer_lossless_with_the_commit_kernel(
     ar = [o.token_ids for o in run(toy_hybrid_pair, prompts, params)]
     monkeypatch.setattr(state_pool, "commit_kernel", lambda t: True)
     if chunk:
-        monkeypatch.delenv(backend.FORCE_ENV, raising=False)
+        monkeypatch.delenv(envs.REFERENCE.name, raising=False)
         monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
     backend.ran.clear()
     kw = dict(speculative_ddtree_budget=16) if algorithm == "DDTREE" else {}

@@ -1,4 +1,4 @@
-"""GDN backend dispatch: the reference on CPU and under DDTREE_FORCE_REFERENCE_GDN=1; the fla branch's argument
+"""GDN backend dispatch: the reference on CPU and under DDTREE_REFERENCE=gdn; the fla branch's argument
 plumbing (keywords, layouts, fp32 states) checked against a stand-in fla built from the reference, so the
 test never needs fla or a GPU."""
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_gdn_reference import Given, rel, rule_inputs
 
+from ddtree import envs
 from ddtree.kernels.gdn import backend, dispatch
 from ddtree.kernels.gdn.reference import (
     gated_delta_rule_chunked,
@@ -32,15 +33,15 @@ def test_reference_on_cpu_and_describe():
 def test_force_switch(monkeypatch):
     monkeypatch.setattr(backend, "fla_ops", lambda: (None, None))
     monkeypatch.setattr(backend, "triton_ok", lambda: True)
-    monkeypatch.delenv(backend.FORCE_ENV, raising=False)
+    monkeypatch.delenv(envs.REFERENCE.name, raising=False)
     assert backend.use_fla(CUDA_LIKE) and backend.use_triton(CUDA_LIKE)
-    for off in ("0", ""):
-        monkeypatch.setenv(backend.FORCE_ENV, off)
+    for off in ("", "kernels", "attention,tree_build"):  # other parts leave GDN alone
+        monkeypatch.setenv(envs.REFERENCE.name, off)
         assert backend.use_fla(CUDA_LIKE)
-    monkeypatch.setenv(backend.FORCE_ENV, "1")
+    monkeypatch.setenv(envs.REFERENCE.name, "gdn")
     assert not backend.use_fla(CUDA_LIKE) and not backend.use_triton(CUDA_LIKE)
     monkeypatch.setattr(backend, "fla_ops", lambda: None)  # fla missing: reference even on CUDA
-    monkeypatch.delenv(backend.FORCE_ENV)
+    monkeypatch.delenv(envs.REFERENCE.name)
     assert not backend.use_fla(CUDA_LIKE)
 
 

@@ -1,6 +1,6 @@
 """Fused Gated DeltaNet elementwise ops (ddtree/kernels/gdn/fused.py) vs their references, under
 Triton's CPU interpreter (DDTREE_FUSED_KERNELS_INTERPRET=1, as tests/test_fused_kernels.py), and the
-switches that keep the reference (the CPU by default, DDTREE_FORCE_REFERENCE_KERNELS=1)."""
+switches that keep the reference (the CPU by default, DDTREE_REFERENCE=kernels)."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from triton_utils import DEV, load_kernel_module, rel
 fk = load_kernel_module("ddtree.kernels.gdn.fused")
 
 import ddtree.kernels.fused as fused  # noqa: E402
+from ddtree import envs  # noqa: E402
 from ddtree.kernels.gdn import reference  # noqa: E402
 
 BF16_REL = 2.5e-2 if DEV == "cpu" else 5e-3  # the interpreter truncates fp32 -> bf16
@@ -55,7 +56,7 @@ def test_gated_rmsnorm_matches_reference(kernels_on, dtype, wdtype, monkeypatch)
 
 def test_reference_where_the_kernels_do_not_run(monkeypatch):
     monkeypatch.setenv(fused.INTERPRET_ENV, "1")
-    monkeypatch.setenv(fused.FORCE_REFERENCE_ENV, "1")
+    monkeypatch.setenv(envs.REFERENCE.name, "kernels")
     calls = []
     monkeypatch.setattr(fk, "_gating_kernel", _spy(fk._gating_kernel, calls))
     args = _gating_inputs(torch.float32)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_gdn_reference import chain, pad_trees, rel, rule_inputs
 
+from ddtree import envs
 from ddtree.engine import state_contexts
 from ddtree.kernels.gdn import backend, dispatch
 from ddtree.kernels.gdn.reference import replay_path, tree_gated_delta_rule
@@ -114,7 +115,7 @@ def test_dispatch_off_the_kernels_is_the_reference(monkeypatch):
     reference, node states or not; the chunk form is only the kernel's reference (tests)."""
     ins, parents, depths, S0 = case([([-1, 0, 0, 1], [0, 1, 1, 2]), ([-1, 0], [0, 1])], seed=3)
     ref, _ = tree_gated_delta_rule(*ins, parents, depths, S0)
-    monkeypatch.delenv(backend.FORCE_ENV, raising=False)
+    monkeypatch.delenv(envs.REFERENCE.name, raising=False)
     monkeypatch.delenv("DDTREE_FUSED_KERNELS_INTERPRET", raising=False)
     for states in (False, True):
         backend.ran.clear()

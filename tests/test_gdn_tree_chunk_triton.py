@@ -156,9 +156,9 @@ def test_refuses_what_it_cannot_run():
 def test_dispatch_one_path_per_strategy(monkeypatch):
     """no_buffer (no node states) takes the chunk kernel up to 65 nodes and gates inside it; node
     states (extra_buffer) or a longer tree take the Triton recurrence; without our kernels (or under
-    DDTREE_FORCE_REFERENCE_GDN) the reference."""
+    DDTREE_REFERENCE=gdn) the reference."""
     monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, "1")
-    monkeypatch.delenv(backend.FORCE_ENV, raising=False)
+    monkeypatch.delenv(envs.REFERENCE.name, raising=False)
     trees = [([-1, 0, 0, 1], [0, 1, 1, 2]), ([-1, 0], [0, 1])]
     ins, parents, depths, S0 = case(trees, seed=3)
     q, k, v = ins[:3]
@@ -177,7 +177,7 @@ def test_dispatch_one_path_per_strategy(monkeypatch):
     backend.ran.clear()
     dispatch.tree_rule(*big[0], big[1], big[2], big[3])
     assert backend.ran == {("tree", "triton"): 1}
-    monkeypatch.setenv(backend.FORCE_ENV, "1")
+    monkeypatch.setenv(envs.REFERENCE.name, "gdn")
     backend.ran.clear()
     o, _ = dispatch.tree_rule(q, k, v, None, None, parents, depths, S0, gate=gate)
     assert rel(o, ref) < 1e-5 and backend.ran == {("tree", "reference"): 1}
@@ -194,7 +194,7 @@ def test_hybrid_no_buffer_lossless_with_kernel(toy_hybrid_pair, monkeypatch):
     prompts = accepted_prompts(1)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ar = [o.token_ids for o in run(toy_hybrid_pair, prompts, params)]
-    monkeypatch.delenv(backend.FORCE_ENV, raising=False)
+    monkeypatch.delenv(envs.REFERENCE.name, raising=False)
     monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
     backend.ran.clear()
     outs = run(
@@ -222,7 +222,7 @@ def test_graph_path_with_kernel_matches_eager_and_padding_stays_in_scratch(
     from ddtree import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 2, 8, 6)]
-    monkeypatch.delenv(backend.FORCE_ENV, raising=False)
+    monkeypatch.delenv(envs.REFERENCE.name, raising=False)
     monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
     eager = _tokens(_llm(toy_hybrid_pair, "DDTREE", "no_buffer").generate(prompts, params))
     llm = _llm(toy_hybrid_pair, "DDTREE", "no_buffer")

@@ -127,7 +127,7 @@ def test_no_node_states_and_force_reference(monkeypatch):
     ]
     o, st = kernel_module.tree_gated_delta_rule_triton(*args)
     assert st is None
-    monkeypatch.setenv("DDTREE_FORCE_REFERENCE_GDN", "1")
+    monkeypatch.setenv("DDTREE_REFERENCE", "gdn")
     called = []
     real = kernel_module.tree_gated_delta_rule_rows
     monkeypatch.setattr(

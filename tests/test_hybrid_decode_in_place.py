@@ -129,7 +129,7 @@ def test_kernels_in_the_engine_loop(toy_hybrid_pair, monkeypatch, strategy):
     prompts, params = PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     _, want = _generate(toy_hybrid_pair, strategy, prompts, params, graphs=True)
     monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, "1")
-    monkeypatch.delenv(envs.FORCE_REFERENCE_GDN.name, raising=False)
+    monkeypatch.delenv(envs.REFERENCE.name, raising=False)
     _, on = _generate(toy_hybrid_pair, strategy, prompts, params, graphs=True)
     assert on == want
     assert backend.ran[("decode_step", "triton")] and backend.ran[("tree_conv", "triton")]

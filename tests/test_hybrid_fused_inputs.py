@@ -10,6 +10,7 @@ from triton_utils import DEV, load_kernel_module, rel
 fk = load_kernel_module("ddtree.kernels.gdn.fused")
 
 import ddtree.kernels.fused as fused  # noqa: E402
+from ddtree import envs  # noqa: E402
 from ddtree.kernels.fused.reference import sigmoid_gate_reference  # noqa: E402
 from ddtree.kernels.gdn import reference  # noqa: E402
 
@@ -87,8 +88,8 @@ def test_sigmoid_gate_reference_switches(monkeypatch):
     x = torch.randn(2, 3, 8).to(DEV)
     calls = _gate_calls(monkeypatch)
     monkeypatch.setenv(fused.INTERPRET_ENV, "1")
-    monkeypatch.setenv(fused.FORCE_REFERENCE_ENV, "1")
+    monkeypatch.setenv(envs.REFERENCE.name, "kernels")
     assert torch.equal(fused.sigmoid_gate(x, x), sigmoid_gate_reference(x, x)) and not calls
-    monkeypatch.delenv(fused.FORCE_REFERENCE_ENV)
+    monkeypatch.delenv(envs.REFERENCE.name)
     fused.sigmoid_gate(x, x)
     assert calls

@@ -28,7 +28,7 @@ def kernels_on(monkeypatch):
     if not envs.TRITON_INTERPRET.on():
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py)")
     monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, "1")
-    monkeypatch.delenv(envs.FORCE_REFERENCE_GDN.name, raising=False)
+    monkeypatch.delenv(envs.REFERENCE.name, raising=False)
 
 
 @pytest.mark.parametrize(

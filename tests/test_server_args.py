@@ -470,6 +470,20 @@ def test_budget_auto_nonsense_is_refused_before_weights(dense, capsys):
         )
 
 
+def test_dflash2_tree_is_refused_for_a_dflash_drafter(dense, capsys):
+    """--speculative-ddtree-dflash2-tree acts on DFlash2 drafters only (tests/test_dflash2_engine.py
+    runs both trees): on a DFlash drafter it is refused before the weights load, a value outside
+    path / marginal by the parser."""
+    one_problem(
+        ddtree_argv(dense, "--speculative-ddtree-dflash2-tree", "marginal"),
+        "--speculative-ddtree-dflash2-tree marginal",
+        "not DFlash2",
+    )
+    with pytest.raises(SystemExit):
+        prepare_server_args(ddtree_argv(dense, "--speculative-ddtree-dflash2-tree", "unary"))
+    assert "marginal" in capsys.readouterr().err
+
+
 def test_policy_trace_is_refused_where_it_would_trace_nothing(dense, tmp_path, monkeypatch):
     """DDTREE_POLICY_TRACE traces the auto budget policy: with a fixed budget or in a
     directory that does not exist the config is refused before the weights load; with auto and a

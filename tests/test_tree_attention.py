@@ -10,6 +10,7 @@ from triton_utils import DEV, load_kernel_module, rel
 
 kernel_module = load_kernel_module("ddtree.kernels.tree_attention.triton")
 
+from ddtree import envs  # noqa: E402
 from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, get_backend  # noqa: E402
 from ddtree.kernels.tree_attention import paged_attention_reference  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import KernelConfig, choose_num_splits, ctas_per_sm  # noqa: E402
@@ -271,7 +272,7 @@ def test_backend_extend_matches_torch(kind, dtype):
 
 
 def test_force_reference_switch(monkeypatch):
-    monkeypatch.setenv("DDTREE_FORCE_REFERENCE_ATTENTION", "1")
+    monkeypatch.setenv("DDTREE_REFERENCE", "attention")
     backend = get_backend("triton")
     assert backend.force_reference and backend._use_reference(torch.empty(1, 1, 32, device=DEV))
     gen = torch.Generator().manual_seed(3)
@@ -512,18 +513,18 @@ def test_hopper_kernel_failure_falls_back(monkeypatch, caplog):
 
 def test_pdl_gate(monkeypatch):
     """The split merge launches as a programmatic dependent only where griddepcontrol exists (CUDA sm_90+, not
-    the interpreter) and DDTREE_NO_PDL is unset."""
+    the interpreter) and DDTREE_DISABLE is unset."""
     from ddtree.kernels.tree_attention import merge
 
     cuda = torch.device("cuda", 0)
     cap = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
     monkeypatch.setattr(merge.triton.knobs.runtime, "interpret", False)
-    monkeypatch.delenv(merge.PDL_DISABLE_ENV, raising=False)
+    monkeypatch.delenv(envs.DISABLE.name, raising=False)
     assert merge.pdl_ok(cuda) == merge.HAVE_GDC
-    monkeypatch.setenv(merge.PDL_DISABLE_ENV, "1")
+    monkeypatch.setenv(envs.DISABLE.name, "pdl")
     assert not merge.pdl_ok(cuda)
-    monkeypatch.delenv(merge.PDL_DISABLE_ENV)
+    monkeypatch.delenv(envs.DISABLE.name)
     cap[0] = (8, 0)
     assert not merge.pdl_ok(cuda)
     assert not merge.pdl_ok(torch.device("cpu"))
@@ -549,7 +550,6 @@ def test_dispatch_plan_is_frozen_and_names_its_fallback(monkeypatch):
     drafter block, one split, the env switch and the device; no launch needed."""
     import dataclasses
 
-    from ddtree import envs
     from ddtree.kernels.tree_attention import dispatch
 
     hop = kernel_module.hopper
@@ -570,9 +570,9 @@ def test_dispatch_plan_is_frozen_and_names_its_fallback(monkeypatch):
     block = dataclasses.replace(tree, new_kv=True)
     assert "alongside" in dispatch.plan(block, cpu, triton_slots=lambda cfg: 264).fallback
     assert dispatch.plan(tree, cpu, num_splits=1).fallback == "one split asked for"
-    monkeypatch.setenv(envs.NO_HOPPER_ATTENTION.name, "1")
-    assert envs.NO_HOPPER_ATTENTION.name in dispatch.gluon_unsupported(tree, cpu)
-    monkeypatch.delenv(envs.NO_HOPPER_ATTENTION.name)
+    monkeypatch.setenv(envs.DISABLE.name, "hopper_attention")
+    assert "hopper_attention" in dispatch.gluon_unsupported(tree, cpu)
+    monkeypatch.delenv(envs.DISABLE.name)
     monkeypatch.setattr(dispatch, "gluon_unsupported", lambda shape, device: None)
     monkeypatch.setattr(hop, "sm_count", lambda device: 132)
     g = dispatch.plan(tree, cpu)

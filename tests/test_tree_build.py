@@ -138,15 +138,15 @@ def test_dispatch_and_switch(monkeypatch):
     monkeypatch.setattr(
         tree_build._triton(), "select_nodes_triton", lambda *a: ran.append(1) or real(*a)
     )
-    monkeypatch.delenv(envs.FORCE_REFERENCE_TREE_BUILD.name, raising=False)
+    monkeypatch.delenv(envs.REFERENCE.name, raising=False)
     monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, "1")
     ref = build_tree(roots, logits, 8, 8, True, limits)
     assert_same(build_tree(roots, logits, 8, 8, True, limits, select=tree_build.select_nodes), ref)
     assert ran == [1]
-    monkeypatch.setenv(envs.FORCE_REFERENCE_TREE_BUILD.name, "1")  # the switch wins
+    monkeypatch.setenv(envs.REFERENCE.name, "tree_build")  # the switch wins
     assert not tree_build.use_kernel(logits, 8, 3)
     assert_same(build_tree(roots, logits, 8, 8, True, limits, select=tree_build.select_nodes), ref)
-    monkeypatch.delenv(envs.FORCE_REFERENCE_TREE_BUILD.name)
+    monkeypatch.delenv(envs.REFERENCE.name)
     monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, "0")  # CPU tensors, no interpreter
     assert not tree_build.use_kernel(logits, 8, 3)
     monkeypatch.setenv(envs.FUSED_KERNELS_INTERPRET.name, "1")

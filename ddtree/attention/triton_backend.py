@@ -6,7 +6,7 @@ splits, PDL) comes from `kernels/tree_attention/dispatch.py`, and `launch_plan` 
 plan of a shape (what a captured graph replays). `draft_block` runs the same kernel with the block's K/V passed
 alongside (never stored); sliding-window layers pass their window to the kernel, which masks it per row.
 
-Falls back to the torch reference when DDTREE_FORCE_REFERENCE_ATTENTION=1, or when the tensors are on the CPU
+Falls back to the torch reference when DDTREE_REFERENCE=attention, or when the tensors are on the CPU
 and Triton's interpreter (TRITON_INTERPRET=1) is off, or for head dims the kernel does not take
 (not a power of two >= 16).
 """
@@ -24,7 +24,7 @@ from ddtree.attention.backend import (
 )
 from ddtree.attention.torch_ref import TorchReferenceBackend
 
-FORCE_REFERENCE_ENV = envs.FORCE_REFERENCE_ATTENTION.name
+FORCE_REFERENCE = f"{envs.REFERENCE.name}=attention"
 
 
 @register_backend("triton")
@@ -33,7 +33,7 @@ class TritonAttentionBackend:
         # num_splits: fixed split count (e.g. while capturing CUDA graphs); None = chosen per call from the
         # host kv_lens, which under graph capture should then be the captured maxima.
         self.num_splits = num_splits
-        self.force_reference = envs.FORCE_REFERENCE_ATTENTION.on()
+        self.force_reference = envs.REFERENCE.has("attention")
         self._ref = TorchReferenceBackend()
         self._kernel = None
         if not self.force_reference:
@@ -42,13 +42,13 @@ class TritonAttentionBackend:
             except ImportError as e:
                 raise RuntimeError(
                     f"--attention-backend triton needs the triton package ({e}); install it, or set "
-                    f"{FORCE_REFERENCE_ENV}=1 to run the torch reference behind this backend"
+                    f"{FORCE_REFERENCE} to run the torch reference behind this backend"
                 ) from e
             self._kernel = kernel
 
     def _reference_reason(self, head_dim: int, device: torch.device) -> str | None:
         if self._kernel is None:
-            return f"{FORCE_REFERENCE_ENV} is set"
+            return f"{FORCE_REFERENCE} is set"
         if head_dim < 16 or head_dim & (head_dim - 1):
             return f"head dim {head_dim} (the kernel takes powers of two >= 16)"
         if device.type != "cuda" and not envs.TRITON_INTERPRET.on():

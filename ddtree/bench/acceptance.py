@@ -7,7 +7,6 @@ summary gives each drafter's best DDTREE τ over its own DFLASH chain's."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -72,25 +71,16 @@ def load_prompts(path: str | None) -> list:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
-@contextlib.contextmanager
-def dflash2_tree(tree: str | None):
-    """DDTREE_DFLASH2_TREE for the engines built inside (None: as set)."""
-    from ddtree import envs
-
-    name, old = envs.DFLASH2_TREE.name, os.environ.get(envs.DFLASH2_TREE.name)
-    if tree is not None:
-        os.environ[name] = tree
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def measure(
-    base, algorithm: str, budget: int, shadow: bool, temperature: float, prompts, max_tokens, seed
+    base,
+    algorithm: str,
+    budget: int,
+    shadow: bool,
+    temperature: float,
+    prompts,
+    max_tokens,
+    seed,
+    tree: str | None = None,
 ):
     from ddtree.config import resolve_server_args
     from ddtree.engine.engine import LLMEngine
@@ -103,6 +93,7 @@ def measure(
             speculative_ddtree_budget=budget if algorithm == "DDTREE" else None,
             speculative_ddtree_topk_cap=None,
             speculative_ddtree_shadow_linear=shadow,
+            speculative_ddtree_dflash2_tree=tree if algorithm == "DDTREE" else None,
         )
     )
     engine = LLMEngine(args)
@@ -188,10 +179,9 @@ def main(argv: list[str]) -> int:
                 for s in shadows
             ]
             for algo, budget, shadow, tree in configs:
-                with dflash2_tree(tree):
-                    row, lengths = measure(
-                        base, algo, budget, shadow, temp, prompts, ns.max_tokens, ns.seed
-                    )
+                row, lengths = measure(
+                    base, algo, budget, shadow, temp, prompts, ns.max_tokens, ns.seed, tree
+                )
                 row.update(drafter=name, tree=tree)
                 rows.append(row)
                 label = (

@@ -1,5 +1,5 @@
 """Forced acceptance for round benchmarks: random weights accept nothing, so the target tokens are rewritten
-(through `SpecDecoder.target_override`) to make the accept walk commit a chosen number of tokens.
+(by bench_decoder.py's `BenchDecoder`) to make the accept walk commit a chosen number of tokens.
 
 The walk is steered along the first node of each depth. Nodes are ordered by depth, then by score, so that is
 the drafter's top-1 chain (in DFLASH chains, and in DDTREE trees as deep as the tree keeps it; shadow-linear
@@ -50,7 +50,7 @@ def forced_targets(tree: DraftTree, target_tokens: Tensor, lengths: Tensor) -> T
 
 
 class AcceptTrace:
-    """A `target_override` replaying per-round emitted lengths (accepted + bonus), cycling through `trace`;
+    """A `BenchDecoder` override replaying per-round emitted lengths (accepted + bonus), cycling through `trace`;
     every request of the batch follows the same length in a round. Lengths live on the device up front."""
 
     def __init__(self, trace: list[int], device):

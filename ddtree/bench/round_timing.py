@@ -1,5 +1,5 @@
 """Clocks for the round benchmark: CUDA events on the GPU (the host clock on the CPU), a phase timer that plugs
-into `SpecDecoder(times=...)`, and the device-to-device copy bandwidth the memory floor is divided by."""
+into `BenchDecoder(times=...)`, and the device-to-device copy bandwidth the memory floor is divided by."""
 
 from __future__ import annotations
 

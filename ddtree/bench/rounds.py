@@ -180,11 +180,11 @@ def run_case(
     runner, spec, reqs, context: int, rounds: int, warmup: int, clock, override=None
 ) -> dict:
     """Median per-round time and stage split over `rounds` rounds after `warmup`; KV trimmed back each round."""
+    from ddtree.bench.bench_decoder import BenchDecoder
     from ddtree.bench.round_timing import PhaseMarks, percentile
-    from ddtree.engine.decoder import SpecDecoder
 
     marks = PhaseMarks(clock)
-    decoder = SpecDecoder(runner, spec, times=marks, target_override=override)
+    decoder = BenchDecoder(runner, spec, times=marks, override=override)
     max_context = runner.cfg.max_context
     totals, phases, emitted = [], {p: [] for p in PHASES}, []
     for i in range(warmup + rounds):

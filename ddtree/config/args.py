@@ -121,6 +121,11 @@ class ServerArgs:
         "--base-gpu-id, --gpu-id-step); 1 = one engine inside the server's process",
         aliases=("--dp", "--data-parallel-size"),
     )
+    dp_replica_process: bool = _opt(
+        False,
+        "--dp-size 1: run the one engine in a replica process behind the dispatcher, as "
+        "--dp-size N does (the process boundary alone, for its A/B: scripts/device/dp.sh)",
+    )
     load_balance_method: str = _opt(
         "round_robin",
         "how --dp-size dispatches requests: round_robin; shortest_queue (fewest requests in "
@@ -213,6 +218,13 @@ class ServerArgs:
     speculative_ddtree_shadow_linear: bool = _opt(
         False, "always include the drafter's top-1 chain in the tree"
     )
+    speculative_ddtree_dflash2_tree: str | None = _opt(
+        None,
+        "DFlash2 drafters: path (default: the path-conditioned tree, children scored by the "
+        "selector under their parent's token) or marginal (DDTree over the per-position "
+        "marginals, the selector unused)",
+        ("path", "marginal"),
+    )
     mamba_scheduler_strategy: str | None = _opt(
         None,
         "hybrid targets: recurrent states under speculation (no_buffer: replay the accepted "
@@ -304,6 +316,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "speculative_ddtree_max_budget",
         "speculative_ddtree_topk_cap",
         "speculative_ddtree_shadow_linear",
+        "speculative_ddtree_dflash2_tree",
     ),
     "memory and scheduling": (
         "mem_fraction_static",
@@ -331,6 +344,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "logging": ("log_level", "decode_log_interval"),
     "data parallel (server replicas)": (
         "dp_size",
+        "dp_replica_process",
         "load_balance_method",
         "base_gpu_id",
         "gpu_id_step",

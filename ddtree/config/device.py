@@ -91,6 +91,11 @@ def check_dp(a: ServerArgs, device: str, p: list[str]) -> None:
                 a.load_balance_method,
             )
         return
+    if a.dp_replica_process:
+        p.append(
+            f"--dp-replica-process: --dp-size {a.dp_size} always runs its engines in replica "
+            "processes; drop it (it acts with --dp-size 1)"
+        )
     if device.startswith("cuda") and device != "cuda":
         p.append(
             f"--device {device}: with --dp-size {a.dp_size} pass --device cuda (replicas are "

@@ -181,6 +181,12 @@ def _resolve_speculative(a: ServerArgs, t, d, upd: dict, p: list[str]) -> None:
             budget = DEFAULT_DDTREE_BUDGET
             logger.info("Speculative DDTree budget is set to %d.", budget)
         upd["speculative_ddtree_budget"] = budget
+        tree = a.speculative_ddtree_dflash2_tree
+        if tree is not None and d is not None and not d.is_dflash2:
+            p.append(
+                f"--speculative-ddtree-dflash2-tree {tree}: the drafter is {d.architecture}, not "
+                "DFlash2 (its tree has no other form); drop the flag"
+            )
         if budget == AUTO_BUDGET:
             budget = a.speculative_ddtree_max_budget or DEFAULT_DDTREE_BUDGET
             upd["speculative_ddtree_max_budget"] = budget

@@ -8,8 +8,9 @@ done (`GainReadBack`), so the policy learns from them while the verify runs.
 
 With CUDA graphs the draft replay goes from the roots to the finished tree (drafter, LM head, tree build, each
 request cut to its budget) and the verify replay from the tree to the greedy accept walk (target, LM head, argmax,
-walk); the decoder falls back to eager sampling + walk when a request samples (temperature > 0) or a
-`target_override` is set. Each round's width and per-request budgets come from the `BudgetPlanner`
+walk); the decoder falls back to eager sampling + walk when a request samples (temperature > 0) or is
+under a grammar (`_accept`; the round benchmarks' subclass, bench/bench_decoder.py, rewrites the target tokens
+there). Each round's width and per-request budgets come from the `BudgetPlanner`
 (engine/budget.py): the fixed budget (with per-request caps) or the load-aware policy; width 1 is a plain AR
 round that still writes the drafter's context.
 """
@@ -50,22 +51,11 @@ class PhaseTimes:
         return t
 
 
-# (tree, target tokens [b, n]) -> target tokens the accept walk uses instead (benchmarks force accept lengths)
-TargetOverride = Callable[[DraftTree, torch.Tensor], torch.Tensor]
-
-
 class SpecDecoder:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        cfg: SpecConfig,
-        times=None,
-        target_override: TargetOverride | None = None,
-    ):
-        """`times`: a phase timer with PhaseTimes' `start()` / `add(name, t0)` (default: the host clock)."""
+    def __init__(self, runner: ModelRunner, cfg: SpecConfig):
         self.runner, self.cfg = runner, cfg
-        self.times = times if times is not None else PhaseTimes()
-        self.target_override = target_override
+        # a phase timer: `start()` / `add(name, t0)` (the host clock; the round benchmarks' own)
+        self.times = PhaseTimes()
         self.budgets = BudgetPlanner(cfg, runner.cfg.max_running_requests)
         self.clock = RoundClock(runner.device)  # the round's device and idle time (CUDA events)
         self.gains = GainReadBack(runner.device)
@@ -146,22 +136,7 @@ class SpecDecoder:
             gain = self.gains.read_back(tree, plan.chain)
         t = self.times.add("verify", t)
         self.clock.mark()
-        params = [r.params for r in reqs]
-        if (
-            vo.greedy_accept is not None
-            and self.target_override is None
-            and gb is None
-            and all(p.greedy for p in params)
-        ):
-            res = vo.greedy_accept  # walked inside the verify graph
-        else:
-            sample = sample_nodes if gb is None else gb.target_tokens
-            seeds = [r.seed for r in reqs]
-            pos = NodePositions.of_tree(meta.lens, tree.depths, tree.depth_bound)
-            target_tokens = sample(vo.logits, params, seeds, pos, vo.greedy_tokens)
-            if self.target_override is not None:
-                target_tokens = self.target_override(tree, target_tokens)
-            res = accept_tree(tree, target_tokens)
+        res = self._accept(reqs, tree, vo, meta, gb)
         t = self.times.add("accept", t)
         # emitted token j was drawn at node path[j]
         lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
@@ -192,6 +167,20 @@ class SpecDecoder:
         self.budgets.observe(plan, len(reqs), [row[0] for row in host])
         self._read_clock(gb)
         return emitted
+
+    def _accept(self, reqs: list[Req], tree: DraftTree, vo, meta: RoundMeta, gb):
+        """The accept walk: the one walked inside the verify graph where it ran (greedy rows, no
+        grammar), else eager over the target tokens drawn at every node."""
+        if vo.greedy_accept is not None and gb is None and all(r.params.greedy for r in reqs):
+            return vo.greedy_accept
+        return accept_tree(tree, self._target_tokens(reqs, tree, vo, meta, gb))
+
+    def _target_tokens(self, reqs: list[Req], tree: DraftTree, vo, meta: RoundMeta, gb):
+        """The target's token at every node [b, n] (sampled, or under the grammar rows' masks)."""
+        sample = sample_nodes if gb is None else gb.target_tokens
+        pos = NodePositions.of_tree(meta.lens, tree.depths, tree.depth_bound)
+        params, seeds = [r.params for r in reqs], [r.seed for r in reqs]
+        return sample(vo.logits, params, seeds, pos, vo.greedy_tokens)
 
     def _read_clock(self, gb: GrammarBatch | None = None) -> None:
         """The round's device and idle seconds into its RoundRecord (after the read-back), and

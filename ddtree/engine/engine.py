@@ -33,11 +33,12 @@ class LLMEngine:
     def __init__(self, args, tp_rank=None):
         """`--tp-size` N > 1: this process becomes rank 0 and starts ranks 1..N-1, each an
         LLMEngine built with its `tp_rank` (`ddtree.engine.tp`)."""
-        if args.dp_size > 1:  # every other flag acts here; this one is the server's
+        if args.dp_size > 1 or args.dp_replica_process:  # every other flag acts here
             raise ConfigError(
                 [
-                    f"--dp-size {args.dp_size}: an LLMEngine is one replica; `ddtree serve "
-                    "--dp-size N` runs N of them behind one server (offline: one LLM per process)"
+                    f"--dp-size {args.dp_size} / --dp-replica-process: an LLMEngine is one "
+                    "replica; `ddtree serve --dp-size N` runs N of them behind one server "
+                    "(offline: one LLM per process)"
                 ]
             )
         self.args = args

@@ -30,7 +30,6 @@ from functools import partial
 import numpy as np
 import torch
 
-from ddtree import envs
 from ddtree.engine.grammar_jobs import MaskFailure, MaskWorkers
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.engine.sampler import NodePositions, sample_from
@@ -52,7 +51,6 @@ class GrammarBatch:
         self.words, self.device = words, torch.device(device)
         self.workers = workers
         self.masks: torch.Tensor | None = None  # [g, n, words] on the device
-        self.forced = envs.GRAMMAR_FORCED.on()
         self.host_s = 0.0  # host seconds spent building trees and filling masks
 
     @classmethod
@@ -155,7 +153,6 @@ class GrammarBatch:
                 n,
                 self.words,
                 chain,
-                self.forced,
             )
         done = self._run(work)
         for j, i in enumerate(self.rows):
@@ -244,10 +241,10 @@ class GrammarBatch:
 
 
 def _build(
-    m: Matcher, root: int, logp, ids, budget: int, limit: int, n: int, words: int, chain, forced
+    m: Matcher, root: int, logp, ids, budget: int, limit: int, n: int, words: int, chain
 ) -> tuple[GrammarTree, torch.Tensor]:
     """One request's grammar tree and its masks [n, words] (a mask worker's job: its own
     buffer, so a job the engine stopped waiting for writes nothing the step reads)."""
     masks = torch.full((n, words), -1, dtype=torch.int32)
-    gt = build_grammar_tree(m, root, logp, ids, budget, limit, n, masks, chain=chain, forced=forced)
+    gt = build_grammar_tree(m, root, logp, ids, budget, limit, n, masks, chain=chain)
     return gt, masks

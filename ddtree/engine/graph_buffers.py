@@ -14,7 +14,7 @@ What a replay covers (nothing in between needs the host):
   - verify: target forward -> target LM head on all padded rows (into one static logits buffer
     shared by every graph) -> greedy argmax per node -> the accept walk on the static tree (parents
     / depths / valid). The decoder uses the in-graph walk when every request is greedy and no
-    `target_override` is set; otherwise it samples from the logits and walks eagerly.
+    the bench's decoder rewrites the target tokens; otherwise it samples from the logits and walks eagerly.
   - commit: the KV move of the accepted path and the drafter-context write (`ModelRunner.commit_kv`)
     on the verify graph's static rows / lengths / taps, graphs keyed by padded batch (padded rows:
     path 0, length 0, their moves and writes stay in the scratch pages). Used whenever the round's

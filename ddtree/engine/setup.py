@@ -51,6 +51,13 @@ def module_bytes(*modules) -> int:
     return sum(p.numel() * p.element_size() for p in seen.values())
 
 
+def drafter_options(args) -> dict:
+    """The drafter's constructor arguments from the server flags (resolve refused the ones its
+    class does not take)."""
+    tree = args.speculative_ddtree_dflash2_tree
+    return {} if tree is None else {"tree": tree}
+
+
 def sourced_models(args, dtype: torch.dtype, device: torch.device):
     """(target, drafter) of a model path that names a source (`ddtree.models.sources`, e.g.
     `inflate:`: built in memory on the device in the serving dtype, no files); (None, None) for a
@@ -105,7 +112,15 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
             str(device),
             group,
             args.speculative_draft_quantization,
+            drafter_options(args),
         )
+    elif drafter is not None and args.speculative_ddtree_dflash2_tree is not None:
+        # a sourced (inflated) drafter is built by its source: the tree is set on it
+        if not hasattr(drafter, "marginal_tree"):
+            raise ConfigError(
+                ["--speculative-ddtree-dflash2-tree: the drafter is not DFlash2; drop the flag"]
+            )
+        drafter.marginal_tree = args.speculative_ddtree_dflash2_tree == "marginal"
     pools = plan_pools(args, device_bytes(device), module_bytes(target, drafter), device.type)
     for w in pools.warnings:
         logger.warning("%s", w)

@@ -1,7 +1,7 @@
 """Next-token bitmasks on the device: [rows, words] int32, bit t % 32 of word t // 32 set = token t
 allowed (xgrammar's layout). `apply_bitmask` sets the forbidden logits to -inf in place: xgrammar's
 kernel on CUDA, `apply_bitmask_reference` (plain PyTorch, the oracle) elsewhere or with
-`DDTREE_FORCE_REFERENCE_GRAMMAR_MASK=1`."""
+`DDTREE_REFERENCE=grammar_mask`."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor) -> None:
     """logits [rows, V] fp32 contiguous, masks [rows, words] on its device: in place. A kernel
     that cannot build or launch on this machine (its JIT needs a toolchain) falls back to the
     reference for the process, with one warning."""
-    use_kernel = logits.device.type == "cuda" and not envs.FORCE_REFERENCE_GRAMMAR_MASK.on()
+    use_kernel = logits.device.type == "cuda" and not envs.REFERENCE.has("grammar_mask")
     if use_kernel and not _KERNEL_FAILED:
         try:
             import xgrammar

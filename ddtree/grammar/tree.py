@@ -13,8 +13,8 @@ drafter log-probs, a prefix always scores >= its extensions), with two differenc
   candidates, and a node whose mask allows exactly one token gets that token as its only child
   with log-prob 0 whether or not the drafter ranked it: the target, masked the same way, must
   emit it, so a forced stretch (a JSON key, a closing bracket) is accepted whole. Off, children
-  keep the drafter's raw log-probs and forced tokens the drafter missed are not drafted
-  (`DDTREE_GRAMMAR_FORCED=0`, to measure what forcing gains).
+  keep the drafter's raw log-probs and forced tokens the drafter missed are not drafted (what
+  forcing gains: studies/grammar_rounds.py's json-raw; the engine always forces).
 
 A selected node whose mask allows nothing (a dead end that is not the grammar's end) is dropped
 before it counts. Nodes come out root first, by depth then selection order (parents precede

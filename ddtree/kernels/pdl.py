@@ -7,7 +7,7 @@ one before it (and, transitively, everything earlier: each PDL kernel waits befo
 buys is the launch gap: a CUDA-graph replay of a hybrid 27B round is ~1,000-1,500 small launches,
 ~1.4 us of idle GPU each on the H200. A kernel that calls `gdc_launch_dependents()` lets its own
 dependent start even earlier (the split-KV merge: tree_attention/merge.py). Captured graphs keep the
-programmatic edges. DDTREE_NO_PDL=1 launches everything as ordinary kernels (the A/B).
+programmatic edges. DDTREE_DISABLE=pdl launches everything as ordinary kernels (the A/B).
 
 Reading ahead of the wait: when the kernel ahead calls `gdc_launch_dependents()` only after its own
 `gdc_wait()`, every kernel before that one has ended by the time the dependent is launched, so the
@@ -43,12 +43,12 @@ except ImportError:
 
 def pdl_ok(device: torch.device) -> bool:
     """Whether a kernel on `device` may launch as a programmatic dependent: sm_90+, not the
-    interpreter, not DDTREE_NO_PDL."""
+    interpreter, not DDTREE_DISABLE=pdl."""
     return (
         HAVE_GDC
         and device.type == "cuda"
         and not triton.knobs.runtime.interpret
-        and not envs.NO_PDL.on()
+        and not envs.DISABLE.has("pdl")
         and torch.cuda.get_device_capability(device) >= (9, 0)
     )
 

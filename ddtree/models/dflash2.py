@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddtree import envs
 from ddtree.kernels import selector
 from ddtree.kernels.dynamic_conv import dynamic_conv
 from ddtree.models.configs import DrafterConfig
@@ -100,17 +99,17 @@ class DFlash2Layer(DFlashLayer):
 class DFlash2Drafter(DFlashDrafter):
     """DFlash's context path, block attention and TP layout; the convolutions and the selector are
     replicated under tensor parallelism (they act on the all-reduced residual width).
-    `marginal_tree` (DDTREE_DFLASH2_TREE=marginal at construction; a bench may set it before a
-    runner captures its graphs): DDTREE over the unary marginals instead of the selector."""
+    `tree`: path (the path-conditioned DDTree) or marginal (--speculative-ddtree-dflash2-tree
+    marginal: DDTREE over the unary marginals instead of the selector; `marginal_tree`, which a
+    study may flip before a runner captures its graphs)."""
 
     layer_class = DFlash2Layer
 
-    def __init__(self, cfg: DrafterConfig, tp: TPGroup | None = None):
+    def __init__(self, cfg: DrafterConfig, tp: TPGroup | None = None, tree: str = "path"):
         super().__init__(cfg, tp)
         self.candidate_selector = CandidateSelector(cfg)
-        tree = envs.DFLASH2_TREE.get()
         if tree not in ("path", "marginal"):
-            raise ValueError(f"{envs.DFLASH2_TREE.name}={tree!r}: use path or marginal")
+            raise ValueError(f"DFlash2Drafter(tree={tree!r}): use path or marginal")
         self.marginal_tree = tree == "marginal"
 
     def propose(self, hidden: torch.Tensor, lm_head: nn.Module) -> MarkovDraft:
@@ -121,7 +120,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     def build_tree(self, roots, proposal: MarkovDraft, spec, max_depth=None, budgets=None):
         """The DFLASH chain (argmax left to right) or the path-conditioned DDTree (spec: the
-        decoder's (algorithm, budget, topk_cap, shadow_linear)); DDTREE_DFLASH2_TREE=marginal:
+        decoder's (algorithm, budget, topk_cap, shadow_linear)); tree=marginal:
         DDTree over the unary marginals (the A/B)."""
         algorithm, budget, topk_cap, shadow_linear = spec
         if algorithm == "DFLASH":  # the walk one launch where kernels run (kernels/selector)

@@ -26,5 +26,6 @@ def drafter_class(cfg: DrafterConfig):
     return getattr(importlib.import_module(module), name)
 
 
-def build_drafter(cfg: DrafterConfig, tp=None):
-    return drafter_class(cfg)(cfg, tp)
+def build_drafter(cfg: DrafterConfig, tp=None, **options):
+    """`options`: the class's own constructor arguments (DFlash2's `tree`)."""
+    return drafter_class(cfg)(cfg, tp, **options)

@@ -190,16 +190,18 @@ def load_drafter(
     device: str = "cpu",
     tp: TPGroup | None = None,
     quantization: str | None = None,
+    options: dict | None = None,
 ) -> nn.Module:
     """The drafter (the class `models/drafters.py` registers for its architecture), sharded like
     the target under `tp` (why: `DFlashDrafter`). A config the drafter cannot run raises
     ConfigError naming the field before any weight file is read. `quantization`: None (as stored),
-    fp8 (quantized at load) or unquant (stored FP8 dequantized to `dtype`)."""
+    fp8 (quantized at load) or unquant (stored FP8 dequantized to `dtype`). `options`: the drafter
+    class's constructor arguments (`build_drafter`)."""
     full = DrafterConfig.from_path(path)
     drafter_class(full)  # an unloadable config is refused here, before any weight file is read
     layout = fp8_layout(path, full, ckpt.drafter_rename, ckpt.DRAFTER_LINEARS, quantization, tp)
     cfg = shard_drafter(full, tp.size) if tp is not None else full
-    model = _build(lambda: build_drafter(cfg, tp), layout, dtype, device)
+    model = _build(lambda: build_drafter(cfg, tp, **(options or {})), layout, dtype, device)
     block = None if layout is None else layout.block
     load_state(model, path, ckpt.drafter_rename, shards=_shards(full, tp), block=block)
     return _finish(model, layout, quantization, dtype)

@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 
-from ddtree import envs
 from ddtree.config import ServerArgs, make_parser, resolve_server_args
 from ddtree.models.configs import ConfigError
 from ddtree.models.sources import weight_problems
@@ -58,11 +57,11 @@ def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
     """(FastAPI app, engine) for resolved args; loads the weights. gc_freeze: freeze the start-up
     heap after the warm-up (server/gc_watch.py; the CLI's default, DDTREE_GC_FREEZE; off for
     servers built inside another process, e.g. the tests). With --dp-size N > 1 (or
-    DDTREE_DP_REPLICA_PROCESS=1) the engine is a `DPEngine` over N replica processes
+    --dp-replica-process) the engine is a `DPEngine` over N replica processes
     (ddtree/server/dp/), started here, all of them ready."""
     from ddtree.server.api import create_app
 
-    if args.dp_size > 1 or envs.DP_REPLICA_PROCESS.on():
+    if args.dp_size > 1 or args.dp_replica_process:
         from ddtree.server.dp.launch import start_dp_engine
 
         aengine = start_dp_engine(args, gc_freeze=gc_freeze)

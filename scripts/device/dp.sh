@@ -10,7 +10,7 @@
 #    inflate:qwen3-8b in memory, bf16), DFLASH, concurrency 1,4,16,64 (LEVELS), 128 tokens:
 #      in-process  one engine inside the HTTP process (today's server, --dp-size 1)
 #      dp2-shared  --dp-size 2 --gpu-id-step 0 --mem-fraction-static 0.42: two replicas on the GPU
-#      replica     --dp-size 1 with DDTREE_DP_REPLICA_PROCESS=1: the one engine in a replica
+#      replica     --dp-size 1 --dp-replica-process: the one engine in a replica
 #                  process behind the dispatcher (the process boundary alone)
 #    then scripts/device/dp_report.py prints the table (tok/s, each over in-process, TTFT / TPOT
 #    p50, tau, the HTTP loop's lag, round and host ms per round from /metrics).
@@ -40,7 +40,7 @@ cat > "$OUT/8b/dp_configs.json" <<'JSON'
  {"name": "in-process", "algorithm": "DFLASH", "flags": []},
  {"name": "dp2-shared", "algorithm": "DFLASH",
   "flags": ["--dp-size", "2", "--gpu-id-step", "0", "--mem-fraction-static", "0.42"]},
- {"name": "replica", "algorithm": "DFLASH", "flags": [], "env": {"DDTREE_DP_REPLICA_PROCESS": "1"}}
+ {"name": "replica", "algorithm": "DFLASH", "flags": ["--dp-replica-process"]}
 ]
 JSON
 python3 -m ddtree bench at-scale --shape qwen3-8b --model-store memory --parts serving \

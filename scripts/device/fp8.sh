@@ -14,8 +14,8 @@
 #    from a CUDA graph == eager, the toy pairs quantized at load served with graphs == eager == FP8 AR
 #    (DFLASH / DDTREE, dense and hybrid, mean accept > 2). All must pass.
 # 3. rounds: `ddtree bench rounds` on the Qwen3-8B shape (random weights), bf16, then --quantization
-#    fp8, then fp8 with DDTREE_FP8_SPLIT_K=auto (split-K's A/B): AR, DFLASH and DDTREE B=64 rounds at
-#    batch 1 and 8, ms and x floor (each run's own floor: its weight bytes / copy bandwidth).
+#    fp8 (split-K's A/B is part 1's `split` column: the engine never splits): AR, DFLASH and DDTREE
+#    B=64 rounds at batch 1 and 8, ms and x floor (each run's own floor: its weight bytes / copy bandwidth).
 #    Look at: AR b1 fp8 x its floor (issue goal <= 1.25) and
 #    DDTREE B=64 b8 fp8 ms / bf16 ms (goal <= 0.6).
 # 4. serving: `bench at-scale` on the 8B shape (pair written once to /tmp in bf16; the fp8 servers
@@ -24,7 +24,7 @@
 #    per config (output tok/s, same run) and tau fp8 vs bf16 (goals: auto >= 1.24x DFLASH at c 1-8,
 #    >= 1.10x at 16-64; fp8 >= 1.6x bf16 at c 64).
 # GEMM_FLAGS: more flags for part 1 (e.g. "--rows 1,16,64 --sweep").
-# Results (<= 8 files): OUT/gemm.json, OUT/tests.log, OUT/rounds_{bf16,fp8,fp8_split}.json, OUT/rounds.log,
+# Results (<= 8 files): OUT/gemm.json, OUT/tests.log, OUT/rounds_{bf16,fp8}.json, OUT/rounds.log,
 # OUT/at_scale.json, OUT/serving.log.
 set -uo pipefail
 OUT=${OUT:-fp8_out}
@@ -61,13 +61,12 @@ if has tests; then
 fi
 if has rounds; then
   echo "## 3. 8B rounds, bf16 then fp8"
-  for q in bf16 fp8 fp8_split; do
-    flags="" split=1
+  for q in bf16 fp8; do
+    flags=""
     [ "$q" != bf16 ] && flags="--quantization fp8"
-    [ "$q" = fp8_split ] && split=auto  # the A/B of split-K at decode rows (kernels/fp8/tuning.py)
-    echo "# $q (DDTREE_FP8_SPLIT_K=$split)" | tee -a "$OUT/rounds.log"
+    echo "# $q" | tee -a "$OUT/rounds.log"
     # shellcheck disable=SC2086
-    DDTREE_FP8_SPLIT_K=$split timeout 100 python3 -m ddtree bench rounds --batch-sizes 1,8 \
+    timeout 100 python3 -m ddtree bench rounds --batch-sizes 1,8 \
       --budgets 64 --rounds 20 --warmup 3 --accept-lengths "" --no-plot \
       --output "$OUT/rounds_$q.json" $flags 2>&1 | grep -v "CUDA graphs" | tee -a "$OUT/rounds.log" \
       | grep -E "^(floor|device| +1024|ctx)" || status=1

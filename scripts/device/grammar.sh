@@ -12,7 +12,7 @@
 #    --chat` with --response-format text and json_schema at concurrency 1 and 16: tok/s, accept
 #    (tau), round ms and the grammar rows' host ms per round (the `grammar` column).
 # D. the 8B shape offline, DFLASH and auto: text vs json (forced stretches drafted) vs json-raw
-#    (DDTREE_GRAMMAR_FORCED=0): tau, tok/s, round ms, grammar host ms per round at 1 and 16.
+#    (trees built unforced: the study's json-raw): tau, tok/s, round ms, grammar host ms per round at 1 and 16.
 # Look at: A "equal True"; B every == AR 8/8; C/D tau and tok/s of json vs text, and grammar ms
 # per round against round ms (the host cost the masks add); D json vs json-raw tau (forcing).
 # Results in $OUT: mask.txt, lossless.json, serving_text.json, serving_json.json, rounds_8b.json,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 43 (a tree round against a chain round) in one H200 device run, from the repository root:
 #   bash scripts/device/tree_cost.sh [OUT_DIR]          # ~4-5 minutes with a warm Triton cache
-# `.toyhybrid` (cp -r $DDTREE_CACHE/toy_hybrid_pair .toyhybrid) skips the toy pair's build there;
+# `.toycache` (holding a copy of $DDTREE_CACHE/toy_hybrid_pair) skips the toy pair's build there;
 # `.tcache` (the parts step 4 writes) skips most Triton compiles. No wheels needed.
 # 1. GPU checks: the no_buffer tree verify kernel (the gate inside, the outputs overlapping the
 #    solve) against the PyTorch reference at the 27B head shape, alone and behind the tree conv in
@@ -25,7 +25,7 @@ OUT=${1:-${OUT:-tree_cost_out}}
 # shellcheck source=scripts/device_env.sh
 . "$(dirname "$0")/../device_env.sh"  # PYTHONPATH, the Triton cache
 mkdir -p "$OUT"
-[ -d .toyhybrid ] && export DDTREE_TOY_HYBRID=$PWD/.toyhybrid
+[ -d .toycache ] && export DDTREE_CACHE="$PWD/.toycache"
 T0=$(date +%s)
 status=0
 PYTEST=(python3 -m pytest -m gpu -q -p no:cacheprovider)

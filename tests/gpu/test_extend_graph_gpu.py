@@ -24,7 +24,7 @@ ALGOS = [("NONE", None), ("DFLASH", None), ("DDTREE", 16)]
 def hybrid_pair(tmp_path_factory):
     from ddtree.tools.train.toy import build_toy_hybrid_pair
 
-    out = envs.TOY_HYBRID.get() or (
+    out = (
         os.path.join(envs.CACHE.get(), "toy_hybrid_pair")
         if envs.CACHE.get()
         else str(tmp_path_factory.mktemp("toy_hybrid_pair"))

@@ -80,7 +80,7 @@ def _cached_kernels() -> int:
 def test_warm_up_compiles_every_row_count(weights, monkeypatch):
     """After `fp8.warm_up` to 300 rows, linears at every row count up to it compile nothing (the
     library forced at every row count, whatever the table gives this shape)."""
-    monkeypatch.setenv("DDTREE_FP8_GEMM", "deepgemm")
+    monkeypatch.setattr(fp8.table, "preference", lambda *a: ("deepgemm", "triton"))
     wq, ws = weights[SHAPES[1]]
     st = fp8.cublas_scale(ws)
     calls = fp8.warm_up(wq, ws, 128, 128, torch.bfloat16, 300, st)

@@ -5,6 +5,8 @@ the model code. Formerly the check of studies/gpu_fused_kernels.py, which now on
 import pytest
 import torch
 
+from ddtree import envs
+
 pytestmark = pytest.mark.gpu
 
 H, HQ, HKV, D, INTER, EPS = 4096, 32, 8, 128, 12288, 1e-6
@@ -73,7 +75,6 @@ def test_fused_kernels_match_reference(m):
 
 def test_two_layer_target_forward_matches_reference(monkeypatch):
     pytest.importorskip("triton")
-    import ddtree.kernels.fused as fused
     from ddtree.bench.random_pair import QWEN3_8B, build_pair, pair_configs
 
     dev = torch.device("cuda")
@@ -87,9 +88,9 @@ def test_two_layer_target_forward_matches_reference(monkeypatch):
     out = {}
     for ref in (True, False):
         if ref:
-            monkeypatch.setenv(fused.FORCE_REFERENCE_ENV, "1")
+            monkeypatch.setenv(envs.REFERENCE.name, "kernels")
         else:
-            monkeypatch.delenv(fused.FORCE_REFERENCE_ENV)
+            monkeypatch.delenv(envs.REFERENCE.name)
         with torch.no_grad():
             out[ref] = target.forward_train(ids, tap_layers=(0,))
     for g, r in zip(out[False][:2], out[True][:2]):

@@ -461,9 +461,9 @@ def test_commit_kernel_matches_the_reference_commit(ssm_dtype, monkeypatch):
     path = torch.stack([torch.randperm(64, generator=gen)[:17] + 1 for _ in range(8)]).cuda()
     path[:, 0] = 0
     want, got, before = pool(), pool(), pool()
-    monkeypatch.setenv(envs.FORCE_REFERENCE_GDN.name, "1")
+    monkeypatch.setenv(envs.REFERENCE.name, "gdn")
     want.commit(slots, path, acc)
-    monkeypatch.delenv(envs.FORCE_REFERENCE_GDN.name)
+    monkeypatch.delenv(envs.REFERENCE.name)
     got.commit(slots, path, acc)
     assert rel(got.ssm.float(), want.ssm.float()) < (1e-5 if ssm_dtype == "float32" else 1e-2)
     assert torch.equal(got.conv, want.conv)

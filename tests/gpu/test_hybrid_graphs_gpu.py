@@ -5,8 +5,8 @@ commit, and for DFLASH / DDTREE the fused draft -> tree). Speculative runs also 
 the GPU paths: fla prefill / replay, the Triton tree kernel, the chunk-form tree rule). Issue 19's GPU
 correctness target; formerly section (e) of studies/gpu_gdn_tree.py.
 
-The pair: $DDTREE_TOY_HYBRID when set (studies/gpu_gdn_tree.py's convention), else built (~1 min on the
-CPU) in $DDTREE_CACHE or a temporary directory."""
+The pair: $DDTREE_CACHE/toy_hybrid_pair (the device scripts point DDTREE_CACHE at a carried
+`.toycache`), built there (~1 min on the CPU) when missing, or in a temporary directory."""
 
 import os
 
@@ -26,7 +26,7 @@ def pair(tmp_path_factory):
     from ddtree import envs
     from ddtree.tools.train.toy import build_toy_hybrid_pair
 
-    out = envs.TOY_HYBRID.get() or (
+    out = (
         os.path.join(envs.CACHE.get(), "toy_hybrid_pair")
         if envs.CACHE.get()
         else str(tmp_path_factory.mktemp("toy_hybrid_pair"))

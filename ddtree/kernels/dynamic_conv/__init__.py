@@ -1,5 +1,5 @@
 """DFlash2's grouped dynamic causal convolution (`reference.py`: the semantics; `triton.py`: one
-launch). `dynamic_conv` dispatches: the reference when DDTREE_FORCE_REFERENCE_KERNELS=1, when
+launch). `dynamic_conv` dispatches: the reference when DDTREE_REFERENCE=kernels, when
 autograd needs a graph (training), without Triton, for layouts the kernel does not take, and on the
 CPU unless both TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1 (tests: the kernel under
 Triton's interpreter); the kernel otherwise (`ddtree.kernels.fused.use_triton`'s rule)."""

@@ -1,18 +1,18 @@
 """Block-FP8 linears: y = x @ dequant(W)^T with W float8_e4m3fn and its block scales, x quantized per
 token in groups of bk columns at run time (`reference.py` holds the math).
 
-`linear` picks the implementation per call (`DDTREE_FP8_GEMM`, default auto):
+`linear` picks the implementation per call (`choose`):
 - `triton`: the group-quant kernel, then the Triton GEMM on fp8 activations;
 - `cublas`: the group-quant kernel, then `torch._scaled_mm`'s block-scaled GEMM (cuBLASLt, CUDA >=
   12.9: 1x128 activation and 128x128 weight scales; bk = bn = 128 only);
 - `deepgemm`: the group-quant kernel, then DeepGEMM's SM90 block-scaled GEMM (`deepgemm.py`; the
   optional library of the `gpu` extra; bk = bn = 128, bf16 outputs);
-- `reference`: the PyTorch reference (dequantize, float32 matmul).
-auto (`choose`): the measured table (`table.py`, `gemm_table.json`): per weight shape and row class
+The measured table (`table.py`, `gemm_table.json`): per weight shape and row class
 (1-16, 17-128, 129+ rows) the backends fastest first, the first that runs here taken; float32
 activations (`exact`) take the Triton GEMM at every row count. The reference on the CPU (or the
 kernels under Triton's interpreter with TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1,
-as the fused layer kernels) and with DDTREE_FORCE_REFERENCE_KERNELS=1.
+as the fused layer kernels) and with DDTREE_REFERENCE=fp8 (or kernels): the PyTorch reference
+(dequantize, float32 matmul).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from ddtree.kernels.fp8 import reference as R
 from ddtree.kernels.fp8 import table
 
 logger = logging.getLogger("ddtree")
-
-BACKENDS = ("auto", "triton", "cublas", "deepgemm", "reference")
 
 _kernels = None
 
@@ -50,14 +48,6 @@ def _triton(interpreted: bool = False):
             mod = False
         _kernels = mod
     return _kernels
-
-
-def backend_switch() -> str:
-    """DDTREE_FP8_GEMM, checked: a bad value raises naming it."""
-    value = envs.FP8_GEMM.get().strip() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"{envs.FP8_GEMM.name}={value!r}: use one of {', '.join(BACKENDS)}")
-    return value
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,12 +99,10 @@ def choose(
     k: int,
     cublas: bool,
     exact: bool = False,
-    split: int = 1,
     deepgemm: bool = False,
 ) -> str:
     """The backend for a [rows, k] x [n, k]^T GEMM (`cublas` / `deepgemm`: whether each takes the
-    weight here; `split`: the Triton GEMM's runs of K blocks, tuning.py: the opt-in split Triton
-    GEMM serves the rows it splits).
+    weight here).
 
     `exact` (float32 activations, the mode in which speculative output must equal AR token for
     token): auto keeps the Triton GEMM at every row count, at one tile shape (tuning.EXACT): its
@@ -123,17 +111,14 @@ def choose(
     64 rows the toy pairs' FP8 DFLASH / DDTREE left FP8 AR on the H200: tests/gpu/test_fp8_gpu.py),
     DeepGEMM writes no float32, and the table changes backend between row classes. In bf16 a
     divergence must be a near-tie, and each row class takes its fastest backend."""
-    choice = backend_switch()
+    if exact:
+        return "triton"
     runs = {"triton": True, "cublas": cublas, "deepgemm": deepgemm}
-    if choice == "auto":
-        if exact or split > 1:
-            return "triton"
-        return next(b for b in table.preference(rows, n, k) if runs[b])
-    return choice if runs.get(choice, True) else "triton"
+    return next(b for b in table.preference(rows, n, k) if runs[b])
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    if envs.FORCE_REFERENCE_KERNELS.on() or backend_switch() == "reference":
+    if envs.REFERENCE.has("kernels") or envs.REFERENCE.has("fp8"):
         return False
     if x.device.type != "cuda" and not (
         envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()
@@ -164,16 +149,15 @@ def linear(
     if not use_kernels(x2):
         y = R.fp8_linear(x2, w, w_scale, group_n, group_k, bias)
         return y.view(*x.shape[:-1], N)
-    from ddtree.kernels.fp8.tuning import gemm_config, sm_count
+    from ddtree.kernels.fp8.tuning import gemm_config
 
     T = _triton(interpreted=x2.device.type != "cuda")
     M = x2.shape[0]
     cublas = scale_t is not None and cublas_ok(w, group_n, group_k)
     deepgemm = DG.takes(w, group_n, group_k, x.dtype)
     exact = x.dtype == torch.float32
-    sms = sm_count(x2.device.index or 0) if x2.is_cuda else 0
-    config = gemm_config(M, N, K, sms, exact, group_k)
-    backend = choose(M, N, K, cublas, exact, config.split_k, deepgemm)
+    config = gemm_config(M, N, exact)
+    backend = choose(M, N, K, cublas, exact, deepgemm)
     if backend in ("cublas", "deepgemm"):  # both read cuBLAS's activation layout
         q, s = T.group_quant(x2, group_k, rows=-(-M // 4) * 4, column_major=True)
         if backend == "cublas":

@@ -1,5 +1,4 @@
-"""Tiles of the Triton FP8 GEMM per row count (`gemm_config`), its split-K, and the override
-switches for sweeps.
+"""Tiles of the Triton FP8 GEMM per row count (`gemm_config`), and its split-K for studies.
 
 A few rows stream the weight (bandwidth bound: small BLOCK_M, enough N tiles to fill the SMs); more
 rows take wgmma-sized tiles. The table is the H200 sweep's choice (`studies/gpu_fp8_gemm.py --sweep`
@@ -19,17 +18,17 @@ Splitting K into runs gives SPLIT_CTAS_PER_SM programs per SM, each run at least
 SPLIT_MIN_K_BLOCKS blocks long (a float32 partial per run and one reduce launch). Not in float32:
 it changes the summation order between row counts, and there speculation must equal AR token for
 token (kernels/fp8's `choose`).
-Opt-in (DDTREE_FP8_SPLIT_K=auto): correct against the reference (tests/test_fp8_kernels.py) and
-compiled for sm_90 without spills (tests/test_fp8_compile.py), but not yet timed on a GPU; the A/B
-is `scripts/device/fp8.sh --only gemm,rounds` (GEMM_FLAGS="--rows 1,16,64 --sweep").
+The engine never splits: a GemmConfig with split_k > 1 (`auto_split`'s runs) is what a study
+passes the kernel (studies/gpu_fp8_gemm.py's `split` column). Correct against the reference
+(tests/test_fp8_kernels.py) and compiled for sm_90 without spills (tests/test_fp8_compile.py), but
+not yet shown to pay on a GPU: `scripts/device/fp8.sh --only gemm` (GEMM_FLAGS="--rows 1,16,64
+--sweep") times it per GEMM.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
-
-from ddtree import envs
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -60,29 +59,6 @@ SPLIT_CTAS_PER_SM = 4
 SPLIT_MIN_K_BLOCKS = 4
 
 
-def parse_config(text: str) -> GemmConfig:
-    try:
-        bm, bn, warps, stages, *split = (int(v) for v in text.split(","))
-        if len(split) > 1:
-            raise ValueError
-    except ValueError:
-        raise ValueError(
-            f"{envs.FP8_GEMM_CONFIG.name}={text!r}: pass BLOCK_M,BLOCK_N,WARPS,STAGES[,SPLIT_K], "
-            "e.g. 16,64,4,4"
-        ) from None
-    return GemmConfig(bm, bn, warps, stages, split_k=split[0] if split else 1)
-
-
-def split_switch() -> int:
-    """DDTREE_FP8_SPLIT_K, checked: 0 for auto, else the forced number of runs (1: none)."""
-    value = envs.FP8_SPLIT_K.get().strip() or envs.FP8_SPLIT_K.default
-    if value == "auto":
-        return 0
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{envs.FP8_SPLIT_K.name}={value!r}: use auto or a number >= 1")
-    return int(value)
-
-
 def auto_split(rows: int, n: int, k: int, config: GemmConfig, sms: int, group_k: int = 128) -> int:
     """Runs of K blocks for `rows` x [n, k] at `config`'s tiles on a device of `sms` SMs."""
     if rows > SPLIT_MAX_ROWS or sms <= 0:
@@ -92,26 +68,14 @@ def auto_split(rows: int, n: int, k: int, config: GemmConfig, sms: int, group_k:
     return max(1, min(want, -(-k // group_k) // SPLIT_MIN_K_BLOCKS))
 
 
-def gemm_config(
-    rows: int, n: int, k: int, sms: int = 0, exact: bool = False, group_k: int = 128
-) -> GemmConfig:
-    """The tiles and split for a [rows, k] x [n, k]^T GEMM on a device of `sms` SMs (0: no
-    split); `exact` (float32 activations): EXACT at every row count, never split."""
-    forced = envs.FP8_GEMM_CONFIG.get().strip()
-    if forced:
-        config = parse_config(forced)
-    elif exact:
-        config = EXACT
-    elif rows <= 16 and n >= WIDE_N:
-        config = WIDE
-    else:
-        config = next(c for m, c in TABLE if rows <= m)
+def gemm_config(rows: int, n: int, exact: bool = False) -> GemmConfig:
+    """The tiles for a [rows, k] x [n, k]^T GEMM, unsplit; `exact` (float32 activations): EXACT at
+    every row count."""
     if exact:
-        return replace(config, split_k=1)
-    if forced and config.split_k > 1:
-        return config
-    split = split_switch() or auto_split(rows, n, k, config, sms, group_k)
-    return replace(config, split_k=split)
+        return EXACT
+    if rows <= 16 and n >= WIDE_N:
+        return WIDE
+    return next(c for m, c in TABLE if rows <= m)
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,7 +2,7 @@
 gated attention's sigmoid output gate.
 
 `reference.py` is plain PyTorch with HF numerics (bit-exact with transformers); `triton.py` holds the kernels.
-The functions here dispatch: the reference when DDTREE_FORCE_REFERENCE_KERNELS=1, when autograd needs a graph
+The functions here dispatch: the reference when DDTREE_REFERENCE=kernels, when autograd needs a graph
 (training), when Triton is missing, or for layouts the kernels do not take; on the CPU unless both
 TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1 (tests: the kernels under Triton's interpreter; the
 second switch because several test modules set TRITON_INTERPRET for the whole pytest process, and every CPU
@@ -22,11 +22,9 @@ from ddtree.kernels.fused.reference import (
     silu_mul_reference,
 )
 
-FORCE_REFERENCE_ENV = envs.FORCE_REFERENCE_KERNELS.name
 INTERPRET_ENV = envs.FUSED_KERNELS_INTERPRET.name
 
 __all__ = [
-    "FORCE_REFERENCE_ENV",
     "add_rmsnorm",
     "qk_norm_rope",
     "rmsnorm",
@@ -61,7 +59,7 @@ def _triton(interpreted: bool = False):
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """Whether the Triton kernels take these tensors (device, env switches, autograd), not their layout."""
     ts = [t for t in tensors if t is not None]
-    if envs.FORCE_REFERENCE_KERNELS.on():
+    if envs.REFERENCE.has("kernels"):
         return False
     cpu = ts[0].device.type != "cuda"
     if cpu and not (envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()):

@@ -1,5 +1,5 @@
 """Which Gated DeltaNet backend runs: flash-linear-attention (fla) and our Triton tree kernel on CUDA, the
-PyTorch reference everywhere else. One switch, DDTREE_FORCE_REFERENCE_GDN=1, forces the reference for every
+PyTorch reference everywhere else. One switch, DDTREE_REFERENCE=gdn, forces the reference for every
 GDN kernel (fla's and ours). `ran` counts the (op, backend) pairs taken, so a GPU check can print which
 paths really ran.
 
@@ -22,12 +22,11 @@ import torch
 
 from ddtree import envs
 
-FORCE_ENV = envs.FORCE_REFERENCE_GDN.name
 ran: collections.Counter = collections.Counter()
 
 
 def force_reference() -> bool:
-    return envs.FORCE_REFERENCE_GDN.on()
+    return envs.REFERENCE.has("gdn")
 
 
 @functools.lru_cache(maxsize=None)

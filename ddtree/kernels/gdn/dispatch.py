@@ -1,5 +1,5 @@
 """Gated DeltaNet ops as the engine calls them: fla / our Triton tree kernel on CUDA, the reference elsewhere
-or under DDTREE_FORCE_REFERENCE_GDN=1 (backend.py). Layouts are the reference's, which are fla's:
+or under DDTREE_REFERENCE=gdn (backend.py). Layouts are the reference's, which are fla's:
 token-major q, k [b, T, Hk, dk], v [b, T, Hv, dv], g (log decay, fp32) and beta [b, T, Hv], recurrent states
 [N, Hv, dk, dv] fp32 (fla's default [N, HV, K, V], state_v_first=False: no transposes). Under GQA value
 head h reads key head h // (Hv / Hk) in both (fla's GVA), so k is never expanded. q/k are l2-normalised

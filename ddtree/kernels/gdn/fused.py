@@ -5,7 +5,7 @@ kernels (a 27B hybrid AR step is launch-bound: ~3.5k kernels, 48 GDN layers):
   - `gated_rmsnorm`: RMSNorm over the value head dim (plain weight), times silu(z).
 `reference.gdn_gating` / `reference.gated_rmsnorm` beside them are the oracles (and the CPU path);
 the same switches as ddtree/kernels/fused pick the kernel (`fused.use_triton`: CUDA, or the CPU
-interpreter with DDTREE_FUSED_KERNELS_INTERPRET=1; DDTREE_FORCE_REFERENCE_KERNELS=1 and autograd
+interpreter with DDTREE_FUSED_KERNELS_INTERPRET=1; DDTREE_REFERENCE=kernels and autograd
 keep the reference). Same math in fp32; the reductions' order differs from PyTorch's (rounding
 level).
 """

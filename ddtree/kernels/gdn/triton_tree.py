@@ -10,7 +10,7 @@ program ever waits on another.
 Requirement beyond the reference: parents[b, i] < i for every valid node (topological flat order; the
 engine's trees are depth-sorted). Padding nodes (valid False; valid defaults to depths >= 0) read none of
 their inputs, output zeros and leave a zero node state, like the reference. No host syncs: the wrapper
-can be captured in a CUDA graph. DDTREE_FORCE_REFERENCE_GDN=1 routes every call to the reference.
+can be captured in a CUDA graph. DDTREE_REFERENCE=gdn routes every call to the reference.
 """
 
 import torch

@@ -4,7 +4,7 @@
 node selection (its D beams in the kernel, then `tree.select_from_beams`; reference
 `markov_tree.select_markov_nodes`). The kernels where `use_kernel` (CUDA with Triton; on the CPU
 only under TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1: the tests), the references
-with DDTREE_FORCE_REFERENCE_KERNELS=1, without Triton, and for trees past the kernel's size. Both
+with DDTREE_REFERENCE=kernels, without Triton, and for trees past the kernel's size. Both
 read the same table with the same fp32 adds and orders: equal bit for bit."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _triton():
 
 
 def use_kernel(t: torch.Tensor) -> bool:
-    if envs.FORCE_REFERENCE_KERNELS.on():
+    if envs.REFERENCE.has("kernels"):
         return False
     if not t.is_cuda and not (envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()):
         return False

@@ -235,8 +235,8 @@ def gluon_unsupported(shape: AttentionShape, device: torch.device) -> str | None
         return f"the Gluon kernel is unavailable: {hopper.unavailable()}"
     if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
         return f"Gluon checked only with Triton {GLUON_TRITON_VERSIONS}, not {triton.__version__}"
-    if envs.NO_HOPPER_ATTENTION.on():
-        return f"{envs.NO_HOPPER_ATTENTION.name} is set"
+    if envs.DISABLE.has("hopper_attention"):
+        return f"{envs.DISABLE.name}=hopper_attention is set"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return "not sm_90"
     checked = GLUON_CHECKED_ON_DEVICE

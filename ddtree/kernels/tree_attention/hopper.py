@@ -36,8 +36,8 @@ and divides or is divided by 64 (TMA boxes of min(page, 64) rows) and no `new_kv
 default plan uses it where `dispatch.gluon_unsupported` gives no reason: the checked shapes, and
 > 32 rows per request (trees, chains) or <= tail_n (decode, all swapped: 4k 10.7 vs 14.1 us, ragged b = 8
 69 vs 105 us; BENCHMARKS.md).
-`DDTREE_NO_HOPPER_ATTENTION=1` turns it off (the Triton kernel then does everything);
-DDTREE_FORCE_REFERENCE_ATTENTION=1 still replaces both with the PyTorch reference.
+`DDTREE_DISABLE=hopper_attention` turns it off (the Triton kernel then does everything);
+DDTREE_REFERENCE=attention still replaces both with the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
-from ddtree import envs
 
 logger = logging.getLogger("ddtree")
 # why the kernel cannot run here (no Gluon; failed to build or launch): Triton instead
@@ -60,8 +58,6 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception as e:  # noqa: BLE001  (no Gluon in this Triton: the Triton kernel does everything)
     _disabled.append(f"no Gluon: {type(e).__name__}: {e}")
-
-DISABLE_ENV = envs.NO_HOPPER_ATTENTION.name
 
 
 @dataclass(frozen=True)

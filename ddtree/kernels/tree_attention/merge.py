@@ -10,7 +10,7 @@ programs can be scheduled while the splits run; they wait in `gdc_wait` (griddep
 grid has finished and its writes are visible. That hides the launch gap between the two kernels, a visible
 share of a memory-bound decode call (16k context on the H200: 25.4 -> 23.8 us, BENCHMARKS.md). The Gluon
 kernel (hopper.py) triggers it the same way for decode-shaped launches (`dispatch.gluon_merge_pdl`; 4k 10.9 -> 9.8 us).
-Captured CUDA graphs keep the programmatic edge. DDTREE_NO_PDL=1 launches the merge as an ordinary kernel.
+Captured CUDA graphs keep the programmatic edge. DDTREE_DISABLE=pdl launches the merge as an ordinary kernel.
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ddtree import envs
 from ddtree.kernels.pdl import HAVE_GDC, gdc_launch_dependents, gdc_wait, pdl_ok
 
-PDL_DISABLE_ENV = envs.NO_PDL.name
 __all__ = ["HAVE_GDC", "combine", "gdc_launch_dependents", "gdc_wait", "pdl_ok"]
 
 

@@ -5,7 +5,7 @@ which the kernel equals bit for bit (indices and fp32 scores).
 `select_nodes` here is what the engine hands `build_tree(select=...)` (speculative/ imports no
 kernels, so the choice is the engine's): the kernel on CUDA where Triton imports, for budgets up
 to `MAX_BUDGET` and D * budget up to `MAX_PREFIXES`; the reference when
-DDTREE_FORCE_REFERENCE_TREE_BUILD=1, for larger trees, and on the CPU unless both
+DDTREE_REFERENCE=tree_build, for larger trees, and on the CPU unless both
 TRITON_INTERPRET=1 and DDTREE_FUSED_KERNELS_INTERPRET=1 (tests: the kernel in Triton's
 interpreter, as the fused and GDN kernels).
 """
@@ -20,15 +20,13 @@ from ddtree import envs
 from ddtree.speculative.tree import TreeNodes
 from ddtree.speculative.tree import select_nodes as select_nodes_reference
 
-FORCE_REFERENCE_ENV = envs.FORCE_REFERENCE_TREE_BUILD.name
-
 # Sizes one program holds in registers: the per-depth candidates (~B ln B, 2048 at B = 256) and
 # the final D * B prefixes (4096 at B = 256, D = 15), int64 keys sorted by a bitonic network.
 # Larger trees keep the PyTorch form.
 MAX_BUDGET = 256
 MAX_PREFIXES = 4096
 
-__all__ = ["FORCE_REFERENCE_ENV", "select_nodes", "supported", "use_kernel"]
+__all__ = ["select_nodes", "supported", "use_kernel"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +59,7 @@ def supported(budget: int, depths: int) -> bool:
 
 def use_kernel(t: torch.Tensor, budget: int, depths: int) -> bool:
     """Whether the kernel builds this tree (device, switches, size; module docstring)."""
-    if envs.FORCE_REFERENCE_TREE_BUILD.on() or not supported(budget, depths):
+    if envs.REFERENCE.has("tree_build") or not supported(budget, depths):
         return False
     if not t.is_cuda and not (envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()):
         return False

@@ -38,7 +38,9 @@ def start_dp_engine(args, gc_freeze: bool = False) -> DPEngine:
         "gc_freeze": gc_freeze,
         "switch_interval_s": sys.getswitchinterval(),
     }
-    one = dataclasses.replace(args, dp_size=1, base_gpu_id=0, gpu_id_step=1)
+    one = dataclasses.replace(
+        args, dp_size=1, dp_replica_process=False, base_gpu_id=0, gpu_id_step=1
+    )
     if gpus is None:  # CPU: one clean process imports torch and the engine once, each replica
         # is a fork of it (spawn imports them again per replica: seconds each)
         ctx = mp.get_context("forkserver")
