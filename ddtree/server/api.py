@@ -24,8 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ddtree.server import protocol
 from ddtree.server.async_engine import AsyncEngine
+from ddtree.server.error_params import error_param
 from ddtree.server.http import (
     BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -84,7 +84,7 @@ def add_error_handlers(app: FastAPI) -> None:
                     400, f"request body is not valid JSON: {err.get('msg')}", code="invalid_json"
                 )
             )
-        param = protocol.error_param(err.get("loc", ()))
+        param = error_param(err.get("loc", ()))
         if param is None:
             return json_error(
                 APIError(

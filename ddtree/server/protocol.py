@@ -239,27 +239,6 @@ class ChatCompletionRequest(_SamplingFields):
     separate_reasoning: StrictBool = True
 
 
-def error_param(loc) -> str | None:
-    """Dotted field path of a validation error location, without pydantic's union-member tags."""
-    from ddtree.server.native_protocol import GenerateRequest, NativeSamplingParams
-    from ddtree.server.responses_protocol import ResponsesRequest
-
-    names = set()
-    for model in (
-        CompletionRequest,
-        ChatCompletionRequest,
-        ChatMessage,
-        TextPart,
-        StreamOptions,
-        GenerateRequest,
-        NativeSamplingParams,
-        ResponsesRequest,
-    ):
-        names.update(model.model_fields)
-    parts = [str(x) for x in loc if isinstance(x, int) or x in names]
-    return ".".join(parts) or None
-
-
 def check_extra(extra: dict | None, refused: dict[str, tuple], route: str) -> None:
     """A request's undeclared fields (request_fields.refused_field): one that changes the output
     is a 400 naming it; unknown ones over their bounds a 400 naming the bound."""

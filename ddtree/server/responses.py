@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from ddtree.server import protocol
 from ddtree.server.async_engine import Delta
 from ddtree.server.chat_tools import ChatOutput
+from ddtree.server.error_params import error_param
 from ddtree.server.openai_serving import Interleaved, OpenAIServing, SSEResponse, usage
 from ddtree.server.protocol import APIError, ChatCompletionRequest
 from ddtree.server.responses_protocol import (
@@ -201,7 +202,7 @@ class ResponsesServing:
             return ChatCompletionRequest.model_validate(chat_body(body))
         except ValidationError as e:
             err = e.errors()[0]
-            param = responses_param(protocol.error_param(err.get("loc", ()))) or "input"
+            param = responses_param(error_param(err.get("loc", ()))) or "input"
             msg = str(err.get("msg")).removeprefix("Value error, ")
             raise protocol.invalid(param, msg) from e
 
