@@ -345,7 +345,7 @@ def test_unexpected_exception_is_a_json_500_and_keeps_the_connection(
     def broken(engine):
         raise KeyError("injected fault")
 
-    monkeypatch.setattr(async_engine, "pool_snapshot", broken)
+    monkeypatch.setattr(async_engine, "server_info", broken)
     sock = conn.sock
     conn.request("GET", "/get_server_info", headers=AUTH)
     r = conn.getresponse()
