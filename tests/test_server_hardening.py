@@ -626,8 +626,8 @@ def test_running_stream_keeps_its_pace_while_a_long_prompt_prefills(server, http
 
     def recorded_step():
         out = real_step()
-        long_in = any(len(r.prompt_ids) == long_len for r in out)
-        counts = {r.rid: r.num_output_tokens for r in out}
+        long_in = any(len(r.prompt_ids) == long_len for r in out.reqs)
+        counts = {r.rid: r.num_output_tokens for r in out.reqs}
         steps.append((engine.scheduler.last_was_prefill, long_in, counts))
         return out
 
