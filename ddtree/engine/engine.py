@@ -201,13 +201,12 @@ class LLMEngine:
             if req is not None:
                 self.emitter.flush(req)
 
-    def _text_after(self, res: StepResult) -> StepResult:
+    def _text_after(self, res: StepResult) -> None:
         """A streaming step's end: its text now, unless a round follows that flushes it under
         its device work (the same test the server makes before it waits to publish)."""
         deferred = self._under_round is not None and res.round is not None
         if self._streaming and not (deferred and self.has_unfinished()):
             self._flush_text()
-        return res
 
     def round_costs(self) -> dict[int, dict[str, float]]:
         """The budget policy's start-up round seconds per batch bucket and rung ({} unless auto)."""
@@ -227,7 +226,12 @@ class LLMEngine:
         `SpecDecoder.round`: scheduling, emission, detokenisation, stop checks). A failure fails
         only the requests it can be pinned on (`engine/faults.py`); one that cannot be isolated
         raises EngineDead, and every later step raises it again."""
-        return self._text_after(self._step())
+        res = self._step()
+        t0 = time.perf_counter()
+        self._text_after(res)
+        if res.round is not None:  # detokenising is the step's host work too
+            res.round.timing.host_s += time.perf_counter() - t0
+        return res
 
     def _step(self) -> StepResult:
         if self.faults.dead is not None:
