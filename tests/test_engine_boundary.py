@@ -4,12 +4,14 @@ round before the hook runs; `stats()` is a frozen copy of the pools' numbers; `f
 chooses and releases the requests a step's own bug is blamed on."""
 
 import dataclasses
+import inspect
 
 import pytest
+from engine_stub import IdleEngine
 
 from ddtree import LLM, SamplingParams
 from ddtree.engine import integrity
-from ddtree.engine.boundary import EngineStats, StepResult
+from ddtree.engine.boundary import EngineProtocol, EngineStats, FrontendProtocol, StepResult
 
 PLAIN = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -77,3 +79,34 @@ def test_fail_step_releases_the_running_requests_or_the_queue_head(eng):
     failure = eng.fail_step(RuntimeError("scheduling bug"))  # none runs: the head is blamed
     assert failure.failed == (c.rid,) and d.rid in eng.requests
     assert integrity.problems(eng) == []
+
+
+def _members(proto) -> set[str]:
+    return {
+        name
+        for cls in proto.__mro__
+        if cls.__name__.endswith("Protocol") and cls.__module__ == proto.__module__
+        for name in [*vars(cls), *getattr(cls, "__annotations__", {})]
+        if not name.startswith("_")
+    }
+
+
+def _lacks(obj, proto) -> list[str]:
+    """proto's members obj lacks, looked up statically (a property is not run)."""
+    missing = []
+    for name in sorted(_members(proto)):
+        try:
+            inspect.getattr_static(obj, name)
+        except AttributeError:
+            missing.append(name)
+    return missing
+
+
+def test_the_engine_the_stub_and_the_dp_frontend_implement_the_protocols(eng):
+    """Every method the server calls is there (the server asks no engine whether it has one)."""
+    from ddtree.server.dp.engine import Frontend
+
+    assert {"step", "stats", "stream_text", "fail_step", "grammars"} <= _members(EngineProtocol)
+    assert _lacks(eng, EngineProtocol) == [] and _lacks(IdleEngine(), EngineProtocol) == []
+    frontend = Frontend(None, 64, 32, (0,))
+    assert _lacks(frontend, FrontendProtocol) == [] and "step" in _lacks(frontend, EngineProtocol)
