@@ -191,7 +191,7 @@ def _steps(engine, case: Case, res, max_steps, logged) -> list | None:
                 res.stats["abort_" + ("running" if r.slot >= 0 else "waiting")] += 1
                 engine.abort(r.rid)
                 res.failures += integrity.finished_problems(r)
-        advanced = engine.step()
+        advanced = engine.step().reqs
         res.steps, step = res.steps + 1, step + 1
         bad = integrity.problems(engine, deep=True)
         faults = engine.faults.stats

@@ -145,13 +145,11 @@ def test_an_idle_engine_publishes_what_waited_for_a_round_before_it_blocks():
     """A decode step's publishing waits for the next round (finished requests included); when no
     round comes (the other requests were aborted) the loop publishes it before it blocks for
     commands, not after the poll."""
+    from engine_stub import IdleEngine
+
     from ddtree.server.async_engine import AsyncEngine
 
-    class Idle:
-        def has_unfinished(self):
-            return False
-
-    aeng = AsyncEngine(Idle(), overlap=True)
+    aeng = AsyncEngine(IdleEngine(), overlap=True)
     calls = []
     aeng._publish_guarded = lambda: calls.append("publish")
 

@@ -93,13 +93,11 @@ def test_a_server_without_metrics_drains_its_pauses_too():
     would pile up for the server's whole life."""
     import time
 
+    from engine_stub import IdleEngine
+
     from ddtree.server.async_engine import AsyncEngine
 
-    class Idle:
-        def has_unfinished(self):
-            return False
-
-    ae = AsyncEngine(Idle())
+    ae = AsyncEngine(IdleEngine())
     ae.start()
     try:
         for _ in range(200):  # the watch starts on the engine thread

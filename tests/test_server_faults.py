@@ -111,6 +111,33 @@ def test_a_kernel_failure_for_one_request_fails_it_alone(server, http, monkeypat
     assert complete(http, PROMPTS[0]).status_code == 200
 
 
+def test_a_bug_in_the_step_itself_fails_the_running_requests(server, http, monkeypatch):
+    """A step that raises outside the engine's isolation (here: its decode log, after the tokens
+    were emitted): the engine blames the running requests (`LLMEngine.fail_step`), their clients
+    get a server error naming the bug, the pools stay whole and the server serves on."""
+    engine = server.engine
+    tok = engine.tokenizer
+    real = engine.batch_log.decode
+
+    def decode(emitted, rec):
+        for r in engine.scheduler.running:
+            if tok.decode(r.prompt_ids).startswith("#bug") and len(r.output_ids) >= 3:
+                raise RuntimeError("injected step bug")
+        return real(emitted, rec)
+
+    monkeypatch.setattr(engine.batch_log, "decode", decode)
+    before = metric(http.get("/metrics").text, "ddtree_engine_errors")
+    events = stream_events(http, {"prompt": "#bug\ndef f(x):", "max_tokens": 40, "temperature": 0})
+    err = events[-1]["error"]
+    assert err["type"] == "server_error" and "internal engine error" in err["message"]
+    assert "injected step bug" in err["message"]
+    assert_whole(server.base_url)
+    assert metric(http.get("/metrics").text, "ddtree_engine_errors") == before + 1
+    assert http.get("/health").status_code == 200
+    monkeypatch.undo()
+    assert complete(http, PROMPTS[0]).status_code == 200
+
+
 def test_a_full_queue_is_back_pressure_with_retry_after(one_torch_thread):
     argv = ARGV + ["--max-running-requests", "1", "--max-queued-requests", "1"]
     with thread_server(argv) as srv, httpx.Client(base_url=srv.base_url, timeout=120) as http:

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from engine_stub import IdleEngine
 from server_fixtures import server_argv, thread_server
 
 from ddtree.assets import PACKAGE_PAIR
@@ -188,7 +189,7 @@ def test_a_compile_without_a_worker_is_a_503(monkeypatch):
         def probe(self, spec):
             return 0.0
 
-    engine = SimpleNamespace(grammars=Slow())
+    engine = IdleEngine(grammars=Slow())
     compiler = GrammarCompiler(engine, workers=1)
 
     async def run():

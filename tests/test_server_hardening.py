@@ -345,7 +345,7 @@ def test_unexpected_exception_is_a_json_500_and_keeps_the_connection(
     def broken(engine):
         raise KeyError("injected fault")
 
-    monkeypatch.setattr(async_engine, "pool_snapshot", broken)
+    monkeypatch.setattr(async_engine, "server_info", broken)
     sock = conn.sock
     conn.request("GET", "/get_server_info", headers=AUTH)
     r = conn.getresponse()
@@ -626,8 +626,8 @@ def test_running_stream_keeps_its_pace_while_a_long_prompt_prefills(server, http
 
     def recorded_step():
         out = real_step()
-        long_in = any(len(r.prompt_ids) == long_len for r in out)
-        counts = {r.rid: r.num_output_tokens for r in out}
+        long_in = any(len(r.prompt_ids) == long_len for r in out.reqs)
+        counts = {r.rid: r.num_output_tokens for r in out.reqs}
         steps.append((engine.scheduler.last_was_prefill, long_in, counts))
         return out
 

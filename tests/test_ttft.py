@@ -69,10 +69,10 @@ def test_cached_request_first_token_one_step_after_admission(pair, one_torch_thr
     engine.step()  # their prefill
     engine.step()  # a decoding round
     other = engine.add_request(prompts[3], GREEDY)
-    assert engine.step() == [other]  # a prefill step
+    assert engine.step().reqs == (other,)  # a prefill step
     later = prompts[0] + first.output_ids + [5, 6, 7]
     turn = engine.add_request(later, GREEDY)
-    advanced = engine.step()
+    advanced = engine.step().reqs
     assert turn in advanced and engine.scheduler.last_was_prefill
     assert turn.cached_tokens >= 4 * (len(prompts[0]) // 4) and len(turn.output_ids) == 1
     _ordered(turn.times)

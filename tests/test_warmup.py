@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_stub import IdleEngine
 from engine_utils import accepted_prompts, make_llm, mean_accept
 
 from ddtree import SamplingParams
@@ -47,11 +48,6 @@ def test_warm_up_runs_every_shape_and_leaves_the_engine_clean(toy_hybrid_pair):
     assert [o.token_ids for o in outs] == ref and mean_accept(outs) > 2
 
 
-class _IdleEngine:
-    def has_unfinished(self):
-        return False
-
-
 def wait_healthy(ae, tries: int = 200) -> None:
     """Until /health is green (the warm-up over), at most tries x 10 ms."""
     for _ in range(tries):
@@ -62,7 +58,7 @@ def wait_healthy(ae, tries: int = 200) -> None:
 
 def test_health_says_warming_up_until_the_warm_up_ends():
     release = threading.Event()
-    ae = AsyncEngine(_IdleEngine(), warmup=release.wait)
+    ae = AsyncEngine(IdleEngine(), warmup=release.wait)
     ae.start()
     try:
         time.sleep(0.05)
@@ -79,7 +75,7 @@ def test_a_failing_warm_up_still_serves():
     def boom():
         raise RuntimeError("compile failed")
 
-    ae = AsyncEngine(_IdleEngine(), warmup=boom)
+    ae = AsyncEngine(IdleEngine(), warmup=boom)
     ae.start()
     try:
         wait_healthy(ae)
@@ -107,7 +103,7 @@ def test_the_start_up_heap_is_frozen_after_the_warm_up(gc_freeze):
 
     frozen_at_warm_up = []
     ae = AsyncEngine(
-        _IdleEngine(),
+        IdleEngine(),
         warmup=lambda: frozen_at_warm_up.append(gc.get_freeze_count()),
         gc_freeze=gc_freeze,
     )

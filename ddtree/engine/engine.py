@@ -10,8 +10,15 @@ import weakref
 
 import torch
 
-from ddtree.engine import logprobs
+from ddtree.engine import integrity, logprobs
 from ddtree.engine.batch_log import BatchLog
+from ddtree.engine.boundary import (
+    EngineStats,
+    FaultCounts,
+    PrefixCacheStats,
+    StepFailure,
+    StepResult,
+)
 from ddtree.engine.config import prefill_chunk_tokens
 from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine.faults import EngineDead, FaultIsolation, describe
@@ -80,6 +87,8 @@ class LLMEngine:
         self.requests: dict[str, Req] = {}
         self.last_round = None  # RoundRecord of the latest decode step (None after a prefill)
         self.faults = FaultIsolation(tensor_parallel=self.tp is not None)
+        self._streaming = False  # stream_text: every live request's text is kept up to date
+        self._under_round = None  # stream_text's host work, run inside the next round
         if self.tp is not None:
             self.tp.started()  # every rank built its engine
 
@@ -172,11 +181,33 @@ class LLMEngine:
         if cost is not None:
             self.decoder.budgets.set_cost(cost, served=False)
 
-    def set_host_work_hook(self, fn) -> None:
-        """`fn()` runs inside every decoding round once its device work is launched and before
-        its one read-back: host work that needs nothing of the round (the server publishing the
-        previous round's outputs) hides under the device's."""
-        self.decoder.while_device_runs = fn
+    def stream_text(self, under_round=None) -> None:
+        """The caller publishes the requests' text after every step (the server): deferred
+        detokenisation (engine/outputs.py) is flushed for every live request at the step's end,
+        or, with `under_round`, inside the next decoding round once its device work is launched
+        and before its one read-back, followed by `under_round()` (the server publishing the
+        previous round's outputs), so both hide under the device's work. Offline callers never
+        call this: their text is detokenised once, at the finish."""
+        self._streaming, self._under_round = True, under_round
+        self.decoder.while_device_runs = self._host_work if under_round is not None else None
+
+    def _host_work(self) -> None:
+        self._flush_text()
+        self._under_round()
+
+    def _flush_text(self) -> None:
+        """Every live request's deferred tokens into its text."""
+        for rid in list(self.emitter.lag):
+            req = self.requests.get(rid)
+            if req is not None:
+                self.emitter.flush(req)
+
+    def _text_after(self, res: StepResult) -> None:
+        """A streaming step's end: its text now, unless a round follows that flushes it under
+        its device work (the same test the server makes before it waits to publish)."""
+        deferred = self._under_round is not None and res.round is not None
+        if self._streaming and not (deferred and self.has_unfinished()):
+            self._flush_text()
 
     def round_costs(self) -> dict[int, dict[str, float]]:
         """The budget policy's start-up round seconds per batch bucket and rung ({} unless auto)."""
@@ -190,12 +221,20 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     # ---- the loop ---------------------------------------------------------------------------------------
-    def step(self) -> list[Req]:
-        """One scheduling step; returns the requests that advanced (finished ones included). A
-        decode step leaves its timing in `last_round` (host = the step's time outside
+    def step(self) -> StepResult:
+        """One scheduling step: the requests that advanced (finished ones included) and, for a
+        decode step, its `RoundRecord` (also kept in `last_round`) (host = the step's time outside
         `SpecDecoder.round`: scheduling, emission, detokenisation, stop checks). A failure fails
         only the requests it can be pinned on (`engine/faults.py`); one that cannot be isolated
         raises EngineDead, and every later step raises it again."""
+        res = self._step()
+        t0 = time.perf_counter()
+        self._text_after(res)
+        if res.round is not None:  # detokenising is the step's host work too
+            res.round.timing.host_s += time.perf_counter() - t0
+        return res
+
+    def _step(self) -> StepResult:
         if self.faults.dead is not None:
             raise EngineDead(self.faults.dead)
         if self.tp is not None:  # every rank runs this step on rank 0's inputs
@@ -206,11 +245,11 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         except Exception as e:  # noqa: BLE001 - isolated below
             self._schedule_failed(e)
-            return []
+            return StepResult()
         self.runner.step_stats.schedule_s += time.perf_counter() - t0
         if batch is None:
             self._starved()
-            return []
+            return StepResult()
         try:
             if batch.is_prefill:
                 emitted = self._prefill(batch)
@@ -221,7 +260,7 @@ class LLMEngine:
                 t2 = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - isolated below
             self._batch_failed(batch, e)
-            return batch.reqs
+            return StepResult(tuple(batch.reqs))
         self.faults.succeeded()
         for r, toks in emitted.items():
             try:
@@ -249,7 +288,7 @@ class LLMEngine:
             rec.timing.round_s = t2 - t1
             rec.timing.host_s = time.perf_counter() - t0 - rec.timing.round_s
             self.batch_log.decode(list(emitted.values()), rec)
-        return batch.reqs
+        return StepResult(tuple(batch.reqs), self.last_round)
 
     def _prefill(self, batch) -> dict[Req, list[int]]:
         """The prefill forward; the first token of each request whose prompt is now complete."""
@@ -368,6 +407,88 @@ class LLMEngine:
                 )
             self._finish(req)
 
+    def fail_step(self, exc: Exception) -> StepFailure:
+        """`step()` raised outside its own isolation (a bug in the step itself): every running
+        request is failed and released (if none ran, the head of the queue, which admission
+        looked at, is the likely culprit), then the pools are checked; broken pools make the
+        engine dead."""
+        logger.error("engine step failed; failing the running requests", exc_info=exc)
+        self.last_round = None
+        running = [r.rid for r in self.scheduler.running]
+        victims = running or [r.rid for r in list(self.scheduler.waiting)[:1]]
+        for rid in victims:
+            try:
+                self.abort(rid)
+            except Exception:  # noqa: BLE001 - it fails all the same (the pools are checked)
+                logger.exception("releasing request %s failed", rid)
+        dead = None
+        try:
+            self.check_pools()
+            self._text_after(StepResult())  # the others publish now
+        except EngineDead as e:
+            dead = str(e)
+        return StepFailure(tuple(victims), dead)
+
+    def stats(self) -> EngineStats:
+        """Every number the server shows, between two steps (host-only, O(1))."""
+        sched, runner = self.scheduler, self.runner
+        bm, slots = runner.bm, runner.cfg.max_running_requests
+        cache = None
+        if bm.cache is not None:
+            st = bm.cache.stats
+            cache = PrefixCacheStats(
+                st.queried_tokens,
+                st.hit_tokens,
+                st.evicted_pages,
+                st.state_miss_tokens,
+                st.checkpoint_drops,
+                st.hit_rate,
+            )
+        fs = self.faults.stats
+        has_state = runner.state_pool is not None
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_preemptions=sched.num_preemptions,
+            kv_pages_total=bm.num_pages,
+            kv_pages_free=bm.num_available_pages,
+            kv_pages_cached=bm.num_cached_pages,
+            page_size=bm.page_size,
+            request_slots_total=slots,
+            request_slots_free=bm.num_free_slots,
+            state_pool_slots_total=slots if has_state else 0,
+            state_pool_slots_free=bm.num_free_slots if has_state else 0,
+            checkpoint_rows=runner.checkpoints.num_rows if runner.checkpoints is not None else 0,
+            prefix_cache=cache,
+            faults=FaultCounts(
+                fs.isolated,
+                fs.batch_failures,
+                fs.integrity_checks,
+                fs.last_integrity_ok,
+                self.faults.dead,
+            ),
+            steps=runner.step_stats.as_dict(),
+        )
+
+    def integrity_problems(self) -> list[str]:
+        """The whole engine's invariants between two steps (engine/integrity.py; O(pages))."""
+        return integrity.problems(self)
+
+    def note_server_time(self, seconds: float) -> None:
+        """The server loop's time around the latest decode step (publishing, commands,
+        metrics): into its round's timing and the decode log."""
+        if self.last_round is not None:
+            self.last_round.timing.server_s = seconds
+        self.batch_log.server_time(seconds)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.emitter.eos_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.target.config.vocab_size
+
     def tp_problem(self) -> str | None:
         """Why tensor parallelism cannot go on (a rank died), or None."""
         return None if self.tp is None else self.tp.problem()
@@ -391,7 +512,7 @@ class LLMEngine:
             bar = tqdm(total=len(reqs), desc="generate", unit="req")
         t0 = time.perf_counter()
         while any(not r.is_finished for r in reqs):
-            advanced = self.step()
+            advanced = self.step().reqs
             if bar is not None:
                 bar.update(sum(1 for r in advanced if r.is_finished))
                 done = sum(r.num_output_tokens for r in reqs)

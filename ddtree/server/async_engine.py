@@ -1,17 +1,24 @@
-"""The synchronous LLMEngine driven from one background thread, fed by asyncio handlers.
+"""The synchronous engine (`EngineProtocol`: `LLMEngine`) driven from one background thread, fed by
+asyncio handlers.
 
-Invariant: only the engine thread touches the engine (requests, pools, tokenizer). Handlers hand it closures
-through a command queue (`call`, `submit`, `abort`); between two steps the thread runs every queued command,
-so requests join and leave the running batch at every step. After each step it publishes, per request, the
-text that can no longer be taken back by a stop string into that request's asyncio queue.
+Invariant: only the engine thread calls the engine (requests, steps, stats; the engine's pools and
+its detokenizers stay behind it). Handlers hand it closures through a command queue (`call`,
+`submit`, `abort`); between two steps the thread runs every queued command, so requests join and
+leave the running batch at every step. After each step it publishes, per request, the text that
+can no longer be taken back by a stop string into that request's asyncio queue. The tokenizer
+is not the engine thread's alone: it detokenises outputs and renders log-probs there, while the
+HTTP side's tokenizer threads (openai_serving.py `prepare`) encode prompts and render chat
+templates concurrently (encoding only reads the tokenizer, fixed after start-up); a prompt that
+reaches `add_request` as text is encoded on the engine thread.
 
 Host time hidden (`overlap`, on by default): after a decode step with rounds to come, the loop
-does not publish at once; the next round publishes while its device work runs (the decoder's
-`while_device_runs` hook, between its launches and its one read-back), so streaming costs the
-round nothing; a final output waits for the next round's launches (with auto, also its draft), not
-its verify (or, when the next step is a prefill, for that step). A prefill step, a step that leaves the engine idle and
-a failed step publish at once. The engine thread alone touches the requests
-either way, and stops / max_tokens / aborts are decided in the step exactly as before.
+does not publish at once; the next round publishes while its device work runs (the engine's
+`stream_text` hook, run by the decoder between its launches and its one read-back, which
+detokenises first), so streaming costs the round nothing; a final output waits for the next
+round's launches (with auto, also its draft), not its verify (or, when the next step is a
+prefill, for that step). A prefill step, a step that leaves the engine idle and a failed step
+publish at once. The engine thread alone touches the requests either way, and stops / max_tokens
+/ aborts are decided in the step exactly as before.
 
 Liveness: the loop stamps `_tick` every iteration; `health_problem()` reports a dead thread, or a
 loop that has not come round for STALL_TIMEOUT_S (a step that hangs), so /health turns 503 instead
@@ -30,12 +37,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ddtree.engine.boundary import EngineProtocol
 from ddtree.engine.detokenizer import stop_holdback
 from ddtree.engine.faults import EngineDead
 from ddtree.engine.request import Req, SamplingParams
 from ddtree.server.gc_watch import GcWatch, freeze_startup_heap
 from ddtree.server.logprob_format import LogprobEntry, TokenBytes, decode_entries
-from ddtree.server.metrics import pool_snapshot
+from ddtree.server.metrics import server_info
 
 logger = logging.getLogger("ddtree")
 
@@ -139,7 +147,7 @@ def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:
 class AsyncEngine:
     def __init__(
         self,
-        engine,
+        engine: EngineProtocol,
         metrics=None,
         warmup: Callable[[], object] | None = None,
         overlap: bool = True,
@@ -157,9 +165,7 @@ class AsyncEngine:
         self.overlap = overlap
         self._unpublished = False  # outputs of the latest decode step wait for the next round
         self._hidden_s = 0.0  # publishing time spent inside the latest round
-        hook = getattr(engine, "set_host_work_hook", None)  # absent on the tests' stub engines
-        if overlap and hook is not None:
-            hook(self._publish_under_round)
+        engine.stream_text(self._publish_under_round if overlap else None)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
         self._outbox = Outbox()  # engine thread: a publish's deltas, sent once per loop
@@ -195,9 +201,9 @@ class AsyncEngine:
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (for /health), or None."""
-        tp_problem = getattr(self.engine, "tp_problem", None)  # a dead tensor-parallel rank
-        if tp_problem is not None and tp_problem():
-            return tp_problem()
+        tp_problem = self.engine.tp_problem()  # a dead tensor-parallel rank
+        if tp_problem is not None:
+            return tp_problem
         if self._dead is not None:
             return f"the engine cannot go on: {self._dead}"
         if not self.alive:
@@ -271,7 +277,7 @@ class AsyncEngine:
 
     async def pool_snapshot(self) -> dict:
         """/get_server_info's pool numbers, read between two engine steps."""
-        return await self.call(lambda: pool_snapshot(self.engine))
+        return await self.call(lambda: server_info(self.engine))
 
     async def render_metrics(self) -> bytes:
         """/metrics' body (the server was built with metrics)."""
@@ -304,15 +310,12 @@ class AsyncEngine:
             if self.engine.has_unfinished() and self._dead is None:
                 t1 = time.monotonic()
                 try:
-                    self.engine.step()  # isolates what it can (engine/faults.py)
+                    rec = self.engine.step().round  # isolates what it can (engine/faults.py)
                 except EngineDead as e:
                     self._on_dead(str(e))
                 except Exception as e:  # noqa: BLE001 - the loop must survive; the batch is failed instead
-                    logger.exception("engine step failed; failing the running requests")
-                    self.engine.last_round = None
                     self._fail_running(e)
                 step_s = time.monotonic() - t1
-                rec = getattr(self.engine, "last_round", None)
             # after a decode step with rounds to come, finished requests included, publishing
             # and the hand-off wait under the next round's device work (`Outbox`: the hand-off
             # may cost the engine thread a switch interval; publishing every stream at once sat
@@ -323,12 +326,12 @@ class AsyncEngine:
                 self._publish_guarded()
             pauses = self.gc_watch.drain()  # every step: without metrics it would only grow
             if self.metrics is not None:
-                self.metrics.on_pools(self.engine)
+                self.metrics.on_stats(self.engine.stats())
                 for generation, seconds in pauses:
                     self.metrics.on_gc_pause(generation, seconds)
             if rec is not None:
-                server_s = rec.timing.server_s = time.monotonic() - t0 - step_s
-                self.engine.batch_log.server_time(server_s)
+                server_s = time.monotonic() - t0 - step_s
+                self.engine.note_server_time(server_s)
                 if self.metrics is not None:
                     self.metrics.on_round(rec, server_s, self._hidden_s)
             if step_s and self.metrics is not None:
@@ -379,15 +382,14 @@ class AsyncEngine:
                 return
 
     def _publish(self) -> None:
-        flush = getattr(getattr(self.engine, "emitter", None), "flush", None)
         for rid, st in list(self._streams.items()):
             try:
-                self._publish_one(rid, st, flush)
+                self._publish_one(rid, st)
             except Exception as e:  # noqa: BLE001 - a publishing bug fails its request alone
                 logger.exception("publishing request %s failed", rid)
                 self._fail(rid, f"internal server error: {type(e).__name__}: {e}")
 
-    def _publish_one(self, rid: str, st: Stream, flush) -> None:
+    def _publish_one(self, rid: str, st: Stream) -> None:
         req = st.req
         if req.error is not None:  # the engine failed it alone (engine/faults.py)
             self._streams.pop(rid, None)
@@ -398,8 +400,7 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.on_finish("error", time.monotonic() - st.added)
             return
-        if flush is not None:  # deferred detokenisation: under the next round with overlap
-            flush(req)
+        # req.text is up to date: the engine flushed its deferred detokenisation (`stream_text`)
         done = req.finish_reason is not None
         if done:
             safe = len(req.text)
@@ -490,8 +491,15 @@ class AsyncEngine:
         for rid in list(self._streams):
             self._fail(rid, message, status=503, code="server_shutting_down")
 
-    def _fail(self, rid: str, message: str, status: int = 500, code: str = "engine_error") -> None:
-        st = self._release(rid)
+    def _fail(
+        self,
+        rid: str,
+        message: str,
+        status: int = 500,
+        code: str = "engine_error",
+        release: bool = True,
+    ) -> None:
+        st = self._release(rid) if release else self._streams.pop(rid, None)
         if st is not None:
             self._outbox.send()  # its published output first
             st.req.finish_reason = st.req.finish_reason or "abort"
@@ -509,21 +517,13 @@ class AsyncEngine:
             self._fail(rid, f"the engine cannot go on: {reason}", 503, "engine_dead")
 
     def _fail_running(self, exc: Exception) -> None:
-        """A step raised outside the engine's own isolation (a bug in the step itself): every
-        running request is failed and freed (if none ran, the head of the queue is the likely
-        culprit), then the pools are checked; broken pools make the engine dead."""
+        """A step raised outside the engine's own isolation (a bug in the step itself): the engine
+        fails and releases the requests it blames (`fail_step`), their streams end with the
+        error, and broken pools make the engine dead."""
         if self.metrics is not None:
             self.metrics.engine_errors.inc()
-        sched = self.engine.scheduler
-        victims = [r.rid for r in sched.running] or [r.rid for r in list(sched.waiting)[:1]]
-        for rid in victims:
-            if rid in self._streams:
-                self._fail(rid, f"internal engine error: {type(exc).__name__}: {exc}")
-            else:
-                self._release(rid)
-        check = getattr(self.engine, "check_pools", None)
-        try:
-            if check is not None:
-                check()
-        except EngineDead as e:
-            self._on_dead(str(e))
+        failure = self.engine.fail_step(exc)
+        for rid in failure.failed:  # released by the engine already
+            self._fail(rid, f"internal engine error: {type(exc).__name__}: {exc}", release=False)
+        if failure.dead is not None:
+            self._on_dead(failure.dead)

@@ -19,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ddtree.engine import integrity
+from ddtree.engine.boundary import EngineProtocol, EngineStats, FaultCounts, PrefixCacheStats
 from ddtree.engine.round_clock import DEVICE_PARTS, PHASES
 from ddtree.engine.step_stats import StepStats, step_metric
 
@@ -441,39 +441,33 @@ class ServerMetrics:
         self.requests.labels(reason).inc()
         self.e2e.observe(latency)
 
-    def on_pools(self, engine) -> None:
-        """Gauges from the engine's scheduler and pools; call on the engine thread between steps."""
-        sched, bm, runner = engine.scheduler, engine.runner.bm, engine.runner
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.preemptions.set(sched.num_preemptions)
+    def on_stats(self, stats: EngineStats) -> None:
+        """Gauges and counters from the engine's numbers between two steps (`engine.stats()`)."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.preemptions.set(stats.num_preemptions)
         # unreferenced cached pages count as free: they are evicted on demand
-        self.kv_total.set(bm.num_pages)
-        self.kv_free.set(bm.num_available_pages)
-        self.kv_used.set(bm.num_pages - bm.num_available_pages)
-        self.kv_usage.set((bm.num_pages - bm.num_available_pages) / max(bm.num_pages, 1))
-        self._on_cache(bm)
-        ckpts = runner.checkpoints
-        self.checkpoint_rows.set(ckpts.num_rows if ckpts is not None else 0)
-        self._on_faults(getattr(engine, "faults", None))
-        for name, value in runner.step_stats.as_dict().items():
+        self.kv_total.set(stats.kv_pages_total)
+        self.kv_free.set(stats.kv_pages_free)
+        self.kv_used.set(stats.kv_pages_used)
+        self.kv_usage.set(stats.kv_pages_used / max(stats.kv_pages_total, 1))
+        self.kv_cached.set(stats.kv_pages_cached)
+        if stats.prefix_cache is not None:
+            self._on_cache(stats.prefix_cache)
+        self.checkpoint_rows.set(stats.checkpoint_rows)
+        self._on_faults(stats.faults)
+        for name, value in (stats.steps or {}).items():
             seen = self._steps_seen.get(name, 0)
             if value > seen:
                 self.steps[name].inc(value - seen)
             self._steps_seen[name] = value
-        slots = runner.cfg.max_running_requests
-        self.slots_total.set(slots)
-        self.slots_free.set(bm.num_free_slots)
-        # NOTE: state-pool rows are indexed by the request's block-table slot, so its usage is the slot usage
-        has_state = runner.state_pool is not None
-        self.state_total.set(slots if has_state else 0)
-        self.state_used.set(slots - bm.num_free_slots if has_state else 0)
+        self.slots_total.set(stats.request_slots_total)
+        self.slots_free.set(stats.request_slots_free)
+        self.state_total.set(stats.state_pool_slots_total)
+        self.state_used.set(stats.state_pool_slots_used)
         self._update_throughput()
 
-    def _on_faults(self, faults) -> None:
-        if faults is None:
-            return
-        st = faults.stats
+    def _on_faults(self, st: FaultCounts) -> None:
         now = (st.isolated, st.batch_failures, st.integrity_checks)
         counters = (self.failed_alone, self.batch_failures, self.integrity_checks)
         for counter, new, old in zip(counters, now, self._faults_seen):
@@ -481,13 +475,9 @@ class ServerMetrics:
                 counter.inc(new - old)
         self._faults_seen = now
         self.integrity_ok.set(1 if st.last_integrity_ok else 0)
-        self.engine_dead.set(1 if faults.dead is not None else 0)
+        self.engine_dead.set(1 if st.dead is not None else 0)
 
-    def _on_cache(self, bm) -> None:
-        self.kv_cached.set(bm.num_cached_pages)
-        if bm.cache is None:
-            return
-        st = bm.cache.stats
+    def _on_cache(self, st: PrefixCacheStats) -> None:
         now = (
             st.queried_tokens,
             st.hit_tokens,
@@ -523,32 +513,30 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def pool_snapshot(engine) -> dict:
+def server_info(engine: EngineProtocol) -> dict:
     """Plain numbers for /get_server_info; call on the engine thread."""
-    sched, bm, runner = engine.scheduler, engine.runner.bm, engine.runner
+    st = engine.stats()
     # between two steps: the whole engine's invariants (pages, slots, lengths, cached tokens,
     # checkpoints, request bookkeeping: engine/integrity.py), host-only
-    problems = integrity.problems(engine)
+    problems = engine.integrity_problems()
     kv_integrity = "ok" if not problems else "FAILED: " + "; ".join(problems[:8])
-    faults = getattr(engine, "faults", None)
-    slots = runner.cfg.max_running_requests
     return {
-        "num_running_requests": len(sched.running),
-        "num_waiting_requests": len(sched.waiting),
-        "num_preemptions": sched.num_preemptions,
-        "kv_pages_total": bm.num_pages,
-        "kv_pages_free": bm.num_available_pages,  # unreferenced cached pages included
-        "kv_pages_cached": bm.num_cached_pages,
-        "prefix_cache": bm.cache is not None,
-        "page_size": bm.page_size,
-        "request_slots_total": slots,
-        "request_slots_free": bm.num_free_slots,
-        "state_pool_slots_total": slots if runner.state_pool is not None else 0,
-        "state_pool_slots_free": bm.num_free_slots if runner.state_pool is not None else 0,
+        "num_running_requests": st.num_running,
+        "num_waiting_requests": st.num_waiting,
+        "num_preemptions": st.num_preemptions,
+        "kv_pages_total": st.kv_pages_total,
+        "kv_pages_free": st.kv_pages_free,  # unreferenced cached pages included
+        "kv_pages_cached": st.kv_pages_cached,
+        "prefix_cache": st.prefix_cache is not None,
+        "page_size": st.page_size,
+        "request_slots_total": st.request_slots_total,
+        "request_slots_free": st.request_slots_free,
+        "state_pool_slots_total": st.state_pool_slots_total,
+        "state_pool_slots_free": st.state_pool_slots_free,
         "kv_integrity": kv_integrity,
-        "requests_failed_alone": faults.stats.isolated if faults else 0,
-        "batch_failures": faults.stats.batch_failures if faults else 0,
-        "engine_dead": faults.dead if faults else None,
+        "requests_failed_alone": st.faults.isolated,
+        "batch_failures": st.faults.batch_failures,
+        "engine_dead": st.faults.dead,
     }
 
 

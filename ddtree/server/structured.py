@@ -26,6 +26,7 @@ import math
 import threading
 from collections import OrderedDict
 
+from ddtree.engine.boundary import FrontendProtocol
 from ddtree.engine.grammar_jobs import MASK_ROUND_S
 from ddtree.grammar import GrammarError, GrammarSpec, GrammarUnavailable
 from ddtree.grammar.backend import CACHE_ENTRIES
@@ -162,7 +163,7 @@ class GrammarCompiler:
     grammar is called too complex only for its own compile time. A cached grammar takes no
     worker."""
 
-    def __init__(self, engine, workers: int | None = None):
+    def __init__(self, engine: FrontendProtocol, workers: int | None = None):
         self.engine = engine
         self.pool = concurrent.futures.ThreadPoolExecutor(
             workers or limits.GRAMMAR_COMPILE_WORKERS, thread_name_prefix="grammar"
@@ -194,8 +195,7 @@ class GrammarCompiler:
             why = self._refused.get(spec.key)
         if why is not None:
             raise invalid(spec.param, why, code="grammar_too_complex")
-        cached = getattr(self.engine, "grammar_cached", None)
-        return cached is not None and cached(spec)
+        return self.engine.grammar_cached(spec)
 
     def _admit(self, client: str) -> None:
         with self._lock:

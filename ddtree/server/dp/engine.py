@@ -59,6 +59,12 @@ class Frontend:
                 self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
             return self._grammars
 
+    def grammar_cached(self, spec) -> bool:
+        """spec's grammar is compiled already (False before any grammar was)."""
+        with self._grammars_lock:
+            grammars = self._grammars
+        return grammars is not None and grammars.cached(spec)
+
     def shutdown(self) -> None:
         """Nothing here: `DPEngine.shutdown` stops the replicas."""
 

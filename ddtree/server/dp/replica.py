@@ -108,16 +108,16 @@ class Replica:
     async def _serve(self) -> None:
         self.loop, self.stopping = asyncio.get_running_loop(), asyncio.Event()
         self.aengine.start()
-        bm = self.engine.runner.bm
+        stats = self.engine.stats()
         info = {
             "pid": os.getpid(),
             "max_context": self.engine.max_context,
-            "page_size": bm.page_size,
-            "kv_pages_total": bm.num_pages,
-            "prefix_cache": bm.cache is not None,
+            "page_size": stats.page_size,
+            "kv_pages_total": stats.kv_pages_total,
+            "prefix_cache": stats.prefix_cache is not None,
             "device": _device_name(self.engine.device),
-            "vocab_size": self.engine.runner.target.config.vocab_size,
-            "eos_ids": tuple(self.engine.emitter.eos_ids),
+            "vocab_size": self.engine.vocab_size,
+            "eos_ids": tuple(self.engine.eos_ids),
         }
         self.send((m.READY, info))
         threading.Thread(target=self._read, name="ddtree-dp-read", daemon=True).start()
