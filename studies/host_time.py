@@ -161,7 +161,7 @@ def keep_running(eng, prompt_ids: list, conc: int, sp, on_step=None) -> dict:
 
     top_up()
     while eng.has_unfinished():
-        advanced = eng.step()
+        advanced = eng.step().reqs
         if on_step is not None:
             on_step(advanced, index)
         live[:] = [r for r in live if not r.is_finished]
