@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gpu_fp8_gemm import rel, time_calls  # noqa: E402  (the GEMM study beside this one)
 
 from ddtree.kernels import fp8  # noqa: E402
 from ddtree.kernels.fp8 import deepgemm as DG  # noqa: E402
@@ -66,37 +67,6 @@ SHAPES = {  # name -> (N, K): the linears as the engine runs them (fused q|k|v, 
 }
 ROTATE_BYTES = 256 << 20
 LIBS = ("triton", "cublas", "deepgemm", "flashinfer")
-
-
-def time_calls(fns, reps: int = 10) -> float:
-    """Median seconds per call over CUDA-graph replays of all `fns` in turn (one eager pass first:
-    JIT compiles and cuBLAS heuristics stay out of the capture)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3 / len(fns))
-    del g
-    return sorted(ts)[len(ts) // 2]
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def probe_libs() -> dict:
