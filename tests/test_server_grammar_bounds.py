@@ -109,11 +109,12 @@ def test_pathological_grammars_beside_plain_traffic(srv):
 @pytest.fixture
 def blocked_compiles(monkeypatch):
     """Regexes starting SLOW! compile only when `release` is set (xgrammar cannot be stopped)."""
-    state = SimpleNamespace(release=threading.Event())
+    state = SimpleNamespace(release=threading.Event(), entered=[])
     real = Grammars._compile
 
     def compile_(self, spec):
         if spec.source.startswith("SLOW!"):
+            state.entered.append(spec.source)  # a worker runs it: admitted, and in flight
             state.release.wait(60)
         return real(self, spec)
 
@@ -152,6 +153,11 @@ def test_slow_compiles_do_not_starve_a_simple_grammar(srv, blocked_compiles):
     for t in more:
         t.start()
     deadline = time.monotonic() + 30
+    # both in flight before the probes: a probe compiling while the second one is admitted would
+    # take the client's fourth slot and leave that one a 429 instead
+    while len(blocked_compiles.entered) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(blocked_compiles.entered) == 4
     r, k = None, 0
     while time.monotonic() < deadline:  # distinct regexes: a cached one takes no worker
         k += 1
