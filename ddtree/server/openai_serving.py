@@ -161,7 +161,10 @@ class OpenAIServing:
         self.vocab_size = args.target_config.vocab_size
         self.max_context = aengine.engine.max_context
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "ddtree-tokenize")
-        self._prompt_bytes: TokenBytes | None = None  # `_token_bytes`
+        # prompt entries' id -> bytes table, read on tokenizer threads (the engine thread keeps
+        # its own for emitted tokens); its cache is a dict of immutable values: a race computes
+        # an id twice, never wrongly
+        self.prompt_bytes = TokenBytes(aengine.engine.tokenizer)
 
         self.grammars = GrammarCompiler(aengine.engine)  # off the engine thread
         self.reasoning_parser = getattr(args, "reasoning_parser", None)
@@ -379,17 +382,9 @@ class OpenAIServing:
             plp = d.prompt_logprobs
             if plp is None:
                 return text, []
-            return text, decode_prompt_entries(e.tokenizer, plp, self._token_bytes(e))
+            return text, decode_prompt_entries(e.tokenizer, plp, self.prompt_bytes)
 
         return await self.prepare(render)
-
-    def _token_bytes(self, e) -> TokenBytes:
-        """The prompt entries' id -> bytes table (tokenizer threads; the engine thread keeps its
-        own for emitted tokens). Its cache is a dict of immutable values: a race computes an id
-        twice, never wrongly."""
-        if self._prompt_bytes is None:
-            self._prompt_bytes = TokenBytes(e.tokenizer)
-        return self._prompt_bytes
 
     async def completions(self, body: CompletionRequest, request: Request):
         """One prompt or a list (OpenAI's batch: choice index = prompt index x n + choice); with
