@@ -125,13 +125,14 @@ def collect(n_prompts: int, conc: int, max_tokens: int, prompt_set: str = "textw
     eng = llm.engine
     runner = eng.runner
     grab: dict = {}
-    draft = runner.draft_tree
+    draft = runner.draft
 
     def draft_tree(*a, **kw):
-        grab["logits"], tree = draft(*a, **kw)
-        return grab["logits"], tree
+        out = draft(*a, **kw)
+        grab["logits"] = out.logits
+        return out
 
-    runner.draft_tree = draft_tree
+    runner.draft = draft_tree
     # on the CPU (no verify graph) every accept walk is the eager one: hooked here
     walk = dec.accept_tree
 

@@ -85,7 +85,7 @@ class Probe:
 
         dec.round = timed
         g = runner.graphs
-        for name, key in (("verify", "verify"), ("draft", "draft"), ("draft_tree", "draft")):
+        for name, key in (("verify", "verify"), ("draft_tree", "draft")):
             fn = getattr(g, name)
 
             def counted(*a, _fn=fn, _key=key):

@@ -61,13 +61,14 @@ def record(
     )
     eng = llm.engine
     runner, grab = eng.runner, {}
-    draft = runner.draft_tree
+    draft = runner.draft
 
     def draft_tree(*a, **kw):
-        grab["logits"], tree = draft(*a, **kw)
-        return grab["logits"], tree
+        out = draft(*a, **kw)
+        grab["logits"] = out.logits
+        return out
 
-    runner.draft_tree = draft_tree
+    runner.draft = draft_tree
     # without the verify graph every accept walk is the eager one: hooked here
     walk = dec.accept_tree
 

@@ -140,10 +140,8 @@ def test_per_request_caps_verify_narrow_without_padding(toy_pair, ar_tokens):
 
     llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16)
     widths = []
-    verify = llm.engine.runner.verify_nodes
-    llm.engine.runner.verify_nodes = lambda reqs, tree: (
-        widths.append(tree.num_nodes) or verify(reqs, tree)
-    )
+    verify = llm.engine.runner.verify
+    llm.engine.runner.verify = lambda rnd, tree: widths.append(tree.num_nodes) or verify(rnd, tree)
     sp = SamplingParams(
         temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, ddtree_budget=4
     )
@@ -165,7 +163,7 @@ def test_hybrid_changing_budgets_are_lossless(toy_hybrid_pair, graphs, monkeypat
     monkeypatch.setattr(
         CudaGraphRunner,
         "commit",
-        lambda self, path, k: commits.append(self._verified_width) or real(self, path, k),
+        lambda self, w, path, k: commits.append(w) or real(self, w, path, k),
     )
     prompts = accepted_prompts(4)
     ar = make_llm(toy_hybrid_pair, "NONE").generate([list(p) for p in prompts], GREEDY)

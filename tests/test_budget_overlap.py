@@ -122,7 +122,7 @@ def test_decoder_observes_curves_before_the_blocking_read_back(monkeypatch):
     monkeypatch.setattr(dec, "gain_columns", spy("gain", dec.gain_columns))
     monkeypatch.setattr(logprobs, "read_back_tensor", spy("read", logprobs.read_back_tensor))
     runner, planner = eng.runner, eng.decoder.budgets
-    monkeypatch.setattr(runner, "verify_nodes", spy("verify", runner.verify_nodes))
+    monkeypatch.setattr(runner, "verify", spy("verify", runner.verify))
     monkeypatch.setattr(planner, "observe_curves", spy("curves", planner.observe_curves))
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     eng.add_request(eng.tokenizer.encode("def f(x):\n    return", add_special_tokens=False), sp)

@@ -47,12 +47,12 @@ def run(pair, algorithm="DDTREE", policy=None, max_tokens=12, **kw):
     drafts, widths = [], []
     draft_tree, verify = g.draft_tree, g.verify
 
-    def record_draft(meta, roots, limits, budgets=None, spec=None):
+    def record_draft(rnd, limits, budgets=None, spec=None):
         drafts.append((spec or g.tree_spec, budgets))
-        return draft_tree(meta, roots, limits, budgets, spec)
+        return draft_tree(rnd, limits, budgets, spec)
 
     g.draft_tree = record_draft
-    g.verify = lambda meta, tree: widths.append(tree.num_nodes) or verify(meta, tree)
+    g.verify = lambda rnd, tree: widths.append(tree.num_nodes) or verify(rnd, tree)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([list(p) for p in PROMPTS], sp)
     return [o.token_ids for o in outs], drafts, widths

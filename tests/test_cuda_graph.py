@@ -15,7 +15,7 @@ from ddtree.engine.cuda_graph import (
     batch_buckets,
     ctx_bounds,
 )
-from ddtree.engine.model_runner import RoundMeta
+from ddtree.engine.round import Round
 
 # ragged prompts (9..33 tokens) the toy drafter accepts (mean accepted length > 2: the graph path's
 # commits move real accepted paths) and different lengths, so the live batch shrinks 5 -> 1
@@ -127,10 +127,10 @@ def _watch_kv(runner, log):
     commit = graphs.commit
 
     # target KV moves and drafter-context writes stay in rows + scratch
-    def watched_commit(path, accept_length):
+    def watched_commit(width, path, accept_length):
         pools = [p for p in (runner.kv, runner.draft_kv) if p is not None]
         before = [torch.stack([p.k, p.v]).clone() for p in pools]
-        commit(path, accept_length)
+        commit(width, path, accept_length)
         bad = set().union(
             *(
                 _illegal_writes(runner, last[0], last[1], x, torch.stack([p.k, p.v]))
@@ -176,7 +176,7 @@ def test_padding_check_catches_a_pad_slot_in_a_real_page(toy_pair, one_torch_thr
 def test_round_metadata_built_once_per_round(toy_pair, one_torch_thread, monkeypatch):
     llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=8)
     built, rounds = [], []
-    init, round_fn = RoundMeta.__init__, llm.engine.decoder.round
+    init, round_fn = Round.__init__, llm.engine.decoder.round
 
     def counting_init(self, *a, **kw):
         built.append(1)
@@ -186,11 +186,10 @@ def test_round_metadata_built_once_per_round(toy_pair, one_torch_thread, monkeyp
         rounds.append(1)
         return round_fn(*a, **kw)
 
-    monkeypatch.setattr(RoundMeta, "__init__", counting_init)
+    monkeypatch.setattr(Round, "__init__", counting_init)
     monkeypatch.setattr(llm.engine.decoder, "round", counting_round)
     llm.generate([list(p) for p in accepted_prompts(3)], PARAMS[:3])
     assert rounds and len(built) == len(rounds)
-    assert llm.engine.runner._round is None  # commit ends the round
 
 
 def test_server_args_wire_cuda_graph_into_runner(toy_pair, caplog):
@@ -375,17 +374,18 @@ def _check_rounds(llm, log, drop_limits=False):
 
     runner, server = llm.engine.runner, llm.engine.spec
     g = runner.graphs
-    draft_tree, verify_nodes, graph_draft = runner.draft_tree, runner.verify_nodes, g.draft_tree
+    draft, verify, graph_draft = runner.draft, runner.verify, g.draft_tree
 
     if drop_limits:  # sabotage: the graph never sees the per-request depth limits
-        g.draft_tree = lambda meta, roots, limits, budgets=None, spec=None: graph_draft(
-            meta, roots, None, budgets, spec
+        g.draft_tree = lambda rnd, limits, budgets=None, spec=None: graph_draft(
+            rnd, None, budgets, spec
         )
 
-    def checked_draft(reqs, roots, block_size, limits, meta=None, budgets=None, spec=None):
+    def checked_draft(rnd, limits=None, budgets=None, spec=None):
         assert spec is None  # a fixed server drafts at its own spec (the reference below)
-        logits, tree = draft_tree(reqs, roots, block_size, limits, meta, budgets)
-        if tree is not None:
+        out = draft(rnd, limits, budgets)
+        if rnd.graphed:
+            roots, logits, tree = rnd.roots, out.logits, out.tree
             depth = None if limits is None else torch.tensor(limits)
             if server.algorithm == "DFLASH":
                 ref = build_chain(roots, logits, max_depth=depth)
@@ -405,25 +405,25 @@ def _check_rounds(llm, log, drop_limits=False):
             log.append(
                 (
                     "draft",
-                    len(reqs),
+                    rnd.batch,
                     limits is not None,
                     budgets is not None and server.algorithm == "DDTREE",
                 )
             )
-        return logits, tree
+        return out
 
-    def checked_verify(reqs, tree, meta=None):
-        vo = verify_nodes(reqs, tree, meta)
+    def checked_verify(rnd, tree):
+        vo = verify(rnd, tree)
         if vo.greedy_accept is not None:
             tokens = vo.logits.float().argmax(-1)
             assert torch.equal(vo.greedy_tokens, tokens)
             ref = accept_tree(tree, tokens)
             for f in ("accept_length", "path", "out_tokens", "num_out", "last_node"):
                 assert torch.equal(getattr(vo.greedy_accept, f), getattr(ref, f)), f
-            log.append(("accept", len(reqs), False, False))
+            log.append(("accept", rnd.batch, False, False))
         return vo
 
-    runner.draft_tree, runner.verify_nodes = checked_draft, checked_verify
+    runner.draft, runner.verify = checked_draft, checked_verify
 
 
 @pytest.mark.parametrize("algorithm", ["DFLASH", "DDTREE"])
@@ -437,9 +437,9 @@ def test_fused_draft_tree_and_graph_accept_match_eager(toy_pair, one_torch_threa
     _check_rounds(llm, log)
     commits = []
     graph_commit = llm.engine.runner.graphs.commit
-    llm.engine.runner.graphs.commit = lambda path, k: (
+    llm.engine.runner.graphs.commit = lambda w, path, k: (
         commits.append(path.shape[0]),
-        graph_commit(path, k),
+        graph_commit(w, path, k),
     )
     outs = llm.generate(prompts, FUSED_PARAMS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]

@@ -144,7 +144,9 @@ def test_drafter_and_chain_match_reference(pair):
     reqs = [Req(prompt_ids=p, params=SamplingParams(temperature=0)) for p in prompts]
     runner.prefill(reqs, [len(p) for p in prompts])
     roots = torch.tensor([40, 41])
-    draft = runner.draft(reqs, roots, BLOCK)
+    rnd = runner.begin(reqs)
+    rnd.roots = roots
+    draft = runner.propose(rnd, BLOCK)
     chain = build_markov_chain(roots, draft)
     mask = cfg["dflash_config"]["mask_token_id"]
     rescored = 0

@@ -112,7 +112,9 @@ def test_drafter_matches_reference(tmp_path, variant):
     reqs = [Req(prompt_ids=p, params=SamplingParams(temperature=0)) for p in prompts]
     runner.prefill(reqs, [len(p) for p in prompts])
     roots = torch.tensor([40, 41])
-    got = runner.draft(reqs, roots, 6)
+    rnd = runner.begin(reqs)
+    rnd.roots = roots
+    got = runner.propose(rnd, 6)
     mask = cfg["dflash_config"]["mask_token_id"]
     for i, p in enumerate(prompts):
         _, taps = target.forward_train(torch.tensor([p]), tap_layers=(0, 2))

@@ -105,9 +105,9 @@ def test_graph_path_steps_live_rows_at_verify_and_commits_no_state(
         log.append(("padded", len(live) < g.bucket(len(live)), pool.scratch_row in changed))
         return out
 
-    def watched_commit(path, k):
+    def watched_commit(w, path, k):
         before = [t.clone() for t in _tensors(pool)]
-        commit(path, k)
+        commit(w, path, k)
         log.append(("commit", _changed_rows(before, _tensors(pool)), True))
 
     g.verify, g.commit = watched_verify, watched_commit

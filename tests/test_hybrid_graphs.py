@@ -70,8 +70,8 @@ def _watch(llm, log):
         last[:] = meta.slots
         return watched(lambda: verify(meta, tree), meta.slots)
 
-    def watched_commit(path, k):
-        return watched(lambda: commit(path, k), last)
+    def watched_commit(w, path, k):
+        return watched(lambda: commit(w, path, k), last)
 
     last: list[int] = []
     g.verify, g.commit = watched_verify, watched_commit

@@ -156,7 +156,7 @@ def test_logprobs_from_the_graph_buffers(algorithm, one_torch_thread):
     runner.graphs.build()
     replays = []
     verify = runner.graphs.verify
-    runner.graphs.verify = lambda meta, tree: replays.append(1) or verify(meta, tree)
+    runner.graphs.verify = lambda rnd, tree: replays.append(1) or verify(rnd, tree)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, top_logprobs=2)
     for out in eng.generate(PROMPTS, params):
         check_against_reference(out, 2)

@@ -106,9 +106,11 @@ def test_paged_prefill_and_decode_match_transformers(text_ckpt, strategy):
     for step in range(6):  # AR decode = one-node tree + commit(path [[0]], accept 0)
         roots = torch.tensor([s[n + step] for s, n in zip(seqs, lens)])
         tree = DraftTree.from_parents(roots[:, None], torch.full((2, 1), -1), num_depths=0)
-        logits, _ = runner.verify(reqs, tree)
+        rnd = runner.begin(reqs)
+        vo = runner.verify(rnd, tree)
+        logits = vo.logits
         zeros = torch.zeros(2, dtype=torch.int64)
-        runner.commit(reqs, zeros[:, None], zeros, None)
+        runner.commit(rnd, vo, zeros[:, None], zeros)
         for i, (r, n) in enumerate(zip(reqs, lens)):
             torch.testing.assert_close(logits[i, 0], ref[i][n + step], **TOL)
             r.kv_len += 1
@@ -132,10 +134,11 @@ def test_decode_matches_transformers_cache(text_ckpt):
             tree = DraftTree.from_parents(
                 torch.tensor([[tok]]), torch.full((1, 1), -1), num_depths=0
             )
-            got, _ = runner.verify(reqs, tree)
-            runner.commit(
-                reqs, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None
-            )
+            rnd = runner.begin(reqs)
+            vo = runner.verify(rnd, tree)
+            got = vo.logits
+            zero = torch.zeros(1, dtype=torch.int64)
+            runner.commit(rnd, vo, zero[:, None], zero)
             reqs[0].kv_len += 1
             torch.testing.assert_close(got[0, 0], ref, **TOL)
 
@@ -168,10 +171,12 @@ def _verify_round(path, strategy, ssm_dtype="float32"):
     tree = DraftTree.from_parents(tokens, torch.tensor(PARENTS), num_depths=4)
     pool = runner.state_pool
     before = (pool.conv.clone(), pool.ssm.clone())
-    logits, _ = runner.verify(reqs, tree)
+    rnd = runner.begin(reqs)
+    vo = runner.verify(rnd, tree)
+    logits = vo.logits
     # verify never commits
     assert torch.equal(pool.conv, before[0]) and torch.equal(pool.ssm, before[1])
-    runner.commit(reqs, torch.tensor(PATHS), torch.tensor(ACCEPT), None)
+    runner.commit(rnd, vo, torch.tensor(PATHS), torch.tensor(ACCEPT))
     return runner, reqs, seqs, lens, tokens, tree, logits
 
 
@@ -221,7 +226,7 @@ def test_commit_copy_equals_replay_equals_sequential(text_ckpt):
             r.kv_len += acc + 1
         nxt = torch.tensor([3, 4])
         tree = DraftTree.from_parents(nxt[:, None], torch.full((2, 1), -1), num_depths=0)
-        logits, _ = runner.verify(reqs, tree)
+        logits = runner.verify(runner.begin(reqs), tree).logits
         for b in range(2):
             torch.testing.assert_close(
                 logits[b, 0], hf_logits(hf, accepted[b] + [int(nxt[b])])[-1], **TOL

@@ -5,9 +5,9 @@ import pytest
 import torch
 from hf_fixtures import save_hf_qwen3
 
-from ddtree.engine.decoder import _root_only
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
 from ddtree.engine.request import Req, SamplingParams
+from ddtree.engine.round import root_tree
 from ddtree.models.loader import load_target
 
 
@@ -71,9 +71,11 @@ def test_paged_prefill_and_decode_match_transformers(tmp_path):
     # decode: feed the true next tokens one at a time as one-node trees
     for step in range(5):
         roots = torch.tensor([s[n + step] for s, n in zip(seqs, prompt_lens)])
-        logits, _ = runner.verify(reqs, _root_only(roots))
+        rnd = runner.begin(reqs)
+        vo = runner.verify(rnd, root_tree(roots))
+        logits = vo.logits
         zeros = torch.zeros(2, dtype=torch.int64)
-        runner.commit(reqs, zeros[:, None], zeros, None)
+        runner.commit(rnd, vo, zeros[:, None], zeros)
         for i, (r, n) in enumerate(zip(reqs, prompt_lens)):
             torch.testing.assert_close(logits[i, 0], ref[i][n + step], rtol=1e-4, atol=1e-4)
             r.kv_len += 1

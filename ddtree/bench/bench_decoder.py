@@ -26,8 +26,8 @@ class BenchDecoder(SpecDecoder):
             self.times = times
         self.override = override
 
-    def _accept(self, reqs, tree, vo, meta, gb):
+    def _accept(self, rnd, tree, vo, gb):
         if self.override is None:
-            return super()._accept(reqs, tree, vo, meta, gb)
-        tokens = self._target_tokens(reqs, tree, vo, meta, gb)
+            return super()._accept(rnd, tree, vo, gb)
+        tokens = self._target_tokens(rnd.reqs, rnd.lens, tree, vo, gb)
         return accept_tree(tree, self.override(tree, tokens))

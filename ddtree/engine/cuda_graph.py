@@ -180,10 +180,10 @@ class GraphSet:
 
 
 class CudaGraphRunner:
-    """The graph families for `ModelRunner.verify` / `commit` / `draft` / `draft_tree`, their
-    graphs, and the round's hand-off between them (a commit replays only on the rows of the verify
-    that replayed). capture=False runs the same padded static-shape path eagerly (the CPU tests of
-    everything but the capture itself)."""
+    """The graph families for `ModelRunner.draft` / `verify` / `commit` and the prefill extend,
+    and their graphs. A round (engine/round.py) replays all of its phases or none (`covers`); the
+    commit replays on the rows its verify loaded. capture=False runs the same padded static-shape
+    path eagerly (the CPU tests of everything but the capture itself)."""
 
     def __init__(self, runner, capture: bool = True, max_bs: int | None = None, extend_widths=None):
         """extend_widths: the extend graphs' widths (None: `RunnerConfig.extend_widths`)."""
@@ -214,8 +214,6 @@ class CudaGraphRunner:
         }
         self.commit_graph = self.commit_families.get(v.n)
         self.commit_graphs: dict[tuple[int, int], object] = {}  # (width, bs) -> graph
-        self._verified = 0  # live rows of the verify replay whose commit is pending (0: none)
-        self._verified_width = v.n
         # the short prefill extends (engine/extend_graph.py), None without extend widths
         widths = cfg.extend_widths if extend_widths is None else extend_widths
         self.extend: ExtendGraphs | None = None
@@ -224,7 +222,6 @@ class CudaGraphRunner:
             self.extend = ExtendGraphs(self, padding, widths, ext_bs, GraphSet)
 
         self.draft_graph: DraftGraph | None = None
-        self.draft_set: GraphSet | None = None
         # tree spec -> fused drafter block + LM head + tree build
         self.draft_sets: dict[tuple, GraphSet] = {}
         self.tree_spec: tuple | None = None
@@ -296,15 +293,9 @@ class CudaGraphRunner:
             )
 
     @torch.inference_mode()
-    def _draft_set(self, spec: tuple | None) -> GraphSet:
-        """The draft graphs for a tree spec (None: the plain block), built (captured) on
-        first use."""
+    def _draft_set(self, spec: tuple) -> GraphSet:
+        """The draft graphs for a tree spec, built (captured) on first use."""
         d, top = self.draft_graph, self.runner.cfg.max_context
-        if spec is None:
-            if self.draft_set is None:
-                self.draft_set = GraphSet(self, d.forward, d.attention_shape, top, 0)
-                self.draft_set.build(self.buckets)
-            return self.draft_set
         gs = self.draft_sets.get(spec)
         if gs is None:
             d.add_tree(spec)
@@ -348,24 +339,21 @@ class CudaGraphRunner:
             for spec in specs:
                 self._draft_set(spec)
 
+    def covers(self, b: int, max_kv_len: int) -> bool:
+        """A round of b requests whose longest has max_kv_len cached tokens replays the graphs."""
+        return b <= self.buckets[-1] and max_kv_len <= self.runner.cfg.max_context
+
     # ---- verify
     # ------------------------------------------------------------------------------------------
-    def can_verify(self, b: int, n: int, max_kv_len: int) -> bool:
-        """max_kv_len: the longest live request after this verify's write (= its cached
-        tokens + n)."""
-        gs = self.verify_sets.get(n)
-        return gs is not None and gs.fits(b, max_kv_len)
-
-    def verify(self, meta, tree):
-        """meta: the round's RoundMeta (rows gathered after allocation); tree: n nodes, one of
-        the captured widths. Returns (logits [b*n, V] in the LM head's dtype, taps [b*n, K*H] or
-        None, greedy tokens [b, n], the greedy accept walk or None when the tree's depth bound is
-        not the captured one)."""
+    def verify(self, rnd, tree):
+        """rnd: the Round (rows gathered after allocation); tree: n nodes, one of the captured
+        widths. Returns (logits [b*n, V] in the LM head's dtype, taps [b*n, K*H] or None, greedy
+        tokens [b, n], the greedy accept walk or None when the tree's depth bound is not the
+        captured one)."""
         n = tree.num_nodes
         v = self.verify_graphs[n]
-        b = v.load(meta, tree)
-        out = self.verify_sets[n].run(b, [k + v.n for k in meta.kv_lens])
-        self._verified, self._verified_width = b, n
+        b = v.load(rnd, tree)
+        out = self.verify_sets[n].run(b, [k + v.n for k in rnd.kv_lens])
         return v.outputs(out, b, tree.depth_bound)
 
     def pad_rows(self) -> None:
@@ -375,37 +363,20 @@ class CudaGraphRunner:
         for fam in (*self.verify_graphs.values(), *self.commit_families.values()):
             fam.pad(0, fam.live)
             fam.live = 0
-        self.drop_pending_commit()
 
     # ---- commit
     # ------------------------------------------------------------------------------------------
-    def drop_pending_commit(self) -> None:
-        """The round's verify ran eagerly: no replayed verify rows await a commit."""
-        self._verified = 0
+    def commits(self, width: int) -> bool:
+        """Whether a commit graph follows the verify of this width (none where the one-node verify
+        of a dense target has nothing to commit in a graph)."""
+        return width in self.commit_families
 
-    def can_commit(self, path: torch.Tensor, taps) -> bool:
-        """This round's verify replayed here (its rows, lengths and taps are still in the static
-        buffers)."""
-        w = self._verified_width
-        v, cg = self.verify_graphs[w], self.commit_families.get(w)
-        ok = (
-            cg is not None
-            and self._verified == path.shape[0]
-            and path.shape[1] == cg.width  # the family's own: auto's width 1 commits a [b, 1] path
-            and (taps is None or (v.taps is not None and taps.data_ptr() == v.taps.data_ptr()))
-        )
-        if not ok:
-            self.drop_pending_commit()
-        return ok
-
-    def commit(self, path: torch.Tensor, accept_length: torch.Tensor) -> None:
-        """`ModelRunner.commit_kv` for the rows of this round's verify replay; padded rows commit
-        nothing (their moves stay in the scratch pages)."""
-        self.drop_pending_commit()
-        w = self._verified_width
-        cg = self.commit_families[w]
+    def commit(self, width: int, path: torch.Tensor, accept_length: torch.Tensor) -> None:
+        """`ModelRunner.commit_kv` on the rows the round's verify replay loaded (width: its
+        width); padded rows commit nothing (their moves stay in the scratch pages)."""
+        cg = self.commit_families[width]
         bs = self.bucket(cg.load(path, accept_length))
-        graph = self.commit_graphs.get((w, bs))
+        graph = self.commit_graphs.get((width, bs))
         if graph is None:
             cg.forward(bs)
         else:
@@ -413,36 +384,19 @@ class CudaGraphRunner:
 
     # ---- draft
     # -------------------------------------------------------------------------------------------
-    def can_draft(self, b: int, block_size: int, max_ctx_len: int) -> bool:
-        return (
-            self.draft_graph is not None
-            and block_size == self.draft_graph.S
-            and b <= self.buckets[-1]
-            and max_ctx_len <= self.runner.cfg.max_context
-        )
-
-    def draft(self, meta, roots: torch.Tensor) -> torch.Tensor:
-        """Returns the drafter's final hidden [b, S, H] for the round's blocks (the plain block
-        graph)."""
-        gs = self._draft_set(None)
-        b = self.draft_graph.load(meta, roots)
-        (hidden,) = gs.run(b, list(meta.kv_lens))
-        return hidden[:b]
-
     def draft_tree(
         self,
-        meta,
-        roots: torch.Tensor,
+        rnd,
         depth_limits: list[int] | None,
         budgets: list[int] | None = None,
         spec: tuple | None = None,
     ) -> tuple[torch.Tensor, DraftTree]:
-        """One replay from the roots to the round's tree. spec: the tree spec to build (None: the
+        """One replay from the round's roots to its tree. spec: the tree spec to build (None: the
         decoder's); depth_limits: per-request depth limits (None: all D); budgets: per-request
         DDTree budgets <= the spec's (None: all of it), cut inside the graph from the spec's
         best-first build. Returns (drafter logits [b, D, V], the tree at the spec's width)."""
         spec = spec or self.tree_spec
         gs = self._draft_set(spec)
-        b = self.draft_graph.load(meta, roots, depth_limits, budgets, spec)
-        gs.run(b, list(meta.kv_lens))
+        b = self.draft_graph.load(rnd, rnd.roots, depth_limits, budgets, spec)
+        gs.run(b, list(rnd.kv_lens))
         return self.draft_graph.tree(spec, b)

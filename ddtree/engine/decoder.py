@@ -1,16 +1,18 @@
 """One decoding round for a batch of running requests (the engine side of speculative decoding):
-draft -> build tree -> verify -> sample at every node -> accept walk -> commit.
+plan -> draft the tree -> verify -> sample at every node -> accept walk -> commit -> emit, on the
+round's data (engine/round.py) whether graphs replay or eager code runs.
 
-NONE (plain AR) is the one-node tree; DFLASH is the drafter's top-1 chain; DDTREE the best-first tree.
+NONE (plain AR) is the one-node tree (the width-1 plan); DFLASH is the drafter's top-1 chain; DDTREE
+the best-first tree. Prefill's first token is emitted by the same path (`first_tokens`).
 The host reads back only the emitted tokens and their count, once per round; with
 `--speculative-ddtree-budget auto` also the trees' gain curves, copied on a side stream as soon as the draft is
 done (`GainReadBack`), so the policy learns from them while the verify runs.
 
 With CUDA graphs the draft replay goes from the roots to the finished tree (drafter, LM head, tree build, each
 request cut to its budget) and the verify replay from the tree to the greedy accept walk (target, LM head, argmax,
-walk); the decoder falls back to eager sampling + walk when a request samples (temperature > 0) or is
-under a grammar (`_accept`; the round benchmarks' subclass, bench/bench_decoder.py, rewrites the target tokens
-there). Each round's width and per-request budgets come from the `BudgetPlanner`
+walk); the decoder walks eagerly when a request samples (temperature > 0) or is under a grammar (`_accept`; the
+round benchmarks' subclass, bench/bench_decoder.py, rewrites the target tokens there). Each round's width and
+per-request budgets come from the `BudgetPlanner`
 (engine/budget.py): the fixed budget (with per-request caps) or the load-aware policy; width 1 is a plain AR
 round that still writes the drafter's context.
 """
@@ -28,8 +30,9 @@ from ddtree.engine.budget import BudgetPlanner, RoundPlan, gain_columns
 from ddtree.engine.config import SpecConfig
 from ddtree.engine.grammar_jobs import MaskWorkers
 from ddtree.engine.grammar_round import GrammarBatch
-from ddtree.engine.model_runner import ModelRunner, RoundMeta
+from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Req
+from ddtree.engine.round import Draft, Round, Verify, accept_root, root_tree
 from ddtree.engine.round_clock import RoundClock
 from ddtree.engine.sampler import NodePositions, sample_nodes
 from ddtree.speculative.accept import accept_tree
@@ -90,57 +93,32 @@ class SpecDecoder:
         return None if all(x == depth for x in lim) else lim
 
     def round(self, reqs: list[Req], max_context: int) -> list[list[int]]:
-        """Run one round; returns the tokens each request emits (accepted drafts then the bonus token)."""
-        runner, cfg, t = self.runner, self.cfg, self.times.start()
+        """Run one round; returns the tokens each request emits (accepted drafts then the bonus
+        token). AR (NONE, or a width-1 plan) is the round of one-node trees."""
+        runner, t = self.runner, self.times.start()
         self.clock.start()
-        # one host->device copy with the round's lengths and slots
-        meta = runner.round_meta(reqs)
-        roots = meta.roots
+        rnd = runner.begin(reqs)
         gb = GrammarBatch.of(reqs, self.mask_words, runner.device, self.mask_workers)
-        if cfg.algorithm == "NONE":
-            emitted = self._ar_round(reqs, meta, t, gb)
-            self.budgets.observe(RoundPlan(1, None), len(reqs), [1] * len(reqs), None)
-            self._read_clock(gb)
-            return emitted
-        plan = self.budgets.plan(reqs, max(meta.kv_lens))
+        plan = self.budgets.plan(reqs, rnd.max_kv_len)
         self.clock.mark()  # the host's part before the draft launch ends here
-        if plan.width == 1:  # the policy chose AR for the batch: no draft
-            tree = _root_only(roots)
-            if gb is not None:
-                gb.root_masks()
-        else:
-            limits = self.depth_limits(reqs, max_context)
-            if limits is not None:  # a depth-limited tree's curve teaches the policy no shape
-                plan.full = [x == cfg.block_size - 1 for x in limits]
-            # auto: the rung's own tree spec (None: the decoder's)
-            proposal, tree = runner.draft_tree(
-                reqs, roots, cfg.block_size, limits, budgets=plan.cut, spec=plan.spec
-            )
-            t = self.times.add("draft", t)
-            if tree is None:  # eager: the same build
-                tree = self._build(roots, proposal, limits, plan)
-                draft_logits = runner.drafter.proposal_logits(proposal)
-            else:  # the draft graph hands back its static logits beside the tree
-                draft_logits = proposal
-            if gb is not None:  # the grammar rows' trees rebuilt under their grammars
-                tree = self._grammar_tree(gb, tree, draft_logits, limits, plan)
-            tree = tree.narrow(plan.width)
-            t = self.times.add("tree", t)
+        draft, t = self._draft(rnd, plan, gb, max_context, t)
         self.clock.mark()  # the draft's device work ends here
         self.gains.draft_launched()
-        vo = runner.verify_nodes(reqs, tree)
+        vo = runner.verify(rnd, draft.tree)
+        if gb is not None and draft.logits is None:  # the root masks fill while the verify runs
+            gb.root_masks()
         gain = None
-        if self.budgets.observes and tree.chain_probs is not None:
+        if self.budgets.observes and draft.tree.chain_probs is not None:
             # the gain curves need only the draft: read back while the verify runs, so the
             # policy learns from them off the critical path
-            gain = self.gains.read_back(tree, plan.chain)
+            gain = self.gains.read_back(draft.tree, plan.chain)
         t = self.times.add("verify", t)
         self.clock.mark()
-        res = self._accept(reqs, tree, vo, meta, gb)
+        res = self._accept(rnd, draft.tree, vo, gb)
         t = self.times.add("accept", t)
         # emitted token j was drawn at node path[j]
         lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
-        runner.commit(reqs, res.path, res.accept_length, vo.taps)
+        runner.commit(rnd, vo, res.path, res.accept_length)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
         self.clock.mark()  # the last op before the read-back
         if gain is not None:  # the draft's half of the policy's observe, under the verify
@@ -152,33 +130,75 @@ class SpecDecoder:
         # outputs to its event-loop thread, whose SSE work would then compete for the GIL with
         # the policy's numpy behind it (measured in BENCHMARKS.md's history)
         self._while_device_runs()
-        host_t, lp_rows = logprobs.read_back_tensor(reqs, out, lp)  # the round's blocking copy
+        counts, emitted = self.emit(reqs, out, lp, gb)  # the round's one blocking copy
         self.times.add("commit", t)
-        w = res.out_tokens.shape[1] + 1
-        host = host_t[:, :w].tolist()  # only the token columns as Python lists
-        # root + (k - 1) accepted drafts; the bonus is pending
-        runner.advance(reqs, [row[0] for row in host])
+        runner.advance(rnd, counts)  # root + (k - 1) accepted drafts; the bonus is pending
+        self.budgets.observe(plan, len(reqs), counts)
+        self._read_clock(gb)
+        return emitted
+
+    def first_tokens(self, reqs: list[Req], logits: torch.Tensor) -> list[list[int]]:
+        """Prefill's first token of each request whose prompt is now cached, from the logits [b, V]
+        at its prompt's last token: the same emit as a round's (a one-node tree whose root is that
+        token, at position kv_len - 1)."""
+        dev = self.runner.device
+        gb = GrammarBatch.of(reqs, self.mask_words, dev, self.mask_workers)
+        if gb is not None:  # the first token under the grammar's start state
+            gb.root_masks()
+        lens = torch.tensor([r.kv_len - 1 for r in reqs], device=dev)
+        vo = Verify(logits[:, None], None)
+        tokens = self._target_tokens(reqs, lens, root_tree(lens), vo, gb)
+        res = accept_root(tokens)
+        lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
+        out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
+        return self.emit(reqs, out, lp, gb)[1]
+
+    def emit(
+        self, reqs: list[Req], out: torch.Tensor, lp: torch.Tensor | None, gb: GrammarBatch | None
+    ) -> tuple[list[int], list[list[int]]]:
+        """The read-back of out [b, 1 + w] (each request's emitted count, then its tokens) and the
+        log-probs: (counts, each request's emitted tokens, its grammar advanced over them and its
+        log-probs recorded)."""
+        host_t, lp_rows = logprobs.read_back_tensor(reqs, out, lp)
+        host = host_t.tolist()  # [count, tokens...] per request
+        counts = [row[0] for row in host]
         emitted = [row[1 : 1 + row[0]] for row in host]
         if gb is not None:
             emitted = gb.advance(emitted)
             self.grammar_host_s += gb.host_s
         for r, lp_row, toks in zip(reqs, lp_rows, emitted):
             logprobs.append(r, lp_row, toks)
-        self.budgets.observe(plan, len(reqs), [row[0] for row in host])
-        self._read_clock(gb)
-        return emitted
+        return counts, emitted
 
-    def _accept(self, reqs: list[Req], tree: DraftTree, vo, meta: RoundMeta, gb):
+    def _draft(self, rnd: Round, plan: RoundPlan, gb: GrammarBatch | None, max_context: int, t):
+        """The round's tree at the plan's width (and the phase clock): the root only for a width-1
+        plan (AR), else the drafter's (grammar rows rebuilt under their grammars)."""
+        if plan.width == 1:
+            return Draft(root_tree(rnd.roots)), t
+        limits = self.depth_limits(rnd.reqs, max_context)
+        if limits is not None:  # a depth-limited tree's curve teaches the policy no shape
+            plan.full = [x == self.cfg.block_size - 1 for x in limits]
+        draft = self.runner.draft(rnd, limits, plan.cut, plan.spec)
+        t = self.times.add("draft", t)
+        tree = draft.tree
+        if gb is not None:  # the grammar rows' trees rebuilt under their grammars
+            tree = self._grammar_tree(gb, tree, draft.logits, limits, plan)
+        return Draft(tree.narrow(plan.width), draft.logits), self.times.add("tree", t)
+
+    def _accept(self, rnd: Round, tree: DraftTree, vo: Verify, gb: GrammarBatch | None):
         """The accept walk: the one walked inside the verify graph where it ran (greedy rows, no
         grammar), else eager over the target tokens drawn at every node."""
+        reqs = rnd.reqs
         if vo.greedy_accept is not None and gb is None and all(r.params.greedy for r in reqs):
             return vo.greedy_accept
-        return accept_tree(tree, self._target_tokens(reqs, tree, vo, meta, gb))
+        tokens = self._target_tokens(reqs, rnd.lens, tree, vo, gb)
+        return accept_root(tokens) if tree.num_nodes == 1 else accept_tree(tree, tokens)
 
-    def _target_tokens(self, reqs: list[Req], tree: DraftTree, vo, meta: RoundMeta, gb):
-        """The target's token at every node [b, n] (sampled, or under the grammar rows' masks)."""
+    def _target_tokens(self, reqs, lens, tree: DraftTree, vo: Verify, gb):
+        """The target's token at every node [b, n] (sampled, or under the grammar rows' masks);
+        lens [b]: where each tree's root sits."""
         sample = sample_nodes if gb is None else gb.target_tokens
-        pos = NodePositions.of_tree(meta.lens, tree.depths, tree.depth_bound)
+        pos = NodePositions.of_tree(lens, tree.depths, tree.depth_bound)
         params, seeds = [r.params for r in reqs], [r.seed for r in reqs]
         return sample(vo.logits, params, seeds, pos, vo.greedy_tokens)
 
@@ -196,16 +216,6 @@ class SpecDecoder:
         if self.while_device_runs is not None:
             self.while_device_runs()
 
-    def _build(self, roots, proposal, limits, plan: RoundPlan) -> DraftTree:
-        """The eager tree (no draft graph): what the draft graph of the plan's spec builds."""
-        dev = self.runner.device
-        max_depth = None if limits is None else torch.tensor(limits, device=dev)
-        spec = plan.spec or self.cfg.tree_spec()
-        cut = (
-            None if plan.cut is None or spec[0] == "DFLASH" else torch.tensor(plan.cut, device=dev)
-        )
-        return self.runner.drafter.build_tree(roots, proposal, spec, max_depth, cut)
-
     def _grammar_tree(self, gb: GrammarBatch, tree, draft_logits, limits, plan) -> DraftTree:
         algorithm, budget, topk_cap, _ = plan.spec or self.cfg.tree_spec()
         chain = algorithm == "DFLASH"
@@ -217,37 +227,6 @@ class SpecDecoder:
             for i in range(len(gb.reqs))
         ]
         return gb.draft(tree, draft_logits, limits, budgets, chain, topk_cap)
-
-    def _ar_round(
-        self, reqs: list[Req], meta: RoundMeta, t: float, gb: GrammarBatch | None = None
-    ) -> list[list[int]]:
-        runner = self.runner
-        n = 1
-        tree = _root_only(meta.roots)
-        vo = runner.verify_nodes(reqs, tree)
-        if gb is not None:  # the grammar rows' masks, filled while the verify runs on a GPU
-            gb.root_masks()
-        t = self.times.add("verify", t)
-        params, seeds = [r.params for r in reqs], [r.seed for r in reqs]
-        pos = NodePositions.of_tree(meta.lens, tree.depths, 0)
-        sample = sample_nodes if gb is None else gb.target_tokens
-        tokens = sample(vo.logits, params, seeds, pos, vo.greedy_tokens)[:, :1]
-        t = self.times.add("accept", t)
-        zeros = torch.zeros(len(reqs), dtype=torch.int64, device=runner.device)
-        lp = logprobs.node_logprobs(reqs, vo.logits, zeros[:, None], tokens)
-        # no KV moves; hybrid: the verify already stepped the GDN state
-        runner.commit(reqs, zeros[:, None], zeros, None)
-        self.clock.mark()
-        self._while_device_runs()
-        host, lp_rows = logprobs.read_back(reqs, tokens, lp)
-        self.times.add("commit", t)
-        runner.advance(reqs, [n] * len(reqs))
-        if gb is not None:
-            host = gb.advance(host)
-            self.grammar_host_s += gb.host_s
-        for r, lp_row, toks in zip(reqs, lp_rows, host):
-            logprobs.append(r, lp_row, toks)
-        return host
 
 
 class GainReadBack:
@@ -284,16 +263,3 @@ class GainReadBack:
             if x is not None:
                 x.record_stream(s)
         return host, ready
-
-
-def _root_only(roots: torch.Tensor) -> DraftTree:
-    b = roots.shape[0]
-    dev = roots.device
-    return DraftTree(
-        tokens=roots[:, None],
-        parents=torch.full((b, 1), -1, dtype=torch.int64, device=dev),
-        depths=torch.zeros(b, 1, dtype=torch.int64, device=dev),
-        valid=torch.ones(b, 1, dtype=torch.bool, device=dev),
-        tree_mask=torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
-        num_depths=0,
-    )

@@ -116,7 +116,7 @@ class DraftGraph:
         budgets: list[int] | None = None,
         spec: tuple | None = None,
     ) -> int:
-        """The round's roots, rows and context lengths (meta: RoundMeta), per-request depth
+        """The round's roots, rows and context lengths (meta: the Round), per-request depth
         limits (None: all D) and budgets of the DDTREE `spec` (None: the spec's); returns the
         live batch b."""
         b = roots.shape[0]

@@ -8,8 +8,6 @@ import threading
 import time
 import weakref
 
-import torch
-
 from ddtree.engine import integrity, logprobs
 from ddtree.engine.batch_log import BatchLog
 from ddtree.engine.boundary import (
@@ -23,11 +21,9 @@ from ddtree.engine.config import prefill_chunk_tokens
 from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine.faults import EngineDead, FaultIsolation, describe
 from ddtree.engine.grammar_jobs import MaskBudget
-from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.outputs import TokenEmitter
 from ddtree.engine.prompt_logprobs import PromptLogprobs
 from ddtree.engine.request import Req, SamplingParams
-from ddtree.engine.sampler import NodePositions, sample_nodes
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.setup import build_runner, load_tokenizer, resolve_device
 from ddtree.engine.tp.launch import rank_device, start_ranks
@@ -204,10 +200,14 @@ class LLMEngine:
 
     def _text_after(self, res: StepResult) -> None:
         """A streaming step's end: its text now, unless a round follows that flushes it under
-        its device work (the same test the server makes before it waits to publish)."""
+        its device work (the same test the server makes before it waits to publish).
+        Detokenising is the step's host work too."""
+        t0 = time.perf_counter()
         deferred = self._under_round is not None and res.round is not None
         if self._streaming and not (deferred and self.has_unfinished()):
             self._flush_text()
+        if res.round is not None:
+            res.round.timing.host_s += time.perf_counter() - t0
 
     def round_costs(self) -> dict[int, dict[str, float]]:
         """The budget policy's start-up round seconds per batch bucket and rung ({} unless auto)."""
@@ -222,19 +222,23 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """One scheduling step: the requests that advanced (finished ones included) and, for a
-        decode step, its `RoundRecord` (also kept in `last_round`) (host = the step's time outside
-        `SpecDecoder.round`: scheduling, emission, detokenisation, stop checks). A failure fails
+        """One scheduling step: schedule -> run (a prefill or one decoding round) -> postprocess
+        (emit, stop checks, finishes). Returns the requests that advanced (finished ones included)
+        and, for a decode step, its `RoundRecord` (also kept in `last_round`). A failure fails
         only the requests it can be pinned on (`engine/faults.py`); one that cannot be isolated
         raises EngineDead, and every later step raises it again."""
-        res = self._step()
         t0 = time.perf_counter()
+        batch = self._schedule()
+        emitted = None if batch is None else self._run(batch)
+        if emitted is None:  # nothing ran, or it failed and was isolated
+            res = StepResult(() if batch is None else tuple(batch.reqs))
+        else:
+            res = self._postprocess(batch, emitted, t0)
         self._text_after(res)
-        if res.round is not None:  # detokenising is the step's host work too
-            res.round.timing.host_s += time.perf_counter() - t0
         return res
 
-    def _step(self) -> StepResult:
+    def _schedule(self):
+        """The step's batch (None: nothing to run, or scheduling failed and was isolated)."""
         if self.faults.dead is not None:
             raise EngineDead(self.faults.dead)
         if self.tp is not None:  # every rank runs this step on rank 0's inputs
@@ -245,22 +249,30 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         except Exception as e:  # noqa: BLE001 - isolated below
             self._schedule_failed(e)
-            return StepResult()
+            return None
         self.runner.step_stats.schedule_s += time.perf_counter() - t0
         if batch is None:
             self._starved()
-            return StepResult()
+        return batch
+
+    def _run(self, batch) -> dict[Req, list[int]] | None:
+        """The batch's forward: each request's emitted tokens (None: it failed, and the failure
+        was isolated)."""
         try:
             if batch.is_prefill:
-                emitted = self._prefill(batch)
-            else:
-                self.runner.step_stats.on_decode(len(batch.reqs))
-                t1 = time.perf_counter()
-                emitted = dict(zip(batch.reqs, self.decoder.round(batch.reqs, self.max_context)))
-                t2 = time.perf_counter()
-        except Exception as e:  # noqa: BLE001 - isolated below
+                return self._prefill(batch)
+            self.runner.step_stats.on_decode(len(batch.reqs))
+            t1 = time.perf_counter()
+            emitted = self.decoder.round(batch.reqs, self.max_context)
+            self.decoder.budgets.last.timing.round_s = time.perf_counter() - t1
+            return dict(zip(batch.reqs, emitted))
+        except Exception as e:  # noqa: BLE001 - isolated here
             self._batch_failed(batch, e)
-            return StepResult(tuple(batch.reqs))
+            return None
+
+    def _postprocess(self, batch, emitted: dict[Req, list[int]], t0: float) -> StepResult:
+        """Emit each request's tokens (detokenise, stop checks), finish the finished ones, and log
+        the step."""
         self.faults.succeeded()
         for r, toks in emitted.items():
             try:
@@ -283,12 +295,12 @@ class LLMEngine:
         if batch.is_prefill:
             self.batch_log.prefill(batch.q_lens, time.perf_counter() - t0)
             self.decoder.clock.forget()  # the next round's idle time would hold this step
-        else:
-            rec = self.last_round = self.decoder.budgets.last
-            rec.timing.round_s = t2 - t1
-            rec.timing.host_s = time.perf_counter() - t0 - rec.timing.round_s
-            self.batch_log.decode(list(emitted.values()), rec)
-        return StepResult(tuple(batch.reqs), self.last_round)
+            return StepResult(tuple(batch.reqs))
+        rec = self.last_round = self.decoder.budgets.last
+        # the step's host time (scheduling, emission, stop checks); detokenising adds to it
+        rec.timing.host_s = time.perf_counter() - t0 - rec.timing.round_s
+        self.batch_log.decode(list(emitted.values()), rec)
+        return StepResult(tuple(batch.reqs), rec)
 
     def _prefill(self, batch) -> dict[Req, list[int]]:
         """The prefill forward; the first token of each request whose prompt is now complete."""
@@ -302,22 +314,9 @@ class LLMEngine:
         if not ready:
             return {}
         reqs = [batch.reqs[i] for i in ready]
-        rows = logits[ready][:, None]
-        sample = sample_nodes
-        gb = GrammarBatch.of(reqs, self.decoder.mask_words, self.device, self.decoder.mask_workers)
-        if gb is not None:  # the first token under the grammar's start state
-            gb.root_masks()
-            sample = gb.target_tokens
-        # the first token sits at the prompt's end (the prefill cached the prompt: kv_len)
-        pos = NodePositions.roots(torch.tensor([r.kv_len for r in reqs], device=self.device))
-        first = sample(rows, [r.params for r in reqs], [r.seed for r in reqs], pos, None)
-        lp = logprobs.node_logprobs(reqs, rows, torch.zeros_like(first), first)
-        host, lp_rows = logprobs.read_back(reqs, first, lp)
-        if gb is not None:
-            host = gb.advance(host)
+        host = self.decoder.first_tokens(reqs, logits[ready])
         now = time.monotonic()
-        for r, toks, lp_row in zip(reqs, host, lp_rows):
-            logprobs.append(r, lp_row, toks)
+        for r in reqs:
             r.times.first_token = r.times.first_token or now
         return dict(zip(reqs, host))
 
@@ -349,7 +348,6 @@ class LLMEngine:
         """A batched step raised: a batch of one names its culprit; a larger one is rolled back
         and its requests run alone until the culprit fails alone."""
         self.last_round = None
-        self.runner.abandon_round()
         reqs = list(batch.reqs)
         self.faults.stats.batch_failures += 1
         self.faults.failed(exc, [r.rid for r in reqs])  # EngineDead if it cannot be isolated

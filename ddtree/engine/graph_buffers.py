@@ -162,7 +162,7 @@ class VerifyGraph:
             self.state_rows[lo:hi].fill_(self.pad_state_row)
 
     def load(self, meta, tree: DraftTree) -> int:
-        """The round's rows (meta: RoundMeta after allocation) and tree; returns the live
+        """The round's rows (meta: the Round, rows gathered after allocation) and tree; returns the live
         batch b."""
         b, n = tree.tokens.shape
         T = b * n
@@ -254,11 +254,14 @@ class CommitGraph:
         self.length[lo:hi].zero_()
 
     def load(self, path: torch.Tensor, accept_length: torch.Tensor) -> int:
-        b = path.shape[0]
+        """The round's accepted paths (a tree of a lower depth bound gives fewer columns: the
+        rest repeat its last node, as the walk pads) and lengths; returns the live batch b."""
+        b, w = path.shape
         if b < self.live:
             self.pad(b, self.live)
         self.live = b
-        self.path[:b].copy_(path)
+        self.path[:b, :w].copy_(path)
+        self.path[:b, w:].copy_(path[:, -1:].expand(b, self.width - w))
         self.length[:b].copy_(accept_length)
         return b
 

@@ -1,9 +1,10 @@
 """Forwards over paged KV: prefill (extend), drafter block, tree verify, and the commit of accepted nodes.
 
-Device-side throughout a round: the host supplies per-request lengths (which it already knows) once per round
-(`RoundMeta`, one host->device copy shared by draft, verify and commit) and reads back only the accepted tokens
-after `commit`. With `enable_cuda_graph`, verify, draft and short prefill extends replay CUDA graphs
-(`ddtree/engine/cuda_graph.py`; the extend: `ddtree/engine/extend_graph.py`).
+A round is data (engine/round.py): `begin` makes its `Round` (one host->device copy of the lengths and
+slots the host already knows, shared by draft, verify and commit), `draft` returns a `Draft`, `verify` a
+`Verify`, `commit` moves the accepted nodes, and the host reads back only the emitted tokens after it. With
+`enable_cuda_graph`, draft, verify and commit replay CUDA graphs when `begin` finds the batch covered
+(`ddtree/engine/cuda_graph.py`), and short prefill extends replay theirs (`ddtree/engine/extend_graph.py`).
 
 `Req.kv_len` has one owner, this runner: it counts the request's tokens whose target KV, drafter
 context and hybrid state are committed, and it changes only in `prefill` (after the extend),
@@ -14,7 +15,6 @@ context and hybrid state are committed, and it changes only in `prefill` (after 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -31,48 +31,15 @@ from ddtree.engine.config import (
     RunnerConfig,
     pages_per_request,
     scratch_pages,
+    tree_spec,
 )
 from ddtree.engine.extend_graph import pack_pass, plan_passes
 from ddtree.engine.kv_cache import KVPool
 from ddtree.engine.request import Req
+from ddtree.engine.round import Draft, Round, Verify
 from ddtree.engine.state_checkpoints import StateCheckpoints
 from ddtree.engine.state_pool import HybridStatePool
 from ddtree.engine.step_stats import StepStats
-
-
-@dataclass
-class RoundMeta:
-    """Per-request metadata of one round, built once (one host->device copy) and shared by draft, verify and
-    commit. Valid while no request's slot or kv_len changes, i.e. until `commit` (which drops it)."""
-
-    slots: list[int]  # host: block-table row of each request
-    kv_lens: list[int]  # host: cached tokens per request at the round's start
-    slot_ids: torch.Tensor  # [b] int64 device
-    lens: torch.Tensor  # [b] int64 device (= kv_lens)
-    # [b, max_pages] block-table rows; re-gathered once verify has allocated its pages
-    rows: torch.Tensor
-    # [b] int64 device: each request's pending token, the round's tree roots (0 if none)
-    roots: torch.Tensor
-    # nodes per request of the round's verify (set by `verify_nodes`; 0: none yet): the commit
-    # tells the state pool, whose one-node verify may have stepped the GDN state in place
-    width: int = 0
-
-    def matches(self, reqs: list[Req]) -> bool:
-        return len(reqs) == len(self.slots) and all(
-            r.slot == s and r.kv_len == n for r, s, n in zip(reqs, self.slots, self.kv_lens)
-        )
-
-
-@dataclass
-class VerifyOut:
-    """What `ModelRunner.verify_nodes` returns. The CUDA-graph path also hands back the greedy tokens and the
-    greedy accept walk computed inside the graph (None on the eager path)."""
-
-    # [b, n, V]: fp32 on the eager path, the LM head's dtype from a graph (same values)
-    logits: torch.Tensor
-    taps: torch.Tensor | None  # [b, n, K*H]
-    greedy_tokens: torch.Tensor | None = None  # [b, n] argmax per node
-    greedy_accept: object | None = None  # AcceptResult of the walk under greedy_tokens
 
 
 class ModelRunner:
@@ -136,7 +103,7 @@ class ModelRunner:
             self.bm.drop_checkpoint = self.checkpoints.give_back
         # prefill chunks of a hybrid request end on its prompt's last page boundary (a checkpoint)
         self.checkpoint_align = cfg.page_size if self.checkpoints is not None else 0
-        self._round: RoundMeta | None = None
+        self.tree_spec: tuple | None = None  # the decoder's tree (set_tree_spec)
         self.graphs = None
         if cfg.enable_cuda_graph:
             from ddtree.engine.cuda_graph import make_graph_runner
@@ -149,25 +116,25 @@ class ModelRunner:
         the engine (FastAPI caches its endpoints, whose closures hold the serving objects)."""
         self.kv = self.draft_kv = self.state_pool = self.checkpoints = None
         self.graphs = None
-        self._round = None
 
-    # ---- metadata ------------------------------------------------------------------------------------
-    def round_meta(self, reqs: list[Req]) -> RoundMeta:
-        """This round's metadata: built on first use in a round, reused until `commit` drops it."""
-        m = self._round
-        if m is not None and m.matches(reqs):
-            return m
+    # ---- the round ---------------------------------------------------------------------------------
+    def begin(self, reqs: list[Req]) -> Round:
+        """A round of `reqs`: their slots, lengths and pending tokens on the device in one copy, and
+        whether the CUDA graphs cover it (every phase then replays; else every phase runs eagerly)."""
         slots, kv_lens = [r.slot for r in reqs], [r.kv_len for r in reqs]
         roots = [r.output_ids[-1] if r.output_ids else 0 for r in reqs]
         host = torch.tensor([slots, kv_lens, roots], dtype=torch.int64).to(self.device)
         rows = self.bm.block_table.index_select(0, host[0])
-        self._round = m = RoundMeta(slots, kv_lens, host[0], host[1], rows, host[2])
-        return m
+        graphed = self.graphs is not None and self.graphs.covers(len(reqs), max(kv_lens))
+        return Round(reqs, slots, kv_lens, host[0], host[1], rows, host[2], graphed)
 
     def set_tree_spec(
         self, algorithm: str, budget: int, topk_cap: int, shadow_linear: bool
     ) -> None:
-        """The decoder's tree spec: with CUDA graphs, the draft graphs then run drafter -> tree in one replay."""
+        """The decoder's tree spec (what `draft` builds unless told another): with CUDA graphs, the
+        draft graphs then run drafter -> tree in one replay."""
+        if algorithm in ("DFLASH", "DDTREE"):
+            self.tree_spec = tree_spec(algorithm, budget, topk_cap, shadow_linear)
         if self.graphs is not None:
             self.graphs.set_tree_spec(algorithm, budget, topk_cap, shadow_linear)
 
@@ -357,117 +324,93 @@ class ModelRunner:
                 return logits
         return torch.stack(out)
 
-    def _draft_eager(
-        self, b: int, roots: torch.Tensor, block_size: int, meta: RoundMeta
-    ) -> torch.Tensor:
+    @torch.inference_mode()
+    def propose(self, rnd: Round, block_size: int | None = None):
+        """The drafter's forward on [root, MASK x (S-1)] blocks (eager) -> its proposal for the S-1
+        drafted positions (`drafter.propose`: DFlash's marginals' logits [b, S-1, V]; DFlash2's
+        MarkovDraft)."""
+        S = block_size or self.cfg.block_size
         ids = torch.full(
-            (b, block_size),
-            self.drafter.config.mask_token_id,
-            dtype=torch.int64,
-            device=self.device,
+            (rnd.batch, S), self.drafter.config.mask_token_id, dtype=torch.int64, device=self.device
         )
-        ids[:, 0] = roots
-        positions = meta.lens[:, None] + torch.arange(block_size, device=self.device)
+        ids[:, 0] = rnd.roots
+        positions = rnd.lens[:, None] + torch.arange(S, device=self.device)
         dmeta = DraftAttentionMetadata(
-            ctx_lens=meta.kv_lens,
-            ctx_lens_t=meta.lens,
-            block_table=meta.rows,
+            ctx_lens=rnd.kv_lens,
+            ctx_lens_t=rnd.lens,
+            block_table=rnd.rows,
             block_positions=positions,
             page_size=self.cfg.page_size,
         )
-        return self.draft_forward(ids, positions, dmeta)
-
-    @torch.inference_mode()
-    def draft(
-        self, reqs: list[Req], roots: torch.Tensor, block_size: int, meta: RoundMeta | None = None
-    ):
-        """Drafter forward on [root, MASK x (S-1)] blocks -> its proposal for the S-1 drafted
-        positions (`drafter.propose`: DFlash's marginals' logits [b, S-1, V]; DFlash2's MarkovDraft)."""
-        meta = meta or self.round_meta(reqs)
-        b = len(reqs)
-        if self.graphs is not None and self.graphs.can_draft(b, block_size, max(meta.kv_lens)):
-            hidden = self.graphs.draft(meta, roots)
-        else:
-            hidden = self._draft_eager(b, roots, block_size, meta)
+        hidden = self.draft_forward(ids, positions, dmeta)
         return self.drafter.propose(hidden[:, 1:], self.target.lm_head)
 
     @torch.inference_mode()
-    def draft_tree(
+    def draft(
         self,
-        reqs: list[Req],
-        roots: torch.Tensor,
-        block_size: int,
-        depth_limits: list[int] | None,
-        meta: RoundMeta | None = None,
+        rnd: Round,
+        depth_limits: list[int] | None = None,
         budgets: list[int] | None = None,
         spec: tuple | None = None,
-    ):
-        """The drafter's proposal (`draft`) and, when a CUDA graph built it in the same replay (the tree spec set with
-        `set_tree_spec`, per-request `depth_limits` and DDTree `budgets` applied; None = no limit), the round's
-        DraftTree, else None."""
-        meta = meta or self.round_meta(reqs)
+    ) -> Draft:
+        """The round's tree: the drafter's block, its LM head and the tree build of `spec` (None:
+        the decoder's, `set_tree_spec`), per-request `depth_limits` and DDTree `budgets` (cuts of the
+        spec's best-first build) applied (None: no limit). One replay where the round is graphed."""
+        spec = spec or self.tree_spec
         g = self.graphs
-        if (
-            g is not None
-            and g.tree_spec is not None
-            and g.can_draft(len(reqs), block_size, max(meta.kv_lens))
-        ):
-            return g.draft_tree(meta, roots, depth_limits, budgets, spec)  # None: the decoder's
-        return self.draft(reqs, roots, block_size, meta), None
+        if rnd.graphed and g.draft_graph is not None:
+            logits, tree = g.draft_tree(rnd, depth_limits, budgets, spec)
+            return Draft(tree, logits)
+        proposal = self.propose(rnd)
+        dev = self.device
+        max_depth = None if depth_limits is None else torch.tensor(depth_limits, device=dev)
+        cut = None if budgets is None or spec[0] == "DFLASH" else torch.tensor(budgets, device=dev)
+        tree = self.drafter.build_tree(rnd.roots, proposal, spec, max_depth, cut)
+        return Draft(tree, self.drafter.proposal_logits(proposal))
 
     @torch.inference_mode()
-    def verify(self, reqs: list[Req], tree, meta: RoundMeta | None = None):
-        """One target forward over every request's tree (n nodes at logical slots [L, L+n), RoPE positions
-        L + depth, ancestor mask). Returns logits [b, n, V] fp32 and taps [b, n, K*H]."""
-        out = self.verify_nodes(reqs, tree, meta)
-        return out.logits.float(), out.taps
-
-    @torch.inference_mode()
-    def verify_nodes(self, reqs: list[Req], tree, meta: RoundMeta | None = None) -> VerifyOut:
-        """`verify`, plus (from a CUDA graph) the greedy tokens and accept walk computed in the same replay."""
+    def verify(self, rnd: Round, tree) -> Verify:
+        """One target forward over every request's tree (n nodes at logical slots [L, L+n), RoPE
+        positions L + depth, ancestor mask): logits [b, n, V] and taps [b, n, K*H]; from a graph
+        also the greedy tokens and accept walk of the same replay."""
         b, n = tree.tokens.shape
-        for r in reqs:
+        for r in rnd.reqs:
             self.bm.allocate(r, r.kv_len + n)
-        meta = meta or self.round_meta(reqs)
-        # the allocation above may add pages
-        meta.rows = self.bm.block_table.index_select(0, meta.slot_ids)
-        meta.width = n
-        if self.graphs is not None and self.graphs.can_verify(b, n, max(meta.kv_lens) + n):
-            logits, taps, tokens, res = self.graphs.verify(meta, tree)
-            return VerifyOut(
+        rnd.rows = self.bm.block_table.index_select(0, rnd.slot_ids)  # the pages just allocated
+        rnd.width = n
+        if rnd.graphed and n in self.graphs.verify_sets:
+            rnd.verified_in_graph = True
+            logits, taps, tokens, res = self.graphs.verify(rnd, tree)
+            return Verify(
                 logits.view(b, n, -1),
                 taps.view(b, n, -1) if taps is not None else None,
                 tokens,
                 res,
             )
-        if self.graphs is not None:
-            self.graphs.drop_pending_commit()  # this round's commit runs eagerly
         linear = None
         if self.state_pool is not None:
-            linear = self.state_pool.tree_context(meta.slot_ids, tree)
+            linear = self.state_pool.tree_context(rnd.slot_ids, tree)
         hidden, taps = self.target_forward(
             tree.tokens.flatten(),
-            (meta.lens[:, None] + tree.depths).flatten(),
-            self.verify_metadata(meta, tree.tree_mask, n),
+            (rnd.lens[:, None] + tree.depths).flatten(),
+            self.verify_metadata(rnd, tree.tree_mask, n),
             linear=linear,
         )
         logits = self.target.logits(hidden).float().view(b, n, -1)
-        return VerifyOut(logits, taps.view(b, n, -1) if taps is not None else None)
+        return Verify(logits, taps.view(b, n, -1) if taps is not None else None)
 
-    def verify_metadata(
-        self, meta: RoundMeta, tree_mask: torch.Tensor, n: int
-    ) -> AttentionMetadata:
-        b = len(meta.kv_lens)
-        lpos = meta.lens[:, None] + torch.arange(n, device=self.device)
-        slot_mapping = self.slots_of(meta.rows, lpos).flatten()
+    def verify_metadata(self, rnd: Round, tree_mask: torch.Tensor, n: int) -> AttentionMetadata:
+        b = rnd.batch
+        lpos = rnd.lens[:, None] + torch.arange(n, device=self.device)
+        slot_mapping = self.slots_of(rnd.rows, lpos).flatten()
         if self.check_writes:
             self.bm.check_writes(slot_mapping)
         return AttentionMetadata(
             q_lens=[n] * b,
-            kv_lens=[k + n for k in meta.kv_lens],
+            kv_lens=[k + n for k in rnd.kv_lens],
             qo_indptr=torch.arange(0, (b + 1) * n, n, device=self.device),
-            kv_lens_t=meta.lens + n,
-            block_table=meta.rows,
+            kv_lens_t=rnd.lens + n,
+            block_table=rnd.rows,
             slot_mapping=slot_mapping,
             page_size=self.cfg.page_size,
             tree_mask=tree_mask,
@@ -475,25 +418,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def commit(
-        self,
-        reqs: list[Req],
-        path: torch.Tensor,
-        accept_length: torch.Tensor,
-        taps,
-        meta: RoundMeta | None = None,
+        self, rnd: Round, vo: Verify, path: torch.Tensor, accept_length: torch.Tensor
     ) -> None:
-        """Move the accepted nodes' KV to logical positions L..L+k (contiguous, in path order) and write
-        their drafter context. path [b, D+1] node indices (root first), accept_length [b] = k. Ends the
-        round: its RoundMeta is dropped (`advance` applies the accepted lengths once read back)."""
-        meta = meta or self.round_meta(reqs)
-        self._round = None
-        if self.graphs is not None and self.graphs.can_commit(path, taps):
-            # the same state commit, moves and writes, replayed on the verify buffers
-            self.graphs.commit(path, accept_length)
+        """Move the accepted nodes' KV to logical positions L..L+k (contiguous, in path order) and
+        write their drafter context (hybrid: the accepted state first). path [b, D+1] node indices
+        (root first), accept_length [b] = k. Replayed on the verify graph's rows where the verify
+        replayed; `advance` applies the accepted lengths once read back."""
+        if rnd.verified_in_graph and self.graphs.commits(rnd.width):
+            self.graphs.commit(rnd.width, path, accept_length)
             return
         if self.state_pool is not None:  # nothing for a one-node verify that stepped in place
-            self.state_pool.commit(meta.slot_ids, path, accept_length, nodes=meta.width or None)
-        self.commit_kv(meta.lens, meta.rows, path, accept_length, taps)
+            self.state_pool.commit(rnd.slot_ids, path, accept_length, nodes=rnd.width or None)
+        if rnd.width > 1 or vo.taps is not None:  # AR without a drafter: nothing to commit
+            self.commit_kv(rnd.lens, rnd.rows, path, accept_length, vo.taps)
 
     def commit_kv(self, lens, rows, path, accept_length, taps) -> None:
         """The KV move and drafter-context write of `commit` (fixed shapes, no host reads: capturable)."""
@@ -505,7 +442,8 @@ class ModelRunner:
         dst_slot = self.slots_of(rows, dst_pos).flatten()
         if self.check_writes:
             self.bm.check_writes(dst_slot)
-        self.kv.move(src_slot, dst_slot)
+        if path.shape[1] > 1:  # a one-node tree's root already sits at L: nothing moves
+            self.kv.move(src_slot, dst_slot)
         if self.drafter is not None and taps is not None:
             feats = taps.gather(1, src_node[..., None].expand(-1, -1, taps.shape[-1]))
             self.write_draft_context(feats.flatten(0, 1), dst_pos.flatten(), dst_slot)
@@ -516,16 +454,12 @@ class ModelRunner:
         for layer, (k, v) in enumerate(self.drafter.context_kv(features, positions)):
             store_kv(self.draft_kv.layer(layer), slots, k, v)
 
-    def advance(self, reqs: list[Req], committed: list[int]) -> None:
+    def advance(self, rnd: Round, committed: list[int]) -> None:
         """After a round's `commit`: request i has `committed[i]` more cached tokens (its root and
-        accepted drafts); the pages its verify reserved past them go back."""
-        for r, k in zip(reqs, committed):
+        accepted drafts); the pages its verify reserved past them go back. Ends the round."""
+        for r, k in zip(rnd.reqs, committed):
             r.kv_len += k
             self.bm.trim(r, r.kv_len)
-
-    def abandon_round(self) -> None:
-        """A round failed before its commit: its RoundMeta is stale."""
-        self._round = None
 
     def release(self, req: Req, keep_tokens: int | None = None) -> None:
         """Trim to `keep_tokens` cached tokens, or free everything (then it caches nothing; with the
