@@ -48,7 +48,7 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.tp = tp_rank
         if self.tp is None and args.tp_size > 1:
-            self.tp = start_ranks(args, self.device)
+            self.tp = start_ranks(args, self.device, type(self))
             weakref.finalize(self, self.tp.close)
         if self.tp is not None:
             self.device = rank_device(self.device, self.tp.rank)

@@ -5,7 +5,7 @@ written; a one-node verify, `HybridStatePool.in_place`: the committed rows stepp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -14,15 +14,27 @@ from ddtree.kernels.gdn import causal_conv1d_step, causal_conv1d_varlen
 from ddtree.kernels.gdn.dispatch import chunk_rule, decode_step, recurrent_rule, tree_rule
 from ddtree.kernels.gdn.tree_conv import conv as tree_conv
 
-if TYPE_CHECKING:
-    from ddtree.engine.state_pool import HybridStatePool
+
+class StateRows(Protocol):
+    """What the contexts read of the pool (`HybridStatePool`): its per-layer tensors and policy."""
+
+    device: torch.device
+    dtype: torch.dtype  # conv windows and stashed inputs
+    ssm_dtype: torch.dtype
+    stash_dtype: torch.dtype
+    strategy: str  # "extra_buffer" or "no_buffer" (MAMBA_STRATEGIES)
+    conv: Tensor  # [layers, rows, ...]
+    ssm: Tensor  # [layers, rows, ...]
+    stash: dict[str, Tensor]  # per-node stash buffers by name
+
+    def in_place(self, nodes: int) -> bool: ...
 
 
 class ExtendContext:
     """Prefill / chunked prefill: packed sequences, state read from and written back to the pool rows."""
 
     def __init__(
-        self, pool: HybridStatePool, slots: Tensor, q_lens: list[int], kv_lens_before: list[int]
+        self, pool: StateRows, slots: Tensor, q_lens: list[int], kv_lens_before: list[int]
     ):
         self.pool, self.slots = pool, slots
         dev = pool.device
@@ -65,7 +77,7 @@ class TreeContext:
     with `pool.in_place(1)`: the roots step the committed rows in place (conv window and rule
     state, read and written once) and nothing is stashed; the round's commit skips the GDN state."""
 
-    def __init__(self, pool: HybridStatePool, slots: Tensor, tree):
+    def __init__(self, pool: StateRows, slots: Tensor, tree):
         self.pool, self.slots = pool, slots
         self.b, self.n = tree.tokens.shape
         self.parents, self.depths, self.valid = tree.parents, tree.depths, tree.valid

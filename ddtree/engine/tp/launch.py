@@ -1,7 +1,7 @@
 """Start a tensor-parallel group from `--tp-size`: one process per rank, started by ddtree itself.
 
 Rank 0 is the calling process (the server or the offline `LLM`); ranks 1..N-1 are
-`torch.multiprocessing` spawn children running `worker.run_rank`. All join one torch.distributed group
+`torch.multiprocessing` spawn children running `run_rank`. All join one torch.distributed group
 over localhost TCP (NCCL on GPUs, rank r on cuda:r; gloo on the CPU) plus a gloo control group. Model
 collectives time out after DDTREE_TP_TIMEOUT_S.
 
@@ -107,11 +107,10 @@ class RankWatch:
                 p.join(max(timeout, 5.0))
 
 
-def start_ranks(args, device: torch.device) -> TPRank:
-    """Rank 0: spawn ranks 1..tp-1 and join them."""
+def start_ranks(args, device: torch.device, engine_cls) -> TPRank:
+    """Rank 0: spawn ranks 1..tp-1, each building an `engine_cls` (the LLMEngine: handed down so
+    this package never imports the engine that uses it), and join them."""
     import torch.multiprocessing as mp
-
-    from ddtree.engine.tp.worker import run_rank
 
     size, port = args.tp_size, free_port()
     if dist.is_initialized():
@@ -129,7 +128,7 @@ def start_ranks(args, device: torch.device) -> TPRank:
     for rank in range(1, size):
         p = ctx.Process(
             target=run_rank,
-            args=(rank, size, port, args, torch.get_num_threads()),
+            args=(rank, size, port, args, torch.get_num_threads(), engine_cls),
             name=f"ddtree-tp-rank{rank}",
             daemon=True,
         )
@@ -143,3 +142,36 @@ def start_ranks(args, device: torch.device) -> TPRank:
     except Exception:
         watch.stop(timeout=1.0)
         raise
+
+
+def _leave_with_parent(parent: int) -> None:
+    """A rank whose rank 0 process is gone (killed: no shutdown message) exits instead of waiting."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def run_rank(rank: int, size: int, port: int, args, threads: int, engine_cls) -> None:
+    """Ranks 1..N-1: the same engine as rank 0, stepping whenever rank 0 steps (rank.py)."""
+    logging.basicConfig(level=logging.WARNING, format=f"[ddtree rank {rank}] %(message)s")
+    threading.Thread(target=_leave_with_parent, args=(os.getppid(),), daemon=True).start()
+    if threads:
+        torch.set_num_threads(threads)
+    from ddtree.engine.setup import resolve_device
+    from ddtree.engine.tp.rank import Shutdown
+
+    tp = join_group(rank, size, port, rank_device(resolve_device(args.device), rank))
+    try:
+        engine = engine_cls(args, tp_rank=tp)
+        while True:
+            engine.step()
+    except Shutdown:
+        pass
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        logging.shutdown()
+        os._exit(1)  # a collective may be half done: leave without tearing the group down
+    finally:
+        tp.closed = True  # rank 0 ended the group; nothing to tell anyone
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
