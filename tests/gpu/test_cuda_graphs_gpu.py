@@ -30,7 +30,7 @@ def _prompts(llm, n):
 
 
 def _count_replays(graphs, counts):
-    for name in ("verify", "draft", "draft_tree"):
+    for name in ("verify", "draft_tree"):
         fn = getattr(graphs, name)
 
         def counted(*a, _fn=fn, _name=name):
