@@ -16,19 +16,15 @@ from __future__ import annotations
 import torch
 
 from ddtree import envs
-from ddtree.attention.backend import (
-    AttentionMetadata,
-    DraftAttentionMetadata,
-    register_backend,
-    store_kv,
-)
+from ddtree.attention.metadata import AttentionMetadata, DraftAttentionMetadata, store_kv
 from ddtree.attention.torch_ref import TorchReferenceBackend
 
 FORCE_REFERENCE = f"{envs.REFERENCE.name}=attention"
 
 
-@register_backend("triton")
 class TritonAttentionBackend:
+    name = "triton"
+
     def __init__(self, num_splits: int | None = None):
         # num_splits: fixed split count (e.g. while capturing CUDA graphs); None = chosen per call from the
         # host kv_lens, which under graph capture should then be the captured maxima.
