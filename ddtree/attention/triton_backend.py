@@ -1,7 +1,7 @@
 """`--attention-backend triton`: our split-KV paged kernel for decode, chain/tree verify and causal extend.
 
 Dispatch: every extend shape (q = 1 decode, verify with a tree mask, causal chain, ragged prefill) goes
-through one kernel, `ddtree.kernels.tree_attention.triton.paged_attention`; its launch plan (kernel, tiles,
+through one kernel, `ddtree.kernels.tree_attention.launch.paged_attention`; its launch plan (kernel, tiles,
 splits, PDL) comes from `kernels/tree_attention/dispatch.py`, and `launch_plan` gives the graph runner the
 plan of a shape (what a captured graph replays). `draft_block` runs the same kernel with the block's K/V passed
 alongside (never stored); sliding-window layers pass their window to the kernel, which masks it per row.
@@ -34,7 +34,7 @@ class TritonAttentionBackend:
         self._kernel = None
         if not self.force_reference:
             try:
-                from ddtree.kernels.tree_attention import triton as kernel
+                from ddtree.kernels.tree_attention import launch as kernel
             except ImportError as e:
                 raise RuntimeError(
                     f"--attention-backend triton needs the triton package ({e}); install it, or set "

@@ -1,6 +1,6 @@
 """Which kernel runs a paged-attention call, with which tiles, splits and PDL: a frozen `LaunchPlan`
 from the call's host shape (`AttentionShape`) and the device, decided here once, launched by
-`triton.launch` (the Triton kernel or the Gluon kernel of `hopper.py` for the splits, the split
+`launch.run_plan` (the Triton kernel or the Gluon kernel of `hopper.py` for the splits, the split
 merge).
 
 The rules (the H200 measurements behind them are in BENCHMARKS.md):
