@@ -68,12 +68,10 @@ class DFlashDrafter(nn.Module):
     """Parameter names match z-lab checkpoints: `fc`, `hidden_norm`, `layers.N...`, `norm`.
 
     Under tensor parallelism the drafter is sharded like the target (heads, KV heads with replication,
-    MLP rows; `fc` / `hidden_norm` replicated), chosen from the cost model at small batch, where a
-    block forward reads its weights once: H200 ~4 TB/s, NCCL all-reduce of a [b, S, H] block ~20 us,
-    two per layer. Qwen3.6-27B's drafter (5 layers of 640 MB bf16): replicated 0.80 ms at every tp;
-    sharded 0.80 / tp + 10 x 0.02 = 0.60 / 0.40 / 0.30 ms at tp 2 / 4 / 8. Qwen3-8B's (5 x 386 MB):
-    0.48 ms replicated vs 0.44 / 0.32 / 0.26 ms. Even at tp 2 sharding is not slower, beyond it wins,
-    and a replicated drafter would take 2-3 GB per rank (and tp x its context KV) from the KV pool.
+    MLP rows; `fc` / `hidden_norm` replicated): at small batch a block forward reads its weights
+    once, so sharding divides that read by tp for two small all-reduces per layer. By the cost model
+    (docs/design-numbers.md) that is not slower at tp 2 and faster beyond, and a replicated drafter
+    would take its weights (and tp x its context KV) from every rank's KV pool.
 
     The drafter interface the engine uses (DFlash2Drafter implements it too; `models/drafters.py`
     picks the class by `architectures`): `context_kv`, `block_hidden`, `logits`, then `propose`
