@@ -32,17 +32,6 @@ class DFlashAttention(Qwen3Attention):
     """The target's attention layout (`qkv_proj` = HF `q_proj`/`k_proj`/`v_proj`, q/k norms; `qkv` for block
     rows); context rows use only the k|v rows of the fused projection (one GEMM)."""
 
-    def __init__(self, cfg: DrafterConfig, tp: TPGroup | None = None):
-        super().__init__(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            cfg.rms_norm_eps,
-            cfg.attention_bias,
-            tp,
-        )
-
     def kv(self, x, cos, sin):
         """Normed and rotated k, and v, of context rows x."""
         kv = linear_rows(self.qkv_proj, x, self.q_size)
