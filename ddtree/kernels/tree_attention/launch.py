@@ -30,21 +30,9 @@ def _dot_mode(dtype: torch.dtype) -> int:
     return 1 if dtype == torch.float32 else 0
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_lens: torch.Tensor,
-    page_size: int,
-    scale: float,
-    **kw,
-) -> torch.Tensor:
-    """`paged_attention_plan` without the plan: [T, Hq, D]."""
-    return paged_attention_plan(
-        q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, **kw
-    )[0]
+def paged_attention(*args, **kw) -> torch.Tensor:
+    """`paged_attention_plan` (same arguments) without the plan: [T, Hq, D]."""
+    return paged_attention_plan(*args, **kw)[0]
 
 
 def paged_attention_plan(

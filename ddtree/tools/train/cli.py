@@ -37,19 +37,18 @@ def _dtype(name: str):
     return None if name == "auto" else torch_dtype(name)
 
 
+# flags every training loop here takes under its own name
+_LOOP_FLAGS = ("steps", "lr", "batch_size", "seed", "device", "progress")
+
+
 def _loop_args(args, history: list) -> dict:
     """The options every training loop here takes from its command line the same way."""
-    return dict(
-        steps=args.steps,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        device=args.device,
-        autocast_dtype=_dtype(args.autocast_dtype),
-        out_dir=args.out,
-        progress=args.progress,
-        history=history,
-    )
+    named = {flag: getattr(args, flag) for flag in _LOOP_FLAGS}
+    return named | {
+        "autocast_dtype": _dtype(args.autocast_dtype),
+        "out_dir": args.out,
+        "history": history,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
