@@ -107,8 +107,9 @@ def paged_attention_plan(
     shape = AttentionShape.of(
         q, k_pool, qo_indptr, page_size, max_q_len, max_kv_len, mode, new_kv is not None, window
     )
-    if plan is None:
-        plan = dispatch.plan(
+
+    def plan_for(hopper_ctx) -> LaunchPlan:
+        return dispatch.plan(
             shape,
             q.device,
             num_splits=num_splits,
@@ -116,6 +117,9 @@ def paged_attention_plan(
             hopper_ctx=hopper_ctx,
             triton_slots=lambda cfg: triton_slots(shape, cfg, q.device, args),
         )
+
+    if plan is None:
+        plan = plan_for(hopper_ctx)
     gluon_args = (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, scale, mask, smb, smt)
     if plan.kernel == "hopper":
         try:
@@ -123,16 +127,8 @@ def paged_attention_plan(
             return out, plan
         except Exception as e:  # noqa: BLE001 - e.g. another Triton's Gluon: fall back, once and for all
             hopper.disable(e)
-            plan = dispatch.plan(
-                shape,
-                q.device,
-                num_splits=num_splits,
-                config=config,
-                hopper_ctx=False,
-                triton_slots=lambda cfg: triton_slots(shape, cfg, q.device, args),
-            )
             plan = dataclasses.replace(
-                plan, fallback=f"the Gluon kernel failed: {type(e).__name__}"
+                plan_for(False), fallback=f"the Gluon kernel failed: {type(e).__name__}"
             )
     run_plan(plan, shape, args, out, gluon_args)
     return out, plan
