@@ -32,8 +32,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from ddtree.bench.cuda_timing import time_graph  # noqa: E402
 from ddtree.bench.round_timing import copy_bandwidth  # noqa: E402
+from ddtree.kernels.tree_attention.launch import paged_attention_plan  # noqa: E402
 from ddtree.kernels.tree_attention.reference import paged_attention_reference  # noqa: E402
-from ddtree.kernels.tree_attention.triton import paged_attention_plan  # noqa: E402
 from ddtree.kernels.tree_attention.tuning import (  # noqa: E402
     KernelConfig,
     default_config,

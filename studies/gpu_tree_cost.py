@@ -51,7 +51,7 @@ FAMILIES = (  # (family, name pattern): the first match wins
     ("gdn norm", r"_gated_rmsnorm_kernel"),
     ("gdn commit", r"_replay_ssm_kernel|_commit"),
     ("gdn other", r"_decode_kernel|_tree_gdn_kernel"),
-    ("attention", r"_split_kv_attn|combine|_attn|hopper|_tree_attn|gluon"),
+    ("attention", r"split_kv_attn|combine|_attn|hopper|_tree_attn|gluon"),
     ("norm/act", r"_add_rmsnorm|_silu_mul|_qk_norm_rope|_sigmoid_gate|_rmsnorm"),
     ("tree build", r"_tree_build|topk|TopK|DigitCounts|radix|sort|cumsum|Scan"),
     ("reduce", r"reduce_kernel|argmax|ArgMax|logsumexp"),

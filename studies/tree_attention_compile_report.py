@@ -71,7 +71,7 @@ def report(
     group: int = 4,
     dim: int = 128,
 ):
-    fn = kernel._split_kv_attn
+    fn = kernel.split_kv_attn
     names = fn.arg_names
     consts = dict(
         HKV=hkv,

@@ -212,7 +212,7 @@ def test_fixed_split_counts_through_the_kernel(toy_pair, monkeypatch):
     1-3 KV tiles leave empty splits, which the combine must ignore. Tokens equal the plain torch backend's."""
     from triton_utils import load_kernel_module
 
-    load_kernel_module("ddtree.kernels.tree_attention.triton")
+    load_kernel_module("ddtree.kernels.tree_attention.launch")
     import ddtree.config.args as server_args
 
     if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:
@@ -245,7 +245,7 @@ def test_probed_plans_are_the_plans_that_run(toy_pair, monkeypatch):
     alongside)."""
     from triton_utils import load_kernel_module
 
-    kernel = load_kernel_module("ddtree.kernels.tree_attention.triton")
+    kernel = load_kernel_module("ddtree.kernels.tree_attention.launch")
     import ddtree.config.args as server_args
 
     if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:

@@ -214,7 +214,7 @@ def test_triton_kernel_runs_the_graphed_extend(toy_pair, monkeypatch):
     plan each extend graph set is keyed by is the plan its forward's attention calls run."""
     from triton_utils import load_kernel_module
 
-    kernel = load_kernel_module("ddtree.kernels.tree_attention.triton")
+    kernel = load_kernel_module("ddtree.kernels.tree_attention.launch")
     import ddtree.config.args as server_args
 
     if "triton" not in server_args.IMPLEMENTED_ATTENTION_BACKENDS:

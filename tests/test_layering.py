@@ -130,11 +130,15 @@ def test_the_check_can_fail(tmp_path, monkeypatch):
 
 
 def test_attention_registry_is_lazy():
-    """The seam imports no backend at module level (no cycle with the backends, which import its
-    types)."""
+    """The seam imports no backend at module level (a backend, and Triton with it, loads only when
+    its name is asked for); the backends import the shared types from `metadata`, never the seam
+    (no cycle)."""
     tree = ast.parse((PKG / "attention" / "backend.py").read_text())
     top = [n.module for n in tree.body if isinstance(n, ast.ImportFrom)]
-    assert not [m for m in top if m and m.startswith("ddtree.")]
+    assert [m for m in top if m and m.startswith("ddtree.")] == ["ddtree.attention.metadata"]
+    for backend in ("torch_ref.py", "triton_backend.py"):
+        used = {m for _, m in ddtree_imports(PKG / "attention" / backend)}
+        assert "ddtree.attention.backend" not in used, backend
     from ddtree.attention.backend import BACKENDS, get_backend
 
     assert get_backend("torch").name == "torch" and set(BACKENDS) == {"torch", "triton"}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from triton_utils import DEV, load_kernel_module, rel
 
-kernel_module = load_kernel_module("ddtree.kernels.tree_attention.triton")
+kernel_module = load_kernel_module("ddtree.kernels.tree_attention.launch")
 
 from ddtree import envs  # noqa: E402
 from ddtree.attention.backend import AttentionMetadata, DraftAttentionMetadata, get_backend  # noqa: E402

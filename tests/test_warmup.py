@@ -88,7 +88,7 @@ def test_a_failing_warm_up_still_serves():
     "device,skip,on", [("cuda", False, True), ("cuda", True, False), ("cpu", False, False)]
 )
 def test_warm_up_runs_on_cuda_unless_skipped(device, skip, on):
-    from ddtree.server.launch import warmup_of
+    from ddtree.server.build import warmup_of
 
     engine = SimpleNamespace(device=torch.device(device))
     args = SimpleNamespace(skip_server_warmup=skip)

@@ -1,4 +1,4 @@
-"""The attention-backend seam: metadata types and the interface a kernel implements.
+"""The attention-backend seam: the interface a kernel implements and the registry that chooses one.
 
 Every forward is an *extend*: request i appends `q_lens[i]` new tokens after `kv_lens[i] - q_lens[i]`
 cached ones. Within the new tokens visibility is causal (prefill, chain) or given by a per-request
@@ -9,35 +9,21 @@ stored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
+from ddtree.attention.metadata import AttentionMetadata, DraftAttentionMetadata, store_kv
 
-@dataclass
-class AttentionMetadata:
-    q_lens: list[int]  # host copy: new tokens per request
-    kv_lens: list[int]  # host copy: visible KV length per request after this forward's write
-    qo_indptr: torch.Tensor  # [b+1] int64, offsets of each request's queries in the flat token dim
-    kv_lens_t: torch.Tensor  # [b] int64 on device
-    block_table: torch.Tensor  # [b, max_pages] int64 page ids
-    slot_mapping: torch.Tensor  # [T] int64 KV slot written by each new token
-    page_size: int
-    tree_mask: torch.Tensor | None = None  # [b, n, n] bool ancestors-and-self; None means causal
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.q_lens)
-
-
-@dataclass
-class DraftAttentionMetadata:
-    ctx_lens: list[int]  # host copy: cached drafter-context tokens per request
-    ctx_lens_t: torch.Tensor  # [b] int64
-    block_table: torch.Tensor  # [b, max_pages]
-    block_positions: torch.Tensor  # [b, S] absolute positions of the block tokens
-    page_size: int
+# the types every forward passes, handed on for the callers that choose a backend here
+__all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "DraftAttentionMetadata",
+    "get_backend",
+    "store_kv",
+]
 
 
 class AttentionBackend(Protocol):
@@ -83,16 +69,6 @@ class AttentionBackend(Protocol):
         ...
 
 
-def register_backend(name: str):
-    """Names a backend class (`cls.name`); the registry below says where each name's class lives."""
-
-    def deco(cls):
-        cls.name = name
-        return cls
-
-    return deco
-
-
 def _torch_backend() -> type:
     from ddtree.attention.torch_ref import TorchReferenceBackend
 
@@ -106,9 +82,8 @@ def _triton_backend() -> type:
     return TritonAttentionBackend
 
 
-# name -> lazy factory of the backend class: a backend module is imported only when its name is
-# asked for, so this seam imports no implementation (and the implementations, which import this
-# file's metadata types, form no cycle with it).
+# name -> lazy factory of the backend class: a backend module (and Triton with it) is imported only
+# when its name is asked for.
 BACKENDS: dict[str, Callable[[], type]] = {"torch": _torch_backend, "triton": _triton_backend}
 
 
@@ -117,15 +92,3 @@ def get_backend(name: str, **kwargs) -> AttentionBackend:
         choices = ", ".join(sorted(BACKENDS))
         raise ValueError(f"--attention-backend {name!r} is not available; choose one of {choices}")
     return BACKENDS[name]()(**kwargs)
-
-
-def store_kv(
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
-    slots: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-):
-    """Write new K/V rows into a layer's paged cache ([num_slots, Hkv, D] each)."""
-    kc, vc = kv_cache
-    kc.index_copy_(0, slots, k.to(kc.dtype))
-    vc.index_copy_(0, slots, v.to(vc.dtype))

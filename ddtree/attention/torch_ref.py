@@ -5,12 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ddtree.attention.backend import (
-    AttentionMetadata,
-    DraftAttentionMetadata,
-    register_backend,
-    store_kv,
-)
+from ddtree.attention.metadata import AttentionMetadata, DraftAttentionMetadata, store_kv
 from ddtree.kernels.paged import gather_slots
 
 
@@ -26,14 +21,13 @@ def _sdpa(
     return out.transpose(0, 1).to(q.dtype)
 
 
-@register_backend("torch")
 class TorchReferenceBackend:
+    name = "torch"
+
     def launch_plan(self, shape, device: torch.device, num_splits: int | None = None):
         from ddtree.kernels.tree_attention.dispatch import reference_plan
 
-        return reference_plan(
-            f"--attention-backend {getattr(self, 'name', 'torch')} is not capturable (use triton)"
-        )
+        return reference_plan(f"--attention-backend {self.name} is not capturable (use triton)")
 
     def with_splits(self, num_splits: int | None):
         return self

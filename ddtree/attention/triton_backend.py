@@ -1,7 +1,7 @@
 """`--attention-backend triton`: our split-KV paged kernel for decode, chain/tree verify and causal extend.
 
 Dispatch: every extend shape (q = 1 decode, verify with a tree mask, causal chain, ragged prefill) goes
-through one kernel, `ddtree.kernels.tree_attention.triton.paged_attention`; its launch plan (kernel, tiles,
+through one kernel, `ddtree.kernels.tree_attention.launch.paged_attention`; its launch plan (kernel, tiles,
 splits, PDL) comes from `kernels/tree_attention/dispatch.py`, and `launch_plan` gives the graph runner the
 plan of a shape (what a captured graph replays). `draft_block` runs the same kernel with the block's K/V passed
 alongside (never stored); sliding-window layers pass their window to the kernel, which masks it per row.
@@ -16,19 +16,15 @@ from __future__ import annotations
 import torch
 
 from ddtree import envs
-from ddtree.attention.backend import (
-    AttentionMetadata,
-    DraftAttentionMetadata,
-    register_backend,
-    store_kv,
-)
+from ddtree.attention.metadata import AttentionMetadata, DraftAttentionMetadata, store_kv
 from ddtree.attention.torch_ref import TorchReferenceBackend
 
 FORCE_REFERENCE = f"{envs.REFERENCE.name}=attention"
 
 
-@register_backend("triton")
 class TritonAttentionBackend:
+    name = "triton"
+
     def __init__(self, num_splits: int | None = None):
         # num_splits: fixed split count (e.g. while capturing CUDA graphs); None = chosen per call from the
         # host kv_lens, which under graph capture should then be the captured maxima.
@@ -38,7 +34,7 @@ class TritonAttentionBackend:
         self._kernel = None
         if not self.force_reference:
             try:
-                from ddtree.kernels.tree_attention import triton as kernel
+                from ddtree.kernels.tree_attention import launch as kernel
             except ImportError as e:
                 raise RuntimeError(
                     f"--attention-backend triton needs the triton package ({e}); install it, or set "

@@ -1,13 +1,11 @@
 """Grammar engine seam: a `GrammarSpec` compiles (once per spec, cached) into a grammar whose
 `Matcher`s accept tokens, fill next-token bitmasks, roll back and report termination.
 
-The engine is xgrammar (SGLang's default). Chosen by measurement against llguidance 1.9.1 on a
-151k-token vocabulary (Qwen3's size), one CPU thread (`scripts/grammar_engines.py`): a tree walk is
-dominated by accept / rollback and per-node mask fills, where xgrammar took 2.0 us per
-rollback(3) + 3 accepts against llguidance's 31 us, and a median 3.2 us per mask fill (p90 99 us)
-against 34.5 us (p90 127 us). xgrammar pays at compile time instead (37 ms for a nested JSON
-schema, 0.29 s for a regex at 151k tokens; llguidance compiles lazily in ~1 ms): compilation runs
-off the engine thread (`server/grammar_compile.py`) and its result is cached by spec. xgrammar
+The engine is xgrammar (SGLang's default), chosen by measurement against llguidance on a Qwen3-size
+vocabulary (`scripts/grammar_engines.py`, docs/design-numbers.md): a tree walk is dominated by
+accept / rollback and per-node mask fills, where xgrammar is an order of magnitude faster.
+xgrammar pays at compile time instead (llguidance compiles lazily): compilation runs off the engine
+thread (`server/structured.py`) and its result is cached by spec. xgrammar
 also rolls back natively (any depth) and fills a mask per draft-tree node in C++
 (`traverse_draft_tree`), the two things a tree walk needs.
 

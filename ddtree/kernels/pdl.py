@@ -4,10 +4,11 @@ A kernel launched with `launch_pdl=True` may be scheduled before the kernel ahea
 has finished; its first statement is `gdc_wait()` (griddepcontrol.wait), which returns once that
 grid has ended and its writes are visible, so every load and store of the kernel still follows the
 one before it (and, transitively, everything earlier: each PDL kernel waits before it ends). What it
-buys is the launch gap: a CUDA-graph replay of a hybrid 27B round is ~1,000-1,500 small launches,
-~1.4 us of idle GPU each on the H200. A kernel that calls `gdc_launch_dependents()` lets its own
-dependent start even earlier (the split-KV merge: tree_attention/merge.py). Captured graphs keep the
-programmatic edges. DDTREE_DISABLE=pdl launches everything as ordinary kernels (the A/B).
+buys is the launch gap: a CUDA-graph replay of a hybrid 27B round is a thousand and more small
+launches, each with a gap of idle GPU before it (docs/design-numbers.md). A kernel that calls
+`gdc_launch_dependents()` lets its own dependent start even earlier (the split-KV merge:
+tree_attention/merge.py). Captured graphs keep the programmatic edges. DDTREE_DISABLE=pdl launches
+everything as ordinary kernels (the A/B).
 
 Reading ahead of the wait: when the kernel ahead calls `gdc_launch_dependents()` only after its own
 `gdc_wait()`, every kernel before that one has ended by the time the dependent is launched, so the

@@ -32,17 +32,6 @@ class DFlashAttention(Qwen3Attention):
     """The target's attention layout (`qkv_proj` = HF `q_proj`/`k_proj`/`v_proj`, q/k norms; `qkv` for block
     rows); context rows use only the k|v rows of the fused projection (one GEMM)."""
 
-    def __init__(self, cfg: DrafterConfig, tp: TPGroup | None = None):
-        super().__init__(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            cfg.rms_norm_eps,
-            cfg.attention_bias,
-            tp,
-        )
-
     def kv(self, x, cos, sin):
         """Normed and rotated k, and v, of context rows x."""
         kv = linear_rows(self.qkv_proj, x, self.q_size)
@@ -68,12 +57,10 @@ class DFlashDrafter(nn.Module):
     """Parameter names match z-lab checkpoints: `fc`, `hidden_norm`, `layers.N...`, `norm`.
 
     Under tensor parallelism the drafter is sharded like the target (heads, KV heads with replication,
-    MLP rows; `fc` / `hidden_norm` replicated), chosen from the cost model at small batch, where a
-    block forward reads its weights once: H200 ~4 TB/s, NCCL all-reduce of a [b, S, H] block ~20 us,
-    two per layer. Qwen3.6-27B's drafter (5 layers of 640 MB bf16): replicated 0.80 ms at every tp;
-    sharded 0.80 / tp + 10 x 0.02 = 0.60 / 0.40 / 0.30 ms at tp 2 / 4 / 8. Qwen3-8B's (5 x 386 MB):
-    0.48 ms replicated vs 0.44 / 0.32 / 0.26 ms. Even at tp 2 sharding is not slower, beyond it wins,
-    and a replicated drafter would take 2-3 GB per rank (and tp x its context KV) from the KV pool.
+    MLP rows; `fc` / `hidden_norm` replicated): at small batch a block forward reads its weights
+    once, so sharding divides that read by tp for two small all-reduces per layer. By the cost model
+    (docs/design-numbers.md) that is not slower at tp 2 and faster beyond, and a replicated drafter
+    would take its weights (and tp x its context KV) from every rank's KV pool.
 
     The drafter interface the engine uses (DFlash2Drafter implements it too; `models/drafters.py`
     picks the class by `architectures`): `context_kv`, `block_hidden`, `logits`, then `propose`

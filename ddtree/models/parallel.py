@@ -12,9 +12,9 @@ What differs are the three places where a rank's partial result must be combined
   All-gather rather than a distributed argmax / sampler: the sampler (top-k, top-p), log-probs
   (log-softmax, top_logprobs), the drafter's per-depth top-k in the tree build and the accept walk all
   read full-vocab rows, and all of them then run unchanged. The price is the gather: b * n * V
-  elements per verify (Qwen3 vocab, b 8, n 65, bf16: 158 MB, of which a rank receives (tp-1)/tp, about
-  0.35 ms over NVLink at ~400 GB/s, against a verify of 10+ ms). A greedy-only round could gather
-  (max, argmax) pairs instead; that is the first thing to try if the gather shows in a profile.
+  elements per verify, a few percent of the verify itself (docs/design-numbers.md). A greedy-only
+  round could gather (max, argmax) pairs instead; that is the first thing to try if the gather
+  shows in a profile.
 
 Every all-reduce / all-gather leaves bit-identical results on every rank (ring and tree collectives
 reduce each element once and broadcast it), so the hidden states, logits, trees, accept walks and

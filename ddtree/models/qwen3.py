@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.kernels.fused import qk_norm_rope
-from ddtree.models.configs import TargetConfig
+from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears
 from ddtree.models.parallel import (
     ParallelLMHead,
@@ -43,17 +43,10 @@ class Qwen3Attention(nn.Module):
     the per-head q/k RMSNorms and RoPE. Under TP, `heads` / `kv_heads` are this rank's (q|k|v holds
     their rows, o_proj their columns: `ddtree.models.tp_layout`)."""
 
-    def __init__(
-        self,
-        hidden: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        eps: float,
-        bias: bool,
-        tp: TPGroup | None = None,
-    ):
+    def __init__(self, cfg: TargetConfig | DrafterConfig, tp: TPGroup | None = None):
         super().__init__()
+        hidden, bias, eps = cfg.hidden_size, cfg.attention_bias, cfg.rms_norm_eps
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
@@ -94,15 +87,7 @@ class Qwen3DecoderLayer(nn.Module):
 
     def __init__(self, cfg: TargetConfig, tp: TPGroup | None = None):
         super().__init__()
-        self.self_attn = Qwen3Attention(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            cfg.rms_norm_eps,
-            cfg.attention_bias,
-            tp,
-        )
+        self.self_attn = Qwen3Attention(cfg, tp)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

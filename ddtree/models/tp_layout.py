@@ -82,10 +82,7 @@ def shard_target(cfg: TargetConfig, tp: int) -> TargetConfig:
     if tp == 1:
         return cfg
     return dataclasses.replace(
-        cfg,
-        num_attention_heads=cfg.num_attention_heads // tp,
-        num_key_value_heads=head_shard(cfg.num_key_value_heads, tp, 0)[1],
-        intermediate_size=cfg.intermediate_size // tp,
+        shard_drafter(cfg, tp),
         linear_num_key_heads=(
             head_shard(cfg.linear_num_key_heads, tp, 0)[1] if cfg.is_hybrid else 0
         ),
@@ -93,7 +90,9 @@ def shard_target(cfg: TargetConfig, tp: int) -> TargetConfig:
     )
 
 
-def shard_drafter(cfg: DrafterConfig, tp: int) -> DrafterConfig:
+def shard_drafter(cfg: DrafterConfig | TargetConfig, tp: int) -> DrafterConfig | TargetConfig:
+    """One rank's attention heads (KV heads replicated where fewer than tp) and MLP rows: all of a
+    drafter's sharding, the attention and MLP part of a target's."""
     if tp == 1:
         return cfg
     return dataclasses.replace(

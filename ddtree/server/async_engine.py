@@ -117,10 +117,9 @@ class Outbox:
     Each such call writes the loop's self-pipe, a syscall that releases the GIL to the event-loop
     thread, and the engine thread then waits for it back until that thread blocks again or the
     switch interval (5 ms) runs out: one call per stream per round put the engine thread behind
-    the HTTP side once per stream (issue 20: 6.4 ms host per round at concurrency 32), so there is
-    one call per publish, at its end; after a decode step with rounds to come the whole publish
-    waits under the next round's device work (on the CPU at concurrency 32 this hand-off was ~90%
-    of the publish)."""
+    the HTTP side once per stream (issue 20), so there is one call per publish, at its end; after a
+    decode step with rounds to come the whole publish waits under the next round's device work
+    (this hand-off was most of a publish: docs/design-numbers.md)."""
 
     def __init__(self):
         self.pending: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}

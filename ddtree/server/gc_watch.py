@@ -2,8 +2,8 @@
 
 A full (generation 2) collection walks every tracked object. After start-up that is mostly what
 start-up made: modules, the tokenizer's vocabulary, the model's Python objects, the CUDA graphs'
-wrappers (a CPU server of the embedded pair, app built: 372k objects, one full collection 124-138
-ms on the 2-core CPU, 0.0 ms after `gc.freeze()`: `studies/gc_pause.py`). Serving allocates request,
+wrappers (hundreds of thousands of objects: a full collection then takes longer than a decode round,
+and nothing after `gc.freeze()`; `studies/gc_pause.py`, docs/design-numbers.md). Serving allocates request,
 JSON and asyncio objects; now and then that triggers a full collection, which stops both threads,
 the engine loop's and the HTTP loop's, for that long. `freeze_startup_heap` (after the warm-up, as
 vLLM's warm-up ends in `freeze_gc_heap`; SGLang has `freeze_gc`) moves the start-up heap to the
@@ -23,7 +23,7 @@ from ddtree.models.configs import ConfigError
 
 logger = logging.getLogger("ddtree")
 
-GC_WARN_S = 0.05  # a collection this long is logged (a decode round at the 8B shape: ~8-35 ms)
+GC_WARN_S = 0.05  # a collection this long is logged: longer than a decode round at the 8B shape
 
 
 def gc_freeze_on() -> bool:

@@ -19,6 +19,7 @@ import threading
 from ddtree.config import ServerArgs, make_parser, resolve_server_args
 from ddtree.models.configs import ConfigError
 from ddtree.models.sources import weight_problems
+from ddtree.server.build import build_engine
 from ddtree.server.gc_watch import gc_freeze_on
 
 logger = logging.getLogger("ddtree")
@@ -28,29 +29,6 @@ def prepare_args(argv: list[str]) -> ServerArgs:
     """Parse and resolve server flags; raises ConfigError (every problem at once) before loading weights."""
     ns = make_parser("ddtree serve").parse_args(argv)
     return resolve_server_args(ServerArgs(**vars(ns)))
-
-
-def build_engine(args: ServerArgs, gc_freeze: bool = False):
-    """The AsyncEngine over one LLMEngine and its metrics, for resolved args (loads the weights; the
-    engine thread starts with the app): one server's engine, or one --dp-size replica's."""
-    from ddtree.engine.engine import LLMEngine
-    from ddtree.server.async_engine import AsyncEngine
-    from ddtree.server.metrics import ServerMetrics
-
-    engine = LLMEngine(args)
-    metrics = None
-    if args.enable_metrics:
-        longest_round = engine.spec.block_size if args.is_speculative else 1
-        metrics = ServerMetrics(args.speculative_algorithm, longest_round)
-        metrics.set_round_costs(engine.round_costs())
-    return AsyncEngine(
-        engine,
-        metrics,
-        warmup=warmup_of(engine, args),
-        overlap=not args.disable_overlap_schedule,
-        gc_freeze=gc_freeze,
-        max_queued=args.max_queued_requests,
-    )
 
 
 def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
@@ -68,16 +46,6 @@ def build_app(args: ServerArgs, gc_freeze: bool = False, **app_kw):
     else:
         aengine = build_engine(args, gc_freeze)
     return create_app(aengine, args, aengine.metrics, **app_kw), aengine
-
-
-def warmup_of(engine, args):
-    """The start-up warm-up (engine/warmup.py) the engine thread runs before serving, or None: with
-    --skip-server-warmup, and on the CPU (nothing compiles there: no Triton, no graphs)."""
-    if args.skip_server_warmup or engine.device.type != "cuda":
-        return None
-    from ddtree.engine.warmup import warm_up
-
-    return lambda: warm_up(engine)
 
 
 def draining_server(config, aengine, drain_timeout: float):

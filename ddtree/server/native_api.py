@@ -28,15 +28,9 @@ from ddtree.server.native_protocol import (
     check_native,
     native_sampling_params,
 )
-from ddtree.server.openai_serving import (
-    Interleaved,
-    OpenAIServing,
-    SSEResponse,
-    check_prompt_chars,
-    sse,
-    tokenize,
-)
+from ddtree.server.openai_serving import OpenAIServing, check_prompt_chars, tokenize
 from ddtree.server.reasoning import ReasoningParser
+from ddtree.server.sse import Interleaved, SSEResponse, sse
 from ddtree.server.structured import grammar_spec, peer
 
 

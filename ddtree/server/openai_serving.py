@@ -19,7 +19,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from ddtree.engine.request import SamplingParams
 from ddtree.server import limits, protocol
@@ -36,6 +35,7 @@ from ddtree.server.logprob_format import (
     vllm_prompt_logprobs,
 )
 from ddtree.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ddtree.server.sse import Interleaved, SSEResponse, sse
 from ddtree.server.structured import GrammarCompiler, grammar_spec, peer
 
 DEFAULT_COMPLETION_MAX_TOKENS = (
@@ -45,26 +45,6 @@ DISCONNECT_POLL_S = 0.5
 # threads that tokenize prompts and render chat templates, off the engine thread (a long prompt
 # tokenized there stalled every stream); the tokenizer releases the GIL while it encodes
 TOKENIZE_THREADS = 2
-
-
-class SSEResponse(StreamingResponse):
-    """An event stream that runs `on_close` however it ends (finished, client gone, or cancelled)."""
-
-    def __init__(self, content, on_close):
-        super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 def usage(ds: list[Delta], n: int | None = None) -> dict:
@@ -116,41 +96,6 @@ def tokenize(engine, text: str, param: str, add_special_tokens: bool = False) ->
             param, "this model has no tokenizer; send the prompt as a list of token ids"
         )
     return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-class Interleaved:
-    """The deltas of several streams as one async iterator of (choice index, Delta), in arrival
-    order, until every stream has finished or failed. `close` aborts the requests that have not
-    (the client went away)."""
-
-    def __init__(self, streams: list[Stream]):
-        self.streams, self.done = streams, set()
-        self.merged: asyncio.Queue = asyncio.Queue()
-        self.tasks: list[asyncio.Future] = []
-
-    async def _forward(self, i: int, st: Stream) -> None:
-        while True:
-            d = await st.queue.get()
-            self.merged.put_nowait((i, d))
-            if d.finish_reason is not None or d.error is not None:
-                return
-
-    async def __aiter__(self):
-        self.tasks = [
-            asyncio.ensure_future(self._forward(i, st)) for i, st in enumerate(self.streams)
-        ]
-        while len(self.done) < len(self.streams):
-            i, d = await self.merged.get()
-            if d.finish_reason is not None or d.error is not None:
-                self.done.add(i)
-            yield i, d
-
-    def close(self, aengine: AsyncEngine) -> None:
-        for t in self.tasks:
-            t.cancel()
-        for i, st in enumerate(self.streams):
-            if i not in self.done:
-                aengine.abort(st.rid)
 
 
 class OpenAIServing:

@@ -38,7 +38,7 @@ from ddtree.server import protocol
 from ddtree.server.async_engine import Delta
 from ddtree.server.chat_tools import ChatOutput
 from ddtree.server.error_params import error_param
-from ddtree.server.openai_serving import Interleaved, OpenAIServing, SSEResponse, usage
+from ddtree.server.openai_serving import OpenAIServing, usage
 from ddtree.server.protocol import APIError, ChatCompletionRequest
 from ddtree.server.responses_protocol import (
     ResponsesRequest,
@@ -46,6 +46,7 @@ from ddtree.server.responses_protocol import (
     responses_error,
     responses_param,
 )
+from ddtree.server.sse import Interleaved, SSEResponse
 from ddtree.server.structured import peer
 
 

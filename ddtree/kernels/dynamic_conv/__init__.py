@@ -6,11 +6,9 @@ Triton's interpreter); the kernel otherwise (`ddtree.kernels.fused.use_triton`'s
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
-from ddtree import envs
+from ddtree.kernels.availability import decorated_now
 from ddtree.kernels.dynamic_conv.reference import dynamic_conv_reference
 from ddtree.kernels.fused import use_triton
 
@@ -21,9 +19,7 @@ def _triton():
     """The kernel module, decorated in the mode TRITON_INTERPRET asks for now."""
     from ddtree.kernels.dynamic_conv import triton as mod
 
-    if mod._decorated_interpreted != envs.TRITON_INTERPRET.on():
-        mod = importlib.reload(mod)
-    return mod
+    return decorated_now(mod)
 
 
 def dynamic_conv(

@@ -12,8 +12,7 @@
   different summation order than split 1 (so float32 callers keep split 1: tuning.py).
 
 A variant that quantized the activation tile in registers inside the GEMM (one launch per linear)
-lost on the H200 at every row count, 3-10x slower than the two launches (studies/gpu_fp8_gemm.py,
-2026-12): deleted.
+lost to the two launches at every row count (docs/design-numbers.md): deleted.
 
 No host sync, shapes fixed by the inputs: CUDA-graph capturable (launch once before capture to
 compile).

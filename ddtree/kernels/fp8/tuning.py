@@ -1,15 +1,13 @@
 """Tiles of the Triton FP8 GEMM per row count (`gemm_config`), and its split-K for studies.
 
 A few rows stream the weight (bandwidth bound: small BLOCK_M, enough N tiles to fill the SMs); more
-rows take wgmma-sized tiles. The table is the H200 sweep's choice (`studies/gpu_fp8_gemm.py --sweep`
-on the 8B shapes, 2026-12; us per call at 1 / 16 / 64 / 520 rows, best in brackets):
-- <= 16 rows: 16x32 (qkv 15.5 / 16.9, o 14.1 / 14.7, down 35.8 / 37.9) beats 16x64 and 16x128
-  except on the widest weights (gate|up: 16x64 30.3 / 33.3 vs 16x32 31.9 / 36.0): 16x64 from N >=
-  16384;
-- <= 128 rows: 64x64 (64 rows: qkv 18.0, o 17.5, gate|up 36.8, down 46.4 vs 32x64 26.1 / 20.4 /
-  64.7 / 54.4 and 64x128 22.6 / 22.6 / 38.1 / 60.7);
-- more: 64x128 x 4 warps (520 rows: qkv 62.8, gate|up 197 vs 128x128 x 8 warps 70.0, 237; 128x256
-  lost 2.5x) (cuBLAS serves these row counts: kernels/fp8's auto).
+rows take wgmma-sized tiles. The table is the sweep's choice (`studies/gpu_fp8_gemm.py --sweep` on
+the 8B shapes; its times: docs/design-numbers.md):
+- <= 16 rows: 16x32 beats 16x64 and 16x128 except on the widest weights (gate|up): 16x64 from
+  N >= 16384;
+- <= 128 rows: 64x64 (beside 32x64 and 64x128);
+- more: 64x128 x 4 warps (beside 128x128 x 8 warps and 128x256) (cuBLAS serves these row counts:
+  kernels/fp8's auto).
 
 Split-K (`split_k`): at decode rows one M tile leaves N / BLOCK_N programs, 128 for a 4096-wide
 weight at 16x32, each walking all of K: about one per SM, too few loads in flight to stream the
@@ -50,8 +48,8 @@ TABLE = (
 WIDE = GemmConfig(16, 64, 4, 4)  # <= 16 rows of a weight with N >= WIDE_N
 # float32 activations (speculation must equal AR bit for bit): one tile shape at every row count.
 # The 16-row tiles run the fp8 mma.sync, the 64-row ones wgmma, and their K-block sums differ in
-# the last bits: a row's output at 1 row != at 64+ rows (the H100 study, 2026-12-06:
-# studies/gpu_fp8_gemm_libs.py, rowinv); wgmma tiles of any width agree with each other.
+# the last bits: a row's output at 1 row != at 64+ rows (studies/gpu_fp8_gemm_libs.py's rowinv);
+# wgmma tiles of any width agree with each other.
 EXACT = GemmConfig(64, 64, 4, 4)
 WIDE_N = 16384
 SPLIT_MAX_ROWS = 16  # split-K at decode rows only (one M tile)

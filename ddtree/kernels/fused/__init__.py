@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ddtree import envs
+from ddtree.kernels.availability import kernels_run_on
 from ddtree.kernels.fused.reference import (
     add_rmsnorm_reference,
     qk_norm_rope_reference,
@@ -61,12 +62,11 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     ts = [t for t in tensors if t is not None]
     if envs.REFERENCE.has("kernels"):
         return False
-    cpu = ts[0].device.type != "cuda"
-    if cpu and not (envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()):
+    if not kernels_run_on(ts[0]):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return False
-    return bool(_triton(interpreted=cpu))
+    return bool(_triton(interpreted=not ts[0].is_cuda))
 
 
 def _unit_last(*tensors) -> bool:

@@ -23,8 +23,17 @@ from ddtree.kernels.gdn.tree_chunk import tree_ancestor_mask
 from ddtree.kernels.gdn.tree_chunk_triton import supported
 
 
-def _state(initial_state: Tensor | None) -> Tensor | None:
-    return None if initial_state is None else initial_state.float().contiguous()
+def _fla_args(g: Tensor, beta: Tensor, initial_state: Tensor | None) -> dict:
+    """fla's chunk and fused-recurrent ops alike: fp32 gates and state, the final state out, q/k
+    L2-normalised in the kernel (the reference's `use_qk_l2norm`)."""
+    state = None if initial_state is None else initial_state.float().contiguous()
+    return dict(
+        g=g.float(),
+        beta=beta,
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
 
 
 def chunk_rule(
@@ -39,17 +48,7 @@ def chunk_rule(
     """Prefill / chunked prefill: `reference.gated_delta_rule_chunked` (o, final state fp32)."""
     if choose("prefill", use_fla(v), "fla"):
         chunk = fla_ops()[0]
-        return chunk(
-            q,
-            k,
-            v,
-            g=g.float(),
-            beta=beta,
-            initial_state=_state(initial_state),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=cu_seqlens,
-        )
+        return chunk(q, k, v, **_fla_args(g, beta, initial_state), cu_seqlens=cu_seqlens)
     return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, cu_seqlens=cu_seqlens)
 
 
@@ -65,16 +64,7 @@ def recurrent_rule(
     """Token by token ([b, T, ...], short T: decode, replay): `reference.gated_delta_rule_recurrent`."""
     if choose(op, use_fla(v), "fla"):
         fused = fla_ops()[1]
-        return fused(
-            q,
-            k,
-            v,
-            g=g.float(),
-            beta=beta,
-            initial_state=_state(initial_state),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
+        return fused(q, k, v, **_fla_args(g, beta, initial_state))
     return gated_delta_rule_recurrent(q, k, v, g, beta, initial_state)
 
 

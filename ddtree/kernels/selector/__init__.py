@@ -9,11 +9,10 @@ read the same table with the same fp32 adds and orders: equal bit for bit."""
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from ddtree import envs
+from ddtree.kernels.availability import decorated_now, kernels_run_on, triton_importable
 from ddtree.speculative.markov_tree import (
     MarkovDraft,
     MarkovNodes,
@@ -29,28 +28,14 @@ __all__ = ["MAX_PAIRS", "select_markov_nodes", "selector_chain", "use_kernel"]
 MAX_PAIRS = 4096
 
 
-def _triton_ok() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "no triton": the reference works
-        return False
-    return True
-
-
 def _triton():
     from ddtree.kernels.selector import triton as mod
 
-    if mod._decorated_interpreted != envs.TRITON_INTERPRET.on():
-        mod = importlib.reload(mod)
-    return mod
+    return decorated_now(mod)
 
 
 def use_kernel(t: torch.Tensor) -> bool:
-    if envs.REFERENCE.has("kernels"):
-        return False
-    if not t.is_cuda and not (envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()):
-        return False
-    return _triton_ok()
+    return not envs.REFERENCE.has("kernels") and kernels_run_on(t) and triton_importable()
 
 
 def selector_chain(roots: torch.Tensor, draft: MarkovDraft) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,9 @@
 """Which kernel runs a paged-attention call, with which tiles, splits and PDL: a frozen `LaunchPlan`
 from the call's host shape (`AttentionShape`) and the device, decided here once, launched by
-`triton.launch` (the Triton kernel or the Gluon kernel of `hopper.py` for the splits, the split
+`launch.run_plan` (the Triton kernel or the Gluon kernel of `hopper.py` for the splits, the split
 merge).
 
-The rules (the H200 measurements behind them are in BENCHMARKS.md):
+The rules (the measurements behind them: BENCHMARKS.md, docs/design-numbers.md):
 - tiles: `tuning.default_config` from rows per request (q tokens x GQA group), head dim and context;
 - the Gluon kernel (`gluon_unsupported` says where not) does every split of tree / chain rows
   (> 32 rows) and decode rows, `gluon_config_for` picks its config; never with `new_kv` (the
@@ -167,8 +167,8 @@ def plan(
             min_tiles=split_min_tiles(rows),
             tail_split=cfg.tail_split,
         )
-    # the merge as a programmatic dependent (H200, BENCHMARKS.md): after the Triton kernel (decode
-    # 0.8-2.2 us faster), after the Hopper kernel where gluon_merge_pdl says
+    # the merge as a programmatic dependent (it hides the launch gap): after the Triton kernel, after
+    # the Hopper kernel where gluon_merge_pdl says
     pdl = (
         num_splits > 1
         and merge.pdl_ok(device)

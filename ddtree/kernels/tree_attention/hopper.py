@@ -1,41 +1,37 @@
 """Tree / chain verify attention over paged KV on Hopper (sm_90), in Gluon (Triton's explicit dialect).
 
-The Triton kernel in `triton.py` is latency-bound on the H200 at 65-node trees (Nsight Compute, 16k context:
-34% of issue slots used, 8 warps per SM, 533 instructions per warp per 64x64 step, cp.async address arithmetic
-and the wgmma waits among them). This kernel runs the same split-KV scheme the way FA3 does on Hopper:
+The Triton kernel in `triton.py` is latency-bound at 65-node trees (issue slots mostly idle: cp.async address
+arithmetic and the wgmma waits). This kernel runs the same split-KV scheme the way FA3 does on Hopper (the
+measurements behind each choice: docs/design-numbers.md):
 - a 1-warp producer partition (`gl.warp_specialize`) loads the page ids and issues the K/V tiles by TMA (one
   bulk copy per page, completing on the slot's mbarrier) into a ring of `stages` slots; the math warpgroup frees
   a slot with one arrive. Triton 3.6 puts a CTA barrier after every TMA issue and mbarrier op, so issuing from
-  the math warps stalled them 8+ times per tile (74.2 vs 66.0 us at 16k on the H200);
-- the math warpgroup gathers its Q rows itself (so that load overlaps the producer's first page-id load and TMA:
-  decode 16k 23.2 vs 23.7 us, 65 nodes at 1k 12.6-12.7 vs 12.9-13.0 us), keeps Q in registers for S = Q K^T
-  (a wgmma then reads only K from shared memory per tile: 65 nodes at 32k 94.4-94.8 vs 97.3 us), and issues
-  tile j+1's S = Q K^T and tile j's P V as two async wgmma groups (BENCHMARKS.md). ptxas places the
+  the math warps would stall them several times per tile;
+- the math warpgroup gathers its Q rows itself (so that load overlaps the producer's first page-id load and
+  TMA), keeps Q in registers for S = Q K^T (a wgmma then reads only K from shared memory per tile), and issues
+  tile j+1's S = Q K^T and tile j's P V as two async wgmma groups. ptxas places the
   wait for P V(j) before tile j+1's softmax (the SASS: P(j+1) takes P(j)'s registers), so in the compiled
-  kernel the softmax overlaps the other program's MMAs on the SM, not this program's P V. A loop that keeps the
-  overlap (and one with S two tiles ahead) measured within the run-to-run spread (BENCHMARKS.md);
+  kernel the softmax overlaps the other program's MMAs on the SM, not this program's P V; a loop that keeps
+  the overlap (and one with S two tiles ahead) gained nothing beyond the run-to-run spread;
 - a last row block of <= `tail_n` rows (one node's GQA group: a tree of 4k + 1 nodes, every default budget + the
   root, has 4 such rows at G = 4) runs swapped, S^T = K Q^T with the KV positions as wgmma's M and N = tail_n,
-  instead of a 64-row block that is 94% padding (H200, 65 nodes: 16k 52-53 vs 53-57 us, b = 8 at 8k 196-203
-  vs 209-212 us over three runs; BENCHMARKS.md);
+  instead of a 64-row block that is almost all padding;
 - with block_m = 128 (`PINGPONG`, FA3's shape for head dim 128, and cuDNN's: 2 math warpgroups x 64 rows,
   128-wide tiles, 3 stages, one program per SM) the two math warpgroups are separate partitions that share every
   K/V tile (a slot frees after both arrive) and issue their MMAs in turn through two mbarriers; Q stays in shared
   memory there (the registers go to the 64 x 128 S and P). `dispatch.gluon_config_for` picks it where the
-  rows fill their last 128-row block more than half (64 nodes: 16k 43.2-44.7 vs 45.4-46.6 us in two
-  runs); a 4k + 1-node tree keeps
-  the 64-row blocks and the swapped tail.
+  rows fill their last 128-row block more than half; a 4k + 1-node tree keeps the 64-row blocks and the
+  swapped tail.
 Grid (q_block, request * kv_head, split), the Triton kernel's tail-split arithmetic: splits 0 .. S - 2 share the
 full context tiles every row of the block sees, unmasked; the last split takes the partial context tile and the
 new tokens under the mode's mask (causal, tree mask, all). Each writes a normalised partial and its base-2
 log-sum-exp, and the Triton `merge.combine` merges (`reference.split_partials_reference` is the oracle). (The
-Triton kernel running that last split instead measured slower and is gone: BENCHMARKS.md.)
+Triton kernel running that last split instead was slower and is gone.)
 Rows past the request's length in a tile read finite pool data (the engine's pools are zero-initialised) that
 the mask gives weight 0. Written for sm_90, bf16/fp16, head dim 64 or 128, a page size that is a multiple of 8
 and divides or is divided by 64 (TMA boxes of min(page, 64) rows) and no `new_kv` (the drafter's block); the
 default plan uses it where `dispatch.gluon_unsupported` gives no reason: the checked shapes, and
-> 32 rows per request (trees, chains) or <= tail_n (decode, all swapped: 4k 10.7 vs 14.1 us, ragged b = 8
-69 vs 105 us; BENCHMARKS.md).
+> 32 rows per request (trees, chains) or <= tail_n (decode, all swapped).
 `DDTREE_DISABLE=hopper_attention` turns it off (the Triton kernel then does everything);
 DDTREE_REFERENCE=attention still replaces both with the PyTorch reference.
 """
@@ -95,9 +91,7 @@ class HopperConfig:
 
 DEFAULT = HopperConfig()
 # two consumer warpgroups sharing 128-wide K/V tiles (FA3's shape for head dim 128): faster where the rows fill
-# 128-row blocks (H200, two runs, 64 nodes: 16k 43.2-44.7 vs 45.4-46.6 us, 32k 68.8-77.7 vs 76.0-86.5, b = 8 at
-# 8k 138.0-148.3 vs 151.8-161.6), slower where a last block would hold a tree's 4-row tail (65 nodes at 16k:
-# 52.7-52.8 vs 50.7-52.1); BENCHMARKS.md
+# 128-row blocks, slower where a last block would hold a tree's 4-row tail (docs/design-numbers.md)
 PINGPONG = HopperConfig(block_m=128, block_n=128, stages=3)
 
 

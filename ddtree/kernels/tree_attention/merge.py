@@ -8,8 +8,8 @@ of the partials.
 PDL (programmatic dependent launch, sm_90+): the split kernel calls `gdc_launch_dependents` first, so the merge's
 programs can be scheduled while the splits run; they wait in `gdc_wait` (griddepcontrol.wait) until the split
 grid has finished and its writes are visible. That hides the launch gap between the two kernels, a visible
-share of a memory-bound decode call (16k context on the H200: 25.4 -> 23.8 us, BENCHMARKS.md). The Gluon
-kernel (hopper.py) triggers it the same way for decode-shaped launches (`dispatch.gluon_merge_pdl`; 4k 10.9 -> 9.8 us).
+share of a memory-bound decode call (docs/design-numbers.md). The Gluon kernel (hopper.py) triggers it the
+same way for decode-shaped launches (`dispatch.gluon_merge_pdl`).
 Captured CUDA graphs keep the programmatic edge. DDTREE_DISABLE=pdl launches the merge as an ordinary kernel.
 """
 

@@ -53,7 +53,7 @@ def paged_attention_reference(
     acc_dtype: torch.dtype = torch.float32,
     **_unused,
 ) -> torch.Tensor:
-    """Same contract as `ddtree.kernels.tree_attention.triton.paged_attention` (extra kwargs such as
+    """Same contract as `ddtree.kernels.tree_attention.launch.paged_attention` (extra kwargs such as
     max_q_len / num_splits are accepted and ignored). Syncs with the device: for tests and the CPU."""
     T, hq, _ = q.shape
     group = hq // k_pool.shape[1]

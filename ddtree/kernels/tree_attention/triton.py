@@ -1,10 +1,6 @@
-"""Split-KV paged attention for decode, chain/tree verify, causal extend and drafter blocks (Triton).
-
-Contract (same as `reference.paged_attention_reference`): q [T, Hq, D] holds request i's q_len_i new tokens at
-rows qo_indptr[i]..qo_indptr[i+1]; they sit at logical KV positions kv_len_i - q_len_i .. kv_len_i - 1, whose
-K/V are in the paged pools (or, with `new_kv`, in dense rows aligned with q). Every cached position
-(< kv_len_i - q_len_i) is visible; among the new tokens visibility is causal, all-to-all (causal=False), or
-`tree_mask[i, t, c]` (bool [b, n, n], n >= max q_len, ancestors-and-self).
+"""The split-KV paged attention kernel (Triton) for decode, chain/tree verify, causal extend and drafter
+blocks, beside its oracle `reference.py`; `launch.py` builds its arguments, plans and launches it (the
+contract is there).
 
 Grid (q_block, request * kv_head, split). A program's M rows are (token, query head of the kv head's GQA group)
 pairs, row = t * G + g, so every K/V tile is read once for the whole group. Each program streams KV tiles with an
@@ -14,9 +10,8 @@ context tile and the new tokens (TREE_N-wide tiles starting at ctx, so tree-mask
 in the last split, unpipelined. With `tail_split` (default) and > 1 split, that last split does only the masked
 tiles, beside the context splits instead of after one of them. With one split the program writes the output;
 otherwise it writes a normalised partial and its log-sum-exp, and `merge.combine` merges them. The mask stays a
-plain bool tensor (read as uint8), gathered only on the TREE_N-wide tiles: with 64-wide masked tiles the gather
-made the kernel spill on sm_90 (255 regs + 224 B stack); with 16 it does not (see
-studies/tree_attention_compile_report.py).
+plain bool tensor (read as uint8), gathered only on the TREE_N-wide tiles: gathered on 64-wide masked tiles it
+made the kernel spill on sm_90, on 16-wide ones it does not (studies/tree_attention_compile_report.py).
 All launch shapes depend only on host ints (batch, max q_len, num_splits); per-request lengths are read on the
 device, so the calls are CUDA-graph capturable with static metadata tensors (launch once before capturing:
 the first call compiles).
@@ -24,20 +19,11 @@ the first call compiles).
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels.tree_attention import dispatch, hopper
-from ddtree.kernels.tree_attention.dispatch import AttentionShape, LaunchPlan
-from ddtree.kernels.tree_attention.merge import combine, gdc_launch_dependents, pdl_ok
-from ddtree.kernels.tree_attention.tuning import (
-    KernelConfig,
-    patch_interpreter_index,
-    resident_slots,
-)
+from ddtree.kernels.tree_attention.merge import gdc_launch_dependents
+from ddtree.kernels.tree_attention.tuning import patch_interpreter_index
 
 if triton.knobs.runtime.interpret:
     patch_interpreter_index()
@@ -47,7 +33,6 @@ if triton.knobs.runtime.interpret:
 # TRITON_INTERPRET was set (it recognises these combine functions and reduces with numpy); same IR on GPU.
 # finite running max: a row with nothing visible yet keeps p = 0 instead of NaN
 _NEG_INIT = tl.constexpr(-1.0e30)
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -64,13 +49,13 @@ def _dot(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def _load_kv(
+    j,
+    hi,
     k_pool,
     v_pool,
     bt_row,
     kv_off,
     d,
-    j,
-    hi,
     ctx,
     stride_s,
     k_ext,
@@ -114,16 +99,16 @@ def _attend_tile(
     acc,
     m_i,
     l_i,
-    q,
     k,
     v,
     j_ok,
     c,
+    j_abs,
+    q,
     row_t,
     mask_ptr,
     mask_row,
     qk_scale,
-    j_abs,
     win_lo,
     win_hi,
     MASKED: tl.constexpr,
@@ -316,125 +301,22 @@ def _attend_rows(
     k_ext += ext_off
     v_ext += ext_off
 
+    # what every tile's load and softmax step share
+    src = (k_pool, v_pool, bt_row, kv_off, d, ctx, stride_s, k_ext, v_ext, stride_es)
+    rows = (q, row_t, mask_ptr, mask_row, qk_scale, win_lo, win_hi)
     for tile in range(tile_lo, tile_hi):
         j = tile * BLOCK_N + cols
-        k, v, j_ok = _load_kv(
-            k_pool,
-            v_pool,
-            bt_row,
-            kv_off,
-            d,
-            j,
-            kv_len,
-            ctx,
-            stride_s,
-            k_ext,
-            v_ext,
-            stride_es,
-            PAGE,
-            0,
-            EXTRA,
-        )
-        acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k,
-            v,
-            j_ok,
-            j,
-            row_t,
-            mask_ptr,
-            mask_row,
-            qk_scale,
-            j,
-            win_lo,
-            win_hi,
-            0,
-            MODE,
-            DOT,
-            WINDOW,
-        )
+        k, v, j_ok = _load_kv(j, kv_len, *src, PAGE, 0, EXTRA)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, k, v, j_ok, j, j, *rows, 0, MODE, DOT, WINDOW)
     for tile in tl.range(n_full, n_full + n_rem, num_stages=1):
         j = tile * BLOCK_N + cols
-        k, v, j_ok = _load_kv(
-            k_pool,
-            v_pool,
-            bt_row,
-            kv_off,
-            d,
-            j,
-            free_end,
-            ctx,
-            stride_s,
-            k_ext,
-            v_ext,
-            stride_es,
-            PAGE,
-            1,
-            EXTRA,
-        )
-        acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k,
-            v,
-            j_ok,
-            j,
-            row_t,
-            mask_ptr,
-            mask_row,
-            qk_scale,
-            j,
-            win_lo,
-            win_hi,
-            1,
-            MODE,
-            DOT,
-            WINDOW,
-        )
+        k, v, j_ok = _load_kv(j, free_end, *src, PAGE, 1, EXTRA)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, k, v, j_ok, j, j, *rows, 1, MODE, DOT, WINDOW)
     for kk in tl.range(0, n_masked, num_stages=1):
         c = (free_end - ctx) + kk * TREE_N + tcols
-        k, v, j_ok = _load_kv(
-            k_pool,
-            v_pool,
-            bt_row,
-            kv_off,
-            d,
-            ctx + c,
-            kv_len,
-            ctx,
-            stride_s,
-            k_ext,
-            v_ext,
-            stride_es,
-            PAGE,
-            2,
-            EXTRA,
-        )
+        k, v, j_ok = _load_kv(ctx + c, kv_len, *src, PAGE, 2, EXTRA)
         acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k,
-            v,
-            j_ok,
-            c,
-            row_t,
-            mask_ptr,
-            mask_row,
-            qk_scale,
-            ctx + c,
-            win_lo,
-            win_hi,
-            2,
-            MODE,
-            DOT,
-            WINDOW,
+            acc, m_i, l_i, k, v, j_ok, c, ctx + c, *rows, 2, MODE, DOT, WINDOW
         )
 
     _store_rows(
@@ -461,7 +343,7 @@ def _attend_rows(
 
 
 @triton.jit
-def _split_kv_attn(
+def split_kv_attn(
     q_ptr,
     k_pool,
     v_pool,
@@ -586,289 +468,4 @@ def _split_kv_attn(
             TAIL_SPLIT,
             DOT,
             WINDOW,
-        )
-
-
-def _dot_mode(dtype: torch.dtype) -> int:
-    if triton.knobs.runtime.interpret:
-        return 2
-    return 1 if dtype == torch.float32 else 0
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_lens: torch.Tensor,
-    page_size: int,
-    scale: float,
-    **kw,
-) -> torch.Tensor:
-    """`paged_attention_plan` without the plan: [T, Hq, D]."""
-    return paged_attention_plan(
-        q, k_pool, v_pool, block_table, qo_indptr, kv_lens, page_size, scale, **kw
-    )[0]
-
-
-def paged_attention_plan(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_lens: torch.Tensor,
-    page_size: int,
-    scale: float,
-    *,
-    max_q_len: int,
-    max_kv_len: int,
-    tree_mask: torch.Tensor | None = None,
-    causal: bool = True,
-    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_splits: int | None = None,
-    config: KernelConfig | None = None,
-    out: torch.Tensor | None = None,
-    hopper_ctx: bool | hopper.HopperConfig | None = None,
-    plan: LaunchPlan | None = None,
-    window: int | None = None,
-) -> tuple[torch.Tensor, LaunchPlan | None]:
-    """See the module docstring. `max_q_len` and `max_kv_len` are host ints bounding the batch (they size the
-    grid and the split count only; pass the captured maxima under a CUDA graph). Without a tree mask the new
-    tokens see each other causally, or all of them when `causal` is False. `new_kv` = (k, v) [T, Hkv, D] rows
-    aligned with q: the new tokens' K/V are read from there instead of the pools (the drafter's block K/V,
-    which is never stored). `window` W: a sliding window, keys with |query pos - key pos| < W (not with a
-    tree mask). num_splits / config / hopper_ctx: passed to `dispatch.plan` (hopper_ctx True /
-    None: the Gluon kernel of `hopper.py` wherever it is supported), unless `plan` is given. Returns
-    ([T, Hq, D], the plan that ran; None for an empty batch)."""
-    T, hq, dim = q.shape
-    hkv = k_pool.shape[1]
-    assert hq % hkv == 0 and dim == k_pool.shape[2] and dim >= 16 and dim & (dim - 1) == 0
-    assert k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
-    b = qo_indptr.shape[0] - 1
-    if out is None:
-        out = torch.empty(T, hq, dim, dtype=q.dtype, device=q.device)
-    if T == 0 or b == 0:
-        return out, None
-    if q.dtype != k_pool.dtype or q.stride(-1) != 1:
-        q = q.to(k_pool.dtype).contiguous()
-    mode = 1 if tree_mask is not None else 0 if causal else 2
-    window = int(window or 0)
-    if window and tree_mask is not None:
-        raise ValueError(
-            "a sliding window with a tree mask: node positions are depths, not indices"
-        )
-    if tree_mask is not None:
-        mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
-        assert mask.stride(-1) == 1
-        smb, smt = mask.stride(0), mask.stride(1)
-    else:
-        mask, smb, smt = kv_lens, 0, 0
-    if new_kv is not None:
-        k_ext, v_ext = (t.to(k_pool.dtype).contiguous() for t in new_kv)
-        assert k_ext.shape == (T, hkv, dim) and v_ext.shape == (T, hkv, dim)
-    else:
-        k_ext = v_ext = k_pool
-
-    def args(split_count, part_o, part_lse):
-        return (
-            q,
-            k_pool,
-            v_pool,
-            block_table,
-            qo_indptr,
-            kv_lens,
-            mask,
-            out,
-            part_o,
-            part_lse,
-            k_ext,
-            v_ext,
-            scale * _LOG2E,
-            split_count,
-            q.stride(0),
-            q.stride(1),
-            k_pool.stride(0),
-            k_pool.stride(1),
-            block_table.stride(0),
-            out.stride(0),
-            out.stride(1),
-            smb,
-            smt,
-            k_ext.stride(1),
-            k_ext.stride(0),
-            window,
-        )
-
-    shape = AttentionShape.of(
-        q, k_pool, qo_indptr, page_size, max_q_len, max_kv_len, mode, new_kv is not None, window
-    )
-    if plan is None:
-        plan = dispatch.plan(
-            shape,
-            q.device,
-            num_splits=num_splits,
-            config=config,
-            hopper_ctx=hopper_ctx,
-            triton_slots=lambda cfg: triton_slots(shape, cfg, q.device, args),
-        )
-    gluon_args = (q, k_pool, v_pool, block_table, qo_indptr, kv_lens, scale, mask, smb, smt)
-    if plan.kernel == "hopper":
-        try:
-            launch(plan, shape, args, out, gluon_args)
-            return out, plan
-        except Exception as e:  # noqa: BLE001 - e.g. another Triton's Gluon: fall back, once and for all
-            hopper.disable(e)
-            plan = dispatch.plan(
-                shape,
-                q.device,
-                num_splits=num_splits,
-                config=config,
-                hopper_ctx=False,
-                triton_slots=lambda cfg: triton_slots(shape, cfg, q.device, args),
-            )
-            plan = dataclasses.replace(
-                plan, fallback=f"the Gluon kernel failed: {type(e).__name__}"
-            )
-    launch(plan, shape, args, out, gluon_args)
-    return out, plan
-
-
-def _consts(shape: AttentionShape, cfg: KernelConfig) -> dict:
-    return dict(
-        HKV=shape.num_kv_heads,
-        G=shape.group,
-        D=shape.head_dim,
-        PAGE=shape.page_size,
-        BLOCK_M=cfg.block_m,
-        TAIL_M=cfg.tail_m,
-        BLOCK_N=cfg.block_n,
-        TREE_N=cfg.tree_n,
-        TAIL_SPLIT=cfg.tail_split,
-        MODE=shape.mode,
-        EXTRA=shape.new_kv,
-        WINDOW=shape.window > 0,
-        DOT=_dot_mode(shape.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-
-
-def triton_slots(shape: AttentionShape, cfg: KernelConfig, device: torch.device, args=None) -> int:
-    """Resident programs of the split kernel variant that `cfg` and `shape` compile to (SMs x per SM). args:
-    the call's argument builder (None: stand-in tensors of the shape's dtypes, for a plan asked ahead)."""
-    consts = _consts(shape, cfg)
-    key = tuple(sorted((k, str(v)) for k, v in consts.items())) + (str(shape.dtype),)
-    if args is None:
-        args = _stand_in_args(shape, device)
-    f32 = torch.empty(1, dtype=torch.float32, device=device)
-    # the variant a split launch uses (PDL as there), so that launch reuses this compile
-    return resident_slots(
-        device,
-        key,
-        lambda: _split_kv_attn.warmup(
-            *args(2, f32, f32), grid=(1,), SPLIT=True, PDL=pdl_ok(device), **consts
-        ),
-    )
-
-
-def _stand_in_args(shape: AttentionShape, device: torch.device):
-    hq, hkv, d, p = shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.page_size
-    q = torch.zeros(1, hq, d, dtype=shape.dtype, device=device)
-    pool = torch.zeros(p, hkv, d, dtype=shape.dtype, device=device)
-    ints = torch.zeros(2, dtype=torch.int64, device=device)
-    table = torch.zeros(1, 1, dtype=torch.int64, device=device)
-    mask = torch.zeros(1, 1, 1, dtype=torch.uint8, device=device) if shape.mode == 1 else ints
-    smb, smt = (1, 1) if shape.mode == 1 else (0, 0)
-
-    def args(split_count, part_o, part_lse):
-        return (
-            q,
-            pool,
-            pool,
-            table,
-            ints,
-            ints,
-            mask,
-            q,
-            part_o,
-            part_lse,
-            pool,
-            pool,
-            1.0,
-            split_count,
-            q.stride(0),
-            q.stride(1),
-            pool.stride(0),
-            pool.stride(1),
-            table.stride(0),
-            q.stride(0),
-            q.stride(1),
-            smb,
-            smt,
-            pool.stride(1),
-            pool.stride(0),
-            shape.window,
-        )
-
-    return args
-
-
-def launch(
-    plan: LaunchPlan, shape: AttentionShape, args, out: torch.Tensor, gluon_args: tuple
-) -> None:
-    """Launch `plan` ("hopper" or "triton"): the split kernels, then the merge. args(splits, part_o,
-    part_lse): the Triton kernel's arguments; gluon_args: (q, k_pool, v_pool, block_table, qo_indptr, kv_lens,
-    scale, mask, stride_mb, stride_mt) for `hopper.launch_splits`."""
-    cfg, num_splits, hop, pdl = plan.config, plan.num_splits, plan.hopper, plan.pdl
-    T, hq, dim = out.shape
-    split = num_splits > 1
-    if split:
-        part_o = torch.empty(T, hq, num_splits, dim, dtype=torch.float32, device=out.device)
-        part_lse = torch.empty(T, hq, num_splits, dtype=torch.float32, device=out.device)
-    else:
-        part_o = part_lse = out
-    if hop:
-        q, k_pool, v_pool, block_table, qo_indptr, kv_lens, scale, mask, smb, smt = gluon_args
-        hopper.launch_splits(
-            q,
-            k_pool,
-            v_pool,
-            block_table,
-            qo_indptr,
-            kv_lens,
-            shape.page_size,
-            scale,
-            part_o,
-            part_lse,
-            num_splits,
-            shape.max_q_len,
-            shape.mode,
-            mask,
-            smb,
-            smt,
-            hop,
-            pdl,
-        )
-    else:
-        q_blocks = -(-shape.rows // cfg.block_m)
-        grid = (q_blocks, shape.batch * shape.num_kv_heads, num_splits)
-        _split_kv_attn[grid](
-            *args(num_splits, part_o, part_lse), SPLIT=split, PDL=pdl, **_consts(shape, cfg)
-        )
-    if split:
-        combine[(T, hq)](
-            part_o,
-            part_lse,
-            out,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            HQ=hq,
-            D=dim,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            PDL=pdl,
-            num_warps=cfg.combine_warps,
-            launch_pdl=pdl,
         )

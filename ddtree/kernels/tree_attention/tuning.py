@@ -25,7 +25,7 @@ class KernelConfig:
         True  # with > 1 split, the last split does only the masked tiles (the new tokens)
     )
     combine_warps: int = (
-        1  # warps per program of the split-merging kernel (1 beat 2, 4, 8 on the H200)
+        1  # warps per program of the split-merging kernel (a short reduction: more warps only wait)
     )
 
     def __post_init__(self):
@@ -75,8 +75,7 @@ def wide_head_candidates(rows_per_request: int) -> list[KernelConfig]:
 
 def split_min_tiles(rows_per_request: int) -> int:
     """Fewest context tiles per split: tree / chain rows write a [rows, D] fp32 partial per split, so short
-    splits cost more in partials and merging than they gain in parallelism (1k context, 65 nodes: 3 splits
-    17.7 us, 5 splits 19.8 us, 9 splits 21.1 us on the H200)."""
+    splits cost more in partials and merging than they gain in parallelism (docs/design-numbers.md)."""
     return 4 if rows_per_request <= 16 else 6
 
 

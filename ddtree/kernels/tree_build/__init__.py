@@ -12,11 +12,10 @@ interpreter, as the fused and GDN kernels).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ddtree import envs
+from ddtree.kernels.availability import decorated_now, kernels_run_on, triton_importable
 from ddtree.speculative.tree import TreeNodes
 from ddtree.speculative.tree import select_nodes as select_nodes_reference
 
@@ -29,28 +28,13 @@ MAX_PREFIXES = 4096
 __all__ = ["select_nodes", "supported", "use_kernel"]
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_ok() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "no triton": the reference works
-        return False
-    return True
-
-
 def _triton():
     """The kernel module, decorated in the mode TRITON_INTERPRET asks for now (it is read when a
     kernel is decorated: the module and its sorting network are reloaded when it changed)."""
-    import importlib
-
     from ddtree.kernels.tree_build import bitonic
     from ddtree.kernels.tree_build import triton as mod
 
-    want = envs.TRITON_INTERPRET.on()
-    if bitonic._decorated_interpreted != want or mod._decorated_interpreted != want:
-        importlib.reload(bitonic)
-        mod = importlib.reload(mod)
-    return mod
+    return decorated_now(mod, bitonic)
 
 
 def supported(budget: int, depths: int) -> bool:
@@ -61,9 +45,7 @@ def use_kernel(t: torch.Tensor, budget: int, depths: int) -> bool:
     """Whether the kernel builds this tree (device, switches, size; module docstring)."""
     if envs.REFERENCE.has("tree_build") or not supported(budget, depths):
         return False
-    if not t.is_cuda and not (envs.TRITON_INTERPRET.on() and envs.FUSED_KERNELS_INTERPRET.on()):
-        return False
-    return _triton_ok()
+    return kernels_run_on(t) and triton_importable()
 
 
 def select_nodes(

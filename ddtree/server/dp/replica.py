@@ -78,7 +78,7 @@ class _Sink:
 
 class Replica:
     def __init__(self, rank: int, args, conn, gc_freeze: bool):
-        from ddtree.server.launch import build_engine
+        from ddtree.server.build import build_engine
 
         self.rank, self.conn = rank, conn
         from ddtree.server.structured import GrammarCompiler

@@ -44,9 +44,9 @@ Why it is exact (fp32 agrees to rounding; the tests hold it to 1e-5):
 
 In bf16 the two pairs round differently (the norm scales sqrt(h/H) are not powers of two, and wide
 GEMMs accumulate in another order), so near-ties flip: on fixed text the inflated pair's DFLASH
-acceptance is within 0.3% of the small pair's bf16 (`tools.studies.at_scale_precision`), but each pair
-decodes its own text and a served τ follows the text (`tools.studies.at_scale_trajectories`;
-docs/results/dflash_bf16_*_2026-12-01.json).
+acceptance stays close to the small pair's bf16 (`tools.studies.at_scale_precision`), but each pair
+decodes its own text and a served τ follows the text (`tools.studies.at_scale_trajectories`; the
+numbers: docs/design-numbers.md).
 
 `--model-path inflate:<shape>[:<src_target>:<src_drafter>]` (`source.py`) serves a pair built in
 memory: `plan.py` gives its configs without torch, `pair.py` builds it on the serving device.

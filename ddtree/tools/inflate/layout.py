@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.tools.inflate.plan import InflateError
+from ddtree.models.shapes import InflateError
 
 
 def put(

@@ -37,6 +37,20 @@ def _dtype(name: str):
     return None if name == "auto" else torch_dtype(name)
 
 
+# flags every training loop here takes under its own name
+_LOOP_FLAGS = ("steps", "lr", "batch_size", "seed", "device", "progress")
+
+
+def _loop_args(args, history: list) -> dict:
+    """The options every training loop here takes from its command line the same way."""
+    named = {flag: getattr(args, flag) for flag in _LOOP_FLAGS}
+    return named | {
+        "autocast_dtype": _dtype(args.autocast_dtype),
+        "out_dir": args.out,
+        "history": history,
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(allow_abbrev=False, prog="ddtree")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -210,20 +224,12 @@ def train_target_cmd(args) -> int:
     train_lm(
         cfg,
         train,
-        steps=args.steps,
-        lr=args.lr,
-        batch_size=args.batch_size,
+        **_loop_args(args, history),
         warmup=args.warmup if args.warmup < 1 else int(args.warmup),
         weight_decay=args.weight_decay,
-        seed=args.seed,
-        device=args.device,
-        autocast_dtype=_dtype(args.autocast_dtype),
-        out_dir=args.out,
         save_every=args.save_every,
         resume=args.resume,
         save_dtype=_dtype(args.save_dtype),
-        progress=args.progress,
-        history=history,
         eval_sequences=held[:64],
         threads=args.threads,
     )
@@ -341,18 +347,10 @@ def train_drafter_cmd(args) -> int:
             dcfg,
             train,
             args.init_from,
-            steps=args.steps,
-            lr=args.lr,
-            batch_size=args.batch_size,
+            **_loop_args(args, history),
             anchors_per_seq=args.anchors,
             gamma=args.gamma,
-            seed=args.seed,
-            device=args.device,
-            autocast_dtype=_dtype(args.autocast_dtype),
-            out_dir=args.out,
             save_dtype=save_dtype,
-            progress=args.progress,
-            history=history,
             eval_sequences=held,
             features=os.path.join(args.out, "selector_features"),
         )
@@ -362,21 +360,13 @@ def train_drafter_cmd(args) -> int:
         target,
         dcfg,
         train,
-        steps=args.steps,
-        lr=args.lr,
-        batch_size=args.batch_size,
+        **_loop_args(args, history),
         anchors_per_seq=args.anchors,
         gamma=args.gamma,
         kd=args.kd,
-        seed=args.seed,
-        device=args.device,
-        autocast_dtype=_dtype(args.autocast_dtype),
-        out_dir=args.out,
         save_every=args.save_every,
         resume=args.resume,
         save_dtype=save_dtype,
-        progress=args.progress,
-        history=history,
         eval_sequences=held,
         eval_every=args.eval_every,
         threads=args.threads,

@@ -134,7 +134,7 @@ def dflash2_from_dflash(
     from ddtree.models.configs import TargetConfig
     from ddtree.models.drafters import build_drafter
     from ddtree.models.loader import save_model
-    from ddtree.tools.train.drafter import drafter_config_for
+    from ddtree.models.shapes import drafter_config_for
 
     src = DrafterConfig.from_path(dflash_dir)
     cfg = drafter_config_for(
