@@ -221,7 +221,7 @@ def meta_models(args):
             out.append(None)
             continue
         with torch.device("meta"):
-            model = make(cfg).to(torch.float32 if args.dtype == "float32" else torch.bfloat16)
+            model = make(cfg).to(getattr(torch, args.dtype))
             if layout is not None:
                 quant.to_fp8(model, layout)
         out.append(model)
@@ -316,6 +316,25 @@ class Prewarm:
         self.done = {"seconds": time.perf_counter() - self.t0, "failed": failed, "killed": killed}
         print(f"# pre-warm done: {self.done}", flush=True)
         return self.done
+
+
+BANDWIDTH = """import json, sys, torch
+from ddtree.bench.round_timing import copy_bandwidth
+dev = torch.device(sys.argv[1])
+bw = copy_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (16 << 20))
+bw["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+print(json.dumps(bw))
+"""
+
+
+def device_bandwidth(device: str) -> dict:
+    """The copy bandwidth the floors divide by (`bench rounds`' measure), on the quiet card before
+    anything starts; in a child process, so that this one holds no CUDA context beside the servers
+    (the memory plan assumes the card is theirs)."""
+    out = subprocess.run(
+        [sys.executable, "-c", BANDWIDTH, device], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def measure_level(ns, url: str, c: int, first: bool) -> dict:
@@ -418,7 +437,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ddtree.bench.random_pair import read_bytes
-    from ddtree.bench.round_timing import copy_bandwidth
     from ddtree.config.memory_plan import memory_plan
 
     if ns.dry_run:
@@ -433,13 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    dev = torch.device(ns.device)
-    bw = copy_bandwidth(dev, (1 << 30) if ns.device == "cuda" else (16 << 20))  # a quiet card
-    if ns.device == "cuda":
-        torch.cuda.empty_cache()
+    bw = device_bandwidth(ns.device)
     report = {
         "meta": {k: v for k, v in vars(ns).items() if k not in ("t0",)},
-        "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
+        "device": bw.pop("device"),
         "torch": torch.__version__,
         "bandwidth": bw,
         "plans": {},

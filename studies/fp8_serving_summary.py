@@ -47,6 +47,8 @@ def markdown(report: dict) -> str:
     for s in report.get("skipped", []):
         part, config, quant = s["run"].split()
         why[(part, config, quant, s.get("concurrency"))] = s["why"]
+    for name in report.get("errors", {}):
+        why.setdefault((*name.split(), None), "server failed: see the notes")
     bw = report.get("bandwidth", {}).get("bandwidth_Bps", 0) / 1e12
     out = [
         f"device: {report.get('device')}, torch {report.get('torch')}, copy bandwidth "
