@@ -54,7 +54,7 @@ python3 -c "import deep_gemm; print('deep_gemm', getattr(deep_gemm, '__version__
 deep_gemm.__file__)" 2>&1 | tail -1
 BUDGET=$((WALL - ($(date +%s) - T0) - RESERVE_S))
 echo "## studies/fp8_served.py, --time-budget-s $BUDGET"
-timeout $((BUDGET + 10)) python3 studies/fp8_served.py --out "$OUT" --log-dir "$LOGS" \
+timeout -k 15 $((BUDGET + 10)) python3 studies/fp8_served.py --out "$OUT" --log-dir "$LOGS" \
   --time-budget-s "$BUDGET" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | tee "$OUT/fp8_served.log"
 status=${PIPESTATUS[0]}
 if [ "$status" = 124 ] && [ -f "$OUT/fp8_served.json" ]; then  # cut short: the rows it finished
