@@ -13,11 +13,12 @@ it ends, so a run cut short keeps what it finished:
        memory plan (`ddtree check-config`'s, for this card) holds that many running requests; a
        level past the plan's cap is skipped and said so, and the cap itself is measured instead
 
-Before any timing the DeepGEMM kernels the FP8 servers will compile at start-up (every row count
-up to the largest forward each may meet, per FP8 weight shape: `engine/warmup.py`) are compiled by
---prewarm-procs processes into DG_JIT_CACHE_DIR, overlapping the first bf16 server's start-up; a
-server then loads them from the cache. A run whose time would pass --time-budget-s starts no
-server or level it cannot finish.
+Each shape's part opens with its bf16 DFLASH server, whose start-up (no timing in it, unlike
+`auto`'s round-cost profile) overlaps the pre-warm: --prewarm-procs processes compile into
+DG_JIT_CACHE_DIR the DeepGEMM kernels that part's FP8 servers would compile at start-up (every row
+count up to the largest forward each may meet, per FP8 weight shape: `engine/warmup.py`), and the
+FP8 servers then load them from the cache. Nothing is timed while they run. A run whose time
+would pass --time-budget-s starts no server or level it cannot finish.
 
     python3 studies/fp8_served.py --out OUT [--parts 8b,ar,27b] [--time-budget-s 530]
     python3 studies/fp8_served.py --dry-run --out /tmp/fp8_served   # CPU: tiny shapes, every step
@@ -148,9 +149,9 @@ def apply_dry_run(ns) -> None:
 
 
 def plan_runs(ns) -> list[Run]:
-    """The servers in priority order. 8B: the DFLASH pair first (FP8 / bf16 at every level), then
-    FP8 auto (auto / DFLASH in FP8), then bf16 auto. 27B: DFLASH FP8 and bf16 (the capacity FP8
-    frees), then auto."""
+    """The servers in priority order, each part opening with bf16 DFLASH (beside the part's
+    pre-warm): the DFLASH pair first (FP8 / bf16 at every level; at 27B the capacity FP8 frees),
+    then FP8 auto (auto / DFLASH in FP8), then bf16 auto."""
     lv8 = tuple(int(c) for c in ns.concurrency_8b.split(","))
     lv27 = tuple(int(c) for c in ns.concurrency_27b.split(","))
     f8, f27 = tuple(ns.flags_8b.split()), tuple(ns.flags_27b.split())
@@ -162,7 +163,7 @@ def plan_runs(ns) -> list[Run]:
         elif part == "ar":
             runs += [Run("ar", ns.shape_8b, "AR", q, (1,), f8) for q in ("bf16", "fp8")]
         elif part == "27b":
-            order = (("DFLASH", "fp8"), ("DFLASH", "bf16"), ("auto", "fp8"), ("auto", "bf16"))
+            order = (("DFLASH", "bf16"), ("DFLASH", "fp8"), ("auto", "fp8"), ("auto", "bf16"))
             runs += [Run("27b", ns.shape_27b, c, q, lv27, f27) for c, q in order]
         else:
             raise ValueError(f"--parts: unknown part {part!r}; use {', '.join(PARTS)}")
@@ -250,7 +251,7 @@ def prewarm_tasks(fp8_runs: list[tuple[Run, object, object]]) -> list[tuple[int,
     return tasks
 
 
-def start_prewarm(ns, tasks: list[tuple[int, ...]]) -> list[subprocess.Popen]:
+def start_prewarm(ns, tasks: list[tuple[int, ...]], tag: str) -> list[subprocess.Popen]:
     """Worker processes, each a share of the slices (largest first, to the least loaded)."""
     if not tasks or ns.prewarm_procs < 1:
         return []
@@ -262,11 +263,11 @@ def start_prewarm(ns, tasks: list[tuple[int, ...]]) -> list[subprocess.Popen]:
         load[i] += (t[5] - t[4] + 1) * t[0] * t[1]
     procs = []
     for i, share in enumerate(shares):
-        log = open(os.path.join(ns.log_dir, f"prewarm_{i}.log"), "w", encoding="utf-8")
+        log = open(os.path.join(ns.log_dir, f"prewarm_{tag}_{i}.log"), "w", encoding="utf-8")
         argv = [sys.executable, os.path.abspath(__file__), "--prewarm-worker", json.dumps(share)]
         procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
     print(
-        f"# pre-warm: {len(tasks)} slices of {len({t[:4] for t in tasks})} FP8 weight "
+        f"# pre-warm {tag}: {len(tasks)} slices of {len({t[:4] for t in tasks})} FP8 weight "
         f"shapes over {len(procs)} processes",
         flush=True,
     )
@@ -317,6 +318,25 @@ class Prewarm:
         self.done = {"seconds": time.perf_counter() - self.t0, "failed": failed, "killed": killed}
         print(f"# pre-warm done: {self.done}", flush=True)
         return self.done
+
+    def stop(self) -> dict:
+        """At the end: kill what still runs (no part left to need it)."""
+        self.deadline = time.perf_counter()
+        return self.wait()
+
+
+def time_left(ns) -> float:
+    return ns.time_budget_s - (time.perf_counter() - ns.t0)
+
+
+def run_need_s(run: Run) -> float:
+    """What a run needs left to start at all: a rough start-up and one level."""
+    return START_S.get((run.part, run.quant), 60) + LEVEL_S[run.part]
+
+
+def wait_prewarms(ns) -> None:
+    for pw in ns.prewarms.values():
+        pw.wait()
 
 
 BANDWIDTH = """import json, sys, torch
@@ -389,14 +409,13 @@ def save(ns, report: dict) -> None:
 def serve_run(ns, run: Run, flags: list[str], levels: list[int], report: dict, extra: dict) -> None:
     from ddtree.tools.studies.at_scale_serve import Server
 
-    left = ns.time_budget_s - (time.perf_counter() - ns.t0)
-    need = START_S.get((run.part, run.quant), 60) + LEVEL_S[run.part]
+    left, need = time_left(ns), run_need_s(run)
     if left < need:
         print(f"# {run.name}: skipped, {left:.0f} s left (needs ~{need} s)", flush=True)
         report["skipped"].append({"run": run.name, "why": f"time budget ({left:.0f} s left)"})
         return
     if run.config == "auto":
-        ns.prewarm.wait()  # its start-up times the rounds it chooses between
+        wait_prewarms(ns)  # its start-up times the rounds it chooses between
     srv_ns = SimpleNamespace(port=ns.port, server_timeout_s=max(left - LEVEL_S[run.part], 10))
     argv = [sys.executable, "-m", "ddtree.launch_server", *flags, "--port", str(ns.port)]
     log = os.path.join(ns.log_dir, "server_" + run.name.replace(" ", "_") + ".log")
@@ -405,7 +424,7 @@ def serve_run(ns, run: Run, flags: list[str], levels: list[int], report: dict, e
         with Server(srv_ns, argv, log) as srv:
             print(f"# {run.name}: up in {srv.startup_s:.1f} s", flush=True)
             report["startup_s"][run.name] = srv.startup_s
-            ns.prewarm.wait()
+            wait_prewarms(ns)
             for i, c in enumerate(levels):
                 left = ns.time_budget_s - (time.perf_counter() - ns.t0)
                 if left < LEVEL_S[run.part]:
@@ -497,17 +516,26 @@ def main(argv: list[str] | None = None) -> int:
                 {"run": run.name, "concurrency": c, "why": f"plan holds {plan.running_requests}"}
             )
         planned.append((run, flags, args, plan, levels))
-    fp8_runs = [(r, a, p) for r, _, a, p, _ in planned if r.quant == "fp8"]
-    report["prewarm_tasks"] = prewarm_tasks(fp8_runs)
-    ns.prewarm = Prewarm(start_prewarm(ns, report["prewarm_tasks"]), ns.prewarm_timeout_s)
+    ns.prewarms, warmed = {}, set()
+    report["prewarm_tasks"], report["prewarm"] = {}, {}
     save(ns, report)
     for run, flags, args, plan, levels in planned:
+        if run.part not in ns.prewarms and time_left(ns) >= run_need_s(run):
+            # the part's FP8 kernels, compiled beside its first (bf16 DFLASH) server's start-up
+            fp8 = [
+                (r, a, p) for r, _, a, p, _ in planned if r.part == run.part and r.quant == "fp8"
+            ]
+            tasks = [t for t in prewarm_tasks(fp8) if t not in warmed]
+            warmed |= set(tasks)
+            report["prewarm_tasks"][run.part] = tasks
+            procs = start_prewarm(ns, tasks, run.part)
+            ns.prewarms[run.part] = Prewarm(procs, ns.prewarm_timeout_s)
         extra = {"plan_running": plan.running_requests}
         if run.config == "AR":  # the weight floor: what one target forward reads / copy bandwidth
             target, _ = meta_models(args)
             extra["floor_ms"] = read_bytes(target) / bw["bandwidth_Bps"] * 1e3
         serve_run(ns, run, flags, levels, report, extra)
-    report["prewarm"] = ns.prewarm.wait()
+    report["prewarm"] = {part: pw.stop() for part, pw in ns.prewarms.items()}
     save(ns, report)
     print()
     print(summary.markdown(report))

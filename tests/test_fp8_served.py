@@ -31,7 +31,7 @@ def test_the_8b_table_comes_first_and_each_part_keeps_its_flags():
         "8b auto bf16",
     ]
     assert [r.name for r in runs[4:6]] == ["ar AR bf16", "ar AR fp8"]
-    assert runs[4].levels == (1,) and runs[6].name == "27b DFLASH fp8"
+    assert runs[4].levels == (1,) and runs[6].name == "27b DFLASH bf16"  # beside the pre-warm
     ns.device, ns.attention_backend = "cuda", "triton"
     flags = fp8_served.server_flags(ns, runs[2])
     assert flags[flags.index("--model-path") + 1] == "inflate:qwen3-8b"

@@ -10,10 +10,12 @@
 # studies/fp8_served.py does the work (its docstring: parts, order, what is measured), under a time
 # budget of --wall-s (default 565) less what this script spent before it and RESERVE_S (20) for
 # after: each measured level is written to OUT/fp8_served.{json,md} when it ends, so a run cut
-# short returns the rows it finished. Expected: setup ~15 s; DeepGEMM pre-warm of every FP8 weight
-# shape (8B and 27B, 12 processes) beside the first bf16 server's start-up; 8B four servers
-# ~200-250 s; AR two servers ~50 s; 27B what is left (a cold first 27B server compiles the hybrid
-# kernels for minutes: the 27B rows are the ones a short budget loses; `--parts 27b` alone then).
+# short returns the rows it finished. Expected: setup ~15-20 s; 8B, four servers, ~200-300 s (the
+# DeepGEMM pre-warm of its 5 FP8 weight shapes, 12 processes, beside the bf16 DFLASH start-up,
+# then the auto start-ups: their round-cost profiles); AR, two servers, ~50 s; 27B what is left
+# (its first server, bf16 DFLASH beside the 27B pre-warm, compiles the hybrid kernels cold: the
+# 27B rows are the ones a short budget loses; `--parts 27b` alone in a second call then, or
+# `--parts 8b,27b,ar` to put AR last).
 # --dry-run: the CPU check (tiny shapes, every step, no GPU, no DeepGEMM).
 # Results (<= 8 files): OUT/fp8_served.json (rows, plans, every level's raw result), .md (the
 # BENCHMARKS tables: python3 studies/fp8_serving_summary.py OUT/fp8_served.json), .log, logs.tgz
