@@ -146,3 +146,21 @@ def test_warm_up_covers_every_weight_shape_to_the_largest_forward(monkeypatch):
     engine.scheduler.prefill_budget = 4096
     calls.clear()
     assert quant.warm_up(target, torch.bfloat16, 4096) == 2 and calls[0][1] == 4096
+
+
+def test_warm_up_rows_split_between_processes_cover_the_range_once(monkeypatch):
+    """studies/fp8_served.py warms the library's cache from several processes, each a slice of the
+    rows (min_rows..max_rows): the slices run every row count the whole range does, once."""
+    seen = []
+    monkeypatch.setattr(DG, "takes", lambda *a: True)
+    monkeypatch.setattr(fp8, "use_kernels", lambda w: True)
+    monkeypatch.setattr(fp8, "choose", lambda m, *a, **k: "deepgemm" if m % 3 else "triton")
+    monkeypatch.setattr(fp8, "linear", lambda x, *a, **k: seen.append(x.shape[0]))
+    w, s = torch.zeros(256, 128, dtype=torch.float8_e4m3fn), torch.ones(2, 1)
+    whole = fp8.warm_up(w, s, 128, 128, torch.bfloat16, 40)
+    full, seen[:] = list(seen), []
+    parts = [
+        fp8.warm_up(w, s, 128, 128, torch.bfloat16, hi, min_rows=lo)
+        for lo, hi in ((1, 9), (10, 40))
+    ]
+    assert sum(parts) == whole == len(full) and seen == full == [m for m in range(1, 41) if m % 3]

@@ -180,10 +180,12 @@ def warm_up(
     dtype: torch.dtype,
     max_rows: int,
     scale_t: torch.Tensor | None = None,
+    min_rows: int = 1,
 ) -> int:
     """Run `linear` on this weight at every row count 1..max_rows where auto picks DeepGEMM: its
     kernels compile at first use per tile config, which its heuristics pick per row count, so
-    every count a forward may meet runs once here, before any request. Returns the calls made."""
+    every count a forward may meet runs once here, before any request. Returns the calls made.
+    min_rows: start there instead (processes warming one cache in parallel split the rows)."""
     if not DG.takes(w, group_n, group_k, dtype) or not use_kernels(w):
         return 0
     N, K = w.shape
@@ -191,7 +193,7 @@ def warm_up(
     x = torch.zeros(max_rows, K, dtype=dtype, device=w.device)
     calls = 0
     with torch.no_grad():
-        for m in range(1, max_rows + 1):
+        for m in range(max(min_rows, 1), max_rows + 1):
             if choose(m, N, K, cublas, deepgemm=True) == "deepgemm":
                 linear(x[:m], w, w_scale, group_n, group_k, scale_t=scale_t)
                 calls += 1
