@@ -75,6 +75,33 @@ def test_memory_plan_is_what_the_engine_allocates(flags, monkeypatch):
     assert plan.state_pool_bytes == 0 and runner.state_pool is None
 
 
+@pytest.mark.parametrize(
+    "flags, names",
+    [
+        # weights + verify buffers over the static pool: the draft graph's OOM at start-up before
+        (("--mem-fraction-static", "0.005"), "--mem-fraction-static"),
+        (("--speculative-algorithm", "DFLASH", "--max-running-requests", "4096"), "running"),
+    ],
+)
+def test_a_plan_that_cannot_fit_is_refused_before_anything_loads(flags, names, monkeypatch):
+    """The engine plans from the configs' weight bytes first: a plan the device cannot hold is a
+    ConfigError naming the fix, and no weight is read (the loaders would raise)."""
+    args = embedded(*flags)
+    monkeypatch.setattr(setup, "device_bytes", lambda device: DEVICE_BYTES)
+
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded before the plan was checked")
+
+    monkeypatch.setattr(setup, "load_target", no_load)
+    monkeypatch.setattr(setup, "load_drafter", no_load)
+    monkeypatch.setattr(setup, "sourced_models", no_load)
+    with pytest.raises(ConfigError) as e:
+        setup.build_runner(args, torch.device("cpu"))
+    msg = str(e.value)
+    assert "the memory plan does not fit" in msg and names in msg and "static pool" in msg
+    assert msg.count("\n") <= 1  # one line (the error's own header aside)
+
+
 def test_the_plan_printed_is_the_pool_allocated_on_this_host():
     """check-config's KV figure on the real host (where the CPU's KV cap binds, and with
     --max-total-tokens) is what the engine allocates and what its log line says, not the room."""

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ddtree.models.tp_layout import shard_drafter, shard_target
+from ddtree.models.weight_bytes import dtype_bytes
 
 # defaults and choices that flags, plans and pools share: defined here once
 DEFAULT_CUDA_GRAPH_MAX_BS = 16
@@ -21,7 +22,6 @@ MAMBA_STRATEGIES = ("no_buffer", "extra_buffer")
 # chunk-form tree kernel, and it keeps no per-node recurrent state
 DEFAULT_MAMBA_STRATEGY = "no_buffer"
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU path is for tests and small models: cap its KV pool
 MIN_PAGES = 2  # the engine always gets a KV pool, even one no request fits in (the plan warns then)
 
@@ -35,16 +35,6 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def dtype_bytes(dtype) -> int:
-    """Bytes per element of a dtype name ("bfloat16") or a torch dtype (an int passes through)."""
-    if isinstance(dtype, int):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
 
 
 def stash_width(max_verify_width: int) -> int:
@@ -311,6 +301,21 @@ class PoolPlan:
     # requests leave (at most one per KV page)
     checkpoint_rows: int = 0
     checkpoint_bytes: int = 0
+
+    def refusal(self) -> str | None:
+        """Why no engine can start on this plan (one line naming the flags that fix it), or None:
+        the weights and the verify buffers exceed the static pool (the KV pool would get
+        nothing, and the first capture or round runs out of memory), or the recurrent-state pool
+        holds no request."""
+        if self.weight_bytes + self.workspace_bytes > self.static_bytes:
+            return self.warnings[0]
+        if self.max_running_requests < 1:
+            return (
+                f"the recurrent-state pool holds no request ({self.state_room_bytes} bytes); "
+                "raise --mem-fraction-static or --mamba-full-memory-ratio, or lower "
+                "--speculative-ddtree-budget"
+            )
+        return None
 
 
 def device_memory_bytes(device: str = "auto") -> tuple[int, str]:

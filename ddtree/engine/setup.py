@@ -17,6 +17,7 @@ from ddtree.models.layers import torch_dtype
 from ddtree.models.loader import load_drafter, load_target
 from ddtree.models.quant import quantize_model
 from ddtree.models.sources import source_for, weight_problems
+from ddtree.models.weight_bytes import rank_weight_bytes, served_fp8
 
 logger = logging.getLogger("ddtree")
 
@@ -102,6 +103,14 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
         raise ConfigError(weight_problems(args))
     if args.cpu_threads is not None:  # resolved: --cpu-threads, OMP_NUM_THREADS or by model size
         torch.set_num_threads(args.cpu_threads)
+    # the plan for the weights the configs say will load: a plan that cannot fit is refused
+    # before anything loads (the memory plan's weight bytes are the loaded ones, tested)
+    planned = rank_weight_bytes(
+        args.target_config, args.drafter_config, args.tp_size, args.dtype, served_fp8(args)
+    )
+    why = plan_pools(args, device_bytes(device), planned, device.type).refusal()
+    if why is not None:
+        raise ConfigError([f"the memory plan does not fit: {why}"])
     target, drafter = sourced_models(args, dtype, device)
     if target is None:
         target = load_target(args.model_path, dtype, str(device), group, args.quantization)
@@ -124,13 +133,9 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
     pools = plan_pools(args, device_bytes(device), module_bytes(target, drafter), device.type)
     for w in pools.warnings:
         logger.warning("%s", w)
-    if pools.max_running_requests < 1:
-        raise ConfigError(
-            [
-                f"the recurrent-state pool holds no request ({pools.state_room_bytes} bytes); raise "
-                "--mem-fraction-static or --mamba-full-memory-ratio, or lower --speculative-ddtree-budget"
-            ]
-        )
+    why = pools.refusal()
+    if why is not None:  # the loaded weights differ from the configs' count: refused all the same
+        raise ConfigError([f"the memory plan does not fit: {why}"])
     cfg = runner_config(args, pools, device.type)
     if tp is not None:
         _same_plan_on_every_rank(cfg, tp)
