@@ -84,6 +84,10 @@ def test_accept_length_histogram_and_verify_rows_per_round():
     assert get("ddtree_spec_accept_length_bucket", le="16.0", **le) == 4
     assert get("ddtree_spec_verify_rows_count") == 2 and get("ddtree_spec_verify_rows_sum") == 41
     assert get("ddtree_spec_verify_rows_bucket", le="32.0") == 1  # the 5-row round
+    # per round, the rows' spread across its batch: 5.66 (budgets 8, 8, 0, 16), then 0
+    assert get("ddtree_spec_verify_rows_spread_count") == 2
+    assert get("ddtree_spec_verify_rows_spread_sum") == pytest.approx(5.6568542)
+    assert get("ddtree_spec_verify_rows_spread_bucket", le="4.0") == 1
     assert get("ddtree_spec_predicted_round_seconds_total") == pytest.approx(0.02)
     assert get("ddtree_spec_priced_round_seconds_total") == pytest.approx(0.03)  # device span
     assert get("ddtree_spec_priced_rounds_total") == 1

@@ -45,6 +45,7 @@ BUDGET_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ACCEPT_BUCKETS = tuple(float(k) for k in range(1, 17))  # tokens a request-round emits
 # a round's verify rows in all: batch 1 at AR up to batch 256 of 65-node trees
 ROWS_BUCKETS = tuple(float(1 << k) for k in range(15))
+SPREAD_BUCKETS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 ROUND_BUCKETS = (
     1e-4,
     2.5e-4,
@@ -267,6 +268,13 @@ class ServerMetrics:
             buckets=ROWS_BUCKETS,
             registry=r,
         )
+        self.verify_rows_spread = Histogram(
+            "ddtree_spec_verify_rows_spread",
+            "Per decode round: the standard deviation of the verify rows per request across its "
+            "batch (0: every request given the same budget)",
+            buckets=SPREAD_BUCKETS,
+            registry=r,
+        )
         self.round_predicted = Counter(
             "ddtree_spec_predicted_round_seconds",
             "The cost model's seconds for the decode rounds it priced (auto)",
@@ -419,6 +427,7 @@ class ServerMetrics:
         for b in rec.budgets:
             self.budget.observe(b)
         self.verify_rows.observe(rec.rows)
+        self.verify_rows_spread.observe(rec.rows_spread)
         if rec.predicted_s is not None:
             t = rec.timing
             self.round_predicted.inc(rec.predicted_s)
