@@ -46,7 +46,6 @@ def node_values(tree: DraftTree) -> Tensor:
 class Allocation:
     cut: Tensor  # [b] int64 drafted nodes request i verifies (0: its root alone), sum <= R
     keep: Tensor  # [b, W] bool kept nodes: the root, and an ancestor-closed set of cut[i] nodes
-    rank: Tensor  # [b, W] int64 each node's best-first rank in its request (root last)
 
 
 def allocate(tree: DraftTree, cap: Tensor, total: int | Tensor) -> Allocation:
@@ -69,7 +68,7 @@ def allocate(tree: DraftTree, cap: Tensor, total: int | Tensor) -> Allocation:
     cut = torch.zeros(b, dtype=torch.int64, device=device)
     cut.scatter_add_(0, top.indices % b, take.to(torch.int64))
     keep = (rank < cut[:, None]) | (node[None, :] == 0)
-    return Allocation(cut, keep, torch.where(node[None, :] == 0, W - 1, rank))
+    return Allocation(cut, keep)
 
 
 @dataclass
