@@ -224,3 +224,21 @@ def test_values_rising_down_a_path_still_keep_an_ancestor_closed_set():
     alloc = allocate(chain, torch.full((1,), 5), 2)
     assert alloc.keep.tolist() == [[True, True, True, False, False, False]]
     assert node_values(chain)[0].tolist() == pytest.approx([1.0, 0.2, 0.2, 0.1, 0.05, 0.01])
+
+
+def test_no_host_reads_and_launches_independent_of_the_batch():
+    """allocate -> pack -> unpack read nothing back to the host (no .item() / .tolist(): a CUDA
+    graph can hold them, a device-scalar budget too), in as many launches at any batch size."""
+    from ddtree.tools.studies.op_count import LaunchCounter
+
+    counts = []
+    for b in (3, 12):
+        tree = _tree(1, b=b, budget=16)
+        c = LaunchCounter()
+        with c:
+            alloc = allocate(tree, torch.full((b,), 16), torch.tensor(2 * b))
+            lay = pack(tree, alloc.keep, torch.zeros(b, dtype=torch.int64), 3 * b)
+            unpack(torch.zeros(3 * b), lay)
+        assert c.syncs == 0
+        counts.append(c.ops["other"])
+    assert counts[0] == counts[1] and sum(counts[0].values()) < 120, counts[0]

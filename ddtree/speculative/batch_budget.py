@@ -36,8 +36,7 @@ def node_values(tree: DraftTree) -> Tensor:
         raise ValueError(
             "a batch-wide budget needs DraftTree.node_probs (build_tree / build_chain)"
         )
-    inf = torch.tensor(float("inf"), device=probs.device)
-    v = torch.where(tree.tree_mask, probs.float()[:, None, :], inf).amin(-1)
+    v = torch.where(tree.tree_mask, probs.float()[:, None, :], float("inf")).amin(-1)
     root = torch.arange(tree.num_nodes, device=probs.device) == 0
     return torch.where(root[None, :], 1.0, torch.where(tree.valid, v, -1.0))
 
@@ -165,4 +164,4 @@ def unpack(flat: Tensor, layout: PackedLayout, fill: float | int = 0) -> Tensor:
     rows = flat.index_select(0, layout.local_row.clamp(min=0).flatten())
     rows = rows.view(b, W, *flat.shape[1:])
     ok = (layout.local_row >= 0).view(b, W, *([1] * (flat.dim() - 1)))
-    return torch.where(ok, rows, torch.as_tensor(fill, dtype=flat.dtype, device=flat.device))
+    return torch.where(ok, rows, fill)  # a Python scalar: no host copy (capturable)
