@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ddtree.speculative.accept import accept_tree
-from ddtree.speculative.batch_budget import allocate, node_values, pack, unpack
+from ddtree.speculative.batch_budget import allocate, batch_gain, node_values, pack, unpack
 from ddtree.speculative.tree import build_chain, build_tree
 
 V, D = 24, 5
@@ -242,3 +242,17 @@ def test_no_host_reads_and_launches_independent_of_the_batch():
         assert c.syncs == 0
         counts.append(c.ops["other"])
     assert counts[0] == counts[1] and sum(counts[0].values()) < 120, counts[0]
+
+
+def test_batch_gain_is_the_kept_nodes_value_at_every_budget():
+    """gain[R] = the summed values of what allocate(R) keeps (the host's throughput choice and
+    the allocation see the same nodes)."""
+    tree = _tree(8, b=5, budget=12)
+    cap = torch.tensor([12, 0, 3, 12, 5])
+    gain = batch_gain(tree, cap)
+    values = node_values(tree)
+    for total in (0, 1, 2, 7, 19, 33, 60):
+        keep = allocate(tree, cap, total).keep.clone()
+        keep[:, 0] = False
+        assert float(gain[total]) == pytest.approx(float(values[keep].sum()), rel=1e-5)
+    assert float(gain[-1]) == pytest.approx(float(gain[33]))  # caps reached: flat

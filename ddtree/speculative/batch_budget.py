@@ -24,7 +24,15 @@ from torch import Tensor
 
 from ddtree.speculative.tree import DraftTree
 
-__all__ = ["Allocation", "PackedLayout", "allocate", "node_values", "pack", "unpack"]
+__all__ = [
+    "Allocation",
+    "PackedLayout",
+    "allocate",
+    "batch_gain",
+    "node_values",
+    "pack",
+    "unpack",
+]
 
 
 def node_values(tree: DraftTree) -> Tensor:
@@ -47,27 +55,51 @@ class Allocation:
     keep: Tensor  # [b, W] bool kept nodes: the root, and an ancestor-closed set of cut[i] nodes
 
 
-def allocate(tree: DraftTree, cap: Tensor, total: int | Tensor) -> Allocation:
-    """The `total` (R) drafted nodes of highest value across the batch, at most cap[i] (>= 0; 0:
-    an AR row) from request i. cap [b] int64 on the tree's device."""
+def _ranked(tree: DraftTree, cap: Tensor) -> tuple[Tensor, Tensor]:
+    """(rank [b, W]: each node's best-first rank in its request, key [b, W]: the value of its
+    rank-r node, -1 past the request's eligible nodes or its cap)."""
     b, W = tree.tokens.shape
-    device = tree.tokens.device
-    node = torch.arange(W, device=device)
+    node = torch.arange(W, device=tree.tokens.device)
     value = torch.where(node[None, :] == 0, -1.0, node_values(tree))  # roots are free
     # per request, best first: value descending, ties to the lower node index (a parent first)
     order = value.sort(dim=1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(1, order, node.expand(b, W).contiguous())
     sorted_v = value.gather(1, order)
-    ok = (sorted_v >= 0) & (node[None, :] < cap.to(device=device, dtype=torch.int64)[:, None])
-    key = torch.where(ok, sorted_v, -1.0)
-    # all requests, best first: flattened rank-major, so a stable sort breaks ties to the lower
-    # rank (a request's picks stay a prefix of its own order), then to the lower request
-    top = key.t().reshape(-1).sort(descending=True, stable=True)
+    cap = cap.to(device=node.device, dtype=torch.int64)
+    ok = (sorted_v >= 0) & (node[None, :] < cap[:, None])
+    return rank, torch.where(ok, sorted_v, -1.0)
+
+
+def _global_order(key: Tensor):
+    """All requests' ranked values, best first: flattened rank-major, so a stable sort breaks
+    ties to the lower rank (a request's picks stay a prefix of its own order), then to the lower
+    request. Flat index r * b + i."""
+    return key.t().reshape(-1).sort(descending=True, stable=True)
+
+
+def allocate(tree: DraftTree, cap: Tensor, total: int | Tensor) -> Allocation:
+    """The `total` (R) drafted nodes of highest value across the batch, at most cap[i] (>= 0; 0:
+    an AR row) from request i. cap [b] int64 on the tree's device."""
+    b, W = tree.tokens.shape
+    device = tree.tokens.device
+    rank, key = _ranked(tree, cap)
+    top = _global_order(key)
     take = (torch.arange(b * W, device=device) < total) & (top.values >= 0)
     cut = torch.zeros(b, dtype=torch.int64, device=device)
     cut.scatter_add_(0, top.indices % b, take.to(torch.int64))
+    node = torch.arange(W, device=device)
     keep = (rank < cut[:, None]) | (node[None, :] == 0)
     return Allocation(cut, keep)
+
+
+def batch_gain(tree: DraftTree, cap: Tensor) -> Tensor:
+    """[b * W + 1] fp32: gain[R] = the expected accepted drafts of the batch's R best nodes (what
+    `allocate(tree, cap, R)` keeps; flat past the last eligible node), gain[0] = 0. A round
+    emits b + gain[R] tokens in expectation: the host's row budget (`RowCost.best_rows`) reads
+    it back beside the round's tokens, for the next round's choice."""
+    _, key = _ranked(tree, cap)
+    values = _global_order(key).values.clamp(min=0)
+    return torch.cat([values.new_zeros(1), values.cumsum(0)])
 
 
 @dataclass
