@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
@@ -32,7 +33,13 @@ WMAX = 65
 
 
 def graphed_ms(fn) -> float:
-    """Median ms of fn() replayed as a CUDA graph (captured after two warm-up calls)."""
+    """Median ms of fn() replayed as a CUDA graph (captured after two warm-up calls); on the CPU
+    (a dry run of this script) timed eagerly."""
+    if not torch.cuda.is_available():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -83,30 +90,32 @@ def main() -> None:
     p.add_argument("--shape", default="QWEN3_8B")
     p.add_argument("--batches", default="64,128,256")
     p.add_argument("--out", default=None)
+    p.add_argument("--context", type=int, default=CONTEXT)
     ns = p.parse_args()
     batches = [int(x) for x in ns.batches.split(",")]
-    dev = torch.device("cuda")
+    ctx = ns.context
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tcfg, dcfg = random_pair.pair_configs(getattr(random_pair, ns.shape), 1, 16, "bfloat16")
     target, _ = random_pair.build_pair(tcfg, dcfg, dev, torch.bfloat16)
     top, page = max(batches), 16
-    per = (CONTEXT + WMAX) // page + 2
+    per = (ctx + WMAX) // page + 2
     cfg = RunnerConfig(
         page_size=page,
         num_pages=top * per + 8,
         max_running_requests=top,
-        max_context=CONTEXT + WMAX + page,
+        max_context=ctx + WMAX + page,
         block_size=DEPTHS + 1,
         max_verify_width=WMAX,
-        attention_backend="triton",
+        attention_backend="triton" if dev.type == "cuda" else "torch",
     )
     runner = ModelRunner(target, None, cfg, dev, torch.bfloat16)
     params = SamplingParams(temperature=0, ignore_eos=True)
     rows_out = []
     for b in batches:
-        reqs = [Req(prompt_ids=[1] * CONTEXT, params=params, output_ids=[2]) for _ in range(b)]
+        reqs = [Req(prompt_ids=[1] * ctx, params=params, output_ids=[2]) for _ in range(b)]
         for r in reqs:
-            runner.bm.allocate(r, CONTEXT + WMAX)
-            r.kv_len = CONTEXT
+            runner.bm.allocate(r, ctx + WMAX)
+            r.kv_len = ctx
         meta = runner.round_meta(reqs)
         gen = torch.Generator(device=dev).manual_seed(b)
         vocab = min(4096, tcfg.vocab_size)
@@ -180,8 +189,8 @@ def main() -> None:
             json.dump(
                 {
                     "shape": ns.shape,
-                    "context": CONTEXT,
-                    "device": torch.cuda.get_device_name(),
+                    "context": ctx,
+                    "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                     "rows": rows_out,
                 },
                 f,
