@@ -41,6 +41,29 @@ def test_table_ratios():
     assert got[(1, "NONE")] == (None, None)
 
 
+def test_table_carries_rows_and_round_cost_per_level(capsys):
+    """Per concurrency: verify rows per request and their spread, the cost model's round ms
+    beside the measured one (auto's rounds); - where the server reported none."""
+    from ddtree.tools.studies.at_scale_report import print_table, table_rows
+
+    auto = _level(256, 900.0, tau=2.5)
+    auto.update(mean_rows=3.3, rows_spread=1.25, predicted_round_ms=40.5, priced_round_ms=46.9)
+    rows = table_rows({"DFLASH": [_level(256, 1000.0)], "DDTREE B=auto": [auto]})
+    got = {r["config"]: r for r in rows}
+    assert got["DDTREE B=auto"]["rows_per_req"] == 3.3
+    assert got["DDTREE B=auto"]["rows_spread"] == 1.25
+    assert (got["DDTREE B=auto"]["round_pred_ms"], got["DDTREE B=auto"]["round_meas_ms"]) == (
+        40.5,
+        46.9,
+    )
+    assert got["DFLASH"]["rows_per_req"] is None
+    print_table(rows)
+    head, dflash, line = capsys.readouterr().out.splitlines()
+    assert "rows/req" in head and "round pred" in head
+    assert line.split()[-7:] == ["3.3", "1.2", "40.50", "46.90", "0.90x", "vs", "DFLASH"]
+    assert dflash.split()[-4:] == ["-"] * 4  # no ratio at 256: no NONE level
+
+
 def test_ceiling_is_the_best_fixed_config_per_level():
     """The oracle fixed budget per concurrency from the run's own configs (auto is not fixed),
     the ratio /metrics' rounds predict, and auto against both."""

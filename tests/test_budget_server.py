@@ -58,6 +58,18 @@ def test_streams_match_and_metrics_report_budgets(server, pair):
     assert metric(text, 'ddtree_round_seconds_sum{part="hidden"}') > 0, (
         "nothing published under a round"
     )
+    # the accepted-length histogram per algorithm (one per drafting request-round), the rows a
+    # round chose (one per round: as many as the budgets' rounds), the cost model's price of them
+    drafts = metric(text, 'ddtree_spec_drafts_total{algorithm="DDTREE"}')
+    accept = 'ddtree_spec_accept_length_count{algorithm="DDTREE"}'
+    assert metric(text, accept) == drafts > 0
+    assert 'ddtree_spec_accept_length_bucket{algorithm="DDTREE",le="16.0"}' in text
+    rounds = metric(text, "ddtree_spec_verify_width_rounds_total")  # decode rounds
+    assert metric(text, "ddtree_spec_verify_rows_count") == rounds > 0
+    budgets = metric(text, "ddtree_spec_budget_sum") + metric(text, "ddtree_spec_budget_count")
+    assert metric(text, "ddtree_spec_verify_rows_sum") == budgets  # rows = 1 + budget each
+    assert metric(text, "ddtree_spec_priced_rounds_total") == rounds
+    assert metric(text, "ddtree_spec_predicted_round_seconds_total") > 0
 
 
 def test_stop_string_ends_where_it_ends_without_overlap(server, pair):

@@ -91,11 +91,15 @@ def test_serving_table_has_units():
     )
     assert len(header) == len(units) == len(row)
     assert row.split()[11] == "5.50" and "512.0" in row  # after "cache hit" (-: not reported)
-    assert row.split()[-7:] == ["-"] * 7  # no server metrics in this level
+    assert row.split()[-11:] == ["-"] * 11  # no server metrics in this level
     full = format_table(
         [
             _level(
                 mean_budget=12.5,
+                mean_rows=13.5,
+                rows_spread=2.0,
+                predicted_round_ms=9.5,
+                priced_round_ms=10.25,
                 predicted_accept_length=3.25,
                 host_ms=0.4,
                 grammar_host_ms=0.75,
@@ -103,8 +107,8 @@ def test_serving_table_has_units():
             )
         ]
     )
-    want = ["12.5", "3.25", "-", "0.40", "0.75", "-", "1.25"]
-    assert full.splitlines()[2].split()[-7:] == want
+    want = ["12.5", "13.5", "2.0", "9.50", "10.25", "3.25", "-", "0.40", "0.75", "-", "1.25"]
+    assert full.splitlines()[2].split()[-11:] == want
 
 
 def test_serving_level_reads_budgets_from_metrics():
@@ -129,6 +133,7 @@ def test_serving_level_reads_budgets_from_metrics():
             [2.0, 2.0, 2.0],
             [1, 3, 2],
             timing=RoundTiming(0.006, 0.002, device_s=0.0045, idle_s=0.001, device_phases=ph),
+            predicted_s=0.005,
         ),
         0.001,
         0.0,
@@ -142,6 +147,12 @@ def test_serving_level_reads_budgets_from_metrics():
     assert d["budget_histogram"] == {"0": 3, "8": 3}
     assert d["verify_width_rounds"] == {"9": 1, "1": 1}
     assert d["mean_budget"] == 4.0
+    # rows per request-round (1 + budget), their per-round spread, the drafting rows' accept
+    # length, and the priced round's predicted vs measured (device) ms
+    assert d["mean_rows"] == 5.0 and d["rows_spread"] == 0.0
+    assert d["spec_accept_length"] == pytest.approx(3.0)
+    assert d["predicted_round_ms"] == pytest.approx(5.0)
+    assert d["priced_round_ms"] == pytest.approx(4.5)
     assert d["predicted_accept_length"] == 2.0 and d["realised_accept_length"] == 2.0
     assert abs(d["round_ms"] - 5.0) < 1e-9 and abs(d["host_ms"] - 3.0) < 1e-9
     # the GPU's clock: only the round that carried it (a CPU round has none, not zeros)

@@ -143,6 +143,10 @@ async def run_level(client, model: str, items: list[Item], concurrency: int, ns)
     row["server"] = server  # None without --enable-metrics on the server
     for key in (
         "mean_budget",
+        "mean_rows",
+        "rows_spread",
+        "predicted_round_ms",
+        "priced_round_ms",
         "predicted_accept_length",
         "round_ms",
         "host_ms",

@@ -104,6 +104,12 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
             lab = dict(lab)
             cost_ms.setdefault(lab["batch"], {})[lab["rung"]] = 1e3 * v
     count = one("ddtree_spec_budget_count")
+    spread_n = one("ddtree_spec_verify_rows_spread_count")
+    priced = one("ddtree_spec_priced_rounds_total")
+    accept_n = sum(
+        v for (n, _), v in d.items() if n == "ddtree_spec_accept_length_count"
+    )  # every algorithm label: a server runs one
+    accept_s = sum(v for (n, _), v in d.items() if n == "ddtree_spec_accept_length_sum")
     pred_n = one("ddtree_spec_predicted_request_rounds_total")
     parts = {}
     for part in ("round", "host", "server", "hidden", "grammar", *DEVICE_PARTS):
@@ -132,6 +138,19 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         "per_rung": per_rung,
         "policy_cost_ms": cost_ms,  # auto: batch bucket -> rung -> the policy's round ms
         "mean_budget": one("ddtree_spec_budget_sum") / count if count else None,
+        # verify rows per request-round (root + drafted nodes) and, per round, their standard
+        # deviation across the batch (mean over the rounds): how unequally one round divides them
+        "mean_rows": one("ddtree_spec_verify_rows_sum") / count if count else None,
+        "rows_spread": one("ddtree_spec_verify_rows_spread_sum") / spread_n if spread_n else None,
+        # the accept length of the request-rounds that drafted (tokens emitted, bonus included)
+        "spec_accept_length": accept_s / accept_n if accept_n else None,
+        # the cost model's round ms beside the measured round ms of the same rounds (auto)
+        "predicted_round_ms": 1e3 * one("ddtree_spec_predicted_round_seconds_total") / priced
+        if priced
+        else None,
+        "priced_round_ms": 1e3 * one("ddtree_spec_priced_round_seconds_total") / priced
+        if priced
+        else None,
         "predicted_accept_length": 1 + one("ddtree_spec_predicted_accepted_drafts_total") / pred_n
         if pred_n
         else None,

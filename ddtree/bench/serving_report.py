@@ -123,6 +123,12 @@ TABLE_COLUMNS = (
     # policy's predicted accept length, and per decode round its wall time and the host time
     # outside it; on the GPU's clock (CUDA) the round's span and the GPU idle before it
     ("budget", "nodes", "mean_budget", None, 1),
+    # verify rows per request (root + drafts) and their spread across a round's batch; the cost
+    # model's round ms beside the measured round ms of the rounds it priced (auto)
+    ("rows/req", "rows", "mean_rows", None, 1),
+    ("rows sd", "rows", "rows_spread", None, 1),
+    ("pred rnd", "ms", "predicted_round_ms", None, 2),
+    ("meas rnd", "ms", "priced_round_ms", None, 2),
     ("pred acc", "tok/round", "predicted_accept_length", None, 2),
     ("round", "ms", "round_ms", None, 2),
     ("host", "ms/round", "host_ms", None, 2),

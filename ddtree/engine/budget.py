@@ -92,6 +92,7 @@ class RoundPlan:
     cut: list[int] | None = None  # budgets the draft must cut to (None: all at the spec's)
     explore: bool = False  # auto: a rung above the policy's best, run to measure the curve there
     full: list[bool] | None = None  # rows drafted at full depth (None: all; set by the decoder)
+    predicted_s: float | None = None  # the cost model's seconds for the round (auto), if any
 
     @property
     def rung(self) -> str:
@@ -110,6 +111,24 @@ class RoundRecord:
     rung: str = ""  # RoundPlan.rung (auto), else ""
     explore: bool = False  # RoundPlan.explore
     timing: RoundTiming = field(default_factory=RoundTiming)  # filled as the layers measure it
+    # the cost model's seconds for this round (auto: its rung at the batch and context, as the
+    # policy priced it), beside the measured `timing`: the model's error, round by round
+    predicted_s: float | None = None
+
+    @property
+    def rows(self) -> int:
+        """Verify rows the round chose: every request's root plus its drafted nodes."""
+        return sum(1 + b for b in self.budgets)
+
+    @property
+    def rows_mean(self) -> float:
+        """Verify rows per request (1 + budget), mean over the batch."""
+        return self.rows / len(self.budgets) if self.budgets else 0.0
+
+    @property
+    def rows_spread(self) -> float:
+        """Verify rows per request, standard deviation over the batch (0: one budget for all)."""
+        return float(np.std(self.budgets)) if self.budgets else 0.0
 
 
 class BudgetPlanner:
@@ -215,14 +234,28 @@ class BudgetPlanner:
         if self.trace.on:
             self.trace.write(self.policy, d, slots, caps, max_ctx, self.host_s, self.last)
         self._served = (len(reqs), max_ctx, d.rung) if d.rung >= 0 else None
+        secs = None
+        if self._served is not None and isinstance(self.policy, BudgetPolicy):
+            secs = float(self.policy.cost.seconds(len(reqs), max_ctx)[d.rung])
         budgets = d.budgets.tolist()
         if d.chain:
             spec = cfg.tree_spec(chain=True)
-            return RoundPlan(d.width, budgets, d.predicted, slots, spec, True, explore=d.explore)
+            return RoundPlan(
+                d.width,
+                budgets,
+                d.predicted,
+                slots,
+                spec,
+                True,
+                explore=d.explore,
+                predicted_s=secs,
+            )
         width = self.width_for(max(budgets))
         cut = None if all(b == width - 1 for b in budgets) else budgets
         spec = cfg.tree_spec(width - 1) if width > 1 else None
-        return RoundPlan(width, budgets, d.predicted, slots, spec, cut=cut, explore=d.explore)
+        return RoundPlan(
+            width, budgets, d.predicted, slots, spec, cut=cut, explore=d.explore, predicted_s=secs
+        )
 
     def tree_specs(self) -> list[tuple]:
         """The draft specs auto's rounds may build: one per tree rung, and the chain."""
@@ -296,7 +329,15 @@ class BudgetPlanner:
             self._accepted = (self._pending, accepted)
         self._pending = None
         rung = plan.rung if pol else ""
-        self.last = RoundRecord(plan.width, budgets, predicted, accepted, rung, plan.explore)
+        self.last = RoundRecord(
+            plan.width,
+            budgets,
+            predicted,
+            accepted,
+            rung,
+            plan.explore,
+            predicted_s=plan.predicted_s,
+        )
         self._last_served = self._served
 
 

@@ -27,6 +27,7 @@ import torch
 
 from ddtree import envs
 from ddtree.engine.budget_policy import AnalyticCost, CostTable, RoundCost, rungs
+from ddtree.engine.budget_rows import RowCost
 from ddtree.engine.config import SpecConfig, budget_ladder
 
 logger = logging.getLogger("ddtree")
@@ -149,6 +150,71 @@ def measure(runner, spec: SpecConfig, replays: int = REPLAYS) -> CostTable:
     return CostTable(ladder, tuple(g.buckets), ctx, table, kv, spec.chain_rung)
 
 
+# prefill chunks and eager verify row counts the row-cost curves are measured at (clipped to the
+# runner's context)
+PREFILL_POINTS = (16, 128, 512, 2048)
+EAGER_ROWS = (1, 16, 64, 256)
+
+
+@torch.inference_mode()
+def measure_rows(runner, spec: SpecConfig, replays: int = REPLAYS) -> RowCost:
+    """The `RowCost` curves: with captured graphs, the draft graph of the spec's full tree per
+    batch bucket and every verify graph (+ commit) per (bucket, width), a width-w verify of bs
+    rows standing for bs * w packed rows (the rows padded: the context's read is priced apart);
+    without graphs, timed eager target forwards (the drafter's curve scaled from the target's by
+    layers). Prefill: timed eager target forwards of a chunk."""
+    now = _clock(runner.device)
+    g = runner.graphs
+
+    def median(fn) -> float:
+        times = []
+        for _ in range(replays + 1):
+            t0 = now()
+            fn()
+            times.append(now() - t0)
+        return statistics.median(times[1:])  # the first may compile
+
+    def forward(n: int):
+        ids = torch.zeros(1, n, dtype=torch.int64, device=runner.device)
+        return lambda: runner.target.forward_train(ids)
+
+    top = runner.cfg.max_context
+    prefill = {p: median(forward(p)) for p in PREFILL_POINTS if p <= top}
+    kind = runner.device.type if runner.device.type in HBM_BYTES_PER_S else "cpu"
+    kv = _kv_bytes_per_token(runner) / HBM_BYTES_PER_S[kind]
+    verify: dict[int, list[float]] = {}
+    draft: dict[int, float] = {}
+    if g is not None:  # uncaptured graphs (CPU tests) run the same sets eagerly
+        g.pad_rows()  # the replays below touch no request's rows
+        dset = None if g.draft_graph is None else g._draft_set(spec.tree_spec(spec.budget, False))
+        for bs in g.buckets:
+            if dset is not None:
+                draft[bs] = median(lambda: dset.run(bs, [0] * bs))
+            for w in g.widths:
+                gs, v = g.verify_sets[w], g.verify_graphs[w]
+                commit = g.commit_graphs.get((w, bs))
+
+                def step():
+                    gs.run(bs, [v.n] * bs)
+                    if commit is not None:
+                        commit.replay()
+                    elif w in g.commit_families:
+                        g.commit_families[w].forward(bs)
+
+                verify.setdefault(bs * w, []).append(median(step))
+    else:
+        for n in EAGER_ROWS:
+            verify[n] = [median(forward(n))]
+    if not draft:
+        # the drafter's forward over bs blocks of S rows, as a share of the target's by layers
+        t_layers = max(runner.target.config.num_hidden_layers, 1)
+        d_layers = runner.drafter.config.num_hidden_layers if runner.drafter is not None else 0
+        base = RowCost.from_points({1: 0.0}, verify, {}, 0.0)
+        for bs in (1, 8, 64):
+            draft[bs] = base.verify(bs * spec.block_size) * d_layers / t_layers
+    return RowCost.from_points(draft, verify, prefill, kv)
+
+
 def profile_key(runner, spec: SpecConfig) -> str:
     dev = runner.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
@@ -178,6 +244,51 @@ def profile_dir() -> str | None:
     if d.strip().lower() == "off":
         return None
     return d or os.path.join(os.path.expanduser("~"), ".cache", "ddtree", "budget")
+
+
+def _cached(path: str | None, load, build, save):
+    """load(path) if the file reads, else build() written to path (write-then-rename: --dp-size
+    replicas may write the same profile at once)."""
+    if path is not None and os.path.exists(path):
+        try:
+            with open(path) as f:
+                got = load(json.load(f))
+            logger.info("Budget policy: round costs from %s.", path)
+            return got
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("Budget policy: ignoring the cost profile %s (%s).", path, e)
+    got = build()
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(save(got), f)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("Budget policy: could not cache the cost profile at %s (%s).", path, e)
+    return got
+
+
+def row_cost(runner, spec: SpecConfig) -> RowCost:
+    """The batch-wide budget's `RowCost`: from the cache file keyed like the rung table (device,
+    torch, shapes, buckets, widths; with graphs only: eager timings are cheap and noisy), else
+    measured now and cached."""
+    folder = profile_dir()
+    g = runner.graphs
+    graphed = g is not None and g.capture
+    path = None
+    if folder is not None and graphed:
+        path = os.path.join(folder, profile_key(runner, spec) + "-rows.json")
+    cost = _cached(path, RowCost.from_json, lambda: measure_rows(runner, spec), RowCost.to_json)
+    logger.info(
+        "Budget policy: row costs: draft %s ms by batch %s; verify %s ms by rows %s.",
+        ", ".join(f"{1e3 * x:.2f}" for x in cost.draft_s),
+        list(cost.batches),
+        ", ".join(f"{1e3 * x:.2f}" for x in cost.verify_s),
+        list(cost.rows),
+    )
+    return cost
 
 
 def round_cost(runner, spec: SpecConfig) -> RoundCost:

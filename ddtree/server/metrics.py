@@ -42,6 +42,10 @@ TTFT_PART_BUCKETS = (
     30.0,
 )
 BUDGET_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ACCEPT_BUCKETS = tuple(float(k) for k in range(1, 17))  # tokens a request-round emits
+# a round's verify rows in all: batch 1 at AR up to batch 256 of 65-node trees
+ROWS_BUCKETS = tuple(float(1 << k) for k in range(15))
+SPREAD_BUCKETS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 ROUND_BUCKETS = (
     1e-4,
     2.5e-4,
@@ -138,6 +142,14 @@ class ServerMetrics:
             registry=r,
         )
         self._depth_counters: list = []  # accepted_by_depth's children, depth 1 first
+        self.spec_accept_length = Histogram(
+            "ddtree_spec_accept_length",
+            "Tokens a request-round that verified drafts emitted (accepted drafts + the bonus), "
+            "per algorithm: the accepted-length distribution beside ddtree_spec_accepted_by_depth",
+            ["algorithm"],
+            buckets=ACCEPT_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
             "ddtree_time_to_first_token_seconds",
             "Arrival (HTTP handler) to the first token published to the stream",
@@ -248,6 +260,34 @@ class ServerMetrics:
             "DDTree budget per request-round (drafted nodes verified; DFLASH: the chain; 0: AR)",
             buckets=BUDGET_BUCKETS,
             registry=r,
+        )
+        self.verify_rows = Histogram(
+            "ddtree_spec_verify_rows",
+            "Verify rows a decode round chose in all: each request's root plus its drafted nodes "
+            "(per request: ddtree_spec_budget + 1)",
+            buckets=ROWS_BUCKETS,
+            registry=r,
+        )
+        self.verify_rows_spread = Histogram(
+            "ddtree_spec_verify_rows_spread",
+            "Per decode round: the standard deviation of the verify rows per request across its "
+            "batch (0: every request given the same budget)",
+            buckets=SPREAD_BUCKETS,
+            registry=r,
+        )
+        self.round_predicted = Counter(
+            "ddtree_spec_predicted_round_seconds",
+            "The cost model's seconds for the decode rounds it priced (auto)",
+            registry=r,
+        )
+        self.round_priced = Counter(
+            "ddtree_spec_priced_round_seconds",
+            "Measured decoder round seconds of the rounds in ddtree_spec_predicted_round_seconds "
+            "(the device span where the GPU clock is read, else the round's wall time)",
+            registry=r,
+        )
+        self.rounds_priced = Counter(
+            "ddtree_spec_priced_rounds", "Decode rounds the cost model priced (auto)", registry=r
         )
         self.verify_width = Counter(
             "ddtree_spec_verify_width_rounds",
@@ -386,6 +426,13 @@ class ServerMetrics:
         """One decode round's RoundRecord (engine/budget.py) and the server's own times."""
         for b in rec.budgets:
             self.budget.observe(b)
+        self.verify_rows.observe(rec.rows)
+        self.verify_rows_spread.observe(rec.rows_spread)
+        if rec.predicted_s is not None:
+            t = rec.timing
+            self.round_predicted.inc(rec.predicted_s)
+            self.round_priced.inc(t.device_s if t.device_s is not None else t.round_s)
+            self.rounds_priced.inc()
         self._on_depths(rec)
         self.verify_width.labels(str(rec.width)).inc()
         if rec.rung:
@@ -420,6 +467,9 @@ class ServerMetrics:
         if not accepted:
             return
         self.spec_drafts.labels(self.algorithm).inc(len(accepted))
+        hist = self.spec_accept_length.labels(self.algorithm)
+        for a in accepted:
+            hist.observe(a + 1)
         reached = [0] * (max(accepted) + 1)  # reached[d]: requests that accepted exactly d
         for a in accepted:
             reached[a] += 1

@@ -37,6 +37,10 @@ class DraftTree:
     # request's depth limit): its sum is the DFLASH chain's expected accepted drafts, so a tree
     # round also tells the budget policy what the chain rung would gain
     chain_probs: Tensor | None = None
+    # [b, n] fp32 drafter path probability of each node in node order (root 1, padding 0): a
+    # node's marginal contribution to the expected accepted length, what a batch-wide budget
+    # ranks (speculative/batch_budget.py). Non-increasing from a parent to its child
+    node_probs: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -64,6 +68,7 @@ class DraftTree:
             self.num_depths,
             self.path_probs,
             self.chain_probs,
+            None if self.node_probs is None else self.node_probs[:, :n],
         )
 
     def positions(self, seq_lens: Tensor) -> Tensor:
@@ -193,13 +198,15 @@ def build_tree(
     max_depth: Tensor | None = None,
     budgets: Tensor | None = None,
     select: SelectNodes | None = None,
+    node_scores: bool = False,
 ) -> DraftTree:
     """Best `budget` prefixes (score = sum of per-depth fp32 log-probs, tokens within each depth's top-K).
 
     budgets [b] (<= budget): request i keeps only the first budgets[i] nodes of the best-first
     order, i.e. the budgets[i]-node tree (the order is prefix-closed: a parent ranks before its
     child), packed first; the other nodes become padding. One build serves mixed budgets.
-    select: the node selection (None: `select_nodes`; see `SelectNodes`)."""
+    select: the node selection (None: `select_nodes`; see `SelectNodes`). node_scores: also
+    `node_probs` (2 D launches more; what a batch-wide budget ranks)."""
     b, D, V = draft_logits.shape
     assert budget >= 1 and topk_cap >= 1 and D >= 1
     device = draft_logits.device
@@ -210,7 +217,29 @@ def build_tree(
     tree = DraftTree(*nodes[:5], D)
     tree.path_probs = nodes.path_scores.exp()  # exp(-inf) = 0 past the candidates
     tree.chain_probs = _chain_probs(logp, limit)
+    if node_scores:
+        tree.node_probs = node_path_scores(tree, logp, ids).exp()
     return tree
+
+
+def node_path_scores(tree: DraftTree, logp: Tensor, ids: Tensor) -> Tensor:
+    """[b, n] fp32 path score of each node in node order (root 0, padding -inf): each node's
+    token log-prob at its depth (logp / ids [b, D, K] of `topk_logprobs`) added to its parent's
+    score, depth by depth: the beam's own additions in its order, so the scores equal the
+    selection's `path_scores` bit for bit, and a child never scores above its parent (adding a
+    log-prob <= 0 rounds to at most the parent's score)."""
+    b, n = tree.tokens.shape
+    D, K = logp.shape[1], logp.shape[2]
+    idx = (tree.depths - 1).clamp(0, D - 1)[..., None].expand(b, n, K)
+    hit = ids.gather(1, idx) == tree.tokens[..., None]  # topk ids are distinct: one hit at most
+    token_lp = torch.where(hit, logp.gather(1, idx), 0.0).sum(-1)
+    token_lp = torch.where(tree.depths > 0, token_lp, 0.0)  # the root's score stays 0
+    par = tree.parents.clamp(min=0)
+    # pass t makes every node of depth <= t final (its parent was final after pass t - 1)
+    score = token_lp
+    for _ in range(tree.depth_bound - 1):
+        score = score.gather(1, par) + token_lp
+    return torch.where(tree.valid, score, float("-inf"))
 
 
 def select_nodes(
@@ -334,6 +363,8 @@ def build_chain(
         chain=True,
     )
     tree.chain_probs = _chain_probs(logp, limit)
+    one = torch.ones(b, 1, dtype=torch.float32, device=device)
+    tree.node_probs = torch.cat([one, tree.chain_probs], 1)  # node d is the depth-d chain node
     return tree
 
 

@@ -80,7 +80,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="extra `ddtree serve` flags for every server; default for hybrid shapes: "
         "--mamba-scheduler-strategy no_buffer (extra_buffer holds 3 requests at B=64 on the 27B)",
     )
-    p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    p.add_argument(
+        "--concurrency",
+        default="1,2,4,8,16,32,64,128,256",
+        help="comma list of levels (the servers take the largest as --max-running-requests and "
+        "--cuda-graph-max-bs)",
+    )
     p.add_argument(
         "--waves", type=int, default=2, help="prompts per level = waves x concurrency ..."
     )

@@ -38,6 +38,13 @@ def table_rows(serving: dict[str, list[dict]]) -> list[dict]:
                     "tpot_p50": lv["tpot_ms"]["p50"],
                     "tpot_p99": lv["tpot_ms"]["p99"],
                     "tau": lv["mean_accept_length"],
+                    # from the server's /metrics (None without): verify rows per request and
+                    # their spread across a round's batch; the cost model's round ms beside
+                    # the measured round ms of the rounds it priced (auto)
+                    "rows_per_req": lv.get("mean_rows"),
+                    "rows_spread": lv.get("rows_spread"),
+                    "round_pred_ms": lv.get("predicted_round_ms"),
+                    "round_meas_ms": lv.get("priced_round_ms"),
                     "ratio": ratio,
                     "ratio_to": ratio_base(cfg) if ratio is not None else None,
                 }
@@ -192,18 +199,27 @@ def print_round_split(serving: dict[str, list[dict]]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
+    """rows/req and sd: verify rows per request and their spread across a round's batch; round
+    pred / meas: the cost model's round ms and the measured one, of the rounds it priced."""
     print(
         f"{'conc':>4} {'config':>12} {'n':>4} {'fail':>4} {'out tok/s':>10} "
         f"{'TTFT p50':>9} {'p99':>8} "
-        f"{'TPOT p50':>9} {'p99':>7} {'tau':>5}  ratio"
+        f"{'TPOT p50':>9} {'p99':>7} {'tau':>5} {'rows/req':>8} {'sd':>5} "
+        f"{'round pred':>10} {'meas':>6}  ratio"
     )
+
+    def num(v, width: int, digits: int) -> str:
+        return f"{v:>{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
+
     for r in rows:
         ratio = f"{r['ratio']:.2f}x vs {r['ratio_to']}" if r["ratio"] is not None else ""
         print(
             f"{r['concurrency']:>4} {r['config']:>12} {r['prompts']:>4} {r['failed']:>4} "
             f"{r['output_tok_s']:>10.1f} {r['ttft_p50']:>9.1f} {r['ttft_p99']:>8.1f} "
             f"{r['tpot_p50']:>9.2f} "
-            f"{r['tpot_p99']:>7.2f} {r['tau']:>5.2f}  {ratio}"
+            f"{r['tpot_p99']:>7.2f} {r['tau']:>5.2f} {num(r.get('rows_per_req'), 8, 1)} "
+            f"{num(r.get('rows_spread'), 5, 1)} {num(r.get('round_pred_ms'), 10, 2)} "
+            f"{num(r.get('round_meas_ms'), 6, 2)}  {ratio}"
         )
 
 

@@ -1,0 +1,124 @@
+"""The packed (ragged) verify of a batch-wide budget at the model level: the target forward over
+only the kept nodes (request i's q_len = 1 + cut[i], the compact tree's padded mask, flat slot
+mapping, padding rows on a scratch slot) gives the dense [b, W] verify's logits at those nodes, in
+fp32, for the torch reference and the Triton kernel (Triton's interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.attention.backend import AttentionMetadata, get_backend
+from ddtree.bench.random_pair import SMOKE, build_pair, pair_configs
+from ddtree.engine.model_runner import ModelRunner, RunnerConfig
+from ddtree.engine.request import Req, SamplingParams
+from ddtree.speculative.accept import accept_tree
+from ddtree.speculative.batch_budget import allocate, pack, unpack
+from ddtree.speculative.tree import build_tree
+
+PAGE, DEPTHS, BUDGET = 4, 4, 10
+CONTEXTS = (5, 12, 3, 9)
+
+
+@pytest.fixture(scope="module")
+def runner_and_reqs():
+    tcfg, dcfg = pair_configs(SMOKE, 1, DEPTHS + 1, "float32")
+    target, _ = build_pair(tcfg, dcfg, "cpu", torch.float32, seed=3)
+    cfg = RunnerConfig(
+        page_size=PAGE,
+        num_pages=64,
+        max_running_requests=len(CONTEXTS) + 1,
+        max_context=64,
+        block_size=DEPTHS + 1,
+        max_verify_width=BUDGET + 1,
+    )
+    runner = ModelRunner(target, None, cfg, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=0, ignore_eos=True)
+    reqs = [
+        Req(prompt_ids=torch.randint(0, 500, (n,), generator=g).tolist(), params=params)
+        for n in CONTEXTS
+    ]
+    runner.prefill(reqs, list(CONTEXTS))
+    for r in reqs:
+        r.output_ids.append(int(torch.randint(0, 500, (1,), generator=g)))
+        runner.bm.allocate(r, r.kv_len + BUDGET + 1)  # the dense verify's pages
+    scratch = Req(prompt_ids=[1], params=params)  # padding rows write its page, read by no one
+    runner.bm.allocate(scratch, 1)
+    return runner, reqs, scratch
+
+
+def _tree(b: int):
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(b, DEPTHS, 500, generator=g) * 3
+    # a confident top token per depth: deep chain nodes outrank the depth-1 runners-up, so the
+    # kept nodes are no prefix of the node order (the compact mask and rows are exercised)
+    logits.scatter_add_(
+        2, torch.randint(0, 500, (b, DEPTHS, 1), generator=g), torch.full((b, DEPTHS, 1), 9.0)
+    )
+    roots = torch.randint(0, 500, (b,), generator=g)
+    return build_tree(roots, logits, BUDGET, 3, False, node_scores=True)
+
+
+def _logits(runner, ids, positions, meta, backend):
+    with torch.inference_mode():
+        hidden, _ = runner.target_forward(ids, positions, meta, backend=backend)
+        return runner.target.logits(hidden).float()
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+@pytest.mark.parametrize("pad", [0, 3])
+def test_packed_verify_equals_dense_at_the_kept_nodes(runner_and_reqs, backend_name, pad):
+    if backend_name == "triton":
+        pytest.importorskip("triton")
+    runner, reqs, scratch = runner_and_reqs
+    backend = get_backend(backend_name)
+    b, W = len(reqs), BUDGET + 1
+    tree = _tree(b)
+    meta = runner.round_meta(reqs)
+    meta.rows = runner.bm.block_table.index_select(0, meta.slot_ids)
+    dense = _logits(
+        runner,
+        tree.tokens.flatten(),
+        tree.positions(meta.lens).flatten(),
+        runner.verify_metadata(meta, tree.tree_mask, W),
+        backend,
+    ).view(b, W, -1)
+
+    # unequal cuts in one round: a deep tree, an AR row (cap 0), a short one
+    total = 9
+    alloc = allocate(tree, torch.tensor([BUDGET, 0, 2, BUDGET]), total)
+    assert alloc.cut[1] == 0 and int(alloc.cut.sum()) == total
+    prefix = alloc.keep.int().diff(dim=1) <= 0
+    assert not prefix.all(), "some request's kept nodes skip a node"
+    rows = b + total + pad
+    lay = pack(tree, alloc.keep, meta.lens, rows)
+    req = lay.flat_req.clamp(min=0)
+    page_rows = meta.rows.index_select(0, req)
+    slots = runner.slots_of(page_rows, lay.kv_positions[:, None]).flatten()
+    scratch_slot = int(runner.bm.block_table[scratch.slot, 0]) * PAGE
+    slots = torch.where(lay.row_valid, slots, scratch_slot)
+    q_lens = lay.q_lens.tolist()
+    packed_meta = AttentionMetadata(
+        q_lens=q_lens,
+        kv_lens=[k + q for k, q in zip(meta.kv_lens, q_lens)],
+        qo_indptr=lay.qo_indptr,
+        kv_lens_t=meta.lens + lay.q_lens,
+        block_table=meta.rows,
+        slot_mapping=slots,
+        page_size=PAGE,
+        tree_mask=lay.tree.tree_mask,
+    )
+    packed = _logits(runner, lay.input_ids, lay.positions, packed_meta, backend)
+    assert packed.shape[0] == rows
+
+    got = unpack(packed, lay)  # [b, W, V] in each request's local order
+    for i in range(b):
+        kept = lay.local_node[i, : q_lens[i]]
+        torch.testing.assert_close(got[i, : q_lens[i]], dense[i, kept], rtol=1e-5, atol=1e-5)
+    # the accept walk on the compact tree reads the packed rows' greedy tokens
+    res = accept_tree(lay.tree, unpack(packed.argmax(-1), lay))
+    full = accept_tree(tree, dense.argmax(-1))
+    for i in range(b):
+        path = lay.local_node[i].gather(0, res.path[i, : int(res.accept_length[i]) + 1])
+        assert path.tolist() == full.path[i, : len(path)].tolist()
