@@ -4,8 +4,8 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "ServerArgs", "prepare_serv
 
 _LAZY = {  # lazy so `ddtree check-config` never imports torch
     "LLM": ("ddtree.llm", "LLM"),
-    "SamplingParams": ("ddtree.engine.request", "SamplingParams"),
-    "RequestOutput": ("ddtree.engine.outputs", "RequestOutput"),
+    "SamplingParams": ("ddtree.engine.scheduling.request", "SamplingParams"),
+    "RequestOutput": ("ddtree.engine.outputs.emitter", "RequestOutput"),
     "ServerArgs": ("ddtree.config", "ServerArgs"),
     "prepare_server_args": ("ddtree.config", "prepare_server_args"),
 }

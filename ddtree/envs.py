@@ -113,14 +113,14 @@ ROUND_CLOCK = EnvVar(
     "DDTREE_ROUND_CLOCK",
     "1",
     "0: no CUDA events at a decode round's phase boundaries (the device / idle round times in "
-    "/metrics, engine/round_clock.py)",
+    "/metrics, engine/round/clock.py)",
 )
 POLICY_TRACE = EnvVar(
     "DDTREE_POLICY_TRACE",
     "",
     "--speculative-ddtree-budget auto: a file the budget policy appends one JSON line per round "
     "to (every rung's expected tokens, seconds and rate; the round before's realised accept and "
-    "times; engine/policy_trace.py; unset: none)",
+    "times; engine/budget/trace.py; unset: none)",
 )
 GC_FREEZE = EnvVar(
     "DDTREE_GC_FREEZE",

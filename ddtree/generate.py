@@ -178,7 +178,7 @@ def histogram(lengths: list[int]) -> str:
 
 def run(args, prompts, params, label: str, chat: bool = False, tqdm_bar: bool = True):
     from ddtree.engine.engine import LLMEngine
-    from ddtree.engine.outputs import RequestOutput
+    from ddtree.engine.outputs.emitter import RequestOutput
 
     engine = LLMEngine(args)
     if chat:
@@ -210,7 +210,7 @@ def run(args, prompts, params, label: str, chat: bool = False, tqdm_bar: bool = 
 
 def main(argv: list[str]) -> int:
     from ddtree.config import ServerArgs, resolve_server_args
-    from ddtree.engine.request import SamplingParams
+    from ddtree.engine.scheduling.request import SamplingParams
     from ddtree.models.configs import ConfigError
 
     parser = make_parser()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from ddtree.engine.engine import LLMEngine
-from ddtree.engine.outputs import RequestOutput
-from ddtree.engine.request import SamplingParams
+from ddtree.engine.outputs.emitter import RequestOutput
+from ddtree.engine.scheduling.request import SamplingParams
 
 
 class LLM:

@@ -111,7 +111,7 @@ def prompt_ids(tokenizer, n: int, prompt_set: str = "textwrap") -> list[list[int
 def collect(n_prompts: int, conc: int, max_tokens: int, prompt_set: str = "textwrap") -> list[dict]:
     import torch
 
-    import ddtree.engine.decoder as dec
+    import ddtree.engine.round.decoder as dec
     from ddtree import LLM, SamplingParams
 
     torch.set_num_threads(2)

@@ -80,8 +80,8 @@ def main(argv=None) -> int:
     device = torch.device(ns.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     from ddtree.assets import default_model_paths
-    from ddtree.engine.decoder import SpecConfig
     from ddtree.engine.model_runner import ModelRunner
+    from ddtree.engine.round.decoder import SpecConfig
 
     t0 = time.perf_counter()
     src_t, src_d = default_model_paths()

@@ -311,7 +311,7 @@ def section_e(gen):
 
 
 def section_c(gen):
-    from ddtree.engine.state_pool import GDNGeometry, HybridStatePool
+    from ddtree.engine.memory.state_pool import GDNGeometry, HybridStatePool
 
     print(f"(c) commit on {GDN_LAYERS} GDN layers: us total (per layer)", flush=True)
     geo = GDNGeometry(GDN_LAYERS, HK, DK, HV, DV, KCONV)

@@ -22,7 +22,7 @@ import torch
 from ddtree.attention.backend import AttentionMetadata
 from ddtree.bench import random_pair
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
-from ddtree.engine.request import Req, SamplingParams
+from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.speculative.batch_budget import allocate, pack
 from ddtree.speculative.tree import build_tree
 

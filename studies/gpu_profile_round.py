@@ -34,8 +34,8 @@ from ddtree.bench.random_pair import (
     shape_configs,
 )
 from ddtree.bench.rounds import measure_floor, prefilled_requests, runner_config
-from ddtree.engine.decoder import SpecConfig, SpecDecoder
 from ddtree.engine.model_runner import ModelRunner
+from ddtree.engine.round.decoder import SpecConfig, SpecDecoder
 
 
 def profile_case(target, drafter, algo, budget, batch, context, rounds, top, strategy):

@@ -12,7 +12,7 @@ Triton backend, 1k context by default; after @ environment switches for that cas
 wall ms per round (CUDA events over --rounds rounds after 5 warm-up rounds), then torch.profiler
 over as many rounds: GPU busy ms, launches, each kernel family's ms and launches, and the GPU idle
 before each family's kernels (the launch gaps: a gap over 20 us is counted as a host wait); the
-round clock's device phases (plan / draft / verify / commit, engine/round_clock.py) and the idle
+round clock's device phases (plan / draft / verify / commit, engine/round/clock.py) and the idle
 between rounds. Each case after the first of a shape is also printed as a difference to the
 first (put the chain first). --gemm-rows: the target's projections and LM head at those rows, one
 CUDA graph (`gemm_chain`). --gdn: one GDN layer's no_buffer tree verify at the 27B head shape (Hk
@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ddtree.bench.cuda_timing import time_graph
 from ddtree.bench.random_pair import build_pair, read_bytes, shape_configs
 from ddtree.bench.rounds import measure_floor, prefilled_requests, runner_config
-from ddtree.engine.decoder import SpecConfig, SpecDecoder
 from ddtree.engine.model_runner import ModelRunner
+from ddtree.engine.round.decoder import SpecConfig, SpecDecoder
 
 FAMILIES = (  # (family, name pattern): the first match wins
     ("gemm", r"nvjet|gemm|cutlass|splitKreduce|cublas|sm90_xmma"),

@@ -47,7 +47,7 @@ def prompts(tok, n: int) -> list:
 def run(llm, ps, fmt: str, max_tokens: int, concurrency: int) -> dict:
     from ddtree import SamplingParams
     from ddtree.bench.serving import BENCH_SCHEMA
-    from ddtree.engine import grammar_round
+    from ddtree.engine.round import grammar as grammar_round
     from ddtree.grammar import GrammarSpec
     from ddtree.grammar.tree import build_grammar_tree
 

@@ -24,7 +24,7 @@ import pstats
 import statistics
 import time
 
-from ddtree.engine.budget import ScriptedPolicy
+from ddtree.engine.budget.planner import ScriptedPolicy
 
 
 class Forced(ScriptedPolicy):
@@ -40,7 +40,7 @@ class Forced(ScriptedPolicy):
     def choose(self, slots, owners, caps, ctx, extra_s=0.0):
         import numpy as np
 
-        from ddtree.engine.budget_policy import Decision
+        from ddtree.engine.budget.policy import Decision
 
         chain, budget = self.pick()
         b = np.full(len(slots), budget, dtype=np.int64)
@@ -59,7 +59,7 @@ class Forced(ScriptedPolicy):
         """The proposed rung for a batch that changed, as the policy's `carry`."""
         import numpy as np
 
-        from ddtree.engine.budget_policy import Decision
+        from ddtree.engine.budget.policy import Decision
 
         b = np.full(len(owners), int(d.budgets.max(initial=0)), dtype=np.int64)
         return Decision(d.width, b, np.zeros(len(owners)), 0.0, d.chain)
@@ -94,7 +94,7 @@ def h200_costs(spec):
     policy chooses as on the H200 and its host-side paths are the H200's."""
     import numpy as np
 
-    from ddtree.engine.budget_policy import CostTable, rung_widths
+    from ddtree.engine.budget.policy import CostTable, rung_widths
 
     conc, ms = H200_CONC, H200_MS
     ladder = tuple(sorted({0, 8, 16, 32, spec.budget}))
@@ -184,7 +184,7 @@ def level(llm, conc: int, max_tokens: int, profile, spent: list[float]) -> dict:
             host.append(rec.timing.host_s)
             rounds.append(rec.timing.round_s)
             policy.append(spent[0])
-            if rec.timing.device_s is not None:  # the GPU's clock (engine/round_clock.py)
+            if rec.timing.device_s is not None:  # the GPU's clock (engine/round/clock.py)
                 device.append(rec.timing.device_s)
             if rec.timing.idle_s is not None:
                 idle.append(rec.timing.idle_s)

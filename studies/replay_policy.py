@@ -63,7 +63,7 @@ def requests(rows: list[dict]) -> list[list[dict]]:
 
 
 def replay(reqs: list[list[dict]], bs: int, rounds: int, seed: int = 0) -> dict:
-    from ddtree.engine.budget_policy import BudgetPolicy, CostTable, ServedCost, rung_name, rungs
+    from ddtree.engine.budget.policy import BudgetPolicy, CostTable, ServedCost, rung_name, rungs
 
     rng = np.random.default_rng(seed)
     names = [rung_name(b, c) for b, c in rungs(LADDER, CHAIN)]

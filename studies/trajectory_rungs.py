@@ -45,7 +45,7 @@ def record(
     the drafter's curve (budgets 1..64) and chain gain."""
     import torch
 
-    import ddtree.engine.decoder as dec
+    import ddtree.engine.round.decoder as dec
     from ddtree import LLM, SamplingParams
     from ddtree.speculative.accept import AcceptResult
 
@@ -199,7 +199,7 @@ def simulate(
     for `BudgetPolicy` (`--speculative-ddtree-budget auto`: `pol`, one carried over from an
     earlier level, else a fresh one whose profile is `overhead` seconds, or 12%, under the served
     costs). Costs: the 8B shape's served ms."""
-    from ddtree.engine.budget_policy import BudgetPolicy, CostTable, ServedCost
+    from ddtree.engine.budget.policy import BudgetPolicy, CostTable, ServedCost
 
     rng = np.random.default_rng(seed)
     true = np.array([0.0] + [MS[bs][n] for n in RUNG_NAMES[1:]]) / 1e3

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.engine.budget_policy import CostTable, rung_name, rungs
+from ddtree.engine.budget.policy import CostTable, rung_name, rungs
 
 LADDER, CHAIN, CAP = (0, 8, 16, 32, 64), 15, 64
 BATCHES = (1, 4, 16, 64)

@@ -117,7 +117,7 @@ def check_grammar_request(req, ref, stats: Counter, tol: Tolerances = FP32) -> l
 
 def check_seeded_request(req, ref, stats: Counter, tol: Tolerances = FP32) -> list[str]:
     """A seeded sampled request against AR's run of the same parameters (`ref`: its RequestOutput,
-    with top log-probs): sampling is keyed by (seed, position) (engine/sampler.py), so its tokens
+    with top log-probs): sampling is keyed by (seed, position) (engine/round/sampler.py), so its tokens
     are AR's whatever the mode, budget, batch or preemption, up to where either stops (the case's
     declared EOS and context are not the reference's; each stop is checked on its own tokens). A
     divergence where the two tokens' perturbed scores (log-prob / T + the position's Gumbel noise)
@@ -141,7 +141,7 @@ def _perturbed_gap(req, top, position: int, a: int, b: int) -> float:
     """|score(a) - score(b)| at `position` (inf where either is outside AR's top log-probs)."""
     import torch
 
-    from ddtree.engine.sampler import gumbel_noise
+    from ddtree.engine.round.sampler import gumbel_noise
 
     lp = dict(top)
     if a not in lp or b not in lp:
@@ -301,7 +301,7 @@ def cached_state_problems(engine, ref_runner, tol: Tolerances = FP32) -> list[st
     computes, and every hybrid checkpoint the recurrent state after exactly its node's tokens
     (`ref_runner`: a plain runner of the same target, no prefix cache)."""
     from ddtree import SamplingParams
-    from ddtree.engine.request import Req
+    from ddtree.engine.scheduling.request import Req
 
     runner = engine.runner
     bm, p = runner.bm, runner.bm.page_size

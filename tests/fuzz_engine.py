@@ -227,7 +227,7 @@ def _check_outputs(engine, case: Case, reqs: list, refs, res: CaseResult) -> Non
     from fuzz_oracle import TextOf
 
     from ddtree.engine import integrity
-    from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
+    from ddtree.engine.round.logprobs import MAX_TOP_LOGPROBS
 
     cfg, specs, fault = case.cfg, case.specs, case.fault
     res.failures += [f"drained: {b}" for b in integrity.drained_problems(engine, deep=True)]
@@ -240,7 +240,7 @@ def _check_outputs(engine, case: Case, reqs: list, refs, res: CaseResult) -> Non
     constrained = [i for i, s in enumerate(specs) if s.params.grammar is not None]
     ar_runs = refs.runs(cfg.target, [(specs[i].prompt, specs[i].params) for i in constrained])
     grammar_refs = dict(zip(constrained, ar_runs))
-    # seeded samples: AR's run of the same seed draws the same tokens (engine/sampler.py)
+    # seeded samples: AR's run of the same seed draws the same tokens (engine/round/sampler.py)
     seeded = [i for i, s in enumerate(specs) if not s.params.greedy and s.params.seed is not None]
     seeded_runs = refs.runs(
         cfg.target, [(specs[i].prompt, specs[i].params) for i in seeded], MAX_TOP_LOGPROBS

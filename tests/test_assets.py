@@ -43,7 +43,7 @@ def test_embedded_drafter_fits_its_target():
 def test_embedded_pair_is_accepted(algorithm, one_torch_thread):
     """The shipped drafter is really accepted on a held-out module's code (issue 3 measured tau 5.4 for DFLASH)."""
     from ddtree import LLM
-    from ddtree.engine.request import SamplingParams
+    from ddtree.engine.scheduling.request import SamplingParams
 
     llm = LLM(None, speculative_algorithm=algorithm, max_running_requests=1)
     out = llm.generate(

@@ -103,7 +103,7 @@ def test_gen_throughput_is_over_busy_time_not_idle_time():
     long, does not dilute it (the server's line read 4.4 tok/s while it decoded 60+)."""
     from types import SimpleNamespace
 
-    from ddtree.engine.batch_log import BatchLog
+    from ddtree.engine.scheduling.batch_log import BatchLog
 
     sched = SimpleNamespace(running=[], waiting=[], bm=SimpleNamespace(num_pages=0))
     log = BatchLog(sched, interval=2)

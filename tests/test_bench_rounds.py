@@ -108,7 +108,7 @@ def first_child_chain(tree: DraftTree, i: int) -> list[int]:
 @pytest.mark.parametrize("algorithm", ["DFLASH", "DDTREE"])
 def test_forced_accept_lengths_and_tokens(random_runner, algorithm):
     from ddtree.bench.bench_decoder import BenchDecoder
-    from ddtree.engine.decoder import SpecConfig
+    from ddtree.engine.round.decoder import SpecConfig
 
     runner, reqs = random_runner
     lengths = torch.tensor([1, 3, 9, 16])

@@ -23,8 +23,8 @@ from budget_world import (
     run,
 )
 
-import ddtree.engine.budget_policy as bp
-from ddtree.engine.budget_policy import BudgetPolicy, Decision, ServedCost
+import ddtree.engine.budget.policy as bp
+from ddtree.engine.budget.policy import BudgetPolicy, Decision, ServedCost
 
 ROUNDS, WARM = 300, 100
 SCENARIOS = {

@@ -6,7 +6,7 @@ at 1, and rank the configs as their measured output throughput does. Pure numpy.
 import numpy as np
 import pytest
 
-from ddtree.engine.budget_policy import BudgetPolicy, CostTable, rungs
+from ddtree.engine.budget.policy import BudgetPolicy, CostTable, rungs
 
 LADDER, CHAIN = (0, 16, 64), 15  # rungs: AR, chain, B=16, B=64
 CONC = (1, 2, 4, 8, 16, 32, 64)

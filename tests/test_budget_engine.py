@@ -9,8 +9,8 @@ import pytest
 from engine_utils import GREEDY, accepted_prompts, make_llm, mean_accept
 from test_engine_sampling import first_tokens, same_distribution
 
-from ddtree.engine.budget import ScriptedPolicy
-from ddtree.engine.budget_policy import Decision
+from ddtree.engine.budget.planner import ScriptedPolicy
+from ddtree.engine.budget.policy import Decision
 
 AUTO = dict(speculative_ddtree_budget="auto", speculative_ddtree_max_budget=16)
 CYCLE = (0, 16, 3, 8, 1, 0, 5, 16, 2)
@@ -97,7 +97,8 @@ def test_changing_budgets_check_can_fail(toy_pair, ar_tokens, monkeypatch):
     monkeypatch.setattr(DraftTree, "narrow", blind)
     # the accept walk reads the ancestors from the mask too: keep it on the true tree (the parents),
     # so only the verify's attention is blind
-    from ddtree.engine import decoder, graph_buffers
+    from ddtree.engine.graphs import buffers as graph_buffers
+    from ddtree.engine.round import decoder
     from ddtree.speculative import accept
 
     def by_parents(tree, target):
@@ -112,7 +113,7 @@ def test_changing_budgets_check_can_fail(toy_pair, ar_tokens, monkeypatch):
 
 
 def test_auto_policy_is_lossless_and_learns(toy_pair, ar_tokens, monkeypatch):
-    from ddtree.engine.budget_policy import BudgetPolicy
+    from ddtree.engine.budget.policy import BudgetPolicy
 
     carried = []  # decisions carried to a batch that changed (requests finishing)
     real = BudgetPolicy.carry
@@ -156,7 +157,7 @@ def test_hybrid_changing_budgets_are_lossless(toy_hybrid_pair, graphs, monkeypat
     """Width-1 rounds step the GDN state in place at verify (eager, or the width-1 verify graph)
     and commit none; the wider rounds stash and commit. On the graph path every round's commit
     replays its own width's commit graph (width 1: the KV and drafter-context writes)."""
-    from ddtree.engine.cuda_graph import CudaGraphRunner
+    from ddtree.engine.graphs.runner import CudaGraphRunner
 
     commits = []
     real = CudaGraphRunner.commit
@@ -190,8 +191,8 @@ def test_cost_profile_measures_every_width_and_caches(toy_pair, tmp_path, monkey
     from test_cuda_graph import attach_graphs
 
     from ddtree import envs
-    from ddtree.engine import budget_profile
-    from ddtree.engine.budget_policy import AnalyticCost, CostTable
+    from ddtree.engine.budget import profile as budget_profile
+    from ddtree.engine.budget.policy import AnalyticCost, CostTable
 
     llm = make_llm(toy_pair, "DDTREE", max_running_requests=4, **AUTO)
     runner, spec = llm.engine.runner, llm.engine.spec

@@ -47,8 +47,8 @@ def test_one_call_per_loop_per_publish_in_order():
 def test_rung_counter():
     from prometheus_client import generate_latest
 
-    from ddtree.engine.budget import RoundPlan, RoundRecord
-    from ddtree.engine.round_clock import RoundTiming
+    from ddtree.engine.budget.planner import RoundPlan, RoundRecord
+    from ddtree.engine.round.clock import RoundTiming
     from ddtree.server.metrics import ServerMetrics
 
     assert RoundPlan(1, None).rung == "ar"
@@ -97,7 +97,7 @@ def test_rung_counter():
 def test_policy_round_cost_is_small_at_64():
     """choose + observe at batch 64 (the work the round's host side adds with auto): well under a
     millisecond per round, so it cannot be the per-round host time at concurrency 32."""
-    from ddtree.engine.budget_policy import BudgetPolicy, CostTable
+    from ddtree.engine.budget.policy import BudgetPolicy, CostTable
 
     ladder = (0, 8, 16, 32, 64)
     table = CostTable(ladder, (64,), (4096,), np.full((1, 1, 6), 0.01), chain=15)
@@ -121,7 +121,7 @@ def test_run_detokenisation_equals_one_token_at_a_time():
     import random
 
     from ddtree.assets import PACKAGE_PAIR
-    from ddtree.engine.detokenizer import IncrementalDetokenizer
+    from ddtree.engine.outputs.detokenizer import IncrementalDetokenizer
     from ddtree.engine.setup import load_tokenizer
 
     tok = load_tokenizer(os.path.join(PACKAGE_PAIR, "target"))

@@ -6,7 +6,7 @@ read-back before the verify and observes the curves before the round's blocking 
 
 import numpy as np
 
-from ddtree.engine.budget_policy import BudgetPolicy, CostTable
+from ddtree.engine.budget.policy import BudgetPolicy, CostTable
 
 LADDER = (0, 8, 16, 32, 64)
 # ms per round in `rungs` order: AR, tree 8, the chain (15 drafts), trees 16, 32, 64
@@ -99,8 +99,8 @@ def test_a_stale_cache_would_show():
 
 def test_decoder_observes_curves_before_the_blocking_read_back(monkeypatch):
     from ddtree import LLM, SamplingParams
-    from ddtree.engine import decoder as dec
-    from ddtree.engine import logprobs
+    from ddtree.engine.round import decoder as dec
+    from ddtree.engine.round import logprobs
 
     llm = LLM(
         None,
@@ -134,7 +134,7 @@ def test_decoder_observes_curves_before_the_blocking_read_back(monkeypatch):
 
 
 def _planner():
-    from ddtree.engine.budget import BudgetPlanner
+    from ddtree.engine.budget.planner import BudgetPlanner
     from ddtree.engine.config import SpecConfig
 
     cfg = SpecConfig(algorithm="DDTREE", budget=64, adaptive=True)
@@ -143,7 +143,7 @@ def _planner():
 
 
 def _req(slot):
-    from ddtree.engine.request import Req, SamplingParams
+    from ddtree.engine.scheduling.request import Req, SamplingParams
 
     return Req(prompt_ids=[1], params=SamplingParams(temperature=0), slot=slot)
 
@@ -151,7 +151,7 @@ def _req(slot):
 def _serve(planner, reqs, rng, ctx=1000):
     """One round as the decoder drives the planner: plan, the gain columns observed under the
     verify (`observe_curves`), then `observe` after the read-back; returns the plan."""
-    from ddtree.engine.budget import CURVE_SCALE
+    from ddtree.engine.budget.planner import CURVE_SCALE
 
     plan = planner.plan(reqs, ctx)
     if plan.width > 1:
@@ -208,7 +208,7 @@ def test_a_carried_decision_keeps_the_rung_within_each_cap_or_declines():
     """`carry`: the proposal's rung for a changed batch, each budget capped by its request's
     cap and a new request predicted at the proposal's mean; declined (the planner decides) for
     the chain under a cap below its drafts, and before the policy rates the server-wide curve."""
-    from ddtree.engine.budget_policy import Decision
+    from ddtree.engine.budget.policy import Decision
 
     planner, pol = _planner()
     a, b, c = object(), object(), object()
@@ -231,7 +231,7 @@ def test_calibration_never_reaches_a_new_request_in_the_slot():
     starts from the server-wide calibration, as with the in-line observe. With the proposal
     carried to the changed batch, the slot is claimed under the verify, after the finished
     request's accepts were taken in."""
-    from ddtree.engine.budget import CURVE_SCALE
+    from ddtree.engine.budget.planner import CURVE_SCALE
 
     planner, pol = _planner()
     rng = np.random.default_rng(1)

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from ddtree.engine.budget_policy import (
+from ddtree.engine.budget.policy import (
     AnalyticCost,
     BudgetPolicy,
     CostTable,
@@ -48,7 +48,7 @@ def test_width_follows_the_load(bs, want):
 
 
 def test_speculation_off_when_it_does_not_pay():
-    from ddtree.engine.budget_policy import EXPLORE_AFTER
+    from ddtree.engine.budget.policy import EXPLORE_AFTER
 
     pol, owners = seeded(64, curve=np.full(64, 0.05))  # the drafter is almost never right
     widths = [
@@ -126,7 +126,7 @@ def test_served_cost_corrects_the_profile():
     """Served rounds correct their rung at their batch bucket (EMA, a stalled round clipped); an
     unserved rung takes its profile plus the bucket's common overhead (served - profile over
     every rung served there; another bucket's where none was; never below the profile)."""
-    from ddtree.engine.budget_policy import ServedCost
+    from ddtree.engine.budget.policy import ServedCost
 
     cost = ServedCost(TABLE)
     base = TABLE.seconds(1, 1000)

@@ -1,13 +1,13 @@
-"""engine/budget_rows.py: a round's cost as (batch, total verify rows, context, prefill tokens) on
+"""engine/budget/rows.py: a round's cost as (batch, total verify rows, context, prefill tokens) on
 a synthetic table, the throughput-optimal row budget against a brute force, and the start-up
-measurement (engine/budget_profile.py `measure_rows` / `row_cost`) on the toy pair, cached."""
+measurement (engine/budget/profile.py `measure_rows` / `row_cost`) on the toy pair, cached."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ddtree.engine.budget_rows import RowCost
+from ddtree.engine.budget.rows import RowCost
 
 # a convex verify cost: flat while the weights dominate, then linear in the rows
 TABLE = RowCost(
@@ -94,7 +94,7 @@ def test_row_costs_measured_on_the_toy_pair_and_cached(toy_pair, tmp_path, monke
     from test_cuda_graph import attach_graphs
 
     from ddtree import envs
-    from ddtree.engine import budget_profile
+    from ddtree.engine.budget import profile as budget_profile
 
     monkeypatch.setattr(budget_profile, "PREFILL_POINTS", (16, 64))
     monkeypatch.setattr(budget_profile, "EAGER_ROWS", (1, 16))

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from engine_utils import GREEDY, make_llm, toy_prompts
 
-from ddtree.engine.budget import ScriptedPolicy
-from ddtree.engine.budget_policy import Decision
+from ddtree.engine.budget.planner import ScriptedPolicy
+from ddtree.engine.budget.policy import Decision
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -114,8 +114,8 @@ def test_serving_table_has_units():
 def test_serving_level_reads_budgets_from_metrics():
     """bench serving's server-side columns: the /metrics delta of one level."""
     from ddtree.bench.serving_metrics import delta, parse
-    from ddtree.engine.budget import RoundRecord
-    from ddtree.engine.round_clock import RoundTiming
+    from ddtree.engine.budget.planner import RoundRecord
+    from ddtree.engine.round.clock import RoundTiming
     from ddtree.server.metrics import ServerMetrics
 
     m = ServerMetrics("DDTREE", 16)

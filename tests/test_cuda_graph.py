@@ -8,14 +8,14 @@ from engine_utils import accepted_prompts, make_llm, mean_accept
 from triton_utils import cpu_interpreter_only
 
 from ddtree import SamplingParams
-from ddtree.engine.cuda_graph import (
+from ddtree.engine.graphs.runner import (
     CudaGraphRunner,
     GraphSet,
     attach_uncaptured,
     batch_buckets,
     ctx_bounds,
 )
-from ddtree.engine.round import Round
+from ddtree.engine.round.data import Round
 
 # ragged prompts (9..33 tokens) the toy drafter accepts (mean accepted length > 2: the graph path's
 # commits move real accepted paths) and different lengths, so the live batch shrinks 5 -> 1
@@ -518,7 +518,7 @@ def test_sliding_window_drafter_runs_the_draft_graph(toy_pair, one_torch_thread)
     """A drafter with sliding-window layers is graph-capturable (the window is masked in the kernel):
     the padded draft-graph path gives the eager path's tokens and accept lengths, and the window acts
     (accept lengths differ from the full-attention drafter's)."""
-    from ddtree.engine.cuda_graph import _draft_capturable
+    from ddtree.engine.graphs.runner import _draft_capturable
 
     prompts, params = [list(p) for p in accepted_prompts(3)], PARAMS[:3]
     outs = {}

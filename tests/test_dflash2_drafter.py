@@ -13,7 +13,7 @@ from hf_fixtures import save_hf_qwen3
 from test_dflash_drafter import rms, rope
 
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
-from ddtree.engine.request import Req, SamplingParams
+from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.models.loader import load_drafter, load_target
 from ddtree.speculative.markov_tree import build_markov_chain
 

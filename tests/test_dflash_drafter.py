@@ -9,7 +9,7 @@ from hf_fixtures import save_hf_qwen3
 from pair_fixtures import save_random_drafter
 
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
-from ddtree.engine.request import Req, SamplingParams
+from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.models.loader import load_drafter, load_target
 
 

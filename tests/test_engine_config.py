@@ -230,7 +230,7 @@ def test_flags_that_do_not_act_are_refused_before_weights_load(kwargs, needles, 
 
 def test_unchunked_prefill_acts():
     """--chunked-prefill-size -1 takes a whole prompt in one step (it used to admit nothing)."""
-    from ddtree.engine.request import SamplingParams
+    from ddtree.engine.scheduling.request import SamplingParams
     from ddtree.llm import LLM
 
     prompt = list(range(3, 40))

@@ -1,6 +1,6 @@
 """Lossless: DFLASH and DDTREE emit exactly the AR tokens, on a pair whose drafts are really
 accepted (the mean accepted length is asserted in the same test); at T=0, and at T>0 token for
-token with the same seeds (sampling is keyed by seed and position: engine/sampler.py), beside the
+token with the same seeds (sampling is keyed by seed and position: engine/round/sampler.py), beside the
 distribution tests of test_engine_sampling.py."""
 
 import dataclasses

@@ -59,7 +59,7 @@ def test_ddtree_sampling_matches_ar(toy_pair, ar_counts):
 def test_biased_acceptance_is_detected(toy_pair, ar_counts, monkeypatch):
     """Accepting a drafted child whenever it is the target's top-2 token biases the output: the chi-square
     test above must notice (so it is able to fail)."""
-    import ddtree.engine.decoder as dec
+    import ddtree.engine.round.decoder as dec
 
     monkeypatch.setattr(dec, "sample_nodes", biased_sample_nodes(dec.sample_nodes))
     llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16, max_running_requests=256)

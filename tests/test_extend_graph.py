@@ -14,8 +14,8 @@ from triton_utils import cpu_interpreter_only
 
 from ddtree import SamplingParams
 from ddtree.engine.config import extend_widths, runner_config
-from ddtree.engine.cuda_graph import CudaGraphRunner
-from ddtree.engine.extend_graph import plan_passes
+from ddtree.engine.graphs.extend import plan_passes
+from ddtree.engine.graphs.runner import CudaGraphRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PAGE, MAX_TOKENS = 4, 16

@@ -7,8 +7,8 @@ import pytest
 from engine_utils import accepted_prompts, make_llm, mean_accept
 
 from ddtree import SamplingParams
-from ddtree.engine import decoder as decoder_mod
 from ddtree.engine.faults import MAX_FAILURES_IN_A_ROW, EngineDead
+from ddtree.engine.round import decoder as decoder_mod
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

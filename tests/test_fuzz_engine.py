@@ -117,7 +117,7 @@ def test_fuzzer_catches_a_stop_id_checked_only_at_the_block_end(
     accepted block is missed, the output runs past it."""
     import dataclasses
 
-    from ddtree.engine.outputs import TokenEmitter
+    from ddtree.engine.outputs.emitter import TokenEmitter
 
     real = TokenEmitter.emit
 
@@ -156,7 +156,7 @@ def test_fuzzer_catches_a_release_that_caches_an_unwritten_slot(
 
 def test_fuzzer_catches_a_leaked_slot(refs, one_torch_thread, monkeypatch):
     """A finish that forgets to free the request's slot and pages after a stop string."""
-    from ddtree.engine.scheduler import Scheduler
+    from ddtree.engine.scheduling.scheduler import Scheduler
 
     real = Scheduler.finish
 
@@ -177,7 +177,7 @@ def test_fuzzer_catches_a_grammar_round_that_emits_past_its_stop_token(
     """A grammar round that keeps the tokens of an accepted path after the grammar's stop token
     (with ignore_eos the emitter would pass them on): a speculative grammar request runs past
     where AR under the same grammar ends."""
-    from ddtree.engine.grammar_round import GrammarBatch
+    from ddtree.engine.round.grammar import GrammarBatch
 
     real = GrammarBatch.advance
 
@@ -198,7 +198,7 @@ def test_fuzzer_catches_sampling_noise_keyed_by_node_not_position(
     their seed."""
     import torch
 
-    from ddtree.engine.sampler import NodePositions
+    from ddtree.engine.round.sampler import NodePositions
 
     def of_tree(cls, kv_lens, depths, bound):
         n = depths.shape[1]

@@ -110,7 +110,7 @@ def test_a_request_failed_in_its_emission_keeps_one_log_prob_per_token(
 ):
     """Fault isolation fails a request whose emission raises; the round had already recorded the
     log-probs of the tokens it was emitting, which the failed request kept (2 entries for 1 token)."""
-    from ddtree.engine.outputs import TokenEmitter
+    from ddtree.engine.outputs.emitter import TokenEmitter
 
     llm = make_llm(
         toy_pair, algorithm, **({"speculative_ddtree_budget": 8} if algorithm != "NONE" else {})
@@ -136,6 +136,6 @@ def test_a_request_failed_in_its_emission_keeps_one_log_prob_per_token(
 
 
 def _req(prompt, sp):
-    from ddtree.engine.request import Req
+    from ddtree.engine.scheduling.request import Req
 
     return Req(prompt_ids=list(prompt), params=sp)

@@ -12,9 +12,9 @@ from triton_utils import DEV, cpu_interpreter_only, load_kernel_module
 kernel = load_kernel_module("ddtree.kernels.gdn.commit_triton")
 
 from ddtree import envs  # noqa: E402
-from ddtree.engine import state_pool  # noqa: E402
 from ddtree.engine.config import GDNGeometry  # noqa: E402
-from ddtree.engine.state_pool import HybridStatePool  # noqa: E402
+from ddtree.engine.memory import state_pool  # noqa: E402
+from ddtree.engine.memory.state_pool import HybridStatePool  # noqa: E402
 from ddtree.kernels.gdn import backend  # noqa: E402
 
 

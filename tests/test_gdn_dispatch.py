@@ -119,7 +119,7 @@ def test_tree_rule_rows_reference():
 @pytest.mark.parametrize("strategy", ["extra_buffer", "no_buffer"])
 def test_decode_extend_uses_step_kernels(strategy):
     """All q_lens == 1: the decode path (step conv + recurrent rule) equals the packed prefill path."""
-    from ddtree.engine.state_pool import GDNGeometry, HybridStatePool
+    from ddtree.engine.memory.state_pool import GDNGeometry, HybridStatePool
 
     geo = GDNGeometry(1, 2, 8, 4, 8, 4)
     pools = [HybridStatePool(geo, 3, 4, "cpu", strategy, dtype=torch.float32) for _ in range(2)]

@@ -8,7 +8,7 @@ import torch
 from test_gdn_reference import chain, pad_trees, rel, rule_inputs
 
 from ddtree import envs
-from ddtree.engine import state_contexts
+from ddtree.engine.memory import state_contexts
 from ddtree.kernels.gdn import backend, dispatch
 from ddtree.kernels.gdn.reference import replay_path, tree_gated_delta_rule
 from ddtree.kernels.gdn.tree_chunk import tree_ancestor_mask, tree_chunk_gated_delta_rule

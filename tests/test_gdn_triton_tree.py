@@ -208,7 +208,7 @@ def test_tree_context_on_the_kernel(monkeypatch, strategy, ssm_dtype):
     stash included: the pool-row plumbing of the engine's verify."""
     from test_gdn_reference import Given
 
-    from ddtree.engine.state_pool import GDNGeometry, HybridStatePool
+    from ddtree.engine.memory.state_pool import GDNGeometry, HybridStatePool
     from ddtree.kernels.gdn import backend, dispatch
     from ddtree.speculative.tree import DraftTree
 

@@ -1,5 +1,5 @@
 """Grammar mask work is bounded per request and never holds the others (issue 54 item 1,
-engine/grammar_jobs.py): a grammar whose fill never returns fails its request alone after the
+engine/round/grammar_jobs.py): a grammar whose fill never returns fails its request alone after the
 step budget while the batch's other requests decode what they decode alone; a slow grammar's tree
 shrinks to the root (an AR row) and still decodes what AR decodes; a request over its total budget
 fails; a job that finds every mask thread held fails with a 503, never a false "too complex".
@@ -14,8 +14,8 @@ import pytest
 from engine_utils import accepted_prompts, make_llm
 
 from ddtree import SamplingParams
-from ddtree.engine import grammar_jobs
-from ddtree.engine.grammar_jobs import MaskBudget, MaskFailure, MaskWorkers
+from ddtree.engine.round import grammar_jobs
+from ddtree.engine.round.grammar_jobs import MaskBudget, MaskFailure, MaskWorkers
 from ddtree.grammar import Grammars, GrammarSpec
 from ddtree.grammar.backend import MaskCancelled, Matcher
 

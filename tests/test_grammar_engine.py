@@ -122,7 +122,7 @@ def test_sampling_distribution_matches_ar(toy_pair, one_torch_thread):
     "algorithm,kw", [("DFLASH", {}), ("DDTREE", {"speculative_ddtree_budget": 16})]
 )
 def test_seeded_sampling_under_a_grammar_is_ar_token_for_token(toy_pair, prompts, algorithm, kw):
-    """The grammar masks the logits before the keyed argmax (engine/sampler.py): a seeded request
+    """The grammar masks the logits before the keyed argmax (engine/round/sampler.py): a seeded request
     under a grammar draws AR's tokens in every mode, beside an unconstrained seeded one."""
     sp = [
         SamplingParams(
@@ -140,7 +140,7 @@ def test_a_rolled_back_batch_resyncs_the_matchers(toy_pair, prompts, ar, monkeyp
     """A batched step that fails after the matchers took its tokens is rolled back (engine/
     faults.py): each request keeps only what it had emitted, so its matcher must go back too, and
     the requests, run again, produce what they would have."""
-    from ddtree.engine import grammar_round
+    from ddtree.engine.round import grammar as grammar_round
 
     constrained, _ = ar
     llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget=16)

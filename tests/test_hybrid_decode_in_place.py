@@ -15,7 +15,7 @@ from triton_utils import cpu_interpreter_only
 
 from ddtree import SamplingParams, envs
 from ddtree.engine.config import MAMBA_STRATEGIES as STRATEGIES  # noqa: E402
-from ddtree.engine.cuda_graph import attach_uncaptured
+from ddtree.engine.graphs.runner import attach_uncaptured
 from ddtree.kernels.gdn import backend
 
 PROMPTS = [list(p) for p in toy_prompts(4)]  # lengths 5..20
@@ -61,7 +61,7 @@ def test_a_commit_after_the_in_place_verify_is_caught(toy_hybrid_pair, monkeypat
     over the state the verify already stepped. A NONE server stepping in place keeps no stash, so
     that commit cannot run at all: every request fails on it (engine/faults.py fails them one by
     one, each with the IndexError)."""
-    from ddtree.engine.state_pool import HybridStatePool
+    from ddtree.engine.memory.state_pool import HybridStatePool
 
     commit = HybridStatePool.commit
     monkeypatch.setattr(
@@ -142,7 +142,7 @@ def test_budget_profile_replays_touch_no_request_row(toy_hybrid_pair, monkeypatc
     after rounds (AR ones among them) the profile changes no request's row."""
     from test_budget_engine import AUTO, CyclingPolicy
 
-    from ddtree.engine import budget_profile
+    from ddtree.engine.budget import profile as budget_profile
 
     llm = make_llm(
         toy_hybrid_pair,
@@ -169,7 +169,7 @@ def test_budget_profile_key_names_the_state_path(toy_hybrid_pair):
     measured on another is never read back."""
     from test_budget_engine import AUTO
 
-    from ddtree.engine import budget_profile
+    from ddtree.engine.budget import profile as budget_profile
 
     keys = set()
     for strategy in STRATEGIES:

@@ -101,7 +101,7 @@ def test_batch_equals_batch_of_one(toy_hybrid_pair, algorithm, strategy):
 def _record_walks(monkeypatch):
     """Wrap the decoder's accept walk; per request and round: (accepted drafts k, the walk left the first
     branch, the tree had drafted nodes)."""
-    import ddtree.engine.decoder as dec
+    import ddtree.engine.round.decoder as dec
 
     real, rounds = dec.accept_tree, []
 
@@ -172,7 +172,7 @@ def test_ddtree_sampling_matches_ar(toy_hybrid_pair, ar_counts, strategy):
 
 def test_biased_acceptance_is_detected(toy_hybrid_pair, ar_counts, monkeypatch):
     """The same chi-square test notices a walk biased toward the target's second choice (so it can fail)."""
-    import ddtree.engine.decoder as dec
+    import ddtree.engine.round.decoder as dec
 
     monkeypatch.setattr(dec, "sample_nodes", biased_sample_nodes(dec.sample_nodes))
     llm = make_llm(

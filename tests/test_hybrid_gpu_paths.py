@@ -16,7 +16,7 @@ tree_conv = load_kernel_module("ddtree.kernels.gdn.tree_conv")
 load_kernel_module("ddtree.kernels.gdn.tree_chunk_triton")
 load_kernel_module("ddtree.kernels.gdn.commit_triton")
 
-from ddtree.engine import state_pool  # noqa: E402
+from ddtree.engine.memory import state_pool  # noqa: E402
 from ddtree.kernels.gdn import backend, dispatch  # noqa: E402
 
 PROMPTS = accepted_prompts(2)  # accepted by the toy drafter (toy_prompts(2): 1.6 a round)

@@ -9,7 +9,7 @@ import torch
 from engine_utils import accepted_prompts, make_llm
 
 from ddtree import SamplingParams
-from ddtree.engine.cuda_graph import CudaGraphRunner
+from ddtree.engine.graphs.runner import CudaGraphRunner
 
 # ragged lengths: the live batch shrinks 4 -> 1, so rounds pad 3 -> 4
 PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 2, 20, 12)]
@@ -130,7 +130,7 @@ def test_padding_check_catches_a_pad_row_on_a_real_row(toy_hybrid_pair):
 def test_hybrid_targets_are_captured(toy_hybrid_pair, monkeypatch, caplog):
     """The hybrid refusal is gone: make_graph_runner builds graphs for a hybrid target whose
     attention plans a kernel (capture itself stubbed: no GPU here)."""
-    from ddtree.engine import cuda_graph
+    from ddtree.engine.graphs import runner as cuda_graph
 
     llm = _llm(toy_hybrid_pair, "DDTREE", "extra_buffer")
     runner = llm.engine.runner

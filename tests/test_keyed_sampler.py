@@ -1,4 +1,4 @@
-"""The keyed sampler (engine/sampler.py): Gumbel noise from a hash of (seed, position, token) is a pure
+"""The keyed sampler (engine/round/sampler.py): Gumbel noise from a hash of (seed, position, token) is a pure
 function of those three on any device, and argmax(filtered logits + noise) is an exact sample of the
 filtered target distribution: chi-square goodness of fit over a fixed set of seeds (and positions), so
 the test cannot flake, and independence between positions and between seeds. A sampler with the wrong
@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency, chisquare
 
-from ddtree.engine import sampler
-from ddtree.engine.request import SamplingParams
-from ddtree.engine.sampler import filter_logits, gumbel_noise, sample_from
+from ddtree.engine.round import sampler
+from ddtree.engine.round.sampler import filter_logits, gumbel_noise, sample_from
+from ddtree.engine.scheduling.request import SamplingParams
 
 PROBS = torch.tensor([0.32, 0.22, 0.16, 0.11, 0.08, 0.06, 0.03, 0.02])
 LOGITS = PROBS.log() + 1.7  # unnormalised: only differences matter

@@ -117,14 +117,14 @@ def test_the_check_can_fail(tmp_path, monkeypatch):
     for sub in ("speculative", "engine", "weird"):
         (tmp_path / sub).mkdir()
     (tmp_path / "speculative" / "bad.py").write_text(
-        "def f():\n    from ddtree.engine.request import Req\n"
+        "def f():\n    from ddtree.engine.scheduling.request import Req\n"
     )
     (tmp_path / "engine" / "bad.py").write_text("import ddtree.tools.train.data\n")
     (tmp_path / "weird" / "x.py").write_text("")
     monkeypatch.setattr(sys.modules[__name__], "PKG", tmp_path)
     assert violations() == [
         "engine/bad.py:1 imports ddtree.tools.train.data (floor 8 > 4)",
-        "speculative/bad.py:2 imports ddtree.engine.request (floor 4 > 0)",
+        "speculative/bad.py:2 imports ddtree.engine.scheduling.request (floor 4 > 0)",
     ]
     assert [p.name for p, u in module_units().items() if u is None] == ["x.py"]
 

@@ -9,7 +9,7 @@ import torch
 
 from ddtree import LLM, SamplingParams
 from ddtree.assets import default_model_paths
-from ddtree.engine import logprobs
+from ddtree.engine.round import logprobs
 from ddtree.models.loader import load_target
 
 PROMPTS = [
@@ -140,7 +140,7 @@ def test_a_wrong_row_is_caught():
 def test_logprobs_from_the_graph_buffers(algorithm, one_torch_thread):
     """The CUDA-graph path (static buffers, greedy walk in the graph; here capture=False on the
     CPU) hands back its logits buffer: log-probs read from it equal the full forward too."""
-    from ddtree.engine.cuda_graph import CudaGraphRunner
+    from ddtree.engine.graphs.runner import CudaGraphRunner
 
     eng = LLM(
         None,

@@ -1,4 +1,4 @@
-"""What stopped a request, and special tokens, in its text (engine/outputs.py): as vLLM and SGLang,
+"""What stopped a request, and special tokens, in its text (engine/outputs/emitter.py): as vLLM and SGLang,
 a stop token's text and a stop string are left out unless `include_stop_str_in_output` (SGLang's
 `no_stop_trim`); special tokens only with `skip_special_tokens=False`. Both emit paths: deferred
 detokenisation (no stop strings) and token by token (stop strings). A fake tokenizer with
@@ -6,9 +6,9 @@ multi-character tokens; < 1 s."""
 
 import pytest
 
-from ddtree.engine.detokenizer import StopMatcher
-from ddtree.engine.outputs import TokenEmitter
-from ddtree.engine.request import Req, SamplingParams
+from ddtree.engine.outputs.detokenizer import StopMatcher
+from ddtree.engine.outputs.emitter import TokenEmitter
+from ddtree.engine.scheduling.request import Req, SamplingParams
 
 VOCAB = {0: "ab", 1: "):", 2: "cd", 3: "<eos>", 4: "xy"}
 SPECIAL = {3}

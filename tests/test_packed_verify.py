@@ -11,7 +11,7 @@ import torch
 from ddtree.attention.backend import AttentionMetadata, get_backend
 from ddtree.bench.random_pair import SMOKE, build_pair, pair_configs
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
-from ddtree.engine.request import Req, SamplingParams
+from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.speculative.accept import accept_tree
 from ddtree.speculative.batch_budget import allocate, pack, unpack
 from ddtree.speculative.tree import build_tree

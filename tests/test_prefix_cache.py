@@ -6,8 +6,8 @@ and write checks can fail."""
 import pytest
 import torch
 
-from ddtree.engine.block_manager import NO_HIT, BlockManager
-from ddtree.engine.request import Req, SamplingParams
+from ddtree.engine.memory.block_manager import NO_HIT, BlockManager
+from ddtree.engine.scheduling.request import Req, SamplingParams
 
 P = 4  # page size
 
@@ -182,7 +182,7 @@ def test_the_lru_heap_stays_bounded_without_evictions():
 def test_checkpoints_reuse_the_least_recently_used_row_when_full():
     import types
 
-    from ddtree.engine.state_checkpoints import StateCheckpoints
+    from ddtree.engine.memory.state_checkpoints import StateCheckpoints
 
     pool = types.SimpleNamespace(
         conv=torch.zeros(2, 3, 4, 1), ssm=torch.zeros(2, 3, 2, 2, 2), device=torch.device("cpu")
@@ -207,7 +207,7 @@ def test_checkpoints_reuse_the_least_recently_used_row_when_full():
 def test_decode_evicts_cached_pages_before_preempting():
     import types
 
-    from ddtree.engine.scheduler import Scheduler
+    from ddtree.engine.scheduling.scheduler import Scheduler
 
     b = bm(num_pages=8)
     cold = req(range(100, 116))  # 4 pages, then cached and unreferenced

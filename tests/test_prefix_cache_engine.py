@@ -162,8 +162,8 @@ def test_a_skipped_copy_on_write_is_detected(toy_pair, dense_reference, monkeypa
 def test_the_write_check_catches_a_round_writing_into_a_shared_page(toy_pair, monkeypatch):
     """Meta: cache one page too many (the one the next rounds write into) and the write check,
     wired into extend / verify / commit, fires."""
-    from ddtree.engine.block_manager import BlockManager
     from ddtree.engine.faults import EngineDead
+    from ddtree.engine.memory.block_manager import BlockManager
 
     real = BlockManager.cache_prefix
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-import ddtree.engine.prefix_cache as prefix_cache
-from ddtree.engine.block_manager import BlockManager
-from ddtree.engine.prefix_cache import RadixCache
-from ddtree.engine.request import Req, SamplingParams
+import ddtree.engine.memory.prefix_cache as prefix_cache
+from ddtree.engine.memory.block_manager import BlockManager
+from ddtree.engine.memory.prefix_cache import RadixCache
+from ddtree.engine.scheduling.request import Req, SamplingParams
 
 P = 16  # the server's default page size
 

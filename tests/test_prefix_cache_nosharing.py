@@ -10,10 +10,10 @@ import pytest
 from engine_utils import make_llm, toy_pattern
 
 from ddtree import SamplingParams
-from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.config import EXTEND_BATCHES, EXTEND_WIDTHS
-from ddtree.engine.extend_graph import plan_passes
-from ddtree.engine.request import Req
+from ddtree.engine.graphs.extend import plan_passes
+from ddtree.engine.memory.block_manager import BlockManager
+from ddtree.engine.scheduling.request import Req
 from ddtree.tools.train.data import BOS_ID
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -92,7 +92,7 @@ def test_no_sharing_schedules_the_same_batches_with_the_cache(toy_pair):
 
 
 def test_bench_prefix_cache_reports_the_step_plan():
-    from ddtree.engine.step_stats import StepStats, summarize
+    from ddtree.engine.scheduling.step_stats import StepStats, summarize
     from ddtree.tools.studies.prefix_cache import format_report
 
     st = StepStats(prefill_steps=4, graphed_steps=1, graph_passes=2, prefill_chunks=6)

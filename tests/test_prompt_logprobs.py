@@ -189,7 +189,7 @@ def test_hybrid_target_with_chunks_and_a_checkpointed_prefix(tmp_path, one_torch
 def test_rows_are_reduced_in_bounded_slices(monkeypatch):
     """At most ROW_ELEMENTS logits exist at once (here 3 rows of a 50-token vocabulary); the
     slices give the numbers one pass over every row gives."""
-    from ddtree.engine import prompt_logprobs
+    from ddtree.engine.round import prompt_logprobs
 
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=False)
@@ -215,7 +215,7 @@ def test_a_batch_that_asks_runs_eager_the_others_graphed(one_torch_thread):
     """With extend graphs (the padded static-buffer path without a capture, as on a GPU): a prefill
     batch with prompt log-prob rows runs the eager extend (the graphs keep only the last row's
     logits), a later one without any replays; the rows equal a full forward."""
-    from ddtree.engine.cuda_graph import CudaGraphRunner
+    from ddtree.engine.graphs.runner import CudaGraphRunner
 
     engine = llm("NONE")  # its CPU runner, with the graphs' static-buffer path for this test
     runner = engine.engine.runner

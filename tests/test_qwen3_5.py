@@ -8,9 +8,9 @@ import pytest
 import torch
 from hybrid_fixtures import VOCAB, hf_logits, save_hf_qwen3_5, save_hf_qwen3_5_vlm
 
+from ddtree.engine.memory.state_pool import HybridStatePool, state_bytes_per_request
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
-from ddtree.engine.request import Req, SamplingParams
-from ddtree.engine.state_pool import HybridStatePool, state_bytes_per_request
+from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.models.loader import load_target
 from ddtree.models.qwen3_5 import Qwen3_5ForCausalLM
 from ddtree.speculative.tree import DraftTree

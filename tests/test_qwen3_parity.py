@@ -6,8 +6,8 @@ import torch
 from hf_fixtures import save_hf_qwen3
 
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
-from ddtree.engine.request import Req, SamplingParams
-from ddtree.engine.round import root_tree
+from ddtree.engine.round.data import root_tree
+from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.models.loader import load_target
 
 

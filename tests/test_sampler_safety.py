@@ -5,8 +5,8 @@ token id 0."""
 import pytest
 import torch
 
-from ddtree.engine.request import SAMPLING_EPS, SamplingParams
-from ddtree.engine.sampler import NodePositions, filter_logits, sample_from, sample_nodes
+from ddtree.engine.round.sampler import NodePositions, filter_logits, sample_from, sample_nodes
+from ddtree.engine.scheduling.request import SAMPLING_EPS, SamplingParams
 
 TOP = 7  # the argmax is deliberately not token 0
 POS = torch.arange(4)  # the rows' token positions

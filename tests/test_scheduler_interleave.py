@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from ddtree.engine.request import Req, SamplingParams
-from ddtree.engine.scheduler import Scheduler
+from ddtree.engine.scheduling.request import Req, SamplingParams
+from ddtree.engine.scheduling.scheduler import Scheduler
 
 
 class RoomyBlocks:

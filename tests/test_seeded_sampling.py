@@ -1,4 +1,4 @@
-"""Seeded sampling is keyed by (seed, position) (engine/sampler.py), so a seeded request emits the
+"""Seeded sampling is keyed by (seed, position) (engine/round/sampler.py), so a seeded request emits the
 same tokens in AR, DFLASH, DDTREE at fixed budgets and under `auto` (the real policy, and a policy
 whose budgets change every round and per request), alone and batched with other requests (greedy,
 unseeded, other filters), on the dense and the hybrid toy pair, fp32. The comparisons exercise

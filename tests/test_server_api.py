@@ -319,7 +319,7 @@ def test_stop_cut_exactly_inside_an_accepted_block(tmp_path):
 def in_block_stop(llm, prompt, out):
     """(stop string, token index j) such that j sits strictly inside a round's accepted block and the stop's
     first occurrence in the output text completes on token j; None if there is no such token."""
-    from ddtree.engine.detokenizer import IncrementalDetokenizer
+    from ddtree.engine.outputs.detokenizer import IncrementalDetokenizer
 
     inside, pos = [], 1  # output token 0 comes from prefill, rounds start at 1
     for n in out.accept_lengths:

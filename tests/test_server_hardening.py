@@ -368,7 +368,7 @@ def test_max_size_stops_keep_the_engine_work_per_token_bounded(server, http, pai
     timed; the concurrent short request is served meanwhile."""
     from test_stop_matcher import Lookups, Window
 
-    from ddtree.engine.detokenizer import stop_matcher
+    from ddtree.engine.outputs.detokenizer import stop_matcher
 
     # stops sharing a long prefix with the neighbour's text, so the holdback search does its most
     # work
@@ -616,7 +616,7 @@ def test_running_stream_keeps_its_pace_while_a_long_prompt_prefills(server, http
     chunks (at most MAX_PREFILL_STREAK prefill steps in a row) and the stream gains a token at
     each, instead of stalling for the whole prefill. Counted in engine steps, not timed (how soon
     the client reads a delta is the machine's business)."""
-    from ddtree.engine.scheduler import MAX_PREFILL_STREAK
+    from ddtree.engine.scheduling.scheduler import MAX_PREFILL_STREAK
 
     engine = server.engine
     long_len = CONTEXT - 40

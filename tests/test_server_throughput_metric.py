@@ -39,8 +39,8 @@ def test_throughput_window_forgets_old_busy_time(monkeypatch):
 def test_acceptance_by_depth():
     """Per-position acceptance: a request that accepted k drafts counts at depths 1..k; AR rows
     (budget 0) are no drafts; depth d's count over the drafts is the acceptance rate there."""
-    from ddtree.engine.budget import RoundRecord
-    from ddtree.engine.round_clock import RoundTiming
+    from ddtree.engine.budget.planner import RoundRecord
+    from ddtree.engine.round.clock import RoundTiming
 
     m = ServerMetrics("DDTREE", 17)
     rec = RoundRecord(17, [8, 8, 0, 16], [], [3, 0, 0, 5], timing=RoundTiming(round_s=0.01))
@@ -61,8 +61,8 @@ def test_accept_length_histogram_and_verify_rows_per_round():
     """ddtree_spec_accept_length: one observation per request-round that drafted (accepted + 1,
     buckets 1..16); ddtree_spec_verify_rows: one per round, its rows in all (roots + drafts);
     the priced rounds' predicted and measured seconds side by side."""
-    from ddtree.engine.budget import RoundRecord
-    from ddtree.engine.round_clock import RoundTiming
+    from ddtree.engine.budget.planner import RoundRecord
+    from ddtree.engine.round.clock import RoundTiming
 
     m = ServerMetrics("DDTREE", 17)
     rec = RoundRecord(17, [8, 8, 0, 16], [], [3, 0, 0, 5], timing=RoundTiming(round_s=0.01))

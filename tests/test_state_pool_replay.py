@@ -3,9 +3,9 @@ must not depend on the group size."""
 
 import torch
 
-from ddtree.engine import state_pool
 from ddtree.engine.config import GDNGeometry
-from ddtree.engine.state_pool import HybridStatePool
+from ddtree.engine.memory import state_pool
+from ddtree.engine.memory.state_pool import HybridStatePool
 
 
 def _pool(seed: int) -> HybridStatePool:

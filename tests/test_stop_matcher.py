@@ -3,7 +3,7 @@ bounded by the stop bounds (server/limits.py) and independent of how long the ou
 
 import random
 
-from ddtree.engine.detokenizer import StopMatcher, find_stop, stop_holdback
+from ddtree.engine.outputs.detokenizer import StopMatcher, find_stop, stop_holdback
 from ddtree.server.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 

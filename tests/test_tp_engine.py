@@ -54,7 +54,7 @@ class _Engine:
         self.requests = {}
 
     def add_request(self, ids, params, rid):
-        from ddtree.engine.request import Req
+        from ddtree.engine.scheduling.request import Req
 
         self.requests[rid] = Req(prompt_ids=list(ids), params=params, rid=rid)
 

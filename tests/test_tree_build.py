@@ -189,7 +189,7 @@ def test_engine_ddtree_through_the_kernel(toy_pair, monkeypatch, graphs):
     from engine_utils import accepted_prompts, make_llm, mean_accept
 
     from ddtree import SamplingParams
-    from ddtree.engine.cuda_graph import attach_uncaptured
+    from ddtree.engine.graphs.runner import attach_uncaptured
     from ddtree.speculative.tree import select_nodes as reference
 
     prompts = [list(p) for p in accepted_prompts(3)]

@@ -11,7 +11,7 @@ from server_fixtures import build_tiny_pair, server_argv, thread_server
 from test_scheduler_interleave import req, run, scheduler
 
 from ddtree import SamplingParams
-from ddtree.engine.scheduler import MAX_PREFILL_STREAK
+from ddtree.engine.scheduling.scheduler import MAX_PREFILL_STREAK
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

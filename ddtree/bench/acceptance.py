@@ -84,7 +84,7 @@ def measure(
 ):
     from ddtree.config import resolve_server_args
     from ddtree.engine.engine import LLMEngine
-    from ddtree.engine.request import SamplingParams
+    from ddtree.engine.scheduling.request import SamplingParams
 
     args = resolve_server_args(
         dataclasses.replace(

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ddtree.engine.decoder import SpecDecoder
+from ddtree.engine.round.decoder import SpecDecoder
 from ddtree.speculative.accept import accept_tree
 from ddtree.speculative.tree import DraftTree
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from ddtree.bench.serving_report import Result
 from ddtree.bench.stream_client import sse_chunks
-from ddtree.engine.step_stats import StepStats, step_metric, summarize
+from ddtree.engine.scheduling.step_stats import StepStats, step_metric, summarize
 
 
 @dataclass
@@ -176,7 +176,7 @@ STATE_COUNTERS = {
     "ddtree_prefix_cache_state_miss_tokens_total": "cache_state_miss_tokens",
     "ddtree_prefix_cache_checkpoint_drops_total": "cache_checkpoint_drops",
 }
-# the engine's per-step counters (engine/step_stats.py), when the server exports them
+# the engine's per-step counters (engine/scheduling/step_stats.py), when the server exports them
 STEP_COUNTERS = {step_metric(name) + "_total": name for name in StepStats().as_dict()}
 
 

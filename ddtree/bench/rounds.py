@@ -153,7 +153,7 @@ def runner_config(algo: str, budget: int, batch: int, context: int, ns, device):
 def prefilled_requests(runner, n: int, context: int, vocab: int, chunk: int, seed: int):
     """n requests with `context` cached tokens and a random pending token. The first is prefilled from random
     tokens; the others get copies of its target and drafter KV (the same cost to attend, 1/n of the prefill)."""
-    from ddtree.engine.request import Req, SamplingParams
+    from ddtree.engine.scheduling.request import Req, SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True)
@@ -265,8 +265,8 @@ def run(ns) -> int:
     from ddtree.bench.forced_accept import AcceptTrace
     from ddtree.bench.random_pair import QWEN3_8B, SMOKE, build_pair, pair_configs, shape_configs
     from ddtree.bench.round_timing import Clock
-    from ddtree.engine.decoder import SpecConfig
     from ddtree.engine.model_runner import ModelRunner
+    from ddtree.engine.round.decoder import SpecConfig
     from ddtree.models.layers import torch_dtype
 
     t_start = time.perf_counter()

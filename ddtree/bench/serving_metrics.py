@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ddtree.engine.round_clock import DEVICE_PARTS, PHASES
+from ddtree.engine.round.clock import DEVICE_PARTS, PHASES
 
 
 def parse(text: str) -> dict[tuple[str, tuple], float]:
@@ -162,7 +162,7 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         "hidden_ms": parts["hidden"],
         # host ms per round with grammar requests: their trees and masks (grammar_round.py)
         "grammar_host_ms": parts["grammar"],
-        # on the GPU's clock (CUDA; engine/round_clock.py): a round's device span, the GPU idle
+        # on the GPU's clock (CUDA; engine/round/clock.py): a round's device span, the GPU idle
         # before it (host work between rounds nothing hid), and the span's phases
         "device_ms": parts["device"],
         "idle_ms": parts["idle"],

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 if TYPE_CHECKING:
-    from ddtree.engine.budget import RoundRecord
-    from ddtree.engine.request import Req, SamplingParams
+    from ddtree.engine.budget.planner import RoundRecord
+    from ddtree.engine.scheduling.request import Req, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def verify_width(algorithm: str, block_size: int, budget: int) -> int:
     return block_size if algorithm == "DFLASH" else 1
 
 
-# the graphed short extend (engine/extend_graph.py): widths (new tokens per request and pass; a
+# the graphed short extend (engine/graphs/extend.py): widths (new tokens per request and pass; a
 # graphed 8B forward costs 7.6 / 8.5 / 11.0 ms at 65 / 129 / 257 tokens on the H200, so three widths
 # waste at most ~1 ms against an exact fit), batch buckets, and the most passes one prefill batch
 # takes before it runs eagerly (eager ~= 30 ms + 28 us per token: four 256-token passes still win)

@@ -8,8 +8,7 @@ import threading
 import time
 import weakref
 
-from ddtree.engine import integrity, logprobs
-from ddtree.engine.batch_log import BatchLog
+from ddtree.engine import integrity
 from ddtree.engine.boundary import (
     EngineStats,
     FaultCounts,
@@ -18,13 +17,15 @@ from ddtree.engine.boundary import (
     StepResult,
 )
 from ddtree.engine.config import prefill_chunk_tokens
-from ddtree.engine.decoder import SpecDecoder
 from ddtree.engine.faults import EngineDead, FaultIsolation, describe
-from ddtree.engine.grammar_jobs import MaskBudget
-from ddtree.engine.outputs import TokenEmitter
-from ddtree.engine.prompt_logprobs import PromptLogprobs
-from ddtree.engine.request import Req, SamplingParams
-from ddtree.engine.scheduler import Scheduler
+from ddtree.engine.outputs.emitter import TokenEmitter
+from ddtree.engine.round import logprobs
+from ddtree.engine.round.decoder import SpecDecoder
+from ddtree.engine.round.grammar_jobs import MaskBudget
+from ddtree.engine.round.prompt_logprobs import PromptLogprobs
+from ddtree.engine.scheduling.batch_log import BatchLog
+from ddtree.engine.scheduling.request import Req, SamplingParams
+from ddtree.engine.scheduling.scheduler import Scheduler
 from ddtree.engine.setup import build_runner, load_tokenizer, resolve_device
 from ddtree.engine.tp.launch import rank_device, start_ranks
 from ddtree.models.configs import ConfigError
@@ -179,7 +180,7 @@ class LLMEngine:
 
     def stream_text(self, under_round=None) -> None:
         """The caller publishes the requests' text after every step (the server): deferred
-        detokenisation (engine/outputs.py) is flushed for every live request at the step's end,
+        detokenisation (engine/outputs/emitter.py) is flushed for every live request at the step's end,
         or, with `under_round`, inside the next decoding round once its device work is launched
         and before its one read-back, followed by `under_round()` (the server publishing the
         previous round's outputs), so both hide under the device's work. Offline callers never

@@ -1,10 +1,10 @@
 """Forwards over paged KV: prefill (extend), drafter block, tree verify, and the commit of accepted nodes.
 
-A round is data (engine/round.py): `begin` makes its `Round` (one host->device copy of the lengths and
+A round is data (engine/round/data.py): `begin` makes its `Round` (one host->device copy of the lengths and
 slots the host already knows, shared by draft, verify and commit), `draft` returns a `Draft`, `verify` a
 `Verify`, `commit` moves the accepted nodes, and the host reads back only the emitted tokens after it. With
 `enable_cuda_graph`, draft, verify and commit replay CUDA graphs when `begin` finds the batch covered
-(`ddtree/engine/cuda_graph.py`), and short prefill extends replay theirs (`ddtree/engine/extend_graph.py`).
+(`ddtree/engine/graphs/runner.py`), and short prefill extends replay theirs (`ddtree/engine/graphs/extend.py`).
 
 `Req.kv_len` has one owner, this runner: it counts the request's tokens whose target KV, drafter
 context and hybrid state are committed, and it changes only in `prefill` (after the extend),
@@ -24,8 +24,6 @@ from ddtree.attention.backend import (
     get_backend,
     store_kv,
 )
-from ddtree.engine import prompt_logprobs
-from ddtree.engine.block_manager import NO_HIT, BlockManager, PrefixHit
 from ddtree.engine.config import (
     EXTEND_BATCHES,
     RunnerConfig,
@@ -33,13 +31,15 @@ from ddtree.engine.config import (
     scratch_pages,
     tree_spec,
 )
-from ddtree.engine.extend_graph import pack_pass, plan_passes
-from ddtree.engine.kv_cache import KVPool
-from ddtree.engine.request import Req
-from ddtree.engine.round import Draft, Round, Verify
-from ddtree.engine.state_checkpoints import StateCheckpoints
-from ddtree.engine.state_pool import HybridStatePool
-from ddtree.engine.step_stats import StepStats
+from ddtree.engine.graphs.extend import pack_pass, plan_passes
+from ddtree.engine.memory.block_manager import NO_HIT, BlockManager, PrefixHit
+from ddtree.engine.memory.kv_cache import KVPool
+from ddtree.engine.memory.state_checkpoints import StateCheckpoints
+from ddtree.engine.memory.state_pool import HybridStatePool
+from ddtree.engine.round import prompt_logprobs
+from ddtree.engine.round.data import Draft, Round, Verify
+from ddtree.engine.scheduling.request import Req
+from ddtree.engine.scheduling.step_stats import StepStats
 
 
 class ModelRunner:
@@ -106,7 +106,7 @@ class ModelRunner:
         self.tree_spec: tuple | None = None  # the decoder's tree (set_tree_spec)
         self.graphs = None
         if cfg.enable_cuda_graph:
-            from ddtree.engine.cuda_graph import make_graph_runner
+            from ddtree.engine.graphs.runner import make_graph_runner
 
             self.graphs = make_graph_runner(self)
 

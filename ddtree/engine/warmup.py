@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 
-from ddtree.engine.request import SamplingParams
+from ddtree.engine.scheduling.request import SamplingParams
 
 logger = logging.getLogger("ddtree")
 

@@ -189,7 +189,7 @@ class Matcher:
         self._tail = (1 << (tokenizer_vocab % 32)) - 1 if tokenizer_vocab % 32 else 0
         self.accepted = 0  # tokens accepted and not rolled back
         # what the fills cost: seconds in all, and the slowest since `slowest_fill_s` was reset
-        # (engine/grammar_jobs.py sizes the request's tree and bounds its work by them)
+        # (engine/round/grammar_jobs.py sizes the request's tree and bounds its work by them)
         self.fill_s = 0.0
         self.slowest_fill_s = 0.0
         # set by the engine thread when it stops waiting for this matcher: a worker still walking

@@ -1,7 +1,7 @@
 """Qwen3.5 Gated DeltaNet token mixer (HF `Qwen3_5GatedDeltaNet` parameter layout and numerics).
 
 The layer owns the projections and the gated output norm; where the recurrent state lives is decided by a
-`LinearStateContext` (ddtree.engine.state_pool): the layer hands it the pre-conv inputs, gets the conv
+`LinearStateContext` (ddtree.engine.memory.state_pool): the layer hands it the pre-conv inputs, gets the conv
 outputs back, then hands it q/k/v/g/beta and gets the delta-rule outputs back. Without a context the layer
 runs dense over [B, T] from a zero state (training, data generation, tests).
 """

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ddtree.engine.boundary import EngineProtocol
-from ddtree.engine.detokenizer import stop_holdback
 from ddtree.engine.faults import EngineDead
-from ddtree.engine.request import Req, SamplingParams
+from ddtree.engine.outputs.detokenizer import stop_holdback
+from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.server.gc_watch import GcWatch, freeze_startup_heap
 from ddtree.server.logprob_format import LogprobEntry, TokenBytes, decode_entries
 from ddtree.server.metrics import server_info

@@ -4,7 +4,7 @@ OpenAI routes, server/native_protocol.py for `/generate`: the same bounds on bot
 Every list and string field of a request has a limit; a request over it, a non-finite number or a
 string with a lone UTF-16 surrogate gets a 400 naming the field (api.py renders pydantic's errors).
 The limits keep the host work one request causes bounded, so a hostile request cannot slow the
-others: stop strings are checked on the engine thread at every step (engine/detokenizer.py's
+others: stop strings are checked on the engine thread at every step (engine/outputs/detokenizer.py's
 StopMatcher, O(max stop length) per token). Tokenizing and chat-template rendering run on the
 server's tokenizer threads (openai_serving.py), never on the engine thread.
 

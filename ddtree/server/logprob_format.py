@@ -20,7 +20,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ddtree.engine.logprobs import TokenLogprob
+from ddtree.engine.round.logprobs import TokenLogprob
 
 LOGPROB_FLOOR = -9999.0
 

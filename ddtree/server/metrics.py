@@ -20,8 +20,8 @@ from prometheus_client import (
 )
 
 from ddtree.engine.boundary import EngineProtocol, EngineStats, FaultCounts, PrefixCacheStats
-from ddtree.engine.round_clock import DEVICE_PARTS, PHASES
-from ddtree.engine.step_stats import StepStats, step_metric
+from ddtree.engine.round.clock import DEVICE_PARTS, PHASES
+from ddtree.engine.scheduling.step_stats import StepStats, step_metric
 
 THROUGHPUT_WINDOW_S = 5.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -248,7 +248,7 @@ class ServerMetrics:
             registry=r,
         )
         self._cache_seen = (0, 0, 0, 0, 0)
-        # ---- engine steps (engine/step_stats.py): prefill path (graphed / eager), decode batches
+        # ---- engine steps (engine/scheduling/step_stats.py): prefill path (graphed / eager), decode batches
         self.steps = {
             name: Counter(step_metric(name), f"Engine steps: {name} since start", registry=r)
             for name in StepStats().as_dict()
@@ -423,7 +423,7 @@ class ServerMetrics:
                 hist.observe(n)
 
     def on_round(self, rec, server_s: float, hidden_s: float) -> None:
-        """One decode round's RoundRecord (engine/budget.py) and the server's own times."""
+        """One decode round's RoundRecord (engine/budget/planner.py) and the server's own times."""
         for b in rec.budgets:
             self.budget.observe(b)
         self.verify_rows.observe(rec.rows)

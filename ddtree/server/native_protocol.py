@@ -23,8 +23,8 @@ from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
-from ddtree.engine.request import SamplingParams
+from ddtree.engine.round.logprobs import MAX_TOP_LOGPROBS
+from ddtree.engine.scheduling.request import SamplingParams
 from ddtree.grammar import GrammarSpec
 from ddtree.server import request_fields
 from ddtree.server.limits import (

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
-from ddtree.engine.request import SamplingParams
+from ddtree.engine.scheduling.request import SamplingParams
 from ddtree.server import limits, protocol
 from ddtree.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Stream
 from ddtree.server.chat_tools import ChatOutput, ChatTools

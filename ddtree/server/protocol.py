@@ -16,7 +16,7 @@ prompt is tokenized as given), chat's `add_generation_prompt` and `continue_fina
 
 `logprobs` (completions: an int, the top-k per position; chat: a bool, with `top_logprobs`) report
 the target's log-softmax at each emitted position before temperature / top-k / top-p, as vLLM does
-by default. Prompt log-probs (engine/prompt_logprobs.py): a completion's `echo` puts the prompt (text
+by default. Prompt log-probs (engine/round/prompt_logprobs.py): a completion's `echo` puts the prompt (text
 and, with `logprobs`, its log-probs: null at the first position) before each choice's output, and
 `max_tokens: 0` is accepted with `echo` (the prompt alone); vLLM's `prompt_logprobs: k` (<= 20; its
 -1 is refused; not with `stream`, as vLLM) adds `prompt_logprobs` per completion choice, or to a chat
@@ -34,8 +34,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from ddtree.engine.logprobs import MAX_TOP_LOGPROBS
-from ddtree.engine.request import SamplingParams
+from ddtree.engine.round.logprobs import MAX_TOP_LOGPROBS
+from ddtree.engine.scheduling.request import SamplingParams
 from ddtree.grammar import GrammarSpec
 from ddtree.server import limits, request_fields
 from ddtree.server.limits import (

@@ -27,7 +27,7 @@ import threading
 from collections import OrderedDict
 
 from ddtree.engine.boundary import FrontendProtocol
-from ddtree.engine.grammar_jobs import MASK_ROUND_S
+from ddtree.engine.round.grammar_jobs import MASK_ROUND_S
 from ddtree.grammar import GrammarError, GrammarSpec, GrammarUnavailable
 from ddtree.grammar.backend import CACHE_ENTRIES
 from ddtree.server import limits
@@ -152,7 +152,7 @@ class GrammarCompiler:
     """Compiles specs on worker threads (the engine's `Grammars` cache: a later admission's
     matcher is a cache hit), each within GRAMMAR_COMPILE_TIMEOUT_S of starting, and times one
     mask fill of the compiled grammar's start state: a grammar whose first mask alone takes more
-    than a decoding step's mask budget (engine/grammar_jobs.py) could never decode, and is
+    than a decoding step's mask budget (engine/round/grammar_jobs.py) could never decode, and is
     refused here instead of after stalling a step.
 
     xgrammar cannot be interrupted: a compile past its limit finishes on its thread. So the

@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_utils import mean_accept
 
-from ddtree.engine.budget import ScriptedPolicy
+from ddtree.engine.budget.planner import ScriptedPolicy
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +24,7 @@ class Cycling(ScriptedPolicy):
         self.k = 0
 
     def choose(self, slots, owners, caps, ctx, extra_s=0.0):
-        from ddtree.engine.budget_policy import Decision
+        from ddtree.engine.budget.policy import Decision
 
         self.k += 1
         n = len(slots)
@@ -73,7 +73,7 @@ def _prompts(llm, n=5):
 
 def test_auto_graphs_profile_and_lossless(pair, tmp_path, monkeypatch):
     from ddtree import SamplingParams, envs
-    from ddtree.engine.budget_policy import CostTable, ServedCost
+    from ddtree.engine.budget.policy import CostTable, ServedCost
 
     pytest.importorskip("triton")
     monkeypatch.setenv(envs.BUDGET_PROFILE_DIR.name, str(tmp_path))

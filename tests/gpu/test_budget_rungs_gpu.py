@@ -9,7 +9,7 @@ rung replays the chain's; all T=0 token-identical to AR.
 import numpy as np
 import pytest
 
-from ddtree.engine.budget import ScriptedPolicy
+from ddtree.engine.budget.planner import ScriptedPolicy
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +19,7 @@ class Forced(ScriptedPolicy):
         self.budget, self.chain = budget, chain
 
     def choose(self, slots, owners, caps, ctx, extra_s=0.0):
-        from ddtree.engine.budget_policy import Decision
+        from ddtree.engine.budget.policy import Decision
 
         b = np.full(len(slots), self.budget, dtype=np.int64)
         return Decision(1 + self.budget, b, np.zeros(len(slots)), 0.0, self.chain)

@@ -101,7 +101,7 @@ def test_graphs_match_eager(pair, dtype, algo, budget):
 
 
 def _check_round_clock(recs, phases: bool) -> None:
-    """engine/round_clock.py: every graphed round has its device span, inside its host wall time;
+    """engine/round/clock.py: every graphed round has its device span, inside its host wall time;
     the idle time is known after a decode round; the phases cut the span."""
     assert recs and all(r.timing.device_s is not None and r.timing.device_s > 0 for r in recs)
     assert all(r.timing.device_s <= r.timing.round_s + 1e-4 for r in recs), [

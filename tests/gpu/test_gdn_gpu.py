@@ -442,7 +442,7 @@ def test_commit_kernel_matches_the_reference_commit(ssm_dtype, monkeypatch):
     pytest.importorskip("triton")
     from ddtree import envs
     from ddtree.engine.config import GDNGeometry
-    from ddtree.engine.state_pool import HybridStatePool
+    from ddtree.engine.memory.state_pool import HybridStatePool
 
     geo = GDNGeometry(num_layers=8, hk=HK, dk=DK, hv=HV, dv=DV, kernel=4)
     gen = torch.Generator().manual_seed(5)

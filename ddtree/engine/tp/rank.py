@@ -8,7 +8,8 @@ meet in the model's collectives.
 Batches, trees, accept walks and samples are computed on every rank, not broadcast: the scheduler is a
 pure function of the command stream and of the tokens emitted, and every token comes from all-gathered
 logits (bit-identical on every rank: `ddtree.models.parallel`) sampled with noise keyed by (seed,
-position) (engine/sampler.py; the seeds come from the same `--random-seed` stream, consumed in the same add order).
+position) (engine/round/sampler.py; the seeds come from the same `--random-seed` stream, consumed in
+the same add order).
 Each rank already holds those logits, so computing everywhere costs nothing, where broadcasting each
 round's tree and accepted tokens would add a collective and a host sync to every round. The lockstep is
 checked, not assumed: each message carries rank 0's digest of its requests (rid, tokens so far, last

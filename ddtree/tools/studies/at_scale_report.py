@@ -4,7 +4,7 @@ reach with this pair (`ceiling_rows`), the validity lines, and the PNG."""
 
 from __future__ import annotations
 
-from ddtree.engine.round_clock import PHASES
+from ddtree.engine.round.clock import PHASES
 
 
 def ratio_base(config: str) -> str | None:
@@ -173,7 +173,7 @@ def rung_summary(per_rung: dict[str, dict]) -> str:
 
 def print_round_split(serving: dict[str, list[dict]]) -> None:
     """Per config and level, a decode round's wall time beside the GPU's clock of it
-    (engine/round_clock.py): device = the round's span on the GPU, cut into its phases (plan: up
+    (engine/round/clock.py): device = the round's span on the GPU, cut into its phases (plan: up
     to the draft's launch), idle = the GPU idle before it, host = the engine and server time outside
     the round (which `idle` shows unhidden)."""
     print(

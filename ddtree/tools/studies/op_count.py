@@ -166,7 +166,7 @@ def count_round(llm, prompt: list[int], decode_steps: int = 1) -> LaunchCounter:
     """Prefill `prompt`, run one decode round, then count the next `decode_steps` decode rounds.
     The engine's CUDA-graph path runs (capture off), as on the GPU."""
     from ddtree import SamplingParams
-    from ddtree.engine.cuda_graph import attach_uncaptured
+    from ddtree.engine.graphs.runner import attach_uncaptured
 
     engine = llm.engine
     runner = engine.runner

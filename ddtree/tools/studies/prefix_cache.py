@@ -177,7 +177,9 @@ def format_report(res: dict, rows) -> str:
                 f" {r.get('mean_accept_length', 0.0):>9.2f}"
             )
     steps = [(st, k, r["steps"]) for st, lv in res.items() for k, r in lv.items() if r.get("steps")]
-    if steps:  # the step plan behind the numbers (engine/step_stats.py; servers with /metrics)
+    if (
+        steps
+    ):  # the step plan behind the numbers (engine/scheduling/step_stats.py; servers with /metrics)
         lines += ["", "per-step counters (server side):", STEP_HEADER]
         lines += [step_line(setting, kind, st) for setting, kind, st in steps]
     lines += [""] + [

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddtree.engine.detokenizer import IncrementalDetokenizer, match_stop
-from ddtree.engine.logprobs import TokenLogprob
-from ddtree.engine.request import Req
+from ddtree.engine.outputs.detokenizer import IncrementalDetokenizer, match_stop
+from ddtree.engine.round.logprobs import TokenLogprob
+from ddtree.engine.scheduling.request import Req
 
 
 @dataclass

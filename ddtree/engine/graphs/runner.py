@@ -42,9 +42,9 @@ import logging
 import torch
 
 from ddtree.engine.config import tree_spec
-from ddtree.engine.draft_graph import DraftGraph
-from ddtree.engine.extend_graph import ExtendGraphs
-from ddtree.engine.graph_buffers import CommitGraph, Padding, VerifyGraph
+from ddtree.engine.graphs.buffers import CommitGraph, Padding, VerifyGraph
+from ddtree.engine.graphs.draft import DraftGraph
+from ddtree.engine.graphs.extend import ExtendGraphs
 from ddtree.speculative.tree import DraftTree
 
 logger = logging.getLogger("ddtree")
@@ -181,7 +181,7 @@ class GraphSet:
 
 class CudaGraphRunner:
     """The graph families for `ModelRunner.draft` / `verify` / `commit` and the prefill extend,
-    and their graphs. A round (engine/round.py) replays all of its phases or none (`covers`); the
+    and their graphs. A round (engine/round/data.py) replays all of its phases or none (`covers`); the
     commit replays on the rows its verify loaded. capture=False runs the same padded static-shape
     path eagerly (the CPU tests of everything but the capture itself)."""
 
@@ -214,7 +214,7 @@ class CudaGraphRunner:
         }
         self.commit_graph = self.commit_families.get(v.n)
         self.commit_graphs: dict[tuple[int, int], object] = {}  # (width, bs) -> graph
-        # the short prefill extends (engine/extend_graph.py), None without extend widths
+        # the short prefill extends (engine/graphs/extend.py), None without extend widths
         widths = cfg.extend_widths if extend_widths is None else extend_widths
         self.extend: ExtendGraphs | None = None
         if widths:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.engine.logprobs import TokenLogprob
+from ddtree.engine.round.logprobs import TokenLogprob
 
 # logits held at once while a chunk's rows are reduced (fp32: 64 MiB, and as much for the
 # log-softmax); a slice is at least one row

@@ -30,9 +30,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from ddtree.engine.grammar_jobs import MaskFailure, MaskWorkers
-from ddtree.engine.request import Req, SamplingParams
-from ddtree.engine.sampler import NodePositions, sample_from
+from ddtree.engine.round.grammar_jobs import MaskFailure, MaskWorkers
+from ddtree.engine.round.sampler import NodePositions, sample_from
+from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.grammar.backend import Matcher
 from ddtree.grammar.masks import apply_bitmask
 from ddtree.grammar.tree import GrammarTree, build_grammar_tree

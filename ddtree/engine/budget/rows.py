@@ -4,7 +4,7 @@ With one verify budget for the batch (speculative/batch_budget.py) a round is: t
 the batch (its cost follows the batch, not the tree), one target forward over the packed rows
 (the batch's roots plus the R drafted nodes it kept; graphs pad the rows to a bucket), the KV
 read of every request's context, and the round's mixed prefill tokens. `RowCost` holds those
-curves as measured on the device (engine/budget_profile.py `measure_rows`: graph replays, or timed
+curves as measured on the device (engine/budget/profile.py `measure_rows`: graph replays, or timed
 eager forwards) and predicts a round's seconds; `best_rows` picks the total row count of highest
 expected tokens per second from the batch's gain curve (the expected accepted drafts of the top R
 nodes, which the draft's node probabilities give).

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ddtree.engine.model_runner import ModelRunner
-from ddtree.engine.request import Req, ReqStatus
+from ddtree.engine.scheduling.request import Req, ReqStatus
 
 # prefill steps in a row (new arrivals) before the running requests decode again: a burst of
 # arrivals delays a decoding round by at most this many prefills

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from ddtree import envs
-from ddtree.engine.budget_policy import AnalyticCost, CostTable, RoundCost, rungs
-from ddtree.engine.budget_rows import RowCost
+from ddtree.engine.budget.policy import AnalyticCost, CostTable, RoundCost, rungs
+from ddtree.engine.budget.rows import RowCost
 from ddtree.engine.config import SpecConfig, budget_ladder
 
 logger = logging.getLogger("ddtree")

@@ -1,6 +1,6 @@
 """One decoding round for a batch of running requests (the engine side of speculative decoding):
 plan -> draft the tree -> verify -> sample at every node -> accept walk -> commit -> emit, on the
-round's data (engine/round.py) whether graphs replay or eager code runs.
+round's data (engine/round/data.py) whether graphs replay or eager code runs.
 
 NONE (plain AR) is the one-node tree (the width-1 plan); DFLASH is the drafter's top-1 chain; DDTREE
 the best-first tree. Prefill's first token is emitted by the same path (`first_tokens`).
@@ -13,7 +13,7 @@ request cut to its budget) and the verify replay from the tree to the greedy acc
 walk); the decoder walks eagerly when a request samples (temperature > 0) or is under a grammar (`_accept`; the
 round benchmarks' subclass, bench/bench_decoder.py, rewrites the target tokens there). Each round's width and
 per-request budgets come from the `BudgetPlanner`
-(engine/budget.py): the fixed budget (with per-request caps) or the load-aware policy; width 1 is a plain AR
+(engine/budget/planner.py): the fixed budget (with per-request caps) or the load-aware policy; width 1 is a plain AR
 round that still writes the drafter's context.
 """
 
@@ -25,16 +25,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.engine import logprobs
-from ddtree.engine.budget import BudgetPlanner, RoundPlan, gain_columns
+from ddtree.engine.budget.planner import BudgetPlanner, RoundPlan, gain_columns
 from ddtree.engine.config import SpecConfig
-from ddtree.engine.grammar_jobs import MaskWorkers
-from ddtree.engine.grammar_round import GrammarBatch
 from ddtree.engine.model_runner import ModelRunner
-from ddtree.engine.request import Req
-from ddtree.engine.round import Draft, Round, Verify, accept_root, root_tree
-from ddtree.engine.round_clock import RoundClock
-from ddtree.engine.sampler import NodePositions, sample_nodes
+from ddtree.engine.round import logprobs
+from ddtree.engine.round.clock import RoundClock
+from ddtree.engine.round.data import Draft, Round, Verify, accept_root, root_tree
+from ddtree.engine.round.grammar import GrammarBatch
+from ddtree.engine.round.grammar_jobs import MaskWorkers
+from ddtree.engine.round.sampler import NodePositions, sample_nodes
+from ddtree.engine.scheduling.request import Req
 from ddtree.speculative.accept import accept_tree
 from ddtree.speculative.tree import DraftTree
 
@@ -64,16 +64,16 @@ class SpecDecoder:
         self.gains = GainReadBack(runner.device)
         # set by the server: host work to overlap with each round's device work
         self.while_device_runs: Callable[[], None] | None = None
-        # int32 words of a next-token bitmask row (grammar requests, engine/grammar_round.py)
+        # int32 words of a next-token bitmask row (grammar requests, engine/round/grammar.py)
         self.mask_words = (runner.target.config.vocab_size + 31) // 32
         self.grammar_host_s = 0.0  # host seconds the grammar rows' trees and masks took
-        # the grammar rows' mask work runs there, bounded per request (engine/grammar_jobs.py)
+        # the grammar rows' mask work runs there, bounded per request (engine/round/grammar_jobs.py)
         self.mask_workers = MaskWorkers(runner.cfg.max_running_requests)
         if cfg.algorithm != "NONE":
             runner.set_tree_spec(cfg.algorithm, cfg.budget, cfg.topk_cap, cfg.shadow_linear)
             runner.add_tree_specs(self.budgets.tree_specs())  # auto: every rung's own draft
         if cfg.adaptive:  # after the draft graphs of the spec exist: the profile replays them
-            from ddtree.engine.budget_profile import round_cost
+            from ddtree.engine.budget.profile import round_cost
 
             self.budgets.set_cost(round_cost(runner, cfg))
 

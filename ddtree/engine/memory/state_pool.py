@@ -35,7 +35,7 @@ from ddtree.engine.config import (
     GDNGeometry,
     stash_width,
 )
-from ddtree.engine.state_contexts import ExtendContext, TreeContext
+from ddtree.engine.memory.state_contexts import ExtendContext, TreeContext
 from ddtree.kernels.gdn import replay_conv_path
 from ddtree.kernels.gdn.backend import choose, commit_kernel
 from ddtree.kernels.gdn.dispatch import replay

@@ -18,7 +18,7 @@ from collections import deque
 
 import torch
 
-from ddtree.engine.state_pool import HybridStatePool
+from ddtree.engine.memory.state_pool import HybridStatePool
 
 
 class StateCheckpoints:

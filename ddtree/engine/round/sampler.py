@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.engine.request import SamplingParams
+from ddtree.engine.scheduling.request import SamplingParams
 
 _M32 = 0xFFFFFFFF
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.attention.backend import DraftAttentionMetadata
-from ddtree.engine.graph_buffers import Padding
+from ddtree.engine.graphs.buffers import Padding
 from ddtree.kernels.tree_attention.dispatch import MODES, AttentionShape
 from ddtree.speculative.tree import DraftTree
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.engine.request import Req
+from ddtree.engine.scheduling.request import Req
 from ddtree.speculative.accept import AcceptResult
 from ddtree.speculative.tree import DraftTree
 

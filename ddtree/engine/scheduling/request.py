@@ -6,8 +6,8 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from ddtree.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from ddtree.engine.prompt_logprobs import PromptLogprobs
+from ddtree.engine.round.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from ddtree.engine.round.prompt_logprobs import PromptLogprobs
 from ddtree.grammar.backend import GrammarSpec, Matcher
 
 # Temperatures below this sample as greedy (argmax): dividing fp32 logits by a smaller one overflows to inf,
@@ -38,7 +38,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # constrain the output to a grammar (JSON schema, regex, EBNF, choice): every emitted token,
-    # drafted or not, is one the grammar allows (engine/grammar_round.py)
+    # drafted or not, is one the grammar allows (engine/round/grammar.py)
     grammar: GrammarSpec | None = None
     # prompt log-probs (vLLM's `prompt_logprobs`, SGLang's input log-probs): None = off, else the
     # top-k per prompt position (0: the prompt token's own only), from prompt position
@@ -146,7 +146,7 @@ class Req:
     kv_len: int = 0  # tokens whose target KV (and drafter context) is cached
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     slot: int = -1  # row in the block table while running
-    # the sampling key (engine/sampler.py): params.seed, or one drawn at admission; None if greedy
+    # the sampling key (engine/round/sampler.py): params.seed, or one drawn at admission; None if greedy
     seed: int | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     text: str = ""
@@ -162,7 +162,7 @@ class Req:
     suspect: bool = False
     grammar: Matcher | None = None  # the grammar state after output_ids (params.grammar)
     # set when the grammar ends the request: "stop" / "grammar" (a dead end) / "abort" (its grammar
-    # work ran past its budget: engine/grammar_jobs.py; `error` says so)
+    # work ran past its budget: engine/round/grammar_jobs.py; `error` says so)
     grammar_end: str | None = None
 
     @property

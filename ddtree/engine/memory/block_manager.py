@@ -3,7 +3,7 @@
 Slot of logical position p of request r = block_table[r.slot, p // page_size] * page_size + p % page_size.
 The target KV pool and the drafter context pool are indexed by the same slots.
 
-With a prefix cache (`ddtree/engine/prefix_cache.py`) a request's pages are `shared` cached pages
+With a prefix cache (`ddtree/engine/memory/prefix_cache.py`) a request's pages are `shared` cached pages
 (the node path of `node[slot]`, read-only) followed by private ones. Every KV write of a request
 lands at logical positions >= its kv_len (prefill extends, tree verify, the commit move), and
 `shared * page_size <= kv_len` always holds, so no write can reach a shared page; `check_writes`
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.engine.faults import PoolCorrupted
-from ddtree.engine.prefix_cache import CacheStats, Node, PrefixMatch, RadixCache
-from ddtree.engine.request import Req
+from ddtree.engine.memory.prefix_cache import CacheStats, Node, PrefixMatch, RadixCache
+from ddtree.engine.scheduling.request import Req
 
 # copy_page(src_page, dst_page, num_tokens): the first num_tokens slots of src into dst (all pools)
 CopyPage = Callable[[int, int, int], None]

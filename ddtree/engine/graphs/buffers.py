@@ -1,6 +1,6 @@
 """The verify and commit graph families: each owns its static buffers, how a round's live data is
 loaded into them (`load`), how rows return to the padding state (`pad`), and the forward a graph
-captures (`forward`). The draft family is in ddtree/engine/draft_graph.py; `CudaGraphRunner`
+captures (`forward`). The draft family is in ddtree/engine/graphs/draft.py; `CudaGraphRunner`
 (cuda_graph.py) captures and replays them.
 
 Static inputs are sized for the largest captured batch M; a graph for padded batch bs reads the

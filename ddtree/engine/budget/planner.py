@@ -1,6 +1,6 @@
 """The decoder's per-round budget plan: which verify width the round runs at and each request's
 DDTree budget, from the load-aware policy (`--speculative-ddtree-budget auto`,
-engine/budget_policy.py) or the fixed budget with per-request caps (`SamplingParams.ddtree_budget`).
+engine/budget/policy.py) or the fixed budget with per-request caps (`SamplingParams.ddtree_budget`).
 
 A round's width is always one with verify graphs (`SpecConfig.verify_widths`). With auto the
 round drafts at its rung: the tree spec of the smallest ladder budget that holds the largest
@@ -21,11 +21,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ddtree.engine.budget_policy import BudgetPolicy, Decision, RoundCost, ServedCost, rung_name
+from ddtree.engine.budget.policy import BudgetPolicy, Decision, RoundCost, ServedCost, rung_name
+from ddtree.engine.budget.trace import PolicyTrace
 from ddtree.engine.config import SpecConfig, budget_ladder
-from ddtree.engine.policy_trace import PolicyTrace
-from ddtree.engine.request import Req
-from ddtree.engine.round_clock import RoundTiming
+from ddtree.engine.round.clock import RoundTiming
+from ddtree.engine.scheduling.request import Req
 
 CURVE_SCALE = 1 << 20  # gain curves ride the round's int64 read-back in fixed point
 

@@ -1,6 +1,6 @@
 """The budget policy's choices and their round costs (pure numpy): `rungs` (AR, the ladder's
 trees, the DFLASH chain, by verify width) and `RoundCost`, the seconds a round costs at each rung
-for a batch and context: `CostTable` (measured on the device at startup, engine/budget_profile.py)
+for a batch and context: `CostTable` (measured on the device at startup, engine/budget/profile.py)
 or `AnalyticCost` (roofline). With CUDA graphs every row of a round is padded to the round's width
 W and the batch to its bucket, so a round's cost is a function of (batch bucket, context, rung).
 `ServedCost` corrects either by the rounds the server actually ran."""

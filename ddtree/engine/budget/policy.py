@@ -31,7 +31,7 @@ round reads back the chain's gain too (`DraftTree.chain_probs`: the top-1 chain 
 spine), so the chain's gain is known without running it; a chain round reads back only the chain's.
 
 Past the built rung, and for a request without a tree curve: the server-wide `CurveShape`
-(engine/budget_shape.py: growth per ladder segment, learned only from what was read back).
+(engine/budget/shape.py: growth per ladder segment, learned only from what was read back).
 
 Exploration. Growth past the chosen rung goes stale when the traffic changes, and a rung's cost
 is corrected by served rounds only where it is served (`ServedCost`), so every EXPLORE_EVERY-th
@@ -40,7 +40,7 @@ batch is unserved), when the policy rates it within EXPLORE_MARGIN of the best: 
 own estimate exploration costs at most EXPLORE_MARGIN / EXPLORE_EVERY of the throughput (< 1%),
 and a rung that pays is found within a few exploration rounds (tests/test_budget_convergence.py).
 
-Cost: `RoundCost.seconds(bs, ctx)[r]` per rung r (engine/budget_cost.py). The rung is the one
+Cost: `RoundCost.seconds(bs, ctx)[r]` per rung r (engine/budget/cost.py). The rung is the one
 decision: at a tree rung every request takes min(rung, its own cap), since a smaller budget would
 save nothing; the chain rung is open only when every request's cap allows `chain` drafts.
 
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.engine.budget_cost import (
+from ddtree.engine.budget.cost import (
     AnalyticCost,
     CostTable,
     RoundCost,
@@ -63,7 +63,7 @@ from ddtree.engine.budget_cost import (
     rung_widths,
     rungs,
 )
-from ddtree.engine.budget_shape import PRIOR_EMA, CurveShape, ema_weight
+from ddtree.engine.budget.shape import PRIOR_EMA, CurveShape, ema_weight
 from ddtree.engine.config import budget_ladder
 
 __all__ = [

@@ -42,7 +42,7 @@ class RoundTiming:
     device_s: float | None = None
     idle_s: float | None = None
     device_phases: dict[str, float] = field(default_factory=dict)
-    # host seconds the round's grammar rows took (trees + masks, engine/grammar_round.py); None
+    # host seconds the round's grammar rows took (trees + masks, engine/round/grammar.py); None
     # when no request in the round had a grammar
     grammar_s: float | None = None
 

@@ -1,0 +1,2 @@
+"""From tokens to text: the emitter (stop strings and ids, finishes, deferred detokenisation) and the
+incremental detokenizer."""
