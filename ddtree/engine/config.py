@@ -56,9 +56,9 @@ def verify_width(algorithm: str, block_size: int, budget: int) -> int:
 
 
 # the graphed short extend (engine/graphs/extend.py): widths (new tokens per request and pass; a
-# graphed 8B forward costs 7.6 / 8.5 / 11.0 ms at 65 / 129 / 257 tokens on the H200, so three widths
-# waste at most ~1 ms against an exact fit), batch buckets, and the most passes one prefill batch
-# takes before it runs eagerly (eager ~= 30 ms + 28 us per token: four 256-token passes still win)
+# graphed forward's cost grows slowly with its tokens, so three widths waste little against an exact
+# fit), batch buckets, and the most passes one prefill batch takes before it runs eagerly (an eager
+# extend's fixed launch cost outweighs several graphed passes; docs/design-numbers.md)
 EXTEND_WIDTHS = (64, 128, 256)
 EXTEND_BATCHES = (1, 2, 4)
 EXTEND_MAX_PASSES = 4

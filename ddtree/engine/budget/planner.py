@@ -155,8 +155,8 @@ class BudgetPlanner:
         # catches up on the round before (its served seconds, its calibration) and proposes the
         # next round's decision for the same requests; `plan` takes it when the batch is the
         # same, carries its rung to a batch that changed (`BudgetPolicy.carry`), and decides
-        # there only where it cannot. The policy's host time (~0.4 ms a round on the H200's
-        # host, studies/host_time.py) would otherwise sit between rounds with the device idle.
+        # there only where it cannot. The policy's host time (studies/host_time.py) would
+        # otherwise sit between rounds with the device idle.
         self._batch: tuple | None = None  # the current round's (slots, reqs, caps, ctx)
         self._next: tuple | None = None  # (batch key, proposed Decision) for the next round
         self._accepted: tuple | None = None  # (pending, accepted) of a finished round
@@ -277,7 +277,7 @@ class BudgetPlanner:
         if not plan.chain:  # columns past the built rung repeat its last value (not read)
             B, k = max(self.cfg.budget, 1), c.shape[1] - 1
             tree = c[:, :-1]
-            if k < B:  # np.pad(mode="edge") costs ~0.1 ms a round
+            if k < B:  # by hand: np.pad(mode="edge") is slow for a per-round copy
                 tree = np.empty((c.shape[0], B))
                 tree[:, :k], tree[:, k:] = c[:, :k], c[:, k - 1 : k]
         budgets = plan.budgets or [plan.width - 1] * c.shape[0]

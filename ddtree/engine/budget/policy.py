@@ -259,8 +259,8 @@ class BudgetPolicy:
         after taking in the last round's accepts): the rung rated for a batch one or two
         requests away, one round late, in place of a decision on the critical path (`choose`,
         the last round's calibration taken in first; at concurrency 8-32 a request finishes or
-        joins almost every round, and in the server auto's plan phase ran 0.2-0.7 ms over
-        DFLASH's with it: BENCHMARKS). None where it cannot serve (the chain under a smaller
+        joins almost every round, and deciding on the critical path put auto's plan phase
+        visibly over DFLASH's: docs/design-numbers.md). None where it cannot serve (the chain under a smaller
         cap, no rung, or before the decisions rate the server-wide curve, where a slot's own
         curve, which the claim resets, is what a decision rates): the planner decides."""
         if d.rung < 0 or self.prior_chain is None:
