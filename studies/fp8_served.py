@@ -414,8 +414,11 @@ def serve_run(ns, run: Run, flags: list[str], levels: list[int], report: dict, e
         print(f"# {run.name}: skipped, {left:.0f} s left (needs ~{need} s)", flush=True)
         report["skipped"].append({"run": run.name, "why": f"time budget ({left:.0f} s left)"})
         return
-    if run.config == "auto":
-        wait_prewarms(ns)  # its start-up times the rounds it chooses between
+    if run.config == "auto" or run.part == "27b":
+        # auto: its start-up times the rounds it chooses between; 27B: the pre-warm processes
+        # hold GPU memory (~1.3 GiB each) that a 27B server's static pool, sized from the whole
+        # device, does not leave free (its first start died of CUDA OOM beside them)
+        wait_prewarms(ns)
     srv_ns = SimpleNamespace(port=ns.port, server_timeout_s=max(left - LEVEL_S[run.part], 10))
     argv = [sys.executable, "-m", "ddtree.launch_server", *flags, "--port", str(ns.port)]
     log = os.path.join(ns.log_dir, "server_" + run.name.replace(" ", "_") + ".log")
