@@ -86,7 +86,7 @@ def check(runner, meta, full, lay, m) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--shape", default="QWEN3_8B")
     p.add_argument("--batches", default="64,128,256")
     p.add_argument("--out", default=None)
@@ -116,7 +116,7 @@ def main() -> None:
         for r in reqs:
             runner.bm.allocate(r, ctx + WMAX)
             r.kv_len = ctx
-        meta = runner.round_meta(reqs)
+        meta = runner.begin(reqs)
         gen = torch.Generator(device=dev).manual_seed(b)
         vocab = min(4096, tcfg.vocab_size)
         logits = torch.randn(b, DEPTHS, vocab, device=dev, generator=gen) * 3

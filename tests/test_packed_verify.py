@@ -75,7 +75,7 @@ def test_packed_verify_equals_dense_at_the_kept_nodes(runner_and_reqs, backend_n
     backend = get_backend(backend_name)
     b, W = len(reqs), BUDGET + 1
     tree = _tree(b)
-    meta = runner.round_meta(reqs)
+    meta = runner.begin(reqs)
     meta.rows = runner.bm.block_table.index_select(0, meta.slot_ids)
     dense = _logits(
         runner,
