@@ -192,6 +192,47 @@ def test_round_metadata_built_once_per_round(toy_pair, one_torch_thread, monkeyp
     assert rounds and len(built) == len(rounds)
 
 
+@pytest.mark.parametrize("algorithm", ["DDTREE", "NONE"])
+def test_a_round_replays_every_phase_or_none(toy_pair, plain, one_torch_thread, algorithm):
+    """The graph-or-eager choice is made once per round (`Round.graphed`): a batch the graphs cover
+    replays draft, verify and commit; a larger one runs all three eagerly; the same types come
+    back either way and the tokens are the plain ones."""
+    from ddtree.engine.round.data import Draft, Verify
+
+    llm = make_llm(toy_pair, algorithm, speculative_ddtree_budget=8, max_running_requests=8)
+    runner = llm.engine.runner
+    g = attach_graphs(llm, 2)
+    rounds, phases = [], []
+    draft, verify, commit = runner.draft, runner.verify, runner.commit
+    g_draft, g_verify, g_commit = g.draft_tree, g.verify, g.commit
+
+    def on_draft(rnd, *a):
+        out = draft(rnd, *a)
+        assert isinstance(out, Draft) and out.tree.tokens.shape[0] == rnd.batch
+        return out
+
+    def on_verify(rnd, tree):
+        out = verify(rnd, tree)
+        assert isinstance(out, Verify) and out.logits.shape[:2] == tree.tokens.shape
+        rounds.append((rnd.batch, rnd.graphed, rnd.verified_in_graph))
+        return out
+
+    runner.draft, runner.verify = on_draft, on_verify
+    runner.commit = lambda rnd, *a: phases.append(("commit", rnd.graphed)) or commit(rnd, *a)
+    g.draft_tree = lambda *a: phases.append(("g_draft", True)) or g_draft(*a)
+    g.verify = lambda *a: phases.append(("g_verify", True)) or g_verify(*a)
+    g.commit = lambda *a: phases.append(("g_commit", True)) or g_commit(*a)
+    outs = llm.generate([list(p) for p in accepted_prompts(3)], PARAMS[:3])
+    assert [o.token_ids for o in outs] == plain[algorithm][:3]
+    assert {b for b, _, _ in rounds} >= {3, 2}, rounds  # some rounds beyond the graphs, some in
+    assert all(graphed == (b <= 2) == in_graph for b, graphed, in_graph in rounds), rounds
+    graphed = sum(1 for _, gr, _ in rounds if gr)
+    assert sum(1 for k, _ in phases if k == "g_verify") == graphed
+    if algorithm == "DDTREE":  # a dense AR round has no commit graph (nothing to commit)
+        assert sum(1 for k, _ in phases if k == "g_draft") == graphed
+        assert sum(1 for k, _ in phases if k == "g_commit") == graphed
+
+
 def test_server_args_wire_cuda_graph_into_runner(toy_pair, caplog):
     import logging
 

@@ -2,11 +2,11 @@
 returns) and `Verify` (what `verify` returns). The runner's phases take and return these, the same
 types whether a CUDA graph replayed or eager code ran:
 
-    rnd = runner.begin(reqs)                  # one host->device copy of the round's lengths and slots
-    draft = runner.draft(rnd, limits, plan)   # the drafter's block -> the round's DraftTree
-    vo = runner.verify(rnd, draft.tree)       # one target forward over every request's tree
-    runner.commit(rnd, vo, path, accept_length)
-    runner.advance(rnd, committed)            # after the read-back: the requests' kv_len
+    rnd = runner.begin(reqs)                          # one host->device copy of lengths and slots
+    draft = runner.draft(rnd, limits, budgets, spec)  # the drafter's block -> the round's DraftTree
+    vo = runner.verify(rnd, draft.tree)               # one target forward over every request's tree
+    runner.commit(rnd, vo, path, accept_length)       # the accepted nodes' KV and drafter context
+    runner.advance(rnd, committed)                    # after the read-back: the requests' kv_len
 
 The graph-or-eager choice is made once, in `begin` (`Round.graphed`: the batch and its contexts fit
 the captured graphs); a phase that replayed says so on the round (`Round.verified_in_graph`), and the
