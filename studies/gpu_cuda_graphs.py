@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -29,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from ddtree import LLM, SamplingParams  # noqa: E402
-from ddtree.assets import PACKAGE_PAIR, cache_dir  # noqa: E402
+from ddtree import LLM, SamplingParams, envs  # noqa: E402
+from ddtree.assets import PACKAGE_PAIR  # noqa: E402
 
 ALGOS = [("NONE", None), ("DFLASH", None), ("DDTREE", 16), ("DDTREE", 64)]
 BATCHES = (1, 5)
@@ -187,7 +188,7 @@ def main():
     ns = ap.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     pairs = [p for p in ns.only.split(",") if p]
-    toy_dir = os.path.join(cache_dir(), "toy_pair")
+    toy_dir = os.path.join(envs.CACHE.get() or tempfile.mkdtemp(prefix="ddtree-"), "toy_pair")
     toy_proc = toy_subprocess(toy_dir) if "toy" in pairs else None
     rows, failures, skipped = [], [], []
     for pair_name in pairs:
