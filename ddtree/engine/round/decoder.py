@@ -147,7 +147,8 @@ class SpecDecoder:
             gb.root_masks()
         lens = torch.tensor([r.kv_len - 1 for r in reqs], device=dev)
         vo = Verify(logits[:, None], None)
-        tokens = self._target_tokens(reqs, lens, root_tree(lens), vo, gb)
+        # only the tree's shape matters here (one node at depth 0): its token is never read
+        tokens = self._target_tokens(reqs, lens, root_tree(torch.zeros_like(lens)), vo, gb)
         res = accept_root(tokens)
         lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
