@@ -124,7 +124,9 @@ def test_cut_tree_is_the_builders_tree_of_that_budget(ties):
 def test_chain_budget_keeps_chain_prefixes():
     b = 4
     logits = _logits(11, b, False)
-    chain = build_chain(torch.arange(b), logits, max_depth=torch.tensor([5, 2, 0, 5]))
+    chain = build_chain(
+        torch.arange(b), logits, max_depth=torch.tensor([5, 2, 0, 5]), node_scores=True
+    )
     alloc = allocate(chain, torch.tensor([5, 5, 5, 1]), 6)
     for i in range(b):
         c = int(alloc.cut[i])
@@ -210,7 +212,7 @@ def test_ties_across_requests_go_to_the_shallower_rank_then_the_lower_request():
     for total, want in ((3, [1, 1, 1, 0]), (6, [2, 2, 1, 1]), (9, [3, 2, 2, 2])):
         assert allocate(tree, torch.full((b,), 8), total).cut.tolist() == want
     # a request's deeper node tying another's first: the first goes first
-    chain = build_chain(torch.zeros(2, dtype=torch.int64), _logits(4, 2, False))
+    chain = build_chain(torch.zeros(2, dtype=torch.int64), _logits(4, 2, False), node_scores=True)
     chain.node_probs = torch.tensor([[1.0, 0.5, 0.5, 0.5, 0.1, 0.1], [1.0, 0.5, 0.1, 0, 0, 0]])
     assert allocate(chain, torch.full((2,), 5), 2).cut.tolist() == [1, 1]
     assert allocate(chain, torch.full((2,), 5), 4).cut.tolist() == [3, 1]
@@ -219,7 +221,7 @@ def test_ties_across_requests_go_to_the_shallower_rank_then_the_lower_request():
 def test_values_rising_down_a_path_still_keep_an_ancestor_closed_set():
     """A producer whose child outscores its parent (a scan's rounding, a grammar's rewrite):
     node_values lowers the child to its parent's value, so the parent is never cut first."""
-    chain = build_chain(torch.zeros(1, dtype=torch.int64), _logits(4, 1, False))
+    chain = build_chain(torch.zeros(1, dtype=torch.int64), _logits(4, 1, False), node_scores=True)
     chain.node_probs = torch.tensor([[1.0, 0.2, 0.9, 0.1, 0.05, 0.01]])
     alloc = allocate(chain, torch.full((1,), 5), 2)
     assert alloc.keep.tolist() == [[True, True, True, False, False, False]]

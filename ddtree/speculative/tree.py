@@ -344,9 +344,13 @@ def _chain_probs(logp: Tensor, limit: Tensor) -> Tensor:
 
 
 def build_chain(
-    root_tokens: Tensor, draft_logits: Tensor, max_depth: Tensor | None = None
+    root_tokens: Tensor,
+    draft_logits: Tensor,
+    max_depth: Tensor | None = None,
+    node_scores: bool = False,
 ) -> DraftTree:
-    """The DFLASH chain of top-1 tokens (n = 1 + D); nodes beyond max_depth[b] are padding."""
+    """The DFLASH chain of top-1 tokens (n = 1 + D); nodes beyond max_depth[b] are padding.
+    node_scores: also `node_probs` (as `build_tree`'s: what a batch-wide budget ranks)."""
     b, D, _ = draft_logits.shape
     device = draft_logits.device
     logp, ids = topk_logprobs(draft_logits, 1)
@@ -363,8 +367,9 @@ def build_chain(
         chain=True,
     )
     tree.chain_probs = _chain_probs(logp, limit)
-    one = torch.ones(b, 1, dtype=torch.float32, device=device)
-    tree.node_probs = torch.cat([one, tree.chain_probs], 1)  # node d is the depth-d chain node
+    if node_scores:  # node d is the depth-d chain node
+        one = torch.ones(b, 1, dtype=torch.float32, device=device)
+        tree.node_probs = torch.cat([one, tree.chain_probs], 1)
     return tree
 
 
