@@ -301,6 +301,7 @@ class PoolPlan:
     # requests leave (at most one per KV page)
     checkpoint_rows: int = 0
     checkpoint_bytes: int = 0
+    overcommit: str | None = None  # the warning that weights + verify buffers fill the static pool
 
     def refusal(self) -> str | None:
         """Why no engine can start on this plan (one line naming the flags that fix it), or None:
@@ -308,7 +309,7 @@ class PoolPlan:
         nothing, and the first capture or round runs out of memory), or the recurrent-state pool
         holds no request."""
         if self.weight_bytes + self.workspace_bytes > self.static_bytes:
-            return self.warnings[0]
+            return self.overcommit
         if self.max_running_requests < 1:
             return (
                 f"the recurrent-state pool holds no request ({self.state_room_bytes} bytes); "
@@ -355,6 +356,7 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     workspace = n_req * verify_buffer_bytes(t, d, width, spec.block_size, args.dtype)
     rest = static - weight_bytes - workspace
     warnings = []
+    overcommit = None
     if rest <= 0:
         shared = (
             f" (on the CPU the {tp} ranks share the host's RAM: each plans with 1/{tp} of it; "
@@ -362,11 +364,12 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
             if device == "cpu" and tp > 1
             else ""
         )
-        warnings.append(
+        overcommit = (
             f"weights ({_gib(weight_bytes)}) and verify buffers ({_gib(workspace)}) exceed the "
             f"static pool ({_gib(static)}){shared}; raise --mem-fraction-static, lower "
             "--max-running-requests or use a device with more memory"
         )
+        warnings.append(overcommit)
     rest = max(rest, 0)
     state = spec_state = state_pool = 0
     rows = None
@@ -442,6 +445,7 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         num_pages=pages,
         max_running_requests=running,
         warnings=tuple(warnings),
+        overcommit=overcommit,
         checkpoint_rows=ck_rows,
         checkpoint_bytes=ck_rows * state,
         kv_pool_bytes=(pages + scratch) * args.page_size * per_token,
