@@ -117,13 +117,16 @@ def warm_up(engine, progress: bool = True) -> dict:
         "extend_batches": ext_batches,
         "fp8_library_calls": fp8_calls,
         "seconds": time.perf_counter() - t0,
+        "graph_pool_bytes": graphs.pool_bytes() if graphs is not None else 0,
     }
     logger.info(
-        "Warm-up done in %.1f s: prefill %s (+ %s) tokens, decode batches %s.",
+        "Warm-up done in %.1f s: prefill %s (+ %s) tokens, decode batches %s; CUDA graph pool "
+        "%.2f GiB.",
         out["seconds"],
         lengths,
         extra,
         batches,
+        out["graph_pool_bytes"] / 2**30,
     )
     return out
 

@@ -234,6 +234,15 @@ class CudaGraphRunner:
         elif runner.drafter is not None:
             logger.info("CUDA graphs: the drafter forward runs eagerly: %s.", why_eager)
 
+    def pool_bytes(self) -> int:
+        """Device bytes the graph pool holds: the captured graphs' intermediate activations (their
+        static inputs and outputs are allocated outside it). 0 without capture."""
+        if self.pool is None:
+            return 0
+        pool = tuple(self.pool)
+        segments = torch.cuda.memory._snapshot()["segments"]
+        return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
+
     def bucket(self, b: int) -> int:
         """The padded batch of b live rows."""
         return self.buckets[bisect.bisect_left(self.buckets, b)]
