@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import random
 import sys
 import time
 import traceback
@@ -31,7 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fuzz_workload import KINDS, Case, draw_case  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from ddtree import envs  # noqa: E402
+from ddtree.engine.budget.planner import ScriptedPolicy  # noqa: E402
+from ddtree.engine.budget.policy import Decision  # noqa: E402
 
 __all__ = ["KINDS", "CaseResult", "run_case", "summarize", "toy_pairs"]
 
@@ -96,6 +101,20 @@ def _drive(case: Case, refs, res: CaseResult, max_steps: int) -> None:
     pair = refs.pair(cfg.target, cfg.drafter)
     llm = make_llm(pair, cfg.algorithm, **dict(cfg.kwargs), **refs.engine_kwargs)
     engine = llm.engine
+    if cfg.packing:
+        engine.set_budget_policy(RandomPacking(res.seed))
+    runner = engine.runner
+    if runner.state_pool is None:  # count the packed rounds and their shares
+        real = runner.verify_packed
+
+        def verify_packed(rnd, tree, keep, num_rows):
+            shares = keep.sum(1)
+            res.stats["packed_rounds"] += 1
+            if int(shares.min()) == 1 and int(shares.max()) > 4:
+                res.stats["packed_root_beside_deep"] += 1
+            return real(rnd, tree, keep, num_rows)
+
+        runner.verify_packed = verify_packed
     # fault isolation turns an exception into a failed (aborted) request and goes on: every
     # isolated failure is a finding, with what the engine logged about it
     logged = _LogTap()
@@ -154,6 +173,22 @@ def _inject(engine, fault, reqs: list) -> None:
             return real_emit(req, tokens)
 
         engine.emitter.emit = emit
+
+
+class RandomPacking(ScriptedPolicy):
+    """Random batch-wide budgets (issue 57): each round R drafted rows for the whole batch (1 to
+    past every drafted node) with random per-request caps (0: the request's root alone, beside
+    deep trees), one round in six dense at the caps. Batches the planner does not pack (a
+    sampled, log-prob or grammar request) verify densely at the caps."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed * 92821 + 7)
+
+    def choose(self, slots, owners, caps, ctx, extra_s=0.0):
+        rng, n = self.rng, len(slots)
+        b = np.array([min(c, rng.choice((0, 1, 3, c, c))) for c in caps], dtype=np.int64)
+        rows = None if rng.random() < 1 / 6 else rng.randint(1, int(b.sum()) + 4)
+        return Decision(1 + int(b.max(initial=0)), b, np.zeros(n), 0.0, rows=rows)
 
 
 def _steps(engine, case: Case, res, max_steps, logged) -> list | None:

@@ -2,7 +2,8 @@
 engine config and a request workload.
 
 Config: the kind cycles with the seed (`KINDS`: dense / hybrid toy target; AR, DFLASH, DDTREE at a
-fixed budget or `auto`; both mamba strategies), the knobs are drawn: page size 1-16, prefix cache
+fixed budget or `auto`; both mamba strategies), the knobs are drawn (half the dense `auto` cases under random batch-wide budgets: unequal
+shares in one round, requests capped at 0 beside deep trees, dense rounds between): page size 1-16, prefix cache
 on / off, running slots, chunked prefill, a short context, and a KV pool from roomy to one the
 largest request only just fits alone (eviction and preemption).
 
@@ -57,11 +58,15 @@ class Config:
     algorithm: str
     kwargs: tuple  # LLM keyword arguments, sorted (key, value) pairs
     drafter: str = "dflash"  # the drafter format: "dflash" or "dflash2"
+    # dense `auto`: a random batch-wide budget every round (fuzz_engine.RandomPacking), in place
+    # of the policy's own choice
+    packing: bool = False
 
     def describe(self) -> str:
         kw = " ".join(f"{k}={v}" for k, v in self.kwargs)
         drafter = " drafter=dflash2" if self.drafter == "dflash2" else ""
-        return f"{self.target} {self.algorithm}{drafter} {kw}"
+        packing = " packing=random" if self.packing else ""
+        return f"{self.target} {self.algorithm}{drafter}{packing} {kw}"
 
 
 @dataclasses.dataclass
@@ -230,6 +235,10 @@ def draw_case(seed: int, refs, n_requests: int, extras: bool = True) -> Case:
         fp8 = dict(FP8_KWARGS) if cfg.algorithm != "NONE" else {"quantization": "fp8"}
         kwargs = tuple(sorted({**dict(cfg.kwargs), **fp8}.items()))
         cfg = dataclasses.replace(cfg, target=cfg.target + ":fp8", kwargs=kwargs)
+    auto = dict(cfg.kwargs).get("speculative_ddtree_budget") == "auto"
+    if extras and auto and cfg.target.startswith("dense") and (seed // len(KINDS)) % 2 == 0:
+        cfg = dataclasses.replace(cfg, packing=True)  # half the dense auto cases, the other half
+        # under the policy's own choice (which packs where its cost model says so)
     pair = refs.pair(cfg.target, cfg.drafter)
     kw = dict(cfg.kwargs)
     args = ServerArgs(

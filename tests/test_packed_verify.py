@@ -122,3 +122,29 @@ def test_packed_verify_equals_dense_at_the_kept_nodes(runner_and_reqs, backend_n
     for i in range(b):
         path = lay.local_node[i].gather(0, res.path[i, : int(res.accept_length[i]) + 1])
         assert path.tolist() == full.path[i, : len(path)].tolist()
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_runner_verify_packed_equals_dense(runner_and_reqs, backend_name, monkeypatch):
+    """`ModelRunner.verify_packed` (what a batch-wide budget's round runs: the Triton kernel given
+    only the lengths' bounds on the host, the torch reference the exact host lengths) against the
+    runner's dense verify: the same logits and greedy tokens at every kept node, the taps at the
+    kept nodes' flat rows, padding rows on the scratch slot."""
+    if backend_name == "triton":
+        pytest.importorskip("triton")
+    runner, reqs, _ = runner_and_reqs
+    monkeypatch.setattr(runner, "backend", get_backend(backend_name))
+    b = len(reqs)
+    tree = _tree(b)
+    dense = runner.verify(runner.begin(reqs), tree)
+    alloc = allocate(tree, torch.tensor([BUDGET, 0, 3, BUDGET]), 8)
+    rnd = runner.begin(reqs)
+    pv = runner.verify_packed(rnd, tree, alloc.keep, b + 8 + 2)
+    lay = rnd.packed
+    assert lay is not None and pv.logits.shape[0] == b + 10
+    got = unpack(pv.logits.float(), lay)
+    for i, q in enumerate(lay.q_lens.tolist()):
+        kept = lay.local_node[i, :q]
+        torch.testing.assert_close(got[i, :q], dense.logits[i, kept], rtol=1e-5, atol=1e-5)
+        assert pv.greedy_tokens[i, :q].tolist() == dense.logits[i, kept].argmax(-1).tolist()
+    assert lay.q_lens[1] == 1  # cap 0: the root alone

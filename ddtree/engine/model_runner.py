@@ -40,6 +40,8 @@ from ddtree.engine.round import prompt_logprobs
 from ddtree.engine.round.data import Draft, Round, Verify
 from ddtree.engine.scheduling.request import Req
 from ddtree.engine.scheduling.step_stats import StepStats
+from ddtree.speculative.batch_budget import pack as pack_layout
+from ddtree.speculative.batch_budget import unpack
 
 
 class ModelRunner:
@@ -399,6 +401,57 @@ class ModelRunner:
         logits = self.target.logits(hidden).float().view(b, n, -1)
         return Verify(logits, taps.view(b, n, -1) if taps is not None else None)
 
+    @torch.inference_mode()
+    def verify_packed(self, rnd: Round, tree, keep: torch.Tensor, num_rows: int) -> Verify:
+        """One target forward over only the kept nodes of every request's tree (a batch-wide
+        budget, speculative/batch_budget.py): request i's kept nodes keep[i] (ancestor-closed,
+        root kept) as its q_len rows, packed one request after another into `num_rows` flat rows
+        (a host int >= keep.sum(); rows past the kept ones are padding and write a scratch slot).
+        Local node l of request i sits at logical KV position L + l, as node l does in a dense
+        verify, so the accept walk and the commit run unchanged on the compact tree
+        (`rnd.packed.tree`). Returns the flat logits [T, V] and taps [T, K*H] and the greedy
+        tokens [b, W] in local order. Eager, dense targets: a hybrid's GDN state steps per node
+        of a dense tree."""
+        if self.state_pool is not None:
+            raise ValueError("a packed verify needs a dense target (hybrid state is per node)")
+        b, n = tree.tokens.shape
+        for r in rnd.reqs:
+            self.bm.allocate(r, r.kv_len + n)
+        rnd.rows = self.bm.block_table.index_select(0, rnd.slot_ids)
+        rnd.width = n
+        lay = rnd.packed = pack_layout(tree, keep, rnd.lens, num_rows)
+        page_rows = rnd.rows.index_select(0, lay.flat_req.clamp(min=0))
+        slots = self.slots_of(page_rows, lay.kv_positions[:, None]).flatten()
+        scratch = self.scratch_pages[0] * self.cfg.page_size
+        slots = torch.where(lay.row_valid, slots, scratch)
+        if self.check_writes:
+            self.bm.check_writes(slots[lay.row_valid])
+        # the Triton kernel reads each request's q_len from qo_indptr and only bounds from the
+        # host; the torch reference loops over the host lengths (a read-back, free on the CPU)
+        q_lens = lay.q_lens.tolist() if self._host_lens_exact() else [n] * b
+        meta = AttentionMetadata(
+            q_lens=q_lens,
+            kv_lens=[k + q for k, q in zip(rnd.kv_lens, q_lens)],
+            qo_indptr=lay.qo_indptr,
+            kv_lens_t=rnd.lens + lay.q_lens,
+            block_table=rnd.rows,
+            slot_mapping=slots,
+            page_size=self.cfg.page_size,
+            tree_mask=lay.tree.tree_mask,
+        )
+        hidden, taps = self.target_forward(lay.input_ids, lay.positions, meta)
+        logits = self.target.logits(hidden)
+        return Verify(logits, taps, unpack(logits.argmax(-1), lay))
+
+    def _host_lens_exact(self) -> bool:
+        """Whether attention reads every request's host q_len (the torch reference, on any
+        device), not only the lengths' maxima (the Triton kernel)."""
+        backend = self.backend
+        if getattr(backend, "name", "") != "triton":
+            return True
+        head_dim = self.target.config.head_dim
+        return backend._reference_reason(head_dim, self.device) is not None
+
     def verify_metadata(self, rnd: Round, tree_mask: torch.Tensor, n: int) -> AttentionMetadata:
         b = rnd.batch
         lpos = rnd.lens[:, None] + torch.arange(n, device=self.device)
@@ -429,11 +482,14 @@ class ModelRunner:
             return
         if self.state_pool is not None:  # nothing for a one-node verify that stepped in place
             self.state_pool.commit(rnd.slot_ids, path, accept_length, nodes=rnd.width or None)
+        tap_rows = None if rnd.packed is None else rnd.packed.local_row
         if rnd.width > 1 or vo.taps is not None:  # AR without a drafter: nothing to commit
-            self.commit_kv(rnd.lens, rnd.rows, path, accept_length, vo.taps)
+            self.commit_kv(rnd.lens, rnd.rows, path, accept_length, vo.taps, tap_rows)
 
-    def commit_kv(self, lens, rows, path, accept_length, taps) -> None:
-        """The KV move and drafter-context write of `commit` (fixed shapes, no host reads: capturable)."""
+    def commit_kv(self, lens, rows, path, accept_length, taps, tap_rows=None) -> None:
+        """The KV move and drafter-context write of `commit` (fixed shapes, no host reads:
+        capturable). tap_rows [b, n]: a packed verify's flat row of each local node (taps are
+        then its flat [T, K*H] rows)."""
         j = torch.arange(path.shape[1], device=self.device)
         jj = torch.minimum(j[None, :], accept_length[:, None])  # padding repeats the last real row
         src_node = path.gather(1, jj)
@@ -445,7 +501,11 @@ class ModelRunner:
         if path.shape[1] > 1:  # a one-node tree's root already sits at L: nothing moves
             self.kv.move(src_slot, dst_slot)
         if self.drafter is not None and taps is not None:
-            feats = taps.gather(1, src_node[..., None].expand(-1, -1, taps.shape[-1]))
+            if tap_rows is not None:
+                flat = tap_rows.gather(1, src_node).clamp(min=0).flatten()
+                feats = taps.index_select(0, flat).view(*src_node.shape, taps.shape[-1])
+            else:
+                feats = taps.gather(1, src_node[..., None].expand(-1, -1, taps.shape[-1]))
             self.write_draft_context(feats.flatten(0, 1), dst_pos.flatten(), dst_slot)
 
     def write_draft_context(

@@ -113,3 +113,49 @@ def test_auto_graphs_profile_and_lossless(pair, tmp_path, monkeypatch):
     assert [o.token_ids for o in ar.generate(prompts, sp)] == cycled == auto
     assert {1, 9, 17, 33, 65} <= set(widths), sorted(set(widths))
     torch.cuda.synchronize()
+
+
+class Packing(ScriptedPolicy):
+    """Every round a batch-wide budget (R cycling, one request capped at 0), every fifth dense."""
+
+    ROWS = (1, 7, 40, 3, 300)
+
+    def __init__(self):
+        self.k = 0
+
+    def choose(self, slots, owners, caps, ctx, extra_s=0.0):
+        from ddtree.engine.budget.policy import Decision
+
+        self.k += 1
+        n = len(slots)
+        b = np.array([(0, 64, 8, 32)[(self.k + i) % 4] for i in range(n)], dtype=np.int64)
+        b = np.minimum(b, np.asarray(caps))
+        rows = None if self.k % 5 == 0 else self.ROWS[self.k % len(self.ROWS)]
+        return Decision(1 + int(b.max()), b, np.zeros(n), 0.0, rows=rows)
+
+    def observe_curves(self, *a, **kw):
+        pass
+
+    def observe_accepted(self, pending, accepted):
+        pass
+
+
+def test_packed_rounds_on_the_device_equal_ar(pair):
+    """Batch-wide budgets on CUDA (fp32, the Triton kernel reading each request's q_len from the
+    packed qo_indptr, the draft graphs replayed): T=0 output identical to AR."""
+    from ddtree import LLM, SamplingParams
+
+    pytest.importorskip("triton")
+    llm = _llm(pair, True)
+    assert llm.engine.decoder.budgets.packing
+    packed = []
+    runner = llm.engine.runner
+    real = runner.verify_packed
+    runner.verify_packed = lambda rnd, tree, keep, n: packed.append(n) or real(rnd, tree, keep, n)
+    llm.engine.set_budget_policy(Packing())
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = _prompts(llm)
+    outs = llm.generate(prompts, sp)
+    assert packed and mean_accept(outs) > 2, [o.accept_lengths for o in outs]
+    ar = LLM(pair[0], dtype="float32", device="cuda", attention_backend="triton")
+    assert [o.token_ids for o in ar.generate(prompts, sp)] == [o.token_ids for o in outs]

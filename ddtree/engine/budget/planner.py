@@ -28,6 +28,10 @@ from ddtree.engine.round.clock import RoundTiming
 from ddtree.engine.scheduling.request import Req
 
 CURVE_SCALE = 1 << 20  # gain curves ride the round's int64 read-back in fixed point
+# a batch-wide budget serves where it rates this much above the dense decision (the model's
+# interpolation between rungs is coarser than the rung table itself)
+PACK_MARGIN = 0.03
+PACKED_EMA = 0.2  # weight of the newest packed round in the packed cost's correction
 
 
 class Policy(Protocol):
@@ -93,11 +97,18 @@ class RoundPlan:
     explore: bool = False  # auto: a rung above the policy's best, run to measure the curve there
     full: list[bool] | None = None  # rows drafted at full depth (None: all; set by the decoder)
     predicted_s: float | None = None  # the cost model's seconds for the round (auto), if any
+    # a batch-wide budget (auto, dense targets): the round verifies only the batch's `rows` most
+    # valuable drafted nodes, packed (`ModelRunner.verify_packed`); `caps` bound each request's
+    # share; `budgets` become the shares, once read back. None: a dense verify at `width`
+    rows: int | None = None
+    caps: list[int] | None = None
+    raw_s: float | None = None  # packed: the cost model's seconds before the served correction
 
     @property
     def rung(self) -> str:
-        """The metrics' name of the round's choice: ar, chain or tree<B> (B: the built budget)."""
-        return rung_name(self.width - 1, self.chain)
+        """The metrics' name of the round's choice: ar, chain, tree<B> (B: the built budget) or
+        packed (a batch-wide budget)."""
+        return "packed" if self.rows is not None else rung_name(self.width - 1, self.chain)
 
 
 @dataclass
@@ -114,6 +125,7 @@ class RoundRecord:
     # the cost model's seconds for this round (auto: its rung at the batch and context, as the
     # policy priced it), beside the measured `timing`: the model's error, round by round
     predicted_s: float | None = None
+    raw_s: float | None = None  # RoundPlan.raw_s (a packed round)
 
     @property
     def rows(self) -> int:
@@ -148,7 +160,18 @@ class BudgetPlanner:
         self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
         self._pending: tuple | None = None  # observe_curves' return, for `observe`
         self.trace = PolicyTrace() if self.policy is not None else PolicyTrace("")
+        # batch-wide budgets (`enable_packing`: auto on a dense target): served packed rounds'
+        # seconds over the model's, an EMA that corrects its next predictions
+        self.packing = False
+        self.packed_scale = 1.0
         self._clear_overlap()
+
+    def enable_packing(self) -> None:
+        """Let auto rounds verify one batch-wide budget of rows, packed, where the cost model
+        rates that above the policy's dense rung (greedy batches without log-probs or grammars:
+        the packed verify hands back greedy tokens, not per-node logits)."""
+        if self.cfg.adaptive and self.cfg.algorithm == "DDTREE":
+            self.packing = True
 
     def _clear_overlap(self) -> None:
         # Off the critical path: while a round's verify runs (`observe_curves`) the planner
@@ -234,6 +257,10 @@ class BudgetPlanner:
         if self.trace.on:
             self.trace.write(self.policy, d, slots, caps, max_ctx, self.host_s, self.last)
         self._served = (len(reqs), max_ctx, d.rung) if d.rung >= 0 else None
+        packed = self._packed(reqs, slots, caps, max_ctx, d) if self.packing else None
+        if packed is not None:
+            self._served = None  # the rung table learns from dense rounds only
+            return packed
         secs = None
         if self._served is not None and isinstance(self.policy, BudgetPolicy):
             secs = float(self.policy.cost.seconds(len(reqs), max_ctx)[d.rung])
@@ -255,6 +282,51 @@ class BudgetPlanner:
         spec = cfg.tree_spec(width - 1) if width > 1 else None
         return RoundPlan(
             width, budgets, d.predicted, slots, spec, cut=cut, explore=d.explore, predicted_s=secs
+        )
+
+    def _packed(self, reqs: list[Req], slots, caps: list[int], ctx: int, d) -> RoundPlan | None:
+        """The batch-wide budget for this round, where it rates above the dense decision `d`:
+        R drafted rows for the batch, the R most valuable nodes of all its requests' trees (the
+        batch's gain curve from the policy's calibrated per-request curves: every request's
+        marginal gains, best first). A round of b + R rows is priced on the measured rung table
+        at this batch (its tree rungs' rows b x (1 + B) and seconds, linear between them) times
+        the served correction. None: the dense decision serves."""
+        pol = self.policy
+        if not _packable(reqs):
+            return None
+        if d.rows is not None:  # a scripted policy's: its budgets cap the shares
+            return self._packed_plan(slots, d.budgets.tolist(), d.rows, None)
+        if not isinstance(pol, BudgetPolicy):
+            return None
+        b, top = len(reqs), max(caps)
+        if top < 1:
+            return None
+        gain = pol.batch_gain(slots, reqs, caps)
+        rows_b, secs_b = pol.tree_costs(b, ctx)
+        if not len(rows_b):
+            return None
+        r = np.arange(1, len(gain))
+        raw = _priced(b + r, rows_b, secs_b, pol.ar_seconds(b, ctx))
+        rate = (b + gain[1:]) / (raw * self.packed_scale + self.host_s)
+        best = int(np.argmax(rate))
+        if rate[best] <= d.tokens_per_s * (1 + PACK_MARGIN):
+            return None
+        return self._packed_plan(slots, list(caps), int(r[best]), float(raw[best]))
+
+    def _packed_plan(self, slots, caps: list[int], rows: int, raw_s: float | None) -> RoundPlan:
+        """The packed round of `rows` drafted rows, drafting at the rung that holds the largest
+        cap."""
+        width = self.width_for(max(caps))
+        return RoundPlan(
+            width,
+            None,
+            None,
+            slots,
+            self.cfg.tree_spec(width - 1) if width > 1 else None,
+            rows=rows,
+            caps=caps,
+            predicted_s=None if raw_s is None else raw_s * self.packed_scale,
+            raw_s=raw_s,
         )
 
     def tree_specs(self) -> list[tuple]:
@@ -303,6 +375,8 @@ class BudgetPlanner:
             cost, served = pol.cost, self._last_served
             if served is not None and t.round_s > 0 and isinstance(cost, ServedCost):
                 cost.observe(*served, t.round_s)  # what the last round really took
+            if last.raw_s and t.round_s > 0:  # a packed round: its model's correction
+                self.packed_scale += PACKED_EMA * (t.round_s / last.raw_s - self.packed_scale)
         self._take_accepted()
 
     def _take_accepted(self) -> None:
@@ -337,8 +411,29 @@ class BudgetPlanner:
             rung,
             plan.explore,
             predicted_s=plan.predicted_s,
+            raw_s=plan.raw_s,
         )
         self._last_served = self._served
+
+
+def _priced(rows: np.ndarray, at: np.ndarray, secs: np.ndarray, floor: float) -> np.ndarray:
+    """Seconds of rounds of `rows` verify rows, linear through the tree rungs' (rows, seconds)
+    points, below the first rung along its first segment (the draft's and the forward's fixed
+    cost stay, the rows' own shrinks) but never below an AR round's `floor`."""
+    out = np.interp(rows, at, secs)
+    if len(at) > 1:
+        slope = max((secs[1] - secs[0]) / (at[1] - at[0]), 0.0)
+        below = np.maximum(secs[0] + slope * (rows - at[0]), floor)
+        out = np.where(rows < at[0], below, out)
+    return out
+
+
+def _packable(reqs: list[Req]) -> bool:
+    """A packed verify hands back greedy tokens only: every request greedy, without log-probs
+    or a grammar (those rounds verify densely, with per-request budgets)."""
+    return all(
+        r.params.greedy and not r.params.logprobs and r.params.grammar is None for r in reqs
+    )
 
 
 def _batch_key(reqs: list[Req], caps: list[int]) -> tuple:

@@ -99,6 +99,10 @@ class Decision:
     explore: bool = False  # a rung above the best, run to measure the curve past the best
     rung: int = -1  # the rung's index in `rungs` order (-1: a stub's decision)
     clocks: tuple[int, int] | None = None  # (AR streak, speculative rounds) once it runs
+    # a scripted batch-wide budget (a bench's or test's policy): the round verifies these many
+    # drafted rows across the batch, packed, `budgets` capping each request's share (the
+    # planner rates packing itself for this policy: `BudgetPlanner._packed`)
+    rows: int | None = None
 
 
 class BudgetPolicy:
@@ -323,6 +327,34 @@ class BudgetPolicy:
         """[R] the expected tokens / s of every rung (`rungs` order) for known requests."""
         slots, caps = np.asarray(slots, dtype=np.int64), np.asarray(caps, dtype=np.int64)
         return self._rates(slots, caps, ctx, extra_s)[2]
+
+    def batch_gain(self, slots, owners: list[object], caps) -> np.ndarray:
+        """[1 + sum(caps)] the batch's expected accepted drafts of its R best drafted nodes, for
+        R = 0.. (a batch-wide budget's gain curve): every request's calibrated marginal gains
+        (its curve's steps, up to its cap, times its ease and the tree family's factor) sorted
+        best first and summed. A best-first curve's steps never grow, so the top R steps of all
+        requests are each request's first few: the nodes a value threshold keeps."""
+        slots, caps = np.asarray(slots, dtype=np.int64), np.asarray(caps, dtype=np.int64)
+        self._claim(slots, owners)
+        steps = np.diff(self.gains(slots), axis=1)
+        tree = ~self.rung_chain & (self.rung_budget > 0)
+        factor = float(self.rung_factors()[tree][-1]) if tree.any() else 1.0
+        k = np.arange(steps.shape[1])
+        picked = np.sort(steps[k[None, :] < caps[:, None]])[::-1] * factor
+        return np.concatenate([[0.0], np.cumsum(np.maximum(picked, 0.0))])
+
+    def tree_costs(self, bs: int, ctx: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, seconds) of the tree rungs' rounds at this batch (rows bs x (1 + B), ascending;
+        seconds non-decreasing): the points a batch-wide budget's round is priced between."""
+        tree = ~self.rung_chain & (self.rung_budget > 0)
+        rows = bs * (1 + self.rung_budget[tree]).astype(np.float64)
+        secs = np.maximum.accumulate(np.asarray(self.cost.seconds(bs, ctx))[tree])
+        return rows, secs
+
+    def ar_seconds(self, bs: int, ctx: int) -> float:
+        """Seconds of an AR round (the width-1 rung) at this batch."""
+        ar = (self.rung_budget == 0) & ~self.rung_chain
+        return float(np.asarray(self.cost.seconds(bs, ctx))[ar][0]) if ar.any() else 0.0
 
     def _built(self, budgets: np.ndarray) -> int:
         """The tree rung a round of these budgets built (the smallest ladder budget >= all)."""

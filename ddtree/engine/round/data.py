@@ -5,6 +5,8 @@ types whether a CUDA graph replayed or eager code ran:
     rnd = runner.begin(reqs)                          # one host->device copy of lengths and slots
     draft = runner.draft(rnd, limits, budgets, spec)  # the drafter's block -> the round's DraftTree
     vo = runner.verify(rnd, draft.tree)               # one target forward over every request's tree
+    # (or, a batch-wide budget: vo = runner.verify_packed(rnd, draft.tree, keep, num_rows), one
+    #  forward over the kept nodes only; the round's tree is then rnd.packed.tree)
     runner.commit(rnd, vo, path, accept_length)       # the accepted nodes' KV and drafter context
     runner.advance(rnd, committed)                    # after the read-back: the requests' kv_len
 
@@ -21,6 +23,7 @@ import torch
 
 from ddtree.engine.scheduling.request import Req
 from ddtree.speculative.accept import AcceptResult
+from ddtree.speculative.batch_budget import PackedLayout
 from ddtree.speculative.tree import DraftTree
 
 
@@ -43,6 +46,10 @@ class Round:
     # pool, whose one-node verify stepped the GDN state in place
     width: int = 0
     verified_in_graph: bool = False  # the verify replayed: the commit replays on its rows
+    # a batch-wide budget's packed verify (`ModelRunner.verify_packed`): its layout; the round's
+    # tree is then `packed.tree` (each request's kept nodes in local order) and the verify's
+    # logits and taps are flat rows
+    packed: PackedLayout | None = None
 
     @property
     def batch(self) -> int:
@@ -67,9 +74,10 @@ class Verify:
     """The target's verify of a round's tree. A replayed graph also hands back the greedy tokens
     and the greedy accept walk computed in the same replay (None from eager code)."""
 
-    # [b, n, V]: fp32 from eager code, the LM head's dtype from a graph (same values)
+    # [b, n, V]: fp32 from eager code, the LM head's dtype from a graph (same values); a packed
+    # verify's [T, V] flat rows (`Round.packed` maps them: `batch_budget.unpack`)
     logits: torch.Tensor
-    taps: torch.Tensor | None  # [b, n, K*H]: the drafter's context features
+    taps: torch.Tensor | None  # [b, n, K*H]: the drafter's context features (packed: [T, K*H])
     greedy_tokens: torch.Tensor | None = None  # [b, n] argmax per node
     greedy_accept: AcceptResult | None = None  # the walk under greedy_tokens
 

@@ -19,6 +19,7 @@ round that still writes the drafter's context.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from ddtree.engine.round.grammar_jobs import MaskWorkers
 from ddtree.engine.round.sampler import NodePositions, sample_nodes
 from ddtree.engine.scheduling.request import Req
 from ddtree.speculative.accept import accept_tree
+from ddtree.speculative.batch_budget import allocate, node_probs_from_logits
 from ddtree.speculative.tree import DraftTree
 
 
@@ -76,6 +78,8 @@ class SpecDecoder:
             from ddtree.engine.budget.profile import round_cost
 
             self.budgets.set_cost(round_cost(runner, cfg))
+            if runner.state_pool is None:  # a packed verify needs a dense target
+                self.budgets.enable_packing()
 
     def depth_limits(self, reqs: list[Req], max_context: int) -> list[int] | None:
         """Per-request depth limit so a tree never runs past the context length or the token budget (None when
@@ -100,6 +104,8 @@ class SpecDecoder:
         rnd = runner.begin(reqs)
         gb = GrammarBatch.of(reqs, self.mask_words, runner.device, self.mask_workers)
         plan = self.budgets.plan(reqs, rnd.max_kv_len)
+        if plan.rows is not None:  # a batch-wide budget (only greedy rows, no grammar)
+            return self._packed_round(rnd, plan, max_context, t)
         self.clock.mark()  # the host's part before the draft launch ends here
         draft, t = self._draft(rnd, plan, gb, max_context, t)
         self.clock.mark()  # the draft's device work ends here
@@ -137,6 +143,49 @@ class SpecDecoder:
         self._read_clock(gb)
         return emitted
 
+    def _packed_round(self, rnd: Round, plan: RoundPlan, max_context: int, t) -> list[list[int]]:
+        """A batch-wide budget's round (speculative/batch_budget.py): the full tree at the
+        plan's spec, then the batch's `plan.rows` most valuable drafted nodes by this round's own
+        node probabilities (`allocate`, each request at most its cap), verified in one packed
+        forward of only those rows; the greedy walk and the commit run on the compact tree.
+        Each request's share is read back with its tokens and teaches the policy as a per-request
+        budget would."""
+        runner, reqs = self.runner, rnd.reqs
+        self.clock.mark()
+        limits = self.depth_limits(reqs, max_context)
+        if limits is not None:
+            plan.full = [x == self.cfg.block_size - 1 for x in limits]
+        draft = runner.draft(rnd, limits, None, plan.spec)
+        t = self.times.add("draft", t)
+        self.clock.mark()
+        self.gains.draft_launched()
+        tree = draft.tree
+        if tree.node_probs is None:  # the draft graphs' trees: from the logits they built on
+            tree = dataclasses.replace(tree, node_probs=node_probs_from_logits(tree, draft.logits))
+        caps = torch.tensor(plan.caps, device=runner.device)
+        alloc = allocate(tree, caps, plan.rows)
+        vo = runner.verify_packed(rnd, tree, alloc.keep, len(reqs) + plan.rows)
+        host_gain, ready = self.gains.read_back(tree, False)
+        t = self.times.add("verify", t)
+        self.clock.mark()
+        res = accept_tree(rnd.packed.tree, vo.greedy_tokens)
+        t = self.times.add("accept", t)
+        runner.commit(rnd, vo, res.path, res.accept_length)
+        # the shares ride the read-back as a last column (emit reads [count, tokens...])
+        out = torch.cat([res.num_out[:, None], res.out_tokens, alloc.cut[:, None]], 1)
+        self.clock.mark()
+        if ready is not None:
+            ready.synchronize()
+        self._while_device_runs()
+        shares: list[int] = []
+        counts, emitted = self.emit(reqs, out, None, None, shares)
+        self.times.add("commit", t)
+        runner.advance(rnd, counts)
+        plan.budgets = shares
+        self.budgets.observe(plan, len(reqs), counts, host_gain.numpy())
+        self._read_clock(None)
+        return emitted
+
     def first_tokens(self, reqs: list[Req], logits: torch.Tensor) -> list[list[int]]:
         """Prefill's first token of each request whose prompt is now cached, from the logits [b, V]
         at its prompt's last token: the same emit as a round's (a one-node tree whose root is that
@@ -155,13 +204,21 @@ class SpecDecoder:
         return self.emit(reqs, out, lp, gb)[1]
 
     def emit(
-        self, reqs: list[Req], out: torch.Tensor, lp: torch.Tensor | None, gb: GrammarBatch | None
+        self,
+        reqs: list[Req],
+        out: torch.Tensor,
+        lp: torch.Tensor | None,
+        gb: GrammarBatch | None,
+        last_column: list[int] | None = None,
     ) -> tuple[list[int], list[list[int]]]:
         """The read-back of out [b, 1 + w] (each request's emitted count, then its tokens) and the
         log-probs: (counts, each request's emitted tokens, its grammar advanced over them and its
-        log-probs recorded)."""
+        log-probs recorded). last_column: filled with out's last column (a value that rides the
+        same read-back)."""
         host_t, lp_rows = logprobs.read_back_tensor(reqs, out, lp)
         host = host_t.tolist()  # [count, tokens...] per request
+        if last_column is not None:
+            last_column.extend(row[-1] for row in host)
         counts = [row[0] for row in host]
         emitted = [row[1 : 1 + row[0]] for row in host]
         if gb is not None:

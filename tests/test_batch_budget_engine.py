@@ -1,0 +1,155 @@
+"""Batch-wide budgets through the real engine (toy pairs, CPU): rounds that verify only the batch's
+R most valuable drafted nodes, packed (`ModelRunner.verify_packed`), are T=0 token-identical to
+AR on prompts the toy drafter accepts (mean accepted length > 2): unequal shares within a round,
+requests capped at 0 (an AR row) beside deep trees, R from 1 to past every node, eager and on the
+padded static graph path (the draft replays; the verify is packed), batch 1 and many. Batches
+with a sampled, log-prob or grammar request verify densely. The check can fail: a packed verify
+whose requests see each other's rows changes the tokens."""
+
+import numpy as np
+import pytest
+from engine_utils import GREEDY, accepted_prompts, make_llm, mean_accept
+
+from ddtree import SamplingParams
+from ddtree.engine.budget.planner import BudgetPlanner, ScriptedPolicy
+from ddtree.engine.budget.policy import Decision
+
+AUTO = dict(speculative_ddtree_budget="auto", speculative_ddtree_max_budget=16)
+ROWS = (1, 5, 40, 3, 200, 12)  # 200: past every drafted node of the batch
+CAPS = (16, 0, 4, 16, 9)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class PackingPolicy(ScriptedPolicy):
+    """Every round packed: R cycles through ROWS, each request's cap through CAPS (a 0: its
+    root alone beside the others' trees); every fifth round dense (the same engine moves between
+    the two)."""
+
+    def __init__(self):
+        self.k = 0
+
+    def choose(self, slots, owners, caps, ctx, extra_s=0.0):
+        self.k += 1
+        n = len(slots)
+        b = np.array([CAPS[(self.k + i) % len(CAPS)] for i in range(n)], dtype=np.int64)
+        b = np.minimum(b, np.asarray(caps))
+        rows = None if self.k % 5 == 0 else ROWS[self.k % len(ROWS)]
+        return Decision(1 + int(b.max()), b, np.zeros(n), 0.0, rows=rows)
+
+
+def generate(pair, prompts, params=GREEDY, graphs=False, **kw):
+    llm = make_llm(pair, "DDTREE", max_running_requests=8, **AUTO, **kw)
+    llm.engine.set_budget_policy(PackingPolicy())
+    runner = llm.engine.runner
+    packed = []
+    verify_packed = runner.verify_packed
+    runner.verify_packed = lambda rnd, tree, keep, n: (
+        packed.append((int(keep.sum()), n, keep.sum(1).tolist())) or verify_packed(rnd, tree, keep, n)
+    )
+    if graphs:
+        from test_cuda_graph import attach_graphs
+
+        attach_graphs(llm, 4)
+    outs = llm.generate([list(p) for p in prompts], params)
+    return outs, packed, llm
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(toy_pair):
+    llm = make_llm(toy_pair, "NONE")
+    return [o.token_ids for o in llm.generate([list(p) for p in accepted_prompts()], GREEDY)]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_packed_rounds_are_lossless(toy_pair, ar_tokens, graphs):
+    outs, packed, _ = generate(toy_pair, accepted_prompts(), graphs=graphs)
+    assert [o.token_ids for o in outs] == ar_tokens and mean_accept(outs) > 2
+    assert packed, "no round was packed"
+    shares = [q for _, _, qs in packed for q in qs]
+    assert 1 in shares and max(shares) > 5  # root-only rows beside deep trees in one round
+    assert any(kept < n for kept, n, _ in packed)  # R past the drafted nodes: padding rows
+    assert any(len(set(qs)) > 2 for _, _, qs in packed)  # unequal shares within a round
+
+
+def test_packed_rounds_batch_of_one(toy_pair, ar_tokens):
+    for i in (0, 3):
+        outs, packed, _ = generate(toy_pair, accepted_prompts()[i : i + 1])
+        assert [o.token_ids for o in outs] == ar_tokens[i : i + 1] and mean_accept(outs) > 2
+        assert packed
+
+
+def test_packed_check_can_fail(toy_pair, ar_tokens, monkeypatch):
+    """Every packed row attending to the whole flat batch's tree mask of request 0 (each request's
+    rows reading another's tree) must change the tokens: the comparison above can fail."""
+    from ddtree.engine import model_runner
+
+    real = model_runner.pack_layout
+
+    def leaky(tree, keep, lens, n):
+        lay = real(tree, keep, lens, n)
+        lay.tree.tree_mask = lay.tree.tree_mask[:1].expand_as(lay.tree.tree_mask).clone()
+        return lay
+
+    monkeypatch.setattr(model_runner, "pack_layout", leaky)
+    outs, packed, _ = generate(toy_pair, accepted_prompts())
+    assert packed and [o.token_ids for o in outs] != ar_tokens
+
+
+def test_sampled_log_prob_and_grammar_batches_verify_densely(toy_pair):
+    params = [
+        SamplingParams(temperature=0.8, max_tokens=12, seed=1),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=True),
+    ]
+    for p in params:
+        outs, packed, _ = generate(toy_pair, accepted_prompts()[:2], params=p)
+        assert not packed and all(len(o.token_ids) == 12 for o in outs)
+
+
+def test_hybrid_targets_never_pack(toy_hybrid_pair):
+    llm = make_llm(toy_hybrid_pair, "DDTREE", max_running_requests=4, **AUTO)
+    assert not llm.engine.decoder.budgets.packing
+
+
+def test_planner_packs_where_rows_are_dear():
+    """The planner's own rating (BudgetPolicy): at a batch whose rounds cost rows (the rung
+    table's seconds grow with the rows), a batch of one confident request and many hopeless ones
+    packs: the confident request's deep tree and the others' roots beat any one rung for all; at
+    a batch where rows are free the dense tree wins."""
+    from ddtree.engine.budget.policy import BudgetPolicy, rung_widths
+    from ddtree.engine.config import SpecConfig, budget_ladder
+
+    cfg = SpecConfig(algorithm="DDTREE", budget=16, block_size=8, adaptive=True)
+
+    class RowsCost:  # seconds: fixed + per row (rows = bs x width)
+        def __init__(self, per_row):
+            self.per_row = per_row
+
+        def seconds(self, bs, ctx):
+            w = rung_widths(budget_ladder(16), cfg.chain_rung)
+            return 0.01 + self.per_row * bs * w
+
+    def planner(per_row):
+        p = BudgetPlanner(cfg, 64, RowsCost(per_row))
+        p.enable_packing()
+        pol = p.policy
+        assert isinstance(pol, BudgetPolicy)
+        return p, pol
+
+    from ddtree.engine.scheduling.request import Req
+
+    reqs = [Req(prompt_ids=[1], params=SamplingParams(temperature=0)) for _ in range(32)]
+    for i, r in enumerate(reqs):
+        r.slot = i
+    for per_row, packs in ((2e-4, True), (0.0, False)):
+        p, pol = planner(per_row)
+        pol._claim(np.arange(32), reqs)
+        pol.prior_chain = 1.0
+        curve = np.zeros((32, 16))
+        curve[0] = np.cumsum(0.97 ** np.arange(1, 17))  # request 0: confident
+        curve[1:] = np.cumsum(np.full((31, 16), 0.02), 1)  # the others: hopeless
+        pol.curve[:32], pol.n_read[:32] = curve, 16
+        pol.chain[:32], pol.chain_known[:32] = curve[:, 6], True  # the chain: 7 of the tree's
+        pol.prior_chain = None  # rate each request's own curve
+        plan = p.plan(reqs, 64)
+        assert (plan.rows is not None) == packs, plan
