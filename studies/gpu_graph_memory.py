@@ -2,8 +2,9 @@
 
 For each case (shape, algorithm, budget, largest captured batch) an engine is built on the inflated
 pair (`inflate:<shape>`, bf16, CUDA graphs captured at construction) and the graph pool's bytes
-(`CudaGraphRunner.pool_bytes`) are printed beside the plan's `graph_bytes`, the device memory in
-use and the plan's other lines. One JSON row per case in --out.
+(`CudaGraphRunner.pool_bytes`) are printed beside the plan's line for them (`PoolPlan.graph_bytes`,
+`engine.config.planned_graph_bytes` of the engine's resolved args) and the device memory in use.
+One JSON row per case in --out.
 
     python3 studies/gpu_graph_memory.py --cases qwen3-8b:DFLASH:-:64,qwen3-8b:DDTREE:auto:64
 """
@@ -19,6 +20,7 @@ import torch
 
 
 def measure(shape: str, algorithm: str, budget: str, bs: int, fraction: float) -> dict:
+    from ddtree.engine.config import planned_graph_bytes
     from ddtree.llm import LLM
 
     kw = dict(
@@ -38,7 +40,6 @@ def measure(shape: str, algorithm: str, budget: str, bs: int, fraction: float) -
     built = time.perf_counter() - t0
     runner = llm.engine.runner
     pool = runner.graphs.pool_bytes() if runner.graphs is not None else 0
-    plan = llm.engine.plan if hasattr(llm.engine, "plan") else None
     row = {
         "shape": shape,
         "algorithm": algorithm,
@@ -46,7 +47,7 @@ def measure(shape: str, algorithm: str, budget: str, bs: int, fraction: float) -
         "max_bs": bs,
         "verify_widths": list(runner.cfg.verify_widths or (runner.cfg.max_verify_width,)),
         "graph_pool_bytes": pool,
-        "planned_graph_bytes": getattr(plan, "graph_bytes", None),
+        "planned_graph_bytes": planned_graph_bytes(llm.args, "cuda"),
         "reserved_bytes": torch.cuda.memory_reserved() - base,
         "build_s": round(built, 1),
     }

@@ -55,7 +55,9 @@ def test_qwen3_8b_plan(tmp_path):
     assert plan.verify_buffer_bytes_per_request >= 65 * 151936 * 4
     assert plan.state_pool_requests is None and plan.state_bytes_per_request == 0
     assert plan.kv_tokens % 16 == 0
-    expected_kv = plan.static_bytes - plan.weight_bytes_per_device - plan.workspace_bytes
+    expected_kv = (
+        plan.static_bytes - plan.weight_bytes_per_device - plan.workspace_bytes - plan.graph_bytes
+    )
     assert plan.kv_room_bytes == expected_kv and plan.kv_limit == "memory"
     scratch = 16 * 5  # one verify width (65) of scratch pages comes out of the same bytes
     assert plan.kv_tokens == expected_kv // plan.kv_bytes_per_token_per_device // 16 * 16 - scratch
@@ -105,7 +107,9 @@ def test_hybrid_plan_state_split(tmp_path):
     ssm = 48 * 48 * 128 * 128 * 4
     assert plan.state_bytes_per_request == conv + ssm
     assert plan.spec_state_bytes_per_request == 65 * (conv + ssm)
-    rest = plan.static_bytes - plan.weight_bytes_per_device - plan.workspace_bytes
+    rest = (
+        plan.static_bytes - plan.weight_bytes_per_device - plan.workspace_bytes - plan.graph_bytes
+    )
     assert plan.state_room_bytes == int(rest * 0.5 / 1.5)
     assert plan.kv_room_bytes == rest - plan.state_room_bytes
     # one row of the pool is the scratch row of padded CUDA-graph rows
@@ -285,7 +289,7 @@ def test_check_config_zero_requests_at_context_exits_1(tmp_path, capsys):
             "--device",
             "cuda",
             "--device-memory-gib",
-            "24",
+            "25",  # weights, verify buffers, CUDA graphs and 4,096 KV tokens
             "--max-total-tokens",
             "4096",
         ]

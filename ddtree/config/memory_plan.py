@@ -16,6 +16,7 @@ from ddtree.config.resolve import resolve_server_args
 from ddtree.engine.config import (
     GDNGeometry,
     device_memory_bytes,
+    graph_max_bs,
     kv_bytes_per_token,
     plan_pools,
 )
@@ -95,6 +96,9 @@ class MemoryPlan:
     kv_room_bytes: int = 0  # what the static pool left for KV
     state_room_bytes: int = 0  # what the static pool set aside for recurrent state
     kv_limit: str = "memory"  # what stops the KV pool where it is
+    graph_bytes: int = 0  # the CUDA graph pool at the largest captured batch (0: no graphs)
+    graph_max_bs: int = 0  # that batch (0: no graphs)
+    graphs_off: str = ""  # why none are captured on a GPU ("": captured, or the CPU)
 
     @property
     def fits(self) -> bool:
@@ -134,6 +138,12 @@ class MemoryPlan:
                 f"{self.max_running_requests} = {_gib(self.workspace_bytes)}",
             ),
         ]
+        if self.graph_bytes:
+            rows.append(
+                ("CUDA graphs", f"pool at batch {self.graph_max_bs}: {_gib(self.graph_bytes)}")
+            )
+        elif self.graphs_off:
+            rows.append(("CUDA graphs", f"none ({self.graphs_off})"))
         if self.state_pool_requests is not None:
             rows += [
                 (
@@ -228,7 +238,7 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
     hint = no_buffer_hint(args, device_bytes, weights, pools, at_ctx)
     if hint is not None:
         warnings.insert(0, hint)
-    rest = pools.static_bytes - weights - pools.workspace_bytes
+    rest = pools.static_bytes - weights - pools.workspace_bytes - pools.graph_bytes
     if at_ctx == 0 and rest > 0:
         room_fits = pools.kv_room_bytes // pools.kv_bytes_per_token >= ctx + pools.width
         fix = (
@@ -264,6 +274,9 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         kv_room_bytes=pools.kv_room_bytes,
         state_room_bytes=pools.state_room_bytes,
         kv_limit=pools.kv_limit,
+        graph_bytes=pools.graph_bytes,
+        graph_max_bs=graph_max_bs(args) if pools.graph_bytes else 0,
+        graphs_off=_graphs_off(args),
         kv_tokens=pools.kv_tokens,
         num_pages=pools.num_pages,
         context_length=ctx,
@@ -277,6 +290,15 @@ def memory_plan(args: ServerArgs, device_bytes: int | None = None) -> MemoryPlan
         target_fp8=_fp8_label(fp8[0]),
         drafter_fp8=_fp8_label(fp8[1]),
     )
+
+
+def _graphs_off(args: ServerArgs) -> str:
+    """Why a GPU plan captures no CUDA graph ("" where it does, or on the CPU)."""
+    if args.device != "cuda" or not args.disable_cuda_graph:
+        return ""
+    if args.attention_backend != "triton":
+        return f"--attention-backend {args.attention_backend}"
+    return "--disable-cuda-graph"
 
 
 def _fp8_label(layout: Fp8Layout | None) -> str:

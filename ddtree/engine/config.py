@@ -3,8 +3,8 @@ that the engine (`engine/setup.py`) and the memory plan (`ddtree check-config`) 
 numbers are the engine's. Torch-free: planning from config.json alone stays fast.
 
 Derivation: `spec_config(args)` -> `SpecConfig`; `plan_pools(args, device_bytes, weight_bytes,
-device)` -> `PoolPlan` (static pool = device bytes x --mem-fraction-static, minus weights and verify
-buffers, split between the hybrid state pool and the KV pool); `runner_config(args, pools)` ->
+device)` -> `PoolPlan` (static pool = device bytes x --mem-fraction-static, minus weights, verify
+buffers and the CUDA graph pool, split between the hybrid state pool and the KV pool); `runner_config(args, pools)` ->
 `RunnerConfig`."""
 
 from __future__ import annotations
@@ -190,6 +190,22 @@ def prefill_chunk_tokens(args) -> int:
     return args.context_length if args.chunked_prefill_size == -1 else args.chunked_prefill_size
 
 
+def longest_prefill(args) -> int:
+    """The most new tokens one prefill step gives a request (the scheduler's prefill budget)."""
+    caps = (prefill_chunk_tokens(args), args.max_prefill_tokens, args.context_length)
+    return min(c for c in caps if c is not None and c > 0)
+
+
+def graphs_enabled(args, device: str) -> bool:
+    return device == "cuda" and not args.disable_cuda_graph
+
+
+def graph_max_bs(args) -> int:
+    """The largest batch the CUDA graphs are captured at (the runner's rule, against the requested
+    concurrency: the plan's cap on it only lowers the capture)."""
+    return min(args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, args.max_running_requests)
+
+
 # ---- sizing shared by the engine and the memory plan
 # ---------------------------------------------------
 def kv_bytes_per_token(t, d, dtype) -> tuple[int, int]:
@@ -224,6 +240,43 @@ def verify_buffer_bytes(t, d, width: int, block_size: int, act_dtype) -> int:
             d.target_layer_ids
         ) * t.hidden_size * dtype_bytes(act_dtype)
     return n
+
+
+# The CUDA graph pool (`CudaGraphRunner.pool_bytes`): every verify, draft, commit and extend graph
+# allocates its intermediates from one shared pool, so it holds about the largest graph's peak plus a
+# part the graphs do not share. Fit to the pool measured on an H100 (8B shape, bf16, block 16;
+# docs/design-numbers.md): NONE at batch 256 is the extend graphs' peak (4 x 256 rows, ~48 x H bytes
+# of activations a row; its 256 verify rows are less), DFLASH grows with the draft graph's LM-head
+# logits (batch x block rows x V, ~2.8 B an element: the bf16 logits and temporaries), wide
+# auto trees with the verify rows. The drafter's graphs keep ~450 MiB that DFLASH at batch 64 and 256
+# agree on. Rounded up, the plan sits 3-25% over every measured pool.
+GRAPH_POOL_FIXED_BYTES = 32 << 20
+DRAFT_GRAPH_FIXED_BYTES = 448 << 20
+DRAFT_LOGIT_BYTES = 3  # per draft row and vocabulary entry, at a 2-byte activation dtype
+ROW_ACTIVATION_BYTES = 48  # per verify / extend row and hidden unit, at a 2-byte activation dtype
+
+
+def graph_pool_bytes(t, d, spec, max_bs: int, dtype, extend_tokens: int = 0) -> int:
+    """The planned CUDA graph pool with graphs captured up to batch `max_bs`: the fixed parts plus
+    the largest of the draft graph's logits (max_bs x block_size rows, none without a drafter), the
+    widest verify (max_bs x the largest verify width rows) and the largest extend graph
+    (`extend_tokens` rows); scaled by the activation dtype (fp32 serving doubles it)."""
+    scale = dtype_bytes(dtype) / 2
+    draft = max_bs * spec.block_size * t.vocab_size * DRAFT_LOGIT_BYTES if d is not None else 0
+    verify = max_bs * max(spec.verify_widths) * ROW_ACTIVATION_BYTES * t.hidden_size
+    extend = extend_tokens * ROW_ACTIVATION_BYTES * t.hidden_size
+    fixed = GRAPH_POOL_FIXED_BYTES + (DRAFT_GRAPH_FIXED_BYTES if d is not None else 0)
+    return int(fixed + scale * max(draft, verify, extend))
+
+
+def planned_graph_bytes(args, device: str) -> int:
+    """The memory plan's CUDA graph line for resolved ServerArgs (0 where no graph is captured)."""
+    if not graphs_enabled(args, device):
+        return 0
+    max_bs = graph_max_bs(args)
+    extend = min(EXTEND_BATCHES[-1], max_bs) * extend_widths(longest_prefill(args))[-1]
+    t, d = args.target_config, args.drafter_config
+    return graph_pool_bytes(t, d, args.spec, max_bs, args.dtype, extend)
 
 
 @dataclass(frozen=True)
@@ -301,14 +354,16 @@ class PoolPlan:
     # requests leave (at most one per KV page)
     checkpoint_rows: int = 0
     checkpoint_bytes: int = 0
-    overcommit: str | None = None  # the warning that weights + verify buffers fill the static pool
+    # the warning that weights + verify buffers (+ CUDA graphs) fill the static pool
+    overcommit: str | None = None
+    graph_bytes: int = 0  # the CUDA graph pool at the largest captured batch (0: no graphs)
 
     def refusal(self) -> str | None:
         """Why no engine can start on this plan (one line naming the flags that fix it), or None:
-        the weights and the verify buffers exceed the static pool (the KV pool would get
-        nothing, and the first capture or round runs out of memory), or the recurrent-state pool
-        holds no request."""
-        if self.weight_bytes + self.workspace_bytes > self.static_bytes:
+        the weights, the verify buffers and the CUDA graphs exceed the static pool (the KV pool
+        would get nothing, and the first capture or round runs out of memory), or the
+        recurrent-state pool holds no request."""
+        if self.weight_bytes + self.workspace_bytes + self.graph_bytes > self.static_bytes:
             return self.overcommit
         if self.max_running_requests < 1:
             return (
@@ -354,7 +409,8 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
     width, n_req = spec.verify_width, args.max_running_requests
     static = int(device_bytes * args.mem_fraction_static)
     workspace = n_req * verify_buffer_bytes(t, d, width, spec.block_size, args.dtype)
-    rest = static - weight_bytes - workspace
+    graphs = planned_graph_bytes(args, device)
+    rest = static - weight_bytes - workspace - graphs
     warnings = []
     overcommit = None
     if rest <= 0:
@@ -364,11 +420,19 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
             if device == "cpu" and tp > 1
             else ""
         )
-        overcommit = (
-            f"weights ({_gib(weight_bytes)}) and verify buffers ({_gib(workspace)}) exceed the "
-            f"static pool ({_gib(static)}){shared}; raise --mem-fraction-static, lower "
-            "--max-running-requests or use a device with more memory"
-        )
+        if graphs:
+            overcommit = (
+                f"weights ({_gib(weight_bytes)}), verify buffers ({_gib(workspace)}) and CUDA "
+                f"graphs ({_gib(graphs)}) exceed the static pool ({_gib(static)}); raise "
+                "--mem-fraction-static, lower --max-running-requests or --cuda-graph-max-bs, "
+                "pass --disable-cuda-graph or use a device with more memory"
+            )
+        else:
+            overcommit = (
+                f"weights ({_gib(weight_bytes)}) and verify buffers ({_gib(workspace)}) exceed "
+                f"the static pool ({_gib(static)}){shared}; raise --mem-fraction-static, lower "
+                "--max-running-requests or use a device with more memory"
+            )
         warnings.append(overcommit)
     rest = max(rest, 0)
     state = spec_state = state_pool = 0
@@ -446,6 +510,7 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
         max_running_requests=running,
         warnings=tuple(warnings),
         overcommit=overcommit,
+        graph_bytes=graphs,
         checkpoint_rows=ck_rows,
         checkpoint_bytes=ck_rows * state,
         kv_pool_bytes=(pages + scratch) * args.page_size * per_token,
@@ -487,10 +552,7 @@ def _leave_checkpoint_rows(
 
 def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:
     spec = args.spec
-    graphs = device == "cuda" and not args.disable_cuda_graph
-    # the most new tokens one prefill step gives a request (the scheduler's prefill budget)
-    caps = (prefill_chunk_tokens(args), args.max_prefill_tokens, args.context_length)
-    longest = min(c for c in caps if c is not None and c > 0)
+    graphs = graphs_enabled(args, device)
     return RunnerConfig(
         page_size=args.page_size,
         num_pages=pools.num_pages,
@@ -506,5 +568,5 @@ def runner_config(args, pools: PoolPlan, device: str) -> RunnerConfig:
         cuda_graph_max_bs=args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS,
         prefix_cache=not args.disable_radix_cache,
         state_checkpoints=pools.checkpoint_rows,
-        extend_widths=extend_widths(longest) if graphs else (),
+        extend_widths=extend_widths(longest_prefill(args)) if graphs else (),
     )

@@ -38,3 +38,27 @@ def test_cuda_engine_allocates_the_plan(flags):
     assert runner.cfg.max_verify_width == plan.verify_width == spec_config(args).verify_width
     graph_width = getattr(runner.graphs, "n", None)  # the verify graphs' width, where captured
     assert graph_width in (None, plan.verify_width)
+
+
+def test_cuda_graph_pool_is_within_the_plan():
+    """The graph pool an engine captured (verify, draft, commit and extend graphs in one pool) is
+    at most the memory plan's CUDA graph line for its resolved args."""
+    from ddtree.engine.config import plan_pools
+    from ddtree.engine.setup import device_bytes
+    from ddtree.llm import LLM
+
+    pytest.importorskip("triton")
+    llm = LLM(
+        device="cuda",
+        attention_backend="triton",
+        speculative_algorithm="DFLASH",
+        mem_fraction_static=0.3,
+        cuda_graph_max_bs=8,
+    )
+    graphs = llm.engine.runner.graphs
+    planned = plan_pools(llm.args, device_bytes(torch.device("cuda")), 0, "cuda").graph_bytes
+    try:
+        assert graphs is not None and graphs.capture and planned > 0
+        assert 0 < graphs.pool_bytes() <= planned, (graphs.pool_bytes(), planned)
+    finally:
+        llm.engine.runner.free_pools()
