@@ -30,9 +30,8 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fuzz_workload import KINDS, Case, draw_case  # noqa: E402
-
 import numpy as np  # noqa: E402
+from fuzz_workload import KINDS, Case, draw_case  # noqa: E402
 
 from ddtree import envs  # noqa: E402
 from ddtree.engine.budget.planner import ScriptedPolicy  # noqa: E402

@@ -2,10 +2,10 @@
 engine config and a request workload.
 
 Config: the kind cycles with the seed (`KINDS`: dense / hybrid toy target; AR, DFLASH, DDTREE at a
-fixed budget or `auto`; both mamba strategies), the knobs are drawn (half the dense `auto` cases under random batch-wide budgets: unequal
-shares in one round, requests capped at 0 beside deep trees, dense rounds between): page size 1-16, prefix cache
-on / off, running slots, chunked prefill, a short context, and a KV pool from roomy to one the
-largest request only just fits alone (eviction and preemption).
+fixed budget or `auto`; both mamba strategies; half the dense `auto` cases under random batch-wide
+budgets: unequal shares in one round, requests capped at 0 beside deep trees, dense rounds between),
+the knobs are drawn: page size 1-16, prefix cache on / off, running slots, chunked prefill, a short
+context, and a KV pool from roomy to one the largest request only just fits alone (eviction and preemption).
 
 Workload: prompt families with shared prefixes (the same prompt, a prefix, a fork, the prompt run
 into its own AR continuation, so pages a decode wrote are hit), stop ids and stop strings drawn from

@@ -45,7 +45,8 @@ def generate(pair, prompts, params=GREEDY, graphs=False, **kw):
     packed = []
     verify_packed = runner.verify_packed
     runner.verify_packed = lambda rnd, tree, keep, n: (
-        packed.append((int(keep.sum()), n, keep.sum(1).tolist())) or verify_packed(rnd, tree, keep, n)
+        packed.append((int(keep.sum()), n, keep.sum(1).tolist()))
+        or verify_packed(rnd, tree, keep, n)
     )
     if graphs:
         from test_cuda_graph import attach_graphs

@@ -431,9 +431,7 @@ def _priced(rows: np.ndarray, at: np.ndarray, secs: np.ndarray, floor: float) ->
 def _packable(reqs: list[Req]) -> bool:
     """A packed verify hands back greedy tokens only: every request greedy, without log-probs
     or a grammar (those rounds verify densely, with per-request budgets)."""
-    return all(
-        r.params.greedy and not r.params.logprobs and r.params.grammar is None for r in reqs
-    )
+    return all(r.params.greedy and not r.params.logprobs and r.params.grammar is None for r in reqs)
 
 
 def _batch_key(reqs: list[Req], caps: list[int]) -> tuple:
