@@ -315,8 +315,9 @@ class BudgetPlanner:
 
     def _packed_plan(self, slots, caps: list[int], rows: int, raw_s: float | None) -> RoundPlan:
         """The packed round of `rows` drafted rows, drafting at the rung that holds the largest
-        cap."""
-        width = self.width_for(max(caps))
+        share a request can get (its cap, and never more than `rows`): a smaller tree's build
+        for a small batch budget."""
+        width = self.width_for(min(max(caps), rows))
         return RoundPlan(
             width,
             None,
