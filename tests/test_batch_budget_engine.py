@@ -154,3 +154,29 @@ def test_planner_packs_where_rows_are_dear():
         pol.prior_chain = None  # rate each request's own curve
         plan = p.plan(reqs, 64)
         assert (plan.rows is not None) == packs, plan
+
+
+def test_packed_rounds_correct_their_cost_per_batch_bucket():
+    """A packed round that took longer than modelled raises the model's seconds for its batch
+    bucket only (clipped: one round that compiled a kernel does not close the bucket), and the
+    warm-up's reset forgets it."""
+    from ddtree.engine.budget.planner import PACKED_CLIP, RoundRecord
+    from ddtree.engine.config import SpecConfig
+
+    cfg = SpecConfig(algorithm="DDTREE", budget=16, block_size=8, adaptive=True)
+
+    class Flat:
+        def seconds(self, bs, ctx):
+            return np.full(5, 0.01)
+
+    p = BudgetPlanner(cfg, 64, Flat())
+    for b, served in ((24, 0.02), (3, 1.0)):
+        rec = RoundRecord(9, [1] * b, [], [0] * b, "packed", raw_s=0.01)
+        rec.timing.round_s = served
+        p.last = rec
+        p._catch_up()
+    assert p.packed_scale[32] == pytest.approx(1 + 0.2 * (2 - 1))
+    assert p.packed_scale[4] == pytest.approx(1 + 0.2 * (PACKED_CLIP - 1))
+    assert 8 not in p.packed_scale
+    p.reset()
+    assert p.packed_scale == {}

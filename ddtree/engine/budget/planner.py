@@ -32,6 +32,7 @@ CURVE_SCALE = 1 << 20  # gain curves ride the round's int64 read-back in fixed p
 # interpolation between rungs is coarser than the rung table itself)
 PACK_MARGIN = 0.03
 PACKED_EMA = 0.2  # weight of the newest packed round in the packed cost's correction
+PACKED_CLIP = 3.0  # the most one packed round's served / modelled seconds count as
 
 
 class Policy(Protocol):
@@ -160,10 +161,12 @@ class BudgetPlanner:
         self.host_s = 0.0  # EMA of a round's host time outside the device work (engine + server)
         self._pending: tuple | None = None  # observe_curves' return, for `observe`
         self.trace = PolicyTrace() if self.policy is not None else PolicyTrace("")
-        # batch-wide budgets (`enable_packing`: auto on a dense target): served packed rounds'
-        # seconds over the model's, an EMA that corrects its next predictions
+        # batch-wide budgets (`enable_packing`: auto on a dense target): per batch bucket (a power
+        # of two), served packed rounds' seconds over the model's, an EMA that corrects its next
+        # predictions there (the packed verify runs eagerly: its launches cost most where the
+        # batch is small, so one factor for every batch would stop packing where it pays)
         self.packing = False
-        self.packed_scale = 1.0
+        self.packed_scale: dict[int, float] = {}
         self._clear_overlap()
 
     def enable_packing(self) -> None:
@@ -196,6 +199,7 @@ class BudgetPlanner:
         if self.policy is not None:
             self.policy.reset()
         self.last, self.host_s, self._served, self._pending = None, 0.0, None, None
+        self.packed_scale = {}  # the warm-up's packed rounds compiled their kernels
         self._clear_overlap()
         if self.policy is not None and isinstance(self.policy.cost, ServedCost):
             self.policy.cost = ServedCost(self.policy.cost.base)  # the warm-up's rounds too
@@ -307,13 +311,16 @@ class BudgetPlanner:
             return None
         r = np.arange(1, len(gain))
         raw = _priced(b + r, rows_b, secs_b, pol.ar_seconds(b, ctx))
-        rate = (b + gain[1:]) / (raw * self.packed_scale + self.host_s)
+        scale = self.packed_scale.get(_bucket(b), 1.0)
+        rate = (b + gain[1:]) / (raw * scale + self.host_s)
         best = int(np.argmax(rate))
         if rate[best] <= d.tokens_per_s * (1 + PACK_MARGIN):
             return None
-        return self._packed_plan(slots, list(caps), int(r[best]), float(raw[best]))
+        return self._packed_plan(slots, list(caps), int(r[best]), float(raw[best]), scale)
 
-    def _packed_plan(self, slots, caps: list[int], rows: int, raw_s: float | None) -> RoundPlan:
+    def _packed_plan(
+        self, slots, caps: list[int], rows: int, raw_s: float | None, scale: float = 1.0
+    ) -> RoundPlan:
         """The packed round of `rows` drafted rows, drafting at the rung that holds the largest
         share a request can get (its cap, and never more than `rows`): a smaller tree's build
         for a small batch budget."""
@@ -326,7 +333,7 @@ class BudgetPlanner:
             self.cfg.tree_spec(width - 1) if width > 1 else None,
             rows=rows,
             caps=caps,
-            predicted_s=None if raw_s is None else raw_s * self.packed_scale,
+            predicted_s=None if raw_s is None else raw_s * scale,
             raw_s=raw_s,
         )
 
@@ -377,7 +384,11 @@ class BudgetPlanner:
             if served is not None and t.round_s > 0 and isinstance(cost, ServedCost):
                 cost.observe(*served, t.round_s)  # what the last round really took
             if last.raw_s and t.round_s > 0:  # a packed round: its model's correction
-                self.packed_scale += PACKED_EMA * (t.round_s / last.raw_s - self.packed_scale)
+                k = _bucket(len(last.budgets))
+                old = self.packed_scale.get(k, 1.0)
+                # clipped: a round that compiled a kernel variant must not close the bucket
+                ratio = min(max(t.round_s / last.raw_s, 0.5), PACKED_CLIP)
+                self.packed_scale[k] = old + PACKED_EMA * (ratio - old)
         self._take_accepted()
 
     def _take_accepted(self) -> None:
@@ -427,6 +438,11 @@ def _priced(rows: np.ndarray, at: np.ndarray, secs: np.ndarray, floor: float) ->
         below = np.maximum(secs[0] + slope * (rows - at[0]), floor)
         out = np.where(rows < at[0], below, out)
     return out
+
+
+def _bucket(b: int) -> int:
+    """The power of two >= b: the batch bucket a packed round's cost correction is kept for."""
+    return 1 << max(b - 1, 0).bit_length()
 
 
 def _packable(reqs: list[Req]) -> bool:
