@@ -7,7 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-session_57_out}
 mkdir -p "$OUT/t"
-OUT=$OUT/t RESUME=${RESUME:-a:51,c:19} SPLIT=3 ONLY=ac GRAPH_CASES=none TEST_S=${TEST_S:-150} \
+OUT=$OUT/t RESUME=${RESUME:-a:51,c:19} SPLIT=3 ONLY=${ONLY:-ac} GRAPH_CASES=none TEST_S=${TEST_S:-150} \
   EXTRA="tests/gpu/test_budget_gpu.py::test_packed_rounds_on_the_device_equal_ar tests/gpu/test_engine_config_gpu.py::test_cuda_graph_pool_is_within_the_plan" \
   bash "$(dirname "$0")/gpu_suite.sh" > /dev/null 2>&1
 for f in "$OUT"/t/tests_*.log; do
