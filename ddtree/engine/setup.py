@@ -141,10 +141,11 @@ def build_runner(args, device: torch.device, tp=None) -> tuple[ModelRunner, int]
         _same_plan_on_every_rank(cfg, tp)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        need = pools.kv_pool_bytes + pools.state_pool_bytes
+        need = pools.kv_pool_bytes + pools.state_pool_bytes + pools.graph_bytes
         if need > free:  # the plan assumes the device holds only this engine
             logger.warning(
-                "the KV and state pools (%.1f GiB) exceed the free device memory (%.1f GiB): "
+                "the KV and state pools and the CUDA graphs (%.1f GiB) exceed the free device "
+                "memory (%.1f GiB): "
                 "another process holds memory; lower --mem-fraction-static",
                 need / 2**30,
                 free / 2**30,
