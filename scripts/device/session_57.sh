@@ -15,4 +15,4 @@ for f in "$OUT"/t/tests_*.log; do
   grep -E "^(FAILED|ERROR)" "$f" | head -5
 done
 tar czf "$OUT/tests.tgz" -C "$OUT/t" . && rm -rf "$OUT/t"
-OUT=$OUT WALL_S=${WALL_S:-420} bash "$(dirname "$0")/batch_budget.sh"
+[ "${WALL_S:-420}" -gt 0 ] && OUT=$OUT WALL_S=${WALL_S:-420} bash "$(dirname "$0")/batch_budget.sh"
