@@ -48,6 +48,12 @@ def generate(pair, prompts, params=GREEDY, graphs=False, **kw):
         packed.append((int(keep.sum()), n, keep.sum(1).tolist()))
         or verify_packed(rnd, tree, keep, n)
     )
+    planner = llm.engine.decoder.budgets
+    observe, llm.shares = planner.observe, []  # each packed round's shares, as the policy saw them
+    planner.observe = lambda plan, n, emitted, curves=None: (
+        (llm.shares.append(list(plan.budgets)) if plan.rows is not None else None)
+        or observe(plan, n, emitted, curves)
+    )
     if graphs:
         from test_cuda_graph import attach_graphs
 
@@ -64,9 +70,11 @@ def ar_tokens(toy_pair):
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_packed_rounds_are_lossless(toy_pair, ar_tokens, graphs):
-    outs, packed, _ = generate(toy_pair, accepted_prompts(), graphs=graphs)
+    outs, packed, llm = generate(toy_pair, accepted_prompts(), graphs=graphs)
     assert [o.token_ids for o in outs] == ar_tokens and mean_accept(outs) > 2
     assert packed, "no round was packed"
+    # the shares read back beside the curves are the verified ones (the root aside)
+    assert llm.shares == [[q - 1 for q in qs] for _, _, qs in packed]
     shares = [q for _, _, qs in packed for q in qs]
     assert 1 in shares and max(shares) > 5  # root-only rows beside deep trees in one round
     assert any(kept < n for kept, n, _ in packed)  # R past the drafted nodes: padding rows

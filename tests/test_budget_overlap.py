@@ -280,7 +280,7 @@ def test_the_proposal_is_what_choose_would_decide():
     reqs = [_req(s) for s in range(3)]
     for _ in range(5):
         _serve(planner, reqs, rng)
-    key, proposed = planner._next
+    key, proposed, _ = planner._next
     twin = copy.deepcopy(pol)
     twin._raw = None
     planner._catch_up()  # nothing left to take in: the proposal saw it all

@@ -184,7 +184,8 @@ class BudgetPlanner:
         # there only where it cannot. The policy's host time (studies/host_time.py) would
         # otherwise sit between rounds with the device idle.
         self._batch: tuple | None = None  # the current round's (slots, reqs, caps, ctx)
-        self._next: tuple | None = None  # (batch key, proposed Decision) for the next round
+        # (batch key, proposed Decision, its packed plan or None) for the next round
+        self._next: tuple | None = None
         self._accepted: tuple | None = None  # (pending, accepted) of a finished round
         self._last_served: tuple[int, int, int] | None = None  # `_served` of `last`
         self._absorbed: RoundRecord | None = None  # the last record the policy has taken in
@@ -261,7 +262,9 @@ class BudgetPlanner:
         if self.trace.on:
             self.trace.write(self.policy, d, slots, caps, max_ctx, self.host_s, self.last)
         self._served = (len(reqs), max_ctx, d.rung) if d.rung >= 0 else None
-        packed = self._packed(reqs, slots, caps, max_ctx, d) if self.packing else None
+        packed = None
+        if self.packing:  # rated under the last round's verify for the same batch (`_next`)
+            packed = nxt[2] if same else self._packed(reqs, slots, caps, max_ctx, d)
         if packed is not None:
             self._served = None  # the rung table learns from dense rounds only
             return packed
@@ -347,12 +350,16 @@ class BudgetPlanner:
 
     def observe_curves(self, plan: RoundPlan, curves: np.ndarray) -> None:
         """curves: the round's fixed-point gain columns [b, .] (`gain_columns`, read back while
-        the verify runs): the tree's gain curve (none for a chain round), then the chain's gain.
-        The draft's half of the policy's observe, off the critical path between rounds."""
+        the verify runs): the tree's gain curve (none for a chain round), then the chain's gain,
+        then a packed round's shares (which become `plan.budgets`). The draft's half of the
+        policy's observe, off the critical path between rounds."""
         pol = self.policy
+        c = np.asarray(curves, dtype=np.float64) / CURVE_SCALE
+        if plan.rows is not None:  # a packed round: each request's share rides as the last column
+            plan.budgets = np.rint(c[:, -1]).astype(np.int64).tolist()
+            c = c[:, :-1]
         if pol is None or plan.width <= 1:
             return
-        c = np.asarray(curves, dtype=np.float64) / CURVE_SCALE
         tree = None
         if not plan.chain:  # columns past the built rung repeat its last value (not read)
             B, k = max(self.cfg.budget, 1), c.shape[1] - 1
@@ -366,8 +373,10 @@ class BudgetPlanner:
         if self._batch is not None:
             slots, reqs, caps, ctx = self._batch
             # the next round's contexts are at most one block longer
-            d = pol.propose(slots, reqs, caps, ctx + self.cfg.block_size, self.host_s)
-            self._next = None if d is None else (_batch_key(reqs, caps), d)
+            ctx += self.cfg.block_size
+            d = pol.propose(slots, reqs, caps, ctx, self.host_s)
+            packed = self._packed(reqs, slots, caps, ctx, d) if self.packing and d else None
+            self._next = None if d is None else (_batch_key(reqs, caps), d, packed)
 
     def _catch_up(self) -> None:
         """Take in what finished rounds left (the last record's host and served seconds, a
@@ -457,11 +466,13 @@ def _batch_key(reqs: list[Req], caps: list[int]) -> tuple:
     return tuple((id(r), r.slot) for r in reqs), tuple(caps)
 
 
-def gain_columns(tree, chain: bool) -> torch.Tensor:
+def gain_columns(tree, chain: bool, shares: torch.Tensor | None = None) -> torch.Tensor:
     """[b, .] int64 the tree's gain curve (none for a chain round) then the chain's gain
-    (`tree.chain_probs` summed), fixed point (CURVE_SCALE), on the device: what
-    `observe_curves` reads."""
+    (`tree.chain_probs` summed), then a packed round's shares [b] (drafted nodes each request
+    verifies), fixed point (CURVE_SCALE), on the device: what `observe_curves` reads."""
     parts = [tree.chain_probs.double().sum(1, keepdim=True)]
     if not chain:
         parts.insert(0, tree.path_probs.double().cumsum(1))
+    if shares is not None:
+        parts.append(shares.double()[:, None])
     return (torch.cat(parts, 1) * CURVE_SCALE).round().to(torch.int64)

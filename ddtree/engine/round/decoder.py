@@ -158,31 +158,29 @@ class SpecDecoder:
         draft = runner.draft(rnd, limits, None, plan.spec)
         t = self.times.add("draft", t)
         self.clock.mark()
-        self.gains.draft_launched()
         tree = draft.tree
         if tree.node_probs is None:  # the draft graphs' trees: from the logits they built on
             tree = dataclasses.replace(tree, node_probs=node_probs_from_logits(tree, draft.logits))
         caps = torch.tensor(plan.caps, device=runner.device)
         alloc = allocate(tree, caps, plan.rows)
+        self.gains.draft_launched()  # the shares too: read back beside the curves
         vo = runner.verify_packed(rnd, tree, alloc.keep, len(reqs) + plan.rows)
-        host_gain, ready = self.gains.read_back(tree, False)
+        host_gain, ready = self.gains.read_back(tree, False, alloc.cut)
         t = self.times.add("verify", t)
         self.clock.mark()
         res = accept_tree(rnd.packed.tree, vo.greedy_tokens)
         t = self.times.add("accept", t)
         runner.commit(rnd, vo, res.path, res.accept_length)
-        # the shares ride the read-back as a last column (emit reads [count, tokens...])
-        out = torch.cat([res.num_out[:, None], res.out_tokens, alloc.cut[:, None]], 1)
+        out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
         self.clock.mark()
         if ready is not None:
-            ready.synchronize()
+            ready.synchronize()  # the draft, the shares and the copy, not the verify
+        self.budgets.observe_curves(plan, host_gain.numpy())  # sets plan.budgets to the shares
         self._while_device_runs()
-        shares: list[int] = []
-        counts, emitted = self.emit(reqs, out, None, None, shares)
+        counts, emitted = self.emit(reqs, out, None, None)
         self.times.add("commit", t)
         runner.advance(rnd, counts)
-        plan.budgets = shares
-        self.budgets.observe(plan, len(reqs), counts, host_gain.numpy())
+        self.budgets.observe(plan, len(reqs), counts)
         self._read_clock(None)
         return emitted
 
@@ -204,21 +202,13 @@ class SpecDecoder:
         return self.emit(reqs, out, lp, gb)[1]
 
     def emit(
-        self,
-        reqs: list[Req],
-        out: torch.Tensor,
-        lp: torch.Tensor | None,
-        gb: GrammarBatch | None,
-        last_column: list[int] | None = None,
+        self, reqs: list[Req], out: torch.Tensor, lp: torch.Tensor | None, gb: GrammarBatch | None
     ) -> tuple[list[int], list[list[int]]]:
         """The read-back of out [b, 1 + w] (each request's emitted count, then its tokens) and the
         log-probs: (counts, each request's emitted tokens, its grammar advanced over them and its
-        log-probs recorded). last_column: filled with out's last column (a value that rides the
-        same read-back)."""
+        log-probs recorded)."""
         host_t, lp_rows = logprobs.read_back_tensor(reqs, out, lp)
         host = host_t.tolist()  # [count, tokens...] per request
-        if last_column is not None:
-            last_column.extend(row[-1] for row in host)
         counts = [row[0] for row in host]
         emitted = [row[1 : 1 + row[0]] for row in host]
         if gb is not None:
@@ -305,19 +295,22 @@ class GainReadBack:
         if self.cuda:
             self.draft_done.record()
 
-    def read_back(self, tree, chain: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """(host columns, the event they are ready at: None on the CPU, where they are)."""
+    def read_back(
+        self, tree, chain: bool, shares: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """(host columns, the event they are ready at: None on the CPU, where they are).
+        shares: a packed round's per-request shares, a last column (ready at `draft_launched`)."""
         if not self.cuda:
-            return gain_columns(tree, chain), None
+            return gain_columns(tree, chain, shares), None
         s = self.stream
         s.wait_event(self.draft_done)
         with torch.cuda.stream(s):
-            cols = gain_columns(tree, chain)
+            cols = gain_columns(tree, chain, shares)
             host = torch.empty(cols.shape, dtype=cols.dtype, pin_memory=True)
             host.copy_(cols, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(s)
-        for x in (tree.path_probs, tree.chain_probs):  # eager trees: not freed under the stream
+        for x in (tree.path_probs, tree.chain_probs, shares):  # not freed under the stream
             if x is not None:
                 x.record_stream(s)
         return host, ready
