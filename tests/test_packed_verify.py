@@ -1,19 +1,20 @@
-"""The packed (ragged) verify of a batch-wide budget at the model level: the target forward over
-only the kept nodes (request i's q_len = 1 + cut[i], the compact tree's padded mask, flat slot
-mapping, padding rows on a scratch slot) gives the dense [b, W] verify's logits at those nodes, in
-fp32, for the torch reference and the Triton kernel (Triton's interpreter on the CPU)."""
+"""The packed (ragged) verify of a batch-wide budget (`ModelRunner.verify_packed`): the target
+forward over only the kept nodes (request i's q_len = 1 + cut[i], the compact tree's padded mask,
+flat slot mapping, padding rows on a scratch slot) gives the dense [b, W] verify's logits at those
+nodes, in fp32, for the torch reference and the Triton kernel (Triton's interpreter on the CPU,
+given only the lengths' bounds on the host)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ddtree.attention.backend import AttentionMetadata, get_backend
+from ddtree.attention.backend import get_backend
 from ddtree.bench.random_pair import SMOKE, build_pair, pair_configs
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
 from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.speculative.accept import accept_tree
-from ddtree.speculative.batch_budget import allocate, pack, unpack
+from ddtree.speculative.batch_budget import allocate, unpack
 from ddtree.speculative.tree import build_tree
 
 PAGE, DEPTHS, BUDGET = 4, 4, 10
@@ -68,64 +69,7 @@ def _logits(runner, ids, positions, meta, backend):
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 @pytest.mark.parametrize("pad", [0, 3])
-def test_packed_verify_equals_dense_at_the_kept_nodes(runner_and_reqs, backend_name, pad):
-    if backend_name == "triton":
-        pytest.importorskip("triton")
-    runner, reqs, scratch = runner_and_reqs
-    backend = get_backend(backend_name)
-    b, W = len(reqs), BUDGET + 1
-    tree = _tree(b)
-    meta = runner.begin(reqs)
-    meta.rows = runner.bm.block_table.index_select(0, meta.slot_ids)
-    dense = _logits(
-        runner,
-        tree.tokens.flatten(),
-        tree.positions(meta.lens).flatten(),
-        runner.verify_metadata(meta, tree.tree_mask, W),
-        backend,
-    ).view(b, W, -1)
-
-    # unequal cuts in one round: a deep tree, an AR row (cap 0), a short one
-    total = 9
-    alloc = allocate(tree, torch.tensor([BUDGET, 0, 2, BUDGET]), total)
-    assert alloc.cut[1] == 0 and int(alloc.cut.sum()) == total
-    prefix = alloc.keep.int().diff(dim=1) <= 0
-    assert not prefix.all(), "some request's kept nodes skip a node"
-    rows = b + total + pad
-    lay = pack(tree, alloc.keep, meta.lens, rows)
-    req = lay.flat_req.clamp(min=0)
-    page_rows = meta.rows.index_select(0, req)
-    slots = runner.slots_of(page_rows, lay.kv_positions[:, None]).flatten()
-    scratch_slot = int(runner.bm.block_table[scratch.slot, 0]) * PAGE
-    slots = torch.where(lay.row_valid, slots, scratch_slot)
-    q_lens = lay.q_lens.tolist()
-    packed_meta = AttentionMetadata(
-        q_lens=q_lens,
-        kv_lens=[k + q for k, q in zip(meta.kv_lens, q_lens)],
-        qo_indptr=lay.qo_indptr,
-        kv_lens_t=meta.lens + lay.q_lens,
-        block_table=meta.rows,
-        slot_mapping=slots,
-        page_size=PAGE,
-        tree_mask=lay.tree.tree_mask,
-    )
-    packed = _logits(runner, lay.input_ids, lay.positions, packed_meta, backend)
-    assert packed.shape[0] == rows
-
-    got = unpack(packed, lay)  # [b, W, V] in each request's local order
-    for i in range(b):
-        kept = lay.local_node[i, : q_lens[i]]
-        torch.testing.assert_close(got[i, : q_lens[i]], dense[i, kept], rtol=1e-5, atol=1e-5)
-    # the accept walk on the compact tree reads the packed rows' greedy tokens
-    res = accept_tree(lay.tree, unpack(packed.argmax(-1), lay))
-    full = accept_tree(tree, dense.argmax(-1))
-    for i in range(b):
-        path = lay.local_node[i].gather(0, res.path[i, : int(res.accept_length[i]) + 1])
-        assert path.tolist() == full.path[i, : len(path)].tolist()
-
-
-@pytest.mark.parametrize("backend_name", ["torch", "triton"])
-def test_runner_verify_packed_equals_dense(runner_and_reqs, backend_name, monkeypatch):
+def test_runner_verify_packed_equals_dense(runner_and_reqs, backend_name, pad, monkeypatch):
     """`ModelRunner.verify_packed` (what a batch-wide budget's round runs: the Triton kernel given
     only the lengths' bounds on the host, the torch reference the exact host lengths) against the
     runner's dense verify: the same logits and greedy tokens at every kept node, the taps at the
@@ -137,14 +81,23 @@ def test_runner_verify_packed_equals_dense(runner_and_reqs, backend_name, monkey
     b = len(reqs)
     tree = _tree(b)
     dense = runner.verify(runner.begin(reqs), tree)
-    alloc = allocate(tree, torch.tensor([BUDGET, 0, 3, BUDGET]), 8)
+    # unequal cuts in one round: a deep tree, an AR row (cap 0), a short one
+    total = 9
+    alloc = allocate(tree, torch.tensor([BUDGET, 0, 2, BUDGET]), total)
+    assert alloc.cut[1] == 0 and int(alloc.cut.sum()) == total
+    assert not (alloc.keep.int().diff(dim=1) <= 0).all(), "some request's kept nodes skip a node"
     rnd = runner.begin(reqs)
-    pv = runner.verify_packed(rnd, tree, alloc.keep, b + 8 + 2)
+    pv = runner.verify_packed(rnd, tree, alloc.keep, b + total + pad)
     lay = rnd.packed
-    assert lay is not None and pv.logits.shape[0] == b + 10
-    got = unpack(pv.logits.float(), lay)
+    assert lay is not None and pv.logits.shape[0] == b + total + pad
+    got = unpack(pv.logits.float(), lay)  # [b, W, V] in each request's local order
     for i, q in enumerate(lay.q_lens.tolist()):
         kept = lay.local_node[i, :q]
         torch.testing.assert_close(got[i, :q], dense.logits[i, kept], rtol=1e-5, atol=1e-5)
         assert pv.greedy_tokens[i, :q].tolist() == dense.logits[i, kept].argmax(-1).tolist()
-    assert lay.q_lens[1] == 1  # cap 0: the root alone
+    # the accept walk on the compact tree takes the dense walk's path
+    res = accept_tree(lay.tree, pv.greedy_tokens)
+    full = accept_tree(tree, dense.logits.argmax(-1))
+    for i in range(b):
+        path = lay.local_node[i].gather(0, res.path[i, : int(res.accept_length[i]) + 1])
+        assert path.tolist() == full.path[i, : len(path)].tolist()
