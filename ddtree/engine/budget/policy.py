@@ -146,11 +146,12 @@ class BudgetPolicy:
         # (slots, `_decision_curves(slots)`) computed by `observe_curves` while the verify runs, for
         # the next `choose` when it has the same requests (dropped by `_claim`, used once)
         self._raw: tuple[bytes, np.ndarray] | None = None
+        self._gains: tuple[bytes, np.ndarray] | None = None  # the last `gains`, by slots
 
     def _claim(self, slots: np.ndarray, owners: list[object]) -> None:
         for s, o in zip(slots.tolist(), owners):
             if self.owner[s] is not o:
-                self.owner[s], self._raw = o, None
+                self.owner[s], self._raw, self._gains = o, None, None
                 self.chain_known[s] = self.seen[s] = False
                 self.n_read[s] = 0
                 self.real[s] = self.pred[s] = 0.0
@@ -206,7 +207,9 @@ class BudgetPolicy:
         if raw is None or raw[0] != slots.tobytes():
             raw = (b"", self._decision_curves(slots))
         curve = raw[1] * self._ratio(slots)[:, None]
-        return np.concatenate([np.zeros((len(slots), 1)), curve], 1)
+        out = np.concatenate([np.zeros((len(slots), 1)), curve], 1)
+        self._gains = (slots.tobytes(), out)  # for `batch_gain` right after a decision
+        return out
 
     def _chain_raw(self, slots: np.ndarray) -> np.ndarray:
         """[b] the drafter's own expected accepted drafts of the chain (the server's, unseen)."""
@@ -336,7 +339,9 @@ class BudgetPolicy:
         requests are each request's first few: the nodes a value threshold keeps."""
         slots, caps = np.asarray(slots, dtype=np.int64), np.asarray(caps, dtype=np.int64)
         self._claim(slots, owners)
-        steps = np.diff(self.gains(slots), axis=1)
+        cached, self._gains = self._gains, None  # the decision's own, just rated: used once
+        g = cached[1] if cached is not None and cached[0] == slots.tobytes() else self.gains(slots)
+        steps = np.diff(g, axis=1)
         tree = ~self.rung_chain & (self.rung_budget > 0)
         factor = float(self.rung_factors()[tree][-1]) if tree.any() else 1.0
         k = np.arange(steps.shape[1])
