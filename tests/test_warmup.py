@@ -116,3 +116,17 @@ def test_the_start_up_heap_is_frozen_after_the_warm_up(gc_freeze):
     finally:
         ae.shutdown()
         gc.unfreeze()
+
+
+def test_warm_up_runs_packed_rounds_where_auto_may_pack(toy_pair):
+    """A dense `auto` engine's warm-up runs packed rounds (the eager packed verify's kernels
+    compile there) and gives the policy back."""
+    llm = make_llm(toy_pair, "DDTREE", speculative_ddtree_budget="auto", max_running_requests=2)
+    engine = llm.engine
+    policy = engine.decoder.budgets.policy
+    packed = []
+    verify = engine.runner.verify_packed
+    engine.runner.verify_packed = lambda *a: packed.append(a[3]) or verify(*a)
+    out = warm_up(engine, progress=False)
+    assert packed and out["packed_batches"] == [1]
+    assert engine.decoder.budgets.policy is policy and not engine.requests

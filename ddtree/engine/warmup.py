@@ -13,7 +13,8 @@ compiled per power of two of the split count), all of them with the extend graph
 eager extend compiles for the prompts the graphs do not take: long ones, too many passes), then a
 turn-sized prompt through the extend graphs at batch 1 and their largest bucket (the graphs
 themselves are captured with the runner: `CudaGraphRunner.build`), then a few decode rounds at
-batch 1 and at the largest captured batch. Warm-up requests go through
+batch 1 and at the largest captured batch (and, where `auto` may pack a batch-wide budget, a few
+packed rounds there: their verify is eager). Warm-up requests go through
 `LLMEngine.add_request` / `step` like any other and leave nothing behind (their pages, slots and
 state rows are freed when they finish; `check_clean` says so). Before all that, the block-FP8
 library's kernels for every row count a forward may meet (`_fp8_library`: they compile per row
@@ -26,6 +27,10 @@ import contextlib
 import logging
 import time
 
+import numpy as np
+
+from ddtree.engine.budget.planner import ScriptedPolicy
+from ddtree.engine.budget.policy import Decision
 from ddtree.engine.scheduling.request import SamplingParams
 
 logger = logging.getLogger("ddtree")
@@ -107,6 +112,7 @@ def warm_up(engine, progress: bool = True) -> dict:
     for b in batches:
         _drain(engine, [[(3 * i + j) % vocab for i in range(8)] for j in range(b)], decode)
         bar.update()
+    packed = _packed_rounds(engine, batches, vocab, decode)
     bar.close()
     engine.runner.bm.clear_cache()  # the synthetic prompts leave no cached pages behind
     engine.decoder.budgets.reset()  # ... and nothing learned by the budget policy
@@ -118,6 +124,7 @@ def warm_up(engine, progress: bool = True) -> dict:
         "fp8_library_calls": fp8_calls,
         "seconds": time.perf_counter() - t0,
         "graph_pool_bytes": graphs.pool_bytes() if graphs is not None else 0,
+        "packed_batches": packed,
     }
     logger.info(
         "Warm-up done in %.1f s: prefill %s (+ %s) tokens, decode batches %s; CUDA graph pool "
@@ -129,6 +136,40 @@ def warm_up(engine, progress: bool = True) -> dict:
         out["graph_pool_bytes"] / 2**30,
     )
     return out
+
+
+class _Packing(ScriptedPolicy):
+    """The warm-up's packed rounds: batch-wide budgets of 1, 4 and 16 rows a request in turn
+    (each request capped at the spec's budget)."""
+
+    SHARES = (1, 4, 16)
+
+    def __init__(self):
+        self.k = 0
+
+    def choose(self, slots, owners, caps, ctx, extra_s=0.0) -> Decision:
+        self.k += 1
+        caps = np.asarray(caps, dtype=np.int64)
+        rows = len(slots) * self.SHARES[self.k % len(self.SHARES)]
+        return Decision(1 + int(caps.max()), caps, np.zeros(len(slots)), 0.0, rows=rows)
+
+
+def _packed_rounds(engine, batches: list[int], vocab: int, params: SamplingParams) -> list[int]:
+    """Where `auto` may pack (a dense target), a few packed rounds at each decode batch, their
+    policy scripted: the packed verify runs eagerly, and its kernels' variants (the tree attention
+    at the rungs' widths, split per call) compile here, not in a served round. Returns the batches
+    it ran at; the policy is restored."""
+    planner = engine.decoder.budgets
+    if not planner.packing:
+        return []
+    policy = planner.policy
+    planner.set_policy(_Packing())
+    try:
+        for b in batches:
+            _drain(engine, [[(5 * i + j) % vocab for i in range(8)] for j in range(b)], params)
+    finally:
+        planner.set_policy(policy)
+    return batches
 
 
 def _fp8_library(engine) -> int:
