@@ -11,6 +11,7 @@ import torch
 
 from ddtree.attention.backend import get_backend
 from ddtree.bench.random_pair import SMOKE, build_pair, pair_configs
+from ddtree.engine import model_runner
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
 from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.speculative.accept import accept_tree
@@ -87,7 +88,11 @@ def test_runner_verify_packed_equals_dense(runner_and_reqs, backend_name, pad, m
     assert alloc.cut[1] == 0 and int(alloc.cut.sum()) == total
     assert not (alloc.keep.int().diff(dim=1) <= 0).all(), "some request's kept nodes skip a node"
     rnd = runner.begin(reqs)
-    pv = runner.verify_packed(rnd, tree, alloc.keep, b + total + pad)
+    pv = runner.verify_packed(rnd, tree, alloc.keep, b + total + pad, keep_logits=True)
+    rnd2 = runner.begin(reqs)  # what a packed round runs: the LM head in chunks, tokens only
+    monkeypatch.setattr(model_runner, "LOGIT_CHUNK_ELEMS", 5 * pv.logits.shape[1])  # 5 rows
+    chunked = runner.verify_packed(rnd2, tree, alloc.keep, b + total + pad)
+    assert chunked.logits is None and chunked.greedy_tokens.equal(pv.greedy_tokens)
     lay = rnd.packed
     assert lay is not None and pv.logits.shape[0] == b + total + pad
     got = unpack(pv.logits.float(), lay)  # [b, W, V] in each request's local order

@@ -43,6 +43,9 @@ from ddtree.engine.scheduling.step_stats import StepStats
 from ddtree.speculative.batch_budget import pack as pack_layout
 from ddtree.speculative.batch_budget import unpack
 
+# logits one chunk of a packed verify's LM head may hold (rows x vocab): bounded whatever the rows
+LOGIT_CHUNK_ELEMS = 1 << 27
+
 
 class ModelRunner:
     def __init__(self, target, drafter, cfg: RunnerConfig, device, dtype):
@@ -402,16 +405,20 @@ class ModelRunner:
         return Verify(logits, taps.view(b, n, -1) if taps is not None else None)
 
     @torch.inference_mode()
-    def verify_packed(self, rnd: Round, tree, keep: torch.Tensor, num_rows: int) -> Verify:
+    def verify_packed(
+        self, rnd: Round, tree, keep: torch.Tensor, num_rows: int, keep_logits: bool = False
+    ) -> Verify:
         """One target forward over only the kept nodes of every request's tree (a batch-wide
         budget, speculative/batch_budget.py): request i's kept nodes keep[i] (ancestor-closed,
         root kept) as its q_len rows, packed one request after another into `num_rows` flat rows
         (a host int >= keep.sum(); rows past the kept ones are padding and write a scratch slot).
         Local node l of request i sits at logical KV position L + l, as node l does in a dense
         verify, so the accept walk and the commit run unchanged on the compact tree
-        (`rnd.packed.tree`). Returns the flat logits [T, V] and taps [T, K*H] and the greedy
-        tokens [b, W] in local order. Eager, dense targets: a hybrid's GDN state steps per node
-        of a dense tree."""
+        (`rnd.packed.tree`). Returns the greedy tokens [b, W] in local order and the flat taps
+        [T, K*H]; the flat logits [T, V] only with keep_logits (a packed round reads only the
+        greedy tokens: the LM head runs in chunks of rows, its logits never all in memory, as a
+        dense verify's sit in planned buffers). Eager, dense targets: a hybrid's GDN state steps
+        per node of a dense tree."""
         if self.state_pool is not None:
             raise ValueError("a packed verify needs a dense target (hybrid state is per node)")
         b, n = tree.tokens.shape
@@ -440,8 +447,12 @@ class ModelRunner:
             tree_mask=lay.tree.tree_mask,
         )
         hidden, taps = self.target_forward(lay.input_ids, lay.positions, meta)
-        logits = self.target.logits(hidden)
-        return Verify(logits, taps, unpack(logits.argmax(-1), lay))
+        if keep_logits:
+            logits = self.target.logits(hidden)
+            return Verify(logits, taps, unpack(logits.argmax(-1), lay))
+        step = max(1, LOGIT_CHUNK_ELEMS // self.target.config.vocab_size)
+        tokens = torch.cat([self.target.logits(h).argmax(-1) for h in hidden.split(step)])
+        return Verify(None, taps, unpack(tokens, lay))
 
     def _host_lens_exact(self) -> bool:
         """Whether attention reads every request's host q_len (the torch reference, on any

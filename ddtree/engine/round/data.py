@@ -75,8 +75,9 @@ class Verify:
     and the greedy accept walk computed in the same replay (None from eager code)."""
 
     # [b, n, V]: fp32 from eager code, the LM head's dtype from a graph (same values); a packed
-    # verify's [T, V] flat rows (`Round.packed` maps them: `batch_budget.unpack`)
-    logits: torch.Tensor
+    # verify's [T, V] flat rows where asked (`Round.packed` maps them: `batch_budget.unpack`),
+    # else None (a packed round reads the greedy tokens only)
+    logits: torch.Tensor | None
     taps: torch.Tensor | None  # [b, n, K*H]: the drafter's context features (packed: [T, K*H])
     greedy_tokens: torch.Tensor | None = None  # [b, n] argmax per node
     greedy_accept: AcceptResult | None = None  # the walk under greedy_tokens
