@@ -32,7 +32,7 @@ def measure(shape: str, algorithm: str, budget: str, bs: int, fraction: float) -
     if algorithm != "NONE":
         kw["speculative_algorithm"] = algorithm
     if algorithm == "DDTREE" and budget != "-":
-        kw["speculative_ddtree_budget"] = budget
+        kw["speculative_ddtree_budget"] = int(budget) if budget.isdigit() else budget
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()
     t0 = time.perf_counter()
