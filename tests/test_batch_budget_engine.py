@@ -188,3 +188,14 @@ def test_packed_rounds_correct_their_cost_per_batch_bucket():
     assert 8 not in p.packed_scale
     p.reset()
     assert p.packed_scale == {}
+
+
+def test_a_packed_round_is_priced_between_the_tree_rungs():
+    """Linear between the tree rungs' (rows, seconds), along the first segment below the first
+    rung (the draft's and the forward's fixed cost stay), never below an AR round; past the last
+    rung, the last rung's seconds (np.interp's edge: the policy never asks past b x (1 + B))."""
+    from ddtree.engine.budget.planner import _priced
+
+    at, secs = np.array([90.0, 170.0]), np.array([0.020, 0.028])  # 10 requests, B = 8 and 16
+    got = _priced(np.array([10.0, 50.0, 90.0, 130.0, 170.0]), at, secs, floor=0.015)
+    np.testing.assert_allclose(got, [0.015, 0.016, 0.020, 0.024, 0.028])
