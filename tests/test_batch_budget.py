@@ -258,3 +258,21 @@ def test_batch_gain_is_the_kept_nodes_value_at_every_budget():
         keep[:, 0] = False
         assert float(gain[total]) == pytest.approx(float(values[keep].sum()), rel=1e-5)
     assert float(gain[-1]) == pytest.approx(float(gain[33]))  # caps reached: flat
+
+
+def test_node_probs_from_the_drafter_logits_equal_the_builds_own():
+    """A tree built without node scores (the draft graphs') gets them from the logits it was
+    built on: the same path probabilities `build_tree(node_scores=True)` records, padding 0."""
+    from ddtree.speculative.batch_budget import node_probs_from_logits
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5, 64, generator=g) * 3
+    roots = torch.tensor([1, 2, 3])
+    tree = build_tree(roots, logits, 12, 4, False, node_scores=True)
+    bare = build_tree(roots, logits, 12, 4, False)
+    assert bare.node_probs is None
+    torch.testing.assert_close(node_probs_from_logits(bare, logits), tree.node_probs)
+    chain = build_tree(roots, logits, 12, 1, False)  # top-1: 5 drafted nodes, 7 padding
+    assert (
+        not chain.valid.all() and (node_probs_from_logits(chain, logits)[~chain.valid] == 0).all()
+    )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree.speculative.tree import DraftTree, row_logsumexp
+from ddtree.speculative.tree import DraftTree, path_sums, row_logsumexp
 
 __all__ = [
     "Allocation",
@@ -53,20 +53,16 @@ def node_values(tree: DraftTree) -> Tensor:
 def node_probs_from_logits(tree: DraftTree, draft_logits: Tensor) -> Tensor:
     """[b, n] fp32 drafter path probability of each node (root 1, padding 0) from the drafter's
     logits [b, D, V] the tree was built from: each node's token log-prob at its depth (its logit
-    less the depth's log Z) summed down its root path. For a tree built without `node_scores`
-    (the draft graphs' trees, a grammar row's rebuilt tree): one gather of n logits per request,
-    not the [b, D, V] log-softmax."""
+    less the depth's log Z) summed down its root path (`path_sums`). For a tree built without
+    `node_scores` (the draft graphs' trees): a log Z per depth and one gathered logit per node,
+    no top-k."""
     b, n = tree.tokens.shape
     D, V = draft_logits.shape[1], draft_logits.shape[2]
     depth = (tree.depths - 1).clamp(0, D - 1)
     flat = draft_logits.reshape(b, D * V).gather(1, depth * V + tree.tokens.clamp(0, V - 1))
     token_lp = flat.float() - row_logsumexp(draft_logits)[..., 0].gather(1, depth)
     token_lp = torch.where(tree.depths > 0, token_lp, 0.0)
-    par = tree.parents.clamp(min=0)
-    score = token_lp
-    for _ in range(tree.depth_bound - 1):  # pass t makes every node of depth <= t + 1 final
-        score = score.gather(1, par) + token_lp
-    return torch.where(tree.valid, score.exp(), 0.0)
+    return torch.where(tree.valid, path_sums(tree, token_lp).exp(), 0.0)
 
 
 @dataclass

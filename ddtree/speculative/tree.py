@@ -234,12 +234,18 @@ def node_path_scores(tree: DraftTree, logp: Tensor, ids: Tensor) -> Tensor:
     hit = ids.gather(1, idx) == tree.tokens[..., None]  # topk ids are distinct: one hit at most
     token_lp = torch.where(hit, logp.gather(1, idx), 0.0).sum(-1)
     token_lp = torch.where(tree.depths > 0, token_lp, 0.0)  # the root's score stays 0
+    return torch.where(tree.valid, path_sums(tree, token_lp), float("-inf"))
+
+
+def path_sums(tree: DraftTree, token_lp: Tensor) -> Tensor:
+    """[b, n] each node's `token_lp` (its token's log-prob, 0 at the root) summed down its root
+    path, depth by depth in the beam's own order of additions. Padding nodes: meaningless."""
     par = tree.parents.clamp(min=0)
     # pass t makes every node of depth <= t final (its parent was final after pass t - 1)
     score = token_lp
     for _ in range(tree.depth_bound - 1):
         score = score.gather(1, par) + token_lp
-    return torch.where(tree.valid, score, float("-inf"))
+    return score
 
 
 def select_nodes(
