@@ -79,6 +79,9 @@ def test_runner_verify_packed_equals_dense(runner_and_reqs, backend_name, pad, m
         pytest.importorskip("triton")
     runner, reqs, _ = runner_and_reqs
     monkeypatch.setattr(runner, "backend", get_backend(backend_name))
+    # the Triton kernel (its interpreter here) is given only the lengths' bounds
+    exact = runner.backend.reads_host_q_lens(runner.target.config.head_dim, runner.device)
+    assert exact == (backend_name == "torch")
     b = len(reqs)
     tree = _tree(b)
     dense = runner.verify(runner.begin(reqs), tree)

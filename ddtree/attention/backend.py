@@ -58,6 +58,12 @@ class AttentionBackend(Protocol):
         |pq - pk| < W (z-lab DFlash semantics)."""
         ...
 
+    def reads_host_q_lens(self, head_dim: int, device: torch.device) -> bool:
+        """Whether `extend` reads every request's host q_len (`meta.q_lens`); else only the
+        lengths' maxima bound its launch and each request's q_len comes from `meta.qo_indptr`
+        (a packed verify then passes bounds, with no read-back)."""
+        ...
+
     # CUDA-graph hooks: the graph runner asks the backend, instead of inspecting its type
     def launch_plan(self, shape, device: torch.device, num_splits: int | None = None):
         """The kernels.tree_attention.dispatch.LaunchPlan of a call of `shape` (kernel "reference": not

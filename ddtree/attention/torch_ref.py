@@ -32,6 +32,9 @@ class TorchReferenceBackend:
     def with_splits(self, num_splits: int | None):
         return self
 
+    def reads_host_q_lens(self, head_dim: int, device: torch.device) -> bool:
+        return True  # `extend` loops over them
+
     def extend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         store_kv(kv_cache, meta.slot_mapping, k, v)
         kc, vc = kv_cache

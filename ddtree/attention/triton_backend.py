@@ -51,6 +51,10 @@ class TritonAttentionBackend:
             return f"{device.type} tensors without {envs.TRITON_INTERPRET.name}=1"
         return None
 
+    def reads_host_q_lens(self, head_dim: int, device: torch.device) -> bool:
+        # the kernel reads only max(q_lens) / max(kv_lens); the reference behind it loops
+        return self._reference_reason(head_dim, device) is not None
+
     def _use_reference(self, q: torch.Tensor) -> bool:
         return self._reference_reason(q.shape[-1], q.device) is not None
 

@@ -379,10 +379,7 @@ class ModelRunner:
         positions L + depth, ancestor mask): logits [b, n, V] and taps [b, n, K*H]; from a graph
         also the greedy tokens and accept walk of the same replay."""
         b, n = tree.tokens.shape
-        for r in rnd.reqs:
-            self.bm.allocate(r, r.kv_len + n)
-        rnd.rows = self.bm.block_table.index_select(0, rnd.slot_ids)  # the pages just allocated
-        rnd.width = n
+        self._reserve(rnd, n)
         if rnd.graphed and n in self.graphs.verify_sets:
             rnd.verified_in_graph = True
             logits, taps, tokens, res = self.graphs.verify(rnd, tree)
@@ -404,6 +401,14 @@ class ModelRunner:
         logits = self.target.logits(hidden).float().view(b, n, -1)
         return Verify(logits, taps.view(b, n, -1) if taps is not None else None)
 
+    def _reserve(self, rnd: Round, n: int) -> None:
+        """Pages for n tree nodes past every request's context, the round's block-table rows
+        re-gathered over them, and its width: what a verify writes into."""
+        for r in rnd.reqs:
+            self.bm.allocate(r, r.kv_len + n)
+        rnd.rows = self.bm.block_table.index_select(0, rnd.slot_ids)  # the pages just allocated
+        rnd.width = n
+
     @torch.inference_mode()
     def verify_packed(
         self, rnd: Round, tree, keep: torch.Tensor, num_rows: int, keep_logits: bool = False
@@ -422,10 +427,7 @@ class ModelRunner:
         if self.state_pool is not None:
             raise ValueError("a packed verify needs a dense target (hybrid state is per node)")
         b, n = tree.tokens.shape
-        for r in rnd.reqs:
-            self.bm.allocate(r, r.kv_len + n)
-        rnd.rows = self.bm.block_table.index_select(0, rnd.slot_ids)
-        rnd.width = n
+        self._reserve(rnd, n)
         lay = rnd.packed = pack_layout(tree, keep, rnd.lens, num_rows)
         page_rows = rnd.rows.index_select(0, lay.flat_req.clamp(min=0))
         slots = self.slots_of(page_rows, lay.kv_positions[:, None]).flatten()
@@ -435,7 +437,8 @@ class ModelRunner:
             self.bm.check_writes(slots[lay.row_valid])
         # the Triton kernel reads each request's q_len from qo_indptr and only bounds from the
         # host; the torch reference loops over the host lengths (a read-back, free on the CPU)
-        q_lens = lay.q_lens.tolist() if self._host_lens_exact() else [n] * b
+        exact = self.backend.reads_host_q_lens(self.target.config.head_dim, self.device)
+        q_lens = lay.q_lens.tolist() if exact else [n] * b
         meta = AttentionMetadata(
             q_lens=q_lens,
             kv_lens=[k + q for k, q in zip(rnd.kv_lens, q_lens)],
@@ -453,15 +456,6 @@ class ModelRunner:
         step = max(1, LOGIT_CHUNK_ELEMS // self.target.config.vocab_size)
         tokens = torch.cat([self.target.logits(h).argmax(-1) for h in hidden.split(step)])
         return Verify(None, taps, unpack(tokens, lay))
-
-    def _host_lens_exact(self) -> bool:
-        """Whether attention reads every request's host q_len (the torch reference, on any
-        device), not only the lengths' maxima (the Triton kernel)."""
-        backend = self.backend
-        if getattr(backend, "name", "") != "triton":
-            return True
-        head_dim = self.target.config.head_dim
-        return backend._reference_reason(head_dim, self.device) is not None
 
     def verify_metadata(self, rnd: Round, tree_mask: torch.Tensor, n: int) -> AttentionMetadata:
         b = rnd.batch

@@ -149,10 +149,10 @@ def test_packed_rounds_on_the_device_equal_ar(pair):
 
     pytest.importorskip("triton")
     llm = _llm(pair, False)
-    assert not llm.engine.runner._host_lens_exact()
+    runner = llm.engine.runner
+    assert not runner.backend.reads_host_q_lens(runner.target.config.head_dim, runner.device)
     assert llm.engine.decoder.budgets.packing
     packed = []
-    runner = llm.engine.runner
     real = runner.verify_packed
     runner.verify_packed = lambda rnd, tree, keep, n: packed.append(n) or real(rnd, tree, keep, n)
     llm.engine.set_budget_policy(Packing())
