@@ -144,18 +144,15 @@ class SpecDecoder:
         return emitted
 
     def _packed_round(self, rnd: Round, plan: RoundPlan, max_context: int, t) -> list[list[int]]:
-        """A batch-wide budget's round (speculative/batch_budget.py): the full tree at the
-        plan's spec, then the batch's `plan.rows` most valuable drafted nodes by this round's own
+        """A batch-wide budget's round (speculative/batch_budget.py): the tree at the plan's
+        spec, then the batch's `plan.rows` most valuable drafted nodes by this round's own
         node probabilities (`allocate`, each request at most its cap), verified in one packed
         forward of only those rows; the greedy walk and the commit run on the compact tree.
-        Each request's share is read back with its tokens and teaches the policy as a per-request
-        budget would."""
+        Each request's share is read back beside the gain curves, under the verify, and teaches
+        the policy as a per-request budget would."""
         runner, reqs = self.runner, rnd.reqs
         self.clock.mark()
-        limits = self.depth_limits(reqs, max_context)
-        if limits is not None:
-            plan.full = [x == self.cfg.block_size - 1 for x in limits]
-        draft = runner.draft(rnd, limits, None, plan.spec)
+        draft, _ = self._drafted(rnd, plan, max_context)  # a packed plan cuts nothing
         t = self.times.add("draft", t)
         self.clock.mark()
         tree = draft.tree
@@ -218,15 +215,20 @@ class SpecDecoder:
             logprobs.append(r, lp_row, toks)
         return counts, emitted
 
+    def _drafted(self, rnd: Round, plan: RoundPlan, max_context: int) -> tuple[Draft, list | None]:
+        """The drafter's tree of the plan's spec and cuts, each request depth-limited by its
+        context and token budget, and those limits (None: none)."""
+        limits = self.depth_limits(rnd.reqs, max_context)
+        if limits is not None:  # a depth-limited tree's curve teaches the policy no shape
+            plan.full = [x == self.cfg.block_size - 1 for x in limits]
+        return self.runner.draft(rnd, limits, plan.cut, plan.spec), limits
+
     def _draft(self, rnd: Round, plan: RoundPlan, gb: GrammarBatch | None, max_context: int, t):
         """The round's tree at the plan's width (and the phase clock): the root only for a width-1
         plan (AR), else the drafter's (grammar rows rebuilt under their grammars)."""
         if plan.width == 1:
             return Draft(root_tree(rnd.roots)), t
-        limits = self.depth_limits(rnd.reqs, max_context)
-        if limits is not None:  # a depth-limited tree's curve teaches the policy no shape
-            plan.full = [x == self.cfg.block_size - 1 for x in limits]
-        draft = self.runner.draft(rnd, limits, plan.cut, plan.spec)
+        draft, limits = self._drafted(rnd, plan, max_context)
         t = self.times.add("draft", t)
         tree = draft.tree
         if gb is not None:  # the grammar rows' trees rebuilt under their grammars
