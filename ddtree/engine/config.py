@@ -420,19 +420,18 @@ def plan_pools(args, device_bytes: int, weight_bytes: int, device: str) -> PoolP
             if device == "cpu" and tp > 1
             else ""
         )
-        if graphs:
-            overcommit = (
+        held = f"weights ({_gib(weight_bytes)}) and verify buffers ({_gib(workspace)})"
+        lower = "--max-running-requests"
+        if graphs:  # (only on a GPU: `shared` is empty)
+            held = (
                 f"weights ({_gib(weight_bytes)}), verify buffers ({_gib(workspace)}) and CUDA "
-                f"graphs ({_gib(graphs)}) exceed the static pool ({_gib(static)}); raise "
-                "--mem-fraction-static, lower --max-running-requests or --cuda-graph-max-bs, "
-                "pass --disable-cuda-graph or use a device with more memory"
+                f"graphs ({_gib(graphs)})"
             )
-        else:
-            overcommit = (
-                f"weights ({_gib(weight_bytes)}) and verify buffers ({_gib(workspace)}) exceed "
-                f"the static pool ({_gib(static)}){shared}; raise --mem-fraction-static, lower "
-                "--max-running-requests or use a device with more memory"
-            )
+            lower += " or --cuda-graph-max-bs, pass --disable-cuda-graph"
+        overcommit = (
+            f"{held} exceed the static pool ({_gib(static)}){shared}; raise "
+            f"--mem-fraction-static, lower {lower} or use a device with more memory"
+        )
         warnings.append(overcommit)
     rest = max(rest, 0)
     state = spec_state = state_pool = 0

@@ -116,6 +116,7 @@ class BudgetPolicy:
         r = rungs(tuple(ladder), chain)
         self.rung_budget = np.asarray([b for b, _ in r], dtype=np.int64)
         self.rung_chain = np.asarray([c for _, c in r], dtype=bool)
+        self.rung_tree = ~self.rung_chain & (self.rung_budget > 0)  # the ladder's trees
         self.rung_names = tuple(rung_name(b, c) for b, c in r)  # the metrics' names, rung order
         self.chain_depth = chain
         B = max(self.max_budget, 1)
@@ -303,7 +304,7 @@ class BudgetPolicy:
             c = int(np.flatnonzero(self.rung_chain)[0])
             if not served(bs, c):
                 return c
-        tree = ~self.rung_chain & (self.rung_budget > 0)
+        tree = self.rung_tree
         if not tree.any():
             return None
         t = int(np.flatnonzero(tree)[np.argmax(rate[tree])])
@@ -342,7 +343,7 @@ class BudgetPolicy:
         cached, self._gains = self._gains, None  # the decision's own, just rated: used once
         g = cached[1] if cached is not None and cached[0] == slots.tobytes() else self.gains(slots)
         steps = np.diff(g, axis=1)
-        tree = ~self.rung_chain & (self.rung_budget > 0)
+        tree = self.rung_tree
         factor = float(self.rung_factors()[tree][-1]) if tree.any() else 1.0
         k = np.arange(steps.shape[1])
         picked = np.sort(steps[k[None, :] < caps[:, None]])[::-1] * factor
@@ -351,7 +352,7 @@ class BudgetPolicy:
     def tree_costs(self, bs: int, ctx: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows, seconds) of the tree rungs' rounds at this batch (rows bs x (1 + B), ascending;
         seconds non-decreasing): the points a batch-wide budget's round is priced between."""
-        tree = ~self.rung_chain & (self.rung_budget > 0)
+        tree = self.rung_tree
         rows = bs * (1 + self.rung_budget[tree]).astype(np.float64)
         secs = np.maximum.accumulate(np.asarray(self.cost.seconds(bs, ctx))[tree])
         return rows, secs
