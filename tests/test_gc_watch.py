@@ -31,7 +31,9 @@ def test_freezing_leaves_a_full_collection_only_what_came_after():
     before = len(gc.get_objects())
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0.9 * before
+        # A frozen object still dies when its last reference goes (a thread left by an earlier
+        # test may drop some in between): the count can only shrink after the freeze.
+        assert 0.9 * before < gc.get_freeze_count() <= frozen
         assert len(gc.get_objects()) < 0.1 * before  # what the next full collection walks
     finally:
         gc.unfreeze()
