@@ -106,12 +106,17 @@ def _drive(case: Case, refs, res: CaseResult, max_steps: int) -> None:
     if runner.state_pool is None:  # count the packed rounds and their shares
         real = runner.verify_packed
 
-        def verify_packed(rnd, tree, keep, num_rows):
+        def verify_packed(rnd, tree, keep, num_rows, logit_reqs=None):
             shares = keep.sum(1)
             res.stats["packed_rounds"] += 1
             if int(shares.min()) == 1 and int(shares.max()) > 4:
                 res.stats["packed_root_beside_deep"] += 1
-            return real(rnd, tree, keep, num_rows)
+            for r in rnd.reqs:  # the rows that draw from their logits, packed
+                if r.params.grammar is not None:
+                    res.stats["packed_grammar_rows"] += 1
+                elif not r.params.greedy:
+                    res.stats["packed_sampled_rows"] += 1
+            return real(rnd, tree, keep, num_rows, logit_reqs)
 
         runner.verify_packed = verify_packed
     # fault isolation turns an exception into a failed (aborted) request and goes on: every
@@ -177,8 +182,8 @@ def _inject(engine, fault, reqs: list) -> None:
 class RandomPacking(ScriptedPolicy):
     """Random batch-wide budgets (issue 57): each round R drafted rows for the whole batch (1 to
     past every drafted node) with random per-request caps (0: the request's root alone, beside
-    deep trees), one round in six dense at the caps. Batches the planner does not pack (a
-    sampled, log-prob or grammar request) verify densely at the caps."""
+    deep trees), one round in six dense at the caps. Sampled, log-prob and grammar requests
+    pack beside greedy ones."""
 
     def __init__(self, seed: int):
         self.rng = random.Random(seed * 92821 + 7)

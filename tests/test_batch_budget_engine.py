@@ -2,8 +2,8 @@
 R most valuable drafted nodes, packed (`ModelRunner.verify_packed`), are T=0 token-identical to
 AR on prompts the toy drafter accepts (mean accepted length > 2): unequal shares within a round,
 requests capped at 0 (an AR row) beside deep trees, R from 1 to past every node, eager and on the
-padded static graph path (the draft replays; the verify is packed), batch 1 and many. Batches
-with a sampled, log-prob or grammar request verify densely. The check can fail: a packed verify
+padded static graph path (the draft replays; the verify is packed), batch 1 and many, and
+sampled, log-prob and grammar requests packed beside greedy ones. The check can fail: a packed verify
 whose requests see each other's rows changes the tokens."""
 
 import numpy as np
@@ -44,9 +44,9 @@ def generate(pair, prompts, params=GREEDY, graphs=False, **kw):
     runner = llm.engine.runner
     packed = []
     verify_packed = runner.verify_packed
-    runner.verify_packed = lambda rnd, tree, keep, n: (
+    runner.verify_packed = lambda rnd, tree, keep, n, sub=None: (
         packed.append((int(keep.sum()), n, keep.sum(1).tolist()))
-        or verify_packed(rnd, tree, keep, n)
+        or verify_packed(rnd, tree, keep, n, sub)
     )
     planner = llm.engine.decoder.budgets
     observe, llm.shares = planner.observe, []  # each packed round's shares, as the policy saw them
@@ -105,14 +105,36 @@ def test_packed_check_can_fail(toy_pair, ar_tokens, monkeypatch):
     assert packed and [o.token_ids for o in outs] != ar_tokens
 
 
-def test_sampled_log_prob_and_grammar_batches_verify_densely(toy_pair):
+def test_sampled_log_prob_and_grammar_rows_pack_beside_greedy_ones(toy_pair):
+    """One packed round carries every kind of request: greedy, seeded sampling, log-probs, a
+    grammar, a grammar with seeded sampling. Each gets AR's tokens (the seeded ones token for
+    token: the sampler's noise is keyed by position, whatever tree the round verified) and AR's
+    log-probs; the grammar bites. Those rows get their nodes' logits back from the packed verify,
+    the greedy rows only their argmax."""
+    from ddtree.grammar import GrammarSpec
+
+    no_zero = GrammarSpec.regex(r"[1-9]*")  # toy tokens are "4".."63": forbids 10, 20, ...
+    kw = dict(max_tokens=24, ignore_eos=True)
     params = [
-        SamplingParams(temperature=0.8, max_tokens=12, seed=1),
-        SamplingParams(temperature=0, max_tokens=12, logprobs=True),
+        SamplingParams(temperature=0, **kw),
+        SamplingParams(temperature=0.8, seed=3, top_p=0.95, **kw),
+        SamplingParams(temperature=0, logprobs=True, top_logprobs=2, **kw),
+        SamplingParams(temperature=0, grammar=no_zero, **kw),
+        SamplingParams(temperature=1.2, seed=9, grammar=no_zero, **kw),
     ]
-    for p in params:
-        outs, packed, _ = generate(toy_pair, accepted_prompts()[:2], params=p)
-        assert not packed and all(len(o.token_ids) == 12 for o in outs)
+    prompts = [list(accepted_prompts(6)[i]) for i in (0, 1, 3, 4, 5)]  # 4, 5: the grammar bites
+    ar = make_llm(toy_pair, "NONE").generate(prompts, params)
+    free = make_llm(toy_pair, "NONE").generate(prompts[3:4], params[:1])
+    assert free[0].token_ids != ar[3].token_ids, "the grammar must bite"
+    outs, packed, llm = generate(toy_pair, prompts, params=params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
+    assert packed and mean_accept(outs[:1]) > 2
+    assert any(len(qs) == len(params) for _, _, qs in packed), "no round packed every kind"
+    got, want = outs[2].logprobs, ar[2].logprobs
+    assert len(got) == len(want) == 24
+    for g, w in zip(got, want):
+        assert g.token_id == w.token_id and g.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
 
 
 def test_hybrid_targets_never_pack(toy_hybrid_pair):

@@ -15,7 +15,7 @@ from ddtree.engine import model_runner
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
 from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.speculative.accept import accept_tree
-from ddtree.speculative.batch_budget import allocate, unpack
+from ddtree.speculative.batch_budget import allocate
 from ddtree.speculative.tree import build_tree
 
 PAGE, DEPTHS, BUDGET = 4, 4, 10
@@ -91,14 +91,21 @@ def test_runner_verify_packed_equals_dense(runner_and_reqs, backend_name, pad, m
     assert alloc.cut[1] == 0 and int(alloc.cut.sum()) == total
     assert not (alloc.keep.int().diff(dim=1) <= 0).all(), "some request's kept nodes skip a node"
     rnd = runner.begin(reqs)
-    pv = runner.verify_packed(rnd, tree, alloc.keep, b + total + pad, keep_logits=True)
-    rnd2 = runner.begin(reqs)  # what a packed round runs: the LM head in chunks, tokens only
-    monkeypatch.setattr(model_runner, "LOGIT_CHUNK_ELEMS", 5 * pv.logits.shape[1])  # 5 rows
+    every = torch.arange(b)
+    pv = runner.verify_packed(rnd, tree, alloc.keep, b + total + pad, every)
+    rnd2 = runner.begin(reqs)  # a packed round of greedy rows: the LM head in chunks, tokens only
+    monkeypatch.setattr(model_runner, "LOGIT_CHUNK_ELEMS", 5 * pv.logits.shape[-1])  # 5 rows
     chunked = runner.verify_packed(rnd2, tree, alloc.keep, b + total + pad)
     assert chunked.logits is None and chunked.greedy_tokens.equal(pv.greedy_tokens)
+    rnd3 = runner.begin(reqs)  # the logits of some requests only (those that sample, say)
+    some = torch.tensor([2, 0])
+    part = runner.verify_packed(rnd3, tree, alloc.keep, b + total + pad, some)
+    assert part.greedy_tokens.equal(pv.greedy_tokens)
+    torch.testing.assert_close(part.logits, pv.logits.index_select(0, some), rtol=0, atol=0)
     lay = rnd.packed
-    assert lay is not None and pv.logits.shape[0] == b + total + pad
-    got = unpack(pv.logits.float(), lay)  # [b, W, V] in each request's local order
+    assert lay is not None and pv.logits.shape[:2] == lay.local_node.shape
+    got = pv.logits  # [b, W, V] fp32 in each request's local order
+    assert got.dtype == torch.float32
     for i, q in enumerate(lay.q_lens.tolist()):
         kept = lay.local_node[i, :q]
         torch.testing.assert_close(got[i, :q], dense.logits[i, kept], rtol=1e-5, atol=1e-5)

@@ -411,7 +411,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify_packed(
-        self, rnd: Round, tree, keep: torch.Tensor, num_rows: int, keep_logits: bool = False
+        self,
+        rnd: Round,
+        tree,
+        keep: torch.Tensor,
+        num_rows: int,
+        logit_reqs: torch.Tensor | None = None,
     ) -> Verify:
         """One target forward over only the kept nodes of every request's tree (a batch-wide
         budget, speculative/batch_budget.py): request i's kept nodes keep[i] (ancestor-closed,
@@ -420,10 +425,11 @@ class ModelRunner:
         Local node l of request i sits at logical KV position L + l, as node l does in a dense
         verify, so the accept walk and the commit run unchanged on the compact tree
         (`rnd.packed.tree`). Returns the greedy tokens [b, W] in local order and the flat taps
-        [T, K*H]; the flat logits [T, V] only with keep_logits (a packed round reads only the
-        greedy tokens: the LM head runs in chunks of rows, its logits never all in memory, as a
-        dense verify's sit in planned buffers). Eager, dense targets: a hybrid's GDN state steps
-        per node of a dense tree."""
+        [T, K*H]. The LM head runs in chunks of rows for the greedy tokens, its logits never all
+        in memory; only the requests `logit_reqs` [s] (those that sample, ask for log-probs or
+        are under a grammar) get their nodes' logits back, [s, W, V] in local order: no more
+        than a dense verify of those requests at width W would hold. Eager, dense targets: a
+        hybrid's GDN state steps per node of a dense tree."""
         if self.state_pool is not None:
             raise ValueError("a packed verify needs a dense target (hybrid state is per node)")
         b, n = tree.tokens.shape
@@ -450,12 +456,14 @@ class ModelRunner:
             tree_mask=lay.tree.tree_mask,
         )
         hidden, taps = self.target_forward(lay.input_ids, lay.positions, meta)
-        if keep_logits:
-            logits = self.target.logits(hidden)
-            return Verify(logits, taps, unpack(logits.argmax(-1), lay))
         step = max(1, LOGIT_CHUNK_ELEMS // self.target.config.vocab_size)
         tokens = torch.cat([self.target.logits(h).argmax(-1) for h in hidden.split(step)])
-        return Verify(None, taps, unpack(tokens, lay))
+        logits = None
+        if logit_reqs is not None:  # padding local nodes read row 0: never walked
+            rows = lay.local_row.index_select(0, logit_reqs).clamp(min=0)
+            logits = self.target.logits(hidden.index_select(0, rows.flatten()))
+            logits = logits.float().view(*rows.shape, -1)  # as the eager dense verify's
+        return Verify(logits, taps, unpack(tokens, lay))
 
     def verify_metadata(self, rnd: Round, tree_mask: torch.Tensor, n: int) -> AttentionMetadata:
         b = rnd.batch

@@ -171,8 +171,8 @@ class BudgetPlanner:
 
     def enable_packing(self) -> None:
         """Let auto rounds verify one batch-wide budget of rows, packed, where the cost model
-        rates that above the policy's dense rung (greedy batches without log-probs or grammars:
-        the packed verify hands back greedy tokens, not per-node logits)."""
+        rates that above the policy's dense rung (any batch: the requests that sample, ask for
+        log-probs or are under a grammar get their nodes' logits back, the rest greedy tokens)."""
         if self.cfg.adaptive and self.cfg.algorithm == "DDTREE":
             self.packing = True
 
@@ -299,8 +299,6 @@ class BudgetPlanner:
         at this batch (its tree rungs' rows b x (1 + B) and seconds, linear between them) times
         the served correction. None: the dense decision serves."""
         pol = self.policy
-        if not _packable(reqs):
-            return None
         if d.rows is not None:  # a scripted policy's: its budgets cap the shares
             return self._packed_plan(slots, d.budgets.tolist(), d.rows, None)
         if not isinstance(pol, BudgetPolicy):
@@ -452,12 +450,6 @@ def _priced(rows: np.ndarray, at: np.ndarray, secs: np.ndarray, floor: float) ->
 def _bucket(b: int) -> int:
     """The power of two >= b: the batch bucket a packed round's cost correction is kept for."""
     return 1 << max(b - 1, 0).bit_length()
-
-
-def _packable(reqs: list[Req]) -> bool:
-    """A packed verify hands back greedy tokens only: every request greedy, without log-probs
-    or a grammar (those rounds verify densely, with per-request budgets)."""
-    return all(r.params.greedy and not r.params.logprobs and r.params.grammar is None for r in reqs)
 
 
 def _batch_key(reqs: list[Req], caps: list[int]) -> tuple:

@@ -75,8 +75,8 @@ class Verify:
     and the greedy accept walk computed in the same replay (None from eager code)."""
 
     # [b, n, V]: fp32 from eager code, the LM head's dtype from a graph (same values); a packed
-    # verify's [T, V] flat rows where asked (`Round.packed` maps them: `batch_budget.unpack`),
-    # else None (a packed round reads the greedy tokens only)
+    # verify's [s, W, V] for the requests it was asked for, in the compact tree's local order
+    # (`Round.packed`), else None (a packed round of greedy rows reads the greedy tokens only)
     logits: torch.Tensor | None
     taps: torch.Tensor | None  # [b, n, K*H]: the drafter's context features (packed: [T, K*H])
     greedy_tokens: torch.Tensor | None = None  # [b, n] argmax per node

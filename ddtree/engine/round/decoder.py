@@ -104,8 +104,8 @@ class SpecDecoder:
         rnd = runner.begin(reqs)
         gb = GrammarBatch.of(reqs, self.mask_words, runner.device, self.mask_workers)
         plan = self.budgets.plan(reqs, rnd.max_kv_len)
-        if plan.rows is not None:  # a batch-wide budget (only greedy rows, no grammar)
-            return self._packed_round(rnd, plan, max_context, t)
+        if plan.rows is not None:  # a batch-wide budget
+            return self._packed_round(rnd, plan, gb, max_context, t)
         self.clock.mark()  # the host's part before the draft launch ends here
         draft, t = self._draft(rnd, plan, gb, max_context, t)
         self.clock.mark()  # the draft's device work ends here
@@ -143,30 +143,48 @@ class SpecDecoder:
         self._read_clock(gb)
         return emitted
 
-    def _packed_round(self, rnd: Round, plan: RoundPlan, max_context: int, t) -> list[list[int]]:
+    def _packed_round(
+        self, rnd: Round, plan: RoundPlan, gb: GrammarBatch | None, max_context: int, t
+    ) -> list[list[int]]:
         """A batch-wide budget's round (speculative/batch_budget.py): the tree at the plan's
-        spec, then the batch's `plan.rows` most valuable drafted nodes by this round's own
-        node probabilities (`allocate`, each request at most its cap), verified in one packed
-        forward of only those rows; the greedy walk and the commit run on the compact tree.
-        Each request's share is read back beside the gain curves, under the verify, and teaches
-        the policy as a per-request budget would."""
+        spec (grammar rows rebuilt under their grammars), then the batch's `plan.rows` most
+        valuable drafted nodes by this round's own node probabilities (`allocate`, each request
+        at most its cap), verified in one packed forward of only those rows; the walk and the
+        commit run on the compact tree. Greedy rows walk the packed verify's greedy tokens;
+        the rows that sample, ask for log-probs or are under a grammar get their nodes' logits
+        and draw as a dense round draws (`_special_tokens`). Each request's share is read back
+        beside the gain curves, under the verify, and teaches the policy as a per-request
+        budget would."""
         runner, reqs = self.runner, rnd.reqs
         self.clock.mark()
-        draft, _ = self._drafted(rnd, plan, max_context)  # a packed plan cuts nothing
+        draft, limits = self._drafted(rnd, plan, max_context)  # a packed plan cuts nothing
         t = self.times.add("draft", t)
         self.clock.mark()
         tree = draft.tree
-        if tree.node_probs is None:  # the draft graphs' trees: from the logits they built on
+        if gb is not None:
+            tree = self._grammar_tree(gb, tree, draft.logits, limits, plan)
+        if tree.node_probs is None:  # the draft graphs' and grammar trees: from the logits
             tree = dataclasses.replace(tree, node_probs=node_probs_from_logits(tree, draft.logits))
         caps = torch.tensor(plan.caps, device=runner.device)
         alloc = allocate(tree, caps, plan.rows)
         self.gains.draft_launched()  # the shares too: read back beside the curves
-        vo = runner.verify_packed(rnd, tree, alloc.keep, len(reqs) + plan.rows)
+        special = [i for i, r in enumerate(reqs) if _needs_logits(r)]
+        sub = torch.tensor(special, device=runner.device) if special else None
+        vo = runner.verify_packed(rnd, tree, alloc.keep, len(reqs) + plan.rows, sub)
         host_gain, ready = self.gains.read_back(tree, False, alloc.cut)
         t = self.times.add("verify", t)
         self.clock.mark()
-        res = accept_tree(rnd.packed.tree, vo.greedy_tokens)
+        lay = rnd.packed
+        tokens = vo.greedy_tokens
+        if special:
+            tokens = self._special_tokens(rnd, special, sub, vo, gb)
+        res = accept_tree(lay.tree, tokens)
         t = self.times.add("accept", t)
+        lp = None
+        if special:  # every request that asked is among them, in batch order
+            part = [reqs[i] for i in special]
+            path, out_tokens = res.path.index_select(0, sub), res.out_tokens.index_select(0, sub)
+            lp = logprobs.node_logprobs(part, vo.logits, path, out_tokens)
         runner.commit(rnd, vo, res.path, res.accept_length)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
         self.clock.mark()
@@ -174,12 +192,28 @@ class SpecDecoder:
             ready.synchronize()  # the draft, the shares and the copy, not the verify
         self.budgets.observe_curves(plan, host_gain.numpy())  # sets plan.budgets to the shares
         self._while_device_runs()
-        counts, emitted = self.emit(reqs, out, None, None)
+        counts, emitted = self.emit(reqs, out, lp, gb)
         self.times.add("commit", t)
         runner.advance(rnd, counts)
         self.budgets.observe(plan, len(reqs), counts)
-        self._read_clock(None)
+        self._read_clock(gb)
         return emitted
+
+    def _special_tokens(
+        self, rnd: Round, special: list[int], sub: torch.Tensor, vo: Verify, gb
+    ) -> torch.Tensor:
+        """A packed round's target tokens [b, W]: the greedy tokens, the requests `special`
+        (sub, on the device) drawn from their nodes' logits vo.logits [s, W, V] as
+        `_target_tokens` draws a dense round's (sampled at each node's position, or under
+        the grammar's masks at each node's full-tree node)."""
+        tree = rnd.packed.tree
+        lens, depths = rnd.lens.index_select(0, sub), tree.depths.index_select(0, sub)
+        pos = NodePositions.of_tree(lens, depths, tree.depth_bound)
+        greedy = vo.greedy_tokens.index_select(0, sub)
+        gb_s = None if gb is None else gb.compact(special, rnd.packed.local_node)
+        part = [rnd.reqs[i] for i in special]
+        drawn = self._draw(part, pos, Verify(vo.logits, None, greedy), gb_s)
+        return vo.greedy_tokens.index_copy(0, sub, drawn)
 
     def first_tokens(self, reqs: list[Req], logits: torch.Tensor) -> list[list[int]]:
         """Prefill's first token of each request whose prompt is now cached, from the logits [b, V]
@@ -247,8 +281,11 @@ class SpecDecoder:
     def _target_tokens(self, reqs, lens, tree: DraftTree, vo: Verify, gb):
         """The target's token at every node [b, n] (sampled, or under the grammar rows' masks);
         lens [b]: where each tree's root sits."""
+        return self._draw(reqs, NodePositions.of_tree(lens, tree.depths, tree.depth_bound), vo, gb)
+
+    def _draw(self, reqs, pos: NodePositions, vo: Verify, gb) -> torch.Tensor:
+        """`_target_tokens` at the nodes' positions `pos`."""
         sample = sample_nodes if gb is None else gb.target_tokens
-        pos = NodePositions.of_tree(lens, tree.depths, tree.depth_bound)
         params, seeds = [r.params for r in reqs], [r.seed for r in reqs]
         return sample(vo.logits, params, seeds, pos, vo.greedy_tokens)
 
@@ -316,3 +353,8 @@ class GainReadBack:
             if x is not None:
                 x.record_stream(s)
         return host, ready
+
+
+def _needs_logits(r: Req) -> bool:
+    """A request whose target tokens need its nodes' logits, not only their argmax."""
+    return not r.params.greedy or bool(r.params.logprobs) or r.grammar is not None

@@ -23,6 +23,7 @@ without a grammar pay nothing: a batch without one never builds this object.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from functools import partial
@@ -219,6 +220,20 @@ class GrammarBatch:
             if not p.greedy:
                 picked[j] = sample_from(masked[j], p, seeds[i], *positions.of(i))
         return out.index_copy(0, rows, picked)
+
+    def compact(self, sub: list[int], local_node: torch.Tensor) -> GrammarBatch:
+        """This batch as `target_tokens` sees a packed round's requests `sub` (every grammar
+        row among them, in batch order): its rows renumbered within sub, its masks [g, W,
+        words] at each compact tree's local nodes (local_node [b, W]: the full-tree node of
+        each; padding reads node 0's, never walked). The same matchers: only `advance`
+        moves them, on the whole batch."""
+        out = copy.copy(self)
+        at = {i: k for k, i in enumerate(sub)}
+        out.reqs, out.rows = [self.reqs[i] for i in sub], [at[i] for i in self.rows]
+        rows = torch.tensor(self.rows, device=local_node.device)
+        node = local_node.index_select(0, rows).clamp(min=0)
+        out.masks = self.masks.gather(1, node[..., None].expand(-1, -1, self.words))
+        return out
 
     def advance(self, emitted: list[list[int]]) -> list[list[int]]:
         """Each matcher accepts its request's emitted tokens; a request the grammar ended emits
