@@ -154,11 +154,16 @@ def test_packed_rounds_on_the_device_equal_ar(pair):
     assert llm.engine.decoder.budgets.packing
     packed = []
     real = runner.verify_packed
-    runner.verify_packed = lambda rnd, tree, keep, n: packed.append(n) or real(rnd, tree, keep, n)
+    runner.verify_packed = lambda rnd, tree, keep, n, *a: packed.append(n) or real(
+        rnd, tree, keep, n, *a
+    )
     llm.engine.set_budget_policy(Packing())
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # a seeded sampled request packed beside the greedy ones: AR's tokens, token for token
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [sp, sp, seeded, sp, sp]
     prompts = _prompts(llm)
-    outs = llm.generate(prompts, sp)
+    outs = llm.generate(prompts, params)
     assert packed and mean_accept(outs) > 2, [o.accept_lengths for o in outs]
     ar = LLM(pair[0], dtype="float32", device="cuda", attention_backend="triton")
-    assert [o.token_ids for o in ar.generate(prompts, sp)] == [o.token_ids for o in outs]
+    assert [o.token_ids for o in ar.generate(prompts, params)] == [o.token_ids for o in outs]
