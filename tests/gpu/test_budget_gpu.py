@@ -154,8 +154,8 @@ def test_packed_rounds_on_the_device_equal_ar(pair):
     assert llm.engine.decoder.budgets.packing
     packed = []
     real = runner.verify_packed
-    runner.verify_packed = lambda rnd, tree, keep, n, *a: packed.append(n) or real(
-        rnd, tree, keep, n, *a
+    runner.verify_packed = lambda rnd, tree, keep, n, *a: (
+        packed.append(n) or real(rnd, tree, keep, n, *a)
     )
     llm.engine.set_budget_policy(Packing())
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
