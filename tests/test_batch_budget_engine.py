@@ -54,10 +54,15 @@ def generate(pair, prompts, params=GREEDY, graphs=False, **kw):
         (llm.shares.append(list(plan.budgets)) if plan.rows is not None else None)
         or observe(plan, n, emitted, curves)
     )
+    llm.packed_replays = []  # (batch, rows) of each packed verify that ran its graph's path
     if graphs:
         from test_cuda_graph import attach_graphs
 
-        attach_graphs(llm, 4)
+        g = attach_graphs(llm, 4)
+        for w, gs in g.packed_sets.items():
+            gs.run = lambda b, host, run=gs.run, w=w: (
+                llm.packed_replays.append((b, g.bucket(b) * w)) or run(b, host)
+            )
     outs = llm.generate([list(p) for p in prompts], params)
     return outs, packed, llm
 
@@ -79,6 +84,8 @@ def test_packed_rounds_are_lossless(toy_pair, ar_tokens, graphs):
     assert 1 in shares and max(shares) > 5  # root-only rows beside deep trees in one round
     assert any(kept < n for kept, n, _ in packed)  # R past the drafted nodes: padding rows
     assert any(len(set(qs)) > 2 for _, _, qs in packed)  # unequal shares within a round
+    if graphs:  # the packed graphs' path, at more than one batch and row count
+        assert len(set(llm.packed_replays)) > 2, llm.packed_replays
 
 
 def test_packed_rounds_batch_of_one(toy_pair, ar_tokens):
@@ -149,6 +156,7 @@ def test_planner_packs_where_rows_are_dear():
     a batch where rows are free the dense tree wins."""
     from ddtree.engine.budget.policy import BudgetPolicy, rung_widths
     from ddtree.engine.config import SpecConfig, budget_ladder
+    from ddtree.engine.graphs.packed import packed_extras
 
     cfg = SpecConfig(algorithm="DDTREE", budget=16, block_size=8, adaptive=True)
 
@@ -160,9 +168,9 @@ def test_planner_packs_where_rows_are_dear():
             w = rung_widths(budget_ladder(16), cfg.chain_rung)
             return 0.01 + self.per_row * bs * w
 
-    def planner(per_row):
+    def planner(per_row, graph_rows=None):
         p = BudgetPlanner(cfg, 64, RowsCost(per_row))
-        p.enable_packing()
+        p.enable_packing(graph_rows)
         pol = p.policy
         assert isinstance(pol, BudgetPolicy)
         return p, pol
@@ -172,8 +180,12 @@ def test_planner_packs_where_rows_are_dear():
     reqs = [Req(prompt_ids=[1], params=SamplingParams(temperature=0)) for _ in range(32)]
     for i, r in enumerate(reqs):
         r.slot = i
-    for per_row, packs in ((2e-4, True), (0.0, False)):
-        p, pol = planner(per_row)
+
+    def graphs(b):  # the packed graphs' rows at batch 32 (engine/graphs/packed.py)
+        return [b + e for e in packed_extras(b, 17)]
+
+    for per_row, packs, rows in ((2e-4, True, None), (0.0, False, None), (2e-4, True, graphs)):
+        p, pol = planner(per_row, rows)
         pol._claim(np.arange(32), reqs)
         pol.prior_chain = 1.0
         curve = np.zeros((32, 16))
@@ -184,6 +196,19 @@ def test_planner_packs_where_rows_are_dear():
         pol.prior_chain = None  # rate each request's own curve
         plan = p.plan(reqs, 64)
         assert (plan.rows is not None) == packs, plan
+        if rows is not None:  # graphed: the round fills one packed graph's rows
+            assert 32 + plan.rows in rows(32), plan
+
+
+def test_packed_candidates_fill_the_graphs():
+    """Eager, every R from 1 to the drafted nodes (b + R rows); graphed, one R per packed graph
+    above the batch, filling its rows with the next nodes, never past the drafted ones."""
+    from ddtree.engine.budget.planner import _candidates
+
+    r, rows = _candidates(10, 25, [])
+    assert r.tolist() == list(range(1, 26)) and rows.tolist() == list(range(11, 36))
+    r, rows = _candidates(10, 25, [10, 20, 30, 50])
+    assert rows.tolist() == [20, 30, 50] and r.tolist() == [10, 20, 25]
 
 
 def test_packed_rounds_correct_their_cost_per_batch_bucket():

@@ -11,7 +11,7 @@ import torch
 
 from ddtree.attention.backend import get_backend
 from ddtree.bench.random_pair import SMOKE, build_pair, pair_configs
-from ddtree.engine import model_runner
+from ddtree.engine.graphs import packed as packed_graphs
 from ddtree.engine.model_runner import ModelRunner, RunnerConfig
 from ddtree.engine.scheduling.request import Req, SamplingParams
 from ddtree.speculative.accept import accept_tree
@@ -94,7 +94,7 @@ def test_runner_verify_packed_equals_dense(runner_and_reqs, backend_name, pad, m
     every = torch.arange(b)
     pv = runner.verify_packed(rnd, tree, alloc.keep, b + total + pad, every)
     rnd2 = runner.begin(reqs)  # a packed round of greedy rows: the LM head in chunks, tokens only
-    monkeypatch.setattr(model_runner, "LOGIT_CHUNK_ELEMS", 5 * pv.logits.shape[-1])  # 5 rows
+    monkeypatch.setattr(packed_graphs, "LOGIT_CHUNK_ELEMS", 5 * pv.logits.shape[-1])  # 5 rows
     chunked = runner.verify_packed(rnd2, tree, alloc.keep, b + total + pad)
     assert chunked.logits is None and chunked.greedy_tokens.equal(pv.greedy_tokens)
     rnd3 = runner.begin(reqs)  # the logits of some requests only (those that sample, say)
@@ -116,3 +116,48 @@ def test_runner_verify_packed_equals_dense(runner_and_reqs, backend_name, pad, m
     for i in range(b):
         path = lay.local_node[i].gather(0, res.path[i, : int(res.accept_length[i]) + 1])
         assert path.tolist() == full.path[i, : len(path)].tolist()
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_packed_graph_path_equals_eager(runner_and_reqs, backend_name, monkeypatch):
+    """The packed verify's graph family (engine/graphs/packed.py) on its static path, uncaptured
+    (the CPU test of everything but the capture), against the eager packed verify: the same
+    greedy tokens and the same logits for the requests asked (the taps: the engine tests, with a
+    drafter: tests/test_batch_budget_engine.py), the rows
+    padded up to the graph's bs x w (the padding rows own no request); a smaller round after a
+    larger one returns the larger one's requests and rows to the padding state."""
+    if backend_name == "triton":
+        pytest.importorskip("triton")
+    from ddtree.engine.graphs.runner import CudaGraphRunner
+
+    runner, reqs, _ = runner_and_reqs
+    monkeypatch.setattr(runner, "backend", get_backend(backend_name))
+    graphs = CudaGraphRunner(runner, capture=False)
+    graphs.enable_packing()
+    graphs.build()
+    assert graphs.packed is not None
+    # at batch 4 (4 + E rows): 8, 16, 32 drafted rows, then every node of 4 trees of width 11
+    assert graphs.packed_rows(3) == [12, 20, 36, 44] and graphs.packed_rows(4) == [12, 20, 36, 44]
+    for part, total, caps in ((reqs, 9, [BUDGET, 0, 2, BUDGET]), (reqs[:2], 4, [3, BUDGET])):
+        b = len(part)
+        tree = _tree(b)
+        alloc = allocate(tree, torch.tensor(caps), total)
+        sub = torch.tensor([b - 1, 0])
+        monkeypatch.setattr(runner, "graphs", None)
+        rnd = runner.begin(part)
+        eager = runner.verify_packed(rnd, tree, alloc.keep, b + total, sub)
+        monkeypatch.setattr(runner, "graphs", graphs)
+        rnd_g = runner.begin(part)
+        assert rnd_g.graphed and not rnd.graphed
+        replay = runner.verify_packed(rnd_g, tree, alloc.keep, b + total, sub)
+        rows = rnd_g.packed.input_ids.shape[0]
+        assert rows in graphs.packed_rows(b) and rows > b + total  # the graph's, padded
+        assert replay.greedy_tokens.equal(eager.greedy_tokens)
+        torch.testing.assert_close(replay.logits, eager.logits, rtol=1e-5, atol=1e-5)
+        assert replay.taps is None and eager.taps is None  # no drafter here: the engine tests'
+        ptr = graphs.packed.indptr
+        assert ptr[b:].eq(int(alloc.keep.sum())).all()  # padding requests own no rows (q_len 0)
+    assert graphs.packed.live == 2 and graphs.packed.kv_lens[2:].eq(0).all()
+    assert graphs.packed.slots[graphs.packed.live_rows :].equal(
+        graphs.packed.pad_slots[graphs.packed.live_rows :]
+    )

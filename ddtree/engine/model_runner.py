@@ -32,6 +32,7 @@ from ddtree.engine.config import (
     tree_spec,
 )
 from ddtree.engine.graphs.extend import pack_pass, plan_passes
+from ddtree.engine.graphs.packed import chunked_argmax
 from ddtree.engine.memory.block_manager import NO_HIT, BlockManager, PrefixHit
 from ddtree.engine.memory.kv_cache import KVPool
 from ddtree.engine.memory.state_checkpoints import StateCheckpoints
@@ -42,9 +43,6 @@ from ddtree.engine.scheduling.request import Req
 from ddtree.engine.scheduling.step_stats import StepStats
 from ddtree.speculative.batch_budget import pack as pack_layout
 from ddtree.speculative.batch_budget import unpack
-
-# logits one chunk of a packed verify's LM head may hold (rows x vocab): bounded whatever the rows
-LOGIT_CHUNK_ELEMS = 1 << 27
 
 
 class ModelRunner:
@@ -425,16 +423,19 @@ class ModelRunner:
         Local node l of request i sits at logical KV position L + l, as node l does in a dense
         verify, so the accept walk and the commit run unchanged on the compact tree
         (`rnd.packed.tree`). Returns the greedy tokens [b, W] in local order and the flat taps
-        [T, K*H]. The LM head runs in chunks of rows for the greedy tokens, its logits never all
-        in memory; only the requests `logit_reqs` [s] (those that sample, ask for log-probs or
-        are under a grammar) get their nodes' logits back, [s, W, V] in local order: no more
-        than a dense verify of those requests at width W would hold. Eager, dense targets: a
-        hybrid's GDN state steps per node of a dense tree."""
+        [T, K*H]. One graph replay where the round is graphed and a packed graph holds num_rows
+        (`packed_rows`: T is then its rows, the padding rows more), else eager. The LM head runs
+        in chunks of rows for the greedy tokens, its logits never all in memory; only the
+        requests `logit_reqs` [s] (those that sample, ask for log-probs or are under a grammar)
+        get their nodes' logits back, [s, W, V] in local order: no more than a dense verify of
+        those requests at width W would hold. Dense targets: a hybrid's GDN state steps per
+        node of a dense tree."""
         if self.state_pool is not None:
             raise ValueError("a packed verify needs a dense target (hybrid state is per node)")
         b, n = tree.tokens.shape
         self._reserve(rnd, n)
-        lay = rnd.packed = pack_layout(tree, keep, rnd.lens, num_rows)
+        graphed = self._packed_graph_rows(rnd, num_rows)  # the replay's rows, or None: eager
+        lay = rnd.packed = pack_layout(tree, keep, rnd.lens, graphed or num_rows)
         page_rows = rnd.rows.index_select(0, lay.flat_req.clamp(min=0))
         slots = self.slots_of(page_rows, lay.kv_positions[:, None]).flatten()
         scratch = self.scratch_pages[0] * self.cfg.page_size
@@ -445,25 +446,46 @@ class ModelRunner:
         # host; the torch reference loops over the host lengths (a read-back, free on the CPU)
         exact = self.backend.reads_host_q_lens(self.target.config.head_dim, self.device)
         q_lens = lay.q_lens.tolist() if exact else [n] * b
-        meta = AttentionMetadata(
-            q_lens=q_lens,
-            kv_lens=[k + q for k, q in zip(rnd.kv_lens, q_lens)],
-            qo_indptr=lay.qo_indptr,
-            kv_lens_t=rnd.lens + lay.q_lens,
-            block_table=rnd.rows,
-            slot_mapping=slots,
-            page_size=self.cfg.page_size,
-            tree_mask=lay.tree.tree_mask,
-        )
-        hidden, taps = self.target_forward(lay.input_ids, lay.positions, meta)
-        step = max(1, LOGIT_CHUNK_ELEMS // self.target.config.vocab_size)
-        tokens = torch.cat([self.target.logits(h).argmax(-1) for h in hidden.split(step)])
+        kv_lens = [k + q for k, q in zip(rnd.kv_lens, q_lens)]
+        if graphed is not None:
+            q_host = q_lens if exact else None
+            tokens, taps, hidden = self.graphs.verify_packed(rnd, lay, slots, q_host, kv_lens)
+        else:
+            meta = AttentionMetadata(
+                q_lens=q_lens,
+                kv_lens=kv_lens,
+                qo_indptr=lay.qo_indptr,
+                kv_lens_t=rnd.lens + lay.q_lens,
+                block_table=rnd.rows,
+                slot_mapping=slots,
+                page_size=self.cfg.page_size,
+                tree_mask=lay.tree.tree_mask,
+            )
+            hidden, taps = self.target_forward(lay.input_ids, lay.positions, meta)
+            tokens = chunked_argmax(self.target, hidden)
         logits = None
         if logit_reqs is not None:  # padding local nodes read row 0: never walked
             rows = lay.local_row.index_select(0, logit_reqs).clamp(min=0)
             logits = self.target.logits(hidden.index_select(0, rows.flatten()))
             logits = logits.float().view(*rows.shape, -1)  # as the eager dense verify's
         return Verify(logits, taps, unpack(tokens, lay))
+
+    def packed_rows(self, b: int) -> list[int]:
+        """The row counts a packed verify of b requests replays in a graph (ascending; [] where
+        it runs eagerly: no graphs, or none captured for packing)."""
+        g = self.graphs
+        return g.packed_rows(b) if g is not None and g.packed is not None else []
+
+    def enable_packing(self) -> None:
+        """A batch-wide budget's rounds will run: capture the packed verify's graphs."""
+        if self.graphs is not None:
+            self.graphs.enable_packing()
+
+    def _packed_graph_rows(self, rnd: Round, num_rows: int) -> int | None:
+        """The rows of the packed graph that holds num_rows for this round, or None (eager)."""
+        if not rnd.graphed:
+            return None
+        return next((t for t in self.packed_rows(rnd.batch) if t >= num_rows), None)
 
     def verify_metadata(self, rnd: Round, tree_mask: torch.Tensor, n: int) -> AttentionMetadata:
         b = rnd.batch

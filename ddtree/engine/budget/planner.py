@@ -15,6 +15,7 @@ and keeps the round's `RoundRecord` for the metrics and the log.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -163,18 +164,23 @@ class BudgetPlanner:
         self.trace = PolicyTrace() if self.policy is not None else PolicyTrace("")
         # batch-wide budgets (`enable_packing`: auto on a dense target): per batch bucket (a power
         # of two), served packed rounds' seconds over the model's, an EMA that corrects its next
-        # predictions there (the packed verify runs eagerly: its launches cost most where the
-        # batch is small, so one factor for every batch would stop packing where it pays)
+        # predictions there (an eager packed verify's launches cost most where the batch is
+        # small, so one factor for every batch would stop packing where it pays)
         self.packing = False
         self.packed_scale: dict[int, float] = {}
+        # b -> the row counts a packed verify of b requests replays in a graph ([]: eager, any)
+        self.packed_rows: Callable[[int], list[int]] = lambda b: []
         self._clear_overlap()
 
-    def enable_packing(self) -> None:
+    def enable_packing(self, packed_rows: Callable[[int], list[int]] | None = None) -> None:
         """Let auto rounds verify one batch-wide budget of rows, packed, where the cost model
         rates that above the policy's dense rung (any batch: the requests that sample, ask for
-        log-probs or are under a grammar get their nodes' logits back, the rest greedy tokens)."""
+        log-probs or are under a grammar get their nodes' logits back, the rest greedy tokens).
+        packed_rows: the graphs' row counts for a batch (`ModelRunner.packed_rows`)."""
         if self.cfg.adaptive and self.cfg.algorithm == "DDTREE":
             self.packing = True
+            if packed_rows is not None:
+                self.packed_rows = packed_rows
 
     def _clear_overlap(self) -> None:
         # Off the critical path: while a round's verify runs (`observe_curves`) the planner
@@ -295,9 +301,10 @@ class BudgetPlanner:
         """The batch-wide budget for this round, where it rates above the dense decision `d`:
         R drafted rows for the batch, the R most valuable nodes of all its requests' trees (the
         batch's gain curve from the policy's calibrated per-request curves: every request's
-        marginal gains, best first). A round of b + R rows is priced on the measured rung table
-        at this batch (its tree rungs' rows b x (1 + B) and seconds, linear between them) times
-        the served correction. None: the dense decision serves."""
+        marginal gains, best first). A round of b + R rows (with graphs: the rows of the packed
+        graph that holds them, filled, `_candidates`) is priced on the measured rung table at
+        this batch (its tree rungs' rows b x (1 + B) and seconds, linear between them) times the
+        served correction. None: the dense decision serves."""
         pol = self.policy
         if d.rows is not None:  # a scripted policy's: its budgets cap the shares
             return self._packed_plan(slots, d.budgets.tolist(), d.rows, None)
@@ -310,10 +317,12 @@ class BudgetPlanner:
         rows_b, secs_b = pol.tree_costs(b, ctx)
         if not len(rows_b):
             return None
-        r = np.arange(1, len(gain))
-        raw = _priced(b + r, rows_b, secs_b, pol.ar_seconds(b, ctx))
+        r, rows = _candidates(b, len(gain) - 1, self.packed_rows(b))
+        if not len(r):
+            return None
+        raw = _priced(rows, rows_b, secs_b, pol.ar_seconds(b, ctx))
         scale = self.packed_scale.get(_bucket(b), 1.0)
-        rate = (b + gain[1:]) / (raw * scale + self.host_s)
+        rate = (b + gain[r]) / (raw * scale + self.host_s)
         best = int(np.argmax(rate))
         if rate[best] <= d.tokens_per_s * (1 + PACK_MARGIN):
             return None
@@ -445,6 +454,18 @@ def _priced(rows: np.ndarray, at: np.ndarray, secs: np.ndarray, floor: float) ->
         below = np.maximum(secs[0] + slope * (rows - at[0]), floor)
         out = np.where(rows < at[0], below, out)
     return out
+
+
+def _candidates(b: int, drafted: int, graph_rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(R, the rows a round of R drafted rows runs) for a packed round of b requests with
+    `drafted` nodes to give. Eager: every R from 1, b + R rows. Graphed (`graph_rows`, a replay's
+    row counts): one R per graph, filling it (its padding rows cost what real ones do, so they
+    carry the next most valuable nodes), at most every drafted node."""
+    if not graph_rows:
+        r = np.arange(1, drafted + 1)
+        return r, b + r
+    rows = np.array([t for t in graph_rows if t > b], dtype=np.int64)
+    return np.minimum(rows - b, drafted), rows
 
 
 def _bucket(b: int) -> int:

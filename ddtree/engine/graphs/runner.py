@@ -45,6 +45,7 @@ from ddtree.engine.config import tree_spec
 from ddtree.engine.graphs.buffers import CommitGraph, Padding, VerifyGraph
 from ddtree.engine.graphs.draft import DraftGraph
 from ddtree.engine.graphs.extend import ExtendGraphs
+from ddtree.engine.graphs.packed import PackedVerifyGraph, packed_extras
 from ddtree.speculative.tree import DraftTree
 
 logger = logging.getLogger("ddtree")
@@ -88,6 +89,8 @@ def attach_uncaptured(engine, **kw) -> CudaGraphRunner:
     runner, spec = engine.runner, engine.spec
     runner.graphs = CudaGraphRunner(runner, capture=False, **kw)
     runner.set_tree_spec(spec.algorithm, spec.budget, spec.topk_cap, spec.shadow_linear)
+    if engine.decoder.budgets.packing:  # as SpecDecoder enables it
+        runner.graphs.enable_packing()
     runner.graphs.build()
     return runner.graphs
 
@@ -192,7 +195,7 @@ class CudaGraphRunner:
         max_bs = min(max_bs or cfg.cuda_graph_max_bs, cfg.max_running_requests)
         self.buckets = batch_buckets(max_bs)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        padding = Padding(runner, max_bs)
+        padding = self.padding = Padding(runner, max_bs)
         # one verify family per width (widest first: the narrower ones share its logits / taps)
         self.widths = sorted(set(cfg.verify_widths or (cfg.max_verify_width,)), reverse=True)
         self.verify_graph = v = VerifyGraph(runner, padding)
@@ -220,6 +223,11 @@ class CudaGraphRunner:
         if widths:
             ext_bs = min(cfg.extend_max_bs, max_bs)
             self.extend = ExtendGraphs(self, padding, widths, ext_bs, GraphSet)
+
+        # the packed verify (a batch-wide budget's round, engine/graphs/packed.py): a graph set
+        # per (padded batch bs, rows T = bs + E), E in `packed_extras` (`enable_packing`)
+        self.packed: PackedVerifyGraph | None = None
+        self.packed_sets: dict[tuple[int, int], GraphSet] = {}
 
         self.draft_graph: DraftGraph | None = None
         # tree spec -> fused drafter block + LM head + tree build
@@ -286,6 +294,7 @@ class CudaGraphRunner:
                 )
                 self.extend = None
         self._built = True
+        self._build_packed()
         if self.tree_spec is not None:
             self._draft_set(self.tree_spec)
             for spec in self.extra_specs:
@@ -347,6 +356,58 @@ class CudaGraphRunner:
         if self._built and self.draft_graph is not None:
             for spec in specs:
                 self._draft_set(spec)
+
+    # ---- packed verify
+    # ------------------------------------------------------------------------------------------
+    def enable_packing(self) -> None:
+        """Capture the packed verify's graphs (now when the graphs are built, else with them): a
+        dense target's auto rounds may pack (`BudgetPlanner.enable_packing`)."""
+        if self.packed is not None or self.verify_graph.hybrid:
+            return
+        pg = self.packed = PackedVerifyGraph(self.runner, self.padding, self.verify_graph)
+        top = self.runner.cfg.max_context + pg.n
+        for bs in self.buckets:
+            for e in packed_extras(bs, pg.n):
+                fwd = lambda bs, backend, host, T=bs + e: pg.forward(bs, T, backend, host)  # noqa: E731
+                self.packed_sets[(bs, bs + e)] = GraphSet(
+                    self, fwd, pg.attention_shape, top, 0, buckets=[bs]
+                )
+        if self._built:
+            self._build_packed()
+
+    @torch.inference_mode()
+    def _build_packed(self) -> None:
+        for (bs, _), gs in sorted(self.packed_sets.items(), reverse=True):
+            if not gs.graphs:
+                gs.build([bs])
+        if self.capture and self.packed_sets:
+            torch.cuda.synchronize()
+            logger.info(
+                "CUDA graphs captured: %d packed verify (%d row counts over %d batch sizes).",
+                sum(len(gs.graphs) for gs in self.packed_sets.values()),
+                len(self.packed_sets),
+                len(self.buckets),
+            )
+
+    def packed_rows(self, b: int) -> list[int]:
+        """The row counts a packed verify of b requests replays (ascending): its padded batch's
+        packed graphs'; [] when none is captured."""
+        if b > self.buckets[-1]:
+            return []
+        bs = self.bucket(b)
+        return sorted(T for (s, T) in self.packed_sets if s == bs)
+
+    def verify_packed(self, rnd, lay, slots, host_q_lens, host_kv_lens):
+        """One replay of the packed verify over `lay` (T = slots' rows, one of `packed_rows`):
+        (greedy token of every row [T], taps [T, K*H] or None, final hidden rows [T, H]).
+        host_q_lens: exact per-request lengths for a backend that reads them (None: bounds)."""
+        pg, T = self.packed, slots.shape[0]
+        b = pg.load(rnd, lay, slots)
+        bs = self.bucket(b)
+        pg.host_q_lens = None if host_q_lens is None else host_q_lens + [0] * (bs - b)
+        out = self.packed_sets[(bs, T)].run(b, host_kv_lens)
+        taps = pg.taps[:T] if pg.taps is not None else None
+        return out[0][:T], taps, pg.hidden[:T]
 
     def covers(self, b: int, max_kv_len: int) -> bool:
         """A round of b requests whose longest has max_kv_len cached tokens replays the graphs."""

@@ -79,7 +79,8 @@ class SpecDecoder:
 
             self.budgets.set_cost(round_cost(runner, cfg))
             if runner.state_pool is None:  # a packed verify needs a dense target
-                self.budgets.enable_packing()
+                self.budgets.enable_packing(runner.packed_rows)
+                runner.enable_packing()
 
     def depth_limits(self, reqs: list[Req], max_context: int) -> list[int] | None:
         """Per-request depth limit so a tree never runs past the context length or the token budget (None when
