@@ -254,16 +254,24 @@ GRAPH_POOL_FIXED_BYTES = 32 << 20
 DRAFT_GRAPH_FIXED_BYTES = 448 << 20
 DRAFT_LOGIT_BYTES = 3  # per draft row and vocabulary entry, at a 2-byte activation dtype
 ROW_ACTIVATION_BYTES = 48  # per verify / extend row and hidden unit, at a 2-byte activation dtype
+# rows x vocabulary entries of one LM-head chunk of a packed verify (engine/graphs/packed.py: its
+# logits are never all in memory, only each row's argmax is kept); a packed verify graph (auto on
+# a dense target) holds one chunk of 2-byte logits beside the widest verify's activations
+LOGIT_CHUNK_ELEMS = 1 << 25
+PACKED_CHUNK_BYTES = LOGIT_CHUNK_ELEMS * 2
 
 
 def graph_pool_bytes(t, d, spec, max_bs: int, dtype, extend_tokens: int = 0) -> int:
     """The planned CUDA graph pool with graphs captured up to batch `max_bs`: the fixed parts plus
     the largest of the draft graph's logits (max_bs x block_size rows, none without a drafter), the
-    widest verify (max_bs x the largest verify width rows) and the largest extend graph
+    widest verify (max_bs x the largest verify width rows; with packed graphs one LM-head chunk
+    more) and the largest extend graph
     (`extend_tokens` rows); scaled by the activation dtype (fp32 serving doubles it)."""
     scale = dtype_bytes(dtype) / 2
     draft = max_bs * spec.block_size * t.vocab_size * DRAFT_LOGIT_BYTES if d is not None else 0
     verify = max_bs * max(spec.verify_widths) * ROW_ACTIVATION_BYTES * t.hidden_size
+    if spec.adaptive and spec.algorithm == "DDTREE" and not t.is_hybrid:  # packed graphs too
+        verify += PACKED_CHUNK_BYTES
     extend = extend_tokens * ROW_ACTIVATION_BYTES * t.hidden_size
     fixed = GRAPH_POOL_FIXED_BYTES + (DRAFT_GRAPH_FIXED_BYTES if d is not None else 0)
     return int(fixed + scale * max(draft, verify, extend))

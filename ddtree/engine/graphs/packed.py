@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.attention.backend import AttentionMetadata
+from ddtree.engine.config import LOGIT_CHUNK_ELEMS
 from ddtree.engine.graphs.buffers import Padding, VerifyGraph
 
 PACKED_MIN_EXTRA = 8  # the fewest drafted rows a packed graph adds to its batch's roots
@@ -44,11 +45,6 @@ def packed_extras(bs: int, width: int) -> list[int]:
         out.append(e)
         e *= 2
     return out + [top] if top > 0 else out
-
-
-# rows x vocabulary entries of one LM-head chunk of a packed verify (its logits are never all in
-# memory: only each row's argmax is kept); inside a graph the chunk is part of the pool's peak
-LOGIT_CHUNK_ELEMS = 1 << 25
 
 
 def chunked_argmax(target, hidden: torch.Tensor) -> torch.Tensor:
