@@ -167,3 +167,28 @@ def test_packed_rounds_on_the_device_equal_ar(pair):
     assert packed and mean_accept(outs) > 2, [o.accept_lengths for o in outs]
     ar = LLM(pair[0], dtype="float32", device="cuda", attention_backend="triton")
     assert [o.token_ids for o in ar.generate(prompts, params)] == [o.token_ids for o in outs]
+
+
+def test_packed_graphs_on_the_device_equal_ar(pair):
+    """The packed verify's CUDA graphs (engine/graphs/packed.py) captured and replayed: fp32, the
+    Triton kernel reading each request's q_len from the static indptr at every replay; T=0 output
+    identical to AR, a seeded sampled request packed beside the greedy ones identical to its AR
+    run, and rounds replayed at more than one (batch, rows) graph."""
+    from ddtree import LLM, SamplingParams
+
+    pytest.importorskip("triton")
+    llm = _llm(pair, True)
+    g = llm.engine.runner.graphs
+    assert g is not None and g.packed is not None and g.packed_sets
+    replays = []
+    for key, gs in g.packed_sets.items():
+        gs.run = lambda b, host, run=gs.run, key=key: replays.append(key) or run(b, host)
+    llm.engine.set_budget_policy(Packing())
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [sp, sp, seeded, sp, sp]
+    prompts = _prompts(llm)
+    outs = llm.generate(prompts, params)
+    assert len(set(replays)) > 1 and mean_accept(outs) > 2, replays
+    ar = LLM(pair[0], dtype="float32", device="cuda", attention_backend="triton")
+    assert [o.token_ids for o in ar.generate(prompts, params)] == [o.token_ids for o in outs]
