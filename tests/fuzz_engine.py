@@ -103,6 +103,20 @@ def _drive(case: Case, refs, res: CaseResult, max_steps: int) -> None:
     if cfg.packing:
         engine.set_budget_policy(RandomPacking(res.seed))
     runner = engine.runner
+    if cfg.graphs:
+        from fuzz_workload import GRAPH_MAX_BS
+
+        from ddtree.engine.graphs.runner import attach_uncaptured
+
+        attach_uncaptured(engine, max_bs=GRAPH_MAX_BS)
+        begin = runner.begin
+
+        def counted(reqs):  # the rounds on the graphs' path
+            rnd = begin(reqs)
+            res.stats["graphed_rounds"] += rnd.graphed
+            return rnd
+
+        runner.begin = counted
     if runner.state_pool is None:  # count the packed rounds and their shares
         real = runner.verify_packed
 
@@ -116,7 +130,10 @@ def _drive(case: Case, refs, res: CaseResult, max_steps: int) -> None:
                     res.stats["packed_grammar_rows"] += 1
                 elif not r.params.greedy:
                     res.stats["packed_sampled_rows"] += 1
-            return real(rnd, tree, keep, num_rows, logit_reqs)
+            out = real(rnd, tree, keep, num_rows, logit_reqs)
+            if rnd.graphed and rnd.packed.input_ids.shape[0] in runner.packed_rows(rnd.batch):
+                res.stats["packed_graphed"] += 1  # the packed graphs' path
+            return out
 
         runner.verify_packed = verify_packed
     # fault isolation turns an exception into a failed (aborted) request and goes on: every

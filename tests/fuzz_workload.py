@@ -45,6 +45,10 @@ MAX_TOKENS = 48
 GRAMMAR_SHARE = 0.2  # of the greedy requests of a case that may carry grammars
 DFLASH2_SHARE = 0.3  # of the speculative cases, when a DFlash2 drafter is given for the target
 FP8_SHARE = 0.2  # of the cases: the target (and drafter) quantized to block FP8 at load
+# of the cases: the CUDA graphs' padded static path attached uncaptured (what a GPU replays:
+# every phase on the graphs' buffers, batches past GRAPH_MAX_BS eager)
+GRAPH_SHARE = 0.3
+GRAPH_MAX_BS = 4
 FP8_KWARGS = {"quantization": "fp8", "speculative_draft_quantization": "fp8"}
 # over the toy vocabulary (the words "4" .. "63"; a grammar reads the words' own bytes): ones
 # that end early, late or never, and one whose first word the model rarely picks
@@ -61,12 +65,14 @@ class Config:
     # dense `auto`: a random batch-wide budget every round (fuzz_engine.RandomPacking), in place
     # of the policy's own choice
     packing: bool = False
+    graphs: bool = False  # the graphs' static path, uncaptured (GRAPH_MAX_BS)
 
     def describe(self) -> str:
         kw = " ".join(f"{k}={v}" for k, v in self.kwargs)
         drafter = " drafter=dflash2" if self.drafter == "dflash2" else ""
         packing = " packing=random" if self.packing else ""
-        return f"{self.target} {self.algorithm}{drafter}{packing} {kw}"
+        graphs = " graphs=static" if self.graphs else ""
+        return f"{self.target} {self.algorithm}{drafter}{packing}{graphs} {kw}"
 
 
 @dataclasses.dataclass
@@ -239,6 +245,8 @@ def draw_case(seed: int, refs, n_requests: int, extras: bool = True) -> Case:
     if extras and auto and cfg.target.startswith("dense") and (seed // len(KINDS)) % 2 == 0:
         cfg = dataclasses.replace(cfg, packing=True)  # half the dense auto cases, the other half
         # under the policy's own choice (which packs where its cost model says so)
+    if extras and random.Random(seed * 32452843 + 11).random() < GRAPH_SHARE:
+        cfg = dataclasses.replace(cfg, graphs=True)
     pair = refs.pair(cfg.target, cfg.drafter)
     kw = dict(cfg.kwargs)
     args = ServerArgs(

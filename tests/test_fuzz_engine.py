@@ -85,6 +85,8 @@ def test_fuzz_covers_what_it_is_for(ci_results):
     assert sum("packing=random" in r.config for r in results) >= 2, [r.config for r in results]
     assert s["packed_rounds"] >= 10 and s["packed_root_beside_deep"] > 0, dict(s)
     assert s["packed_grammar_rows"] > 0 and s["packed_sampled_rows"] > 0, dict(s)
+    # the CUDA graphs' static path (uncaptured), the packed verify's graphs among it
+    assert s["graphed_rounds"] >= 100 and s["packed_graphed"] > 0, dict(s)
     acc = [n for r in results for n in r.accept]
     assert sum(acc) / len(acc) > 2, sum(acc) / len(acc)
     for kind in set(KINDS):
