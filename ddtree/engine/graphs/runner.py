@@ -1,8 +1,10 @@
 """CUDA graphs for the forwards of every round, one family each: the target verify (width n =
 max_verify_width, + the greedy accept walk), the commit, and the drafter block -> tree (width S =
-block_size); and the short prefill extend (widths `RunnerConfig.extend_widths`, its own batch
-buckets). Each family (graph_buffers.py: `VerifyGraph`, `CommitGraph`; draft_graph.py:
-`DraftGraph`; extend_graph.py: `ExtendGraph`) owns its static buffers, its `load` and its `pad`;
+block_size); the packed verify of a batch-wide budget's rounds (auto on a dense target: rows
+= batch + E, engine/graphs/packed.py); and the short prefill extend (widths
+`RunnerConfig.extend_widths`, its own batch buckets). Each family (buffers.py: `VerifyGraph`,
+`CommitGraph`; draft.py: `DraftGraph`; packed.py: `PackedVerifyGraph`; extend.py:
+`ExtendGraph`) owns its static buffers and how a round's data is loaded into them;
 here are the padded batch buckets, the graphs per (padded batch, launch plan), their capture into
 one memory pool, the replay, and `CudaGraphRunner`, the face `ModelRunner` sees.
 
@@ -24,8 +26,8 @@ An empty split (its tile range lies past the request's context) runs no loop ite
 lse = -inf; the combine gives it weight 0. Every real or padded row sees at least itself in some
 split, so no row is all -inf and the result equals the unsplit one up to rounding.
 
-Capture order: verify (largest batch first), commit, extend, then the draft graphs, all in one
-memory pool.
+Capture order: verify (largest batch first), commit, extend, packed verify, then the draft graphs,
+all in one memory pool. A packed round commits eagerly (on the packed layout's flat taps).
 A graph-owned output may share memory with an intermediate of a graph captured earlier, so whatever
 is read after another graph's replay lives in static buffers outside the pool: the draft tree and
 logits (read by verify, the eager walk, the override), the verify logits and taps (read by sampling
