@@ -138,7 +138,8 @@ def test_packed_graph_path_equals_eager(runner_and_reqs, backend_name, monkeypat
     assert graphs.packed is not None
     # at batch 4 (4 + E rows): 8, 16, 32 drafted rows, then every node of 4 trees of width 11
     assert graphs.packed_rows(3) == [12, 20, 36, 44] and graphs.packed_rows(4) == [12, 20, 36, 44]
-    for part, total, caps in ((reqs, 9, [BUDGET, 0, 2, BUDGET]), (reqs[:2], 4, [3, BUDGET])):
+    # the second round: 3 requests in the batch-4 graph (a padding request owning no rows)
+    for part, total, caps in ((reqs, 9, [BUDGET, 0, 2, BUDGET]), (reqs[:3], 4, [3, BUDGET, 0])):
         b = len(part)
         tree = _tree(b)
         alloc = allocate(tree, torch.tensor(caps), total)
@@ -157,7 +158,7 @@ def test_packed_graph_path_equals_eager(runner_and_reqs, backend_name, monkeypat
         assert replay.taps is None and eager.taps is None  # no drafter here: the engine tests'
         ptr = graphs.packed.indptr
         assert ptr[b:].eq(int(alloc.keep.sum())).all()  # padding requests own no rows (q_len 0)
-    assert graphs.packed.live == 2 and graphs.packed.kv_lens[2:].eq(0).all()
+    assert graphs.packed.live == 3 and graphs.packed.kv_lens[3:].eq(0).all()
     assert graphs.packed.slots[graphs.packed.live_rows :].equal(
         graphs.packed.pad_slots[graphs.packed.live_rows :]
     )
