@@ -156,9 +156,10 @@ class _Packing(ScriptedPolicy):
 
 def _packed_rounds(engine, batches: list[int], vocab: int, params: SamplingParams) -> list[int]:
     """Where `auto` may pack (a dense target), a few packed rounds at each decode batch, their
-    policy scripted: the packed verify runs eagerly, and its kernels' variants (the tree attention
-    at the rungs' widths, split per call) compile here, not in a served round. Returns the batches
-    it ran at; the policy is restored."""
+    policy scripted: the packed verify's graphs replay where they hold the rows, else it runs
+    eagerly, and the kernels' variants it meets (the tree attention at the rungs' widths, split
+    per call; the eager walk and commit) compile here, not in a served round. Returns the
+    batches it ran at; the policy is restored."""
     planner = engine.decoder.budgets
     if not planner.packing:
         return []
