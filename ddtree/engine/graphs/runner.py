@@ -379,9 +379,17 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _build_packed(self) -> None:
-        for (bs, _), gs in sorted(self.packed_sets.items(), reverse=True):
-            if not gs.graphs:
-                gs.build([bs])
+        try:
+            for (bs, _), gs in sorted(self.packed_sets.items(), reverse=True):
+                if not gs.graphs:
+                    gs.build([bs])
+        except RuntimeError as e:  # packed rounds then run eagerly (the planner rates them so)
+            # (tests/gpu/test_budget_gpu.py fails on it; TP ranks must agree: raise)
+            if not self.capture or torch.distributed.is_initialized():
+                raise
+            logger.warning("CUDA graphs: the packed verify failed to capture (%s); eager.", e)
+            self.packed_sets.clear()
+            return
         if self.capture and self.packed_sets:
             torch.cuda.synchronize()
             logger.info(
