@@ -140,13 +140,27 @@ class Packing(ScriptedPolicy):
         pass
 
 
-def test_packed_rounds_on_the_device_equal_ar(pair):
-    """Batch-wide budgets on CUDA (fp32, the Triton kernel reading each request's q_len from the
-    packed qo_indptr, given only the lengths' bounds on the host): T=0 output identical to AR.
-    Eager rounds (the packed verify is eager in any case; the draft graphs' trees are covered by
-    the CPU tests' uncaptured graph path)."""
+def _packed_equals_ar(pair, llm):
+    """Packed rounds (the `Packing` script) of greedy requests and a seeded sampled one among
+    them: AR's tokens, token for token; the outputs."""
     from ddtree import LLM, SamplingParams
 
+    llm.engine.set_budget_policy(Packing())
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [sp, sp, seeded, sp, sp]
+    prompts = _prompts(llm)
+    outs = llm.generate(prompts, params)
+    ar = LLM(pair[0], dtype="float32", device="cuda", attention_backend="triton")
+    assert [o.token_ids for o in ar.generate(prompts, params)] == [o.token_ids for o in outs]
+    assert mean_accept(outs) > 2, [o.accept_lengths for o in outs]
+    return outs
+
+
+def test_packed_rounds_on_the_device_equal_ar(pair):
+    """Batch-wide budgets on CUDA, eager (fp32, the Triton kernel reading each request's q_len
+    from the packed qo_indptr, given only the lengths' bounds on the host): T=0 output identical
+    to AR, a seeded sampled request packed beside the greedy ones too."""
     pytest.importorskip("triton")
     llm = _llm(pair, False)
     runner = llm.engine.runner
@@ -157,25 +171,15 @@ def test_packed_rounds_on_the_device_equal_ar(pair):
     runner.verify_packed = lambda rnd, tree, keep, n, *a: (
         packed.append(n) or real(rnd, tree, keep, n, *a)
     )
-    llm.engine.set_budget_policy(Packing())
-    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    # a seeded sampled request packed beside the greedy ones: AR's tokens, token for token
-    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
-    params = [sp, sp, seeded, sp, sp]
-    prompts = _prompts(llm)
-    outs = llm.generate(prompts, params)
-    assert packed and mean_accept(outs) > 2, [o.accept_lengths for o in outs]
-    ar = LLM(pair[0], dtype="float32", device="cuda", attention_backend="triton")
-    assert [o.token_ids for o in ar.generate(prompts, params)] == [o.token_ids for o in outs]
+    _packed_equals_ar(pair, llm)
+    assert packed
 
 
 def test_packed_graphs_on_the_device_equal_ar(pair):
     """The packed verify's CUDA graphs (engine/graphs/packed.py) captured and replayed: fp32, the
     Triton kernel reading each request's q_len from the static indptr at every replay; T=0 output
-    identical to AR, a seeded sampled request packed beside the greedy ones identical to its AR
-    run, and rounds replayed at more than one (batch, rows) graph."""
-    from ddtree import LLM, SamplingParams
-
+    identical to AR (a seeded sampled request too), rounds replayed at more than one (batch,
+    rows) graph."""
     pytest.importorskip("triton")
     llm = _llm(pair, True)
     g = llm.engine.runner.graphs
@@ -183,12 +187,5 @@ def test_packed_graphs_on_the_device_equal_ar(pair):
     replays = []
     for key, gs in g.packed_sets.items():
         gs.run = lambda b, host, run=gs.run, key=key: replays.append(key) or run(b, host)
-    llm.engine.set_budget_policy(Packing())
-    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
-    params = [sp, sp, seeded, sp, sp]
-    prompts = _prompts(llm)
-    outs = llm.generate(prompts, params)
-    assert len(set(replays)) > 1 and mean_accept(outs) > 2, replays
-    ar = LLM(pair[0], dtype="float32", device="cuda", attention_backend="triton")
-    assert [o.token_ids for o in ar.generate(prompts, params)] == [o.token_ids for o in outs]
+    _packed_equals_ar(pair, llm)
+    assert len(set(replays)) > 1, replays

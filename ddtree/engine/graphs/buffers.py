@@ -67,6 +67,21 @@ class Padding:
         return (self.scratch[(j // p) % len(self.scratch)] * p + j % p).repeat(self.max_bs)
 
 
+def static_metadata(fam, bs: int, T: int, q_lens, host_kv_lens) -> AttentionMetadata:
+    """The attention metadata of a verify family's static buffers (`indptr`, `kv_lens`, `rows`,
+    `slots`, `mask`) at padded batch bs and T rows; q_lens / host_kv_lens: the host's."""
+    return AttentionMetadata(
+        q_lens=q_lens,
+        kv_lens=host_kv_lens,
+        qo_indptr=fam.indptr[: bs + 1],
+        kv_lens_t=fam.kv_lens[:bs],
+        block_table=fam.rows[:bs],
+        slot_mapping=fam.slots[:T],
+        page_size=fam.runner.cfg.page_size,
+        tree_mask=fam.mask[:bs],
+    )
+
+
 class VerifyGraph:
     """Tree verify at width n = max_verify_width (+ the greedy accept walk when the tree has
     depth)."""
@@ -198,16 +213,7 @@ class VerifyGraph:
 
     def forward(self, bs: int, backend, host_kv_lens: list[int]) -> tuple:
         n, T = self.n, bs * self.n
-        meta = AttentionMetadata(
-            q_lens=[n] * bs,
-            kv_lens=host_kv_lens,
-            qo_indptr=self.indptr[: bs + 1],
-            kv_lens_t=self.kv_lens[:bs],
-            block_table=self.rows[:bs],
-            slot_mapping=self.slots[:T],
-            page_size=self.runner.cfg.page_size,
-            tree_mask=self.mask[:bs],
-        )
+        meta = static_metadata(self, bs, T, [n] * bs, host_kv_lens)
         linear = None
         if self.hybrid:  # GDN layers: the tree rule over the static tree and state rows
             linear = self.runner.state_pool.tree_context(self.state_rows[:bs], self._tree(bs))

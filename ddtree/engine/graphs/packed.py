@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.attention.backend import AttentionMetadata
 from ddtree.engine.config import LOGIT_CHUNK_ELEMS
-from ddtree.engine.graphs.buffers import Padding, VerifyGraph
+from ddtree.engine.graphs.buffers import Padding, VerifyGraph, static_metadata
 
 PACKED_MIN_EXTRA = 8  # the fewest drafted rows a packed graph adds to its batch's roots
 
@@ -119,16 +118,7 @@ class PackedVerifyGraph:
             # the rows spread over the requests); the kernel gets the bound: any request may
             # hold up to the widest width's rows
             q_lens = [T // bs + (i < T % bs) for i in range(bs)] if exact else [self.n] * bs
-        meta = AttentionMetadata(
-            q_lens=q_lens,
-            kv_lens=host_kv_lens,
-            qo_indptr=self.indptr[: bs + 1],
-            kv_lens_t=self.kv_lens[:bs],
-            block_table=self.rows[:bs],
-            slot_mapping=self.slots[:T],
-            page_size=self.runner.cfg.page_size,
-            tree_mask=self.mask[:bs],
-        )
+        meta = static_metadata(self, bs, T, q_lens, host_kv_lens)
         hidden, taps = self.runner.target_forward(self.ids[:T], self.pos[:T], meta, backend)
         self.hidden[:T].copy_(hidden)
         if taps is not None:
