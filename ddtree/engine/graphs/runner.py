@@ -374,6 +374,7 @@ class CudaGraphRunner:
                 self.packed_sets[(bs, bs + e)] = GraphSet(
                     self, fwd, pg.attention_shape, top, 0, buckets=[bs]
                 )
+        self._packed_rows = {bs: [bs + e for e in packed_extras(bs, pg.n)] for bs in self.buckets}
         if self._built:
             self._build_packed()
 
@@ -402,10 +403,9 @@ class CudaGraphRunner:
     def packed_rows(self, b: int) -> list[int]:
         """The row counts a packed verify of b requests replays (ascending): its padded batch's
         packed graphs'; [] when none is captured."""
-        if b > self.buckets[-1]:
+        if b > self.buckets[-1] or not self.packed_sets:
             return []
-        bs = self.bucket(b)
-        return sorted(T for (s, T) in self.packed_sets if s == bs)
+        return self._packed_rows[self.bucket(b)]
 
     def verify_packed(self, rnd, lay, slots, host_q_lens, host_kv_lens):
         """One replay of the packed verify over `lay` (T = slots' rows, one of `packed_rows`):
