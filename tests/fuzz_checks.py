@@ -19,6 +19,7 @@ class Tolerances:
     tie: float = 1e-3
     lp: float = 2e-3  # |log-prob - AR's| at the same position (fp32 on the CPU, batched vs alone)
     kv: float = 1e-3  # cached K / V vs a fresh prefill of the same tokens
+    kv_rel: float = 0.0  # ... or this share of the position's largest |K| / |V|, if larger
     state: float = 1e-3  # a hybrid checkpoint vs a fresh prefill's state (relative, and absolute)
 
 
@@ -28,9 +29,12 @@ FP32 = Tolerances()
 # ~1e-7) that crosses a rounding boundary moves that input by up to an eighth, and the cache keeps
 # it. FP8 AR alone, the toy pair: a continuation decoded vs the same tokens prefilled, log-probs
 # 4.1e-3 apart from the first position past the flip (fp32: 1e-7); a runner-up's log-prob moved
-# 0.055 (-4.91 vs -4.97) in one of 200 fuzz cases. Exactness is unchanged: the tokens must be
-# AR's but for near-ties.
-FP8 = Tolerances(tie=5e-2, lp=2e-1, kv=1e-1, state=5e-2)
+# 0.055 (-4.91 vs -4.97) in one of 200 fuzz cases. A hybrid's recurrent state carries such a flip
+# forward, moving every later position's K / V a little (seed 439: 0.112 at a position whose |v|
+# reaches 3.04, 29 of its 32 entries moved): the K / V bound is relative too. A cached slot holding
+# another token's K / V, or none, is off by its whole magnitude. Exactness is unchanged: the tokens
+# must be AR's but for near-ties.
+FP8 = Tolerances(tie=5e-2, lp=2e-1, kv=1e-1, kv_rel=1e-1, state=5e-2)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -340,11 +344,12 @@ def _kv_diff(runner, ref_runner, path, req, p: int, tol: Tolerances) -> list[str
         a = getattr(runner.kv, name)[:, ours.to(runner.device)].float().cpu()
         b = getattr(ref_runner.kv, name)[:, theirs.to(ref_runner.device)].float().cpu()
         err = (a - b).abs().amax(dim=(0, 2, 3))  # per position
-        if err.max() > tol.kv:
-            i = int(err.argmax())
+        bound = torch.clamp(tol.kv_rel * b.abs().amax(dim=(0, 2, 3)), min=tol.kv)
+        if (err > bound).any():
+            i = int((err - bound).argmax())
             return [
                 f"cached page {path[i // p].page} (depth {i // p + 1}) position {i}: {name} "
-                f"differs from a fresh prefill of its tokens by {float(err.max()):.3g}"
+                f"differs from a fresh prefill of its tokens by {float(err[i]):.3g}"
             ]
     return []
 
