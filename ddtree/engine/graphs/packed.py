@@ -3,7 +3,9 @@ verifies only the batch's kept nodes, packed one request after another into T fl
 eagerly that forward is launch-bound (an eager target step costs tens of ms of host launches at
 the 8B shape, a replay well under one), so it replays graphs as the dense verify does.
 
-The rows a graph runs are fixed at capture: at padded batch bs, T = bs + E rows for each E of
+The rows a graph runs are fixed at capture: at padded batch bs (a power of two: a padding request
+owns no rows, so only a few empty attention programs pay for the coarse bucket), T = bs + E rows
+for each E of
 `packed_extras` (drafted rows beyond the roots: powers of two from a quarter of the batch, then
 every node of a tree at the widest width W), so a few confident requests' deep trees beside
 many roots cost a few rows, not a width's worth for every request; `BudgetPlanner` fills the

@@ -229,6 +229,7 @@ class CudaGraphRunner:
         # the packed verify (a batch-wide budget's round, engine/graphs/packed.py): a graph set
         # per (padded batch bs, rows T = bs + E), E in `packed_extras` (`enable_packing`)
         self.packed: PackedVerifyGraph | None = None
+        self.packed_buckets: list[int] = []
         self.packed_sets: dict[tuple[int, int], GraphSet] = {}
 
         self.draft_graph: DraftGraph | None = None
@@ -368,13 +369,20 @@ class CudaGraphRunner:
             return
         pg = self.packed = PackedVerifyGraph(self.runner, self.padding, self.verify_graph)
         top = self.runner.cfg.max_context + pg.n
-        for bs in self.buckets:
+        # powers of two (and the largest batch): a padding request owns no rows, so a coarser
+        # batch bucket costs only a few empty attention programs, and half the graphs
+        self.packed_buckets = sorted(
+            {min(1 << (b - 1).bit_length(), self.buckets[-1]) for b in self.buckets}
+        )
+        for bs in self.packed_buckets:
             for e in packed_extras(bs, pg.n):
                 fwd = lambda bs, backend, host, T=bs + e: pg.forward(bs, T, backend, host)  # noqa: E731
                 self.packed_sets[(bs, bs + e)] = GraphSet(
                     self, fwd, pg.attention_shape, top, 0, buckets=[bs]
                 )
-        self._packed_rows = {bs: [bs + e for e in packed_extras(bs, pg.n)] for bs in self.buckets}
+        self._packed_rows = {
+            bs: [bs + e for e in packed_extras(bs, pg.n)] for bs in self.packed_buckets
+        }
         if self._built:
             self._build_packed()
 
@@ -394,10 +402,10 @@ class CudaGraphRunner:
         if self.capture and self.packed_sets:
             torch.cuda.synchronize()
             logger.info(
-                "CUDA graphs captured: %d packed verify (%d row counts over %d batch sizes).",
+                "CUDA graphs captured: %d packed verify (%d row counts over batch sizes %s).",
                 sum(len(gs.graphs) for gs in self.packed_sets.values()),
                 len(self.packed_sets),
-                len(self.buckets),
+                self.packed_buckets,
             )
 
     def packed_rows(self, b: int) -> list[int]:
@@ -405,7 +413,10 @@ class CudaGraphRunner:
         packed graphs'; [] when none is captured."""
         if b > self.buckets[-1] or not self.packed_sets:
             return []
-        return self._packed_rows[self.bucket(b)]
+        return self._packed_rows[self._packed_bucket(b)]
+
+    def _packed_bucket(self, b: int) -> int:
+        return self.packed_buckets[bisect.bisect_left(self.packed_buckets, b)]
 
     def verify_packed(self, rnd, lay, slots, host_q_lens, host_kv_lens):
         """One replay of the packed verify over `lay` (T = slots' rows, one of `packed_rows`):
@@ -413,7 +424,7 @@ class CudaGraphRunner:
         host_q_lens: exact per-request lengths for a backend that reads them (None: bounds)."""
         pg, T = self.packed, slots.shape[0]
         b = pg.load(rnd, lay, slots)
-        bs = self.bucket(b)
+        bs = self._packed_bucket(b)
         pg.host_q_lens = None if host_q_lens is None else host_q_lens + [0] * (bs - b)
         out = self.packed_sets[(bs, T)].run(b, host_kv_lens)
         taps = pg.taps[:T] if pg.taps is not None else None
