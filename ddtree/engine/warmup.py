@@ -14,7 +14,8 @@ eager extend compiles for the prompts the graphs do not take: long ones, too man
 turn-sized prompt through the extend graphs at batch 1 and their largest bucket (the graphs
 themselves are captured with the runner: `CudaGraphRunner.build`), then a few decode rounds at
 batch 1 and at the largest captured batch (and, where `auto` may pack a batch-wide budget, a few
-packed rounds there: their verify is eager). Warm-up requests go through
+packed rounds there: their verify replays its graphs where they hold the rows, else runs
+eagerly). Warm-up requests go through
 `LLMEngine.add_request` / `step` like any other and leave nothing behind (their pages, slots and
 state rows are freed when they finish; `check_clean` says so). Before all that, the block-FP8
 library's kernels for every row count a forward may meet (`_fp8_library`: they compile per row

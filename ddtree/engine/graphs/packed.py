@@ -80,7 +80,8 @@ class PackedVerifyGraph:
         self.live = 0  # leading requests that may hold live data
         self.live_rows = 0  # leading rows that may hold live data
         # each request's exact q_len for a backend that reads the host's (the torch reference,
-        # uncaptured); None: the widest width bounds them (the Triton kernel, any graph)
+        # uncaptured), set for one replay by `CudaGraphRunner.verify_packed`; None: the widest
+        # width bounds them (the Triton kernel, any graph)
         self.host_q_lens: list[int] | None = None
 
     def attention_shape(self, bs: int, bound: int):
@@ -113,7 +114,7 @@ class PackedVerifyGraph:
 
     def forward(self, bs: int, T: int, backend, host_kv_lens: list[int]) -> tuple:
         q_lens = self.host_q_lens
-        if q_lens is None or len(q_lens) != bs:  # a probe, or a kernel that reads qo_indptr
+        if q_lens is None:  # a probe, or a kernel that reads qo_indptr
             head_dim = self.runner.target.config.head_dim
             exact = backend.reads_host_q_lens(head_dim, self.runner.device)
             # a backend that reads the host's lengths gets a layout the rows hold (a probe's:

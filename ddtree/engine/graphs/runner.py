@@ -374,15 +374,15 @@ class CudaGraphRunner:
         self.packed_buckets = sorted(
             {min(1 << (b - 1).bit_length(), self.buckets[-1]) for b in self.buckets}
         )
-        for bs in self.packed_buckets:
-            for e in packed_extras(bs, pg.n):
-                fwd = lambda bs, backend, host, T=bs + e: pg.forward(bs, T, backend, host)  # noqa: E731
-                self.packed_sets[(bs, bs + e)] = GraphSet(
-                    self, fwd, pg.attention_shape, top, 0, buckets=[bs]
-                )
         self._packed_rows = {
             bs: [bs + e for e in packed_extras(bs, pg.n)] for bs in self.packed_buckets
         }
+        for bs, rows in self._packed_rows.items():
+            for T in rows:
+                fwd = lambda bs, backend, host, T=T: pg.forward(bs, T, backend, host)  # noqa: E731
+                self.packed_sets[(bs, T)] = GraphSet(
+                    self, fwd, pg.attention_shape, top, 0, buckets=[bs]
+                )
         if self._built:
             self._build_packed()
 
@@ -426,7 +426,10 @@ class CudaGraphRunner:
         b = pg.load(rnd, lay, slots)
         bs = self._packed_bucket(b)
         pg.host_q_lens = None if host_q_lens is None else host_q_lens + [0] * (bs - b)
-        out = self.packed_sets[(bs, T)].run(b, host_kv_lens)
+        try:
+            out = self.packed_sets[(bs, T)].run(b, host_kv_lens)
+        finally:
+            pg.host_q_lens = None  # this replay's only (a probe spreads its own rows)
         taps = pg.taps[:T] if pg.taps is not None else None
         return out[0][:T], taps, pg.hidden[:T]
 

@@ -125,6 +125,13 @@ class SpecDecoder:
         t = self.times.add("accept", t)
         # emitted token j was drawn at node path[j]
         lp = logprobs.node_logprobs(reqs, vo.logits, res.path, res.out_tokens)
+        return self._finish(rnd, plan, vo, res, lp, gb, gain, t)
+
+    def _finish(self, rnd: Round, plan: RoundPlan, vo: Verify, res, lp, gb, gain, t):
+        """A round's tail, dense or packed: the commit, the policy's observe of the gain
+        columns (gain: `GainReadBack.read_back`'s, or None), the round's one blocking read-back
+        and emit, the accepted lengths applied."""
+        runner, reqs = self.runner, rnd.reqs
         runner.commit(rnd, vo, res.path, res.accept_length)
         out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
         self.clock.mark()  # the last op before the read-back
@@ -132,6 +139,7 @@ class SpecDecoder:
             host_gain, ready = gain
             if ready is not None:
                 ready.synchronize()  # the draft and the copy, not the verify behind them
+            # a packed round's shares ride as the last column: they become plan.budgets
             self.budgets.observe_curves(plan, host_gain.numpy())
         # after the policy's host work, not before: the server's hook hands the previous round's
         # outputs to its event-loop thread, whose SSE work would then compete for the GIL with
@@ -172,33 +180,17 @@ class SpecDecoder:
         special = [i for i, r in enumerate(reqs) if _needs_logits(r)]
         sub = torch.tensor(special, device=runner.device) if special else None
         vo = runner.verify_packed(rnd, tree, alloc.keep, len(reqs) + plan.rows, sub)
-        host_gain, ready = self.gains.read_back(tree, False, alloc.cut)
+        gain = self.gains.read_back(tree, False, alloc.cut)
         t = self.times.add("verify", t)
         self.clock.mark()
-        lay = rnd.packed
-        tokens = vo.greedy_tokens
-        if special:
-            tokens = self._special_tokens(rnd, special, sub, vo, gb)
-        res = accept_tree(lay.tree, tokens)
-        t = self.times.add("accept", t)
-        lp = None
-        if special:  # every request that asked is among them, in batch order
-            part = [reqs[i] for i in special]
+        if not special:
+            res, lp = accept_tree(rnd.packed.tree, vo.greedy_tokens), None
+        else:  # every request that asked for log-probs is among them, in batch order
+            res = accept_tree(rnd.packed.tree, self._special_tokens(rnd, special, sub, vo, gb))
             path, out_tokens = res.path.index_select(0, sub), res.out_tokens.index_select(0, sub)
-            lp = logprobs.node_logprobs(part, vo.logits, path, out_tokens)
-        runner.commit(rnd, vo, res.path, res.accept_length)
-        out = torch.cat([res.num_out[:, None], res.out_tokens], 1)
-        self.clock.mark()
-        if ready is not None:
-            ready.synchronize()  # the draft, the shares and the copy, not the verify
-        self.budgets.observe_curves(plan, host_gain.numpy())  # sets plan.budgets to the shares
-        self._while_device_runs()
-        counts, emitted = self.emit(reqs, out, lp, gb)
-        self.times.add("commit", t)
-        runner.advance(rnd, counts)
-        self.budgets.observe(plan, len(reqs), counts)
-        self._read_clock(gb)
-        return emitted
+            lp = logprobs.node_logprobs([reqs[i] for i in special], vo.logits, path, out_tokens)
+        t = self.times.add("accept", t)
+        return self._finish(rnd, plan, vo, res, lp, gb, gain, t)
 
     def _special_tokens(
         self, rnd: Round, special: list[int], sub: torch.Tensor, vo: Verify, gb
