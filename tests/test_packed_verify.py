@@ -101,7 +101,8 @@ def test_runner_verify_packed_equals_dense(runner_and_reqs, backend_name, pad, m
     some = torch.tensor([2, 0])
     part = runner.verify_packed(rnd3, tree, alloc.keep, b + total + pad, some)
     assert part.greedy_tokens.equal(pv.greedy_tokens)
-    torch.testing.assert_close(part.logits, pv.logits.index_select(0, some), rtol=0, atol=0)
+    # the LM head over fewer rows: equal up to the GEMM's row blocking, as elsewhere here
+    torch.testing.assert_close(part.logits, pv.logits.index_select(0, some), rtol=1e-5, atol=1e-5)
     lay = rnd.packed
     assert lay is not None and pv.logits.shape[:2] == lay.local_node.shape
     got = pv.logits  # [b, W, V] fp32 in each request's local order

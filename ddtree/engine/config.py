@@ -265,15 +265,17 @@ def graph_pool_bytes(t, d, spec, max_bs: int, dtype, extend_tokens: int = 0) -> 
     """The planned CUDA graph pool with graphs captured up to batch `max_bs`: the fixed parts plus
     the largest of the draft graph's logits (max_bs x block_size rows, none without a drafter), the
     widest verify (max_bs x the largest verify width rows; with packed graphs one LM-head chunk
-    more) and the largest extend graph
+    more, and their static hidden rows beside the pool) and the largest extend graph
     (`extend_tokens` rows); scaled by the activation dtype (fp32 serving doubles it)."""
     scale = dtype_bytes(dtype) / 2
     draft = max_bs * spec.block_size * t.vocab_size * DRAFT_LOGIT_BYTES if d is not None else 0
-    verify = max_bs * max(spec.verify_widths) * ROW_ACTIVATION_BYTES * t.hidden_size
+    rows = max_bs * max(spec.verify_widths)
+    verify = rows * ROW_ACTIVATION_BYTES * t.hidden_size
+    fixed = GRAPH_POOL_FIXED_BYTES + (DRAFT_GRAPH_FIXED_BYTES if d is not None else 0)
     if spec.adaptive and spec.algorithm == "DDTREE" and not t.is_hybrid:  # packed graphs too
         verify += PACKED_CHUNK_BYTES
+        fixed += rows * t.hidden_size * dtype_bytes(dtype)  # their static hidden rows
     extend = extend_tokens * ROW_ACTIVATION_BYTES * t.hidden_size
-    fixed = GRAPH_POOL_FIXED_BYTES + (DRAFT_GRAPH_FIXED_BYTES if d is not None else 0)
     return int(fixed + scale * max(draft, verify, extend))
 
 
